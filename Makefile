@@ -1,0 +1,23 @@
+# Every target sets up .venv itself: CPU torch first (a bare `torch` would pull a CUDA build),
+# then hookscope with the extras the job needs.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+.PHONY: setup demo test bench
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/hookscope capture efficientnet-lite0 --input sample:chelsea --layer '_blocks.*' --plot out/
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench: setup
+	$(PY) -m bench

@@ -1,0 +1,167 @@
+"""Why a hook cannot fire or did not fire, and where a forward pass broke.
+
+Three moments, three functions:
+
+- ``preflight(model)`` and ``check_targets(model, targets)``, before any hook exists: refuse
+  models and modules whose hooks cannot work.
+- ``explain_unfired(model, targets, ran)``, after the forward: for each selected module whose
+  hook never fired, the likely cause and the fix. ``ran`` holds the paths of selected modules
+  and of their *witnesses* (parents, siblings and children, see ``witnesses``) that ran.
+- ``locate_error(model, exc)``, when the forward raised: a note on the exception naming the
+  innermost module that was running (path, class, input shapes), found from the traceback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import FrameType
+
+import torch
+from torch import nn
+
+from hookscope.errors import HookscopeError
+from hookscope.select import Target, unwrap
+
+__all__ = ["preflight", "check_targets", "witnesses", "explain_unfired", "locate_error"]
+
+
+def preflight(model: nn.Module) -> None:
+    """Raise before anything is resolved or registered when ``model`` cannot run Python hooks.
+
+    Raises:
+        HookscopeError: ``model`` is TorchScript (``torch.jit.script``/``trace``/``load``).
+    """
+    _refuse_script("", model)
+
+
+def check_targets(model: nn.Module, targets: Sequence[Target]) -> None:
+    """Raise before registering when a selected module's hook could not fire.
+
+    Raises:
+        HookscopeError: a selected module is TorchScript.
+    """
+    for target in targets:
+        _refuse_script(target.path, target.module)
+
+
+def _refuse_script(path: str, module: nn.Module) -> None:
+    if isinstance(module, torch.jit.ScriptModule):
+        where = f"'{path}'" if path else "the model"
+        raise HookscopeError(
+            f"cannot hook TorchScript module {where} ({module.original_name}): TorchScript "
+            f"runs compiled code that never calls Python hooks. Load or build the eager "
+            f"nn.Module instead (the Python class with its state_dict).")
+
+
+def witnesses(model: nn.Module, targets: Sequence[Target]) -> dict[str, nn.Module]:
+    """Modules around the selected ones whose running tells why a selected one did not:
+    each selected module's parent, the parent's other children, and its own children.
+
+    Returns:
+        ``{path: module}`` of modules that are not themselves selected (root is ``""``).
+    """
+    root, _ = unwrap(model)
+    modules = dict(root.named_modules())
+    children = _child_index(modules)
+    selected = {t.path for t in targets}
+    found: dict[str, nn.Module] = {}
+    for path in selected:
+        parent = path.rpartition(".")[0]
+        for near in [parent, *children.get(parent, ()), *children.get(path, ())]:
+            if near not in selected and near in modules:
+                found[near] = modules[near]
+    return found
+
+
+def explain_unfired(model: nn.Module, targets: Sequence[Target], ran: set[str]) -> dict[str, str]:
+    """Return ``{record key: reason}`` for ``targets`` (selected modules that recorded nothing).
+
+    Args:
+        model: the captured model.
+        targets: the selected targets that never ran.
+        ran: paths of every hooked module (selected or witness) that ran.
+    """
+    root, _ = unwrap(model)
+    modules = dict(root.named_modules())
+    children = _child_index(modules)
+    return {t.key: _reason(t.path, modules, children, ran) for t in targets}
+
+
+def _reason(path: str, modules: dict[str, nn.Module], children: dict[str, list[str]],
+            ran: set[str]) -> str:
+    module = modules[path]
+    kind = type(module).__name__
+    parent = path.rpartition(".")[0]
+    parent_name = f"'{parent}'" if parent else "the model's forward"
+    if not ran:
+        return (f"{path} ({kind}) was hooked but no forward pass ran inside the capture block: "
+                f"call the model inside 'with hookscope.capture(...)'")
+    ran_children = [c for c in children.get(path, ()) if c in ran]
+    if ran_children:
+        return (f"{path} ({kind}) never ran through its hooks although its child "
+                f"{ran_children[0]} ran: its parent probably calls {path.rsplit('.', 1)[-1]}"
+                f".forward(...) directly, which bypasses hooks. Call the module itself "
+                f"(module(x)), or capture its children ('{path}.*')")
+    if parent in ran:
+        siblings = [c for c in children.get(parent, ()) if c in ran and c != path]
+        seen = f" (modules that did run there: {', '.join(siblings[:6])})" if siblings else ""
+        return (f"{path} ({kind}) was registered but never called: {parent_name} ran without "
+                f"calling it{seen}. It may apply the functional form instead (torch.nn.functional"
+                f", e.g. F.relu), which hooks cannot see: capture the module that feeds it"
+                f"{' (' + siblings[0] + ')' if siblings else ''}; or this input takes a branch "
+                f"that does not use it")
+    return (f"{path} ({kind}) never ran, and neither did its parent {parent_name}: this input "
+            f"takes a branch of the model that does not reach it")
+
+
+def locate_error(model: nn.Module, exc: BaseException) -> None:
+    """Add a note to ``exc`` naming the innermost module of ``model`` that was running.
+
+    The note reads ``hookscope: raised inside 'blocks.3.mlp.fc1' (Linear) called with input
+    shapes [(2, 7)]``. Python 3.11+ prints notes with the traceback; the exception's type and
+    message are unchanged.
+    """
+    root, _ = unwrap(model)
+    names = {id(m): p for p, m in root.named_modules()}
+    frame = _innermost_module_frame(exc, names)
+    if frame is None:
+        return
+    module = frame.f_locals["self"]
+    path = names[id(module)] or "(the root module)"
+    shapes = _tensor_shapes(frame)
+    note = (f"hookscope: raised inside '{path}' ({type(module).__name__})"
+            f"{' called with input shapes ' + shapes if shapes else ''}")
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # Python 3.10: keep it where tools look for notes
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]
+
+
+def _innermost_module_frame(exc: BaseException, names: dict[int, str]) -> FrameType | None:
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            found = tb.tb_frame
+        tb = tb.tb_next
+    return found
+
+
+def _tensor_shapes(frame: FrameType) -> str:
+    code = frame.f_code
+    arg_names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+    values = [frame.f_locals.get(n) for n in arg_names if n != "self"]
+    if code.co_flags & 0x04:  # *args
+        values.extend(frame.f_locals.get(code.co_varnames[len(arg_names)], ()) or ())
+    shapes = [tuple(v.shape) for v in values if isinstance(v, torch.Tensor)]
+    return str(shapes) if shapes else ""
+
+
+def _child_index(modules: dict[str, nn.Module]) -> dict[str, list[str]]:
+    """``{path: [paths of its direct children]}``, in ``named_modules()`` order."""
+    index: dict[str, list[str]] = {}
+    for path in modules:
+        if path:
+            index.setdefault(path.rpartition(".")[0], []).append(path)
+    return index

@@ -1,0 +1,35 @@
+"""Test-wide checks: every test must leave no hook behind on any live module."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+from hookscope.hooks import _GLOBAL_DICTS, _HOOK_DICTS
+
+
+def _live_hooks() -> set[tuple[int, str, int]]:
+    found = set()
+    module_type = nn.Module
+    for obj in gc.get_objects():
+        if issubclass(type(obj), module_type):  # type(), not isinstance: no __class__ lookups
+            for attr in _HOOK_DICTS.values():
+                found.update((id(obj), attr, hid) for hid in getattr(obj, attr))
+    for attr in _GLOBAL_DICTS.values():
+        found.update((0, attr, hid) for hid in getattr(torch_module, attr))
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_hooks_left_behind() -> Iterator[None]:
+    """Fail a test that leaves any forward/pre/backward or global hook it added."""
+    before = _live_hooks()
+    torch.manual_seed(0)
+    yield
+    left = _live_hooks() - before
+    assert not left, f"test left {len(left)} hooks behind: {sorted(left)[:5]}"

@@ -1,0 +1,46 @@
+"""Plain PyTorch references that hookscope's results are compared with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookscope._nested import map_tensors
+
+
+def plain_capture(model: nn.Module, paths: list[str], *args: Any, **kwargs: Any) -> dict[str, list[Any]]:
+    """Outputs of every call of ``paths`` with bare ``register_forward_hook`` and clones."""
+    modules = dict(model.named_modules())
+    seen: dict[str, list[Any]] = {p: [] for p in paths}
+    handles = [modules[p].register_forward_hook(
+        lambda m, i, o, p=p: seen[p].append(map_tensors(lambda t: t.detach().clone(), o)))
+        for p in paths]
+    try:
+        model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def assert_same(a: Any, b: Any) -> None:
+    """Exact equality of two nested outputs (tensors bitwise, other leaves ==)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
+        assert torch.equal(a, b)
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for k in a:
+            assert_same(a[k], b[k])
+    elif hasattr(a, "__dataclass_fields__"):
+        assert type(a) is type(b)
+        for f in a.__dataclass_fields__:
+            assert_same(getattr(a, f), getattr(b, f))
+    else:
+        assert a == b
