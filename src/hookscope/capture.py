@@ -14,6 +14,12 @@ the first capture of a module clones its outputs and keeps the version counters
 module is remembered as written-in-place (its outputs are cloned from then on), else as safe (kept
 by reference). Outputs kept by reference are checked again on exit; a value that changed anyway
 (a data-dependent branch) is never returned: reading it raises ``CaptureError``.
+
+Under ``torch.inference_mode()`` tensors carry no version counter: the first capture then decides
+by comparing each original with its copy at the end of the pass, and later outputs kept by
+reference cannot be checked. A module whose in-place writer left the values unchanged during that
+first pass (a ``clamp_`` that clipped nothing) would go unnoticed; pass ``clone=True`` where that
+matters.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hookscope import diagnose
 from hookscope._nested import get_part, map_tensors
+from hookscope.grads import NO_GRADIENT_YET, GradRecord, converter, watch_inputs, watch_output
 from hookscope.records import save_records
 from hookscope.errors import CaptureError, HookNeverFiredError, HookNeverFiredWarning, HookscopeError
 from hookscope.select import Target, resolve, unwrap
@@ -66,13 +73,14 @@ class CallInputs:
 class _Slot:
     """Everything recorded for one target (a module, or a part of its output)."""
 
-    __slots__ = ("target", "outputs", "inputs", "grads", "versions", "broken")
+    __slots__ = ("target", "outputs", "inputs", "grads", "grad_inputs", "versions", "broken")
 
     def __init__(self, target: Target):
         self.target = target
         self.outputs: list[Any] = []
         self.inputs: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-        self.grads: list[Any] = []
+        self.grads: list[GradRecord] = []
+        self.grad_inputs: list[GradRecord] = []
         self.versions: list[tuple[int, Tensor, int]] = []  # (call, tensor kept by reference, version)
         self.broken: set[int] = set()  # calls whose value was overwritten in place
 
@@ -92,7 +100,8 @@ class Capture:
     """
 
     def __init__(self, model: nn.Module, patterns: Sequence[str], *, inputs: bool = False,
-                 grads: bool = False, to: torch.device | str | None = None,
+                 grads: bool = False, grad_inputs: bool = False,
+                 to: torch.device | str | None = None,
                  dtype: torch.dtype | None = None, reduce: Callable[[Tensor], Tensor] | None = None,
                  clone: bool | None = None, on_unfired: OnUnfired = "warn"):
         if on_unfired not in ("warn", "error", "ignore"):
@@ -102,11 +111,15 @@ class Capture:
         self._targets = resolve(model, list(patterns))
         diagnose.check_targets(model, self._targets)
         self._slots = {t.key: _Slot(t) for t in self._targets}
-        self._options = dict(inputs=inputs, grads=grads, to=to, dtype=dtype, reduce=reduce, clone=clone)
+        self._options = dict(inputs=inputs, grads=grads, grad_inputs=grad_inputs, to=to, dtype=dtype,
+                             reduce=reduce, clone=clone)
         self._on_unfired = on_unfired
         self._handles: list[RemovableHandle] = []
         self._ran: set[str] = set()
-        self._learning: list[tuple[nn.Module, Tensor, int]] = []
+        # modules on trial: (module, tensor kept by reference, its version or None, its copy)
+        self._learning: list[tuple[nn.Module, Tensor, int | None, Tensor]] = []
+        # module -> copy its outputs? (True/False), or None while on trial; see the module docstring
+        self._policy: dict[nn.Module, bool | None] = {}
         self.unfired: dict[str, str] = {}
         self._active = False
 
@@ -143,6 +156,10 @@ class Capture:
             hook = self._make_hook(module, slots)
             self._handles.append(module.register_forward_hook(
                 hook, with_kwargs=bool(self._options["inputs"])))
+            if self._options["grad_inputs"]:
+                convert = converter(self._options["to"], self._options["dtype"])
+                self._handles.append(module.register_forward_pre_hook(
+                    watch_inputs([s.grad_inputs for s in slots], convert), with_kwargs=True))
         root, _ = unwrap(self.model)
         self._handles.append(root.register_forward_hook(self._end_of_pass))
         for path, module in diagnose.witnesses(self.model, self._targets).items():
@@ -169,6 +186,7 @@ class Capture:
         snapshot = self._snapshot_fn(module)
         ran, path = self._ran, slots[0].target.path
         with_inputs, with_grads = self._options["inputs"], self._options["grads"]
+        convert = converter(self._options["to"], self._options["dtype"])
         single = slots[0] if len(slots) == 1 and not slots[0].target.parts else None
 
         def hook(module: nn.Module, args: Any, *rest: Any) -> None:
@@ -185,32 +203,37 @@ class Capture:
                     slot.inputs.append((map_tensors(_copy, args), map_tensors(_copy, kwargs)))
             if with_grads:
                 for slot in slots:
-                    _watch_grads(_part(output, slot), slot)
+                    slot.grads.append(watch_output(_part(output, slot), convert))
         return hook
 
     def _snapshot_fn(self, module: nn.Module) -> Callable[[Any, _Slot], Any]:
         """Return ``snapshot(output, slot)``: the output with each tensor detached, converted,
         reduced, and copied when the in-place policy says so (decided once per call)."""
         to, dtype, reduce = self._options["to"], self._options["dtype"], self._options["reduce"]
-        clone, trial = self._options["clone"], self._learning
+        converts = to is not None or dtype is not None or reduce is not None
+        clone, trial, policy = self._options["clone"], self._learning, self._policy
+        policy.setdefault(module, _WRITTEN_IN_PLACE.get(module) if clone is None else clone)
 
         def keep(t: Tensor, slot: _Slot, copy: bool, learning: bool) -> Tensor:
             kept = t.detach()
-            if to is not None or dtype is not None:
-                kept = kept.to(device=to, dtype=dtype)
-            if reduce is not None:
-                kept = reduce(kept)
-            if not _shares_memory(kept, t):
-                return kept
-            if learning:
-                trial.append((module, t, t._version))
+            if converts:
+                if to is not None or dtype is not None:
+                    kept = kept.to(device=to, dtype=dtype)
+                if reduce is not None:
+                    kept = reduce(kept)
+                if not _shares_memory(kept, t):
+                    return kept
             if copy:
-                return kept.clone()
-            slot.versions.append((len(slot.outputs), kept, kept._version))
+                pristine = kept.clone()
+                if learning:
+                    trial.append((module, kept, _version(kept), pristine))
+                return pristine
+            if not kept.is_inference():  # inference tensors have no version counter
+                slot.versions.append((len(slot.outputs), kept, kept._version))
             return kept
 
         def snapshot(output: Any, slot: _Slot) -> Any:
-            written = _WRITTEN_IN_PLACE.get(module) if clone is None else clone
+            written = policy[module]
             copy, learning = written is not False, written is None
             if isinstance(output, Tensor):
                 return keep(output, slot, copy, learning)
@@ -219,12 +242,14 @@ class Capture:
 
     # ----------------------------------------------------------------- in-place safety
     def _finish_learning(self) -> None:
-        """Decide, for each module on trial, whether its output was written in place."""
+        """Decide, for each module on trial, whether its output was written in place: by the
+        version counter, or for inference tensors (which have none) by comparing with the copy."""
         verdict: dict[nn.Module, bool] = {}
-        for module, original, version in self._learning:
-            verdict[module] = verdict.get(module, False) or original._version != version
+        for module, kept, version, pristine in self._learning:
+            written = kept._version != version if version is not None else not torch.equal(kept, pristine)
+            verdict[module] = verdict.get(module, False) or written
         for module, written in verdict.items():
-            _WRITTEN_IN_PLACE[module] = written
+            _WRITTEN_IN_PLACE[module] = self._policy[module] = written
         self._learning.clear()
 
     def _check_versions(self) -> None:
@@ -232,7 +257,7 @@ class Capture:
             for call, tensor, version in slot.versions:
                 if tensor._version != version:
                     slot.broken.add(call)
-                    _WRITTEN_IN_PLACE[slot.target.module] = True
+                    _WRITTEN_IN_PLACE[slot.target.module] = self._policy[slot.target.module] = True
             slot.versions.clear()
         broken = [f"{k} (calls {sorted(s.broken)})" for k, s in self._slots.items() if s.broken]
         if broken:
@@ -303,20 +328,56 @@ class Capture:
         return CallInputs(args, kwargs, _bind(slot.target.module, args, kwargs))
 
     def grad(self, path: str, call: int = 0) -> Any:
-        """d(loss)/d(output) of call ``call`` of ``path``; same structure as the output.
+        """d(loss)/d(output) of call ``call`` of ``path``; same structure and shapes as the output.
 
-        Needs ``capture(..., grads=True)`` and a ``backward()`` through that output. Parts of the
-        output that did not require grad, or got no gradient, are ``None``.
+        Needs ``capture(..., grads=True)`` and a backward pass (``loss.backward()`` or
+        ``torch.autograd.grad``) through that output, inside or after the ``with`` block; each
+        backward pass replaces the gradients of the one before. It is the gradient of the value
+        the module returned, also when an in-place op (``ReLU(inplace=True)``) rewrites it later.
+        In a structured output, a tensor without a gradient is a ``hookscope.NoGrad`` with the
+        reason (an integer tensor, a part the loss does not use).
+
+        Raises:
+            CaptureError: gradients were not recorded; no tensor of this output requires grad
+                (the forward ran under ``torch.no_grad()``, or nothing before it requires
+                grad); or no gradient has reached it yet (no backward pass ran through it).
         """
-        slot = self._slot(path)
-        if not self._options["grads"]:
-            raise CaptureError(f"gradients were not recorded: use hookscope.capture(model, "
-                               f"'{path}', grads=True), then call loss.backward()")
-        return slot.grads[self._index(path, slot, call)].value()
+        record = self._grad_record(path, call, "grads")
+        if record.watched == 0:
+            raise CaptureError(f"call {call} of '{path}' has no gradient because its output "
+                               f"cannot have one: {record.first_reason()}")
+        if not record.grads:
+            raise CaptureError(f"call {call} of '{path}': {NO_GRADIENT_YET}")
+        return record.value()
 
     def grad_calls(self, path: str) -> list[Any]:
-        """d(loss)/d(output) for every call of ``path``, in call order."""
+        """d(loss)/d(output) for every call of ``path``, in call order (see ``grad``)."""
         return [self.grad(path, k) for k in range(len(self._slot(path).outputs))]
+
+    def grad_input(self, path: str, call: int = 0) -> CallInputs:
+        """d(loss)/d(input) of call ``call`` of ``path``: the gradient through this module only.
+
+        Needs ``capture(..., grad_inputs=True)`` and a backward pass. Laid out as ``inputs``:
+        ``g[0]`` is the gradient of the first input, ``g["attention_mask"]`` of a named one,
+        ``g.args``/``g.kwargs`` as passed. An input that does not require grad (the data fed
+        to the first layer, an integer mask), or that got no gradient, is a
+        ``hookscope.NoGrad`` whose ``reason`` says so; never a bare ``None``.
+
+        Raises:
+            CaptureError: input gradients were not recorded, or ``path``/``call`` does not exist.
+        """
+        record = self._grad_record(path, call, "grad_inputs")
+        args, kwargs = record.value()
+        return CallInputs(args, kwargs, _bind(self._slots[path].target.module, args, kwargs))
+
+    def _grad_record(self, path: str, call: int, option: str) -> GradRecord:
+        slot = self._slot(path)
+        if not self._options[option]:
+            raise CaptureError(f"{'input ' if option == 'grad_inputs' else ''}gradients were not "
+                               f"recorded: use hookscope.capture(model, '{path}', {option}=True), "
+                               f"then call loss.backward()")
+        records = slot.grads if option == "grads" else slot.grad_inputs
+        return records[self._index(path, slot, call)]
 
     def save(self, file: str, *, overwrite: bool = True, metadata: dict[str, str] | None = None) -> None:
         """Write every record to one safetensors file, atomically; see ``hookscope.records``
@@ -353,33 +414,6 @@ class Capture:
         return slot.outputs[k]
 
 
-class _Grad:
-    """Gradients of one call's output, filled in by tensor hooks during backward."""
-
-    __slots__ = ("structure", "grads")
-
-    def __init__(self, structure: Any):
-        self.structure = structure
-        self.grads: dict[int, Tensor] = {}
-
-    def value(self) -> Any:
-        counter = iter(range(1 << 62))
-        return map_tensors(lambda t: self.grads.get(next(counter)), self.structure)
-
-
-def _watch_grads(output: Any, slot: _Slot) -> None:
-    record = _Grad(output)
-    slot.grads.append(record)
-    counter = iter(range(1 << 62))
-
-    def watch(t: Tensor) -> Tensor:
-        i = next(counter)
-        if t.requires_grad:
-            t.register_hook(lambda g, i=i: record.grads.__setitem__(i, g.detach()))
-        return t
-    map_tensors(watch, output)
-
-
 def _part(output: Any, slot: _Slot) -> Any:
     parts = slot.target.parts
     if not parts:
@@ -397,6 +431,10 @@ def _shares_memory(kept: Tensor, original: Tensor) -> bool:
         return kept.untyped_storage().data_ptr() == original.untyped_storage().data_ptr()
     except RuntimeError:  # tensors without storage (meta, some subclasses)
         return False
+
+
+def _version(t: Tensor) -> int | None:
+    return None if t.is_inference() else t._version
 
 
 def _copy(t: Tensor) -> Tensor:
