@@ -14,10 +14,11 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 demo: setup
-	$(VENV)/bin/hookscope capture efficientnet-lite0 --input sample:chelsea --layer '_blocks.*' --plot out/
+	$(VENV)/bin/hookscope capture efficientnet-lite0 --input sample:chelsea --layer '_blocks.*' --plot out/ --overwrite
 
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider
 
+# python -m bench creates .venv-bench (pinned peers) on first use; e.g. BENCH_ARGS='--only gpt2'
 bench: setup
-	$(PY) -m bench
+	$(PY) -m bench $(BENCH_ARGS)

@@ -8,8 +8,8 @@ from torch import nn
 
 import hookscope
 from hookscope import SelectorError
-from tests.models import LeNet, ModuleListBlocks, MlpStack, TupleOutput
 from hookscope.select import resolve
+from tests.models import LeNet, MlpStack, ModuleListBlocks, TupleOutput
 
 
 def test_exact_path_and_state_dict_key_resolve_to_the_same_conv() -> None:

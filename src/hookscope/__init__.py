@@ -5,17 +5,30 @@ diagnose, and extract activations of whole data sets to disk.
 """
 
 from hookscope.capture import CallInputs, Capture, capture, run
+from hookscope.compare import Comparison, LayerDiff, compare
+from hookscope.edit import Edit, ablate, edit, patch, steer
 from hookscope.errors import (
     CaptureError,
+    EditError,
+    ExtractError,
+    GradcamError,
     HookNeverFiredError,
     HookNeverFiredWarning,
     HookscopeError,
     SelectorError,
     StoreCorruptError,
+    StoreError,
+    StoreExistsError,
 )
+from hookscope.extract import extract
+from hookscope.gradcam import gradcam, save_gradcam_overlay
+from hookscope.grads import NoGrad
 from hookscope.hooks import HookInfo, hooks, remove_hooks
+from hookscope.nonfinite import NonFiniteOrigin, TensorSummary, find_nonfinite
 from hookscope.records import load
 from hookscope.select import select
+from hookscope.stats import RunningStats, stats
+from hookscope.store import Store, open_store
 
 __version__ = "0.1.0"
 
@@ -23,16 +36,40 @@ __all__ = [
     "CallInputs",
     "Capture",
     "CaptureError",
+    "Comparison",
+    "Edit",
+    "EditError",
+    "ExtractError",
+    "GradcamError",
     "HookInfo",
     "HookNeverFiredError",
     "HookNeverFiredWarning",
     "HookscopeError",
+    "LayerDiff",
+    "NoGrad",
+    "NonFiniteOrigin",
+    "RunningStats",
     "SelectorError",
+    "Store",
     "StoreCorruptError",
+    "StoreError",
+    "StoreExistsError",
+    "TensorSummary",
+    "ablate",
     "capture",
+    "compare",
+    "edit",
+    "extract",
+    "find_nonfinite",
+    "gradcam",
     "hooks",
     "load",
+    "open_store",
+    "patch",
     "remove_hooks",
     "run",
+    "save_gradcam_overlay",
     "select",
+    "stats",
+    "steer",
 ]

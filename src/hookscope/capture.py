@@ -37,9 +37,9 @@ from torch.utils.hooks import RemovableHandle
 
 from hookscope import diagnose
 from hookscope._nested import get_part, map_tensors
+from hookscope.errors import CaptureError, HookNeverFiredError, HookNeverFiredWarning, HookscopeError
 from hookscope.grads import NO_GRADIENT_YET, GradRecord, converter, watch_inputs, watch_output
 from hookscope.records import save_records
-from hookscope.errors import CaptureError, HookNeverFiredError, HookNeverFiredWarning, HookscopeError
 from hookscope.select import Target, resolve, unwrap
 
 __all__ = ["Capture", "CallInputs", "capture", "run"]
@@ -111,8 +111,9 @@ class Capture:
         self._targets = resolve(model, list(patterns))
         diagnose.check_targets(model, self._targets)
         self._slots = {t.key: _Slot(t) for t in self._targets}
-        self._options = dict(inputs=inputs, grads=grads, grad_inputs=grad_inputs, to=to, dtype=dtype,
-                             reduce=reduce, clone=clone)
+        self._options = dict(inputs=inputs, grads=grads, grad_inputs=grad_inputs, to=to,
+                             dtype=dtype, reduce=reduce, clone=clone)
+        self._grad_convert = converter(to, dtype)  # applied to each gradient as it arrives
         self._on_unfired = on_unfired
         self._handles: list[RemovableHandle] = []
         self._ran: set[str] = set()
@@ -157,9 +158,8 @@ class Capture:
             self._handles.append(module.register_forward_hook(
                 hook, with_kwargs=bool(self._options["inputs"])))
             if self._options["grad_inputs"]:
-                convert = converter(self._options["to"], self._options["dtype"])
                 self._handles.append(module.register_forward_pre_hook(
-                    watch_inputs([s.grad_inputs for s in slots], convert), with_kwargs=True))
+                    watch_inputs([s.grad_inputs for s in slots], self._grad_convert), with_kwargs=True))
         root, _ = unwrap(self.model)
         self._handles.append(root.register_forward_hook(self._end_of_pass))
         for path, module in diagnose.witnesses(self.model, self._targets).items():
@@ -186,7 +186,7 @@ class Capture:
         snapshot = self._snapshot_fn(module)
         ran, path = self._ran, slots[0].target.path
         with_inputs, with_grads = self._options["inputs"], self._options["grads"]
-        convert = converter(self._options["to"], self._options["dtype"])
+        convert = self._grad_convert
         single = slots[0] if len(slots) == 1 and not slots[0].target.parts else None
 
         def hook(module: nn.Module, args: Any, *rest: Any) -> None:
@@ -452,7 +452,8 @@ def _bind(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> d
 
 
 def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool = False,
-            to: torch.device | str | None = None, dtype: torch.dtype | None = None,
+            grad_inputs: bool = False, to: torch.device | str | None = None,
+            dtype: torch.dtype | None = None,
             reduce: Callable[[Tensor], Tensor] | None = None, clone: bool | None = None,
             on_unfired: OnUnfired = "warn") -> Capture:
     """Record the output of every call of each module that ``patterns`` select.
@@ -470,7 +471,11 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
         inputs: also keep each call's positional and keyword inputs (``acts.inputs(path, k)``).
         grads: also keep d(loss)/d(output) of each call, filled in when ``backward()`` runs
             through it (``acts.grad(path, k)``); uses tensor hooks, so in-place ops after the
-            module and tuple outputs work.
+            module, tuple outputs and modules with a legacy backward hook work (``grads.py``).
+        grad_inputs: also keep d(loss)/d(input) of each call, the gradient through the module
+            only (``acts.grad_input(path, k)``); inputs that do not require grad are marked
+            ``NoGrad(reason)``. Each input that requires grad reaches the module as an alias
+            (same values and memory) that carries the tensor hook.
         to: device to move captured tensors to (``"cpu"`` frees accelerator memory).
         dtype: dtype to cast captured floating tensors to (e.g. ``torch.float16`` halves memory).
         reduce: function applied to each captured tensor at capture time, e.g.
@@ -490,8 +495,8 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
             container (``ModuleList``) whose hook could never fire.
         HookscopeError: the model cannot be hooked (TorchScript), or an option is invalid.
     """
-    return Capture(model, patterns, inputs=inputs, grads=grads, to=to, dtype=dtype,
-                   reduce=reduce, clone=clone, on_unfired=on_unfired)
+    return Capture(model, patterns, inputs=inputs, grads=grads, grad_inputs=grad_inputs, to=to,
+                   dtype=dtype, reduce=reduce, clone=clone, on_unfired=on_unfired)
 
 
 def run(model: nn.Module, *args: Any, layers: str | Sequence[str],
@@ -502,8 +507,8 @@ def run(model: nn.Module, *args: Any, layers: str | Sequence[str],
         model: the model to run.
         *args, **kwargs: passed to ``model``.
         layers: one pattern or a list of patterns (see ``capture``).
-        options: keyword options of ``capture`` (``inputs``, ``grads``, ``to``, ``dtype``,
-            ``reduce``, ``clone``, ``on_unfired``).
+        options: keyword options of ``capture`` (``inputs``, ``grads``, ``grad_inputs``, ``to``,
+            ``dtype``, ``reduce``, ``clone``, ``on_unfired``).
 
     Returns:
         ``(output, acts)``: what the model returned, and the ``Capture``.

@@ -22,7 +22,10 @@ from torch import nn
 from hookscope.errors import HookscopeError
 from hookscope.select import Target, unwrap
 
-__all__ = ["preflight", "check_targets", "witnesses", "explain_unfired", "locate_error"]
+__all__ = ["preflight", "check_targets", "witnesses", "explain_unfired", "explain_no_hooks",
+           "locate_error", "COMPILED"]
+
+COMPILED = "<torch.compile wrapper>"  # witness key of an OptimizedModule around the model
 
 
 def preflight(model: nn.Module) -> None:
@@ -58,7 +61,8 @@ def witnesses(model: nn.Module, targets: Sequence[Target]) -> dict[str, nn.Modul
     each selected module's parent, the parent's other children, and its own children.
 
     Returns:
-        ``{path: module}`` of modules that are not themselves selected (root is ``""``).
+        ``{path: module}`` of modules that are not themselves selected (root is ``""``), and
+        for a ``torch.compile``'d model its wrapper under the key ``COMPILED``.
     """
     root, _ = unwrap(model)
     modules = dict(root.named_modules())
@@ -70,7 +74,22 @@ def witnesses(model: nn.Module, targets: Sequence[Target]) -> dict[str, nn.Modul
         for near in [parent, *children.get(parent, ()), *children.get(path, ())]:
             if near not in selected and near in modules:
                 found[near] = modules[near]
+    wrapper = _compile_wrapper(model)
+    if wrapper is not None:
+        found[COMPILED] = wrapper
     return found
+
+
+def _compile_wrapper(model: nn.Module) -> nn.Module | None:
+    """The ``torch.compile`` wrapper (``OptimizedModule``) around the model, if any. Its own
+    hooks run on every call, outside the compiled code, even when those inside do not."""
+    while True:
+        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            return model
+        inner = model._modules["module"] if list(model._modules) == ["module"] else None
+        if inner is None:  # DataParallel/DDP hold just 'module'
+            return None
+        model = inner
 
 
 def explain_unfired(model: nn.Module, targets: Sequence[Target], ran: set[str]) -> dict[str, str]:
@@ -93,6 +112,10 @@ def _reason(path: str, modules: dict[str, nn.Module], children: dict[str, list[s
     kind = type(module).__name__
     parent = path.rpartition(".")[0]
     parent_name = f"'{parent}'" if parent else "the model's forward"
+    special = (_compiled_reason(path, kind, ran) or _out_proj_reason(path, modules, ran)
+               or _fast_path_reason(path, kind, modules, ran))
+    if special:
+        return special
     if not ran:
         return (f"{path} ({kind}) was hooked but no forward pass ran inside the capture block: "
                 f"call the model inside 'with hookscope.capture(...)'")
@@ -112,6 +135,54 @@ def _reason(path: str, modules: dict[str, nn.Module], children: dict[str, list[s
                 f"that does not use it")
     return (f"{path} ({kind}) never ran, and neither did its parent {parent_name}: this input "
             f"takes a branch of the model that does not reach it")
+
+
+_COMPILED_WHY = ("its compiled code was built before these hooks existed and does not check for "
+                 "new ones. Call torch._dynamo.reset() first (the next call recompiles with the "
+                 "hooks), register hooks before the first call of the compiled model, or use the "
+                 "eager model (model._orig_mod)")
+
+
+def _compiled_reason(path: str, kind: str, ran: set[str]) -> str | None:
+    """shared/cases/07: the compiled model ran, but none of the hooks inside it did."""
+    if ran != {COMPILED}:
+        return None
+    return (f"{path} ({kind}) never ran through its hooks although the torch.compile'd model was "
+            f"called: {_COMPILED_WHY}")
+
+
+def explain_no_hooks(model: nn.Module) -> str | None:
+    """Why ``model`` ran without firing any hook inside it, when the cause is known: a
+    ``torch.compile`` wrapper whose code was compiled earlier (shared/cases/07); else None."""
+    if _compile_wrapper(model) is None:
+        return None
+    return f"the torch.compile'd model ran but none of its modules' hooks fired: {_COMPILED_WHY}"
+
+
+def _fast_path_reason(path: str, kind: str, modules: dict[str, nn.Module],
+                      ran: set[str]) -> str | None:
+    """shared/cases/20: a TransformerEncoderLayer that ran its fused kernel skips its children."""
+    ancestors = [path.rsplit(".", n)[0] for n in range(1, path.count(".") + 1)] + [""]
+    layer = next((a for a in ancestors if isinstance(modules[a], nn.TransformerEncoderLayer)), None)
+    if layer is None or layer not in ran:
+        return None
+    where = f"'{layer}'" if layer else "the model"
+    return (f"{path} ({kind}) was skipped: {where} (TransformerEncoderLayer) ran its fused fast "
+            f"path (eval mode without grad), one native kernel that never calls its submodules. "
+            f"Turn the fast path off for the run with torch.backends.mha.set_fastpath_enabled("
+            f"False) (and back on afterwards), or run with gradients enabled")
+
+
+def _out_proj_reason(path: str, modules: dict[str, nn.Module], ran: set[str]) -> str | None:
+    """MultiheadAttention reads out_proj's weights inside F.multi_head_attention_forward."""
+    parent, _, name = path.rpartition(".")
+    if name != "out_proj" or not isinstance(modules.get(parent), nn.MultiheadAttention):
+        return None
+    if parent not in ran:
+        return None
+    return (f"{path} is never called: MultiheadAttention '{parent}' passes out_proj.weight and "
+            f".bias to F.multi_head_attention_forward instead of calling the module. Capture "
+            f"'{parent}[0]' (the attention output, after out_proj) instead")
 
 
 def locate_error(model: nn.Module, exc: BaseException) -> None:

@@ -59,3 +59,13 @@ class StoreExistsError(HookscopeError, FileExistsError):
 class ExtractError(HookscopeError, ValueError):
     """An extraction cannot start or go on: a bad argument, an output that cannot be stored
     row by row, or a resume whose arguments differ from the interrupted run's."""
+
+
+class EditError(HookscopeError, ValueError):
+    """An edit cannot be applied: a replacement of the wrong shape, a missing source record, an
+    option out of range; the message names the module, the call and the fix."""
+
+
+class GradcamError(HookscopeError, ValueError):
+    """Grad-CAM cannot be computed: the layer's output is not a feature map, the model's output
+    is not class scores, or a target class is out of range."""

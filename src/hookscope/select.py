@@ -24,6 +24,8 @@ import difflib
 import re
 from dataclasses import dataclass
 
+import torch
+import torch.fx
 from torch import nn
 
 from hookscope.errors import SelectorError
@@ -73,7 +75,8 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, tuple[str, ...]]:
 def is_container(module: nn.Module) -> bool:
     """True for a module with no ``forward`` of its own (``ModuleList``, ``ModuleDict``):
     nothing ever calls it, so a hook on it can never fire."""
-    return type(module).forward is nn.Module.forward
+    # getattr with a default: a RecursiveScriptModule's class-level forward raises on access
+    return getattr(type(module), "forward", None) is nn.Module.forward
 
 
 def select(model: nn.Module, *patterns: str) -> dict[str, nn.Module]:
@@ -117,7 +120,9 @@ def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str]) -> list[Tar
 
 def _wrapped(model: nn.Module) -> tuple[str, nn.Module] | None:
     for attr in _WRAPPER_ATTRS:
-        inner = model._modules.get(attr) if attr == "module" else getattr(model, attr, None)
+        # ScriptModule's _modules has no .get(): index it
+        inner = (model._modules[attr] if attr in model._modules else None) if attr == "module" \
+            else getattr(model, attr, None)
         if isinstance(inner, nn.Module) and _is_wrapper(model, attr):
             return attr, inner
     return None
@@ -258,7 +263,18 @@ def _unknown_message(root: nn.Module, modules: dict[str, nn.Module], name: str) 
     hint = f"did you mean {', '.join(repr(c) for c in close)}?" if close else (
         f"the model's top-level modules are {', '.join(repr(p) for p in modules if '.' not in p)[:400]}")
     return (f"no module or state_dict key named '{name}': {hint} "
-            f"(names are as model.named_modules() gives them; 'hookscope tree MODEL' lists them all)")
+            f"(names are as model.named_modules() gives them; 'hookscope tree MODEL' lists them all)"
+            f"{_graph_module_hint(root)}")
+
+
+def _graph_module_hint(root: nn.Module) -> str:
+    """For a ``torch.fx.GraphModule``: modules the tracer inlined are gone (shared/cases/25)."""
+    if not isinstance(root, torch.fx.GraphModule):
+        return ""
+    called = [str(n.target) for n in root.graph.nodes if n.op == "call_module"]
+    return (f". The model is a torch.fx.GraphModule: a module that symbolic tracing inlined is not "
+            f"present in the traced graph. call_module targets are: {called}; hook one of those, "
+            f"or capture the eager model before tracing")
 
 
 def _no_match_message(pattern: str, modules: dict[str, nn.Module], matched: list[str]) -> str:

@@ -1,0 +1,1 @@
+"""hookscope benchmarks against plain hooks, nnsight, TransformerLens and torchlens: ``python -m bench``."""

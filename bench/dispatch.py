@@ -1,0 +1,163 @@
+"""Per-call dispatch cost: 200 ``Linear(8, 8)`` layers, hookscope's hook against a bare hook.
+
+``python -m bench.dispatch`` prints, per hooked module call, the microseconds each way of
+capturing adds to the forward pass without hooks, and hookscope's cost as a ratio to a bare
+``register_forward_hook`` that appends ``output.detach()`` (goal: at most 1.3x).
+
+Two settings:
+- steady state: hooks registered once (one ``hookscope.capture`` block), ``forwards`` forward
+  passes timed inside it; this is the dispatch cost proper;
+- per capture: hooks registered and removed around every forward pass (a ``with capture`` or
+  ``hookscope.run`` in a loop), adding each tool's set-up and take-down.
+
+Rounds interleave the cases; each figure is the median over ``runs`` rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from bench.models import LinearStack
+
+Forward = Callable[[], None]
+
+
+def _bare_hooks(model: nn.Module, store: list[torch.Tensor]) -> list[Any]:
+    def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        store.append(output.detach())
+    return [layer.register_forward_hook(hook) for layer in model.layers]
+
+
+def _timed(body: Callable[[], None]) -> float:
+    gc.collect()
+    gc.disable()
+    try:
+        start = time.perf_counter()
+        body()
+        return time.perf_counter() - start
+    finally:
+        gc.enable()
+
+
+def _round(model: nn.Module, x: torch.Tensor, forwards: int, shift: int) -> dict[str, float]:
+    """One round of every case, starting ``shift`` cases later; seconds per forward pass."""
+    import hookscope
+
+    def loop() -> None:
+        for _ in range(forwards):
+            model(x)
+
+    def no_hooks() -> float:
+        return _timed(loop)
+
+    def bare_steady() -> float:
+        store: list[torch.Tensor] = []
+        handles = _bare_hooks(model, store)
+        try:
+            return _timed(loop)
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def hookscope_steady() -> float:
+        with hookscope.capture(model, "layers.*"):
+            return _timed(loop)
+
+    def bare_per_capture() -> float:
+        def body() -> None:
+            for _ in range(forwards):
+                store: list[torch.Tensor] = []
+                handles = _bare_hooks(model, store)
+                model(x)
+                for handle in handles:
+                    handle.remove()
+        return _timed(body)
+
+    def hookscope_per_capture() -> float:
+        def body() -> None:
+            for _ in range(forwards):
+                with hookscope.capture(model, "layers.*"):
+                    model(x)
+        return _timed(body)
+
+    cases = {"no hooks": no_hooks, "bare hook, steady": bare_steady,
+             "hookscope, steady": hookscope_steady, "bare hook, per capture": bare_per_capture,
+             "hookscope, per capture": hookscope_per_capture}
+    names = list(cases)
+    names = names[shift % len(names):] + names[:shift % len(names)]
+    seconds = {name: cases[name]() / forwards for name in names}
+    return {name: seconds[name] for name in cases}
+
+
+def measure(layers: int = 200, forwards: int = 50, runs: int = 9, warmups: int = 2,
+            grad: str = "inference") -> dict[str, Any]:
+    """Run the dispatch benchmark and return its figures.
+
+    Returns:
+        ``{"layers", "forwards", "runs", "forward_us": {case: median us per forward},
+        "per_call_us": {case: added us per hooked call}, "ratio_steady", "ratio_per_capture"}``.
+    """
+    model, x = LinearStack(layers).eval(), torch.randn(1, 8)
+    rounds: list[dict[str, float]] = []
+    with (torch.inference_mode() if grad == "inference" else torch.no_grad()):
+        for index in range(warmups + runs):
+            result = _round(model, x, forwards, index)
+            if index >= warmups:
+                rounds.append(result)
+    forward_us = {name: statistics.median(r[name] for r in rounds) * 1e6 for name in rounds[0]}
+    floor = forward_us["no hooks"]
+    per_call = {name: (us - floor) / layers for name, us in forward_us.items() if name != "no hooks"}
+    return {"layers": layers, "forwards": forwards, "runs": runs, "grad_mode": grad,
+            "forward_us": forward_us, "per_call_us": per_call,
+            "ratio_steady": per_call["hookscope, steady"] / per_call["bare hook, steady"],
+            "ratio_per_capture": (per_call["hookscope, per capture"]
+                                  / per_call["bare hook, per capture"])}
+
+
+def format_result(result: dict[str, Any]) -> str:
+    """Return the figures as an aligned text table."""
+    lines = [f"dispatch: {result['layers']} x Linear(8, 8), batch 1, {result['forwards']} "
+             f"forwards per round, median of {result['runs']} rounds ({result['grad_mode']})",
+             f"  {'case':26s} {'us/forward':>11s} {'us/call added':>14s}"]
+    for name, us in result["forward_us"].items():
+        added = result["per_call_us"].get(name)
+        lines.append(f"  {name:26s} {us:11.1f} {'' if added is None else f'{added:14.2f}'}")
+    lines.append(f"  hookscope / bare hook per call: steady {result['ratio_steady']:.2f}x "
+                 f"(goal <= 1.3x), per capture {result['ratio_per_capture']:.2f}x")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.dispatch", description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=200)
+    parser.add_argument("--forwards", type=int, default=50, help="forward passes per round")
+    parser.add_argument("--runs", type=int, default=9, help="timed rounds (median)")
+    parser.add_argument("--warmups", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--grad-mode", choices=("inference", "no_grad"), default="inference")
+    parser.add_argument("--json", help="also write the figures to this JSON file")
+    args = parser.parse_args(argv)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        result = measure(args.layers, args.forwards, args.runs, args.warmups, args.grad_mode)
+    finally:  # leave a calling process (python -m bench --in-process) as it was
+        torch.set_num_threads(threads)
+    print(format_result(result))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(result, out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,197 @@
+"""The workloads: a model, its input, and the cases that run on it, built in the worker process.
+
+Every workload's first case is its bare forward; each case's time is reported as a ratio to the
+bare forward measured in the same process run. Peer cases whose library is missing are listed in
+``skipped`` with the reason, and the run goes on without them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from bench import models, peers
+from bench.peers import Case
+
+#: workload -> (title, default number of timed runs)
+WORKLOADS: dict[str, tuple[str, int]] = {
+    "gpt2": ("GPT-2-small-sized (12x768, 124M) HF GPT2LMHeadModel, tokens", 9),
+    "gpt2-torchlens": ("same GPT-2, torchlens (own process: it leaves torch wrapped)", 3),
+    "resnet": ("ResNet-50-sized CNN, plain torch, in-place ReLU, images", 9),
+    "resnet-torchlens": ("same CNN, torchlens (own process)", 3),
+    "efficientnet": ("efficientnet-lite0 (real weights), scikit-image photos", 9),
+}
+
+
+@dataclass
+class Workload:
+    """What a worker runs: the cases, the reference values, and what was left out and why."""
+
+    name: str
+    shape: str
+    cases: list[Case]
+    reference: Callable[[], peers.Values] | None
+    skipped: dict[str, str] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)
+    #: time the bare forward alone first (torchlens slows torch for good once it has run)
+    floor_first: bool = False
+
+
+def _add(cases: list[Case], skipped: dict[str, str], name: str, build: Callable[[], Case]) -> None:
+    try:
+        cases.append(build())
+    except (peers.PeerMissing, ImportError) as err:
+        skipped[name] = str(err)
+
+
+def build(name: str, size: models.Size, *, peers_wanted: bool = True) -> Workload:
+    """Build workload ``name`` at ``size``.
+
+    Raises:
+        KeyError: ``name`` is not one of ``WORKLOADS``.
+    """
+    return {"gpt2": _gpt2, "gpt2-torchlens": _gpt2_torchlens, "resnet": _resnet,
+            "resnet-torchlens": _resnet_torchlens,
+            "efficientnet": _efficientnet}[name](size, peers_wanted)
+
+
+def _capture_variants(cases: list[Case], model: torch.nn.Module, example: tuple[Any, ...],
+                      paths: list[str], *, fp16: bool, to_cpu: bool) -> None:
+    every = f"every module ({len(paths)})"
+    cases.append(peers.plain_hooks(model, example, paths, name=f"plain hooks detach(), {every}"))
+    cases.append(peers.plain_hooks(model, example, paths, clone=True,
+                                   name=f"plain hooks clone(), {every}"))
+    cases.append(peers.hookscope_capture(model, example, paths, name=f"hookscope, {every}"))
+    cases.append(peers.hookscope_capture(model, example, paths, clone=True,
+                                         name="hookscope clone=True, every module"))
+    cases.append(peers.hookscope_capture(model, example, paths, clone=False,
+                                         name="hookscope clone=False, every module"))
+    if fp16:
+        cases.append(peers.hookscope_capture(model, example, paths, dtype=torch.float16,
+                                             name="hookscope dtype=float16, every module"))
+    if to_cpu:
+        cases.append(peers.hookscope_capture(model, example, paths, to="cpu",
+                                             name="hookscope to='cpu', every module"))
+
+
+def _gpt2(size: models.Size, peers_wanted: bool) -> Workload:
+    model, example = models.gpt2(size), (models.tokens(size),)
+    paths = models.computing_modules(model, *example)
+    blocks = [f"transformer.h.{i}" for i in range(size.n_layer)]
+    cases = [peers.bare(model, *example)]
+    _capture_variants(cases, model, example, paths, fp16=True, to_cpu=True)
+    cases.append(peers.plain_hooks(model, example, blocks, name=f"plain hooks detach(), {len(blocks)} blocks"))
+    cases.append(peers.hookscope_capture(model, example, ["transformer.h.*"],
+                                         name=f"hookscope 'transformer.h.*' ({len(blocks)} blocks)"))
+    skipped: dict[str, str] = {}
+    if peers_wanted:
+        _add(cases, skipped, "nnsight", lambda: peers.nnsight_trace(
+            model, example, paths, name="nnsight, every module"))
+        _add(cases, skipped, "nnsight blocks", lambda: peers.nnsight_trace(
+            model, example, blocks, name=f"nnsight, {len(blocks)} blocks"))
+        _add_transformer_lens(cases, skipped, size, example)
+    return Workload("gpt2", f"tokens ({size.batch}, {size.seq})", cases,
+                    _reference(model, example, paths + blocks), skipped,
+                    {"modules": len(paths), "attn_implementation":
+                     getattr(model.config, "_attn_implementation", "?"),
+                     "parameters": sum(p.numel() for p in model.parameters())})
+
+
+def _add_transformer_lens(cases: list[Case], skipped: dict[str, str], size: models.Size,
+                          example: tuple[Any, ...]) -> None:
+    try:
+        hooked = models.hooked_transformer(size)
+    except ImportError as err:
+        skipped["TransformerLens"] = f"transformer_lens with HookedTransformer is missing ({err})"
+        return
+    floor = "TransformerLens HookedTransformer bare forward"
+    cases.append(peers.bare(hooked, *example, name=floor))
+    cases.append(peers.transformer_lens_cache(
+        hooked, example, None, floor=floor,
+        name=f"TransformerLens run_with_cache, all {len(hooked.hook_dict)} hook points"))
+    resid = [f"blocks.{i}.hook_resid_post" for i in range(size.n_layer)]
+    cases.append(peers.transformer_lens_cache(
+        hooked, example, resid, floor=floor,
+        name=f"TransformerLens run_with_cache, {len(resid)} resid_post"))
+
+
+def _gpt2_torchlens(size: models.Size, peers_wanted: bool) -> Workload:
+    model, example = models.gpt2(size), (models.tokens(size),)
+    paths = models.computing_modules(model, *example)
+    blocks = [f"transformer.h.{i}" for i in range(size.n_layer)]
+    cases = _torchlens_floors(model, example)
+    skipped: dict[str, str] = {}
+    if peers_wanted:
+        _add(cases, skipped, "torchlens", lambda: peers.torchlens_trace(
+            model, example, "all", name="torchlens, every tensor op"))
+        _add(cases, skipped, "torchlens modules", lambda: peers.torchlens_trace(
+            model, example, paths, name=f"torchlens, every module ({len(paths)})"))
+        _add(cases, skipped, "torchlens blocks", lambda: peers.torchlens_trace(
+            model, example, blocks, name=f"torchlens, {len(blocks)} blocks"))
+    return Workload("gpt2-torchlens", f"tokens ({size.batch}, {size.seq})", cases, None, skipped,
+                    floor_first=True)
+
+
+def _torchlens_floors(model: torch.nn.Module, example: tuple[Any, ...]) -> list[Case]:
+    """The bare forward, timed before torchlens first runs, and again interleaved with it."""
+    return [peers.bare(model, *example),
+            peers.bare(model, *example, name="bare forward, torch wrapped by torchlens")]
+
+
+def _resnet(size: models.Size, peers_wanted: bool) -> Workload:
+    model, example = models.resnet(size), (models.images(size),)
+    paths = models.computing_modules(model, *example)
+    blocks = [f"layer{s + 1}.{i}" for s, n in enumerate(size.cnn_blocks) for i in range(n)]
+    cases = [peers.bare(model, *example)]
+    _capture_variants(cases, model, example, paths, fp16=True, to_cpu=False)
+    cases.append(peers.plain_hooks(model, example, blocks, name=f"plain hooks detach(), {len(blocks)} blocks"))
+    cases.append(peers.hookscope_capture(model, example, ["layer*.*"],
+                                         name=f"hookscope 'layer*.*' ({len(blocks)} blocks)"))
+    skipped: dict[str, str] = {}
+    if peers_wanted:
+        _add(cases, skipped, "nnsight", lambda: peers.nnsight_trace(
+            model, example, paths, name="nnsight, every module",
+            note="first call only of each ReLU (called 3 times per block)"))
+    return Workload("resnet", f"images {tuple(example[0].shape)}", cases,
+                    _reference(model, example, paths + blocks), skipped,
+                    {"modules": len(paths), "parameters": sum(p.numel() for p in model.parameters())})
+
+
+def _resnet_torchlens(size: models.Size, peers_wanted: bool) -> Workload:
+    model, example = models.resnet(size), (models.images(size),)
+    cases = _torchlens_floors(model, example)
+    skipped: dict[str, str] = {}
+    if peers_wanted:
+        _add(cases, skipped, "torchlens", lambda: peers.torchlens_trace(
+            model, example, "all", name="torchlens, every tensor op"))
+    return Workload("resnet-torchlens", f"images {tuple(example[0].shape)}", cases, None, skipped,
+                    floor_first=True)
+
+
+def _efficientnet(size: models.Size, peers_wanted: bool) -> Workload:
+    model, example = models.efficientnet(), (models.photos(size),)
+    paths = models.computing_modules(model, *example)
+    blocks = [f"_blocks.{i}" for i in range(len(model._blocks))]
+    cases = [peers.bare(model, *example)]
+    every = f"every module ({len(paths)})"
+    cases.append(peers.plain_hooks(model, example, paths, name=f"plain hooks detach(), {every}"))
+    cases.append(peers.plain_hooks(model, example, paths, clone=True,
+                                   name=f"plain hooks clone(), {every}"))
+    cases.append(peers.hookscope_capture(model, example, paths, name=f"hookscope, {every}"))
+    cases.append(peers.plain_hooks(model, example, blocks, name=f"plain hooks detach(), {len(blocks)} blocks"))
+    cases.append(peers.hookscope_capture(model, example, ["_blocks.*"],
+                                         name=f"hookscope '_blocks.*' ({len(blocks)} blocks)"))
+    return Workload("efficientnet", f"photos {tuple(example[0].shape)}", cases,
+                    _reference(model, example, paths + blocks), {},
+                    {"modules": len(paths), "photos": list(models.PHOTOS[:size.photos])})
+
+
+def _reference(model: torch.nn.Module, example: tuple[Any, ...],
+               paths: list[str]) -> Callable[[], peers.Values]:
+    """Values to check every case against: plain hooks that clone every output."""
+    case = peers.plain_hooks(model, example, list(dict.fromkeys(paths)), clone=True,
+                             name="reference")
+    return lambda: case.values(case.run())  # type: ignore[misc]

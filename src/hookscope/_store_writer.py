@@ -1,0 +1,300 @@
+"""Writing stores (private; ``hookscope.extract`` is the public way): shards, manifests, joins.
+
+Crash safety: every file goes to a temporary name in the store folder, is flushed and fsync'ed,
+then renamed over its final name (and the folder fsync'ed); the manifest is replaced the same way
+after each shard. A crash therefore loses at most the shard in progress, and a reader never sees
+a half-written file under a final name. Existing output is only deleted with ``overwrite``, and
+only when every file in the folder belongs to a store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import shutil
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hookscope.errors import StoreCorruptError, StoreError, StoreExistsError
+from hookscope.store import (_ST_DTYPES, CHUNK_BYTES, FORMAT, MANIFEST, VERSION, ShardInfo,
+                             chunk_sums, read_manifest)
+
+__all__ = ["ShardData", "StoreWriter", "join_parts", "prepare_output", "read_part"]
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class ShardData:
+    """Rows of one shard held in memory, not yet written.
+
+    ``tensors[path]`` lists one CPU tensor per batch: ``(rows_b, *shape)`` for a fixed layer,
+    ``(tokens_b, *shape[1:])`` for a ragged one, whose ``lengths[path]`` lists ``(rows_b,)`` int64
+    token counts per batch. ``batches`` is the global batch range ``[start, stop)``.
+    """
+
+    batches: tuple[int, int]
+    rows: int = 0
+    nbytes: int = 0
+    tensors: dict[str, list[Tensor]] = field(default_factory=dict)
+    lengths: dict[str, list[Tensor]] = field(default_factory=dict)
+
+    def append(self, tensors: dict[str, Tensor], lengths: dict[str, Tensor], rows: int) -> None:
+        """Add one batch: ``rows`` rows, ``tensors[path]`` each, ``lengths`` for ragged paths."""
+        for key, tensor in tensors.items():
+            self.tensors.setdefault(key, []).append(tensor)
+            self.nbytes += tensor.numel() * tensor.element_size()
+        for key, counts in lengths.items():
+            self.lengths.setdefault(key, []).append(counts)
+            self.nbytes += counts.numel() * counts.element_size()
+        self.rows += rows
+
+
+# ---------------------------------------------------------------------------------------- writing
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _HashingFile:
+    """A file being written that keeps the sha256 and count of all bytes written."""
+
+    def __init__(self, f: Any):
+        self.f, self.size, self.sha = f, 0, hashlib.sha256()
+
+    def write(self, data: memoryview) -> None:
+        self.f.write(data)
+        self.sha.update(data)
+        self.size += len(data)
+
+
+def _bytes_of(t: Tensor) -> memoryview:
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+
+def _shard_tensors(shard: ShardData) -> list[tuple[str, tuple[int, ...], torch.dtype, list[Tensor]]]:
+    """Return ``(key, shape, dtype, chunks)`` per safetensors tensor, in file order."""
+    out = []
+    for path, chunks in shard.tensors.items():
+        first = chunks[0]
+        shape = (sum(int(c.shape[0]) for c in chunks), *first.shape[1:])
+        out.append((path, shape, first.dtype, chunks))
+        if path in shard.lengths:
+            lengths = torch.cat(shard.lengths[path])
+            offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+            out.append((f"{path}:offsets", (shard.rows + 1,), torch.int64, [offsets]))
+    return out
+
+
+def _write_shard(path: Path, shard: ShardData) -> tuple[int, str, tuple[str, ...]]:
+    """Write ``shard`` as one safetensors file at ``path`` (atomically); return its size, sha256
+    and chunk checksums (computed from the written file, read back from the page cache)."""
+    header: dict[str, Any] = {"__metadata__": {"format": FORMAT, "version": str(VERSION)}}
+    begin, tensors = 0, _shard_tensors(shard)
+    for key, shape, dtype, _ in tensors:
+        end = begin + int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [begin, end]}
+        begin = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors pads the header to 8 bytes
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        out = _HashingFile(f)
+        out.write(memoryview(struct.pack("<Q", len(text)) + text))
+        for _, _, _, chunks in tensors:
+            for chunk in chunks:
+                out.write(_bytes_of(chunk))
+        f.flush()
+        os.fsync(f.fileno())
+    with open(tmp, "rb") as f:  # the mapping closes when collected (numpy views may outlive it)
+        sums = tuple(chunk_sums(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), out.size))
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    return out.size, out.sha.hexdigest(), sums
+
+
+def _part_name(rank: int, world_size: int) -> str:
+    return MANIFEST if world_size == 1 else f"manifest-r{rank:04d}.json"
+
+
+def _shard_name(rank: int, world_size: int, index: int) -> str:
+    return f"shard-{index:05d}.safetensors" if world_size == 1 else \
+        f"shard-r{rank:04d}-{index:05d}.safetensors"
+
+
+class StoreWriter:
+    """Append the shards of one process to a store folder, replacing its manifest after each.
+
+    With ``world_size == 1`` the process writes ``manifest.json``; rank ``r`` of a multi-process
+    run writes ``manifest-rNNNN.json`` (rows counted from 0 on that rank), which ``join_parts``
+    merges into ``manifest.json`` once every rank has finished.
+    """
+
+    def __init__(self, folder: Path, header: dict[str, Any], *, rank: int = 0, world_size: int = 1,
+                 resume_from: dict[str, Any] | None = None):
+        """Args:
+            folder: the store folder; it must exist (``prepare_output``).
+            header: manifest fields other than ``complete``, ``rows`` and ``shards``: ``model``,
+                ``extract`` (the arguments a resume must repeat) and ``layers``.
+            rank, world_size: this process in a torchrun group (0, 1 alone).
+            resume_from: this process's part manifest from an interrupted run, to append to.
+        """
+        self.folder, self.rank, self.world_size = folder, rank, world_size
+        self.manifest: dict[str, Any] = {"format": FORMAT, "version": VERSION, **header,
+                                         "complete": False, "rows": 0, "chunk_bytes": CHUNK_BYTES,
+                                         "world_size": world_size, "shards": []}
+        if world_size > 1:
+            self.manifest["rank"] = rank
+        if resume_from is not None:
+            self.manifest.update(rows=resume_from["rows"], shards=resume_from["shards"])
+
+    def write(self, shard: ShardData) -> None:
+        """Write ``shard`` as the next shard file, then the manifest that lists it."""
+        name = _shard_name(self.rank, self.world_size, len(self.manifest["shards"]))
+        size, sha, sums = _write_shard(self.folder / name, shard)
+        start = self.manifest["rows"]
+        info = ShardInfo(name, (start, start + shard.rows), shard.batches, size, sha, sums)
+        self.manifest["shards"].append(info.to_json())
+        self.manifest["rows"] = start + shard.rows
+        self._save()
+
+    def finish(self) -> None:
+        """Mark this process's rows complete."""
+        self.manifest["complete"] = True
+        self._save()
+
+    def _save(self) -> None:
+        _atomic_write(self.folder / _part_name(self.rank, self.world_size),
+                      _manifest_text(self.manifest))
+
+
+def _manifest_text(manifest: dict[str, Any]) -> bytes:
+    """JSON with one line per top-level field, per layer and per shard (diff- and grep-friendly)."""
+    def field_text(value: Any) -> str:
+        if isinstance(value, dict) and value:
+            inner = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in value.items())
+            return "{\n" + inner + "\n }"
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            return "[\n" + ",\n".join(f"  {json.dumps(v)}" for v in value) + "\n ]"
+        return json.dumps(value)
+    lines = [f" {json.dumps(k)}: {field_text(v)}" for k, v in manifest.items()]
+    return ("{\n" + ",\n".join(lines) + "\n}\n").encode()
+
+
+def _is_store_file(name: str) -> bool:
+    return name.startswith(("manifest", "shard-", ".manifest", ".shard-"))
+
+
+def prepare_output(folder: Path, *, resume: bool, overwrite: bool, check_only: bool) -> None:
+    """Check that ``folder`` may receive a store, then (unless ``check_only``) make it ready.
+
+    A missing folder is created; an existing store is deleted with ``overwrite``, kept with
+    ``resume`` (leftover temporary files removed). Nothing else is ever deleted.
+
+    Raises:
+        StoreExistsError: ``folder`` exists and neither ``resume`` nor ``overwrite`` is set, or
+            ``overwrite`` is set but ``folder`` holds files that are not part of a store.
+    """
+    if folder.exists() and not folder.is_dir():
+        raise StoreExistsError(f"output {folder} exists and is a file, not a store folder; choose "
+                               f"another output path.")
+    names = sorted(os.listdir(folder)) if folder.is_dir() else []
+    if names and not resume and not overwrite:
+        raise StoreExistsError(
+            f"output folder {folder} already exists and is not empty; nothing was written. To "
+            f"continue an interrupted run pass resume=True (--resume); to replace it pass "
+            f"overwrite=True (--overwrite); or choose another output folder.")
+    foreign = [n for n in names if not _is_store_file(n)]
+    if foreign and overwrite:
+        raise StoreExistsError(
+            f"refusing to overwrite {folder}: it holds files that are not part of a hookscope "
+            f"store ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}). Choose "
+            f"another output folder, or delete it yourself.")
+    if check_only:
+        return
+    if overwrite and folder.is_dir():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in os.listdir(folder):
+        if name.startswith(".") and ".tmp-" in name and _is_store_file(name):
+            (folder / name).unlink()
+
+
+def read_part(folder: Path, rank: int, world_size: int) -> dict[str, Any] | None:
+    """Return what an earlier run in ``folder`` wrote for this process, or ``None``.
+
+    That is ``manifest.json`` once the store is joined (or for a single process), else this
+    rank's ``manifest-rNNNN.json``.
+
+    Raises:
+        StoreError: the folder was written by a run with another number of processes.
+        StoreCorruptError: a manifest cannot be parsed.
+    """
+    for path in sorted(folder.glob("manifest*.json")):
+        wrote = read_manifest(path).get("world_size", 1)
+        if wrote != world_size:
+            raise StoreError(
+                f"{folder} was written by {wrote} process(es) and this run has {world_size}; "
+                f"resume with the same number of processes (torchrun --nproc_per_node={wrote}), "
+                f"or start over with overwrite=True (--overwrite).")
+    for name in (MANIFEST, _part_name(rank, world_size)):
+        if (folder / name).exists():
+            return read_manifest(folder / name)
+    return None
+
+
+def join_parts(folder: Path, world_size: int) -> None:
+    """Merge the part manifests of all ranks into ``manifest.json`` (global row order).
+
+    Rank ``r`` holds a contiguous range of batches that follows rank ``r - 1``'s, so the global
+    order is rank 0's rows, then rank 1's, and so on.
+
+    Raises:
+        StoreCorruptError: a part is missing, incomplete, or its batches do not follow the last.
+    """
+    if (folder / MANIFEST).exists():
+        return  # joined by an earlier run
+    parts = [read_manifest(folder / _part_name(r, world_size)) for r in range(world_size)]
+    joined = {k: v for k, v in parts[0].items() if k != "rank"}
+    joined["layers"] = next((p["layers"] for p in parts if p["rows"]), joined["layers"])
+    shards: list[dict[str, Any]] = []
+    rows, next_batch = 0, None
+    for rank, part in enumerate(parts):
+        if not part["complete"]:
+            raise StoreCorruptError(f"rank {rank} did not finish ({_part_name(rank, world_size)} "
+                                    f"is incomplete); resume the run with resume=True.")
+        if part["layers"] != joined["layers"] and part["rows"]:
+            raise StoreCorruptError(f"rank {rank} wrote layers {part['layers']}, rank 0 wrote "
+                                    f"{joined['layers']}; the ranks saw different data.")
+        for entry in part["shards"]:
+            if next_batch is not None and entry["batches"][0] != next_batch:
+                raise StoreCorruptError(f"{entry['file']} starts at batch {entry['batches'][0]}, "
+                                        f"but the shard before it ends at batch {next_batch}; "
+                                        f"the parts do not join. Extract again (overwrite=True).")
+            next_batch = entry["batches"][1]
+            shards.append({**entry, "rows": [entry["rows"][0] + rows, entry["rows"][1] + rows]})
+        rows += part["rows"]
+    joined.update(rows=rows, shards=shards, complete=True)
+    _atomic_write(folder / MANIFEST, _manifest_text(joined))
+    for rank in range(world_size):
+        (folder / _part_name(rank, world_size)).unlink()

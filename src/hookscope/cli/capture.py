@@ -1,0 +1,171 @@
+"""``hookscope capture MODEL --layer PATTERN --input X``: run the model once, print its prediction
+and statistics of every call of every selected module; optionally save the tensors and plot them.
+
+stdout carries the prediction and the table (or ``--json``); loading and file lines go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import hookscope
+from hookscope.cli._common import print_json, print_table, say
+from hookscope.errors import HookNeverFiredWarning, SpecError
+from hookscope.inputs import Inputs, load_inputs
+from hookscope.models import LoadedModel, load_model
+from hookscope.predictions import Prediction, predict
+from hookscope.records import record_items, save_records
+from hookscope.stats import RunningStats
+
+HELP = "run a model once and show every call of the selected modules: prediction, stats, PNGs"
+
+COLUMNS = ("path", "call", "shape", "dtype", "mean", "std", "min", "max", "zeros", "nonfinite")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``capture`` options to ``parser``."""
+    parser.add_argument("model", metavar="MODEL",
+                        help="efficientnet-lite0, minilm, pkg.module:factory, file.py:factory, "
+                             "hf:DIR, timm:NAME; suffixes @bf16/@fp16/@fp32, @weights.safetensors")
+    parser.add_argument("--layer", action="append", required=True, metavar="PATTERN",
+                        help="modules to capture, repeatable: a path ('_conv_stem'), a glob "
+                             "('_blocks.*', '**._swish'), 're:REGEX' or 'type:Conv2d'")
+    parser.add_argument("--input", action="append", required=True, metavar="X",
+                        help="input, repeatable (images and sentences are batched): image "
+                             "file, sample:NAME, text, .pt/.npy/.safetensors, randn:1,3,224,224")
+    parser.add_argument("--save", metavar="FILE.safetensors",
+                        help="write every captured tensor here (keys 'path' or 'path:call')")
+    parser.add_argument("--plot", metavar="DIR",
+                        help="write one PNG per captured tensor: feature maps for 4-D outputs "
+                             "(first input), histograms otherwise")
+    parser.add_argument("--gradcam", metavar="LAYER",
+                        help="with --plot, image models: draw LAYER's Grad-CAM map for the "
+                             "predicted class over each input, DIR/gradcam_<i>.png")
+    parser.add_argument("--on-unfired", choices=("warn", "error", "ignore"), default="warn",
+                        help="a selected module that never ran: warn (default), error, ignore")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an existing --save file or PNGs")
+    parser.add_argument("--json", action="store_true", help="print prediction and rows as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Capture, print, save and plot as ``args`` says; exit code 0."""
+    if args.save and Path(args.save).exists() and not args.overwrite:
+        raise SpecError(f"'{args.save}' already exists; pass --overwrite to replace it, or "
+                        "choose another --save file")
+    loaded = _load(args.model)
+    hookscope.select(loaded.module, *args.layer)  # a bad pattern fails here, before any work
+    inputs = load_inputs(args.input, loaded)
+    for line in inputs.descriptions:
+        say(f"input {line}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", HookNeverFiredWarning)
+        with hookscope.capture(loaded.module, *args.layer, on_unfired=args.on_unfired) as acts:
+            output = inputs.call(loaded.module)
+    for warning in caught:  # one readable line each, not Python's file:line format
+        say(f"warning: {warning.message}")
+    prediction = predict(loaded, output, attention_mask=inputs.kwargs.get("attention_mask"))
+    counts = acts.counts
+    records = [_record(path, call, key, tensor, counts[path])
+               for path, call, key, tensor in record_items(acts)]
+    if args.save:
+        save_records(acts, args.save, overwrite=True, metadata=_metadata(args, loaded, records))
+        say(f"saved {len(records)} tensors to {args.save}")
+    plots = _plot(args, acts, inputs) if args.plot else []
+    if args.gradcam:
+        if not (args.plot and inputs.images):
+            raise SpecError("--gradcam draws over input images: give --plot DIR and an image input")
+        cams = hookscope.gradcam(loaded.module, inputs.args[0], args.gradcam)
+        plots += [hookscope.save_gradcam_overlay(image, cam, Path(args.plot) / f"gradcam_{i}.png",
+                                                 title=f"Grad-CAM of '{args.gradcam}', {spec}",
+                                                 overwrite=args.overwrite)
+                  for i, (image, cam, spec) in enumerate(zip(inputs.images, cams, inputs.specs))]
+    if args.json:
+        print_json({"model": loaded.spec, "inputs": list(inputs.descriptions),
+                    "prediction": _prediction_json(prediction, inputs), "records": records,
+                    "saved": args.save, "plots": [str(p) for p in plots]})
+        return 0
+    _print_prediction(prediction, inputs)
+    print_table(records, COLUMNS)
+    return 0
+
+
+def _load(spec: str) -> LoadedModel:
+    started = time.perf_counter()
+    say(f"loading {spec} ...")
+    loaded = load_model(spec)
+    say(f"loaded {spec} in {time.perf_counter() - started:.1f} s")
+    return loaded
+
+
+def _record(path: str, call: int, key: str, tensor: torch.Tensor, calls: int) -> dict[str, Any]:
+    """One row: the module path (with the output part, e.g. ``attn[0]``), the call, the file
+    key, and statistics of the finite values (float64)."""
+    stem = path if calls == 1 else f"{path}:{call}"
+    running = RunningStats()
+    running.update(tensor)
+    stats = running.as_dict()
+    return {"path": path + key[len(stem):], "call": call, "key": key,
+            "shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
+            "mean": stats["mean"], "std": stats["std"], "min": stats["min"], "max": stats["max"],
+            "zeros": stats["frac_zeros"], "nonfinite": int(running.nonfinite)}
+
+
+def _metadata(args: argparse.Namespace, loaded: LoadedModel,
+              records: list[dict[str, Any]]) -> dict[str, str]:
+    """safetensors metadata (strings): model spec, inputs, layer patterns, and for each key the
+    module path and call it came from."""
+    return {"hookscope.model": loaded.spec,
+            "hookscope.inputs": json.dumps(list(args.input)),
+            "hookscope.layers": json.dumps(list(args.layer)),
+            "hookscope.records": json.dumps({r["key"]: {"path": r["path"], "call": r["call"]}
+                                             for r in records})}
+
+
+def _plot(args: argparse.Namespace, acts: hookscope.Capture, inputs: Inputs) -> list[Path]:
+    from hookscope.viz import plot_activations  # matplotlib only when asked
+    tensors = {key.replace(":", ".call"): tensor for _, _, key, tensor in record_items(acts)}
+    image = inputs.images[0] if inputs.images else None
+    files = plot_activations(tensors, args.plot, image=image, overwrite=args.overwrite)
+    first = f" (first of {len(inputs.specs)} inputs)" if len(inputs.specs) > 1 else ""
+    say(f"wrote {len(files)} PNGs to {args.plot}{first}")
+    return files
+
+
+def _print_prediction(prediction: Prediction, inputs: Inputs) -> None:
+    if prediction.task == "imagenet-classes":
+        for spec, scores in zip(inputs.specs, prediction.classes):
+            print(f"{spec}: top-{len(scores)} ImageNet classes")
+            print_table([{"class": s.index, "name": s.name, "p": round(s.p, 4)} for s in scores],
+                        ("class", "name", "p"))
+            print()
+    elif prediction.task == "sentence-embeddings" and prediction.similarity is not None:
+        print("cosine similarity of the mean-pooled sentence embeddings")
+        matrix = prediction.similarity.tolist()
+        columns = ("#", "sentence") + tuple(str(j) for j in range(len(matrix)))
+        print_table([{"#": i, "sentence": _short(text),
+                      **{str(j): round(v, 4) for j, v in enumerate(row)}}
+                     for i, (text, row) in enumerate(zip(inputs.texts, matrix))], columns)
+        print()
+
+
+def _prediction_json(prediction: Prediction, inputs: Inputs) -> dict[str, Any]:
+    result: dict[str, Any] = {"task": prediction.task}
+    if prediction.classes:
+        result["classes"] = {spec: [{"class": s.index, "name": s.name, "p": s.p} for s in scores]
+                             for spec, scores in zip(inputs.specs, prediction.classes)}
+    if prediction.similarity is not None:
+        result["sentences"] = list(inputs.texts)
+        result["similarity"] = prediction.similarity.tolist()
+    return result
+
+
+def _short(text: str, limit: int = 48) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"

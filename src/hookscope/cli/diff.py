@@ -1,0 +1,59 @@
+"""``hookscope diff MODEL_A MODEL_B --input X``: compare two runs layer by layer."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from hookscope.cli._common import print_json, print_table, say
+from hookscope.compare import OUTPUT, LayerDiff, compare
+from hookscope.inputs import load_inputs
+from hookscope.models import load_model
+
+HELP = ("compare two models (or one model in two dtypes: MODEL and MODEL@bf16) layer by layer "
+        "on the same input; exit 1 when a layer differs beyond the tolerance")
+COLUMNS = ("path", "call", "shape", "max_abs", "rel", "cosine", "close")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the verb's options to ``parser``."""
+    parser.add_argument("model_a", metavar="MODEL_A", help="reference model spec")
+    parser.add_argument("model_b", metavar="MODEL_B",
+                        help="model spec to compare, e.g. the same with @bf16 or @weights.safetensors")
+    parser.add_argument("--input", action="append", required=True, metavar="X",
+                        help="input spec (repeatable), prepared for MODEL_A and cast for MODEL_B")
+    parser.add_argument("--layer", action="append", metavar="PATTERN",
+                        help="modules to compare (repeatable; default every module)")
+    parser.add_argument("--atol", type=float, default=1e-5,
+                        help="absolute tolerance (default 1e-5)")
+    parser.add_argument("--rtol", type=float, default=1e-4,
+                        help="tolerance relative to MODEL_A's values (default 1e-4)")
+    parser.add_argument("--json", action="store_true", help="print every row as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load both models, compare them on the input, print one row per module call."""
+    model_a, model_b = load_model(args.model_a), load_model(args.model_b)
+    inputs = load_inputs(args.input, model_a)
+    result = compare(model_a.module, model_b.module, *inputs.args, layers=args.layer or "**",
+                     atol=args.atol, rtol=args.rtol, **inputs.kwargs)
+    rows = [{**dataclasses.asdict(d), "path": _name(d)} for d in result.diffs]
+    first = result.first_divergent
+    if args.json:
+        print_json({"first_divergent": _name(first) if first else None, "rows": rows,
+                    "unmatched": list(result.unmatched)})
+    else:
+        print_table([{**row, "call": row["call_index"], "cosine": f"{row['cosine']:.6f}"}
+                     for row in rows], COLUMNS)
+    if result.unmatched:
+        say(f"ran in one model only: {', '.join(result.unmatched)}")
+    if first is None:
+        say(f"all {len(rows)} compared calls within atol={args.atol:g}, rtol={args.rtol:g}")
+        return 0
+    say(f"first divergent: {_name(first)}, call {first.call_index} (max_abs {first.max_abs:.4g}, "
+        f"rel {first.rel:.4g}, cosine {first.cosine:.6f}; atol={args.atol:g}, rtol={args.rtol:g})")
+    return 1
+
+
+def _name(diff: LayerDiff) -> str:
+    return diff.path if diff.path != OUTPUT else "(output)"

@@ -1,0 +1,45 @@
+"""``hookscope nan MODEL --input X``: the first module whose output (or gradient) is NaN/Inf."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from hookscope.cli._common import print_json, say
+from hookscope.inputs import load_inputs
+from hookscope.models import load_model
+from hookscope.nonfinite import find_nonfinite
+
+HELP = ("find the first module whose output (or, with --backward, gradient) holds NaN or Inf "
+        "from finite inputs; exit 1 when there is one")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the verb's options to ``parser``."""
+    parser.add_argument("model", metavar="MODEL",
+                        help="model spec, e.g. efficientnet-lite0, minilm@bf16, pkg.mod:build")
+    parser.add_argument("--input", action="append", required=True, metavar="X",
+                        help="input spec (repeatable): image file, sample:chelsea, tensor file, "
+                             "randn:1,3,224,224, or a sentence")
+    parser.add_argument("--backward", action="store_true",
+                        help="when the forward is finite, also check the gradients of the sum of "
+                             "the outputs")
+    parser.add_argument("--json", action="store_true", help="print the finding as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model and input, run ``find_nonfinite``, print what it found."""
+    loaded = load_model(args.model)
+    inputs = load_inputs(args.input, loaded)
+    found = find_nonfinite(loaded.module, *inputs.args, backward=args.backward, **inputs.kwargs)
+    if args.json:
+        print_json(dataclasses.asdict(found) if found is not None else None)
+    elif found is None:
+        checked = "output and gradient" if args.backward else "output"
+        print(f"no NaN or Inf: every module {checked} is finite on {', '.join(args.input)}")
+    else:
+        print(found)
+    if found is not None:
+        say(f"{args.model}: non-finite values start in '{found.path}' ({found.class_name})")
+        return 1
+    return 0

@@ -1,0 +1,63 @@
+"""``hookscope stats MODEL --input X...``: streaming statistics of each module's output."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from hookscope.cli._common import print_json, print_table, say
+from hookscope.inputs import Inputs, load_inputs
+from hookscope.models import load_model
+from hookscope.stats import RunningStats, stats
+
+HELP = ("count, mean, std, min, max, fraction of zeros and of NaN/Inf of each module's output, "
+        "streamed over the inputs without keeping activations")
+COLUMNS = ("path", "count", "mean", "std", "min", "max", "frac_zeros", "frac_nonfinite")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the verb's options to ``parser``."""
+    parser.add_argument("model", metavar="MODEL",
+                        help="model spec, e.g. efficientnet-lite0, minilm, pkg.mod:build")
+    parser.add_argument("--input", action="append", required=True, metavar="X",
+                        help="input spec (repeatable): image files, sample:NAME, tensor files, "
+                             "randn:SHAPE or sentences")
+    parser.add_argument("--layer", action="append", metavar="PATTERN",
+                        help="modules to watch (repeatable; default every module)")
+    parser.add_argument("--batch-size", type=int, default=0, metavar="N",
+                        help="inputs per forward pass (default: all inputs in one batch)")
+    parser.add_argument("--per-channel", nargs="?", const="auto", default=None, metavar="DIM",
+                        help="one row per channel: dimension 1 of feature maps, the last of "
+                             "(batch, seq, d_model) tokens, or the DIM given")
+    parser.add_argument("--json", action="store_true", help="print the statistics as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the model, stream the input batches through it, print one row per module."""
+    loaded = load_model(args.model)
+    size = args.batch_size if args.batch_size > 0 else len(args.input)
+    chunks = [args.input[i:i + size] for i in range(0, len(args.input), size)]
+    batches = (_batch(load_inputs(chunk, loaded)) for chunk in chunks)
+    per_channel: bool | int = (False if args.per_channel is None
+                               else True if args.per_channel == "auto" else int(args.per_channel))
+    result = stats(loaded.module, batches, layers=args.layer or "**", per_channel=per_channel)
+    say(f"{len(chunks)} batch{'es' if len(chunks) != 1 else ''} of up to {size} input(s)")
+    if args.json:
+        print_json({path: running.as_dict() for path, running in result.items()})
+    else:
+        print_table([row for path, running in result.items() for row in _rows(path, running)],
+                    COLUMNS if per_channel is False else ("path", "channel", *COLUMNS[1:]))
+    return 0
+
+
+def _batch(inputs: Inputs) -> tuple[Any, ...] | dict[str, Any]:
+    """One batch for ``stats``: the keyword tensors of text inputs, else the positional ones."""
+    return inputs.kwargs if inputs.kwargs else inputs.args
+
+
+def _rows(path: str, running: RunningStats) -> list[dict[str, Any]]:
+    values = running.as_dict()
+    if running.channel_dim is None or running.count.dim() == 0:
+        return [{"path": path, **values}]
+    return [{"path": path, "channel": c, **{k: v[c] for k, v in values.items()}}
+            for c in range(len(values["count"]))]

@@ -1,0 +1,51 @@
+"""``hookscope tree MODEL``: every module's path, class and parameters; with --input, also how
+often each ran and what it returned. Containers and modules that never ran are marked."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from hookscope.cli._common import print_json, say
+from hookscope.inputs import load_inputs
+from hookscope.models import load_model
+from hookscope.tree import filter_rows, format_tree, tree, tree_of_call
+
+HELP = "list every module: path, class, parameters; with --input, calls and output shapes"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``tree`` options to ``parser``."""
+    parser.add_argument("model", metavar="MODEL",
+                        help="efficientnet-lite0, minilm, pkg.module:factory, file.py:factory, "
+                             "hf:DIR, timm:NAME; suffixes @bf16/@fp16/@fp32, @weights.safetensors")
+    parser.add_argument("--input", action="append", metavar="X",
+                        help="example input, repeatable: image file, sample:NAME, text, "
+                             "tensor file (.pt/.npy/.safetensors), randn:1,3,224,224")
+    parser.add_argument("--filter", metavar="PATTERN",
+                        help="show only modules this pattern selects ('_blocks.*', '**.bn1', "
+                             "'type:Conv2d', 're:...')")
+    parser.add_argument("--depth", type=int, metavar="N",
+                        help="show modules down to depth N (0 is the model itself)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the module tree of ``args.model``; exit code 0."""
+    started = time.perf_counter()
+    say(f"loading {args.model} ...")
+    loaded = load_model(args.model)
+    say(f"loaded {args.model} in {time.perf_counter() - started:.1f} s")
+    if args.input:
+        inputs = load_inputs(args.input, loaded)
+        for line in inputs.descriptions:
+            say(f"input {line}")
+        rows = tree_of_call(loaded.module, lambda: inputs.call(loaded.module))
+    else:
+        rows = tree(loaded.module)
+    rows = filter_rows(rows, loaded.module, args.filter, args.depth)
+    if args.json:
+        print_json([row.as_dict() for row in rows])
+    else:
+        print(format_tree(rows), end="")
+    return 0

@@ -1,0 +1,411 @@
+"""Edits: change what selected modules return (or receive) while a ``with`` block runs.
+
+Four context managers, each selecting modules with the same patterns as ``capture``:
+
+- ``edit(model, {pattern: fn})``: any change, ``fn(output) -> new output``;
+- ``ablate(model, patterns, how="zero" | "mean" | "resample", reference=acts)``;
+- ``patch(model, source=acts, layers=patterns)``: activation patching from another run;
+- ``steer(model, {pattern: vector}, scale=1.0, positions=None)``: add a direction.
+
+Output edits are forward hooks that return the new output; input edits (``edit(...,
+inputs=True)``) are forward pre-hooks (``with_kwargs=True``) that return ``(args, kwargs)``. Every
+hook is removed when the block exits, also when the forward pass raises. Hooks of one module run
+in the order they were added: to record the edited value of a module, enter ``capture`` inside
+the edit (``with edit(...), capture(...)``); a capture of *other* modules sees the edit's effect
+whatever the order. A pattern with output parts (``"lstm[0]"``) edits only that part.
+
+Calls are counted per block, as ``capture`` counts them: call ``k`` of a module is its ``k``-th
+call since the block was entered, and ``patch`` gives it call ``k`` of the same module in the
+source. On exit, a selected module that never ran is reported like in ``capture``
+(``on_unfired``), because an edit that never applied is a silent wrong result.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from hookscope import diagnose
+from hookscope._nested import get_part, iter_tensors_with_keys, map_tensors, set_part
+from hookscope._sources import Records, Source
+from hookscope.capture import OnUnfired
+from hookscope.errors import EditError, HookNeverFiredError, HookNeverFiredWarning, HookscopeError
+from hookscope.select import Target, resolve
+
+__all__ = ["Edit", "edit", "ablate", "patch", "steer"]
+
+Tensor = torch.Tensor
+# (value of the selected output part, or (args, kwargs); its target; call index) -> new value | None
+Rule = Callable[[Any, Target, int], Any]
+Positions = int | Sequence[int] | slice | None
+
+
+class Edit:
+    """An active set of edits; build it with ``edit``, ``ablate``, ``patch`` or ``steer``.
+
+    Attributes:
+        counts: ``{record name: number of calls edited}``, e.g. ``{"fc1": 1, "lstm[0]": 2}``.
+        unfired: ``{record name: reason}`` for selected modules that never ran (set on exit).
+    """
+
+    def __init__(self, model: nn.Module, rules: Sequence[tuple[str, Rule]], *,
+                 inputs: bool = False, on_unfired: OnUnfired = "warn"):
+        if on_unfired not in ("warn", "error", "ignore"):
+            raise HookscopeError(f"on_unfired={on_unfired!r} is not one of 'warn', 'error', 'ignore'")
+        diagnose.preflight(model)
+        self.model = model
+        self._rules = [(target, rule) for pattern, rule in rules
+                       for target in resolve(model, [pattern])]
+        diagnose.check_targets(model, [t for t, _ in self._rules])
+        if inputs and any(t.parts for t, _ in self._rules):
+            raise EditError("output parts such as 'lstm[0]' select pieces of an output; an input "
+                            "edit gets (args, kwargs): drop the brackets and change them in fn")
+        self._inputs = inputs
+        self._on_unfired = on_unfired
+        self._calls = [0] * len(self._rules)
+        self._handles: list[RemovableHandle] = []
+        self._ran: set[str] = set()
+        self.unfired: dict[str, str] = {}
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """``{record name: calls edited}`` in this block so far."""
+        return {target.key: calls for (target, _), calls in zip(self._rules, self._calls)}
+
+    def __enter__(self) -> Edit:
+        if self._handles:
+            raise HookscopeError("this edit is already active: enter it once; call "
+                                 "hookscope.edit(...) again for another block")
+        try:
+            for index, (target, rule) in enumerate(self._rules):
+                if self._inputs:
+                    self._handles.append(target.module.register_forward_pre_hook(
+                        self._input_hook(index, target, rule), with_kwargs=True))
+                else:
+                    self._handles.append(target.module.register_forward_hook(
+                        self._output_hook(index, target, rule)))
+            targets = [t for t, _ in self._rules]
+            for path, module in diagnose.witnesses(self.model, targets).items():
+                self._handles.append(module.register_forward_pre_hook(self._witness(path)))
+        except BaseException:
+            self._remove()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._remove()
+        if exc is None:
+            self._report_unfired()
+
+    def _remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _output_hook(self, index: int, target: Target, rule: Rule) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            call = self._next_call(index, target)
+            new = rule(_part(output, target), target, call)
+            if new is None:
+                return None
+            return set_part(output, target.parts, new) if target.parts else new
+        return hook
+
+    def _input_hook(self, index: int, target: Target, rule: Rule) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            call = self._next_call(index, target)
+            new = rule((args, kwargs), target, call)
+            if new is not None and not (isinstance(new, tuple) and len(new) == 2
+                                        and isinstance(new[0], tuple) and isinstance(new[1], dict)):
+                raise EditError(f"the input edit of '{target.path}' returned a "
+                                f"{type(new).__name__}; it must return (args, kwargs) with args "
+                                f"a tuple and kwargs a dict, or None to keep the inputs")
+            return new
+        return hook
+
+    def _next_call(self, index: int, target: Target) -> int:
+        self._ran.add(target.path)
+        call = self._calls[index]
+        self._calls[index] += 1
+        return call
+
+    def _witness(self, path: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._ran.add(path)
+        return hook
+
+    def _report_unfired(self) -> None:
+        idle = [target for (target, _), calls in zip(self._rules, self._calls) if calls == 0]
+        self.unfired = diagnose.explain_unfired(self.model, idle, self._ran)
+        if not self.unfired or self._on_unfired == "ignore":
+            return
+        lines = "\n".join(f"  - {key}: {why}" for key, why in self.unfired.items())
+        message = (f"{len(self.unfired)} edited module(s) never ran, so their edit was never "
+                   f"applied:\n{lines}")
+        if self._on_unfired == "error":
+            raise HookNeverFiredError(message, unfired=self.unfired)
+        warnings.warn(message + "\n(pass on_unfired='error' to make this an error, 'ignore' to "
+                      "silence it)", HookNeverFiredWarning, stacklevel=3)
+
+
+def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: bool = False,
+         on_unfired: OnUnfired = "warn") -> Edit:
+    """Replace what selected modules return (or receive) with what ``fn`` makes of it.
+
+    ::
+
+        with hookscope.edit(model, {"fc1": lambda output: output * 2}):
+            y = model(x)        # exactly as with a forward hook returning output * 2
+
+    Args:
+        model: root module (wrappers looked through, as in ``capture``).
+        edits: ``{pattern: fn}``. For outputs, ``fn(output)`` or ``fn(output, path, call)``
+            returns the new output (any structure: tensor, tuple, dict, dataclass), or ``None``
+            to keep it; with a part (``"lstm[0]"``) ``fn`` gets and returns only that part.
+            With ``inputs=True``, ``fn(args, kwargs)`` or ``fn(args, kwargs, path, call)``
+            returns ``(args, kwargs)`` or ``None``. ``call`` counts from 0 per module.
+        inputs: edit the inputs (forward pre-hooks) instead of the outputs.
+        on_unfired: a selected module that never ran: ``"warn"``, ``"error"`` or ``"ignore"``.
+
+    Returns:
+        An ``Edit`` context manager; the hooks exist only inside its ``with`` block.
+
+    Raises:
+        SelectorError: a pattern matches no module (before anything is registered).
+        EditError: output parts with ``inputs=True``; an input edit returned something other
+            than ``(args, kwargs)`` or ``None`` (during the forward pass).
+        HookNeverFiredError: on exit, with ``on_unfired="error"``, a selected module never ran.
+    """
+    rules = [(pattern, _adapt(fn, 4 if inputs else 3, inputs)) for pattern, fn in edits.items()]
+    return Edit(model, rules, inputs=inputs, on_unfired=on_unfired)
+
+
+def ablate(model: nn.Module, patterns: str | Sequence[str], *,
+           how: Literal["zero", "mean", "resample"] = "zero", reference: Source | None = None,
+           on_unfired: OnUnfired = "warn") -> Edit:
+    """Knock out the outputs of selected modules (every tensor in them, or the selected part).
+
+    Args:
+        model: root module.
+        patterns: one pattern or a list.
+        how: ``"zero"``: zeros of the same shape and dtype. ``"mean"``: the reference's mean over
+            the batch (dim 0, pooled over all its recorded calls), the same for every row.
+            ``"resample"``: each row replaced by a reference row drawn at random (the global
+            torch RNG: seed it with ``torch.manual_seed`` for a repeatable draw).
+        reference: for ``"mean"``/``"resample"``: a ``Capture`` of the same modules on
+            reference inputs, a dict from ``hookscope.load``, or a file ``Capture.save`` wrote.
+        on_unfired: as in ``edit``.
+
+    Returns:
+        An ``Edit`` context manager.
+
+    Raises:
+        EditError: an unknown ``how``; no ``reference`` for ``"mean"``/``"resample"``; in the
+            forward pass, a reference that lacks the module, or whose rows (shape past dim 0)
+            differ from the output's.
+    """
+    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+    if how not in ("zero", "mean", "resample"):
+        raise EditError(f"how={how!r} is not one of 'zero', 'mean', 'resample'")
+    if how == "zero":
+        return Edit(model, [(p, _zero) for p in patterns], on_unfired=on_unfired)
+    if reference is None:
+        raise EditError(f"how={how!r} needs reference=acts: a capture of the same modules on "
+                        f"reference inputs, e.g. with hookscope.capture(model, *patterns) as "
+                        f"acts: model(x_reference)")
+    rule = _reference_rule(Records(reference, "reference"), how)
+    return Edit(model, [(p, rule) for p in patterns], on_unfired=on_unfired)
+
+
+def patch(model: nn.Module, *, source: Source, layers: str | Sequence[str] | None = None,
+          on_unfired: OnUnfired = "warn") -> Edit:
+    """Activation patching: give call ``k`` of each selected module call ``k``'s value in ``source``.
+
+    ::
+
+        with hookscope.capture(model, "blocks.*") as clean:
+            model(x_clean)
+        with hookscope.patch(model, source=clean, layers="blocks.3"):
+            y = model(x_corrupted)
+
+    Values are cast to the live output's device and dtype; they carry no gradient.
+
+    Args:
+        model: root module.
+        source: a ``Capture`` of another run, a dict from ``hookscope.load``, or the file.
+        layers: patterns to patch; ``None``: every record in ``source``; ``[]``: none.
+        on_unfired: as in ``edit``.
+
+    Returns:
+        An ``Edit`` context manager.
+
+    Raises:
+        EditError: in the forward pass: ``source`` lacks a selected module or its call ``k``;
+            a value's shape differs from the live output's (the message names the module, the
+            call and both shapes).
+    """
+    records = Records(source, "source")
+    patterns = records.keys() if layers is None else [layers] if isinstance(layers, str) else list(layers)
+
+    def rule(value: Any, target: Target, call: int) -> Any:
+        def replace(live: Tensor, keys: tuple[int | str, ...]) -> Tensor:
+            recorded = records.leaf(target, call, keys)
+            if recorded.shape != live.shape:
+                raise EditError(
+                    f"cannot patch call {call} of '{target.key}{_suffix(keys)}': the source value "
+                    f"has shape {tuple(recorded.shape)}, this run's output {tuple(live.shape)}; "
+                    f"patch between runs with the same input shape (batch, sequence length)")
+            return recorded.to(device=live.device, dtype=live.dtype)
+        return _map_with_keys(replace, value)
+    return Edit(model, [(p, rule) for p in patterns], on_unfired=on_unfired)
+
+
+def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0,
+          positions: Positions = None, on_unfired: OnUnfired = "warn") -> Edit:
+    """Add ``scale * vector`` to the output of each selected module (a steering direction).
+
+    The vector broadcasts over the leading dimensions: a ``(d_model,)`` vector is added to every
+    batch row and token of a ``(batch, seq, d_model)`` output; for a ``(batch, channels, height,
+    width)`` map give ``(channels, 1, 1)``. For a tuple output select the tensor, e.g.
+    ``"layers.6[0]"``.
+
+    Args:
+        model: root module.
+        vectors: ``{pattern: vector}``; each vector is cast to the output's device and dtype.
+        scale: multiplier of every vector.
+        positions: only these indices of dim 1 (the sequence positions of ``(batch, seq, ...)``):
+            an int, a list of ints or a slice; ``None``: everywhere.
+        on_unfired: as in ``edit``.
+
+    Returns:
+        An ``Edit`` context manager.
+
+    Raises:
+        EditError: a vector is not a tensor; in the forward pass: the selected output is not a
+            tensor, the vector does not broadcast to it, or ``positions`` needs a dim 1 it lacks.
+    """
+    rules = []
+    for pattern, vector in vectors.items():
+        if not isinstance(vector, Tensor):
+            raise EditError(f"the steering vector for '{pattern}' is a {type(vector).__name__}; "
+                            f"give a tensor, e.g. torch.tensor(values) of shape (d_model,)")
+        rules.append((pattern, _steer_rule(vector.detach() * scale, positions)))
+    return Edit(model, rules, on_unfired=on_unfired)
+
+
+# ------------------------------------------------------------------------------- rules
+def _adapt(fn: Callable[..., Any], full: int, inputs: bool) -> Rule:
+    """Call ``fn`` with (value) or (value, path, call), or for inputs (args, kwargs[, path, call])."""
+    takes_where = _accepts(fn, full)
+    if inputs:
+        if takes_where:
+            return lambda value, target, call: fn(*value, target.path, call)
+        return lambda value, target, call: fn(*value)
+    if takes_where:
+        return lambda value, target, call: fn(value, target.path, call)
+    return lambda value, target, call: fn(value)
+
+
+def _accepts(fn: Callable[..., Any], count: int) -> bool:
+    try:
+        inspect.signature(fn).bind(*([None] * count))
+    except (TypeError, ValueError):  # ValueError: no signature (some builtins)
+        return False
+    return True
+
+
+def _zero(value: Any, target: Target, call: int) -> Any:
+    return map_tensors(torch.zeros_like, value)
+
+
+def _reference_rule(records: Records, how: str) -> Rule:
+    pooled: dict[tuple[str, tuple[int | str, ...]], Tensor] = {}  # (record, keys) -> rows
+
+    def rule(value: Any, target: Target, call: int) -> Any:
+        def replace(live: Tensor, keys: tuple[int | str, ...]) -> Tensor:
+            cached = pooled.get((target.key, keys))
+            if cached is None:
+                cached = pooled[(target.key, keys)] = _pool(records, target, keys, how)
+            rows = cached.to(device=live.device, dtype=live.dtype)
+            if tuple(rows.shape[int(how == "resample"):]) != tuple(live.shape[1:]):
+                raise EditError(
+                    f"cannot ablate '{target.key}{_suffix(keys)}' with the reference {how}: "
+                    f"reference rows have shape {tuple(cached.shape[int(how == 'resample'):])}, "
+                    f"this run's rows {tuple(live.shape[1:])} (output {tuple(live.shape)}); "
+                    f"use a reference run with the same shape past the batch dimension")
+            if how == "mean":
+                return rows.expand(live.shape).contiguous()
+            return rows[torch.randint(rows.shape[0], (live.shape[0],), device=rows.device)]
+        return _map_with_keys(replace, value)
+    return rule
+
+
+def _pool(records: Records, target: Target, keys: tuple[int | str, ...], how: str) -> Tensor:
+    """All reference rows of one tensor position, ``(rows, ...)``, or their mean over rows."""
+    calls = records.calls(target, keys)
+    if not calls:
+        records.leaf(target, 0, keys)  # raises: the reference holds no record of the module
+    try:
+        rows = torch.cat([c.detach() for c in calls])  # (rows, ...) over batches and calls
+    except RuntimeError as err:
+        raise EditError(f"the reference calls of '{target.key}' differ in shape past the batch "
+                        f"dimension ({', '.join(str(tuple(c.shape)) for c in calls)}), so they "
+                        f"cannot be pooled: {err}") from None
+    return rows.float().mean(dim=0).to(rows.dtype) if how == "mean" else rows
+
+
+def _steer_rule(vector: Tensor, positions: Positions) -> Rule:
+    def rule(value: Any, target: Target, call: int) -> Any:
+        if not isinstance(value, Tensor):
+            raise EditError(f"'{target.key}' returns a {type(value).__name__}; steer one tensor "
+                            f"in it, e.g. '{target.key}[0]'")
+        delta = vector.to(device=value.device, dtype=value.dtype)
+        if not _broadcasts(delta.shape, value.shape):
+            raise EditError(f"cannot add a vector of shape {tuple(vector.shape)} to the output of "
+                            f"'{target.key}', shape {tuple(value.shape)}: give a vector that "
+                            f"broadcasts to its trailing dimensions, e.g. ({value.shape[-1]},)")
+        if positions is None:
+            return value + delta
+        if value.dim() < 2:
+            raise EditError(f"positions index dim 1 (the sequence), but '{target.key}' returns "
+                            f"shape {tuple(value.shape)}")
+        mask = torch.zeros_like(value)
+        mask[:, positions] = 1
+        return value + mask * delta
+    return rule
+
+
+# ------------------------------------------------------------------------------- helpers
+def _part(output: Any, target: Target) -> Any:
+    if not target.parts:
+        return output
+    try:
+        return get_part(output, target.parts)
+    except KeyError as err:
+        raise EditError(f"cannot edit '{target.key}': {err.args[0]}") from None
+
+
+def _broadcasts(shape: torch.Size, onto: torch.Size) -> bool:
+    """True if a tensor of ``shape`` adds to one of shape ``onto`` without changing its shape."""
+    try:
+        return bool(torch.broadcast_shapes(shape, onto) == onto)  # type: ignore[no-untyped-call]
+    except RuntimeError:
+        return False
+
+
+def _map_with_keys(fn: Callable[[Tensor, tuple[int | str, ...]], Tensor], value: Any) -> Any:
+    """``map_tensors`` whose function also gets each tensor's position (keys for ``get_part``)."""
+    keys = iter([k for k, _ in iter_tensors_with_keys(value)])
+    return map_tensors(lambda t: fn(t, next(keys)), value)
+
+
+def _suffix(keys: tuple[int | str, ...]) -> str:
+    return "".join(f"[{k}]" for k in keys)

@@ -1,0 +1,228 @@
+"""The module tree of a model: every path, class and parameter count; with an example input, how
+often each module ran and what it returned.
+
+Containers with no ``forward`` of their own (``ModuleList``, ``ModuleDict``) are marked with the
+pattern that selects their children (``_blocks.*``); modules that never ran in the example pass
+are marked too, so the tree shows at a glance which names a hook can use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookscope.errors import SelectorError
+from hookscope.select import is_container, select, unwrap
+
+__all__ = ["TreeRow", "tree", "tree_of_call", "format_tree", "filter_rows", "describe_output", "format_count"]
+
+_MAX_DESCRIPTION = 160  # characters of an output description before it is cut
+
+
+@dataclass(frozen=True)
+class TreeRow:
+    """One module of the tree.
+
+    Attributes:
+        path: qualified name as ``named_modules()`` gives it (wrappers stripped); ``""`` is the root.
+        class_name: the module's class, e.g. ``"Conv2d"``.
+        depth: 0 for the root, 1 for its children, ...
+        params: parameters of the module and everything below it (shared ones counted once).
+        own_params: parameters registered on the module itself.
+        calls: how many times it ran in the example forward pass; ``None`` without an example.
+        outputs: its distinct output signatures in call order, e.g. ``("1x32x112x112 float32",)``.
+        container: ``True`` for a module with no ``forward`` (never called, hooks never fire).
+        note: why a hook here would not fire and what to select instead, or ``""``.
+    """
+
+    path: str
+    class_name: str
+    depth: int
+    params: int
+    own_params: int
+    calls: int | None = None
+    outputs: tuple[str, ...] = ()
+    container: bool = False
+    note: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The row as plain JSON-ready values, keys in field order."""
+        return dataclasses.asdict(self)
+
+
+def tree(model: nn.Module, *args: Any, **kwargs: Any) -> list[TreeRow]:
+    """List every module of ``model``; with example inputs, also calls and output shapes.
+
+    Args:
+        model: root module; ``DataParallel``/``DDP``/``torch.compile`` wrappers are looked
+            through, and paths are those of the wrapped model.
+        *args, **kwargs: an example input; when given, ``model(*args, **kwargs)`` runs once
+            under ``torch.no_grad()`` with a counting hook on every module (all removed on
+            return, also when the forward raises).
+
+    Returns:
+        One ``TreeRow`` per module in ``named_modules()`` order, the root first.
+
+    Raises:
+        Whatever the forward pass raises on a bad example input.
+    """
+    if not (args or kwargs):
+        root, _ = unwrap(model)
+        modules = dict(root.named_modules())
+        return [_row(path, module, modules, None) for path, module in modules.items()]
+    return tree_of_call(model, lambda: model(*args, **kwargs))
+
+
+def tree_of_call(model: nn.Module, call: Callable[[], Any]) -> list[TreeRow]:
+    """As ``tree``, with the example pass given as a function, e.g. ``lambda: inputs.call(model)``.
+
+    ``call()`` runs once under ``torch.no_grad()`` while every module of ``model`` has a
+    counting hook; hooks are removed on return, also when ``call`` raises.
+    """
+    root, _ = unwrap(model)
+    modules = dict(root.named_modules())
+    ran = _run_example(modules, call)
+    return [_row(path, module, modules, ran) for path, module in modules.items()]
+
+
+def filter_rows(rows: Sequence[TreeRow], model: nn.Module, pattern: str | None = None,
+                depth: int | None = None) -> list[TreeRow]:
+    """Keep the rows that ``pattern`` selects (``hookscope.select`` syntax) up to ``depth``.
+
+    A pattern naming a container exactly keeps that row (the tree is where its note is read).
+
+    Raises:
+        SelectorError: ``pattern`` matches no module (the message lists close paths).
+    """
+    kept = list(rows)
+    if pattern is not None:
+        exact = {row.path for row in rows if row.path == pattern}
+        try:
+            chosen = set(select(model, pattern)) | exact
+        except SelectorError:
+            if not exact:
+                raise
+            chosen = exact
+        kept = [row for row in kept if row.path in chosen]
+    if depth is not None:
+        kept = [row for row in kept if row.depth <= depth]
+    return kept
+
+
+def format_tree(rows: Sequence[TreeRow]) -> str:
+    """Render rows as an aligned text table, one module a line, paths indented by depth
+    (relative to the shallowest row shown).
+
+    Columns: path, class, params (with children), own; then calls and output when the rows
+    come from an example pass; then a note for containers and modules that never ran.
+    """
+    with_calls = any(row.calls is not None for row in rows)
+    header = ["path", "class", "params", "own"] + (["calls", "output"] if with_calls else [])
+    top = min((row.depth for row in rows), default=0)
+    table = [header] + [_cells(row, with_calls, row.depth - top) for row in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header))]
+    notes = [""] + [row.note for row in rows]
+    lines = []
+    for line, note in zip(table, notes):
+        text = "  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip()
+        lines.append(f"{text}  # {note}" if note else text)
+    return "\n".join(lines) + "\n"
+
+
+def describe_output(value: Any) -> str:
+    """Say what a module returned: ``"1x32x112x112 float32"`` for a tensor, ``"(a, b)"`` for a
+    tuple, ``"{key: a}"`` for a dict or ``ModelOutput``, the class name for anything else."""
+    text = _describe(value)
+    return text if len(text) <= _MAX_DESCRIPTION else text[:_MAX_DESCRIPTION - 1] + "…"
+
+
+def format_count(n: int) -> str:
+    """Compact count: ``864``, ``12.3K``, ``4.65M``, ``1.1B`` (three significant digits)."""
+    if n < 1000:
+        return str(n)
+    for scale, suffix in ((1e3, "K"), (1e6, "M")):
+        if n / scale < 999.5:
+            return f"{n / scale:.3g}{suffix}"
+    return f"{n / 1e9:.3g}B" if n / 1e9 < 999.5 else f"{n / 1e9:.0f}B"
+
+
+# ------------------------------------------------------------------------------- internals
+def _run_example(modules: dict[str, nn.Module], call: Callable[[], Any]) -> dict[str, list[str]]:
+    """Run the example once; return ``{path: [output description of each call]}``."""
+    ran: dict[str, list[str]] = {path: [] for path in modules}
+
+    def recorder(path: str) -> Any:
+        def hook(module: nn.Module, inputs: Any, output: Any) -> None:
+            ran[path].append(describe_output(output))
+        return hook
+
+    handles = [module.register_forward_hook(recorder(path))
+               for path, module in modules.items() if not is_container(module)]
+    try:
+        with torch.no_grad():
+            call()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return ran
+
+
+def _row(path: str, module: nn.Module, modules: dict[str, nn.Module],
+         ran: dict[str, list[str]] | None) -> TreeRow:
+    container = is_container(module) and path != ""
+    calls = None if ran is None or container else len(ran[path])
+    outputs = tuple(dict.fromkeys(ran[path])) if ran is not None and not container else ()
+    note = _container_note(path, modules) if container else (
+        _never_ran_note(path, ran) if ran is not None and calls == 0 else "")
+    return TreeRow(path=path, class_name=type(module).__name__,
+                   depth=0 if path == "" else path.count(".") + 1,
+                   params=sum(p.numel() for p in module.parameters()),
+                   own_params=sum(p.numel() for p in module.parameters(recurse=False)),
+                   calls=calls, outputs=outputs, container=container, note=note)
+
+
+def _container_note(path: str, modules: dict[str, nn.Module]) -> str:
+    prefix = path + "."
+    children = [p for p in modules if p.startswith(prefix) and "." not in p[len(prefix):]]
+    plural = "s" if len(children) != 1 else ""
+    return (f"container, no forward: select '{path}.*' ({len(children)} module{plural})"
+            if children else "container, no forward and no children: nothing to hook")
+
+
+def _never_ran_note(path: str, ran: dict[str, list[str]]) -> str:
+    parent = path.rpartition(".")[0]
+    if ran.get(parent):
+        who = f"'{parent}'" if parent else "the model's forward"
+        return (f"never ran: {who} ran without calling it (a functional call such as F.relu, "
+                "or a branch not taken)")
+    return "never ran, nor did its parent: this input takes a branch that does not reach it"
+
+
+def _cells(row: TreeRow, with_calls: bool, indent: int) -> list[str]:
+    name = "  " * indent + (row.path or "(root)")
+    cells = [name, row.class_name, format_count(row.params), format_count(row.own_params)]
+    if with_calls:
+        calls = "-" if row.calls is None else str(row.calls)
+        cells += [calls, " | ".join(row.outputs) or "-"]
+    return cells
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        shape = "x".join(str(n) for n in value.shape) or "scalar"
+        return f"{shape} {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(_describe(v) for v in value)
+        return f"({inner},)" if isinstance(value, tuple) and len(value) == 1 else (
+            f"({inner})" if isinstance(value, tuple) else f"[{inner}]")
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_describe(v)}" for k, v in value.items()) + "}"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        return "{" + ", ".join(f"{k}: {_describe(v)}" for k, v in fields.items()) + "}"
+    return "None" if value is None else type(value).__name__
