@@ -29,6 +29,7 @@ from torch import nn
 from bench.models import LinearStack
 
 Forward = Callable[[], None]
+CLOCK = time.perf_counter
 
 
 def _bare_hooks(model: nn.Module, store: list[torch.Tensor]) -> list[Any]:
@@ -41,9 +42,9 @@ def _timed(body: Callable[[], None]) -> float:
     gc.collect()
     gc.disable()
     try:
-        start = time.perf_counter()
+        start = CLOCK()
         body()
-        return time.perf_counter() - start
+        return CLOCK() - start
     finally:
         gc.enable()
 

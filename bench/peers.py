@@ -207,7 +207,7 @@ def torchlens_trace(model: nn.Module, example: Sequence[Any], layers: str | Sequ
                 yield op.out
 
     return Case(name, "torchlens", run, tensors,
-                note="every tensor op" if layers == "all" else "")
+                note="" if layers == "all" else "saves every op inside the selected modules")
 
 
 def tensor_bytes(tensors: Iterable[Tensor]) -> int:

@@ -224,7 +224,7 @@ def test_unfired_error_mode_keeps_records() -> None:
 
 def test_no_forward_inside_block_is_reported() -> None:
     model = MlpStack()
-    with pytest.warns(HookNeverFiredWarning, match="no forward pass ran inside the capture block"):
+    with pytest.warns(HookNeverFiredWarning, match="no forward pass ran inside the with block"):
         with hookscope.capture(model, "fc1"):
             pass
 

@@ -29,6 +29,7 @@ from hookscope.records import load
 from hookscope.select import select
 from hookscope.stats import RunningStats, stats
 from hookscope.store import Store, open_store
+from hookscope.tree import TreeRow, tree
 
 __version__ = "0.1.0"
 
@@ -55,6 +56,7 @@ __all__ = [
     "StoreError",
     "StoreExistsError",
     "TensorSummary",
+    "TreeRow",
     "ablate",
     "capture",
     "compare",
@@ -72,4 +74,5 @@ __all__ = [
     "select",
     "stats",
     "steer",
+    "tree",
 ]

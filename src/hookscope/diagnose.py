@@ -117,8 +117,8 @@ def _reason(path: str, modules: dict[str, nn.Module], children: dict[str, list[s
     if special:
         return special
     if not ran:
-        return (f"{path} ({kind}) was hooked but no forward pass ran inside the capture block: "
-                f"call the model inside 'with hookscope.capture(...)'")
+        return (f"{path} ({kind}) was hooked but no forward pass ran inside the with block: "
+                f"call the model inside it ('with hookscope.capture(...): model(x)')")
     ran_children = [c for c in children.get(path, ()) if c in ran]
     if ran_children:
         return (f"{path} ({kind}) never ran through its hooks although its child "
