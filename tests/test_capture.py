@@ -242,7 +242,7 @@ def test_capture_cannot_be_entered_twice() -> None:
     model = MlpStack()
     acts = hookscope.capture(model, "fc1")
     with acts:
-        with pytest.raises(hookscope.HookscopeError, match="entered once"):
+        with pytest.raises(hookscope.HookscopeError, match="already active: enter it once"):
             with acts:
                 pass
         model(torch.randn(1, 10))

@@ -8,7 +8,7 @@ from torch import nn
 
 import hookscope
 from hookscope import CaptureError, HookNeverFiredWarning, SelectorError
-from hookscope.capture import _WRITTEN_IN_PLACE
+from hookscope._inplace import _WRITTEN_IN_PLACE
 from tests.models import DirectForwardCall, InplaceRelu, ModuleListBlocks, ReusedRelu, UnusedBranch
 
 

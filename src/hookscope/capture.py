@@ -1,54 +1,50 @@
 """Capture: record what selected modules return (and take, and receive as gradient) on every call.
 
-``capture(model, *patterns)`` is a context manager. On entry it resolves the patterns (errors
-come before anything is registered), then adds one forward hook per selected module; on exit it
-removes every hook it added, also on an exception or ``KeyboardInterrupt``, checks that no
-captured value was overwritten in place, and reports each selected module whose hook never fired.
+``capture(model, *patterns)`` is a context manager (a ``HookSession``, see ``_session.py``). On
+entry it resolves the patterns (errors come before anything is registered), then adds one forward
+hook per selected module; on exit it removes every hook it added, also on an exception or
+``KeyboardInterrupt``, checks that no captured value was overwritten in place, and reports each
+selected module whose hook never fired.
 
-Captured values stay equal to what the module returned at that moment. A later in-place write
-(``ReLU(inplace=True)``, ``x += y``) would change a tensor kept by reference; cloning every output
-costs x1.54 against x1.31 for references on an all-leaf ResNet-50 capture (shared/BASELINE.md).
-So the default ``clone=None`` learns, per module, whether its output is ever written in place:
-the first capture of a module clones its outputs and keeps the version counters
-(``Tensor._version``) of the originals; if they changed by the end of that forward pass, the
-module is remembered as written-in-place (its outputs are cloned from then on), else as safe (kept
-by reference). Outputs kept by reference are checked again on exit; a value that changed anyway
-(a data-dependent branch) is never returned: reading it raises ``CaptureError``.
-
-Under ``torch.inference_mode()`` tensors carry no version counter: the first capture then decides
-by comparing each original with its copy at the end of the pass, and later outputs kept by
-reference cannot be checked. A module whose in-place writer left the values unchanged during that
-first pass (a ``clamp_`` that clipped nothing) would go unnoticed; pass ``clone=True`` where that
-matters.
+Captured values stay equal to what the module returned at that moment, even when a later in-place
+op writes over its memory, without copying every output: see ``_inplace.py``.
 """
 
 from __future__ import annotations
 
+import inspect
 import warnings
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from types import TracebackType
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
-from hookscope import diagnose
+from hookscope._inplace import InPlacePolicy, shares_memory
 from hookscope._nested import get_part, map_tensors
-from hookscope.errors import CaptureError, HookNeverFiredError, HookNeverFiredWarning, HookscopeError
+from hookscope._session import HookSession, OnUnfired, by_module
+from hookscope.errors import CaptureError
 from hookscope.grads import NO_GRADIENT_YET, GradRecord, converter, watch_inputs, watch_output
 from hookscope.records import save_records
-from hookscope.select import Target, resolve, unwrap
+from hookscope.select import Target, unwrap
 
-__all__ = ["Capture", "CallInputs", "capture", "run"]
+__all__ = ["Capture", "CaptureOptions", "CallInputs", "capture", "run"]
 
 Tensor = torch.Tensor
-OnUnfired = Literal["warn", "error", "ignore"]
 
-# module -> True when its output was seen written in place after it returned, False when seen safe.
-_WRITTEN_IN_PLACE: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+@dataclass(frozen=True)
+class CaptureOptions:
+    """What a capture keeps besides each call's output; see ``capture`` for each field."""
+
+    inputs: bool = False
+    grads: bool = False
+    grad_inputs: bool = False
+    to: torch.device | str | None = None
+    dtype: torch.dtype | None = None
+    reduce: Callable[[Tensor], Tensor] | None = None
+    clone: bool | None = None
 
 
 @dataclass(frozen=True)
@@ -85,7 +81,7 @@ class _Slot:
         self.broken: set[int] = set()  # calls whose value was overwritten in place
 
 
-class Capture:
+class Capture(HookSession):
     """Records of one capture session; build it with ``hookscope.capture(...)``.
 
     Reading records: ``acts[path]`` is the output of the module's one call; ``acts[path, k]`` the
@@ -99,93 +95,34 @@ class Capture:
             whose in-place write depends on the data).
     """
 
-    def __init__(self, model: nn.Module, patterns: Sequence[str], *, inputs: bool = False,
-                 grads: bool = False, grad_inputs: bool = False,
-                 to: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None, reduce: Callable[[Tensor], Tensor] | None = None,
-                 clone: bool | None = None, on_unfired: OnUnfired = "warn"):
-        if on_unfired not in ("warn", "error", "ignore"):
-            raise HookscopeError(f"on_unfired={on_unfired!r} is not one of 'warn', 'error', 'ignore'")
-        self.model = model
-        diagnose.preflight(model)
-        self._targets = resolve(model, list(patterns))
-        diagnose.check_targets(model, self._targets)
-        self._slots = {t.key: _Slot(t) for t in self._targets}
-        self._options = dict(inputs=inputs, grads=grads, grad_inputs=grad_inputs, to=to,
-                             dtype=dtype, reduce=reduce, clone=clone)
-        self._grad_convert = converter(to, dtype)  # applied to each gradient as it arrives
-        self._on_unfired = on_unfired
-        self._handles: list[RemovableHandle] = []
-        self._ran: set[str] = set()
-        # modules on trial: (module, tensor kept by reference, its version or None, its copy)
-        self._learning: list[tuple[nn.Module, Tensor, int | None, Tensor]] = []
-        # module -> copy its outputs? (True/False), or None while on trial; see the module docstring
-        self._policy: dict[nn.Module, bool | None] = {}
-        self.unfired: dict[str, str] = {}
-        self._active = False
-
-    # ----------------------------------------------------------------- session
-    def __enter__(self) -> Capture:
-        if self._active:
-            raise HookscopeError("this capture is already active: a Capture is entered once; "
-                                 "call hookscope.capture(...) again for a new session")
-        self._active = True
-        try:
-            self._register()
-        except BaseException:
-            self._remove()
-            raise
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self._remove()
-        self._finish_learning()
-        self._check_versions()
-        if exc is not None:
-            diagnose.locate_error(self.model, exc)
-            return
-        self.unfired = diagnose.explain_unfired(
-            self.model, [s.target for s in self._slots.values() if not s.outputs], self._ran)
-        self._report_unfired()
+    def __init__(self, model: nn.Module, patterns: Sequence[str], options: CaptureOptions,
+                 on_unfired: OnUnfired = "warn"):
+        super().__init__(model, patterns, on_unfired)
+        self._slots = {t.key: _Slot(t) for t in self.targets}
+        self._options = options
+        self._grad_convert = converter(options.to, options.dtype)  # applied to each arriving gradient
+        self._policy = InPlacePolicy(options.clone)
 
     def _register(self) -> None:
-        by_module: dict[nn.Module, list[_Slot]] = {}
-        for slot in self._slots.values():
-            by_module.setdefault(slot.target.module, []).append(slot)
-        for module, slots in by_module.items():
-            hook = self._make_hook(module, slots)
-            self._handles.append(module.register_forward_hook(
-                hook, with_kwargs=bool(self._options["inputs"])))
-            if self._options["grad_inputs"]:
-                self._handles.append(module.register_forward_pre_hook(
+        for module, targets in by_module(self.targets).items():
+            slots = [self._slots[t.key] for t in targets]
+            self._add(module.register_forward_hook(self._make_hook(module, slots),
+                                                   with_kwargs=self._options.inputs))
+            if self._options.grad_inputs:
+                self._add(module.register_forward_pre_hook(
                     watch_inputs([s.grad_inputs for s in slots], self._grad_convert), with_kwargs=True))
         root, _ = unwrap(self.model)
-        self._handles.append(root.register_forward_hook(self._end_of_pass))
-        for path, module in diagnose.witnesses(self.model, self._targets).items():
-            self._handles.append(module.register_forward_pre_hook(self._witness(path)))
+        self._add(root.register_forward_hook(lambda module, args, output: self._policy.end_pass()))
 
-    def _remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self._active = False
-
-    def _witness(self, path: str) -> Callable[..., None]:
-        ran = self._ran
-
-        def hook(module: nn.Module, args: Any) -> None:
-            ran.add(path)
-        return hook
-
-    def _end_of_pass(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._finish_learning()
+    def _finish(self) -> None:
+        self._policy.end_pass()
+        self._check_versions()
 
     # ----------------------------------------------------------------- hooks
     def _make_hook(self, module: nn.Module, slots: list[_Slot]) -> Callable[..., None]:
         snapshot = self._snapshot_fn(module)
         ran, path = self._ran, slots[0].target.path
-        with_inputs, with_grads = self._options["inputs"], self._options["grads"]
+        with_inputs, with_grads = self._options.inputs, self._options.grads
         convert = self._grad_convert
         single = slots[0] if len(slots) == 1 and not slots[0].target.parts else None
 
@@ -209,76 +146,51 @@ class Capture:
     def _snapshot_fn(self, module: nn.Module) -> Callable[[Any, _Slot], Any]:
         """Return ``snapshot(output, slot)``: the output with each tensor detached, converted,
         reduced, and copied when the in-place policy says so (decided once per call)."""
-        to, dtype, reduce = self._options["to"], self._options["dtype"], self._options["reduce"]
+        to, dtype, reduce = self._options.to, self._options.dtype, self._options.reduce
         converts = to is not None or dtype is not None or reduce is not None
-        clone, trial, policy = self._options["clone"], self._learning, self._policy
-        policy.setdefault(module, _WRITTEN_IN_PLACE.get(module) if clone is None else clone)
+        policy = self._policy
+        policy.watch(module)
+        verdicts = policy.copy
 
-        def keep(t: Tensor, slot: _Slot, copy: bool, learning: bool) -> Tensor:
+        def keep(t: Tensor, slot: _Slot, copy: bool, on_trial: bool) -> Tensor:
             kept = t.detach()
             if converts:
                 if to is not None or dtype is not None:
                     kept = kept.to(device=to, dtype=dtype)
                 if reduce is not None:
                     kept = reduce(kept)
-                if not _shares_memory(kept, t):
+                if not shares_memory(kept, t):
                     return kept
             if copy:
                 pristine = kept.clone()
-                if learning:
-                    trial.append((module, kept, _version(kept), pristine))
+                if on_trial:
+                    policy.on_trial(module, kept, pristine)
                 return pristine
             if not kept.is_inference():  # inference tensors have no version counter
                 slot.versions.append((len(slot.outputs), kept, kept._version))
             return kept
 
         def snapshot(output: Any, slot: _Slot) -> Any:
-            written = policy[module]
-            copy, learning = written is not False, written is None
+            written = verdicts[module]
+            copy, on_trial = written is not False, written is None
             if isinstance(output, Tensor):
-                return keep(output, slot, copy, learning)
-            return map_tensors(lambda t: keep(t, slot, copy, learning), output)
+                return keep(output, slot, copy, on_trial)
+            return map_tensors(lambda t: keep(t, slot, copy, on_trial), output)
         return snapshot
-
-    # ----------------------------------------------------------------- in-place safety
-    def _finish_learning(self) -> None:
-        """Decide, for each module on trial, whether its output was written in place: by the
-        version counter, or for inference tensors (which have none) by comparing with the copy."""
-        verdict: dict[nn.Module, bool] = {}
-        for module, kept, version, pristine in self._learning:
-            written = kept._version != version if version is not None else not torch.equal(kept, pristine)
-            verdict[module] = verdict.get(module, False) or written
-        for module, written in verdict.items():
-            _WRITTEN_IN_PLACE[module] = self._policy[module] = written
-        self._learning.clear()
 
     def _check_versions(self) -> None:
         for slot in self._slots.values():
-            for call, tensor, version in slot.versions:
-                if tensor._version != version:
+            for call, tensor, counter in slot.versions:
+                if tensor._version != counter:
                     slot.broken.add(call)
-                    _WRITTEN_IN_PLACE[slot.target.module] = self._policy[slot.target.module] = True
+                    self._policy.mark(slot.target.module, True)
             slot.versions.clear()
         broken = [f"{k} (calls {sorted(s.broken)})" for k, s in self._slots.items() if s.broken]
         if broken:
             warnings.warn(
                 f"captured outputs were overwritten in place after capture: {', '.join(broken)}. "
                 f"Their values are wrong and reading them raises. Run the capture again: hookscope "
-                f"now copies these modules' outputs (or pass clone=True).", RuntimeWarning, stacklevel=3)
-
-    # ----------------------------------------------------------------- unfired
-    def _report_unfired(self) -> None:
-        if not self.unfired or self._on_unfired == "ignore":
-            return
-        lines = "\n".join(f"  - {path}: {why}" for path, why in self.unfired.items())
-        n = len(self.unfired)
-        message = (f"{n} selected module{'s' if n > 1 else ''} never ran, so no hook fired and "
-                   f"nothing was recorded:\n{lines}")
-        if self._on_unfired == "error":
-            raise HookNeverFiredError(message + "\n(the records of the modules that ran are in "
-                                      "err.capture)", capture=self, unfired=self.unfired)
-        warnings.warn(message + "\n(pass on_unfired='error' to make this an error, 'ignore' to "
-                      "silence it)", HookNeverFiredWarning, stacklevel=3)
+                f"now copies these modules' outputs (or pass clone=True).", RuntimeWarning, stacklevel=4)
 
     # ----------------------------------------------------------------- reading
     @property
@@ -321,7 +233,7 @@ class Capture:
     def inputs(self, path: str, call: int = 0) -> CallInputs:
         """The inputs of call ``call`` of ``path``; needs ``capture(..., inputs=True)``."""
         slot = self._slot(path)
-        if not self._options["inputs"]:
+        if not self._options.inputs:
             raise CaptureError(f"inputs were not recorded: use hookscope.capture(model, "
                                f"'{path}', inputs=True) to keep them")
         args, kwargs = slot.inputs[self._index(path, slot, call)]
@@ -372,7 +284,7 @@ class Capture:
 
     def _grad_record(self, path: str, call: int, option: str) -> GradRecord:
         slot = self._slot(path)
-        if not self._options[option]:
+        if not getattr(self._options, option):
             raise CaptureError(f"{'input ' if option == 'grad_inputs' else ''}gradients were not "
                                f"recorded: use hookscope.capture(model, '{path}', {option}=True), "
                                f"then call loss.backward()")
@@ -424,25 +336,11 @@ def _part(output: Any, slot: _Slot) -> Any:
         raise CaptureError(f"cannot take {slot.target.key!r}: {err.args[0]}") from None
 
 
-def _shares_memory(kept: Tensor, original: Tensor) -> bool:
-    if kept is original or kept._base is original or kept._base is original._base is not None:
-        return True
-    try:
-        return kept.untyped_storage().data_ptr() == original.untyped_storage().data_ptr()
-    except RuntimeError:  # tensors without storage (meta, some subclasses)
-        return False
-
-
-def _version(t: Tensor) -> int | None:
-    return None if t.is_inference() else t._version
-
-
 def _copy(t: Tensor) -> Tensor:
     return t.detach().clone()
 
 
 def _bind(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    import inspect
     try:
         bound = inspect.signature(module.forward).bind(*args, **kwargs)
     except (TypeError, ValueError):
@@ -481,7 +379,7 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
         reduce: function applied to each captured tensor at capture time, e.g.
             ``lambda t: t.mean(dim=(2, 3))`` keeps ``(batch, channels)`` instead of the map.
         clone: ``None`` (default) copies outputs only of modules whose output is written in place
-            later (learned on first use, see the module docstring); ``True`` copies always;
+            later (learned on first use, see ``_inplace.py``); ``True`` copies always;
             ``False`` never (values overwritten later raise on reading).
         on_unfired: what to do on exit about selected modules that never ran: ``"warn"``
             (``HookNeverFiredWarning``), ``"error"`` (``HookNeverFiredError``, raised after the
@@ -495,8 +393,9 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
             container (``ModuleList``) whose hook could never fire.
         HookscopeError: the model cannot be hooked (TorchScript), or an option is invalid.
     """
-    return Capture(model, patterns, inputs=inputs, grads=grads, grad_inputs=grad_inputs, to=to,
-                   dtype=dtype, reduce=reduce, clone=clone, on_unfired=on_unfired)
+    options = CaptureOptions(inputs=inputs, grads=grads, grad_inputs=grad_inputs, to=to,
+                             dtype=dtype, reduce=reduce, clone=clone)
+    return Capture(model, patterns, options, on_unfired)
 
 
 def run(model: nn.Module, *args: Any, layers: str | Sequence[str],

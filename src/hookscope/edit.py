@@ -23,20 +23,16 @@ source. On exit, a selected module that never ran is reported like in ``capture`
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections.abc import Callable, Mapping, Sequence
-from types import TracebackType
 from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
-from hookscope import diagnose
 from hookscope._nested import get_part, iter_tensors_with_keys, map_tensors, set_part
+from hookscope._session import HookSession, OnUnfired
 from hookscope._sources import Records, Source
-from hookscope.capture import OnUnfired
-from hookscope.errors import EditError, HookNeverFiredError, HookNeverFiredWarning, HookscopeError
+from hookscope.errors import EditError
 from hookscope.select import Target, resolve
 
 __all__ = ["Edit", "edit", "ablate", "patch", "steer"]
@@ -47,7 +43,7 @@ Rule = Callable[[Any, Target, int], Any]
 Positions = int | Sequence[int] | slice | None
 
 
-class Edit:
+class Edit(HookSession):
     """An active set of edits; build it with ``edit``, ``ablate``, ``patch`` or ``steer``.
 
     Attributes:
@@ -55,60 +51,32 @@ class Edit:
         unfired: ``{record name: reason}`` for selected modules that never ran (set on exit).
     """
 
+    _unfired_consequence = "their edit was never applied"
+    _allow_no_patterns = True
+
     def __init__(self, model: nn.Module, rules: Sequence[tuple[str, Rule]], *,
                  inputs: bool = False, on_unfired: OnUnfired = "warn"):
-        if on_unfired not in ("warn", "error", "ignore"):
-            raise HookscopeError(f"on_unfired={on_unfired!r} is not one of 'warn', 'error', 'ignore'")
-        diagnose.preflight(model)
-        self.model = model
+        super().__init__(model, [pattern for pattern, _ in rules], on_unfired)
         self._rules = [(target, rule) for pattern, rule in rules
                        for target in resolve(model, [pattern])]
-        diagnose.check_targets(model, [t for t, _ in self._rules])
         if inputs and any(t.parts for t, _ in self._rules):
             raise EditError("output parts such as 'lstm[0]' select pieces of an output; an input "
                             "edit gets (args, kwargs): drop the brackets and change them in fn")
         self._inputs = inputs
-        self._on_unfired = on_unfired
         self._calls = [0] * len(self._rules)
-        self._handles: list[RemovableHandle] = []
-        self._ran: set[str] = set()
-        self.unfired: dict[str, str] = {}
 
     @property
     def counts(self) -> dict[str, int]:
         """``{record name: calls edited}`` in this block so far."""
         return {target.key: calls for (target, _), calls in zip(self._rules, self._calls)}
 
-    def __enter__(self) -> Edit:
-        if self._handles:
-            raise HookscopeError("this edit is already active: enter it once; call "
-                                 "hookscope.edit(...) again for another block")
-        try:
-            for index, (target, rule) in enumerate(self._rules):
-                if self._inputs:
-                    self._handles.append(target.module.register_forward_pre_hook(
-                        self._input_hook(index, target, rule), with_kwargs=True))
-                else:
-                    self._handles.append(target.module.register_forward_hook(
-                        self._output_hook(index, target, rule)))
-            targets = [t for t, _ in self._rules]
-            for path, module in diagnose.witnesses(self.model, targets).items():
-                self._handles.append(module.register_forward_pre_hook(self._witness(path)))
-        except BaseException:
-            self._remove()
-            raise
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self._remove()
-        if exc is None:
-            self._report_unfired()
-
-    def _remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+    def _register(self) -> None:
+        for index, (target, rule) in enumerate(self._rules):
+            if self._inputs:
+                self._add(target.module.register_forward_pre_hook(
+                    self._input_hook(index, target, rule), with_kwargs=True))
+            else:
+                self._add(target.module.register_forward_hook(self._output_hook(index, target, rule)))
 
     def _output_hook(self, index: int, target: Target, rule: Rule) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
@@ -136,24 +104,6 @@ class Edit:
         call = self._calls[index]
         self._calls[index] += 1
         return call
-
-    def _witness(self, path: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
-            self._ran.add(path)
-        return hook
-
-    def _report_unfired(self) -> None:
-        idle = [target for (target, _), calls in zip(self._rules, self._calls) if calls == 0]
-        self.unfired = diagnose.explain_unfired(self.model, idle, self._ran)
-        if not self.unfired or self._on_unfired == "ignore":
-            return
-        lines = "\n".join(f"  - {key}: {why}" for key, why in self.unfired.items())
-        message = (f"{len(self.unfired)} edited module(s) never ran, so their edit was never "
-                   f"applied:\n{lines}")
-        if self._on_unfired == "error":
-            raise HookNeverFiredError(message, unfired=self.unfired)
-        warnings.warn(message + "\n(pass on_unfired='error' to make this an error, 'ignore' to "
-                      "silence it)", HookNeverFiredWarning, stacklevel=3)
 
 
 def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: bool = False,

@@ -30,6 +30,7 @@ from hookscope._extras import require
 from hookscope.capture import capture
 from hookscope.errors import GradcamError, SpecError
 from hookscope.select import resolve
+from hookscope.viz import save_figure
 
 __all__ = ["gradcam", "save_gradcam_overlay"]
 
@@ -138,7 +139,7 @@ def save_gradcam_overlay(image: np.ndarray | Tensor, cam: np.ndarray | Tensor,
         axes.set_axis_off()
     if title:
         figure.suptitle(title)
-    return _save(figure, Path(path))
+    return save_figure(figure, Path(path))
 
 
 # ------------------------------------------------------------------------------- internals
@@ -203,14 +204,3 @@ def _as_map(cam: np.ndarray | Tensor, size: tuple[int, ...]) -> np.ndarray:
         heat = F.interpolate(heat[None, None].float(), size=tuple(size), mode="bilinear",
                              align_corners=False)[0, 0]
     return heat.float().numpy()
-
-
-def _save(figure: Any, file: Path) -> Path:
-    file.parent.mkdir(parents=True, exist_ok=True)
-    temporary = file.with_name(f".{file.name}.{os.getpid()}.tmp")
-    try:
-        figure.savefig(temporary, format="png", dpi=_DPI)
-        os.replace(temporary, file)
-    finally:
-        temporary.unlink(missing_ok=True)
-    return file

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from hookscope._files import write_atomic
 from hookscope._nested import iter_tensors_with_keys
 from hookscope.errors import HookscopeError
 
@@ -74,22 +74,3 @@ def load(file: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         return load_file(file)
     except Exception as err:  # safetensors raises its own SafetensorError
         raise HookscopeError(f"{file} is not a readable safetensors file: {err}") from err
-
-
-def write_atomic(file: str, write: Any) -> None:
-    """Call ``write(tmp)`` for a temporary path beside ``file``, fsync it, rename it to ``file``.
-
-    A crash leaves either the old file or the new one, never half of one.
-    """
-    folder = os.path.dirname(os.path.abspath(file))
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
-    os.close(fd)
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, file)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise

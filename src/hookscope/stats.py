@@ -17,17 +17,16 @@ squares ever cancels catastrophically.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-from hookscope import diagnose
 from hookscope._nested import get_part, iter_tensors
-from hookscope.errors import HookNeverFiredWarning, HookscopeError
-from hookscope.select import Target, resolve
+from hookscope._session import HookSession
+from hookscope.errors import HookscopeError
+from hookscope.select import Target
 
 Tensor = torch.Tensor
 
@@ -209,30 +208,46 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
             the channel dimension asked for, or is complex.
     """
     patterns = [layers] if isinstance(layers, str) else list(layers)
-    diagnose.preflight(model)
-    targets = resolve(model, patterns)
-    diagnose.check_targets(model, targets)
-    results = {t.key: RunningStats() for t in targets}
-    ran: set[str] = set()
+    session = _StatsSession(model, patterns, per_channel)
     count = 0
-    handles = [t.module.register_forward_hook(_updater(results[t.key], t.parts, per_channel))
-               for t in targets]
-    try:
-        for path, module in diagnose.witnesses(model, targets).items():
-            handles.append(module.register_forward_pre_hook(
-                lambda module, args, path=path: ran.add(path)))
-        with torch.no_grad():
-            for batch in batches:
-                _call_model(model, batch)
-                count += 1
-    finally:
-        for handle in handles:
-            handle.remove()
-    if count == 0:
-        raise HookscopeError("batches was empty: pass at least one batch (a tensor, a tuple of "
-                             "positional inputs or a dict of keyword inputs)")
-    _warn_unfired(model, targets, results, ran)
-    return results
+    with session, torch.no_grad():
+        for batch in batches:
+            _call_model(model, batch)
+            count += 1
+        if count == 0:
+            raise HookscopeError("batches was empty: pass at least one batch (a tensor, a tuple "
+                                 "of positional inputs or a dict of keyword inputs)")
+    return session.results
+
+
+class _StatsSession(HookSession):
+    """Hooks that fold each selected output into its ``RunningStats`` and keep nothing else."""
+
+    _unfired_consequence = "their statistics are empty (count 0)"
+
+    def __init__(self, model: nn.Module, patterns: list[str], per_channel: PerChannel):
+        super().__init__(model, patterns, "warn")
+        self.results = {t.key: RunningStats() for t in self.targets}
+        self._per_channel = per_channel
+
+    def _register(self) -> None:
+        for target in self.targets:
+            self._add(target.module.register_forward_hook(self._updater(target)))
+
+    def _updater(self, target: Target) -> Callable[[nn.Module, Any, Any], None]:
+        running, parts, ran = self.results[target.key], target.parts, self._ran
+        per_channel = self._per_channel
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            ran.add(target.path)
+            part = get_part(output, parts) if parts else output
+            tensor = next((t for t in iter_tensors(part) if t.is_floating_point()), None)
+            if tensor is None:
+                return
+            if int(running.count.sum()) == 0:
+                running.channel_dim = _channel_dim_for(tensor, per_channel)
+            running.update(tensor)
+        return hook
 
 
 def _call_model(model: nn.Module, batch: Any) -> Any:
@@ -252,32 +267,6 @@ def _channel_dim_for(tensor: Tensor, per_channel: PerChannel) -> int | None:
     if per_channel is True:
         return -1 if tensor.dim() == 3 else 1
     return int(per_channel)
-
-
-def _updater(running: RunningStats, parts: tuple[int | str, ...],
-             per_channel: PerChannel) -> Callable[[nn.Module, Any, Any], None]:
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
-        part = get_part(output, parts) if parts else output
-        tensor = next((t for t in iter_tensors(part) if t.is_floating_point()), None)
-        if tensor is None:
-            return
-        if int(running.count.sum()) == 0:
-            running.channel_dim = _channel_dim_for(tensor, per_channel)
-        running.update(tensor)
-    return hook
-
-
-def _warn_unfired(model: nn.Module, targets: list[Target], results: dict[str, RunningStats],
-                  ran: set[str]) -> None:
-    """Warn about selected modules that never ran; ``ran`` holds the witnesses that did."""
-    ran = ran | {t.path for t in targets if int(results[t.key].count.sum()) > 0}
-    unfired = [t for t in targets if t.path not in ran]
-    if not unfired:
-        return
-    reasons = diagnose.explain_unfired(model, unfired, ran)
-    lines = "\n".join(f"  - {key}: {why}" for key, why in reasons.items())
-    warnings.warn(f"{len(reasons)} selected module(s) never ran, so their statistics are empty "
-                  f"(count 0):\n{lines}", HookNeverFiredWarning, stacklevel=3)
 
 
 def _describe(count: Tensor) -> str:

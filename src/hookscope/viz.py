@@ -8,7 +8,6 @@ in the target folder and renamed into place, so a reader never sees half a pictu
 from __future__ import annotations
 
 import math
-import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 
 from hookscope._extras import require
+from hookscope._files import write_atomic
 from hookscope.errors import SpecError
 
 __all__ = ["plot_activation", "plot_activations", "feature_grid", "histogram", "FIGURE_SIZE_PX",
@@ -121,7 +121,7 @@ def feature_grid(maps: torch.Tensor, file: str | Path, *, title: str,
              f"{len(chosen)} of {channels} channels (most varied)")
     figure.suptitle(f"{title}   {channels}x{height}x{width}, {shown}, each tile min..max",
                     fontsize=12)
-    return _save(figure, Path(file))
+    return save_figure(figure, Path(file))
 
 
 def histogram(values: torch.Tensor, file: str | Path, *, title: str) -> Path:
@@ -147,7 +147,7 @@ def histogram(values: torch.Tensor, file: str | Path, *, title: str) -> Path:
     nonfinite = flat.size - finite.size
     figure.suptitle(f"{title}   {shape} {str(values.dtype).removeprefix('torch.')}: {summary}"
                     + (f", {nonfinite} NaN/Inf" if nonfinite else ""), fontsize=12)
-    return _save(figure, Path(file))
+    return save_figure(figure, Path(file))
 
 
 # ------------------------------------------------------------------------------- internals
@@ -188,11 +188,7 @@ def _mosaic(values: torch.Tensor, chosen: list[int]) -> tuple[np.ndarray, list[t
     return mosaic, origins
 
 
-def _save(figure: Any, file: Path) -> Path:
-    temporary = file.with_name(f".{file.name}.{os.getpid()}.tmp")
-    try:
-        figure.savefig(temporary, format="png", dpi=_DPI)
-        os.replace(temporary, file)
-    finally:
-        temporary.unlink(missing_ok=True)
+def save_figure(figure: Any, file: Path) -> Path:
+    """Write ``figure`` as a PNG to ``file`` atomically (temporary name, fsync, rename)."""
+    write_atomic(file, lambda tmp: figure.savefig(tmp, format="png", dpi=_DPI))
     return file
