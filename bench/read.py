@@ -98,12 +98,16 @@ def main() -> None:
                 print(f"slices of {step:5d} rows  {label:27s} store {size_gb / min(a):6.2f} GB/s  "
                       f"memmap {size_gb / min(b):6.2f} GB/s  ratio {min(b) / min(a):.2f}x "
                       f"(goal >= 0.5x)")
-        unchecked = open_store(folder, verify_reads=False)["x"]
-        maps[:] = _memmaps(folder)
-        ours_s = _timed(lambda i, j: unchecked[i:j], args.rows, 256)
-        theirs_s = _timed(numpy_read, args.rows, 256)
+        first_ours, first_theirs = [], []
+        for _ in range(args.repeats):
+            unchecked = open_store(folder, verify_reads=False)["x"]
+            maps[:] = _memmaps(folder)
+            first_ours.append(_timed(lambda i, j: unchecked[i:j], args.rows, 256))
+            first_theirs.append(_timed(numpy_read, args.rows, 256))
+        ours_s, theirs_s = min(first_ours), min(first_theirs)
         print(f"slices of   256 rows  pass 1, verify_reads=False  "
-              f"store {size_gb / ours_s:6.2f} GB/s  memmap {size_gb / theirs_s:6.2f} GB/s  ratio {theirs_s / ours_s:.2f}x")
+              f"store {size_gb / ours_s:6.2f} GB/s  memmap {size_gb / theirs_s:6.2f} GB/s  "
+              f"ratio {theirs_s / ours_s:.2f}x")
         assert torch.equal(view[100:300], torch.from_numpy(numpy_read(100, 300)))
 
 

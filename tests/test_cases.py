@@ -63,7 +63,7 @@ def test_02_declared_relu_never_called_is_reported_not_empty() -> None:
             net(torch.randn(2, 1, 8, 8))
     message = str(record[0].message)
     assert "relu (ReLU) was registered but never called" in message
-    assert "modules that did run there: conv1, fc" in message and "capture the module that feeds it (conv1)" in message
+    assert "modules that did run there: conv1, fc" in message and "capture a module next to it that runs (conv1)" in message
     assert "relu" not in acts and bool((acts["conv1"] < 0).any())
 
 

@@ -120,3 +120,23 @@ def test_bracket_index_naming_a_child_selects_the_child() -> None:
 def test_no_pattern_is_an_error() -> None:
     with pytest.raises(SelectorError, match="name at least one module"):
         hookscope.select(LeNet())
+
+
+def test_type_pattern_matching_nothing_lists_the_classes() -> None:
+    with pytest.raises(SelectorError, match=r"did you mean 'type:Conv2d'\? the classes in this model are "
+                                            r"Conv2d, Linear, MaxPool2d"):
+        hookscope.select(LeNet(), "type:Conv3d")
+
+
+def test_glob_hint_is_only_given_for_a_bare_name() -> None:
+    with pytest.raises(SelectorError, match=r"'\*\*\.nomatch\*' searches every depth"):
+        hookscope.select(LeNet(), "nomatch*")
+    with pytest.raises(SelectorError) as err:
+        hookscope.select(ModuleListBlocks(), "blocks.99.*")
+    assert "searches every depth" not in str(err.value) and "'pos_block.3'" in str(err.value)
+
+
+def test_suggestions_never_offer_a_container() -> None:
+    with pytest.raises(SelectorError) as err:
+        hookscope.select(ModuleListBlocks(), "pos_blok")
+    assert "'pos_block'" not in str(err.value)

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import itertools
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import (DataLoader, Dataset, IterableDataset, RandomSampler, Sampler,
-                              TensorDataset)
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, Sampler, TensorDataset
 
 from hookscope._extras import require
 from hookscope.errors import ExtractError, SpecError
@@ -155,9 +155,13 @@ def _text_lines(file: Path, model: LoadedModel) -> list[str]:
                         f"does not take text; give a folder of images or a tensor file "
                         f"({', '.join(TENSOR_SUFFIXES)})")
     try:
-        lines = [line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+        every = file.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as err:
         raise SpecError(f"cannot read {file} as UTF-8 text: {err}") from err
+    lines = [line for line in every if line.strip()]
+    if len(lines) < len(every):
+        warnings.warn(f"--data {file}: skipped {len(every) - len(lines)} blank line(s); row i of "
+                      f"the store is the i-th non-blank line", UserWarning, stacklevel=2)
     if not lines:
         raise SpecError(f"--data {file} has no non-blank line: nothing to extract")
     return lines

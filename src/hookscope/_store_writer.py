@@ -45,6 +45,7 @@ class ShardData:
     nbytes: int = 0
     tensors: dict[str, list[Tensor]] = field(default_factory=dict)
     lengths: dict[str, list[Tensor]] = field(default_factory=dict)
+    buffers: list[Tensor] = field(default_factory=list)  # memory the tensors live in, for reuse
 
     def append(self, tensors: dict[str, Tensor], lengths: dict[str, Tensor], rows: int) -> None:
         """Add one batch: ``rows`` rows, ``tensors[path]`` each, ``lengths`` for ragged paths."""

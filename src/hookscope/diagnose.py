@@ -129,10 +129,10 @@ def _reason(path: str, modules: dict[str, nn.Module], children: dict[str, list[s
         siblings = [c for c in children.get(parent, ()) if c in ran and c != path]
         seen = f" (modules that did run there: {', '.join(siblings[:6])})" if siblings else ""
         return (f"{path} ({kind}) was registered but never called: {parent_name} ran without "
-                f"calling it{seen}. It may apply the functional form instead (torch.nn.functional"
-                f", e.g. F.relu), which hooks cannot see: capture the module that feeds it"
-                f"{' (' + siblings[0] + ')' if siblings else ''}; or this input takes a branch "
-                f"that does not use it")
+                f"calling it{seen}. Either the parent applies the functional form instead "
+                f"(torch.nn.functional, e.g. F.relu, or a fused op), which hooks cannot see, so "
+                f"capture a module next to it that runs{' (' + siblings[0] + ')' if siblings else ''}"
+                f" or the parent; or this input takes a branch that does not use it")
     return (f"{path} ({kind}) never ran, and neither did its parent {parent_name}: this input "
             f"takes a branch of the model that does not reach it")
 

@@ -172,18 +172,20 @@ def _first_batch(job: _Job, start: int, stop: int | None, prior: dict[str, Any] 
 def _write_all(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Rows]], start: int,
                shard_bytes: int) -> None:
     """Store the rows of every remaining batch, handing full shards to a background writer."""
-    background = _BackgroundWriter(writer)
+    staging = _Staging(min(max(shard_bytes, 2**20), 16 * 2**20))
+    background = _BackgroundWriter(writer, staging)
     bar = _Progress(job, start)
     layers = writer.manifest["layers"]
     shard = ShardData(batches=(start, start))
     try:
         for index, rows in todo:
             _check_layers(rows, layers, index)
-            _append(shard, index, rows)
+            _append(shard, index, rows, staging)
             bar.update(rows)
             if shard.nbytes >= shard_bytes:
                 background.put(shard)
                 shard = ShardData(batches=(index + 1, index + 1))
+                staging.start_shard()
         if shard.rows:
             background.put(shard)
         background.close()
@@ -193,19 +195,64 @@ def _write_all(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Rows]],
         bar.close()
 
 
-def _append(shard: ShardData, index: int, rows: Rows) -> None:
+def _append(shard: ShardData, index: int, rows: Rows, staging: _Staging) -> None:
     data, lengths = next(iter(rows.values()))
     n = len(lengths) if lengths is not None else int(data.shape[0])
-    shard.append({k: d for k, (d, _) in rows.items()},
+    shard.append({k: staging.keep(d, shard) for k, (d, _) in rows.items()},
                  {k: c for k, (_, c) in rows.items() if c is not None}, n)
     shard.batches = (shard.batches[0], index + 1)
+
+
+class _Staging:
+    """Recycled CPU memory ("slabs") that rows wait in until their shard is written.
+
+    Keeping each batch's output tensors instead would take fresh memory every batch, which
+    glibc hands back to the OS when a written shard is freed and faults in again: about 20% of
+    a small model's forward pass. A shard's slabs return to the pool once it is written, so at
+    most the slabs of three shards exist.
+    """
+
+    def __init__(self, slab_bytes: int):
+        self.slab_bytes, self.used = slab_bytes, 0
+        self.free: queue.SimpleQueue[Tensor] = queue.SimpleQueue()
+        self.slab: Tensor | None = None
+
+    def keep(self, t: Tensor, shard: ShardData) -> Tensor:
+        """Return a CPU copy of ``t`` in a slab that ``shard`` owns (or alone, if too big)."""
+        size = t.numel() * t.element_size()
+        if size == 0 or size > self.slab_bytes:
+            return torch.empty(t.shape, dtype=t.dtype).copy_(t)  # compact, on the CPU
+        if self.slab is None or self.used + size > self.slab_bytes:
+            self.slab, self.used = self._take(), 0
+            shard.buffers.append(self.slab)
+        kept = self.slab[self.used:self.used + size].view(t.dtype).view(t.shape)
+        kept.copy_(t)
+        self.used += -(-size // 64) * 64  # keep every tensor 64-byte aligned
+        return kept
+
+    def start_shard(self) -> None:
+        """Give the next shard slabs of its own (a shard's slabs are recycled together)."""
+        self.slab = None
+
+    def recycle(self, shard: ShardData) -> None:
+        """Return the slabs of ``shard``, now written, to the pool (called by the writer)."""
+        shard.tensors.clear()
+        for slab in shard.buffers:
+            self.free.put(slab)
+        shard.buffers.clear()
+
+    def _take(self) -> Tensor:
+        try:
+            return self.free.get_nowait()
+        except queue.Empty:
+            return torch.empty(self.slab_bytes, dtype=torch.uint8)
 
 
 class _BackgroundWriter:
     """Writes shards on one thread; ``put`` blocks while a shard is written and another waits."""
 
-    def __init__(self, writer: StoreWriter):
-        self.writer = writer
+    def __init__(self, writer: StoreWriter, staging: _Staging):
+        self.writer, self.staging = writer, staging
         self.queue: queue.Queue[ShardData | None] = queue.Queue(maxsize=1)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._loop, name="hookscope-writer", daemon=True)
@@ -234,6 +281,7 @@ class _BackgroundWriter:
         while (shard := self.queue.get()) is not None:
             try:
                 self.writer.write(shard)
+                self.staging.recycle(shard)
             except BaseException as err:  # noqa: BLE001  (re-raised on the main thread)
                 self.error = err
                 return
@@ -327,10 +375,7 @@ def _layer_rows(key: str, t: Tensor, n: int, mask: Tensor | None, job: _Job
         lengths, t = keep.sum(dim=1).to("cpu", torch.int64), t[keep]
     if job.dtype is not None and t.is_floating_point():
         t = t.to(job.dtype)
-    t = t.detach().to("cpu").contiguous()
-    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
-        t = t.clone()  # a view would keep the module's whole output alive in the shard
-    return t, lengths
+    return t.detach(), lengths
 
 
 def _layer_infos(rows: Rows, prior: dict[str, Any] | None) -> dict[str, Any]:

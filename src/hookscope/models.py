@@ -312,9 +312,13 @@ def _import_file(path: Path) -> Any:
     if spec is None or spec.loader is None:
         raise SpecError(f"cannot import '{path}' as Python code")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickling look their module up by name
     sys.path.insert(0, str(path.resolve().parent))  # so the file can import its neighbours
     try:
         spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
     finally:
         sys.path.remove(str(path.resolve().parent))
     return module

@@ -83,8 +83,9 @@ class TensorSummary:
 
     def __str__(self) -> str:
         bad = f", {self.nan} NaN, {self.posinf} +Inf, {self.neginf} -Inf" if self.nonfinite else ""
-        return (f"{self.label}: {list(self.shape)} {self.dtype}, finite range "
-                f"[{self.min:.4g}, {self.max:.4g}], mean {self.mean:.4g}{bad}")
+        finite = (f"finite range [{self.min:.4g}, {self.max:.4g}], mean {self.mean:.4g}"
+                  if not math.isnan(self.min) else "no finite value")
+        return f"{self.label}: {list(self.shape)} {self.dtype}, {finite}{bad}"
 
 
 @dataclasses.dataclass(frozen=True)

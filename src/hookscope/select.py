@@ -256,7 +256,8 @@ def _container_message(path: str, modules: dict[str, nn.Module]) -> str:
 
 
 def _unknown_message(root: nn.Module, modules: dict[str, nn.Module], name: str) -> str:
-    keys = list(modules) + [k for k, _ in root.named_parameters()] + [k for k, _ in root.named_buffers()]
+    keys = [p for p, m in modules.items() if not is_container(m)]
+    keys += [k for k, _ in root.named_parameters()] + [k for k, _ in root.named_buffers()]
     close = difflib.get_close_matches(name, keys, n=5, cutoff=0.5)
     if "." in name and not close:  # 'model.layers.0' copied from code: drop the variable name
         close = difflib.get_close_matches(name.split(".", 1)[1], keys, n=5, cutoff=0.5)
@@ -281,8 +282,16 @@ def _no_match_message(pattern: str, modules: dict[str, nn.Module], matched: list
     if matched:  # only containers matched
         return (f"pattern '{pattern}' matched only containers with no forward ({', '.join(matched[:5])}), "
                 f"whose hooks can never fire: select their children, e.g. '{matched[0]}.*'")
+    if pattern.startswith("type:"):
+        classes = sorted({type(m).__name__ for m in modules.values()})
+        close = difflib.get_close_matches(pattern[5:], classes, n=3, cutoff=0.5)
+        hint = f"did you mean {', '.join(repr('type:' + c) for c in close)}? " if close else ""
+        return (f"pattern '{pattern}' matched no module: {hint}the classes in this model are "
+                f"{', '.join(classes)[:600]}")
     literal = re.sub(r"[*?\[\]]", "", pattern.split(":", 1)[-1]).strip(".")
-    close = difflib.get_close_matches(literal, list(modules), n=5, cutoff=0.4)
+    hookable = [p for p, m in modules.items() if not is_container(m)]
+    close = difflib.get_close_matches(literal, hookable, n=5, cutoff=0.4)
     hint = f"; closest paths: {', '.join(repr(c) for c in close)}" if close else ""
+    deeper = f" ('**.{pattern}' searches every depth)" if "." not in pattern and ":" not in pattern else ""
     return (f"pattern '{pattern}' matched no module{hint}. Globs: '*' is one dotted segment, "
-            f"'**' any depth ('**.{literal.rsplit('.', 1)[-1] or 'conv'}' searches every depth)")
+            f"'**' any number of them{deeper}; 'hookscope tree MODEL' lists every path")

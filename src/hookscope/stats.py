@@ -184,7 +184,9 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
     the model's current train/eval mode; hooks are removed on return, also on an error. A module
     returning a structure (tuple, dict, ...) contributes its first floating-point tensor (e.g.
     ``attn_output`` of MultiheadAttention); a module called several times per forward (a shared
-    activation) adds every call. Padding positions of token batches are counted like any other.
+    activation) adds every call. For a dict batch with an ``attention_mask`` ``(batch, seq)``, an
+    output whose first two dimensions are ``(batch, seq)`` counts only the real tokens, so the
+    numbers do not depend on how sentences were batched and padded.
 
     Args:
         model: Root module.
@@ -212,6 +214,7 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
     count = 0
     with session, torch.no_grad():
         for batch in batches:
+            session.mask = batch.get("attention_mask") if isinstance(batch, dict) else None
             _call_model(model, batch)
             count += 1
         if count == 0:
@@ -229,6 +232,7 @@ class _StatsSession(HookSession):
         super().__init__(model, patterns, "warn")
         self.results = {t.key: RunningStats() for t in self.targets}
         self._per_channel = per_channel
+        self.mask: Tensor | None = None  # (batch, seq) attention mask of the batch running now
 
     def _register(self) -> None:
         for target in self.targets:
@@ -244,6 +248,9 @@ class _StatsSession(HookSession):
             tensor = next((t for t in iter_tensors(part) if t.is_floating_point()), None)
             if tensor is None:
                 return
+            mask = self.mask
+            if mask is not None and tensor.dim() >= 2 and tensor.shape[:2] == mask.shape:
+                tensor = tensor[mask.to(tensor.device).bool()]  # (tokens, ...): padding dropped
             if int(running.count.sum()) == 0:
                 running.channel_dim = _channel_dim_for(tensor, per_channel)
             running.update(tensor)

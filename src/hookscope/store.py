@@ -396,6 +396,9 @@ def open_store(path: str | os.PathLike[str], *, allow_incomplete: bool = False,
         StoreCorruptError: the manifest is damaged, or a shard is missing or has the wrong size.
     """
     folder = Path(path)
+    if not folder.exists():
+        raise StoreError(f"{folder} does not exist: give the folder that hookscope.extract / "
+                         f"`hookscope extract --out` wrote")
     if not (folder / MANIFEST).is_file():
         parts = sorted(folder.glob("manifest-r*.json")) if folder.is_dir() else []
         detail = (f"it holds the part manifests of an interrupted run over {len(parts)}+ "

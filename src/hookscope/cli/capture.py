@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import torch
 
 import hookscope
 from hookscope.cli._common import print_json, print_table, say
-from hookscope.errors import HookNeverFiredWarning, SpecError
+from hookscope.errors import SpecError
 from hookscope.inputs import Inputs, load_inputs
 from hookscope.models import LoadedModel, load_model
 from hookscope.predictions import Prediction, predict
@@ -37,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layer", action="append", required=True, metavar="PATTERN",
                         help="modules to capture, repeatable: a path ('_conv_stem'), a glob "
                              "('_blocks.*', '**._swish'), 're:REGEX' or 'type:Conv2d'")
-    parser.add_argument("--input", action="append", required=True, metavar="X",
+    parser.add_argument("--input", action="extend", nargs="+", required=True, metavar="X",
                         help="input, repeatable (images and sentences are batched): image "
                              "file, sample:NAME, text, .pt/.npy/.safetensors, randn:1,3,224,224")
     parser.add_argument("--save", metavar="FILE.safetensors",
@@ -57,36 +56,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Capture, print, save and plot as ``args`` says; exit code 0."""
+    if args.save and not args.save.endswith(".safetensors"):
+        raise SpecError(f"--save writes a safetensors file; name it *.safetensors (got "
+                        f"'{args.save}'): hookscope.load() or safetensors reads it back")
+    if args.gradcam and not args.plot:
+        raise SpecError("--gradcam draws over the input images: give --plot DIR too")
     if args.save and Path(args.save).exists() and not args.overwrite:
         raise SpecError(f"'{args.save}' already exists; pass --overwrite to replace it, or "
                         "choose another --save file")
     loaded = _load(args.model)
     hookscope.select(loaded.module, *args.layer)  # a bad pattern fails here, before any work
+    if args.gradcam:
+        hookscope.select(loaded.module, args.gradcam)
     inputs = load_inputs(args.input, loaded)
+    if args.gradcam and not inputs.images:
+        raise SpecError("--gradcam draws over input images: give an image input (a file or "
+                        "sample:NAME)")
     for line in inputs.descriptions:
         say(f"input {line}")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", HookNeverFiredWarning)
-        with hookscope.capture(loaded.module, *args.layer, on_unfired=args.on_unfired) as acts:
-            output = inputs.call(loaded.module)
-    for warning in caught:  # one readable line each, not Python's file:line format
-        say(f"warning: {warning.message}")
+    with hookscope.capture(loaded.module, *args.layer, on_unfired=args.on_unfired) as acts:
+        output = inputs.call(loaded.module)
     prediction = predict(loaded, output, attention_mask=inputs.kwargs.get("attention_mask"))
     counts = acts.counts
     records = [_record(path, call, key, tensor, counts[path])
                for path, call, key, tensor in record_items(acts)]
+    for path in sorted({p for p, n in counts.items() if n} - {r["path"].split("[")[0] for r in records}):
+        say(f"warning: '{path}' ran but its output holds no tensor (e.g. an output part that is "
+            f"None): nothing to show")
     if args.save:
         save_records(acts, args.save, overwrite=True, metadata=_metadata(args, loaded, records))
-        say(f"saved {len(records)} tensors to {args.save}")
+        say(f"saved {_count(len(records), 'tensor')} to {args.save}")
     plots = _plot(args, acts, inputs) if args.plot else []
     if args.gradcam:
-        if not (args.plot and inputs.images):
-            raise SpecError("--gradcam draws over input images: give --plot DIR and an image input")
         cams = hookscope.gradcam(loaded.module, inputs.args[0], args.gradcam)
         plots += [hookscope.save_gradcam_overlay(image, cam, Path(args.plot) / f"gradcam_{i}.png",
                                                  title=f"Grad-CAM of '{args.gradcam}', {spec}",
                                                  overwrite=args.overwrite)
                   for i, (image, cam, spec) in enumerate(zip(inputs.images, cams, inputs.specs))]
+        say(f"wrote Grad-CAM of '{args.gradcam}' to {args.plot}/gradcam_0.png"
+            f"{f' … gradcam_{len(cams) - 1}.png' if len(cams) > 1 else ''}")
     if args.json:
         print_json({"model": loaded.spec, "inputs": list(inputs.descriptions),
                     "prediction": _prediction_json(prediction, inputs), "records": records,
@@ -135,8 +143,12 @@ def _plot(args: argparse.Namespace, acts: hookscope.Capture, inputs: Inputs) -> 
     image = inputs.images[0] if inputs.images else None
     files = plot_activations(tensors, args.plot, image=image, overwrite=args.overwrite)
     first = f" (first of {len(inputs.specs)} inputs)" if len(inputs.specs) > 1 else ""
-    say(f"wrote {len(files)} PNGs to {args.plot}{first}")
+    say(f"wrote {_count(len(files), 'PNG')} to {args.plot}{first}")
     return files
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _print_prediction(prediction: Prediction, inputs: Inputs) -> None:

@@ -7,6 +7,7 @@ import dataclasses
 
 from hookscope.cli._common import print_json, print_table, say
 from hookscope.compare import OUTPUT, LayerDiff, compare
+from hookscope.errors import SpecError
 from hookscope.inputs import load_inputs
 from hookscope.models import load_model
 
@@ -20,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_a", metavar="MODEL_A", help="reference model spec")
     parser.add_argument("model_b", metavar="MODEL_B",
                         help="model spec to compare, e.g. the same with @bf16 or @weights.safetensors")
-    parser.add_argument("--input", action="append", required=True, metavar="X",
+    parser.add_argument("--input", action="extend", nargs="+", required=True, metavar="X",
                         help="input spec (repeatable), prepared for MODEL_A and cast for MODEL_B")
     parser.add_argument("--layer", action="append", metavar="PATTERN",
                         help="modules to compare (repeatable; default every module)")
@@ -34,6 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load both models, compare them on the input, print one row per module call."""
     model_a, model_b = load_model(args.model_a), load_model(args.model_b)
+    if model_a.kind != model_b.kind:
+        raise SpecError(f"'{args.model_a}' takes {model_a.kind} inputs but '{args.model_b}' takes "
+                        f"{model_b.kind} inputs: diff runs both models on the same input, so "
+                        f"compare two models of the same kind")
     inputs = load_inputs(args.input, model_a)
     result = compare(model_a.module, model_b.module, *inputs.args, layers=args.layer or "**",
                      atol=args.atol, rtol=args.rtol, **inputs.kwargs)

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import torch
 
+from hookscope._store_writer import prepare_output
 from hookscope.cli.show import print_store
 from hookscope.errors import SpecError
 from hookscope.extract import extract, load_data
 from hookscope.models import load_model
-from hookscope._store_writer import prepare_output
 
 HELP = "run a model over a data set and store chosen layers' activations (resumable, torchrun)"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

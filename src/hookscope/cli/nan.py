@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the verb's options to ``parser``."""
     parser.add_argument("model", metavar="MODEL",
                         help="model spec, e.g. efficientnet-lite0, minilm@bf16, pkg.mod:build")
-    parser.add_argument("--input", action="append", required=True, metavar="X",
+    parser.add_argument("--input", action="extend", nargs="+", required=True, metavar="X",
                         help="input spec (repeatable): image file, sample:chelsea, tensor file, "
                              "randn:1,3,224,224, or a sentence")
     parser.add_argument("--backward", action="store_true",

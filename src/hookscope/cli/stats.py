@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the verb's options to ``parser``."""
     parser.add_argument("model", metavar="MODEL",
                         help="model spec, e.g. efficientnet-lite0, minilm, pkg.mod:build")
-    parser.add_argument("--input", action="append", required=True, metavar="X",
+    parser.add_argument("--input", action="extend", nargs="+", required=True, metavar="X",
                         help="input spec (repeatable): image files, sample:NAME, tensor files, "
                              "randn:SHAPE or sentences")
     parser.add_argument("--layer", action="append", metavar="PATTERN",

@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL",
                         help="efficientnet-lite0, minilm, pkg.module:factory, file.py:factory, "
                              "hf:DIR, timm:NAME; suffixes @bf16/@fp16/@fp32, @weights.safetensors")
-    parser.add_argument("--input", action="append", metavar="X",
+    parser.add_argument("--input", action="extend", nargs="+", metavar="X",
                         help="example input, repeatable: image file, sample:NAME, text, "
                              "tensor file (.pt/.npy/.safetensors), randn:1,3,224,224")
     parser.add_argument("--filter", metavar="PATTERN",
