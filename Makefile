@@ -17,6 +17,8 @@ demo: setup
 	$(VENV)/bin/hookscope capture efficientnet-lite0 --input sample:chelsea --layer '_blocks.*' --plot out/ --overwrite
 
 test: setup
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/mypy src/hookscope
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # python -m bench creates .venv-bench (pinned peers) on first use; e.g. BENCH_ARGS='--only gpt2'

@@ -216,7 +216,8 @@ class UnusedBranch(nn.Module):
         self.aux_head = nn.Linear(4, 3)
         self.head = nn.Linear(4, 2)
 
-    def forward(self, x: torch.Tensor, with_aux: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor,
+                with_aux: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         h = F.relu(self.backbone(x))
         return (self.head(h), self.aux_head(h)) if with_aux else self.head(h)
 

@@ -171,7 +171,7 @@ def test_hooks_removed_after_exception_and_keyboard_interrupt() -> None:
     """Case 17: the forward raises; afterwards no hook is left and a plain forward works."""
     model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
     for error in (IndexError, KeyboardInterrupt):
-        def boom(m: nn.Module, i: object, o: torch.Tensor) -> None:
+        def boom(m: nn.Module, i: object, o: torch.Tensor, error: type[BaseException] = error) -> None:
             raise error("boom")
         handle = model[1].register_forward_hook(boom)
         with pytest.raises(error):
@@ -188,7 +188,8 @@ def test_hooks_of_others_are_untouched() -> None:
     handle = model.fc1.register_forward_hook(lambda m, i, o: seen.append(o.shape))
     with hookscope.capture(model, "fc1"):
         model(torch.randn(2, 10))
-    assert [h.function for h in hookscope.hooks(model)] == ["test_hooks_of_others_are_untouched.<locals>.<lambda>"]
+    functions = [h.function for h in hookscope.hooks(model)]
+    assert functions == ["test_hooks_of_others_are_untouched.<locals>.<lambda>"]
     handle.remove()
     assert seen == [torch.Size([2, 20])]
 
@@ -198,7 +199,8 @@ def test_error_note_names_the_innermost_module() -> None:
     with pytest.raises(RuntimeError, match="cannot be multiplied") as err:
         with hookscope.capture(model, "0"):
             model(torch.randn(3, 4))
-    assert err.value.__notes__ == ["hookscope: raised inside '1.1' (Linear) called with input shapes [(3, 6)]"]
+    note = "hookscope: raised inside '1.1' (Linear) called with input shapes [(3, 6)]"
+    assert err.value.__notes__ == [note]
 
 
 def test_unfired_warning_explains_functional_call() -> None:

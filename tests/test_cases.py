@@ -35,8 +35,8 @@ class Case01(nn.Module):
 
 def test_01_modulelist_fails_before_running_and_children_capture() -> None:
     net = Case01()
-    with pytest.raises(SelectorError, match=r"(?s)'pos_block' is a torch\.nn\.modules\.container\.ModuleList.*"
-                       r"select 'pos_block\.\*' \(matches 4 modules"):
+    with pytest.raises(SelectorError, match=r"(?s)'pos_block' is a torch\.nn\.modules\.container\."
+                       r"ModuleList.*select 'pos_block\.\*' \(matches 4 modules"):
         hookscope.capture(net, "pos_block")
     with hookscope.capture(net, "pos_block.*.proj.0", "pos_block.3.proj.0") as acts:
         net(torch.randn(2, 8))
@@ -63,7 +63,8 @@ def test_02_declared_relu_never_called_is_reported_not_empty() -> None:
             net(torch.randn(2, 1, 8, 8))
     message = str(record[0].message)
     assert "relu (ReLU) was registered but never called" in message
-    assert "modules that did run there: conv1, fc" in message and "capture a module next to it that runs (conv1)" in message
+    assert "modules that did run there: conv1, fc" in message
+    assert "capture a module next to it that runs (conv1)" in message
     assert "relu" not in acts and bool((acts["conv1"] < 0).any())
 
 

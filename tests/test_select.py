@@ -60,7 +60,8 @@ def test_results_follow_named_modules_order_without_duplicates() -> None:
 
 def test_modulelist_named_exactly_raises_with_children_pattern() -> None:
     model = ModuleListBlocks()
-    with pytest.raises(SelectorError, match=r"select 'pos_block\.\*' \(matches 4 modules: pos_block\.0 … pos_block\.3, PosBlock\)") as err:
+    fix = r"select 'pos_block\.\*' \(matches 4 modules: pos_block\.0 … pos_block\.3, PosBlock\)"
+    with pytest.raises(SelectorError, match=fix) as err:
         hookscope.select(model, "pos_block")
     assert "torch.nn.modules.container.ModuleList" in str(err.value)
     assert isinstance(err.value, LookupError)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hookscope.errors import StoreCorruptError
 from hookscope._store_writer import ShardData, StoreWriter, prepare_output
+from hookscope.errors import StoreCorruptError
 from hookscope.store import MANIFEST, open_store
 
 HEADER = {"model": {"spec": None, "class": "x.Y"}, "extract": {},

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hookscope.errors import StoreCorruptError, StoreError, StoreExistsError
 from hookscope._store_writer import ShardData, StoreWriter, join_parts, prepare_output
+from hookscope.errors import StoreCorruptError, StoreError, StoreExistsError
 from hookscope.store import MANIFEST, chunk_sums, open_store
 
 HEADER = {"model": {"spec": "test", "class": "x.Y"}, "extract": {},

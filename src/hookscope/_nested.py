@@ -113,7 +113,10 @@ def _rebuild_mapping(obj: dict[Any, Any], mapped: dict[Any, Any]) -> Any:
         return mapped
 
 
-def iter_tensors_with_keys(obj: Any, keys: tuple[int | str, ...] = ()) -> Iterator[tuple[tuple[int | str, ...], Tensor]]:
+Keys = tuple[int | str, ...]
+
+
+def iter_tensors_with_keys(obj: Any, keys: Keys = ()) -> Iterator[tuple[Keys, Tensor]]:
     """Yield ``(keys, tensor)`` for every tensor inside ``obj``; ``get_part(obj, keys)`` is it."""
     if isinstance(obj, Tensor):
         yield keys, obj

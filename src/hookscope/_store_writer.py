@@ -23,8 +23,16 @@ import numpy as np
 import torch
 
 from hookscope.errors import StoreCorruptError, StoreError, StoreExistsError
-from hookscope.store import (_ST_DTYPES, CHUNK_BYTES, FORMAT, MANIFEST, VERSION, ShardInfo,
-                             chunk_sums, read_manifest)
+from hookscope.store import (
+    _ST_DTYPES,
+    CHUNK_BYTES,
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    ShardInfo,
+    chunk_sums,
+    read_manifest,
+)
 
 __all__ = ["ShardData", "StoreWriter", "join_parts", "prepare_output", "read_part"]
 

@@ -205,7 +205,7 @@ def locate_error(model: nn.Module, exc: BaseException) -> None:
     if hasattr(exc, "add_note"):
         exc.add_note(note)
     else:  # Python 3.10: keep it where tools look for notes
-        exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]
 
 
 def _innermost_module_frame(exc: BaseException, names: dict[int, str]) -> FrameType | None:

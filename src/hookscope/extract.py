@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ from hookscope.store import LayerInfo, Store, dtype_name, open_store
 __all__ = ["extract", "load_data", "Reduce"]
 
 Tensor = torch.Tensor
-Reduce = Union[str, Callable[[Tensor], Tensor], None]
+Reduce = str | Callable[[Tensor], Tensor] | None
 Rows = dict[str, tuple[Tensor, Tensor | None]]  # key -> (rows or flat tokens, token counts)
 
 
