@@ -78,8 +78,9 @@ class HookSession:
         if exc is not None:
             diagnose.locate_error(self.model, exc)
             return
-        silent = [t for t in self.targets if t.path not in self._ran]
-        self.unfired = diagnose.explain_unfired(self.model, silent, self._ran)
+        ran = self._ran_paths()
+        silent = [t for t in self.targets if t.path not in ran]
+        self.unfired = diagnose.explain_unfired(self.model, silent, ran)
         self._report_unfired()
 
     def _register(self) -> None:
@@ -89,6 +90,10 @@ class HookSession:
 
     def _finish(self) -> None:
         """Run after every hook is removed, before the unfired report."""
+
+    def _ran_paths(self) -> set[str]:
+        """Paths of the selected modules and witnesses that ran."""
+        return self._ran
 
     def _add(self, handle: RemovableHandle) -> None:
         self._handles.append(handle)

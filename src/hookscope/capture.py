@@ -118,22 +118,24 @@ class Capture(HookSession):
         self._policy.end_pass()
         self._check_versions()
 
+    def _ran_paths(self) -> set[str]:
+        # selected modules are known to have run by their records: their hooks skip ran.add()
+        return self._ran | {s.target.path for s in self._slots.values() if s.outputs}
+
     # ----------------------------------------------------------------- hooks
     def _make_hook(self, module: nn.Module, slots: list[_Slot]) -> Callable[..., None]:
         snapshot = self._snapshot_fn(module)
-        ran, path = self._ran, slots[0].target.path
-        with_inputs, with_grads = self._options.inputs, self._options.grads
-        convert = self._grad_convert
+        options = self._options
         single = slots[0] if len(slots) == 1 and not slots[0].target.parts else None
+        if single is not None and not (options.inputs or options.grads or options.to is not None
+                                       or options.dtype is not None or options.reduce is not None):
+            return self._plain_hook(module, single, snapshot)
+        with_inputs, with_grads, convert = options.inputs, options.grads, self._grad_convert
 
         def hook(module: nn.Module, args: Any, *rest: Any) -> None:
             output = rest[-1]
-            ran.add(path)
-            if single is not None:  # the common case: one record of the whole output
-                single.outputs.append(snapshot(output, single))
-            else:
-                for slot in slots:
-                    slot.outputs.append(snapshot(_part(output, slot), slot))
+            for slot in slots:
+                slot.outputs.append(snapshot(_part(output, slot), slot))
             if with_inputs:
                 kwargs = rest[0] if len(rest) == 2 else {}
                 for slot in slots:
@@ -141,6 +143,23 @@ class Capture(HookSession):
             if with_grads:
                 for slot in slots:
                     slot.grads.append(watch_output(_part(output, slot), convert))
+        return hook
+
+    def _plain_hook(self, module: nn.Module, slot: _Slot,
+                    snapshot: Callable[[Any, _Slot], Any]) -> Callable[..., None]:
+        """The hot path: one record of the whole output, no options. A tensor output of a module
+        known to be safe is kept by reference with its version; anything else goes through
+        ``snapshot``. Per call this costs about what a bare hook appending ``detach()`` costs."""
+        outputs, versions, verdicts = slot.outputs, slot.versions, self._policy.copy
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if type(output) is Tensor and verdicts[module] is False:
+                kept = output.detach()
+                if not kept.is_inference():  # inference tensors have no version counter
+                    versions.append((len(outputs), kept, kept._version))
+                outputs.append(kept)
+            else:
+                outputs.append(snapshot(output, slot))
         return hook
 
     def _snapshot_fn(self, module: nn.Module) -> Callable[[Any, _Slot], Any]:

@@ -13,6 +13,7 @@ Three moments, three functions:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from types import FrameType
 
@@ -69,11 +70,10 @@ def witnesses(model: nn.Module, targets: Sequence[Target]) -> dict[str, nn.Modul
     children = _child_index(modules)
     selected = {t.path for t in targets}
     found: dict[str, nn.Module] = {}
-    for path in selected:
-        parent = path.rpartition(".")[0]
-        for near in [parent, *children.get(parent, ()), *children.get(path, ())]:
-            if near not in selected and near in modules:
-                found[near] = modules[near]
+    parents = {path.rpartition(".")[0] for path in selected}
+    for near in itertools.chain(parents, *(children.get(p, ()) for p in parents | selected)):
+        if near not in selected and near in modules:
+            found[near] = modules[near]
     wrapper = _compile_wrapper(model)
     if wrapper is not None:
         found[COMPILED] = wrapper
@@ -100,6 +100,8 @@ def explain_unfired(model: nn.Module, targets: Sequence[Target], ran: set[str]) 
         targets: the selected targets that never ran.
         ran: paths of every hooked module (selected or witness) that ran.
     """
+    if not targets:
+        return {}
     root, _ = unwrap(model)
     modules = dict(root.named_modules())
     children = _child_index(modules)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx
@@ -44,16 +44,17 @@ class Target:
         path: qualified name in the unwrapped model, e.g. ``"pos_block.3.proj.0"``.
         module: the submodule itself.
         parts: keys into a structured output, e.g. ``(1, 0)`` for ``"lstm[1][0]"``; empty for all.
+        key: the record name, the path followed by its parts: ``"lstm[1][0]"``.
     """
 
     path: str
     module: nn.Module
     parts: tuple[int | str, ...] = ()
 
-    @property
-    def key(self) -> str:
-        """The record name: the path followed by its parts, ``"lstm[1][0]"``."""
-        return self.path + "".join(f"[{p}]" for p in self.parts)
+    key: str = field(init=False, repr=False)  # record name: path and parts, "lstm[1][0]"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", self.path + "".join(f"[{p}]" for p in self.parts))
 
 
 def unwrap(model: nn.Module) -> tuple[nn.Module, tuple[str, ...]]:
