@@ -91,7 +91,7 @@ def _common(args: argparse.Namespace) -> list[str]:
 
 
 def _run_workload(args: argparse.Namespace, interpreter: str, name: str) -> dict[str, Any]:
-    title, _ = workloads.WORKLOADS[name]
+    title = workloads.WORKLOADS[name]
     runs = args.runs or (3 if args.quick else 9)
     if name in TORCHLENS:
         runs = args.torchlens_runs or (1 if args.quick else 3)
@@ -134,6 +134,18 @@ def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
+def _write(results: dict[str, Any], out: Path) -> None:
+    if results.get("dispatch") and "error" not in results["dispatch"]:
+        from bench.dispatch import format_result
+
+        results["dispatch"]["text"] = format_result(results["dispatch"])
+    results["load"]["after"] = _load()
+    results["goals"] = report.goals(results)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "RESULTS.md").write_text(report.markdown(results))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.setup:
@@ -165,17 +177,8 @@ def main(argv: list[str] | None = None) -> int:
                  "--grad-mode", args.grad_mode])
         else:
             results["workloads"].append(_run_workload(args, interpreter, name))
-    if results.get("dispatch") and "error" not in results["dispatch"]:
-        from bench.dispatch import format_result
-
-        results["dispatch"]["text"] = format_result(results["dispatch"])
-    results["load"]["after"] = _load()
-    results["goals"] = report.goals(results)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "RESULTS.md").write_text(report.markdown(results))
-    say(f"wrote {out / 'RESULTS.md'} and {out / 'results.json'}")
+        _write(results, Path(args.out))  # after each workload: a long run shows progress
+    say(f"wrote {Path(args.out) / 'RESULTS.md'} and {Path(args.out) / 'results.json'}")
     for goal in results["goals"]:
         say(f"goal {'met' if goal['met'] else 'NOT met' if goal['met'] is False else 'n/a'}: "
             f"{goal['goal']}: {goal['value']}")

@@ -10,7 +10,10 @@ Two settings:
 - per capture: hooks registered and removed around every forward pass (a ``with capture`` or
   ``hookscope.run`` in a loop), adding each tool's set-up and take-down.
 
-Rounds interleave the cases; each figure is the median over ``runs`` rounds.
+Rounds interleave the cases (each round starts one case later). Times are CPU time of the
+main thread (``time.thread_time``), which other jobs on a shared 2-core machine disturb less than
+wall time; these layers are too small for torch's intra-op threads. Costs per call are medians
+over rounds of (case - no hooks) / layers, and ratios medians of the per-round ratios.
 """
 
 from __future__ import annotations
@@ -28,8 +31,7 @@ from torch import nn
 
 from bench.models import LinearStack
 
-Forward = Callable[[], None]
-CLOCK = time.perf_counter
+CLOCK = time.thread_time
 
 
 def _bare_hooks(model: nn.Module, store: list[torch.Tensor]) -> list[Any]:
@@ -99,7 +101,7 @@ def _round(model: nn.Module, x: torch.Tensor, forwards: int, shift: int) -> dict
     return {name: seconds[name] for name in cases}
 
 
-def measure(layers: int = 200, forwards: int = 50, runs: int = 9, warmups: int = 2,
+def measure(layers: int = 200, forwards: int = 100, runs: int = 15, warmups: int = 2,
             grad: str = "inference") -> dict[str, Any]:
     """Run the dispatch benchmark and return its figures.
 
@@ -115,19 +117,24 @@ def measure(layers: int = 200, forwards: int = 50, runs: int = 9, warmups: int =
             if index >= warmups:
                 rounds.append(result)
     forward_us = {name: statistics.median(r[name] for r in rounds) * 1e6 for name in rounds[0]}
-    floor = forward_us["no hooks"]
-    per_call = {name: (us - floor) / layers for name, us in forward_us.items() if name != "no hooks"}
+    added = {name: [(r[name] - r["no hooks"]) * 1e6 / layers for r in rounds]
+             for name in rounds[0] if name != "no hooks"}
+
+    def ratio(ours: str, theirs: str) -> float:
+        return statistics.median(a / b for a, b in zip(added[ours], added[theirs]))
+
     return {"layers": layers, "forwards": forwards, "runs": runs, "grad_mode": grad,
-            "forward_us": forward_us, "per_call_us": per_call,
-            "ratio_steady": per_call["hookscope, steady"] / per_call["bare hook, steady"],
-            "ratio_per_capture": (per_call["hookscope, per capture"]
-                                  / per_call["bare hook, per capture"])}
+            "clock": "thread CPU time", "forward_us": forward_us,
+            "per_call_us": {name: statistics.median(values) for name, values in added.items()},
+            "ratio_steady": ratio("hookscope, steady", "bare hook, steady"),
+            "ratio_per_capture": ratio("hookscope, per capture", "bare hook, per capture")}
 
 
 def format_result(result: dict[str, Any]) -> str:
     """Return the figures as an aligned text table."""
     lines = [f"dispatch: {result['layers']} x Linear(8, 8), batch 1, {result['forwards']} "
-             f"forwards per round, median of {result['runs']} rounds ({result['grad_mode']})",
+             f"forwards per round, median of {result['runs']} rounds ({result['grad_mode']}, "
+             f"{result.get('clock', 'wall time')})",
              f"  {'case':26s} {'us/forward':>11s} {'us/call added':>14s}"]
     for name, us in result["forward_us"].items():
         added = result["per_call_us"].get(name)
@@ -140,8 +147,8 @@ def format_result(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.dispatch", description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=200)
-    parser.add_argument("--forwards", type=int, default=50, help="forward passes per round")
-    parser.add_argument("--runs", type=int, default=9, help="timed rounds (median)")
+    parser.add_argument("--forwards", type=int, default=100, help="forward passes per round")
+    parser.add_argument("--runs", type=int, default=15, help="timed rounds (median)")
     parser.add_argument("--warmups", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--grad-mode", choices=("inference", "no_grad"), default="inference")

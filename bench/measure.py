@@ -131,8 +131,8 @@ def peak_rss(case: Case, bare: Case) -> dict[str, Any]:
     Returns:
         ``{"rss_peak_mib": peak resident set during the run minus before it,
         "rss_kept_mib": resident set after the run (kept records alive) minus before it,
-        "tensor_mib": bytes of the kept tensors}``, MiB; RSS figures are 0 where
-        ``/proc/self/clear_refs`` cannot reset the peak.
+        "tensor_mib": bytes of the kept tensors}``,
+        MiB; RSS figures are 0 where ``/proc/self/clear_refs`` cannot reset the peak.
     """
     bare.run()
     kept = case.run()  # warm-up, and hookscope's first (learning) capture

@@ -109,11 +109,21 @@ def _detach_all(output: Any, *, copy: bool) -> Any:
 
 
 def hookscope_capture(model: nn.Module, example: Sequence[Any], patterns: Sequence[str], *,
-                      name: str, **options: Any) -> Case:
-    """``hookscope.capture(model, *patterns, **options)`` around one forward pass."""
+                      name: str, first: bool = False, **options: Any) -> Case:
+    """``hookscope.capture(model, *patterns, **options)`` around one forward pass.
+
+    ``first=True`` makes every run the model's first capture: hookscope forgets what it learned
+    about in-place writes (a private table), so each run pays the learning pass, which copies
+    every output once.
+    """
     import hookscope
 
     def run() -> Any:
+        if first:
+            from hookscope import _inplace
+
+            for module in model.modules():
+                _inplace._WRITTEN_IN_PLACE.pop(module, None)
         with hookscope.capture(model, *patterns, **options) as acts:
             model(*example)
         return acts
@@ -185,7 +195,7 @@ def transformer_lens_cache(model: nn.Module, example: Sequence[Any],
 
 
 def torchlens_trace(model: nn.Module, example: Sequence[Any], layers: str | Sequence[str], *,
-                    name: str) -> Case:
+                    name: str, floor: str) -> Case:
     """``torchlens.trace`` saving ``layers`` (``"all"``: every tensor operation, or module paths).
 
     torchlens wraps torch functions on its first call and leaves them wrapped; run its cases in
@@ -206,7 +216,7 @@ def torchlens_trace(model: nn.Module, example: Sequence[Any], layers: str | Sequ
             if getattr(op, "has_saved_activation", False) and isinstance(op.out, Tensor):
                 yield op.out
 
-    return Case(name, "torchlens", run, tensors,
+    return Case(name, "torchlens", run, tensors, floor=floor,
                 note="" if layers == "all" else "saves every op inside the selected modules")
 
 

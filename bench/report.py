@@ -111,7 +111,11 @@ def markdown(results: dict[str, Any]) -> str:
     out += ["", "## How to read the tables", "",
             "- **x bare**: median time of the case / median time of the bare forward in the same "
             "process run; **per-round x**: quartiles of (case / bare) paired round by round.",
-            "- A case's time covers setting the capture up, the forward pass and taking it down.",
+            "- A case's time covers setting the capture up, the forward pass and taking it down; "
+            "the garbage collector is off while it runs (as in timeit). hookscope learns once per "
+            "model which outputs get written in place, copying every output in that first "
+            "capture; the *first capture of the model* row pays this on every run (what a "
+            "one-shot `hookscope.run` costs), the other hookscope rows are later captures.",
             "- **values**: each kept tensor compared exactly with a reference forward whose hooks "
             "clone every output; *wrong* means the kept tensor was overwritten in place later "
             "(in-place ReLU, `+=`). n/c: not checked (other model, or records not keyed by "
@@ -123,6 +127,17 @@ def markdown(results: dict[str, Any]) -> str:
             "forward, records alive, minus before.",
             "- *every module* = each module that is a leaf or owns parameters and runs on this "
             "input (GPT-2's `attn_dropout` does not run under sdpa), the same list for every tool.",
+            "- nnsight: `NNsight(model)` replaces every module's `forward` with its own wrapper for "
+            "good (it slowed later bare forwards), so it runs on a deep copy of the model. It "
+            "records the first call only of a module called several times in one pass.",
+            "- TransformerLens 3.9.0 (pinned): the last release with `HookedTransformer`, built "
+            "here from a config of the same size (its own implementation: compare its cases with "
+            "its own bare forward). 4.x keeps only `TransformerBridge`, which boots from a hub "
+            "checkpoint and tokenizer, impossible without downloads.",
+            "- torchlens wraps torch functions on its first call and leaves them wrapped: its "
+            "workloads run in processes of their own; the bare forward is timed alone first, "
+            "then again interleaved with torchlens once torch is wrapped, and torchlens's ratios "
+            "use that second floor (lower bounds). Selecting modules saves every op inside them.",
             ""]
     for workload in results["workloads"]:
         out += [f"## {workload['title']}", "",

@@ -16,14 +16,17 @@ import torch
 from bench import models, peers
 from bench.peers import Case
 
-#: workload -> (title, default number of timed runs)
-WORKLOADS: dict[str, tuple[str, int]] = {
-    "gpt2": ("GPT-2-small-sized (12x768, 124M) HF GPT2LMHeadModel, tokens", 9),
-    "gpt2-torchlens": ("same GPT-2, torchlens (own process: it leaves torch wrapped)", 3),
-    "resnet": ("ResNet-50-sized CNN, plain torch, in-place ReLU, images", 9),
-    "resnet-torchlens": ("same CNN, torchlens (own process)", 3),
-    "efficientnet": ("efficientnet-lite0 (real weights), scikit-image photos", 9),
+#: workload -> title in RESULTS.md
+WORKLOADS: dict[str, str] = {
+    "gpt2": "GPT-2-small-sized (12x768, 124M) HF GPT2LMHeadModel, tokens",
+    "gpt2-torchlens": "same GPT-2, torchlens (own process: it leaves torch wrapped)",
+    "resnet": "ResNet-50-sized CNN, plain torch, in-place ReLU, images",
+    "resnet-torchlens": "same CNN, torchlens (own process)",
+    "efficientnet": "efficientnet-lite0 (real weights), scikit-image photos",
 }
+
+
+TORCHLENS_FLOOR = "bare forward, torch wrapped by torchlens"
 
 
 @dataclass
@@ -65,6 +68,8 @@ def _capture_variants(cases: list[Case], model: torch.nn.Module, example: tuple[
     cases.append(peers.plain_hooks(model, example, paths, clone=True,
                                    name=f"plain hooks clone(), {every}"))
     cases.append(peers.hookscope_capture(model, example, paths, name=f"hookscope, {every}"))
+    cases.append(peers.hookscope_capture(model, example, paths, first=True,
+                                         name="hookscope, every module, first capture of the model"))
     cases.append(peers.hookscope_capture(model, example, paths, clone=True,
                                          name="hookscope clone=True, every module"))
     cases.append(peers.hookscope_capture(model, example, paths, clone=False,
@@ -126,19 +131,21 @@ def _gpt2_torchlens(size: models.Size, peers_wanted: bool) -> Workload:
     skipped: dict[str, str] = {}
     if peers_wanted:
         _add(cases, skipped, "torchlens", lambda: peers.torchlens_trace(
-            model, example, "all", name="torchlens, every tensor op"))
+            model, example, "all", name="torchlens, every tensor op", floor=TORCHLENS_FLOOR))
         _add(cases, skipped, "torchlens modules", lambda: peers.torchlens_trace(
-            model, example, paths, name=f"torchlens, every module ({len(paths)})"))
+            model, example, paths, name=f"torchlens, every module ({len(paths)})", floor=TORCHLENS_FLOOR))
         _add(cases, skipped, "torchlens blocks", lambda: peers.torchlens_trace(
-            model, example, blocks, name=f"torchlens, {len(blocks)} blocks"))
+            model, example, blocks, name=f"torchlens, {len(blocks)} blocks", floor=TORCHLENS_FLOOR))
     return Workload("gpt2-torchlens", f"tokens ({size.batch}, {size.seq})", cases, None, skipped,
                     floor_first=True)
 
 
 def _torchlens_floors(model: torch.nn.Module, example: tuple[Any, ...]) -> list[Case]:
-    """The bare forward, timed before torchlens first runs, and again interleaved with it."""
+    """The bare forward timed alone before torchlens first runs, and again interleaved with
+    torchlens, once torch is wrapped: the floor of torchlens's cases (its ratios are then lower
+    bounds, compared with a floor that torchlens itself slowed)."""
     return [peers.bare(model, *example),
-            peers.bare(model, *example, name="bare forward, torch wrapped by torchlens")]
+            peers.bare(model, *example, name=TORCHLENS_FLOOR)]
 
 
 def _resnet(size: models.Size, peers_wanted: bool) -> Workload:
@@ -166,7 +173,7 @@ def _resnet_torchlens(size: models.Size, peers_wanted: bool) -> Workload:
     skipped: dict[str, str] = {}
     if peers_wanted:
         _add(cases, skipped, "torchlens", lambda: peers.torchlens_trace(
-            model, example, "all", name="torchlens, every tensor op"))
+            model, example, "all", name="torchlens, every tensor op", floor=TORCHLENS_FLOOR))
     return Workload("resnet-torchlens", f"images {tuple(example[0].shape)}", cases, None, skipped,
                     floor_first=True)
 
@@ -181,6 +188,8 @@ def _efficientnet(size: models.Size, peers_wanted: bool) -> Workload:
     cases.append(peers.plain_hooks(model, example, paths, clone=True,
                                    name=f"plain hooks clone(), {every}"))
     cases.append(peers.hookscope_capture(model, example, paths, name=f"hookscope, {every}"))
+    cases.append(peers.hookscope_capture(model, example, paths, first=True,
+                                         name="hookscope, every module, first capture of the model"))
     cases.append(peers.plain_hooks(model, example, blocks, name=f"plain hooks detach(), {len(blocks)} blocks"))
     cases.append(peers.hookscope_capture(model, example, ["_blocks.*"],
                                          name=f"hookscope '_blocks.*' ({len(blocks)} blocks)"))

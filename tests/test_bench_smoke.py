@@ -39,9 +39,10 @@ def test_quick_run_writes_results_and_catches_in_place_overwrites(bench_main, tm
     assert all(len(case["times_s"]) == 3 and case["ratio"] > 0 for case in resnet["cases"])
     assert resnet["cases"][0]["name"] == "bare forward"
     # ReLU(inplace=True) and += overwrite what plain detach() hooks kept; hookscope's values are right
-    plain, ours = case("plain hooks detach(), every"), case("hookscope, every")
+    plain, ours = case("plain hooks detach(), every"), case("hookscope, every module (")
     assert plain["values"]["wrong"] > 0
     assert ours["values"] == {"checked": plain["values"]["checked"], "wrong": 0, "refused": 0}
+    assert case("hookscope, every module, first capture")["values"] == ours["values"]
     assert case("plain hooks clone(), every")["values"]["wrong"] == 0
     # float16 keeps half the bytes of one float32 copy per output
     copies, half = case("plain hooks clone(), every"), case("hookscope dtype=float16, every")

@@ -208,3 +208,11 @@ def test_modulelist_zoo_capture_children() -> None:
     with hookscope.capture(model, "pos_block.*") as acts:
         out = model(x)
     assert len(acts) == 4 and torch.equal(model.head(acts["pos_block.3"]), out.detach())
+
+
+def test_04_clone_false_under_inference_mode_warns_instead_of_pretending() -> None:
+    model, x, _ = _case04_model()
+    with pytest.warns(RuntimeWarning, match=r"clone=False under torch\.inference_mode\(\): the outputs "
+                                            r"of 0 are kept by reference"):
+        with torch.inference_mode(), hookscope.capture(model, "0", clone=False):
+            model(x)

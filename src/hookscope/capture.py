@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from hookscope._inplace import InPlacePolicy, shares_memory
-from hookscope._nested import get_part, map_tensors
+from hookscope._nested import get_part, iter_tensors, map_tensors
 from hookscope._session import HookSession, OnUnfired, by_module
 from hookscope.errors import CaptureError
 from hookscope.grads import NO_GRADIENT_YET, GradRecord, converter, watch_inputs, watch_output
@@ -117,6 +117,8 @@ class Capture(HookSession):
     def _finish(self) -> None:
         self._policy.end_pass()
         self._check_versions()
+        if self._options.clone is False:
+            self._warn_unverifiable()
 
     def _ran_paths(self) -> set[str]:
         # selected modules are known to have run by their records: their hooks skip ran.add()
@@ -196,6 +198,19 @@ class Capture(HookSession):
                 return keep(output, slot, copy, on_trial)
             return map_tensors(lambda t: keep(t, slot, copy, on_trial), output)
         return snapshot
+
+    def _warn_unverifiable(self) -> None:
+        """clone=False under torch.inference_mode(): nothing can tell whether the references kept
+        were written in place later, so say so rather than return them as if checked."""
+        unchecked = [k for k, s in self._slots.items()
+                     if any(t.is_inference() for o in s.outputs for t in iter_tensors(o))]
+        if unchecked:
+            warnings.warn(
+                f"clone=False under torch.inference_mode(): the outputs of {', '.join(unchecked[:5])}"
+                f"{' …' if len(unchecked) > 5 else ''} are kept by reference and inference tensors "
+                f"have no version counter, so an in-place write after capture (ReLU(inplace=True), "
+                f"'+=') would go unnoticed. Use clone=None (the default) or clone=True, or run "
+                f"under torch.no_grad()", RuntimeWarning, stacklevel=4)
 
     def _check_versions(self) -> None:
         for slot in self._slots.values():
@@ -399,7 +414,8 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
             ``lambda t: t.mean(dim=(2, 3))`` keeps ``(batch, channels)`` instead of the map.
         clone: ``None`` (default) copies outputs only of modules whose output is written in place
             later (learned on first use, see ``_inplace.py``); ``True`` copies always;
-            ``False`` never (values overwritten later raise on reading).
+            ``False`` never: values overwritten later raise on reading, except under
+            ``torch.inference_mode()``, whose tensors have no version counter (a warning says so).
         on_unfired: what to do on exit about selected modules that never ran: ``"warn"``
             (``HookNeverFiredWarning``), ``"error"`` (``HookNeverFiredError``, raised after the
             forward finished, records still in ``err.capture``) or ``"ignore"``.
