@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from collections.abc import Sequence
 from typing import Any
+
+MODEL_HELP = ("efficientnet-lite0, minilm, pkg.module:factory, file.py:factory, hf:DIR, timm:NAME; "
+              "suffixes @bf16/@fp16/@fp32, @weights.safetensors")
+INPUT_HELP = ("input, repeatable or several after one flag (images and sentences are batched): "
+              "image file, sample:NAME, text, .pt/.npy/.safetensors (FILE:KEY), randn:1,3,224,224")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, input_required: bool = True) -> None:
+    """Add the positional ``MODEL`` and ``--input X [X ...]`` that the verbs share."""
+    parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
+    parser.add_argument("--input", action="extend", nargs="+", required=input_required,
+                        metavar="X", help=INPUT_HELP)
 
 
 def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:

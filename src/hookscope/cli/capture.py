@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 import hookscope
-from hookscope.cli._common import print_json, print_table, say
+from hookscope.cli._common import add_model_arguments, print_json, print_table, say
 from hookscope.errors import SpecError
 from hookscope.inputs import Inputs, load_inputs
 from hookscope.models import LoadedModel, load_model
@@ -30,15 +30,10 @@ COLUMNS = ("path", "call", "shape", "dtype", "mean", "std", "min", "max", "zeros
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``capture`` options to ``parser``."""
-    parser.add_argument("model", metavar="MODEL",
-                        help="efficientnet-lite0, minilm, pkg.module:factory, file.py:factory, "
-                             "hf:DIR, timm:NAME; suffixes @bf16/@fp16/@fp32, @weights.safetensors")
+    add_model_arguments(parser)
     parser.add_argument("--layer", action="append", required=True, metavar="PATTERN",
                         help="modules to capture, repeatable: a path ('_conv_stem'), a glob "
                              "('_blocks.*', '**._swish'), 're:REGEX' or 'type:Conv2d'")
-    parser.add_argument("--input", action="extend", nargs="+", required=True, metavar="X",
-                        help="input, repeatable (images and sentences are batched): image "
-                             "file, sample:NAME, text, .pt/.npy/.safetensors, randn:1,3,224,224")
     parser.add_argument("--save", metavar="FILE.safetensors",
                         help="write every captured tensor here (keys 'path' or 'path:call')")
     parser.add_argument("--plot", metavar="DIR",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from hookscope.cli._common import print_json, say
+from hookscope.cli._common import add_model_arguments, print_json, say
 from hookscope.inputs import load_inputs
 from hookscope.models import load_model
 from hookscope.nonfinite import find_nonfinite
@@ -16,11 +16,7 @@ HELP = ("find the first module whose output (or, with --backward, gradient) hold
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the verb's options to ``parser``."""
-    parser.add_argument("model", metavar="MODEL",
-                        help="model spec, e.g. efficientnet-lite0, minilm@bf16, pkg.mod:build")
-    parser.add_argument("--input", action="extend", nargs="+", required=True, metavar="X",
-                        help="input spec (repeatable): image file, sample:chelsea, tensor file, "
-                             "randn:1,3,224,224, or a sentence")
+    add_model_arguments(parser)
     parser.add_argument("--backward", action="store_true",
                         help="when the forward is finite, also check the gradients of the sum of "
                              "the outputs")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hookscope.cli._common import print_json, print_table, say
+from hookscope.cli._common import add_model_arguments, print_json, print_table, say
 from hookscope.inputs import Inputs, load_inputs
 from hookscope.models import load_model
 from hookscope.stats import RunningStats, stats
@@ -17,11 +17,7 @@ COLUMNS = ("path", "count", "mean", "std", "min", "max", "frac_zeros", "frac_non
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the verb's options to ``parser``."""
-    parser.add_argument("model", metavar="MODEL",
-                        help="model spec, e.g. efficientnet-lite0, minilm, pkg.mod:build")
-    parser.add_argument("--input", action="extend", nargs="+", required=True, metavar="X",
-                        help="input spec (repeatable): image files, sample:NAME, tensor files, "
-                             "randn:SHAPE or sentences")
+    add_model_arguments(parser)
     parser.add_argument("--layer", action="append", metavar="PATTERN",
                         help="modules to watch (repeatable; default every module)")
     parser.add_argument("--batch-size", type=int, default=0, metavar="N",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from hookscope.cli._common import print_json, say
+from hookscope.cli._common import add_model_arguments, print_json, say
 from hookscope.inputs import load_inputs
 from hookscope.models import load_model
 from hookscope.tree import filter_rows, format_tree, tree, tree_of_call
@@ -16,12 +16,7 @@ HELP = "list every module: path, class, parameters; with --input, calls and outp
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``tree`` options to ``parser``."""
-    parser.add_argument("model", metavar="MODEL",
-                        help="efficientnet-lite0, minilm, pkg.module:factory, file.py:factory, "
-                             "hf:DIR, timm:NAME; suffixes @bf16/@fp16/@fp32, @weights.safetensors")
-    parser.add_argument("--input", action="extend", nargs="+", metavar="X",
-                        help="example input, repeatable: image file, sample:NAME, text, "
-                             "tensor file (.pt/.npy/.safetensors), randn:1,3,224,224")
+    add_model_arguments(parser, input_required=False)
     parser.add_argument("--filter", metavar="PATTERN",
                         help="show only modules this pattern selects ('_blocks.*', '**.bn1', "
                              "'type:Conv2d', 're:...')")
