@@ -61,6 +61,15 @@ def build(name: str, size: models.Size, *, peers_wanted: bool = True) -> Workloa
             "efficientnet": _efficientnet}[name](size, peers_wanted)
 
 
+def _block_cases(cases: list[Case], model: torch.nn.Module, example: tuple[Any, ...],
+                 blocks: list[str], pattern: str) -> None:
+    """Plain hooks and hookscope on the block outputs only (``pattern`` selects ``blocks``)."""
+    name = f"{len(blocks)} blocks"
+    cases.append(peers.plain_hooks(model, example, blocks, name=f"plain hooks detach(), {name}"))
+    cases.append(peers.hookscope_capture(model, example, [pattern],
+                                         name=f"hookscope '{pattern}' ({name})"))
+
+
 def _capture_variants(cases: list[Case], model: torch.nn.Module, example: tuple[Any, ...],
                       paths: list[str], *, fp16: bool, to_cpu: bool) -> None:
     every = f"every module ({len(paths)})"
@@ -88,9 +97,7 @@ def _gpt2(size: models.Size, peers_wanted: bool) -> Workload:
     blocks = [f"transformer.h.{i}" for i in range(size.n_layer)]
     cases = [peers.bare(model, *example)]
     _capture_variants(cases, model, example, paths, fp16=True, to_cpu=True)
-    cases.append(peers.plain_hooks(model, example, blocks, name=f"plain hooks detach(), {len(blocks)} blocks"))
-    cases.append(peers.hookscope_capture(model, example, ["transformer.h.*"],
-                                         name=f"hookscope 'transformer.h.*' ({len(blocks)} blocks)"))
+    _block_cases(cases, model, example, blocks, "transformer.h.*")
     skipped: dict[str, str] = {}
     if peers_wanted:
         _add(cases, skipped, "nnsight", lambda: peers.nnsight_trace(
@@ -154,9 +161,7 @@ def _resnet(size: models.Size, peers_wanted: bool) -> Workload:
     blocks = [f"layer{s + 1}.{i}" for s, n in enumerate(size.cnn_blocks) for i in range(n)]
     cases = [peers.bare(model, *example)]
     _capture_variants(cases, model, example, paths, fp16=True, to_cpu=False)
-    cases.append(peers.plain_hooks(model, example, blocks, name=f"plain hooks detach(), {len(blocks)} blocks"))
-    cases.append(peers.hookscope_capture(model, example, ["layer*.*"],
-                                         name=f"hookscope 'layer*.*' ({len(blocks)} blocks)"))
+    _block_cases(cases, model, example, blocks, "layer*.*")
     skipped: dict[str, str] = {}
     if peers_wanted:
         _add(cases, skipped, "nnsight", lambda: peers.nnsight_trace(
@@ -190,9 +195,7 @@ def _efficientnet(size: models.Size, peers_wanted: bool) -> Workload:
     cases.append(peers.hookscope_capture(model, example, paths, name=f"hookscope, {every}"))
     cases.append(peers.hookscope_capture(model, example, paths, first=True,
                                          name="hookscope, every module, first capture of the model"))
-    cases.append(peers.plain_hooks(model, example, blocks, name=f"plain hooks detach(), {len(blocks)} blocks"))
-    cases.append(peers.hookscope_capture(model, example, ["_blocks.*"],
-                                         name=f"hookscope '_blocks.*' ({len(blocks)} blocks)"))
+    _block_cases(cases, model, example, blocks, "_blocks.*")
     return Workload("efficientnet", f"photos {tuple(example[0].shape)}", cases,
                     _reference(model, example, paths + blocks), {},
                     {"modules": len(paths), "photos": list(models.PHOTOS[:size.photos])})
