@@ -70,8 +70,9 @@ def _block_cases(cases: list[Case], model: torch.nn.Module, example: tuple[Any, 
                                          name=f"hookscope '{pattern}' ({name})"))
 
 
-def _capture_variants(cases: list[Case], model: torch.nn.Module, example: tuple[Any, ...],
-                      paths: list[str], *, fp16: bool, to_cpu: bool) -> None:
+def _every_module_cases(cases: list[Case], model: torch.nn.Module, example: tuple[Any, ...],
+                        paths: list[str]) -> None:
+    """Plain hooks (detach, clone) and hookscope (steady, first capture) on every module."""
     every = f"every module ({len(paths)})"
     cases.append(peers.plain_hooks(model, example, paths, name=f"plain hooks detach(), {every}"))
     cases.append(peers.plain_hooks(model, example, paths, clone=True,
@@ -79,6 +80,11 @@ def _capture_variants(cases: list[Case], model: torch.nn.Module, example: tuple[
     cases.append(peers.hookscope_capture(model, example, paths, name=f"hookscope, {every}"))
     cases.append(peers.hookscope_capture(model, example, paths, first=True,
                                          name="hookscope, every module, first capture of the model"))
+
+
+def _capture_variants(cases: list[Case], model: torch.nn.Module, example: tuple[Any, ...],
+                      paths: list[str], *, fp16: bool, to_cpu: bool) -> None:
+    _every_module_cases(cases, model, example, paths)
     cases.append(peers.hookscope_capture(model, example, paths, clone=True,
                                          name="hookscope clone=True, every module"))
     cases.append(peers.hookscope_capture(model, example, paths, clone=False,
@@ -188,13 +194,7 @@ def _efficientnet(size: models.Size, peers_wanted: bool) -> Workload:
     paths = models.computing_modules(model, *example)
     blocks = [f"_blocks.{i}" for i in range(len(model._blocks))]
     cases = [peers.bare(model, *example)]
-    every = f"every module ({len(paths)})"
-    cases.append(peers.plain_hooks(model, example, paths, name=f"plain hooks detach(), {every}"))
-    cases.append(peers.plain_hooks(model, example, paths, clone=True,
-                                   name=f"plain hooks clone(), {every}"))
-    cases.append(peers.hookscope_capture(model, example, paths, name=f"hookscope, {every}"))
-    cases.append(peers.hookscope_capture(model, example, paths, first=True,
-                                         name="hookscope, every module, first capture of the model"))
+    _every_module_cases(cases, model, example, paths)
     _block_cases(cases, model, example, blocks, "_blocks.*")
     return Workload("efficientnet", f"photos {tuple(example[0].shape)}", cases,
                     _reference(model, example, paths + blocks), {},
