@@ -20,12 +20,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hookscope._store_writer import ShardData, StoreWriter, prepare_output
+from hookscope._store_folder import prepare_output
+from hookscope._store_writer import ShardData, StoreWriter
 from hookscope.store import open_store
 
 
 def _build(folder: Path, rows: int, width: int, shard_rows: int) -> None:
-    prepare_output(folder, resume=False, overwrite=False, check_only=False)
+    prepare_output(folder, resume=False, overwrite=False)
     header = {"model": {"spec": None, "class": "bench"}, "extract": {},
               "layers": {"x": {"shape": [width], "dtype": "float32", "ragged": False}}}
     writer = StoreWriter(folder, header)

@@ -68,10 +68,15 @@ def test_unreadable_image_fails_before_any_shard(photo_folder: Path, tmp_path: P
     for file in photo_folder.iterdir():
         (folder / file.name).write_bytes(file.read_bytes())
     (folder / "9-broken.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
+    (folder / "0-empty.png").write_bytes(b"")
+    (folder / "sub").mkdir()
+    (folder / "sub" / "5-text.jpeg").write_text("hello")
     out = tmp_path / "features"
     assert main(["extract", "efficientnet-lite0", "--data", str(folder), "--layer", "_fc",
                  "--out", str(out)]) == 1
-    assert "error: cannot read image" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"error: cannot read 3 of the {len(list(photo_folder.iterdir())) + 3} images" in err
+    assert all(name in err for name in ("9-broken.jpg", "0-empty.png", "5-text.jpeg"))
     assert not out.exists()
 
 

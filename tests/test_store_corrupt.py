@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hookscope._store_writer import ShardData, StoreWriter, prepare_output
+from hookscope._store_folder import prepare_output
+from hookscope._store_writer import ShardData, StoreWriter
 from hookscope.errors import StoreCorruptError
 from hookscope.store import MANIFEST, open_store
 
@@ -19,7 +20,7 @@ ROWS = 4096  # 4 MiB of rows per shard: two checksum chunks per shard file
 @pytest.fixture
 def store_folder(tmp_path: Path) -> tuple[Path, torch.Tensor]:
     folder = tmp_path / "store"
-    prepare_output(folder, resume=False, overwrite=False, check_only=False)
+    prepare_output(folder, resume=False, overwrite=False)
     writer = StoreWriter(folder, HEADER)
     rows = torch.randn(3 * ROWS, 256, generator=torch.Generator().manual_seed(0))
     for s in range(3):

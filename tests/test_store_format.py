@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hookscope._store_writer import ShardData, StoreWriter, join_parts, prepare_output
+from hookscope._store_folder import prepare_output
+from hookscope._store_writer import ShardData, StoreWriter, join_parts
 from hookscope.errors import StoreCorruptError, StoreError, StoreExistsError
 from hookscope.store import MANIFEST, chunk_sums, open_store
 
@@ -43,7 +44,7 @@ def _write(folder: Path, n_shards: int = 3, *, rank: int = 0, world_size: int = 
 @pytest.fixture
 def folder(tmp_path: Path) -> Path:
     out = tmp_path / "store"
-    prepare_output(out, resume=False, overwrite=False, check_only=False)
+    prepare_output(out, resume=False, overwrite=False)
     return out
 
 
@@ -137,27 +138,27 @@ def test_parts_that_do_not_follow_each_other_are_not_joined(folder: Path) -> Non
 
 def test_existing_output_is_never_replaced_without_overwrite(tmp_path: Path) -> None:
     out = tmp_path / "store"
-    prepare_output(out, resume=False, overwrite=False, check_only=False)
+    prepare_output(out, resume=False, overwrite=False)
     _write(out, 1)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     with pytest.raises(StoreExistsError, match=r"pass overwrite=True \(--overwrite\)"):
-        prepare_output(out, resume=False, overwrite=False, check_only=False)
+        prepare_output(out, resume=False, overwrite=False)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    prepare_output(out, resume=False, overwrite=True, check_only=False)
+    prepare_output(out, resume=False, overwrite=True)
     assert list(out.iterdir()) == []
 
 
 def test_overwrite_refuses_a_folder_that_is_not_a_store(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(StoreExistsError, match=r"not part of a hookscope store \(notes\.txt\)"):
-        prepare_output(tmp_path, resume=False, overwrite=True, check_only=False)
+    with pytest.raises(StoreExistsError, match=r"not a hookscope store \(no manifest\.json; it holds .notes\.txt.\)"):
+        prepare_output(tmp_path, resume=False, overwrite=True)
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
 def test_leftover_temporary_files_are_removed_on_resume(folder: Path) -> None:
     _write(folder, 1, finish=False)
     (folder / ".shard-00001.safetensors.tmp-123").write_bytes(b"half a shard")
-    prepare_output(folder, resume=True, overwrite=False, check_only=False)
+    prepare_output(folder, resume=True, overwrite=False)
     assert not list(folder.glob(".*"))
 
 

@@ -1,5 +1,11 @@
 """``python -m hookscope`` runs the command-line tool, exactly as the ``hookscope`` script does."""
 
-from hookscope.cli.main import main
+import sys
+
+try:
+    from hookscope.cli.main import main
+except KeyboardInterrupt:  # Ctrl-C while torch loads: one line, as during a run
+    print("interrupted", file=sys.stderr)
+    raise SystemExit(130) from None
 
 raise SystemExit(main())

@@ -111,8 +111,9 @@ def load_data(path: str | os.PathLike[str], model: LoadedModel, *,
         batch_size: rows per batch.
 
     Raises:
-        SpecError: the path is missing, holds no input, holds an unreadable image (each image
-            is opened and checked first, so this comes before any shard), or does not suit
+        SpecError: the path is missing, holds no input, holds unreadable images (each image
+            is opened and checked first, and all bad ones are named at once, before any shard),
+            or does not suit
             the model (text for an image model, ...).
     """
     source = Path(path)
@@ -139,13 +140,17 @@ def _image_files(folder: Path, model: LoadedModel) -> list[str]:
     if not files:
         raise SpecError(f"--data {folder} holds no image file ({', '.join(IMAGE_SUFFIXES)})")
     image_module = require("PIL.Image", "reading images")
+    bad = []
     for file in files:
         try:
             with image_module.open(file) as image:
                 image.verify()
         except Exception as err:  # noqa: BLE001  (Pillow raises many types for a bad file)
-            raise SpecError(f"cannot read image {file}: {err}. Fix or remove it; nothing was "
-                            f"extracted yet") from err
+            bad.append(f"{file} ({err})")
+    if bad:
+        raise SpecError(f"cannot read {len(bad)} of the {len(files)} images in {folder}: "
+                        f"{'; '.join(bad)}. Fix or remove {'it' if len(bad) == 1 else 'them'}; "
+                        f"nothing was extracted yet")
     return [str(f) for f in files]
 
 

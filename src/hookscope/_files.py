@@ -1,29 +1,73 @@
-"""Private: files appear whole or not at all (write to a temporary name, fsync, rename)."""
+"""Private: files appear whole or not at all (write to a temporary name, fsync, rename).
+
+The temporary file is ``.NAME.tmp-PID-RANDOM`` beside ``NAME``, so a leftover says what it was
+for; it is created with mode 0o666 less the umask, as ``open()`` creates files, so the renamed
+file gets the permissions any other program's file would. A failed write (disk full, permission
+denied, ...) removes it and raises ``OSError`` naming the target, not the temporary name.
+"""
 
 from __future__ import annotations
 
+import errno
 import os
-import tempfile
+import re
+import secrets
 from collections.abc import Callable
 from typing import Any
 
+TEMPORARY = re.compile(r"\.(?P<target>.+)\.tmp-\d+(-[0-9a-f]{8})?")
+_ADVICE = {
+    errno.ENOSPC: "the disk is full: free space, or write to another disk",
+    errno.EDQUOT: "the disk quota is used up: free space, or write elsewhere",
+    errno.EACCES: "permission denied: choose a folder you may write to, or change its permissions",
+    errno.EPERM: "not permitted: choose a folder you may write to, or change its permissions",
+    errno.EROFS: "the file system is read-only: choose a folder on a writable disk",
+    errno.ENOTDIR: "a part of the path is a file, not a folder: choose another path",
+    errno.EISDIR: "the path is a folder: give a file name inside it",
+    errno.ENOENT: "no such file or folder: check the path",
+}
+
+
+def advice(err: OSError) -> str:
+    """One line for a file-system error: the path, what happened, and what to do."""
+    what = _ADVICE.get(err.errno or 0, err.strerror or str(err))
+    return f"cannot use {err.filename}: {what}" if err.filename else f"{err.strerror}: {what}"
+
 
 def write_atomic(file: str | os.PathLike[str], write: Callable[[str], Any]) -> None:
-    """Call ``write(tmp)`` for a temporary path beside ``file``, fsync it, rename it to ``file``.
+    """Call ``write(tmp)`` for a temporary path beside ``file``, fsync it, rename it to ``file``,
+    fsync the folder.
 
     A crash leaves either the old file or the new one, never half of one.
+
+    Raises:
+        OSError: the folder cannot be made or written, or the disk is full; ``filename`` is
+            ``file`` and no temporary file is left behind.
     """
     file = os.fspath(file)
     folder = os.path.dirname(os.path.abspath(file))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
-    os.close(fd)
+    tmp = os.path.join(folder, f".{os.path.basename(file)}.tmp-{os.getpid()}-"
+                               f"{secrets.token_hex(4)}")
     try:
+        os.makedirs(folder, exist_ok=True)
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # umask applies
         write(tmp)
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, file)
-    except BaseException:
-        if os.path.exists(tmp):
+        fsync_folder(folder)
+    except BaseException as err:
+        if os.path.lexists(tmp):
             os.unlink(tmp)
+        if isinstance(err, OSError) and err.filename in (None, tmp) and err.errno is not None:
+            raise type(err)(err.errno, err.strerror, file) from err
         raise
+
+
+def fsync_folder(folder: str | os.PathLike[str]) -> None:
+    """Make a rename in ``folder`` durable (fsync of the folder itself)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

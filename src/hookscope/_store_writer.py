@@ -1,10 +1,11 @@
-"""Writing stores (private; ``hookscope.extract`` is the public way): shards, manifests, joins.
+"""Writing stores (private; ``hookscope.extract`` is the public way): shards, manifests, joins,
+the memory rows wait in (``Staging``) and the thread that writes shards (``BackgroundWriter``).
 
-Crash safety: every file goes to a temporary name in the store folder, is flushed and fsync'ed,
-then renamed over its final name (and the folder fsync'ed); the manifest is replaced the same way
-after each shard. A crash therefore loses at most the shard in progress, and a reader never sees
-a half-written file under a final name. Existing output is only deleted with ``overwrite``, and
-only when every file in the folder belongs to a store.
+Crash safety: every file goes to a temporary name in the store folder, is fsync'ed, then renamed
+over its final name and the folder fsync'ed (``hookscope._files``); the manifest is written when
+the run starts and replaced the same way after each shard. A crash therefore loses at most the
+shard in progress, and a reader never sees a half-written file under a final name. What an
+output folder may hold and what ``overwrite`` deletes is ``hookscope._store_folder``'s.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
-import os
-import shutil
+import queue
 import struct
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,19 +23,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from hookscope.errors import StoreCorruptError, StoreError, StoreExistsError
-from hookscope.store import (
-    _ST_DTYPES,
-    CHUNK_BYTES,
-    FORMAT,
-    MANIFEST,
-    VERSION,
-    ShardInfo,
-    chunk_sums,
-    read_manifest,
-)
+from hookscope._files import write_atomic
+from hookscope._manifest import FORMAT, VERSION
+from hookscope.errors import StoreCorruptError, StoreError
+from hookscope.store import _ST_DTYPES, CHUNK_BYTES, MANIFEST, ShardInfo, chunk_sums, read_manifest
 
-__all__ = ["ShardData", "StoreWriter", "join_parts", "prepare_output", "read_part"]
+__all__ = ["BackgroundWriter", "ShardData", "Staging", "StoreWriter", "join_parts", "read_part"]
 
 Tensor = torch.Tensor
 
@@ -67,24 +61,6 @@ class ShardData:
 
 
 # ---------------------------------------------------------------------------------------- writing
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class _HashingFile:
     """A file being written that keeps the sha256 and count of all bytes written."""
 
@@ -126,20 +102,107 @@ def _write_shard(path: Path, shard: ShardData) -> tuple[int, str, tuple[str, ...
         begin = end
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # safetensors pads the header to 8 bytes
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        out = _HashingFile(f)
-        out.write(memoryview(struct.pack("<Q", len(text)) + text))
-        for _, _, _, chunks in tensors:
-            for chunk in chunks:
-                out.write(_bytes_of(chunk))
-        f.flush()
-        os.fsync(f.fileno())
-    with open(tmp, "rb") as f:  # the mapping closes when collected (numpy views may outlive it)
-        sums = tuple(chunk_sums(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), out.size))
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-    return out.size, out.sha.hexdigest(), sums
+    written: list[Any] = []
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            out = _HashingFile(f)
+            out.write(memoryview(struct.pack("<Q", len(text)) + text))
+            for _, _, _, chunks in tensors:
+                for chunk in chunks:
+                    out.write(_bytes_of(chunk))
+        with open(tmp, "rb") as f:  # the mapping closes when collected (numpy views outlive it)
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            written.extend([out.size, out.sha.hexdigest(), tuple(chunk_sums(mapped, out.size))])
+
+    write_atomic(path, write)
+    return written[0], written[1], written[2]
+
+
+# ------------------------------------------------------------------- staging and background writing
+class Staging:
+    """Recycled CPU memory ("slabs") that rows wait in until their shard is written.
+
+    Keeping each batch's output tensors instead would take fresh memory every batch, which
+    glibc hands back to the OS when a written shard is freed and faults in again: about 20% of
+    a small model's forward pass. A shard's slabs return to the pool once it is written, so at
+    most the slabs of three shards exist.
+    """
+
+    def __init__(self, slab_bytes: int):
+        self.slab_bytes, self.used = slab_bytes, 0
+        self.free: queue.SimpleQueue[Tensor] = queue.SimpleQueue()
+        self.slab: Tensor | None = None
+
+    def keep(self, t: Tensor, shard: ShardData) -> Tensor:
+        """Return a CPU copy of ``t`` in a slab that ``shard`` owns (or alone, if too big)."""
+        size = t.numel() * t.element_size()
+        if size == 0 or size > self.slab_bytes:
+            return torch.empty(t.shape, dtype=t.dtype).copy_(t)  # compact, on the CPU
+        if self.slab is None or self.used + size > self.slab_bytes:
+            self.slab, self.used = self._take(), 0
+            shard.buffers.append(self.slab)
+        kept = self.slab[self.used:self.used + size].view(t.dtype).view(t.shape)
+        kept.copy_(t)
+        self.used += -(-size // 64) * 64  # keep every tensor 64-byte aligned
+        return kept
+
+    def start_shard(self) -> None:
+        """Give the next shard slabs of its own (a shard's slabs are recycled together)."""
+        self.slab = None
+
+    def recycle(self, shard: ShardData) -> None:
+        """Return the slabs of ``shard``, now written, to the pool (called by the writer)."""
+        shard.tensors.clear()
+        for slab in shard.buffers:
+            self.free.put(slab)
+        shard.buffers.clear()
+
+    def _take(self) -> Tensor:
+        try:
+            return self.free.get_nowait()
+        except queue.Empty:
+            return torch.empty(self.slab_bytes, dtype=torch.uint8)
+
+
+class BackgroundWriter:
+    """Writes shards on one thread; ``put`` blocks while a shard is written and another waits."""
+
+    def __init__(self, writer: StoreWriter, staging: Staging):
+        self.writer, self.staging = writer, staging
+        self.queue: queue.Queue[ShardData | None] = queue.Queue(maxsize=1)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._loop, name="hookscope-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, shard: ShardData | None) -> None:
+        while self.thread.is_alive():
+            try:
+                self.queue.put(shard, timeout=0.1)
+                break
+            except queue.Full:
+                continue
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        """Write what is queued, stop the thread, and raise its error if it had one."""
+        if self.thread.is_alive():
+            self.put(None)
+            self.thread.join()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def _loop(self) -> None:
+        while (shard := self.queue.get()) is not None:
+            try:
+                self.writer.write(shard)
+                self.staging.recycle(shard)
+            except BaseException as err:  # noqa: BLE001  (re-raised on the main thread)
+                self.error = err
+                return
+
 
 
 def _part_name(rank: int, world_size: int) -> str:
@@ -176,6 +239,8 @@ class StoreWriter:
             self.manifest["rank"] = rank
         if resume_from is not None:
             self.manifest.update(rows=resume_from["rows"], shards=resume_from["shards"])
+        else:  # a run killed before its first shard leaves a store that says it is unfinished
+            self._save()
 
     def write(self, shard: ShardData) -> None:
         """Write ``shard`` as the next shard file, then the manifest that lists it."""
@@ -193,8 +258,9 @@ class StoreWriter:
         self._save()
 
     def _save(self) -> None:
-        _atomic_write(self.folder / _part_name(self.rank, self.world_size),
-                      _manifest_text(self.manifest))
+        text = _manifest_text(self.manifest)
+        write_atomic(self.folder / _part_name(self.rank, self.world_size),
+                     lambda tmp: Path(tmp).write_bytes(text))
 
 
 def _manifest_text(manifest: dict[str, Any]) -> bytes:
@@ -208,45 +274,6 @@ def _manifest_text(manifest: dict[str, Any]) -> bytes:
         return json.dumps(value)
     lines = [f" {json.dumps(k)}: {field_text(v)}" for k, v in manifest.items()]
     return ("{\n" + ",\n".join(lines) + "\n}\n").encode()
-
-
-def _is_store_file(name: str) -> bool:
-    return name.startswith(("manifest", "shard-", ".manifest", ".shard-"))
-
-
-def prepare_output(folder: Path, *, resume: bool, overwrite: bool, check_only: bool) -> None:
-    """Check that ``folder`` may receive a store, then (unless ``check_only``) make it ready.
-
-    A missing folder is created; an existing store is deleted with ``overwrite``, kept with
-    ``resume`` (leftover temporary files removed). Nothing else is ever deleted.
-
-    Raises:
-        StoreExistsError: ``folder`` exists and neither ``resume`` nor ``overwrite`` is set, or
-            ``overwrite`` is set but ``folder`` holds files that are not part of a store.
-    """
-    if folder.exists() and not folder.is_dir():
-        raise StoreExistsError(f"output {folder} exists and is a file, not a store folder; choose "
-                               f"another output path.")
-    names = sorted(os.listdir(folder)) if folder.is_dir() else []
-    if names and not resume and not overwrite:
-        raise StoreExistsError(
-            f"output folder {folder} already exists and is not empty; nothing was written. To "
-            f"continue an interrupted run pass resume=True (--resume); to replace it pass "
-            f"overwrite=True (--overwrite); or choose another output folder.")
-    foreign = [n for n in names if not _is_store_file(n)]
-    if foreign and overwrite:
-        raise StoreExistsError(
-            f"refusing to overwrite {folder}: it holds files that are not part of a hookscope "
-            f"store ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}). Choose "
-            f"another output folder, or delete it yourself.")
-    if check_only:
-        return
-    if overwrite and folder.is_dir():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    for name in os.listdir(folder):
-        if name.startswith(".") and ".tmp-" in name and _is_store_file(name):
-            (folder / name).unlink()
 
 
 def read_part(folder: Path, rank: int, world_size: int) -> dict[str, Any] | None:
@@ -304,6 +331,7 @@ def join_parts(folder: Path, world_size: int) -> None:
             shards.append({**entry, "rows": [entry["rows"][0] + rows, entry["rows"][1] + rows]})
         rows += part["rows"]
     joined.update(rows=rows, shards=shards, complete=True)
-    _atomic_write(folder / MANIFEST, _manifest_text(joined))
+    text = _manifest_text(joined)
+    write_atomic(folder / MANIFEST, lambda tmp: Path(tmp).write_bytes(text))
     for rank in range(world_size):
         (folder / _part_name(rank, world_size)).unlink()

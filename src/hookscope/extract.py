@@ -7,50 +7,64 @@ three shards are in memory (one filling, one queued, one being written): about
 ``3 * shard_bytes``, however large the data set. ``load_data`` makes the data of the CLI's
 ``--data PATH`` (``hookscope._batches``).
 
+A shard is closed when it holds ``shard_bytes`` of rows or when ``shard_seconds`` have passed
+since it was started, whichever comes first, so a killed run loses at most about
+``shard_seconds`` of work however small the data set is.
+
 Resume and torchrun both rest on one rule: batch ``k`` of the data is always the same batch. A
-resumed run starts at the first batch of the shard that was in progress; under torchrun
-(``RANK``/``WORLD_SIZE`` set) rank ``r`` of ``W`` takes the contiguous batches
-``[r * B // W, (r + 1) * B // W)`` of ``B``, so rank 0's rows, then rank 1's, ... are the rows of a
-single-process run, in its order, computed on identical batches.
+resumed run starts at the first batch of the shard that was in progress; under torchrun each
+rank takes a contiguous block of batches (``hookscope._ranks``). Reductions are
+``hookscope.reductions``; writing, staging and the writer thread ``hookscope._store_writer``; what
+an output folder may hold ``hookscope._store_folder``.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-import queue
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
+from hookscope._batch_inputs import model_inputs
 from hookscope._batches import BatchSource, load_data
 from hookscope._nested import describe_keys, iter_tensors, map_tensors
-from hookscope._store_writer import ShardData, StoreWriter, join_parts, prepare_output, read_part
+from hookscope._ranks import Ranks
+from hookscope._store_folder import check_output, prepare_output
+from hookscope._store_writer import (
+    BackgroundWriter,
+    ShardData,
+    Staging,
+    StoreWriter,
+    join_parts,
+    read_part,
+)
 from hookscope.capture import capture
-from hookscope.errors import ExtractError
+from hookscope.errors import ExtractError, HookscopeError
+from hookscope.reductions import Reduce, Reduction, reduction, reduction_name
 from hookscope.select import resolve
 from hookscope.store import LayerInfo, Store, dtype_name, open_store
 
-__all__ = ["extract", "load_data", "Reduce"]
+__all__ = ["Reduce", "check_output", "extract", "load_data"]
 
 Tensor = torch.Tensor
-Reduce = str | Callable[[Tensor], Tensor] | None
+SHARD_BYTES = 256 * 2**20
+SHARD_SECONDS = 60.0
 Rows = dict[str, tuple[Tensor, Tensor | None]]  # key -> (rows or flat tokens, token counts)
 
 
 def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str | os.PathLike[str],
             *, reduce: Reduce = None, dtype: torch.dtype | None = None, batch_size: int = 32,
-            shard_bytes: int = 256 * 2**20, resume: bool = False, overwrite: bool = False,
-            progress: bool = True, model_spec: str | None = None) -> Store:
+            shard_bytes: int = SHARD_BYTES, shard_seconds: float = SHARD_SECONDS,
+            resume: bool = False, overwrite: bool = False, progress: bool = True,
+            model_spec: str | None = None) -> Store:
     """Run ``model`` over ``data`` and store the output of each selected layer, row by row.
 
     Args:
@@ -58,7 +72,8 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
         data: a ``DataLoader`` (not shuffled), a map-style ``Dataset`` (batched here by
             ``batch_size``), or any iterable of batches. A batch is a tensor (``model(batch)``),
             a dict such as a tokenizer's output (``model(**batch)``; its ``attention_mask``
-            marks real tokens), or a tuple/list whose first item is the input (labels ignored).
+            marks real tokens), or a tuple/list ``(inputs, labels, ...)`` whose first item is
+            the inputs: a tensor, a dict, or a tuple of positional inputs (labels ignored).
         layers: patterns as in ``hookscope.select``; each selected module (or output part,
             ``"lstm[0]"``) becomes one store layer. Its output must hold one tensor whose dim 0
             is the batch.
@@ -67,13 +82,18 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
             output keeps only real tokens (a ragged layer). ``"mean"`` averages over tokens
             (honouring the mask) for ``(batch, seq, d)``, over pixels for ``(batch, c, h, w)``
             and leaves ``(batch, d)`` alone; ``"first"``/``"last"`` take the first/last real
-            position of dim 1 (CLS / last token); a callable maps ``(batch, ...)`` to
-            ``(batch, ...)``.
+            token of a ``(batch, seq, d)`` output (CLS / last token) and refuse outputs without
+            a token axis; a callable maps ``(batch, ...)`` to ``(batch, ...)``
+            (``hookscope.reductions``).
         dtype: cast floating rows to this dtype before storing (``torch.float16`` halves disk).
         batch_size: batch size when ``data`` is a ``Dataset``; a DataLoader keeps its own.
-        shard_bytes: bytes of rows per shard file (the last shard may be smaller).
-        resume: continue an interrupted run into ``out`` (same arguments and data).
-        overwrite: delete an existing store at ``out`` first.
+        shard_bytes: bytes of rows per shard file at most (the last shard may be smaller).
+        shard_seconds: a shard is also closed once this many seconds have passed since it was
+            started, so a killed run loses at most about this much work (default 60).
+        resume: continue an interrupted run into ``out`` (same arguments and data); a missing
+            or empty ``out`` starts afresh (with a warning).
+        overwrite: delete the store at ``out`` first: only the files its manifest lists and its
+            own temporary files; anything else there makes it refuse (``StoreExistsError``).
         progress: show a progress bar (rows/s, MB/s) on stderr (rank 0 only under torchrun).
         model_spec: how the model was made, kept in the manifest (the CLI's ``MODEL``).
 
@@ -82,28 +102,30 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
 
     Raises:
         SelectorError: a pattern matches no module or names a container (before any file).
-        StoreExistsError: ``out`` exists and neither ``resume`` nor ``overwrite`` was passed.
+        StoreExistsError: ``out`` exists and neither ``resume`` nor ``overwrite`` was passed,
+            or ``out`` holds a file that is not the store's (named), with either.
         ExtractError: a bad argument, an output that is not one batch-first tensor, rows whose
             shape changes between batches, shuffled data, or a resume with other arguments.
         StoreCorruptError: ``resume`` finds a damaged manifest.
     """
     folder, keys = Path(out), [t.key for t in resolve(model, _patterns(layers))]
-    reducer, source = _reducer(reduce), BatchSource(data, batch_size)
-    if shard_bytes <= 0:
-        raise ExtractError(f"shard_bytes={shard_bytes} must be positive, e.g. 256 * 2**20")
+    reducer, source = reduction(reduce), BatchSource(data, batch_size)
+    if shard_bytes <= 0 or not shard_seconds > 0:
+        raise ExtractError(f"shard_bytes={shard_bytes} and shard_seconds={shard_seconds} must be "
+                           f"positive, e.g. {SHARD_BYTES} and {SHARD_SECONDS}")
     if resume and overwrite:
         raise ExtractError("resume=True continues the store in place and overwrite=True deletes "
                            "it: pass one of them")
-    ranks = _Ranks.start()
+    ranks = Ranks.start()
     training = model.training
     try:
         model.eval()
-        config = {"layers": keys, "reduce": _reduce_name(reduce), "batches": source.count,
+        config = {"layers": keys, "reduce": reduction_name(reduce), "batches": source.count,
                   "dtype": dtype_name(dtype) if dtype else None}
         header = {"model": {"spec": model_spec, "class": _class_name(model)}, "extract": config}
-        job = _Job(model, keys, reducer, dtype, source, ranks, progress)
+        job = _Job(model, keys, reducer, dtype, source, ranks, progress, shard_bytes, shard_seconds)
         with torch.no_grad():
-            _extract(job, folder, header, shard_bytes, resume=resume, overwrite=overwrite)
+            _extract(job, folder, header, resume=resume, overwrite=overwrite)
     finally:
         model.train(training)
         ranks.stop()
@@ -115,21 +137,23 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
 class _Job:
     model: nn.Module
     keys: list[str]
-    reducer: Callable[[Tensor, Tensor | None], Tensor] | None
+    reducer: Reduction | None
     dtype: torch.dtype | None
     source: BatchSource
-    ranks: _Ranks
+    ranks: Ranks
     progress: bool
+    shard_bytes: int
+    shard_seconds: float
 
 
-def _extract(job: _Job, folder: Path, header: dict[str, Any], shard_bytes: int, *,
+def _extract(job: _Job, folder: Path, header: dict[str, Any], *,
              resume: bool, overwrite: bool) -> None:
     ranks = job.ranks
     prior: dict[str, Any] | None = None
     todo: Iterator[tuple[int, Rows]] = iter(())
     start = 0
     try:  # everything that can fail on bad input fails here, before any file is written
-        prepare_output(folder, resume=resume, overwrite=overwrite, check_only=True)
+        check_output(folder, resume=resume, overwrite=overwrite)
         if resume and folder.is_dir():
             prior = read_part(folder, ranks.rank, ranks.world_size)
         _check_resume(prior, header)
@@ -142,12 +166,12 @@ def _extract(job: _Job, folder: Path, header: dict[str, Any], shard_bytes: int, 
         error = err
     ranks.agree(error)
     if ranks.rank == 0:
-        prepare_output(folder, resume=resume, overwrite=overwrite, check_only=False)
+        prepare_output(folder, resume=resume, overwrite=overwrite)
     ranks.barrier()
     if not (prior and prior["complete"]):
         writer = StoreWriter(folder, header, rank=ranks.rank, world_size=ranks.world_size,
                              resume_from=prior)
-        _write_all(job, writer, todo, start, shard_bytes)
+        _write_all(job, writer, todo, start)
     ranks.barrier()
     if ranks.rank == 0 and ranks.world_size > 1:
         join_parts(folder, ranks.world_size)
@@ -169,22 +193,23 @@ def _first_batch(job: _Job, start: int, stop: int | None, prior: dict[str, Any] 
     return itertools.chain([(first[0], rows)], rest), _layer_infos(rows, prior)
 
 
-def _write_all(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Rows]], start: int,
-               shard_bytes: int) -> None:
+def _write_all(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Rows]],
+               start: int) -> None:
     """Store the rows of every remaining batch, handing full shards to a background writer."""
-    staging = _Staging(min(max(shard_bytes, 2**20), 16 * 2**20))
-    background = _BackgroundWriter(writer, staging)
+    staging = Staging(min(max(job.shard_bytes, 2**20), 16 * 2**20))
+    background = BackgroundWriter(writer, staging)
     bar = _Progress(job, start)
     layers = writer.manifest["layers"]
-    shard = ShardData(batches=(start, start))
+    shard, started = ShardData(batches=(start, start)), time.monotonic()
     try:
         for index, rows in todo:
             _check_layers(rows, layers, index)
             _append(shard, index, rows, staging)
             bar.update(rows)
-            if shard.nbytes >= shard_bytes:
+            if shard.nbytes >= job.shard_bytes or \
+                    time.monotonic() - started >= job.shard_seconds:
                 background.put(shard)
-                shard = ShardData(batches=(index + 1, index + 1))
+                shard, started = ShardData(batches=(index + 1, index + 1)), time.monotonic()
                 staging.start_shard()
         if shard.rows:
             background.put(shard)
@@ -195,96 +220,12 @@ def _write_all(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Rows]],
         bar.close()
 
 
-def _append(shard: ShardData, index: int, rows: Rows, staging: _Staging) -> None:
+def _append(shard: ShardData, index: int, rows: Rows, staging: Staging) -> None:
     data, lengths = next(iter(rows.values()))
     n = len(lengths) if lengths is not None else int(data.shape[0])
     shard.append({k: staging.keep(d, shard) for k, (d, _) in rows.items()},
                  {k: c for k, (_, c) in rows.items() if c is not None}, n)
     shard.batches = (shard.batches[0], index + 1)
-
-
-class _Staging:
-    """Recycled CPU memory ("slabs") that rows wait in until their shard is written.
-
-    Keeping each batch's output tensors instead would take fresh memory every batch, which
-    glibc hands back to the OS when a written shard is freed and faults in again: about 20% of
-    a small model's forward pass. A shard's slabs return to the pool once it is written, so at
-    most the slabs of three shards exist.
-    """
-
-    def __init__(self, slab_bytes: int):
-        self.slab_bytes, self.used = slab_bytes, 0
-        self.free: queue.SimpleQueue[Tensor] = queue.SimpleQueue()
-        self.slab: Tensor | None = None
-
-    def keep(self, t: Tensor, shard: ShardData) -> Tensor:
-        """Return a CPU copy of ``t`` in a slab that ``shard`` owns (or alone, if too big)."""
-        size = t.numel() * t.element_size()
-        if size == 0 or size > self.slab_bytes:
-            return torch.empty(t.shape, dtype=t.dtype).copy_(t)  # compact, on the CPU
-        if self.slab is None or self.used + size > self.slab_bytes:
-            self.slab, self.used = self._take(), 0
-            shard.buffers.append(self.slab)
-        kept = self.slab[self.used:self.used + size].view(t.dtype).view(t.shape)
-        kept.copy_(t)
-        self.used += -(-size // 64) * 64  # keep every tensor 64-byte aligned
-        return kept
-
-    def start_shard(self) -> None:
-        """Give the next shard slabs of its own (a shard's slabs are recycled together)."""
-        self.slab = None
-
-    def recycle(self, shard: ShardData) -> None:
-        """Return the slabs of ``shard``, now written, to the pool (called by the writer)."""
-        shard.tensors.clear()
-        for slab in shard.buffers:
-            self.free.put(slab)
-        shard.buffers.clear()
-
-    def _take(self) -> Tensor:
-        try:
-            return self.free.get_nowait()
-        except queue.Empty:
-            return torch.empty(self.slab_bytes, dtype=torch.uint8)
-
-
-class _BackgroundWriter:
-    """Writes shards on one thread; ``put`` blocks while a shard is written and another waits."""
-
-    def __init__(self, writer: StoreWriter, staging: _Staging):
-        self.writer, self.staging = writer, staging
-        self.queue: queue.Queue[ShardData | None] = queue.Queue(maxsize=1)
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._loop, name="hookscope-writer", daemon=True)
-        self.thread.start()
-
-    def put(self, shard: ShardData | None) -> None:
-        while self.thread.is_alive():
-            try:
-                self.queue.put(shard, timeout=0.1)
-                break
-            except queue.Full:
-                continue
-        if self.error is not None:
-            raise self.error
-
-    def close(self) -> None:
-        """Write what is queued, stop the thread, and raise its error if it had one."""
-        if self.thread.is_alive():
-            self.put(None)
-            self.thread.join()
-        if self.error is not None:
-            error, self.error = self.error, None
-            raise error
-
-    def _loop(self) -> None:
-        while (shard := self.queue.get()) is not None:
-            try:
-                self.writer.write(shard)
-                self.staging.recycle(shard)
-            except BaseException as err:  # noqa: BLE001  (re-raised on the main thread)
-                self.error = err
-                return
 
 
 class _Progress:
@@ -318,7 +259,10 @@ class _Progress:
 # ------------------------------------------------------------------------- batch -> rows
 def _rows(job: _Job, batch: Any) -> Rows:
     """Run one batch; return ``{key: (rows, None)}`` or ``{key: (flat tokens, counts)}``."""
-    args, kwargs = _model_inputs(batch)
+    try:
+        args, kwargs = model_inputs(batch)
+    except HookscopeError as err:
+        raise ExtractError(str(err)) from None
     device = next(job.model.parameters(), torch.empty(0)).device
     args, kwargs = map_tensors(lambda t: t.to(device, non_blocking=True), (args, kwargs))
     mask = kwargs.get("attention_mask")
@@ -326,18 +270,6 @@ def _rows(job: _Job, batch: Any) -> Rows:
     with capture(job.model, *job.keys, on_unfired="error") as acts:
         job.model(*args, **kwargs)
     return {key: _layer_rows(key, _one_tensor(key, acts[key]), n, mask, job) for key in job.keys}
-
-
-def _model_inputs(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    if isinstance(batch, Tensor):
-        return (batch,), {}
-    if isinstance(batch, Mapping):
-        return (), dict(batch)
-    if isinstance(batch, (tuple, list)) and batch:
-        return _model_inputs(batch[0])  # (inputs, labels, ...): the inputs come first
-    raise ExtractError(f"a batch is a {type(batch).__name__}; extract takes a tensor "
-                       f"(model(batch)), a dict of keyword inputs (model(**batch)) or a tuple/list "
-                       f"whose first item is one of those")
 
 
 def _batch_rows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -401,61 +333,12 @@ def _check_layers(rows: Rows, layers: dict[str, Any], index: int) -> None:
                 f"attention_mask so tokens are stored ragged")
 
 
-# ----------------------------------------------------------------------------- reductions
-def _reducer(reduce: Reduce) -> Callable[[Tensor, Tensor | None], Tensor] | None:
-    if reduce is None:
-        return None
-    if callable(reduce):
-        return lambda t, mask: reduce(t)
-    named = {"mean": _mean, "first": _first, "last": _last}
-    if reduce not in named:
-        raise ExtractError(f"reduce={reduce!r} is not one of None, 'mean', 'first', 'last' or a "
-                           f"function of the (batch, ...) output")
-    return named[reduce]
-
-
-def _reduce_name(reduce: Reduce) -> str | None:
-    if callable(reduce):
-        return f"{getattr(reduce, '__module__', '?')}.{getattr(reduce, '__qualname__', '?')}"
-    return reduce
-
-
-def _mean(t: Tensor, mask: Tensor | None) -> Tensor:
-    if t.dim() >= 3 and mask is not None and t.shape[:2] == mask.shape:
-        acc = torch.promote_types(t.dtype, torch.float32)
-        weight = mask.to(acc).reshape(*mask.shape, *[1] * (t.dim() - 2))  # (batch, seq, 1, ...)
-        return ((t.to(acc) * weight).sum(1) / weight.sum(1).clamp(min=1)).to(t.dtype)
-    if t.dim() >= 4:
-        return t.mean(dim=tuple(range(2, t.dim())))  # (batch, channels, height, width) -> (batch, c)
-    return t.mean(dim=1) if t.dim() == 3 else t
-
-
-def _position(t: Tensor, mask: Tensor | None, last: bool) -> Tensor:
-    if t.dim() < 2:
-        raise ExtractError(f"reduce='{'last' if last else 'first'}' picks a position of dim 1, "
-                           f"but the output is {tuple(t.shape)}")
-    if mask is None or t.shape[:2] != mask.shape:
-        return t[:, -1 if last else 0]
-    real = mask.bool().flip(1) if last else mask.bool()
-    index = real.int().argmax(dim=1)  # first real token (of the flipped mask for last)
-    if last:
-        index = mask.shape[1] - 1 - index
-    return t[torch.arange(t.shape[0], device=t.device), index]
-
-
-def _first(t: Tensor, mask: Tensor | None) -> Tensor:
-    return _position(t, mask, last=False)
-
-
-def _last(t: Tensor, mask: Tensor | None) -> Tensor:
-    return _position(t, mask, last=True)
-
-
 def _patterns(layers: str | Sequence[str]) -> list[str]:
     return [layers] if isinstance(layers, str) else list(layers)
 
 
 def _class_name(model: nn.Module) -> str:
+    """``module.qualname`` of the model's class (the same in every run: no object ids)."""
     return f"{type(model).__module__}.{type(model).__qualname__}"
 
 
@@ -477,51 +360,3 @@ def _resume_batch(prior: dict[str, Any] | None, start: int) -> int:
     return int(prior["shards"][-1]["batches"][1])
 
 
-# ---------------------------------------------------------------------------- torchrun
-@dataclass
-class _Ranks:
-    """This process in a torchrun group (rank 0 of 1 when alone)."""
-
-    rank: int
-    world_size: int
-    owns_group: bool
-
-    @staticmethod
-    def start() -> _Ranks:
-        """Join the torch.distributed group that torchrun's environment describes (gloo)."""
-        if dist.is_available() and dist.is_initialized():
-            return _Ranks(dist.get_rank(), dist.get_world_size(), False)
-        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-            return _Ranks(0, 1, False)
-        if not dist.is_available():
-            raise ExtractError("WORLD_SIZE > 1 but this torch has no torch.distributed")
-        dist.init_process_group("gloo")
-        return _Ranks(dist.get_rank(), dist.get_world_size(), True)
-
-    def batch_range(self, count: int | None) -> tuple[int, int | None]:
-        """Return this rank's contiguous batch range ``[start, stop)``."""
-        if self.world_size == 1:
-            return 0, None
-        if count is None:
-            raise ExtractError("under torchrun the data must have a length (a Dataset, or a "
-                               "DataLoader over one) so that each rank can take its part")
-        return self.rank * count // self.world_size, (self.rank + 1) * count // self.world_size
-
-    def agree(self, error: BaseException | None) -> None:
-        """Raise on every rank if any rank failed (its own error, or which rank failed)."""
-        if self.world_size > 1:
-            found: list[str | None] = [None] * self.world_size
-            dist.all_gather_object(found, None if error is None else str(error))
-            failed = [(r, m) for r, m in enumerate(found) if m is not None]
-            if failed and error is None:
-                raise ExtractError(f"rank {failed[0][0]} failed before writing: {failed[0][1]}")
-        if error is not None:
-            raise error
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
-
-    def stop(self) -> None:
-        if self.owns_group:
-            dist.destroy_process_group()

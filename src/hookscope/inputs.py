@@ -16,6 +16,7 @@ One spec is one of
 
 from __future__ import annotations
 
+import pickle
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -301,9 +302,14 @@ def _read_tensor_file(spec: str) -> torch.Tensor:
         raise SpecError(f"tensor file '{path}' does not exist (looked in {path.resolve().parent})")
     try:
         content = _read_any(path)
-    except Exception as err:  # unpickling refused, corrupt file, ...
+    except pickle.UnpicklingError:  # torch refused an object: never unpickled here
+        raise SpecError(f"'{path}' holds Python objects, not plain tensors; hookscope reads .pt "
+                        f"files with torch.load(weights_only=True) and never runs the code a "
+                        f"pickle may carry. Save the tensors themselves (torch.save(tensor) or "
+                        f"safetensors) and pass that file") from None
+    except Exception as err:  # corrupt file, ...
         raise SpecError(f"cannot read tensor file '{path}': {type(err).__name__}: "
-                        f"{str(err).splitlines()[0] if str(err) else ''}") from err
+                        f"{str(err).splitlines()[0] if str(err) else ''}") from None
     if isinstance(content, torch.Tensor):
         return content
     tensors = {k: v for k, v in content.items() if isinstance(v, torch.Tensor)} \

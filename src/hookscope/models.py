@@ -23,9 +23,11 @@ model: ``.safetensors``, or ``.pt``/``.pth``/``.bin``/``.ckpt`` read with
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import importlib.util
 import io
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -234,15 +236,45 @@ def _huggingface(folder: Path, spec: str) -> LoadedModel:
     if not (folder / "config.json").is_file():
         raise SpecError(f"'{folder}' is not a transformers model folder (no config.json there); "
                         "hf: takes a local folder as written by save_pretrained()")
+    _refuse_custom_code(folder, spec)
     transformers = require("transformers", f"the model '{spec}'")
-    module = transformers.AutoModel.from_pretrained(str(folder), local_files_only=True)
+    module = transformers.AutoModel.from_pretrained(str(folder), local_files_only=True,
+                                                    trust_remote_code=False)
     has_tokenizer = any((folder / name).is_file()
                         for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt"))
     if not has_tokenizer:
         return LoadedModel(module=module, spec=spec, kind="tensor")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
+                                                           trust_remote_code=False)
     return LoadedModel(module=module, spec=spec, kind="text", tokenizer=tokenizer,
                        task="sentence-embeddings")
+
+
+def _refuse_custom_code(folder: Path, spec: str) -> None:
+    """Raise when the folder's config asks for its own Python code (``auto_map``): hf: never
+    runs code from a model folder, and never asks on stdin whether it may."""
+    config_files = [folder / name for name in ("config.json", "tokenizer_config.json")]
+    for config in (c for c in config_files if c.is_file()):
+        try:
+            data = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise SpecError(f"cannot read {config}: {err}") from err
+        auto_map = data.get("auto_map") if isinstance(data, dict) else None
+        if auto_map:
+            code = sorted({str(v).split(".")[0] + ".py" for v in _flat(auto_map) if "." in str(v)})
+            raise SpecError(
+                f"'{spec}' needs the folder's own Python code ({config.name} has \"auto_map\": "
+                f"{', '.join(code) or 'custom classes'}); hookscope never runs code from a model "
+                f"folder. To run it on purpose, write a factory in a file you name, e.g. "
+                f"'my_model.py:build' (build() returns the nn.Module), and pass that as MODEL.")
+
+
+def _flat(value: Any) -> list[Any]:
+    if isinstance(value, dict):
+        return [v for item in value.values() for v in _flat(item)]
+    if isinstance(value, list):
+        return [v for item in value for v in _flat(item)]
+    return [value]
 
 
 def _timm(name: str, spec: str, *, pretrained: bool) -> LoadedModel:
@@ -307,7 +339,8 @@ def _import_module(name: str) -> Any:
 def _import_file(path: Path) -> Any:
     if not path.is_file():
         raise SpecError(f"model file '{path}' does not exist (looked in {path.resolve().parent})")
-    name = f"hookscope_user_{abs(hash(str(path.resolve())))}"
+    digest = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]
+    name = f"hookscope_user_{path.stem}_{digest}"  # the same in every process (no hash())
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise SpecError(f"cannot import '{path}' as Python code")
@@ -334,8 +367,9 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:  # pickle.UnpicklingError for anything but plain weights
             raise SpecError(f"'{path}' is not a plain weights file that torch.load(weights_only="
-                            f"True) can read ({type(err).__name__}); save model.state_dict() "
-                            "instead of the model object") from err
+                            f"True) can read ({type(err).__name__}; hookscope never unpickles "
+                            "objects): save model.state_dict() instead of the model object") \
+                from None
     for key in _STATE_DICT_WRAPPERS:
         if isinstance(state, dict) and isinstance(state.get(key), dict):
             state = state[key]

@@ -30,13 +30,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from hookscope._manifest import FORMAT, check_header, check_manifest, corrupt, inside
 from hookscope.errors import StoreCorruptError, StoreError
 
 __all__ = ["FORMAT", "LayerInfo", "LayerView", "ShardInfo", "Store", "StoreDataset", "chunk_sums",
            "open_store", "read_manifest"]
 
-FORMAT = "hookscope.store"
-VERSION = 1
 MANIFEST = "manifest.json"
 CHUNK_BYTES = 4 * 2**20  # granularity of the read-time checksums
 PAGE_BYTES = 4096  # a chunk checksum weighs each page of the chunk by its position
@@ -136,8 +135,10 @@ def _odd(n: int) -> np.ndarray:
 class _Shard:
     """One shard file, memory-mapped on first use; each chunk checked once, when first read."""
 
-    def __init__(self, folder: Path, info: ShardInfo, chunk_bytes: int, verify_reads: bool):
-        self.path, self.info, self.chunk_bytes = folder / info.file, info, chunk_bytes
+    def __init__(self, folder: Path, info: ShardInfo, chunk_bytes: int, verify_reads: bool,
+                 layers: dict[str, Any]):
+        self.path = inside(folder, info.file, folder / MANIFEST, f"shards[{info.file!r}].file")
+        self.info, self.chunk_bytes, self.layers = info, chunk_bytes, layers
         self.verify_reads = verify_reads
         self._mm: mmap.mmap | None = None
         self._entries: dict[str, dict[str, Any]] = {}
@@ -165,19 +166,32 @@ class _Shard:
             self.check_size()
             with open(self.path, "rb") as f:
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            (length,) = struct.unpack("<Q", mm[:8])
-            self._check_range(mm, 0, min(8 + length, self.info.bytes))
-            try:
-                header = json.loads(mm[8:8 + length])
-            except ValueError as err:
-                raise StoreCorruptError(f"shard {self.info.file}: unreadable header; "
-                                        f"{_REDO}") from err
-            header.pop("__metadata__", None)
-            self._entries, self._data_start, self._mm = header, 8 + length, mm
+            self._entries, self._data_start = self._header(mm)
+            self._mm = mm
         return self._mm
 
-    def _check_range(self, mm: mmap.mmap, begin: int, end: int) -> None:
-        if not self.verify_reads:
+    def _header(self, mm: mmap.mmap) -> tuple[dict[str, Any], int]:
+        """Read, check (chunk sums, then against the manifest) and return the safetensors header
+        and where the tensor data starts."""
+        (length,) = struct.unpack("<Q", mm[:8])
+        if length > self.info.bytes - 8:
+            raise corrupt(self.info.file, "header length", f"is {length}, past the end of the "
+                                                           f"{self.info.bytes}-byte file")
+        self._check_range(mm, 0, 8 + length)
+        try:
+            header = json.loads(mm[8:8 + length])
+        except ValueError as err:
+            raise StoreCorruptError(f"shard {self.info.file}: unreadable header; "
+                                    f"{_REDO}") from err
+        if isinstance(header, dict):
+            header.pop("__metadata__", None)
+        rows = self.info.rows[1] - self.info.rows[0]
+        check_header(header, layers=self.layers, rows=rows, size=self.info.bytes,
+                     data_start=8 + length, name=self.info.file)
+        return header, 8 + length
+
+    def _check_range(self, mm: mmap.mmap, begin: int, end: int, force: bool = False) -> None:
+        if not (self.verify_reads or force):
             return
         size = self.chunk_bytes
         for k in range(begin // size, -(-end // size)):
@@ -204,12 +218,18 @@ class _Shard:
     def offsets(self, path: str) -> np.ndarray:
         """Return the ``(rows + 1,)`` int64 token offsets of ragged layer ``path``."""
         if path not in self._offsets:
-            self._offsets[path] = self.array(f"{path}:offsets", 0, self.info.rows[1] -
-                                              self.info.rows[0] + 1).view(np.int64)
+            offsets = self.array(f"{path}:offsets", 0, self.info.rows[1] -
+                                 self.info.rows[0] + 1).view(np.int64)
+            tokens = self._entries[path]["shape"][0]
+            if offsets[0] != 0 or offsets[-1] != tokens or (np.diff(offsets) < 0).any():
+                raise corrupt(self.info.file, f"{path}:offsets", f"must rise from 0 to the "
+                                                                 f"{tokens} tokens of the shard")
+            self._offsets[path] = offsets
         return self._offsets[path]
 
     def verify(self) -> None:
-        """Check size, sha256 and header against the manifest (reads the whole file)."""
+        """Check size and sha256 (reads the whole file), then everything reading checks:
+        header against the manifest, every chunk sum, ragged offsets."""
         self.check_size()
         sha = hashlib.sha256()
         with open(self.path, "rb") as f:
@@ -218,26 +238,28 @@ class _Shard:
         if sha.hexdigest() != self.info.sha256:
             raise StoreCorruptError(f"shard {self.info.file} of {self.path.parent} is corrupt: "
                                     f"its sha256 differs from the manifest's; {_REDO}")
+        mm = self._open()
+        self._check_range(mm, 0, self.info.bytes, force=True)
+        for path in self.layers:
+            if f"{path}:offsets" in self._entries:
+                self.offsets(path)
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
-    """Parse a manifest and check its format and version.
+    """Parse a manifest and check it against the schema (``hookscope._manifest``).
 
     Raises:
-        StoreCorruptError: the file cannot be read or parsed, or is not a version-1 manifest.
+        StoreCorruptError: the file cannot be read or parsed, is a link leading outside its
+            folder, or breaks the schema (naming the file and the field).
     """
+    inside(path.parent, path.name, path, "name")
     try:
         data = json.loads(path.read_bytes())
     except (OSError, ValueError) as err:
         raise StoreCorruptError(f"cannot read {path}: {err}. The file is damaged; extract the "
                                 f"store again (overwrite=True / --overwrite).") from err
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise StoreCorruptError(f"{path} is not a hookscope store manifest (no \"format\": "
-                                f"\"{FORMAT}\").")
-    if data.get("version") != VERSION:
-        raise StoreCorruptError(f"{path} has store format version {data.get('version')!r}; this "
-                                f"hookscope reads version {VERSION}. Upgrade hookscope.")
-    return data
+    check_manifest(data, path)
+    return data  # type: ignore[no-any-return]
 
 
 _REDO = ("its rows cannot be trusted. Restore the file from a copy, or extract the store again "
@@ -332,7 +354,8 @@ class Store:
             for name, spec in manifest["layers"].items()}
         self.shards = [ShardInfo.from_json(e) for e in manifest["shards"]]
         chunk = int(manifest["chunk_bytes"])
-        self._shards = [_Shard(path, info, chunk, verify_reads) for info in self.shards]
+        self._shards = [_Shard(path, info, chunk, verify_reads, manifest["layers"])
+                        for info in self.shards]
         self._starts = [s.rows[0] for s in self.shards]
         self._rows = self.shards[-1].rows[1] if self.shards else 0
 
@@ -358,7 +381,8 @@ class Store:
         return StoreDataset(self[layer])
 
     def verify(self) -> None:
-        """Check every shard's size and sha256 against the manifest (reads every byte).
+        """Check every shard as reading does (size, header against the manifest, every chunk
+        sum, ragged offsets), then its sha256 (reads every byte).
 
         Raises:
             StoreCorruptError: naming the first shard that is missing, truncated or damaged.

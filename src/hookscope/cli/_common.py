@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 MODEL_HELP = ("efficientnet-lite0, minilm, pkg.module:factory, file.py:factory, hf:DIR, timm:NAME; "
@@ -16,9 +18,62 @@ INPUT_HELP = ("input, repeatable or several after one flag (images and sentences
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, input_required: bool = True) -> None:
     """Add the positional ``MODEL`` and ``--input X [X ...]`` that the verbs share."""
-    parser.add_argument("model", metavar="MODEL", help=MODEL_HELP)
-    parser.add_argument("--input", action="extend", nargs="+", required=input_required,
-                        metavar="X", help=INPUT_HELP)
+    add_positional(parser, "model", "MODEL", MODEL_HELP)
+    add_several(parser, "--input", required=input_required, metavar="X", help=INPUT_HELP)
+
+
+def add_positional(parser: argparse.ArgumentParser, dest: str, metavar: str, help: str) -> None:
+    """Add a required positional that may also come last, after an option taking several values
+    (``--input a b MODEL``): the command hands such trailing values back (``cli.main``)."""
+    parser.add_argument(dest, metavar=metavar, nargs="?", help=help)
+    positionals = parser.get_default("positionals") or ()
+    parser.set_defaults(positionals=(*positionals, (dest, metavar)))
+
+
+def add_several(parser: argparse.ArgumentParser, flag: str, **options: Any) -> None:
+    """Add ``flag`` taking one or more values, repeatable (``--layer A B --layer C``)."""
+    parser.add_argument(flag, action="extend", nargs="+", **options)
+    several = parser.get_default("several") or ()
+    parser.set_defaults(several=(*several, flag))
+
+
+def add_layer_argument(parser: argparse.ArgumentParser, *, required: bool, help: str) -> None:
+    """Add ``--layer PATTERN [PATTERN ...]`` (repeatable)."""
+    add_several(parser, "--layer", required=required, metavar="PATTERN", help=help)
+
+
+# ------------------------------------------------------------------------ numbers, parse time
+def _number(kind: Callable[[str], Any], test: Callable[[Any], bool], what: str,
+            example: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not test(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}; give e.g. {example}")
+        return value
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+positive_int = _number(int, lambda v: v > 0, "a positive whole number", "32")
+non_negative_int = _number(int, lambda v: v >= 0, "a whole number >= 0", "2")
+dimension = _number(lambda t: t if t == "auto" else int(t), lambda v: True,
+                    "'auto' or a dimension", "1 or -1")
+positive_float = _number(float, lambda v: math.isfinite(v) and v > 0, "a positive number", "60")
+non_negative_float = _number(float, lambda v: math.isfinite(v) and v >= 0,
+                             "a finite number >= 0", "1e-5")
+
+
+def byte_count(text: str) -> int:
+    """Parse ``268435456``, ``256M``, ``64KiB``, ``1G`` into a positive number of bytes."""
+    match = re.fullmatch(r"\s*(\d+)\s*([kKmMgG]?)i?[bB]?\s*", text)
+    value = int(match[1]) << 10 * " kmg".index((match[2] or " ").lower()) if match else 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive byte count; give e.g. "
+                                         f"268435456 or 256M")
+    return value
 
 
 def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:

@@ -15,7 +15,13 @@ from typing import Any
 import torch
 
 import hookscope
-from hookscope.cli._common import add_model_arguments, print_json, print_table, say
+from hookscope.cli._common import (
+    add_layer_argument,
+    add_model_arguments,
+    print_json,
+    print_table,
+    say,
+)
 from hookscope.errors import SpecError
 from hookscope.inputs import Inputs, load_inputs
 from hookscope.models import LoadedModel, load_model
@@ -31,9 +37,9 @@ COLUMNS = ("path", "call", "shape", "dtype", "mean", "std", "min", "max", "zeros
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``capture`` options to ``parser``."""
     add_model_arguments(parser)
-    parser.add_argument("--layer", action="append", required=True, metavar="PATTERN",
-                        help="modules to capture, repeatable: a path ('_conv_stem'), a glob "
-                             "('_blocks.*', '**._swish'), 're:REGEX' or 'type:Conv2d'")
+    add_layer_argument(parser, required=True,
+                       help="modules to capture, one or more, repeatable: a path ('_conv_stem'), "
+                            "a glob ('_blocks.*', '**._swish'), 're:REGEX' or 'type:Conv2d'")
     parser.add_argument("--save", metavar="FILE.safetensors",
                         help="write every captured tensor here (keys 'path' or 'path:call')")
     parser.add_argument("--plot", metavar="DIR",

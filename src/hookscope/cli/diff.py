@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from hookscope.cli._common import print_json, print_table, say
+from hookscope.cli._common import (
+    add_layer_argument,
+    add_positional,
+    add_several,
+    non_negative_float,
+    print_json,
+    print_table,
+    say,
+)
 from hookscope.compare import OUTPUT, LayerDiff, compare
 from hookscope.errors import SpecError
 from hookscope.inputs import load_inputs
@@ -18,16 +26,16 @@ COLUMNS = ("path", "call", "shape", "max_abs", "rel", "cosine", "close")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the verb's options to ``parser``."""
-    parser.add_argument("model_a", metavar="MODEL_A", help="reference model spec")
-    parser.add_argument("model_b", metavar="MODEL_B",
-                        help="model spec to compare, e.g. the same with @bf16 or @weights.safetensors")
-    parser.add_argument("--input", action="extend", nargs="+", required=True, metavar="X",
-                        help="input spec (repeatable), prepared for MODEL_A and cast for MODEL_B")
-    parser.add_argument("--layer", action="append", metavar="PATTERN",
-                        help="modules to compare (repeatable; default every module)")
-    parser.add_argument("--atol", type=float, default=1e-5,
+    add_positional(parser, "model_a", "MODEL_A", "reference model spec")
+    add_positional(parser, "model_b", "MODEL_B",
+                   "model spec to compare, e.g. the same with @bf16 or @weights.safetensors")
+    add_several(parser, "--input", required=True, metavar="X",
+                help="input spec (repeatable), prepared for MODEL_A and cast for MODEL_B")
+    add_layer_argument(parser, required=False,
+                       help="modules to compare (one or more; default every module)")
+    parser.add_argument("--atol", type=non_negative_float, default=1e-5,
                         help="absolute tolerance (default 1e-5)")
-    parser.add_argument("--rtol", type=float, default=1e-4,
+    parser.add_argument("--rtol", type=non_negative_float, default=1e-4,
                         help="tolerance relative to MODEL_A's values (default 1e-4)")
     parser.add_argument("--json", action="store_true", help="print every row as JSON")
 

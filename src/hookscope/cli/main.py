@@ -4,9 +4,10 @@ Every module in ``hookscope.cli`` whose name does not start with ``_`` (``main``
 It defines ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``.
 
 Exit codes: 0 success; 1 the run failed or a check found a problem (a ``HookscopeError`` is
-printed as ``error: <message>``; any other exception, from the model's code or the file system,
-as ``error: <type>: <message>`` with hookscope's note naming the module; a traceback only with
-``--debug``); 2 bad usage.
+printed as ``error: <message>``; a file-system error as the path and what to do; any other
+exception, from the model's code, as ``error: <type>: <message>`` with hookscope's note naming the
+module; a traceback only with ``--debug``); 2 bad usage (one line: what is wrong and the fix,
+checked before anything is loaded or written); 130 interrupted (Ctrl-C), one line.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import pkgutil
 import sys
 import warnings
 from types import ModuleType
-from typing import TextIO
+from typing import NoReturn, TextIO
 
+import hookscope
+from hookscope._files import advice
 from hookscope.errors import HookNeverFiredWarning, HookscopeError
 
 # Verbs appear in --help in this order; any verb not listed follows alphabetically.
@@ -34,12 +37,20 @@ def _verbs() -> dict[str, ModuleType]:
     return {n: importlib.import_module(f"hookscope.cli.{n}") for n in names}
 
 
+class _Parser(argparse.ArgumentParser):
+    """A parser whose usage errors are one line: what is wrong, and where the help is."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the parser of the whole command, one sub-parser per verb."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="hookscope",
         description="Look inside PyTorch models by module name: tree, capture, nan, diff, "
                     "stats, extract, show.")
+    parser.add_argument("--version", action="version", version=f"hookscope {hookscope.__version__}")
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="verb", metavar="COMMAND")
@@ -48,17 +59,26 @@ def build_parser() -> argparse.ArgumentParser:
         verb_parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                                  help="show the full traceback of an error")
         module.add_arguments(verb_parser)
-        verb_parser.set_defaults(run=module.run)
+        verb_parser.set_defaults(run=module.run, parser=verb_parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``) and return the exit code."""
+    try:
+        return _main(sys.argv[1:] if argv is None else list(argv))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.verb is None:
         parser.print_help(sys.stderr)
         return 2
+    _take_back_positionals(args, argv)
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _show_warning
@@ -70,16 +90,41 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except Exception as err:  # the model's own code, the file system: still one paragraph
+    except OSError as err:  # the file system: the path and what to do
+        if args.debug or err.errno is None:
+            raise
+        print(f"error: {advice(err)}", file=sys.stderr)
+        return 1
+    except Exception as err:  # the model's own code: still one paragraph
         if args.debug:
             raise
         notes = "".join(f"\n  {note}" for note in getattr(err, "__notes__", []))
         print(f"error: {type(err).__name__}: {err}{notes}\n(run with --debug for the traceback)",
               file=sys.stderr)
         return 1
+
+
+def _take_back_positionals(args: argparse.Namespace, argv: list[str]) -> None:
+    """``hookscope tree --input a b MODEL``: argparse gives MODEL to ``--input`` (an option taking
+    several values takes all that follow it); hand the values a missing positional needs back
+    from the option that ran to the end of the line, or fail as a missing argument does."""
+    missing = [(dest, metavar) for dest, metavar in getattr(args, "positionals", ())
+               if getattr(args, dest) is None]
+    if not missing:
+        return
+    options = [i for i, token in enumerate(argv) if token.startswith("-")]
+    last = argv[options[-1]] if options else ""
+    values = getattr(args, last.lstrip("-").replace("-", "_"), None) \
+        if last in getattr(args, "several", ()) else None
+    tail = len(argv) - options[-1] - 1 if options else 0
+    if isinstance(values, list) and len(missing) < tail and len(missing) < len(values):
+        taken = values[-len(missing):]
+        del values[-len(missing):]
+        for (dest, _), value in zip(missing, taken):
+            setattr(args, dest, value)
+        return
+    args.parser.error(f"the following arguments are required: "
+                      f"{', '.join(metavar for _, metavar in missing)}")
 
 
 def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,

@@ -14,7 +14,9 @@ HELP = "describe an activation store: layers, shapes, dtypes, rows, shards, byte
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("store", metavar="STORE", help="folder written by `hookscope extract`")
     parser.add_argument("--verify", action="store_true",
-                        help="also check every shard's sha256 (reads every byte)")
+                        help="check everything reading checks (manifest, shard headers, sizes, "
+                             "chunk sums) and every shard's sha256 (reads every byte); exit 1 "
+                             "when anything fails or the store is incomplete")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -23,6 +25,10 @@ def run(args: argparse.Namespace) -> int:
     if args.verify:
         store.verify()
     print_store(store, as_json=args.json, verified=args.verify)
+    if args.verify and not store.complete:
+        say(f"error: {args.store} is INCOMPLETE: its extraction stopped after {len(store)} rows; "
+            f"resume it (--resume) before using it")
+        return 1
     return 0
 
 
@@ -54,7 +60,7 @@ def print_store(store: Store, *, as_json: bool, verified: bool = False) -> None:
     print(f"{data['rows']} rows in {shards}, {_size(data['bytes'])}, {state}; "
           f"model {data['model']}, reduce {data['reduce']}")
     if verified:
-        say("verified: every shard matches its sha256")
+        say("verified: manifest, shard headers, sizes, chunk sums and sha256 of every shard")
 
 
 def _size(n: int) -> str:

@@ -5,7 +5,15 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from hookscope.cli._common import add_model_arguments, print_json, print_table, say
+from hookscope.cli._common import (
+    add_layer_argument,
+    add_model_arguments,
+    dimension,
+    positive_int,
+    print_json,
+    print_table,
+    say,
+)
 from hookscope.inputs import Inputs, load_inputs
 from hookscope.models import load_model
 from hookscope.stats import RunningStats, stats
@@ -18,11 +26,12 @@ COLUMNS = ("path", "count", "mean", "std", "min", "max", "frac_zeros", "frac_non
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the verb's options to ``parser``."""
     add_model_arguments(parser)
-    parser.add_argument("--layer", action="append", metavar="PATTERN",
-                        help="modules to watch (repeatable; default every module)")
-    parser.add_argument("--batch-size", type=int, default=0, metavar="N",
+    add_layer_argument(parser, required=False,
+                       help="modules to watch (one or more; default every module)")
+    parser.add_argument("--batch-size", type=positive_int, default=None, metavar="N",
                         help="inputs per forward pass (default: all inputs in one batch)")
     parser.add_argument("--per-channel", nargs="?", const="auto", default=None, metavar="DIM",
+                        type=dimension,
                         help="one row per channel: dimension 1 of feature maps, the last of "
                              "(batch, seq, d_model) tokens, or the DIM given")
     parser.add_argument("--json", action="store_true", help="print the statistics as JSON")
@@ -31,11 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Load the model, stream the input batches through it, print one row per module."""
     loaded = load_model(args.model)
-    size = args.batch_size if args.batch_size > 0 else len(args.input)
+    size = args.batch_size or len(args.input)
     chunks = [args.input[i:i + size] for i in range(0, len(args.input), size)]
     batches = (_batch(load_inputs(chunk, loaded)) for chunk in chunks)
     per_channel: bool | int = (False if args.per_channel is None
-                               else True if args.per_channel == "auto" else int(args.per_channel))
+                               else True if args.per_channel == "auto" else args.per_channel)
     result = stats(loaded.module, batches, layers=args.layer or "**", per_channel=per_channel)
     say(f"{len(chunks)} batch{'es' if len(chunks) != 1 else ''} of up to {size} input(s)")
     if args.json:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from hookscope.cli._common import add_model_arguments, print_json, say
+from hookscope.cli._common import add_model_arguments, non_negative_int, print_json, say
 from hookscope.inputs import load_inputs
 from hookscope.models import load_model
 from hookscope.tree import filter_rows, format_tree, tree, tree_of_call
@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--filter", metavar="PATTERN",
                         help="show only modules this pattern selects ('_blocks.*', '**.bn1', "
                              "'type:Conv2d', 're:...')")
-    parser.add_argument("--depth", type=int, metavar="N",
+    parser.add_argument("--depth", type=non_negative_int, metavar="N",
                         help="show modules down to depth N (0 is the model itself)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
 

@@ -1,0 +1,198 @@
+"""Private: the store manifest's schema, and the shard headers checked against it.
+
+Nothing of a manifest is used before ``check_manifest`` has checked it: field types, required
+fields, row ranges (contiguous from 0, none empty), byte sizes, checksum counts, layer specs, and
+that every shard ``file`` is a plain file name inside the store folder. ``check_header`` then
+checks a shard's safetensors header against the manifest: the tensors it holds, their dtypes,
+shapes (rows x row shape) and byte ranges. Every failure is ``StoreCorruptError`` naming the file
+and the field, so a damaged or hostile manifest can neither crash a reader with ``KeyError`` /
+``IndexError`` nor make it read outside the folder.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hookscope.errors import StoreCorruptError
+
+FORMAT = "hookscope.store"
+VERSION = 1
+# torch dtype name (as the manifest writes it) -> (safetensors dtype name, bytes per element)
+DTYPES = {"float64": ("F64", 8), "float32": ("F32", 4), "float16": ("F16", 2),
+          "bfloat16": ("BF16", 2), "int64": ("I64", 8), "int32": ("I32", 4), "int16": ("I16", 2),
+          "int8": ("I8", 1), "uint8": ("U8", 1), "bool": ("BOOL", 1)}
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_CHUNK_SUM = re.compile(r"[0-9a-f]{16}")
+_FIX = ("the manifest is damaged or was not written by hookscope; restore it from a copy or "
+        "extract the store again (overwrite=True / --overwrite)")
+
+
+def corrupt(file: Path | str, field: str, problem: str) -> StoreCorruptError:
+    """Return the error for a bad ``field`` of ``file`` (``problem`` says what is wrong)."""
+    return StoreCorruptError(f"{file}: field {field} {problem}; {_FIX}.")
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int  # JSON true/false are bool, not counts
+
+
+def _want(file: Path, data: dict[str, Any], field: str, check: Callable[[Any], bool],
+          what: str, prefix: str = "") -> Any:
+    """Return ``data[field]`` once ``check`` holds for it (``prefix`` places it, for the error)."""
+    if field not in data:
+        raise corrupt(file, prefix + field, "is missing")
+    if not check(data[field]):
+        raise corrupt(file, prefix + field, f"must be {what}, not {data[field]!r:.80}")
+    return data[field]
+
+
+def _pair(value: Any) -> bool:
+    return isinstance(value, list) and len(value) == 2 and all(_is_int(v) for v in value) \
+        and 0 <= value[0] < value[1]
+
+
+def check_manifest(data: Any, file: Path) -> None:
+    """Check a parsed manifest against the version-1 schema (README, "Store format").
+
+    Raises:
+        StoreCorruptError: naming ``file`` and the first field that is missing or wrong.
+    """
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise StoreCorruptError(f"{file} is not a hookscope store manifest (no \"format\": "
+                                f"\"{FORMAT}\").")
+    if data.get("version") != VERSION:
+        raise StoreCorruptError(f"{file} has store format version {data.get('version')!r}; this "
+                                f"hookscope reads version {VERSION}. Upgrade hookscope.")
+    for field in ("model", "extract"):
+        _want(file, data, field, lambda v: isinstance(v, dict), "an object")
+    _want(file, data, "complete", lambda v: isinstance(v, bool), "true or false")
+    _want(file, data, "world_size", lambda v: _is_int(v) and v >= 1, "a positive integer")
+    chunk = _want(file, data, "chunk_bytes", lambda v: _is_int(v) and v > 0 and v % 8 == 0,
+                  "a positive multiple of 8")
+    _check_layers(file, _want(file, data, "layers", lambda v: isinstance(v, dict), "an object"))
+    shards = _want(file, data, "shards", lambda v: isinstance(v, list), "a list")
+    rows = _want(file, data, "rows", lambda v: _is_int(v) and v >= 0, "a row count")
+    stop, batch, names = 0, None, set()
+    for k, entry in enumerate(shards):
+        stop, batch = _check_shard(file, k, entry, stop, batch, chunk)
+        if entry["file"] in names:
+            raise corrupt(file, f"shards[{k}].file", f"repeats {entry['file']!r}")
+        names.add(entry["file"])
+    if rows != stop:
+        raise corrupt(file, "rows", f"is {rows} but the shards hold {stop} rows")
+
+
+def _check_layers(file: Path, layers: dict[str, Any]) -> None:
+    for name, spec in layers.items():
+        field = f"layers[{name!r}]"
+        if not name or name.endswith(":offsets") or not isinstance(spec, dict):
+            raise corrupt(file, field, "must be a layer path with {shape, dtype, ragged}")
+        shape = _want(file, spec, "shape", lambda v: isinstance(v, list), "a list", f"{field}.")
+        ragged = bool(shape) and shape[0] is None
+        if not all(_is_int(n) and n >= 0 for n in shape[ragged:]):
+            raise corrupt(file, f"{field}.shape", f"must hold sizes (null first when ragged), "
+                                                  f"not {shape!r:.80}")
+        _want(file, spec, "dtype", lambda v: isinstance(v, str) and v in DTYPES,
+              f"one of {sorted(DTYPES)}", f"{field}.")
+        _want(file, spec, "ragged", lambda v, r=ragged: v is r,  # type: ignore[misc]
+              f"{str(ragged).lower()} for this shape", f"{field}.")
+
+
+def _check_shard(file: Path, k: int, entry: Any, start: int, batch: int | None,
+                 chunk: int) -> tuple[int, int]:
+    """Check ``shards[k]``; return the row and batch where the next shard must start."""
+    field = f"shards[{k}]"
+    if not isinstance(entry, dict):
+        raise corrupt(file, field, "must be an object")
+
+    def want(name: str, check: Callable[[Any], bool], what: str) -> Any:
+        return _want(file, entry, name, check, what, prefix=f"{field}.")
+
+    check_file_name(want("file", lambda v: isinstance(v, str), "a file name"), file, field)
+    rows = want("rows", _pair, "[start, stop) with start < stop")
+    if rows[0] != start:
+        raise corrupt(file, f"{field}.rows", f"starts at {rows[0]}, but the shard before it ends "
+                                             f"at row {start}")
+    batches = want("batches", _pair, "[start, stop) with start < stop")
+    if batch is not None and batches[0] != batch:
+        raise corrupt(file, f"{field}.batches", f"starts at {batches[0]}, but the shard before "
+                                                f"it ends at batch {batch}")
+    size = want("bytes", lambda v: _is_int(v) and v > 8, "a file size in bytes")
+    want("sha256", lambda v: isinstance(v, str) and _SHA256.fullmatch(v) is not None,
+         "64 hex digits")
+    sums = want("chunk_sum", lambda v: isinstance(v, list) and all(
+        isinstance(s, str) and _CHUNK_SUM.fullmatch(s) for s in v), "a list of 16-hex-digit sums")
+    if len(sums) != math.ceil(size / chunk):
+        raise corrupt(file, f"{field}.chunk_sum", f"has {len(sums)} sums, but {size} bytes in "
+                                                  f"chunks of {chunk} make {math.ceil(size / chunk)}")
+    return rows[1], batches[1]
+
+
+def check_file_name(name: str, file: Path, field: str) -> None:
+    """Raise unless ``name`` is a plain file name (no folder, ``..``, absolute path, dot file)."""
+    if not _PLAIN_NAME.fullmatch(name):
+        raise corrupt(file, f"{field}.file", f"must be a plain file name inside the store folder, "
+                                             f"not {name!r:.80}")
+
+
+def inside(folder: Path, name: str, file: Path, field: str) -> Path:
+    """Return ``folder / name`` after checking that it does not resolve outside ``folder``
+    (a symbolic link to elsewhere is refused before anything opens it)."""
+    path = folder / name
+    if os.path.dirname(os.path.realpath(path)) != os.path.realpath(folder):
+        raise corrupt(file, field, f"{name!r} is a link that leads outside the store folder "
+                                    f"{folder}; hookscope reads only the store's own files")
+    return path
+
+
+def check_header(header: Any, *, layers: dict[str, Any], rows: int, size: int, data_start: int,
+                 name: str) -> None:
+    """Check one shard's safetensors header against the manifest's layers and the shard's rows.
+
+    Args:
+        header: the parsed header (``__metadata__`` removed).
+        layers: the manifest's ``layers``; rows: rows the manifest gives the shard;
+        size: the shard's byte size; data_start: where its tensor data begins; name: its file.
+
+    Raises:
+        StoreCorruptError: a tensor is missing, extra, or has another dtype, shape or byte range.
+    """
+    expected: dict[str, tuple[str, int, list[int] | None]] = {}
+    for path, spec in layers.items():
+        st_name, itemsize = DTYPES[spec["dtype"]]
+        shape = spec["shape"]
+        expected[path] = (st_name, itemsize, None if shape[:1] == [None] else [rows, *shape])
+        if shape[:1] == [None]:
+            expected[f"{path}:offsets"] = ("I64", 8, [rows + 1])
+    if not isinstance(header, dict) or set(header) != set(expected):
+        found = sorted(header) if isinstance(header, dict) else header
+        raise corrupt(name, "header", f"holds tensors {found!r:.200}, the manifest's layers need "
+                                      f"{sorted(expected)}")
+    end = 0
+    for key, (st_name, itemsize, shape) in expected.items():
+        entry = header[key]
+        if not isinstance(entry, dict) or entry.get("dtype") != st_name:
+            raise corrupt(name, f"header[{key!r}].dtype", f"must be {st_name} as the manifest says")
+        found_shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not (isinstance(found_shape, list) and all(_is_int(n) and n >= 0 for n in found_shape)):
+            raise corrupt(name, f"header[{key!r}].shape", "must be a list of sizes")
+        if shape is None:  # ragged: (tokens, *shape[1:])
+            shape = [found_shape[0] if found_shape else -1, *layers[key]["shape"][1:]]
+        if found_shape != shape:
+            raise corrupt(name, f"header[{key!r}].shape", f"is {found_shape}, the manifest "
+                                                          f"gives {shape}")
+        nbytes = math.prod(shape) * itemsize
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
+                and 0 <= offsets[0] and offsets[1] - offsets[0] == nbytes
+                and data_start + offsets[1] <= size):
+            raise corrupt(name, f"header[{key!r}].data_offsets", f"must span the {nbytes} bytes "
+                                                                 f"of {shape} inside the file")
+        end = max(end, offsets[1])
+    if data_start + end != size:
+        raise corrupt(name, "header", f"describes {data_start + end} bytes, the file has {size}")

@@ -1,0 +1,131 @@
+"""Private: which files of an output folder belong to a store, and making the folder ready.
+
+Nothing of the user's is ever deleted. A store owns exactly: its manifests (``manifest.json``, or
+the ``manifest-rNNNN.json`` parts of an unfinished torchrun run) when they parse and pass the
+schema; the shard files they list; a shard file the crash of a run left unlisted (its exact
+shard name, and a safetensors header whose metadata says ``hookscope.store``); and hookscope's
+own temporary files (``.NAME.tmp-PID...`` of one of those names). ``overwrite`` deletes those
+files one by one and never a folder; any other file or folder in the output makes it refuse,
+naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import warnings
+from pathlib import Path
+
+from hookscope._files import TEMPORARY
+from hookscope._manifest import FORMAT, check_manifest
+from hookscope.errors import StoreCorruptError, StoreExistsError
+
+MANIFEST = "manifest.json"
+_MANIFEST_NAME = re.compile(r"manifest(-r\d{4})?\.json")
+_SHARD_NAME = re.compile(r"shard-(r\d{4}-)?\d{5}\.safetensors")
+
+
+def check_output(folder: Path, *, resume: bool, overwrite: bool) -> None:
+    """Raise unless ``folder`` may receive a store with these options (writes nothing).
+
+    Raises:
+        StoreExistsError: ``folder`` is a file; or it holds files and neither ``resume`` nor
+            ``overwrite`` is set; or it holds a file or folder that is not the store's
+            (named), or no valid store at all, with ``resume`` or ``overwrite``.
+    """
+    if folder.exists() and not folder.is_dir():
+        raise StoreExistsError(f"output {folder} exists and is a file, not a store folder; "
+                               f"choose another output path.")
+    names = sorted(os.listdir(folder)) if folder.is_dir() else []
+    if not names:
+        return
+    if not resume and not overwrite:
+        raise StoreExistsError(
+            f"output folder {folder} already exists and is not empty; nothing was written. To "
+            f"continue an interrupted run pass resume=True (--resume); to replace the store in "
+            f"it pass overwrite=True (--overwrite); or choose another output folder.")
+    flag = "resume=True (--resume)" if resume else "overwrite=True (--overwrite)"
+    owned = owned_files(folder, flag)
+    foreign = [n for n in names if n not in owned]
+    if foreign:
+        raise StoreExistsError(
+            f"refusing {flag} on {folder}: {_listing(foreign)} "
+            f"{'is' if len(foreign) == 1 else 'are'} not part of the hookscope store there, and "
+            f"hookscope never deletes or writes beside what it did not write. Move "
+            f"{'it' if len(foreign) == 1 else 'them'} away, or choose another output folder.")
+
+
+def prepare_output(folder: Path, *, resume: bool, overwrite: bool) -> None:
+    """Check as ``check_output`` does, then make ``folder`` ready to write: create it, delete
+    the old store's files with ``overwrite``, its leftover temporary files with ``resume``."""
+    check_output(folder, resume=resume, overwrite=overwrite)
+    if resume and not (folder.is_dir() and any(_MANIFEST_NAME.fullmatch(n)
+                                               for n in os.listdir(folder))):
+        warnings.warn(f"resume: {folder} {'holds no store' if folder.exists() else 'does not exist'}"
+                      f", so there is nothing to resume; starting afresh", UserWarning,
+                      stacklevel=3)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in sorted(owned_files(folder, "")):
+        if overwrite or TEMPORARY.fullmatch(name):
+            (folder / name).unlink()
+
+
+def owned_files(folder: Path, flag: str) -> set[str]:
+    """Return the names in ``folder`` that its store owns (see the module docstring).
+
+    Raises:
+        StoreExistsError: ``folder`` holds files but no manifest, or a manifest that is not a
+            valid hookscope manifest (the store's own files cannot then be known).
+    """
+    names = set(os.listdir(folder))
+    manifests = sorted(n for n in names if _MANIFEST_NAME.fullmatch(n))
+    owned = set(manifests)
+    for name in manifests:
+        try:
+            if (folder / name).is_symlink():
+                raise StoreCorruptError(f"{folder / name} is a symbolic link")
+            manifest = json.loads((folder / name).read_bytes())
+            check_manifest(manifest, folder / name)
+        except (OSError, ValueError) as err:
+            raise StoreExistsError(
+                f"refusing {flag or 'to touch'} {folder}: {name} there is not a valid hookscope "
+                f"manifest ({str(err).split(';')[0]}), so which files are the store's is "
+                f"unknown. Move the folder away, or delete it yourself.") from err
+        owned.update(entry["file"] for entry in manifest["shards"])
+    if names and not manifests and flag:
+        files = sorted(names - {n for n in names if _is_temporary(n)})
+        if files:
+            raise StoreExistsError(
+                f"refusing {flag} on {folder}: it is not a hookscope store (no {MANIFEST}; it "
+                f"holds {_listing(files)}). Choose another output folder.")
+    owned.update(n for n in names if _SHARD_NAME.fullmatch(n) and _is_store_shard(folder / n))
+    owned.update(n for n in names if _is_temporary(n))
+    return {n for n in owned if n in names and not (folder / n).is_symlink()
+            and (folder / n).is_file()}
+
+
+def _is_temporary(name: str) -> bool:
+    match = TEMPORARY.fullmatch(name)
+    if match is None:
+        return False
+    return bool(_MANIFEST_NAME.fullmatch(match["target"]) or _SHARD_NAME.fullmatch(match["target"]))
+
+
+def _is_store_shard(path: Path) -> bool:
+    """True for a regular file whose safetensors metadata says it is a hookscope shard."""
+    if path.is_symlink() or not path.is_file():
+        return False
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(min(length, 2**20)))
+        return bool(header["__metadata__"]["format"] == FORMAT)
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return False
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:3])
+    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
