@@ -189,7 +189,8 @@ def test_shuffled_loader_and_bad_reduce_are_refused(tmp_path: Path) -> None:
     shuffled = DataLoader(TensorDataset(torch.randn(4, 3, 32, 32)), shuffle=True)
     with pytest.raises(ExtractError, match="pass shuffle=False"):
         extract(LeNet(), shuffled, "fc1", tmp_path / "a", progress=False)
-    with pytest.raises(ExtractError, match="reduce='max' is not a reduction: use one of 'mean', 'first', 'last'"):
+    with pytest.raises(ExtractError,
+                       match="reduce='max' is not a reduction: use one of 'mean', 'first', 'last'"):
         extract(LeNet(), [torch.randn(2, 3, 32, 32)], "fc1", tmp_path / "b", reduce="max")
     assert _nothing_written(tmp_path / "a") and _nothing_written(tmp_path / "b")
 

@@ -150,7 +150,8 @@ def test_existing_output_is_never_replaced_without_overwrite(tmp_path: Path) -> 
 
 def test_overwrite_refuses_a_folder_that_is_not_a_store(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("mine")
-    with pytest.raises(StoreExistsError, match=r"not a hookscope store \(no manifest\.json; it holds .notes\.txt.\)"):
+    with pytest.raises(StoreExistsError,
+                       match=r"not a hookscope store \(no manifest\.json; it holds .notes\.txt.\)"):
         prepare_output(tmp_path, resume=False, overwrite=True)
     assert (tmp_path / "notes.txt").read_text() == "mine"
 

@@ -3,9 +3,9 @@
 import sys
 
 try:
-    from hookscope.cli.main import main
-except KeyboardInterrupt:  # Ctrl-C while torch loads: one line, as during a run
+    from hookscope.cli.main import run
+except KeyboardInterrupt:  # Ctrl-C while the command loads: one line, as during a run
     print("interrupted", file=sys.stderr)
     raise SystemExit(130) from None
 
-raise SystemExit(main())
+run()

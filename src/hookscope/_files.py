@@ -23,6 +23,7 @@ _ADVICE = {
     errno.EPERM: "not permitted: choose a folder you may write to, or change its permissions",
     errno.EROFS: "the file system is read-only: choose a folder on a writable disk",
     errno.ENOTDIR: "a part of the path is a file, not a folder: choose another path",
+    errno.EEXIST: "a part of the path is a file, not a folder: choose another path",
     errno.EISDIR: "the path is a folder: give a file name inside it",
     errno.ENOENT: "no such file or folder: check the path",
 }
@@ -51,7 +52,9 @@ def write_atomic(file: str | os.PathLike[str], write: Callable[[str], Any]) -> N
     try:
         os.makedirs(folder, exist_ok=True)
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # umask applies
+        mode = os.stat(tmp).st_mode & 0o777
         write(tmp)
+        os.chmod(tmp, mode)  # a writer that made its own file (safetensors: 0o600) gets it too
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, file)

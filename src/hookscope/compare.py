@@ -42,6 +42,8 @@ class LayerDiff:
         rel: ``||a - b|| / ||a||`` (Euclidean norms over all elements).
         cosine: cosine similarity of ``a`` and ``b`` flattened (1.0 when both are all zeros).
         close: every element satisfies ``|a - b| <= atol + rtol * |a|`` (NaN equals NaN).
+        shape_b: shapes of the output tensors in run B when they differ from run A's (then
+            ``max_abs`` and ``rel`` are ``inf`` and ``cosine`` NaN); ``None`` when they agree.
     """
 
     path: str
@@ -51,6 +53,7 @@ class LayerDiff:
     rel: float
     cosine: float
     close: bool
+    shape_b: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +193,8 @@ def _diff(key: Key, a_parts: list[Tensor], b_parts: list[Tensor], atol: float,
           rtol: float) -> LayerDiff:
     shape = tuple(a_parts[0].shape) if a_parts else ()
     if [t.shape for t in a_parts] != [t.shape for t in b_parts]:
-        return LayerDiff(key[0], key[1], shape, math.inf, math.inf, math.nan, False)
+        return LayerDiff(key[0], key[1], shape, math.inf, math.inf, math.nan, False,
+                         tuple(tuple(t.shape) for t in b_parts))
     device = a_parts[0].device if a_parts and a_parts[0].device.type != "mps" else torch.device("cpu")
     a = torch.cat([t.reshape(-1).to(device, torch.float64) for t in a_parts]) if a_parts else \
         torch.zeros(0, dtype=torch.float64)

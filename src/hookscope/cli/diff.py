@@ -51,21 +51,36 @@ def run(args: argparse.Namespace) -> int:
     result = compare(model_a.module, model_b.module, *inputs.args, layers=args.layer or "**",
                      atol=args.atol, rtol=args.rtol, **inputs.kwargs)
     rows = [{**dataclasses.asdict(d), "path": _name(d)} for d in result.diffs]
+    for row in rows:
+        if row["shape_b"] is not None:  # no numbers to compare: say which shapes differ
+            row.update(max_abs=None, rel=None, cosine=None,
+                       shape=f"{_shape(row['shape'])} vs {' '.join(map(_shape, row['shape_b']))}")
     first = result.first_divergent
     if args.json:
         print_json({"first_divergent": _name(first) if first else None, "rows": rows,
                     "unmatched": list(result.unmatched)})
     else:
-        print_table([{**row, "call": row["call_index"], "cosine": f"{row['cosine']:.6f}"}
+        print_table([{**row, "call": row["call_index"],
+                      "cosine": None if row["cosine"] is None else f"{row['cosine']:.6f}"}
                      for row in rows], COLUMNS)
     if result.unmatched:
         say(f"ran in one model only: {', '.join(result.unmatched)}")
     if first is None:
         say(f"all {len(rows)} compared calls within atol={args.atol:g}, rtol={args.rtol:g}")
         return 0
+    if first.shape_b is not None:
+        say(f"first divergent: {_name(first)}, call {first.call_index}: the outputs differ in "
+            f"shape, {_shape(first.shape)} in {args.model_a} vs "
+            f"{' '.join(map(_shape, first.shape_b))} in {args.model_b}; compare models whose "
+            f"outputs have the same shapes, or pick layers that match with --layer")
+        return 1
     say(f"first divergent: {_name(first)}, call {first.call_index} (max_abs {first.max_abs:.4g}, "
         f"rel {first.rel:.4g}, cosine {first.cosine:.6f}; atol={args.atol:g}, rtol={args.rtol:g})")
     return 1
+
+
+def _shape(shape: tuple[int, ...] | list[int]) -> str:
+    return "(" + ", ".join(str(n) for n in shape) + ")"
 
 
 def _name(diff: LayerDiff) -> str:

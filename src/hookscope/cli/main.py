@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
+import signal
 import sys
 import warnings
 from types import ModuleType
@@ -63,6 +65,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run() -> None:
+    """The ``hookscope`` process (console script and ``python -m hookscope``): ``main()``, then
+    exit; a Ctrl-C that lands after the verb has returned (while Python shuts down) still
+    exits 130 with one line instead of a traceback from an exit handler."""
+    code = main()
+    signal.signal(signal.SIGINT, _interrupted_at_exit)
+    raise SystemExit(code)
+
+
+def _interrupted_at_exit(signum: int, frame: object) -> None:
+    sys.stdout.flush()
+    print("interrupted", file=sys.stderr, flush=True)
+    os._exit(130)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``) and return the exit code."""
     try:
@@ -106,25 +123,34 @@ def _main(argv: list[str]) -> int:
 
 def _take_back_positionals(args: argparse.Namespace, argv: list[str]) -> None:
     """``hookscope tree --input a b MODEL``: argparse gives MODEL to ``--input`` (an option taking
-    several values takes all that follow it); hand the values a missing positional needs back
-    from the option that ran to the end of the line, or fail as a missing argument does."""
+    several values takes every word up to the next option). When a positional is missing, hand
+    it the last words of such runs, latest run first (each run keeps its first value); fail as
+    a missing argument does when there are none."""
     missing = [(dest, metavar) for dest, metavar in getattr(args, "positionals", ())
                if getattr(args, dest) is None]
     if not missing:
         return
-    options = [i for i, token in enumerate(argv) if token.startswith("-")]
-    last = argv[options[-1]] if options else ""
-    values = getattr(args, last.lstrip("-").replace("-", "_"), None) \
-        if last in getattr(args, "several", ()) else None
-    tail = len(argv) - options[-1] - 1 if options else 0
-    if isinstance(values, list) and len(missing) < tail and len(missing) < len(values):
-        taken = values[-len(missing):]
-        del values[-len(missing):]
-        for (dest, _), value in zip(missing, taken):
-            setattr(args, dest, value)
-        return
-    args.parser.error(f"the following arguments are required: "
-                      f"{', '.join(metavar for _, metavar in missing)}")
+    several = getattr(args, "several", ())
+    runs: list[tuple[list[str], int, int]] = []  # (the option's values, run start, run length)
+    seen: dict[str, int] = {}
+    for i, token in enumerate(argv):
+        if token in several:
+            length = next((j for j, t in enumerate(argv[i + 1:]) if t.startswith("-")),
+                          len(argv) - i - 1)
+            values = getattr(args, token.lstrip("-").replace("-", "_"))
+            runs.append((values, seen.get(token, 0), length))
+            seen[token] = seen.get(token, 0) + length
+    taken: list[str] = []
+    for values, start, length in reversed(runs):  # later runs and their ends first
+        spare = min(length - 1, len(missing) - len(taken))
+        if spare > 0:
+            taken[:0] = values[start + length - spare:start + length]
+            del values[start + length - spare:start + length]
+    if len(taken) < len(missing):
+        args.parser.error(f"the following arguments are required: "
+                          f"{', '.join(metavar for _, metavar in missing)}")
+    for (dest, _), value in zip(missing, taken):
+        setattr(args, dest, value)
 
 
 def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
