@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import gc
 import weakref
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
+import hookscope
 from hookscope.errors import HookNeverFiredWarning, HookscopeError
 from hookscope.stats import RunningStats, stats
-from tests.models import InplaceRelu, LeNet, TupleOutput, UnusedBranch
+from tests.models import InplaceRelu, LeNet, MlpStack, TupleOutput, UnusedBranch
 from tests.reference import plain_capture
 
 KEYS = ("mean", "std", "min", "max", "frac_zeros", "frac_nonfinite")
@@ -94,6 +97,31 @@ def test_kwargs_and_tuple_batches_are_unpacked() -> None:
                        layers=["head", "aux_head"])
     assert result["head"].as_dict()["count"] == 5 * 2
     assert result["aux_head"].as_dict()["count"] == 0
+
+
+def test_a_tuple_batch_means_inputs_then_labels_as_in_extract(tmp_path: Path) -> None:
+    model = MlpStack().eval()
+    x, labels = torch.randn(6, 10), torch.arange(6)
+    loader = DataLoader(TensorDataset(x, labels), batch_size=4)  # yields [inputs, labels]
+    result = stats(model, loader, layers="fc1")["fc1"].as_dict()
+    with torch.no_grad():
+        expected = model.fc1(x).double()
+    assert result["count"] == 6 * 20
+    assert result["mean"] == pytest.approx(float(expected.mean()), rel=1e-6)
+    stored = hookscope.extract(model, loader, "fc1", tmp_path / "s", progress=False)
+    torch.testing.assert_close(stored["fc1"][:], model.fc1(x).detach())
+    pair = stats(Pair2(), [((torch.ones(2, 3), torch.full((2, 3), 2.0)), labels[:2])],
+                 layers="add")["add"].as_dict()
+    assert (pair["count"], pair["mean"]) == (6, 3.0)  # ((a, b), labels): model(a, b)
+
+
+class Pair2(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.add = nn.Identity()
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.add(a + b)
 
 
 def test_activations_are_not_kept() -> None:

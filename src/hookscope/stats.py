@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope._batch_inputs import model_inputs
 from hookscope._nested import get_part, iter_tensors
 from hookscope._session import HookSession
 from hookscope.errors import HookscopeError
@@ -190,8 +191,10 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
 
     Args:
         model: Root module.
-        batches: Iterable of model inputs; a tensor is called as ``model(batch)``, a tuple or
-            list as ``model(*batch)``, a dict as ``model(**batch)``.
+        batches: Iterable of batches as a DataLoader yields them: a tensor is called as
+            ``model(batch)``, a dict as ``model(**batch)``, a tuple or list as
+            ``(inputs, labels, ...)`` whose first item is the inputs (a tensor, a dict, or a
+            tuple of positional inputs); the same meaning as in ``hookscope.extract``.
         layers: Pattern or list of patterns for ``hookscope.select`` (default every module).
         per_channel: ``False``: one statistic per layer over all elements. ``True``: per
             channel, along dimension 1 for outputs of 2, 4 or 5 dims (``(batch, features)``,
@@ -214,12 +217,13 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
     count = 0
     with session, torch.no_grad():
         for batch in batches:
-            session.mask = batch.get("attention_mask") if isinstance(batch, dict) else None
-            _call_model(model, batch)
+            args, kwargs = model_inputs(batch)
+            session.mask = kwargs.get("attention_mask")
+            model(*args, **kwargs)
             count += 1
         if count == 0:
-            raise HookscopeError("batches was empty: pass at least one batch (a tensor, a tuple "
-                                 "of positional inputs or a dict of keyword inputs)")
+            raise HookscopeError("batches was empty: pass at least one batch (a tensor, a dict "
+                                 "of keyword inputs, or a tuple (inputs, labels))")
     return session.results
 
 
@@ -255,16 +259,6 @@ class _StatsSession(HookSession):
                 running.channel_dim = _channel_dim_for(tensor, per_channel)
             running.update(tensor)
         return hook
-
-
-def _call_model(model: nn.Module, batch: Any) -> Any:
-    """Call ``model`` on one batch: ``model(*batch)`` for a tuple or list, ``model(**batch)``
-    for a dict, ``model(batch)`` otherwise."""
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    if isinstance(batch, dict):
-        return model(**batch)
-    return model(batch)
 
 
 def _channel_dim_for(tensor: Tensor, per_channel: PerChannel) -> int | None:
