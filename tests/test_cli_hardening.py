@@ -126,6 +126,7 @@ def test_file_system_errors_name_the_path_and_the_fix(tmp_path: Path, number: in
     target = tmp_path / "acts.safetensors"
 
     def fail(tmp: str) -> None:
+        assert Path(tmp).name.startswith(".acts.safetensors.tmp-")  # named by its target
         Path(tmp).write_bytes(b"partial")
         raise OSError(number, os.strerror(number))
 
