@@ -31,7 +31,7 @@ from torch import nn
 
 from hookscope._nested import get_part, iter_tensors_with_keys, map_tensors, set_part
 from hookscope._session import HookSession, OnUnfired
-from hookscope._sources import Records, Source
+from hookscope._sources import Source, SourceReader
 from hookscope.errors import EditError
 from hookscope.select import Target, resolve
 
@@ -171,7 +171,7 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
         raise EditError(f"how={how!r} needs reference=acts: a capture of the same modules on "
                         f"reference inputs, e.g. with hookscope.capture(model, *patterns) as "
                         f"acts: model(x_reference)")
-    rule = _reference_rule(Records(reference, "reference"), how)
+    rule = _reference_rule(SourceReader(reference, "reference"), how)
     return Edit(model, [(p, rule) for p in patterns], on_unfired=on_unfired)
 
 
@@ -202,7 +202,7 @@ def patch(model: nn.Module, *, source: Source, layers: str | Sequence[str] | Non
             a value's shape differs from the live output's (the message names the module, the
             call and both shapes).
     """
-    records = Records(source, "source")
+    records = SourceReader(source, "source")
     patterns = records.keys() if layers is None else [layers] if isinstance(layers, str) else list(layers)
 
     def rule(value: Any, target: Target, call: int) -> Any:
@@ -276,7 +276,7 @@ def _zero(value: Any, target: Target, call: int) -> Any:
     return map_tensors(torch.zeros_like, value)
 
 
-def _reference_rule(records: Records, how: str) -> Rule:
+def _reference_rule(records: SourceReader, how: str) -> Rule:
     pooled: dict[tuple[str, tuple[int | str, ...]], Tensor] = {}  # (record, keys) -> rows
 
     def rule(value: Any, target: Target, call: int) -> Any:
@@ -298,7 +298,7 @@ def _reference_rule(records: Records, how: str) -> Rule:
     return rule
 
 
-def _pool(records: Records, target: Target, keys: tuple[int | str, ...], how: str) -> Tensor:
+def _pool(records: SourceReader, target: Target, keys: tuple[int | str, ...], how: str) -> Tensor:
     """All reference rows of one tensor position, ``(rows, ...)``, or their mean over rows."""
     calls = records.calls(target, keys)
     if not calls:
