@@ -68,6 +68,9 @@ def test_load_returns_records_with_counts_and_metadata(tmp_path: Path) -> None:
     assert list(loaded) == list(acts) == ["fc1", "relu:0", "relu:1", "relu:2"]
     with pytest.raises(hookscope.CaptureError, match="ran 3 times"):
         loaded["relu"]
+    for records in (acts, loaded):  # a record that ran several times is there; a call past it not
+        assert "relu" in records and "relu:2" in records and "relu:3" not in records
+        assert "fc1" in records and "fc2" not in records and 3 not in records
 
 
 def test_loaded_structure_is_rebuilt_and_parts_address_it(tmp_path: Path) -> None:

@@ -49,11 +49,11 @@ class HookSession:
         if on_unfired not in ("warn", "error", "ignore"):
             raise HookscopeError(f"on_unfired={on_unfired!r} is not one of 'warn', 'error', 'ignore'")
         self.model = model
-        if targets is None:  # else resolved and checked by the caller
-            diagnose.preflight(model)
-            no_op = not patterns and self._allow_no_patterns
-            targets = [] if no_op else resolve(model, list(patterns))
-            diagnose.check_targets(model, targets)
+        if targets is None and not patterns and self._allow_no_patterns:
+            diagnose.preflight(model)  # a no-op edit still refuses what could never be hooked
+            targets = []
+        elif targets is None:  # else resolved by the caller with resolve_checked
+            targets = resolve_checked(model, patterns)
         self.targets = list(targets)
         self.unfired: dict[str, str] = {}
         self._on_unfired = on_unfired
@@ -133,6 +133,15 @@ class HookSession:
 
 
 Hook = Callable[..., Any]
+
+
+def resolve_checked(model: nn.Module, patterns: Sequence[str]) -> list[Target]:
+    """``select.resolve`` after refusing models that cannot be hooked (TorchScript), then the
+    checks on what was selected (``diagnose.check_targets``)."""
+    diagnose.preflight(model)
+    targets = resolve(model, list(patterns))
+    diagnose.check_targets(model, targets)
+    return targets
 
 
 class Observer(HookSession):

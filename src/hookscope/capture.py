@@ -27,7 +27,7 @@ from hookscope._session import HookSession, OnUnfired, by_module
 from hookscope.errors import CaptureError
 from hookscope.grads import converter, watch_inputs, watch_output
 from hookscope.records import CallInputs, Entry, RecordKey, Records
-from hookscope.select import Target, unwrap
+from hookscope.select import Target, as_patterns, unwrap
 
 __all__ = ["Capture", "CaptureOptions", "CallInputs", "capture", "run"]  # CallInputs: records.py
 
@@ -344,7 +344,11 @@ def run(model: nn.Module, *args: Any, layers: str | Sequence[str],
         *args, **kwargs: passed to ``model``.
         layers: one pattern or a list of patterns (see ``capture``).
         options: keyword options of ``capture`` (``inputs``, ``grads``, ``grad_inputs``, ``to``,
-            ``dtype``, ``reduce``, ``clone``, ``on_unfired``).
+            ``dtype``, ``reduce``, ``clone``, ``on_unfired``). They travel in one dict, not as
+            keywords, because ``**kwargs`` belong to the model: a forward that takes
+            ``inputs=``, ``to=`` or ``dtype=`` (Hugging Face models take ``inputs_embeds``,
+            ``output_attentions``, ...) must get them untouched, and a capture option spelled
+            as a keyword could silently shadow one of them.
 
     Returns:
         ``(output, acts)``: what the model returned, and the ``Capture``.
@@ -353,7 +357,7 @@ def run(model: nn.Module, *args: Any, layers: str | Sequence[str],
         As ``capture``; an exception inside the forward pass propagates with a note naming the
         innermost module where it happened.
     """
-    patterns = [layers] if isinstance(layers, str) else list(layers)
+    patterns = as_patterns(layers)
     with capture(model, *patterns, **(options or {})) as acts:
         output = model(*args, **kwargs)
     return output, acts

@@ -18,9 +18,9 @@ from torch import nn
 
 from hookscope import diagnose
 from hookscope._nested import get_part, iter_tensors, map_tensors
-from hookscope._session import Observer
+from hookscope._session import Observer, resolve_checked
 from hookscope.errors import HookscopeError
-from hookscope.select import Target, resolve
+from hookscope.select import Target, as_patterns
 
 Tensor = torch.Tensor
 Key = tuple[str, int]
@@ -113,7 +113,7 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
         HookscopeError: a model is TorchScript, or none of its selected modules' hooks fired
             (a ``torch.compile``'d model compiled earlier: the message gives the fix).
     """
-    patterns = [layers] if isinstance(layers, str) else list(layers)
+    patterns = as_patterns(layers)
     targets_a, targets_b = _targets(model_a, patterns), _targets(model_b, patterns)
     common = [key for key in targets_a if key in targets_b]
     reference: dict[Key, list[Tensor]] = {}
@@ -152,10 +152,7 @@ def _require_hooks_fired(model: nn.Module, fired: bool) -> None:
 
 
 def _targets(model: nn.Module, patterns: list[str]) -> dict[str, Target]:
-    diagnose.preflight(model)
-    targets = resolve(model, patterns)
-    diagnose.check_targets(model, targets)
-    return {t.key: t for t in targets}
+    return {t.key: t for t in resolve_checked(model, patterns)}
 
 
 def _watching(model: nn.Module, targets: list[Target], sink: Callable[[Key, Any], None]) -> Observer:

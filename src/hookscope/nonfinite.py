@@ -8,7 +8,7 @@ child produced the NaN receives finite inputs and returns a non-finite output to
 later. A parent is reported only when the NaN comes from its own code between child calls
 (``torch.log`` in its ``forward``), which is where it was made.
 
-Backward: full backward hooks would break on in-place operations (shared/cases/06), so the
+Backward: full backward hooks would break on in-place operations (pytorch/pytorch#61519), so the
 gradients are watched on the autograd graph itself: while the forward runs, a
 ``TorchFunctionMode`` notes which module call created each autograd node; during the backward,
 a hook on every node sees the gradients coming in and going out. The first node whose incoming

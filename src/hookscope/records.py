@@ -208,11 +208,19 @@ class Records:
         return sum(1 for _ in self.items())
 
     def __contains__(self, key: object) -> bool:
-        if not isinstance(key, (str, RecordKey)):
-            return False
+        """True when something was recorded at ``key`` (a record name that ran, with any
+        number of calls, or a ``RecordKey``/its text naming an existing call and part)."""
+        if isinstance(key, str) and key in self._entries:
+            return bool(self._entries[key].outputs)
         try:
-            self[key]
-        except (CaptureError, HookscopeError):
+            address = RecordKey.parse(key) if isinstance(key, str) else key
+            if not isinstance(address, RecordKey):
+                return False
+            name, parts = self._name_for(address)
+            outputs = self._entries[name].outputs
+            call = 0 if address.call is None else address.call
+            get_part(outputs[call], parts)
+        except (HookscopeError, KeyError, IndexError):
             return False
         return True
 
