@@ -91,3 +91,27 @@ def test_extract_tuple_batches_are_inputs_then_labels(tmp_path: Path) -> None:
     batches = [((a[:3], b[:3]), labels[:3]), ((a[3:], b[3:]), labels[3:])]
     store = extract(_Pair(), batches, "add", tmp_path / "s", progress=False)
     assert torch.equal(store["add"][:], a + b)
+
+
+def test_capture_takes_the_named_reductions_of_extract() -> None:
+    import hookscope
+
+    model, x = LeNet().eval(), torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        conv2 = model.conv2(model.pool(torch.relu(model.conv1(x))))  # (2, 16, 10, 10)
+        with hookscope.capture(model, "conv2", "fc1", reduce="mean") as acts:
+            model(x)
+    torch.testing.assert_close(acts["conv2"], conv2.mean(dim=(2, 3)))  # (2, 16): over pixels
+    assert acts["fc1"].shape == (2, 120)  # (batch, features) kept as is
+
+
+def test_capture_checks_reduce_when_built() -> None:
+    import hookscope
+
+    model = LeNet()
+    with pytest.raises(ReductionError, match=r"reduce='avg' is not a reduction: use one of "
+                                             r"'mean', 'first', 'last'"):
+        hookscope.capture(model, "conv2", reduce="avg")
+    with pytest.raises(ReductionError, match=r"reduce='last' takes the last token"), \
+            hookscope.capture(model, "conv2", reduce="last"):
+        model(torch.randn(1, 3, 32, 32))

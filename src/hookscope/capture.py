@@ -27,6 +27,7 @@ from hookscope._session import HookSession, OnUnfired, by_module
 from hookscope.errors import CaptureError
 from hookscope.grads import converter, watch_inputs, watch_output
 from hookscope.records import CallInputs, Entry, RecordKey, Records
+from hookscope.reductions import Reduce, reduction
 from hookscope.select import Target, as_patterns, unwrap
 
 __all__ = ["Capture", "CaptureOptions", "CallInputs", "capture", "run"]  # CallInputs: records.py
@@ -287,8 +288,7 @@ def _copy(t: Tensor) -> Tensor:
 
 def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool = False,
             grad_inputs: bool = False, to: torch.device | str | None = None,
-            dtype: torch.dtype | None = None,
-            reduce: Callable[[Tensor], Tensor] | None = None, clone: bool | None = None,
+            dtype: torch.dtype | None = None, reduce: Reduce = None, clone: bool | None = None,
             on_unfired: OnUnfired = "warn") -> Capture:
     """Record the output of every call of each module that ``patterns`` select.
 
@@ -312,8 +312,10 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
             (same values and memory) that carries the tensor hook.
         to: device to move captured tensors to (``"cpu"`` frees accelerator memory).
         dtype: dtype to cast captured floating tensors to (e.g. ``torch.float16`` halves memory).
-        reduce: function applied to each captured tensor at capture time, e.g.
-            ``lambda t: t.mean(dim=(2, 3))`` keeps ``(batch, channels)`` instead of the map.
+        reduce: applied to each captured tensor at capture time: a named reduction as
+            ``extract`` takes (``"mean"``, ``"first"``, ``"last"``; ``hookscope.reductions`` says
+            which axis each uses; no attention mask is known here, so padding counts) or a
+            function, e.g. ``lambda t: t.mean(dim=(2, 3))`` keeps ``(batch, channels)``.
         clone: ``None`` (default) copies outputs only of modules whose output is written in place
             later (learned on first use, see ``_inplace.py``); ``True`` copies always;
             ``False`` never: values overwritten later raise on reading, except under
@@ -328,10 +330,13 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
     Raises:
         SelectorError: at once, before any hook exists, when a pattern matches nothing or names a
             container (``ModuleList``) whose hook could never fire.
+        ReductionError: ``reduce`` is not a known name or a function (at once).
         HookscopeError: the model cannot be hooked (TorchScript), or an option is invalid.
     """
-    options = CaptureOptions(inputs=inputs, grads=grads, grad_inputs=grad_inputs, to=to,
-                             dtype=dtype, reduce=reduce, clone=clone)
+    reducer = reduction(reduce)
+    options = CaptureOptions(inputs=inputs, grads=grads, grad_inputs=grad_inputs, to=to, dtype=dtype,
+                             reduce=None if reducer is None else lambda t: reducer(t, None),
+                             clone=clone)
     return Capture(model, patterns, options, on_unfired)
 
 
