@@ -156,7 +156,8 @@ def outputs_match(expected: str, actual: str, optional: set[int] | None = None) 
     ``optional`` holds indices of ``actual`` lines (stderr's) that the shown output may leave out.
     """
     want = _trim(expected.splitlines())
-    got = [line.rstrip() for line in actual.splitlines()]
+    # A terminal shows what follows a line's last carriage return (progress bars rewrite lines).
+    got = [line.rsplit("\r", 1)[-1].rstrip() for line in actual.split("\n")]
     skippable = {j for j in optional or set()} | {j for j, line in enumerate(got) if not line}
     problem = _match(want, 0, got, 0, skippable)
     return None if problem is None else problem[1]
