@@ -1,9 +1,10 @@
 """Run README.md as a test: every code block runs and every shown output is compared.
 
-Blocks are fenced with a language, and run in README order, in one shared Python namespace, in
-one temporary folder:
+Blocks are fenced with a language, and run in README order, in one temporary folder:
 
 - ```` ```python ````: executed as a script (an exception fails the test, naming the README line).
+  A block whose first line is an import starts a new namespace, as a reader who copies it into a
+  new file would (so a missing import fails); any other block continues the one before.
 - ```` ```pycon ````: an interactive session. ``>>> `` starts a statement, ``... `` continues
   it, and the lines up to the next ``>>> `` are its shown output: what the REPL prints (values
   through ``sys.displayhook``, ``print`` output), then one ``Category: message`` line per warning
@@ -248,6 +249,8 @@ class Session:
         return compile("\n" * (line - 1) + source, str(self.readme), mode)
 
     def _python(self, block: Block) -> None:
+        if block.text().startswith(("import ", "from ")):
+            self.namespace = {"__name__": "__readme__"}
         try:
             exec(self._compile(block.text(), block.line, "exec"), self.namespace)
         except Exception as err:

@@ -146,3 +146,16 @@ def test_stderr_lines_may_be_left_out_but_stdout_lines_may_not() -> None:
     assert outputs_match("row 1\nrow 2", actual, optional={0, 2}) is None
     assert outputs_match("loading m ...\nrow 1\nrow 2", actual, optional={0, 2}) is None
     assert "differs" in str(outputs_match("row 2", actual, optional={0, 2}))
+
+
+def test_a_python_block_that_starts_with_an_import_starts_afresh(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("```python\nimport math\nx = 2\n```\n\n```python\ny = x + 1\n```\n\n"
+                      "```python\nfrom math import pi\nz = math.pi\n```\n")
+    first, second, third = parse(readme.read_text())
+    session = Session(readme)
+    session.run(first)
+    session.run(second)                      # continues: x is defined
+    assert session.namespace["y"] == 3
+    with pytest.raises(ReadmeError, match="line 12 .*NameError: name 'math' is not defined"):
+        session.run(third)                   # starts afresh, as a new file would
