@@ -46,7 +46,6 @@ import io
 import math
 import re
 import shlex
-import sys
 import traceback
 import warnings
 from collections.abc import Callable
