@@ -13,8 +13,7 @@ op writes over its memory, without copying every output: see ``_inplace.py``.
 from __future__ import annotations
 
 import inspect
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +23,7 @@ from torch import nn
 from hookscope._inplace import InPlacePolicy, shares_memory
 from hookscope._nested import get_part, iter_tensors, map_tensors
 from hookscope._session import HookSession, OnUnfired, by_module
-from hookscope.errors import CaptureError
+from hookscope.errors import CaptureError, warn
 from hookscope.grads import NO_GRADIENT_YET, GradRecord, converter, watch_inputs, watch_output
 from hookscope.records import save_records
 from hookscope.select import Target, unwrap
@@ -205,12 +204,12 @@ class Capture(HookSession):
         unchecked = [k for k, s in self._slots.items()
                      if any(t.is_inference() for o in s.outputs for t in iter_tensors(o))]
         if unchecked:
-            warnings.warn(
+            warn(
                 f"clone=False under torch.inference_mode(): the outputs of {', '.join(unchecked[:5])}"
                 f"{' …' if len(unchecked) > 5 else ''} are kept by reference and inference tensors "
                 f"have no version counter, so an in-place write after capture (ReLU(inplace=True), "
                 f"'+=') would go unnoticed. Use clone=None (the default) or clone=True, or run "
-                f"under torch.no_grad()", RuntimeWarning, stacklevel=4)
+                f"under torch.no_grad()", RuntimeWarning)
 
     def _check_versions(self) -> None:
         for slot in self._slots.values():
@@ -221,10 +220,10 @@ class Capture(HookSession):
             slot.versions.clear()
         broken = [f"{k} (calls {sorted(s.broken)})" for k, s in self._slots.items() if s.broken]
         if broken:
-            warnings.warn(
+            warn(
                 f"captured outputs were overwritten in place after capture: {', '.join(broken)}. "
                 f"Their values are wrong and reading them raises. Run the capture again: hookscope "
-                f"now copies these modules' outputs (or pass clone=True).", RuntimeWarning, stacklevel=4)
+                f"now copies these modules' outputs (or pass clone=True).", RuntimeWarning)
 
     # ----------------------------------------------------------------- reading
     @property
@@ -439,7 +438,9 @@ def run(model: nn.Module, *args: Any, layers: str | Sequence[str],
 
     Args:
         model: the model to run.
-        *args, **kwargs: passed to ``model``.
+        *args, **kwargs: passed to ``model``. A mapping given as the only input (a dict, the
+            ``BatchEncoding`` a Hugging Face tokenizer returns) is passed as keyword arguments,
+            ``model(**mapping)``, when its keys are parameters of ``model.forward``.
         layers: one pattern or a list of patterns (see ``capture``).
         options: keyword options of ``capture`` (``inputs``, ``grads``, ``grad_inputs``, ``to``,
             ``dtype``, ``reduce``, ``clone``, ``on_unfired``).
@@ -452,6 +453,21 @@ def run(model: nn.Module, *args: Any, layers: str | Sequence[str],
         innermost module where it happened.
     """
     patterns = [layers] if isinstance(layers, str) else list(layers)
+    args, kwargs = _as_keywords(model, args, kwargs)
     with capture(model, *patterns, **(options or {})) as acts:
         output = model(*args, **kwargs)
     return output, acts
+
+
+def _as_keywords(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A mapping given as the one input (a dict, a tokenizer's ``BatchEncoding``) becomes keyword
+    arguments, as ``extract`` passes a dict batch, when its keys name ``forward``'s parameters;
+    a model whose ``forward`` takes the mapping itself gets it unchanged."""
+    if len(args) != 1 or kwargs or not isinstance(args[0], Mapping):
+        return args, kwargs
+    try:
+        inspect.signature(model.forward).bind(**args[0])
+    except (TypeError, ValueError):
+        return args, kwargs
+    return (), dict(args[0])

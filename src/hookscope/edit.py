@@ -59,6 +59,7 @@ class Edit(HookSession):
         super().__init__(model, [pattern for pattern, _ in rules], on_unfired)
         self._rules = [(target, rule) for pattern, rule in rules
                        for target in resolve(model, [pattern])]
+        self._patterns = [pattern for pattern, _ in rules for _ in resolve(model, [pattern])]
         if inputs and any(t.parts for t, _ in self._rules):
             raise EditError("output parts such as 'lstm[0]' select pieces of an output; an input "
                             "edit gets (args, kwargs): drop the brackets and change them in fn")
@@ -81,9 +82,11 @@ class Edit(HookSession):
     def _output_hook(self, index: int, target: Target, rule: Rule) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             call = self._next_call(index, target)
-            new = rule(_part(output, target), target, call)
+            old = _part(output, target)
+            new = rule(old, target, call)
             if new is None:
                 return None
+            _check_fits(self._patterns[index], target, call, old, new)
             return set_part(output, target.parts, new) if target.parts else new
         return hook
 
@@ -130,8 +133,10 @@ def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: b
 
     Raises:
         SelectorError: a pattern matches no module (before anything is registered).
-        EditError: output parts with ``inputs=True``; an input edit returned something other
-            than ``(args, kwargs)`` or ``None`` (during the forward pass).
+        EditError: output parts with ``inputs=True``; during the forward pass, an input edit
+            returned something other than ``(args, kwargs)`` or ``None``, or an output edit
+            returned another structure, tensor shape or dtype than the module (or part) did:
+            the message names the pattern, the module and call, and both.
         HookNeverFiredError: on exit, with ``on_unfired="error"``, a selected module never ran.
     """
     rules = [(pattern, _adapt(fn, 4 if inputs else 3, inputs)) for pattern, fn in edits.items()]
@@ -334,6 +339,51 @@ def _steer_rule(vector: Tensor, positions: Positions) -> Rule:
 
 
 # ------------------------------------------------------------------------------- helpers
+def _check_fits(pattern: str, target: Target, call: int, old: Any, new: Any) -> None:
+    """Raise ``EditError`` unless ``new`` has the structure, shapes and dtypes of ``old``: the
+    next module expects what this one returns, and would fail far from the edit otherwise."""
+    where = f"the edit of '{pattern}' does not fit call {call} of '{target.key}' " \
+            f"({type(target.module).__name__}): the module returned"
+    fix = ("An edit must return what the module returns (same structure, shapes and dtypes), "
+           "or None to keep it.")
+    if _kind(old) != _kind(new):
+        raise EditError(f"{where} {_describe(old)}, but the edit returned {_describe(new)}. {fix}")
+    old_leaves, new_leaves = dict(iter_tensors_with_keys(old)), dict(iter_tensors_with_keys(new))
+    if list(old_leaves) != list(new_leaves):
+        raise EditError(f"{where} tensors at {_keys(old_leaves)}, but the edit returned tensors "
+                        f"at {_keys(new_leaves)}. {fix}")
+    for keys, tensor in old_leaves.items():
+        edited = new_leaves[keys]
+        if edited.shape != tensor.shape or edited.dtype != tensor.dtype:
+            at = f" at {_suffix(keys)}" if keys else ""
+            raise EditError(f"{where}{at} {_describe(tensor)}, but the edit returned "
+                            f"{_describe(edited)}. {fix}")
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return "Tensor"
+    if isinstance(value, (tuple, list)):
+        return f"sequence of {len(value)}"
+    if isinstance(value, Mapping):
+        return f"mapping of {sorted(map(str, value))}"
+    return type(value).__qualname__
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a Tensor of shape {tuple(value.shape)}, dtype {value.dtype}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    if isinstance(value, Mapping):
+        return f"a {type(value).__name__} with keys {list(value)}"
+    return f"a {type(value).__name__}"
+
+
+def _keys(leaves: Mapping[tuple[int | str, ...], Tensor]) -> str:
+    return ", ".join(_suffix(keys) or "the top" for keys in leaves) or "none"
+
+
 def _part(output: Any, target: Target) -> Any:
     if not target.parts:
         return output
