@@ -159,3 +159,14 @@ def test_a_python_block_that_starts_with_an_import_starts_afresh(tmp_path: Path)
     assert session.namespace["y"] == 3
     with pytest.raises(ReadmeError, match="line 12 .*NameError: name 'math' is not defined"):
         session.run(third)                   # starts afresh, as a new file would
+
+
+def test_every_pip_install_in_the_readme_names_real_extras() -> None:
+    import re
+
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    named = set(re.findall(r"pip install -e '\.\[(\w+)\]'", README.read_text()))
+    assert named and named <= set(extras), f"README names extras {sorted(named - set(extras))}"
+    assert "pip install 'hookscope" not in README.read_text()   # not on PyPI: install the clone
