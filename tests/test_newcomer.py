@@ -198,3 +198,11 @@ def test_every_warning_points_at_the_users_line(use: Callable[[nn.Module, torch.
     assert caught, "the scenario must warn"
     assert [(w.filename, w.category.__name__) for w in caught] == [
         (__file__, w.category.__name__) for w in caught]
+
+
+def test_edit_and_steer_given_a_list_say_they_take_a_dict() -> None:
+    model = _mlp()
+    with pytest.raises(EditError, match=r"edits must be a dict \{pattern: fn\}.*got a list.*ablate"):
+        hookscope.edit(model, ["0"])  # type: ignore[arg-type]
+    with pytest.raises(EditError, match=r"vectors must be a dict \{pattern: vector\}.*got a Tensor"):
+        hookscope.steer(model, torch.ones(20))  # type: ignore[arg-type]

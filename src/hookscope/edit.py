@@ -133,12 +133,15 @@ def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: b
 
     Raises:
         SelectorError: a pattern matches no module (before anything is registered).
-        EditError: output parts with ``inputs=True``; during the forward pass, an input edit
+        EditError: ``edits`` is not a dict; output parts with ``inputs=True``; during the
+            forward pass, an input edit
             returned something other than ``(args, kwargs)`` or ``None``, or an output edit
             returned another structure, tensor shape or dtype than the module (or part) did:
             the message names the pattern, the module and call, and both.
         HookNeverFiredError: on exit, with ``on_unfired="error"``, a selected module never ran.
     """
+    _check_mapping("edits", edits, "fn", "to zero modules instead, use hookscope.ablate(model, "
+                   "patterns)")
     rules = [(pattern, _adapt(fn, 4 if inputs else 3, inputs)) for pattern, fn in edits.items()]
     return Edit(model, rules, inputs=inputs, on_unfired=on_unfired)
 
@@ -248,6 +251,7 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
             tensor, the vector does not broadcast to it, or ``positions`` needs a dim 1 it lacks.
     """
     rules = []
+    _check_mapping("vectors", vectors, "vector", "one vector per pattern")
     for pattern, vector in vectors.items():
         if not isinstance(vector, Tensor):
             raise EditError(f"the steering vector for '{pattern}' is a {type(vector).__name__}; "
@@ -339,6 +343,12 @@ def _steer_rule(vector: Tensor, positions: Positions) -> Rule:
 
 
 # ------------------------------------------------------------------------------- helpers
+def _check_mapping(name: str, value: object, item: str, hint: str) -> None:
+    if not isinstance(value, Mapping):
+        raise EditError(f"{name} must be a dict {{pattern: {item}}}, e.g. {{'layers.3': ...}}; got "
+                        f"a {type(value).__name__} ({hint})")
+
+
 def _check_fits(pattern: str, target: Target, call: int, old: Any, new: Any) -> None:
     """Raise ``EditError`` unless ``new`` has the structure, shapes and dtypes of ``old``: the
     next module expects what this one returns, and would fail far from the edit otherwise."""
