@@ -162,6 +162,11 @@ def _edit(model: nn.Module, x: torch.Tensor) -> None:
         model(x)
 
 
+def _edit_with_context(model: nn.Module, x: torch.Tensor) -> None:
+    with hookscope.edit(model, {"head": lambda out, path, call: out}):  # no context=True
+        model(x)
+
+
 def _ablate(model: nn.Module, x: torch.Tensor) -> None:
     with hookscope.ablate(model, ["head", "relu"]):
         model(x)
@@ -188,7 +193,7 @@ def _clone_false_inference(model: nn.Module, x: torch.Tensor) -> None:
         model(x)
 
 
-@pytest.mark.parametrize("use", [_capture, _run, _edit, _ablate, _steer, _patch, _stats,
+@pytest.mark.parametrize("use", [_capture, _run, _edit, _edit_with_context, _ablate, _steer, _patch, _stats,
                                  _clone_false_inference], ids=lambda f: f.__name__.strip("_"))
 def test_every_warning_points_at_the_users_line(use: Callable[[nn.Module, torch.Tensor], Any]
                                                  ) -> None:

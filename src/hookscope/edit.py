@@ -30,10 +30,10 @@ import torch
 from torch import nn
 
 from hookscope._nested import get_part, iter_tensors_with_keys, map_tensors, set_part
-from hookscope._session import HookSession, OnUnfired
-from hookscope._sources import Records, Source
-from hookscope.errors import EditError
-from hookscope.select import Target, resolve
+from hookscope._session import HookSession, OnUnfired, resolve_checked
+from hookscope._sources import Source, SourceReader
+from hookscope.errors import EditError, warn
+from hookscope.select import Target, as_patterns
 
 __all__ = ["Edit", "edit", "ablate", "patch", "steer"]
 
@@ -56,10 +56,12 @@ class Edit(HookSession):
 
     def __init__(self, model: nn.Module, rules: Sequence[tuple[str, Rule]], *,
                  inputs: bool = False, on_unfired: OnUnfired = "warn"):
-        super().__init__(model, [pattern for pattern, _ in rules], on_unfired)
-        self._rules = [(target, rule) for pattern, rule in rules
-                       for target in resolve(model, [pattern])]
-        self._patterns = [pattern for pattern, _ in rules for _ in resolve(model, [pattern])]
+        resolved = [(pattern, target, rule) for pattern, rule in rules
+                    for target in resolve_checked(model, [pattern])]  # each pattern once
+        self._rules = [(target, rule) for _, target, rule in resolved]
+        self._patterns = [pattern for pattern, _, _ in resolved]  # named when an edit misfits
+        targets = list({(t.path, t.parts): t for t, _ in self._rules}.values())
+        super().__init__(model, (), on_unfired, targets=targets if targets else None)
         if inputs and any(t.parts for t, _ in self._rules):
             raise EditError("output parts such as 'lstm[0]' select pieces of an output; an input "
                             "edit gets (args, kwargs): drop the brackets and change them in fn")
@@ -110,7 +112,7 @@ class Edit(HookSession):
 
 
 def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: bool = False,
-         on_unfired: OnUnfired = "warn") -> Edit:
+         context: bool = False, on_unfired: OnUnfired = "warn") -> Edit:
     """Replace what selected modules return (or receive) with what ``fn`` makes of it.
 
     ::
@@ -120,12 +122,15 @@ def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: b
 
     Args:
         model: root module (wrappers looked through, as in ``capture``).
-        edits: ``{pattern: fn}``. For outputs, ``fn(output)`` or ``fn(output, path, call)``
-            returns the new output (any structure: tensor, tuple, dict, dataclass), or ``None``
-            to keep it; with a part (``"lstm[0]"``) ``fn`` gets and returns only that part.
-            With ``inputs=True``, ``fn(args, kwargs)`` or ``fn(args, kwargs, path, call)``
-            returns ``(args, kwargs)`` or ``None``. ``call`` counts from 0 per module.
+        edits: ``{pattern: fn}``. For outputs, ``fn(output)`` returns the new output (any
+            structure: tensor, tuple, dict, dataclass), or ``None`` to keep it; with a part
+            (``"lstm[0]"``) ``fn`` gets and returns only that part. With ``inputs=True``,
+            ``fn(args, kwargs)`` returns ``(args, kwargs)`` or ``None``.
         inputs: edit the inputs (forward pre-hooks) instead of the outputs.
+        context: call ``fn(output, path, call)`` (``fn(args, kwargs, path, call)`` for inputs):
+            also the module path and the call index, counted from 0 per module. A ``fn`` that
+            cannot take the short form but takes this one is called so too, with a
+            ``DeprecationWarning`` (the form was once guessed from the signature).
         on_unfired: a selected module that never ran: ``"warn"``, ``"error"`` or ``"ignore"``.
 
     Returns:
@@ -142,7 +147,7 @@ def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: b
     """
     _check_mapping("edits", edits, "fn", "to zero modules instead, use hookscope.ablate(model, "
                    "patterns)")
-    rules = [(pattern, _adapt(fn, 4 if inputs else 3, inputs)) for pattern, fn in edits.items()]
+    rules = [(pattern, _adapt(pattern, fn, inputs, context)) for pattern, fn in edits.items()]
     return Edit(model, rules, inputs=inputs, on_unfired=on_unfired)
 
 
@@ -170,7 +175,7 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
             forward pass, a reference that lacks the module, or whose rows (shape past dim 0)
             differ from the output's.
     """
-    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+    patterns = as_patterns(patterns)
     if how not in ("zero", "mean", "resample"):
         raise EditError(f"how={how!r} is not one of 'zero', 'mean', 'resample'")
     if how == "zero":
@@ -179,7 +184,7 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
         raise EditError(f"how={how!r} needs reference=acts: a capture of the same modules on "
                         f"reference inputs, e.g. with hookscope.capture(model, *patterns) as "
                         f"acts: model(x_reference)")
-    rule = _reference_rule(Records(reference, "reference"), how)
+    rule = _reference_rule(SourceReader(reference, "reference"), how)
     return Edit(model, [(p, rule) for p in patterns], on_unfired=on_unfired)
 
 
@@ -210,8 +215,8 @@ def patch(model: nn.Module, *, source: Source, layers: str | Sequence[str] | Non
             a value's shape differs from the live output's (the message names the module, the
             call and both shapes).
     """
-    records = Records(source, "source")
-    patterns = records.keys() if layers is None else [layers] if isinstance(layers, str) else list(layers)
+    records = SourceReader(source, "source")
+    patterns = records.keys() if layers is None else as_patterns(layers)
 
     def rule(value: Any, target: Target, call: int) -> Any:
         def replace(live: Tensor, keys: tuple[int | str, ...]) -> Tensor:
@@ -261,14 +266,19 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
 
 
 # ------------------------------------------------------------------------------- rules
-def _adapt(fn: Callable[..., Any], full: int, inputs: bool) -> Rule:
-    """Call ``fn`` with (value) or (value, path, call), or for inputs (args, kwargs[, path, call])."""
-    takes_where = _accepts(fn, full)
+def _adapt(pattern: str, fn: Callable[..., Any], inputs: bool, context: bool) -> Rule:
+    """The rule calling ``fn`` in the form asked for: (value) or (value, path, call), where for
+    inputs the value is (args, kwargs)."""
+    short = 2 if inputs else 1
+    if not context and not _accepts(fn, short) and _accepts(fn, short + 2):
+        warn(f"the edit of '{pattern}' takes (path, call) too: pass context=True to "
+             f"hookscope.edit to say so", DeprecationWarning)
+        context = True
     if inputs:
-        if takes_where:
+        if context:
             return lambda value, target, call: fn(*value, target.path, call)
         return lambda value, target, call: fn(*value)
-    if takes_where:
+    if context:
         return lambda value, target, call: fn(value, target.path, call)
     return lambda value, target, call: fn(value)
 
@@ -276,8 +286,10 @@ def _adapt(fn: Callable[..., Any], full: int, inputs: bool) -> Rule:
 def _accepts(fn: Callable[..., Any], count: int) -> bool:
     try:
         inspect.signature(fn).bind(*([None] * count))
-    except (TypeError, ValueError):  # ValueError: no signature (some builtins)
+    except TypeError:
         return False
+    except ValueError:  # no signature (some builtins): assume the short form
+        return count in (1, 2)
     return True
 
 
@@ -285,7 +297,7 @@ def _zero(value: Any, target: Target, call: int) -> Any:
     return map_tensors(torch.zeros_like, value)
 
 
-def _reference_rule(records: Records, how: str) -> Rule:
+def _reference_rule(records: SourceReader, how: str) -> Rule:
     pooled: dict[tuple[str, tuple[int | str, ...]], Tensor] = {}  # (record, keys) -> rows
 
     def rule(value: Any, target: Target, call: int) -> Any:
@@ -307,7 +319,7 @@ def _reference_rule(records: Records, how: str) -> Rule:
     return rule
 
 
-def _pool(records: Records, target: Target, keys: tuple[int | str, ...], how: str) -> Tensor:
+def _pool(records: SourceReader, target: Target, keys: tuple[int | str, ...], how: str) -> Tensor:
     """All reference rows of one tensor position, ``(rows, ...)``, or their mean over rows."""
     calls = records.calls(target, keys)
     if not calls:
