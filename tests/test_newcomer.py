@@ -211,3 +211,33 @@ def test_edit_and_steer_given_a_list_say_they_take_a_dict() -> None:
         hookscope.edit(model, ["0"])  # type: ignore[arg-type]
     with pytest.raises(EditError, match=r"vectors must be a dict \{pattern: vector\}.*got a Tensor"):
         hookscope.steer(model, torch.ones(20))  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------- reading a capture
+
+
+def test_a_capture_used_without_with_says_so() -> None:
+    model, x = _mlp(), torch.randn(3, 10)
+    acts = hookscope.capture(model, "0")
+    model(x)
+    with pytest.raises(hookscope.CaptureError, match=r"'0' never ran.*this capture was never "
+                                                     r"entered.*with hookscope.capture.*hookscope.run"):
+        acts["0"]
+    with hookscope.capture(model, "0", "2") as acts:
+        with pytest.raises(hookscope.CaptureError, match="no forward pass has run yet"):
+            acts["0"]
+        model(x)
+    assert torch.equal(acts["0"], model[0](x))
+
+
+def test_print_acts_shows_paths_calls_and_shapes_of_the_first_six() -> None:
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(7)], nn.ReLU())
+    with hookscope.capture(model, "**") as acts:
+        model(torch.randn(2, 4))
+        model(torch.randn(3, 4))
+    assert repr(acts) == ("<hookscope.Capture 0: 2 calls, first 2x4, 1: 2 calls, first 2x4, "
+                          "2: 2 calls, first 2x4, 3: 2 calls, first 2x4, 4: 2 calls, first 2x4, "
+                          "5: 2 calls, first 2x4, … 2 more>")
+    with hookscope.capture(model, "0", "7", on_unfired="ignore") as acts:
+        model[0](torch.randn(5, 4))
+    assert str(acts) == "<hookscope.Capture 0: 5x4, 7: never ran>"

@@ -58,6 +58,12 @@ class _Slot:
         self.versions: list[tuple[int, Tensor, int]] = []  # (call, tensor kept by reference, version)
 
 
+# Why a capture built but never entered holds nothing (``acts = capture(...)`` without ``with``).
+NOT_ENTERED = ("this capture was never entered, so no hook was registered: run the model inside "
+               "`with hookscope.capture(model, ...) as acts:`, or use "
+               "`output, acts = hookscope.run(model, x, layers=...)`")
+
+
 class Capture(HookSession):
     """One capture session: the hooks and the in-place policy; build it with ``hookscope.capture``.
 
@@ -77,6 +83,12 @@ class Capture(HookSession):
         self._options = options
         self._grad_convert = converter(options.to, options.dtype)  # applied to each arriving gradient
         self._policy = InPlacePolicy(options.clone)
+        self.records.unfired = {t.key: NOT_ENTERED for t in self.targets}
+
+    def __enter__(self) -> Capture:
+        self.records.unfired = {}
+        entered: Capture = super().__enter__()
+        return entered
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
