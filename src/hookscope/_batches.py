@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,7 +18,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, Sampler, TensorDataset
 
 from hookscope._extras import require
-from hookscope.errors import ExtractError, SpecError
+from hookscope.errors import ExtractError, SpecError, warn
 
 if TYPE_CHECKING:  # the model-spec layer loads only when data is read from a path (the CLI)
     from hookscope.models import LoadedModel
@@ -169,8 +168,8 @@ def _text_lines(file: Path, model: LoadedModel) -> list[str]:
         raise SpecError(f"cannot read {file} as UTF-8 text: {err}") from err
     lines = [line for line in every if line.strip()]
     if len(lines) < len(every):
-        warnings.warn(f"--data {file}: skipped {len(every) - len(lines)} blank line(s); row i of "
-                      f"the store is the i-th non-blank line", UserWarning, stacklevel=2)
+        warn(f"--data {file}: skipped {len(every) - len(lines)} blank line(s); row i of "
+                      f"the store is the i-th non-blank line", UserWarning)
     if not lines:
         raise SpecError(f"--data {file} has no non-blank line: nothing to extract")
     return lines

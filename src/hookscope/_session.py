@@ -10,7 +10,6 @@ subclasses only add their own hooks (``_register``) and say what a silent module
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Literal
@@ -19,7 +18,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hookscope import diagnose
-from hookscope.errors import HookNeverFiredError, HookNeverFiredWarning, HookscopeError
+from hookscope.errors import HookNeverFiredError, HookNeverFiredWarning, HookscopeError, warn
 from hookscope.select import Target, resolve
 
 OnUnfired = Literal["warn", "error", "ignore"]
@@ -128,8 +127,8 @@ class HookSession:
         if self._on_unfired == "error":
             raise HookNeverFiredError(message + "\n(what the modules that ran did is in err.capture)",
                                       capture=self, unfired=self.unfired)
-        warnings.warn(message + "\n(pass on_unfired='error' (--on-unfired error) to make this an "
-                      "error, 'ignore' to silence it)", HookNeverFiredWarning, stacklevel=3)
+        warn(message + "\n(pass on_unfired='error' (--on-unfired error) to make this an "
+                      "error, 'ignore' to silence it)", HookNeverFiredWarning)
 
 
 Hook = Callable[..., Any]

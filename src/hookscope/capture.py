@@ -12,8 +12,8 @@ op writes over its memory, without copying every output: see ``_inplace.py``.
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+import inspect
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -24,7 +24,7 @@ from torch import nn
 from hookscope._inplace import InPlacePolicy, shares_memory
 from hookscope._nested import get_part, iter_tensors, map_tensors
 from hookscope._session import HookSession, OnUnfired, by_module
-from hookscope.errors import CaptureError
+from hookscope.errors import CaptureError, warn
 from hookscope.grads import converter, watch_inputs, watch_output
 from hookscope.records import CallInputs, Entry, RecordKey, Records
 from hookscope.reductions import Reduce, reduction
@@ -59,6 +59,12 @@ class _Slot:
         self.versions: list[tuple[int, Tensor, int]] = []  # (call, tensor kept by reference, version)
 
 
+# Why a capture built but never entered holds nothing (``acts = capture(...)`` without ``with``).
+NOT_ENTERED = ("this capture was never entered, so no hook was registered: run the model inside "
+               "`with hookscope.capture(model, ...) as acts:`, or use "
+               "`output, acts = hookscope.run(model, x, layers=...)`")
+
+
 class Capture(HookSession):
     """One capture session: the hooks and the in-place policy; build it with ``hookscope.capture``.
 
@@ -78,6 +84,12 @@ class Capture(HookSession):
         self._options = options
         self._grad_convert = converter(options.to, options.dtype)  # applied to each arriving gradient
         self._policy = InPlacePolicy(options.clone)
+        self.records.unfired = {t.key: NOT_ENTERED for t in self.targets}
+
+    def __enter__(self) -> Capture:
+        self.records.unfired = {}
+        entered: Capture = super().__enter__()
+        return entered
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
@@ -188,12 +200,12 @@ class Capture(HookSession):
         unchecked = [k for k, s in self._slots.items()
                      if any(t.is_inference() for o in s.entry.outputs for t in iter_tensors(o))]
         if unchecked:
-            warnings.warn(
+            warn(
                 f"clone=False under torch.inference_mode(): the outputs of {', '.join(unchecked[:5])}"
                 f"{' …' if len(unchecked) > 5 else ''} are kept by reference and inference tensors "
                 f"have no version counter, so an in-place write after capture (ReLU(inplace=True), "
                 f"'+=') would go unnoticed. Use clone=None (the default) or clone=True, or run "
-                f"under torch.no_grad()", RuntimeWarning, stacklevel=4)
+                f"under torch.no_grad()", RuntimeWarning)
 
     def _check_versions(self) -> None:
         for slot in self._slots.values():
@@ -205,10 +217,10 @@ class Capture(HookSession):
         broken = [f"{k} (calls {sorted(s.entry.broken)})" for k, s in self._slots.items()
                   if s.entry.broken]
         if broken:
-            warnings.warn(
+            warn(
                 f"captured outputs were overwritten in place after capture: {', '.join(broken)}. "
                 f"Their values are wrong and reading them raises. Run the capture again: hookscope "
-                f"now copies these modules' outputs (or pass clone=True).", RuntimeWarning, stacklevel=4)
+                f"now copies these modules' outputs (or pass clone=True).", RuntimeWarning)
 
     # ----------------------------------------------------------------- live records
     def clear(self) -> None:
@@ -346,7 +358,9 @@ def run(model: nn.Module, *args: Any, layers: str | Sequence[str],
 
     Args:
         model: the model to run.
-        *args, **kwargs: passed to ``model``.
+        *args, **kwargs: passed to ``model``. A mapping given as the only input (a dict, the
+            ``BatchEncoding`` a Hugging Face tokenizer returns) is passed as keyword arguments,
+            ``model(**mapping)``, when its keys are parameters of ``model.forward``.
         layers: one pattern or a list of patterns (see ``capture``).
         options: keyword options of ``capture`` (``inputs``, ``grads``, ``grad_inputs``, ``to``,
             ``dtype``, ``reduce``, ``clone``, ``on_unfired``). They travel in one dict, not as
@@ -363,6 +377,21 @@ def run(model: nn.Module, *args: Any, layers: str | Sequence[str],
         innermost module where it happened.
     """
     patterns = as_patterns(layers)
+    args, kwargs = _as_keywords(model, args, kwargs)
     with capture(model, *patterns, **(options or {})) as acts:
         output = model(*args, **kwargs)
     return output, acts
+
+
+def _as_keywords(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A mapping given as the one input (a dict, a tokenizer's ``BatchEncoding``) becomes keyword
+    arguments, as ``extract`` passes a dict batch, when its keys name ``forward``'s parameters;
+    a model whose ``forward`` takes the mapping itself gets it unchanged."""
+    if len(args) != 1 or kwargs or not isinstance(args[0], Mapping):
+        return args, kwargs
+    try:
+        inspect.signature(model.forward).bind(**args[0])
+    except (TypeError, ValueError):
+        return args, kwargs
+    return (), dict(args[0])

@@ -23,7 +23,6 @@ source. On exit, a selected module that never ran is reported like in ``capture`
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -33,7 +32,7 @@ from torch import nn
 from hookscope._nested import get_part, iter_tensors_with_keys, map_tensors, set_part
 from hookscope._session import HookSession, OnUnfired, resolve_checked
 from hookscope._sources import Source, SourceReader
-from hookscope.errors import EditError
+from hookscope.errors import EditError, warn
 from hookscope.select import Target, as_patterns
 
 __all__ = ["Edit", "edit", "ablate", "patch", "steer"]
@@ -57,8 +56,10 @@ class Edit(HookSession):
 
     def __init__(self, model: nn.Module, rules: Sequence[tuple[str, Rule]], *,
                  inputs: bool = False, on_unfired: OnUnfired = "warn"):
-        self._rules = [(target, rule) for pattern, rule in rules
-                       for target in resolve_checked(model, [pattern])]  # each pattern once
+        resolved = [(pattern, target, rule) for pattern, rule in rules
+                    for target in resolve_checked(model, [pattern])]  # each pattern once
+        self._rules = [(target, rule) for _, target, rule in resolved]
+        self._patterns = [pattern for pattern, _, _ in resolved]  # named when an edit misfits
         targets = list({(t.path, t.parts): t for t, _ in self._rules}.values())
         super().__init__(model, (), on_unfired, targets=targets if targets else None)
         if inputs and any(t.parts for t, _ in self._rules):
@@ -83,9 +84,11 @@ class Edit(HookSession):
     def _output_hook(self, index: int, target: Target, rule: Rule) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             call = self._next_call(index, target)
-            new = rule(_part(output, target), target, call)
+            old = _part(output, target)
+            new = rule(old, target, call)
             if new is None:
                 return None
+            _check_fits(self._patterns[index], target, call, old, new)
             return set_part(output, target.parts, new) if target.parts else new
         return hook
 
@@ -135,10 +138,15 @@ def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: b
 
     Raises:
         SelectorError: a pattern matches no module (before anything is registered).
-        EditError: output parts with ``inputs=True``; an input edit returned something other
-            than ``(args, kwargs)`` or ``None`` (during the forward pass).
+        EditError: ``edits`` is not a dict; output parts with ``inputs=True``; during the
+            forward pass, an input edit
+            returned something other than ``(args, kwargs)`` or ``None``, or an output edit
+            returned another structure, tensor shape or dtype than the module (or part) did:
+            the message names the pattern, the module and call, and both.
         HookNeverFiredError: on exit, with ``on_unfired="error"``, a selected module never ran.
     """
+    _check_mapping("edits", edits, "fn", "to zero modules instead, use hookscope.ablate(model, "
+                   "patterns)")
     rules = [(pattern, _adapt(pattern, fn, inputs, context)) for pattern, fn in edits.items()]
     return Edit(model, rules, inputs=inputs, on_unfired=on_unfired)
 
@@ -248,6 +256,7 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
             tensor, the vector does not broadcast to it, or ``positions`` needs a dim 1 it lacks.
     """
     rules = []
+    _check_mapping("vectors", vectors, "vector", "one vector per pattern")
     for pattern, vector in vectors.items():
         if not isinstance(vector, Tensor):
             raise EditError(f"the steering vector for '{pattern}' is a {type(vector).__name__}; "
@@ -262,8 +271,8 @@ def _adapt(pattern: str, fn: Callable[..., Any], inputs: bool, context: bool) ->
     inputs the value is (args, kwargs)."""
     short = 2 if inputs else 1
     if not context and not _accepts(fn, short) and _accepts(fn, short + 2):
-        warnings.warn(f"the edit of '{pattern}' takes (path, call) too: pass context=True to "
-                      f"hookscope.edit to say so", DeprecationWarning, stacklevel=3)
+        warn(f"the edit of '{pattern}' takes (path, call) too: pass context=True to "
+             f"hookscope.edit to say so", DeprecationWarning)
         context = True
     if inputs:
         if context:
@@ -346,6 +355,57 @@ def _steer_rule(vector: Tensor, positions: Positions) -> Rule:
 
 
 # ------------------------------------------------------------------------------- helpers
+def _check_mapping(name: str, value: object, item: str, hint: str) -> None:
+    if not isinstance(value, Mapping):
+        raise EditError(f"{name} must be a dict {{pattern: {item}}}, e.g. {{'layers.3': ...}}; got "
+                        f"a {type(value).__name__} ({hint})")
+
+
+def _check_fits(pattern: str, target: Target, call: int, old: Any, new: Any) -> None:
+    """Raise ``EditError`` unless ``new`` has the structure, shapes and dtypes of ``old``: the
+    next module expects what this one returns, and would fail far from the edit otherwise."""
+    where = f"the edit of '{pattern}' does not fit call {call} of '{target.key}' " \
+            f"({type(target.module).__name__}): the module returned"
+    fix = ("An edit must return what the module returns (same structure, shapes and dtypes), "
+           "or None to keep it.")
+    if _kind(old) != _kind(new):
+        raise EditError(f"{where} {_describe(old)}, but the edit returned {_describe(new)}. {fix}")
+    old_leaves, new_leaves = dict(iter_tensors_with_keys(old)), dict(iter_tensors_with_keys(new))
+    if list(old_leaves) != list(new_leaves):
+        raise EditError(f"{where} tensors at {_keys(old_leaves)}, but the edit returned tensors "
+                        f"at {_keys(new_leaves)}. {fix}")
+    for keys, tensor in old_leaves.items():
+        edited = new_leaves[keys]
+        if edited.shape != tensor.shape or edited.dtype != tensor.dtype:
+            at = f" at {_suffix(keys)}" if keys else ""
+            raise EditError(f"{where}{at} {_describe(tensor)}, but the edit returned "
+                            f"{_describe(edited)}. {fix}")
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return "Tensor"
+    if isinstance(value, (tuple, list)):
+        return f"sequence of {len(value)}"
+    if isinstance(value, Mapping):
+        return f"mapping of {sorted(map(str, value))}"
+    return type(value).__qualname__
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a Tensor of shape {tuple(value.shape)}, dtype {value.dtype}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    if isinstance(value, Mapping):
+        return f"a {type(value).__name__} with keys {list(value)}"
+    return f"a {type(value).__name__}"
+
+
+def _keys(leaves: Mapping[tuple[int | str, ...], Tensor]) -> str:
+    return ", ".join(_suffix(keys) or "the top" for keys in leaves) or "none"
+
+
 def _part(output: Any, target: Target) -> Any:
     if not target.parts:
         return output

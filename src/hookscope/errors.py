@@ -2,6 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+# Frames in these files are hookscope's or the machinery between the user's line and hookscope
+# (context managers, nn.Module.__call__ running hooks): a warning is attributed past them.
+_INTERNAL = (str(Path(__file__).parent) + os.sep, str(Path(torch.__file__).parent) + os.sep,
+             contextlib.__file__)
+
 
 class HookscopeError(Exception):
     """Base class of every error hookscope raises on purpose."""
@@ -69,3 +82,19 @@ class EditError(HookscopeError, ValueError):
 class GradcamError(HookscopeError, ValueError):
     """Grad-CAM cannot be computed: the layer's output is not a feature map, the model's output
     is not class scores, or a target class is out of range."""
+
+
+def warn(message: str, category: type[Warning]) -> None:
+    """Issue ``warnings.warn(message, category)`` attributed to the user's line.
+
+    The warning's file and line are those of the first caller outside hookscope, torch and
+    ``contextlib`` (the ``with`` statement, the ``model(x)`` call, or the user's own forward), so
+    that ``-W error`` tracebacks, warning filters by module and IDEs point at the user's code
+    whatever the depth of hookscope's own calls (``stacklevel`` is counted here, not guessed).
+    """
+    frame = sys._getframe(1)
+    level = 2
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, category, stacklevel=level)

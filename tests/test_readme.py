@@ -1,0 +1,172 @@
+"""README.md is a test: every block runs in order and every shown output must match.
+
+The rules (languages, ``...``, number tolerance, skip/replace/setup directives) are in
+``tests/readme_runner.py``; a failure names the README line.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from tests.readme_runner import Block, ReadmeError, Session, line_mismatch, outputs_match, parse
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+try:
+    BLOCKS, PARSE_ERROR = parse(README.read_text()), None
+except ReadmeError as err:  # reported by test_readme_follows_the_conventions, not at collection
+    BLOCKS, PARSE_ERROR = [], err
+_failed: list[str] = []
+
+
+def test_readme_follows_the_conventions() -> None:
+    if PARSE_ERROR is not None:
+        raise PARSE_ERROR
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
+    folder = tmp_path_factory.mktemp("readme")
+    before = os.getcwd()
+    os.chdir(folder)
+    try:
+        yield Session(README)
+    finally:
+        os.chdir(before)
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[b.name for b in BLOCKS])
+def test_readme_block(block: Block, session: Session) -> None:
+    if block.skip is not None:
+        pytest.skip(f"README.md line {block.line}: {block.skip}")
+    if _failed:
+        pytest.skip(f"an earlier README block failed ({_failed[0]}); later blocks depend on it")
+    try:
+        session.run(block)
+    except BaseException:
+        _failed.append(block.name)
+        raise
+
+
+# ----------------------------------------------------------------------------- the runner's rules
+
+
+def test_numbers_match_to_the_shown_precision() -> None:
+    assert line_mismatch("p 0.7628", "p 0.7629") is None             # last digit, rounding
+    assert line_mismatch("p 0.7628", "p 0.7632") is not None         # 4 units off
+    assert line_mismatch("mean 0.008557", "mean 0.008559") is None   # 2 units + 1e-4 relative
+    assert line_mismatch("mean 0.008557", "mean 0.008561") is not None
+    assert line_mismatch("rows 1.234e+05", "rows 123420") is None
+    assert line_mismatch("atol=1e-05", "atol=1.1e-05") is None
+    assert line_mismatch("atol=1e-05", "atol=1e-04") is not None
+    assert line_mismatch("class 285", "class 286") is not None       # integers are exact
+    assert line_mismatch("_blocks.15 0", "_blocks.16 0") is not None  # names are text, not .15
+    assert line_mismatch("1x16x112x112", "1x16x112x113") is not None
+    assert line_mismatch("x  1.5   cat", "x 1.5 cat") is None         # column widths
+    assert line_mismatch("cosine nan", "cosine 0.5") is not None
+    assert line_mismatch("max 24", "max 24.01") is not None          # shown as integer: exact
+
+
+@given(st.floats(min_value=-1e6, max_value=1e6).filter(lambda v: abs(v) > 1e-6),
+       st.sampled_from([(".4f", 1e-4), (".2f", 1e-2), (".3e", None)]))
+def test_a_printed_number_matches_within_its_last_digits_only(value: float,
+                                                              spec: tuple[str, float | None]) -> None:
+    shown = format(value, spec[0])
+    unit = spec[1] if spec[1] is not None else 10.0 ** (int(shown.split("e")[1]) - 3)
+    assert line_mismatch(f"v {shown}", f"v {float(shown) + unit:.10g}") is None
+    far = float(shown) + 3 * unit + 2e-4 * abs(float(shown))
+    assert line_mismatch(f"v {shown}", f"v {far:.10g}") is not None
+
+
+def test_ellipsis_line_stands_for_any_lines() -> None:
+    assert outputs_match("a\n...\nz", "a\nb\nc\nz") is None
+    assert outputs_match("a\n...\nz", "a\nz") is None
+    assert outputs_match("a\n...", "a\nb") is None
+    assert "goes on" in str(outputs_match("a", "a\nb"))
+    assert "missing" in str(outputs_match("a\nb", "a"))
+
+
+def test_a_drift_fails_naming_the_readme_line(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("# t\n\n```pycon\n>>> 1 + 1\n2\n>>> print('hi')\nho\n```\n")
+    session = Session(readme)
+    with pytest.raises(ReadmeError, match=r"README.md line 6: .*print\('hi'\).*\n--- shown.*\nho"):
+        for block in parse(readme.read_text()):
+            session.run(block)
+
+
+def test_python_error_names_the_readme_line(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("```python\nx = 1\ny = x.nope\n```\n")
+    with pytest.raises(ReadmeError, match=r"README.md line 3 \(python block at line 2\) raised "
+                                           "AttributeError"):
+        Session(readme).run(parse(readme.read_text())[0])
+
+
+def test_pycon_shows_warnings_then_the_exception_with_notes(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("```pycon\n>>> import warnings\n>>> def f():\n...     warnings.warn('w')\n"
+                      "...     e = ValueError('bad')\n...     e.add_note('hint')\n...     raise e\n"
+                      ">>> f()\nUserWarning: w\nTraceback (most recent call last):\n  ...\n"
+                      "ValueError: bad\nhint\n```\n")
+    Session(readme).run(parse(readme.read_text())[0])
+
+
+def test_directives_and_conventions_are_checked() -> None:
+    block = parse("<!-- readme-test: replace 2048 => 8\nsetup x = 1 -->\n```python\nn = 2048\n```\n")[0]
+    assert (block.text(), block.setup) == ("n = 8", ["x = 1"])
+    assert parse("<!-- readme-test: skip needs torchrun -->\n```console\n$ torchrun\n```\n")[0].skip
+    with pytest.raises(ReadmeError, match="line 1: unknown readme-test directive"):
+        parse("<!-- readme-test: skipp -->\n```python\n```\n")
+    with pytest.raises(ReadmeError, match="line 1: a fence needs one of the languages"):
+        parse("```\nx\n```\n")
+    with pytest.raises(ReadmeError, match="line 1: this text block shows a session"):
+        parse("```text\n$ hookscope tree m\n```\n")
+
+
+def test_console_runs_hookscope_in_process_and_refuses_other_commands(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("```console\n$ hookscope tree nope.module:build  # comment\n"
+                      "error: ...\n...\n```\n\n```console\n$ make demo\n```\n")
+    first, second = parse(readme.read_text())
+    session = Session(readme)
+    with pytest.raises(ReadmeError, match="line 2: the output of"):
+        session.run(first)
+    with pytest.raises(ReadmeError, match="line 8: the test runs only hookscope commands"):
+        session.run(second)
+
+
+def test_stderr_lines_may_be_left_out_but_stdout_lines_may_not() -> None:
+    actual = "loading m ...\nrow 1\nloaded in 1.2 s\nrow 2\n"
+    assert outputs_match("row 1\nrow 2", actual, optional={0, 2}) is None
+    assert outputs_match("loading m ...\nrow 1\nrow 2", actual, optional={0, 2}) is None
+    assert "differs" in str(outputs_match("row 2", actual, optional={0, 2}))
+
+
+def test_a_python_block_that_starts_with_an_import_starts_afresh(tmp_path: Path) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text("```python\nimport math\nx = 2\n```\n\n```python\ny = x + 1\n```\n\n"
+                      "```python\nfrom math import pi\nz = math.pi\n```\n")
+    first, second, third = parse(readme.read_text())
+    session = Session(readme)
+    session.run(first)
+    session.run(second)                      # continues: x is defined
+    assert session.namespace["y"] == 3
+    with pytest.raises(ReadmeError, match="line 12 .*NameError: name 'math' is not defined"):
+        session.run(third)                   # starts afresh, as a new file would
+
+
+def test_every_pip_install_in_the_readme_names_real_extras() -> None:
+    import re
+
+    tomllib = pytest.importorskip("tomllib")
+    extras = tomllib.loads((README.parent / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    named = set(re.findall(r"pip install -e '\.\[(\w+)\]'", README.read_text()))
+    assert named and named <= set(extras), f"README names extras {sorted(named - set(extras))}"
+    assert "pip install 'hookscope" not in README.read_text()   # not on PyPI: install the clone
