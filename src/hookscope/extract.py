@@ -3,9 +3,9 @@
 ``extract(model, data, layers, out)`` runs one forward pass per batch under one
 ``hookscope.capture`` session kept open across the batches (``clear()`` between them; the first
 batch runs in a capture of its own, which checks that model, data and layers fit and says why a
-module did not run),
-turns each selected output into rows (reduced, cast, padding dropped), and hands full shards to
-a background thread that writes them (``hookscope.store``), so compute and disk overlap. At most
+module did not run), turns each selected output into rows (reduced, cast, padding dropped), and
+hands full shards to a background thread that writes them (``hookscope.store``), so compute and
+disk overlap. At most
 three shards are in memory (one filling, one queued, one being written): about
 ``3 * shard_bytes``, however large the data set. ``load_data`` makes the data of the CLI's
 ``--data PATH`` (``hookscope._batches``).
@@ -201,8 +201,11 @@ def _write_all(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Rows]],
                start: int) -> None:
     """Store the rows of every remaining batch, handing full shards to a background writer."""
     staging = Staging(min(max(job.shard_bytes, 2**20), 16 * 2**20))
-    with capture(job.model, *job.keys, on_unfired="ignore") as job.session:
-        _write_batches(job, writer, todo, start, staging)
+    try:
+        with capture(job.model, *job.keys, on_unfired="ignore") as job.session:
+            _write_batches(job, writer, todo, start, staging)
+    finally:
+        staging.close()
 
 
 def _write_batches(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Rows]], start: int,
