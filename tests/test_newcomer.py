@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict, UserDict
 from collections.abc import Callable
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -112,12 +114,14 @@ class _Keywords(nn.Module):
         return self.proj(self.embed(input_ids)) * attention_mask[..., None]
 
 
-def test_run_passes_a_dict_as_keyword_arguments() -> None:
+@pytest.mark.parametrize("kind", [dict, OrderedDict, UserDict, MappingProxyType],
+                         ids=lambda k: k.__name__)
+def test_run_passes_a_mapping_as_keyword_arguments(kind: Callable[[dict[str, Any]], Any]) -> None:
     model = _Keywords()
-    batch = {"input_ids": torch.tensor([[1, 2, 3], [4, 5, 0]]),
-             "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])}
+    batch = kind({"input_ids": torch.tensor([[1, 2, 3], [4, 5, 0]]),
+                  "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])})
     out, acts = hookscope.run(model, batch, layers="proj")
-    assert torch.equal(out, model(**batch))
+    assert torch.equal(out, model(**dict(batch)))
     assert torch.equal(acts["proj"], model.proj(model.embed(batch["input_ids"])))
 
 
