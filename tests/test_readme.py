@@ -22,6 +22,7 @@ try:
 except ReadmeError as err:  # reported by test_readme_follows_the_conventions, not at collection
     BLOCKS, PARSE_ERROR = [], err
 _failed: list[str] = []
+_done: set[int] = set()  # README lines of the blocks run so far
 
 
 def test_readme_follows_the_conventions() -> None:
@@ -47,7 +48,10 @@ def test_readme_block(block: Block, session: Session) -> None:
     if _failed:
         pytest.skip(f"an earlier README block failed ({_failed[0]}); later blocks depend on it")
     try:
-        session.run(block)
+        for earlier in BLOCKS[:BLOCKS.index(block) + 1]:  # all, when one block is run alone (-k)
+            if earlier.skip is None and earlier.line not in _done:
+                session.run(earlier)
+                _done.add(earlier.line)
     except BaseException:
         _failed.append(block.name)
         raise
