@@ -174,3 +174,10 @@ def test_every_pip_install_in_the_readme_names_real_extras() -> None:
     named = set(re.findall(r"pip install -e '\.\[(\w+)\]'", README.read_text()))
     assert named and named <= set(extras), f"README names extras {sorted(named - set(extras))}"
     assert "pip install 'hookscope" not in README.read_text()   # not on PyPI: install the clone
+
+
+def test_an_unclosed_block_or_comment_names_its_line() -> None:
+    with pytest.raises(ReadmeError, match="line 2: the block is never closed"):
+        parse("text\n```python\nx = 1\n")
+    with pytest.raises(ReadmeError, match="line 1: the readme-test comment is never closed"):
+        parse("<!-- readme-test: skip why\n```python\n```\n")
