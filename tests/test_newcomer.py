@@ -245,3 +245,15 @@ def test_print_acts_shows_paths_calls_and_shapes_of_the_first_six() -> None:
     with hookscope.capture(model, "0", "7", on_unfired="ignore") as acts:
         model[0](torch.randn(5, 4))
     assert str(acts) == "<hookscope.Capture 0: 5x4, 7: never ran>"
+
+
+# ----------------------------------------------------------------------------- error notes
+
+
+def test_the_error_note_gives_the_inputs_of_forward_not_of_a_helper_method() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 16, 5), nn.ReLU())   # Conv2d.forward -> _conv_forward
+    with pytest.raises(RuntimeError) as caught:
+        with hookscope.capture(model, "1"):
+            model(torch.randn(2, 4, 32, 32))
+    assert caught.value.__notes__ == [
+        "hookscope: raised inside '0' (Conv2d) called with input shapes [(2, 4, 32, 32)]"]
