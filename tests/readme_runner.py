@@ -96,30 +96,31 @@ def parse(readme: str) -> list[Block]:
     while i < len(lines):
         stripped = lines[i].strip()
         if stripped.startswith("<!--") and "readme-test:" in stripped:
-            end = i
-            while "-->" not in lines[end]:
-                end += 1
+            end = _closing(lines, i, "-->", "the readme-test comment is never closed with -->")
             body = _DIRECTIVE.search("\n".join(lines[i:end + 1]))
-            assert body is not None, f"README.md line {i + 1}: malformed readme-test comment"
-            pending += [(i + 1, d.strip()) for d in body.group(1).strip().splitlines() if d.strip()]
-            i = end + 1
-            continue
-        if stripped.startswith("```"):
-            language = stripped[3:].strip()
-            end = i + 1
-            while end < len(lines) and lines[end].strip() != "```":
-                end += 1
+            assert body is not None
+            pending += [(i + 1, d.strip()) for d in body.group(1).splitlines() if d.strip()]
+        elif stripped.startswith("```"):
+            end = _closing(lines, i + 1, "```", "the block is never closed with ```")
             indent = len(lines[i]) - len(lines[i].lstrip())
-            block = Block(language, i + 2, [line[indent:] for line in lines[i + 1:end]])
+            block = Block(stripped[3:].strip(), i + 2, [line[indent:] for line in lines[i + 1:end]])
             _check_language(block)
             for where, directive in pending:
                 _apply(block, where, directive)
             pending = []
             blocks.append(block)
-            i = end + 1
-            continue
-        i += 1
+        else:
+            end = i
+        i = end + 1
     return blocks
+
+
+def _closing(lines: list[str], start: int, marker: str, problem: str) -> int:
+    """The index of the first line from ``start`` that closes with ``marker``."""
+    for end in range(start, len(lines)):
+        if (marker in lines[end]) if marker == "-->" else lines[end].strip() == marker:
+            return end
+    raise ReadmeError(f"README.md line {start}: {problem}")
 
 
 def _check_language(block: Block) -> None:

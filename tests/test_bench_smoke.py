@@ -6,6 +6,7 @@ Nothing here is timed; the figures only have to exist and be consistent.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -51,7 +52,9 @@ def test_quick_run_writes_results_and_catches_in_place_overwrites(bench_main, tm
     dispatch = results["dispatch"]
     assert set(dispatch["per_call_us"]) == {"bare hook, steady", "hookscope, steady",
                                             "bare hook, per capture", "hookscope, per capture"}
-    assert dispatch["ratio_steady"] > 0
+    # a ratio of two small timing differences: its sign is noise on a busy machine (a quick run
+    # measured -0.11 under load), so the smoke test checks that it was computed, not its value
+    assert math.isfinite(dispatch["ratio_steady"])
     text = (tmp_path / "RESULTS.md").read_text()
     assert "| bare forward |" in text and "## Per-call dispatch" in text
     assert "per-call dispatch <= 1.3x a bare hook" in text

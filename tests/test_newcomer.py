@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import warnings
+from collections import OrderedDict, UserDict
 from collections.abc import Callable
+from types import MappingProxyType
 from typing import Any
 
 import pytest
@@ -112,12 +114,14 @@ class _Keywords(nn.Module):
         return self.proj(self.embed(input_ids)) * attention_mask[..., None]
 
 
-def test_run_passes_a_dict_as_keyword_arguments() -> None:
+@pytest.mark.parametrize("kind", [dict, OrderedDict, UserDict, MappingProxyType],
+                         ids=lambda k: k.__name__)
+def test_run_passes_a_mapping_as_keyword_arguments(kind: Callable[[dict[str, Any]], Any]) -> None:
     model = _Keywords()
-    batch = {"input_ids": torch.tensor([[1, 2, 3], [4, 5, 0]]),
-             "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])}
+    batch = kind({"input_ids": torch.tensor([[1, 2, 3], [4, 5, 0]]),
+                  "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]])})
     out, acts = hookscope.run(model, batch, layers="proj")
-    assert torch.equal(out, model(**batch))
+    assert torch.equal(out, model(**dict(batch)))
     assert torch.equal(acts["proj"], model.proj(model.embed(batch["input_ids"])))
 
 
@@ -241,3 +245,15 @@ def test_print_acts_shows_paths_calls_and_shapes_of_the_first_six() -> None:
     with hookscope.capture(model, "0", "7", on_unfired="ignore") as acts:
         model[0](torch.randn(5, 4))
     assert str(acts) == "<hookscope.Capture 0: 5x4, 7: never ran>"
+
+
+# ----------------------------------------------------------------------------- error notes
+
+
+def test_the_error_note_gives_the_inputs_of_forward_not_of_a_helper_method() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 16, 5), nn.ReLU())   # Conv2d.forward -> _conv_forward
+    with pytest.raises(RuntimeError) as caught:
+        with hookscope.capture(model, "1"):
+            model(torch.randn(2, 4, 32, 32))
+    assert caught.value.__notes__ == [
+        "hookscope: raised inside '0' (Conv2d) called with input shapes [(2, 4, 32, 32)]"]

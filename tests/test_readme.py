@@ -22,6 +22,7 @@ try:
 except ReadmeError as err:  # reported by test_readme_follows_the_conventions, not at collection
     BLOCKS, PARSE_ERROR = [], err
 _failed: list[str] = []
+_done: set[int] = set()  # README lines of the blocks run so far
 
 
 def test_readme_follows_the_conventions() -> None:
@@ -47,7 +48,10 @@ def test_readme_block(block: Block, session: Session) -> None:
     if _failed:
         pytest.skip(f"an earlier README block failed ({_failed[0]}); later blocks depend on it")
     try:
-        session.run(block)
+        for earlier in BLOCKS[:BLOCKS.index(block) + 1]:  # all, when one block is run alone (-k)
+            if earlier.skip is None and earlier.line not in _done:
+                session.run(earlier)
+                _done.add(earlier.line)
     except BaseException:
         _failed.append(block.name)
         raise
@@ -170,3 +174,10 @@ def test_every_pip_install_in_the_readme_names_real_extras() -> None:
     named = set(re.findall(r"pip install -e '\.\[(\w+)\]'", README.read_text()))
     assert named and named <= set(extras), f"README names extras {sorted(named - set(extras))}"
     assert "pip install 'hookscope" not in README.read_text()   # not on PyPI: install the clone
+
+
+def test_an_unclosed_block_or_comment_names_its_line() -> None:
+    with pytest.raises(ReadmeError, match="line 2: the block is never closed"):
+        parse("text\n```python\nx = 1\n")
+    with pytest.raises(ReadmeError, match="line 1: the readme-test comment is never closed"):
+        parse("<!-- readme-test: skip why\n```python\n```\n")

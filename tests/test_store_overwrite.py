@@ -177,3 +177,10 @@ def test_shard_seconds_bounds_the_loss_of_a_killed_run(tmp_path: Path) -> None:
     store = open_store(out, allow_incomplete=True)
     assert [s.rows for s in store.shards] == [(0, 4), (4, 8)]
     assert torch.equal(store["0"][:], ROWS[:8])
+
+
+def test_an_empty_folder_is_named_as_a_run_that_never_began(tmp_path: Path) -> None:
+    (tmp_path / "s").mkdir()
+    with pytest.raises(StoreError, match=r"s is not a hookscope store \(no manifest\.json\): it is "
+                                         r"empty: an extraction stopped before it began"):
+        open_store(tmp_path / "s")

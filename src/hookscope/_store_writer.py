@@ -126,13 +126,24 @@ class Staging:
     Keeping each batch's output tensors instead would take fresh memory every batch, which
     glibc hands back to the OS when a written shard is freed and faults in again: about 20% of
     a small model's forward pass. A shard's slabs return to the pool once it is written, so at
-    most the slabs of three shards exist.
+    most the slabs of three shards exist, plus one: a thread of its own prepares the next slab
+    (its pages touched) whenever the pool is empty, so the forward pass's thread does not pay
+    the page faults of fresh memory. ``close()`` stops that thread.
     """
 
     def __init__(self, slab_bytes: int):
         self.slab_bytes, self.used = slab_bytes, 0
         self.free: queue.SimpleQueue[Tensor] = queue.SimpleQueue()
         self.slab: Tensor | None = None
+        self._wanted, self._closed = threading.Semaphore(1), False  # one slab ready at the start
+        self._thread = threading.Thread(target=self._prepare, name="hookscope-slabs", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread that prepares slabs."""
+        self._closed = True
+        self._wanted.release()
+        self._thread.join()
 
     def keep(self, t: Tensor, shard: ShardData) -> Tensor:
         """Return a CPU copy of ``t`` in a slab that ``shard`` owns (or alone, if too big)."""
@@ -160,9 +171,19 @@ class Staging:
 
     def _take(self) -> Tensor:
         try:
-            return self.free.get_nowait()
+            slab = self.free.get_nowait()
         except queue.Empty:
-            return torch.empty(self.slab_bytes, dtype=torch.uint8)
+            slab = torch.empty(self.slab_bytes, dtype=torch.uint8)
+        self._wanted.release()  # prepare the next one meanwhile, if none is free by then
+        return slab
+
+    def _prepare(self) -> None:
+        while True:
+            self._wanted.acquire()
+            if self._closed:
+                return
+            if self.free.empty():
+                self.free.put(torch.zeros(self.slab_bytes, dtype=torch.uint8))
 
 
 class BackgroundWriter:

@@ -230,6 +230,12 @@ class Capture(HookSession):
         for slot in self._slots.values():
             slot.versions.clear()
 
+    def check_writes(self) -> None:
+        """Check the outputs kept by reference so far, as leaving the ``with`` block does: one
+        written in place since its call is marked (reading it raises) and its module is copied
+        from then on. For loops that read records inside the block, before ``clear()``."""
+        self._check_versions()
+
     @property
     def paths(self) -> list[str]:
         """See ``Records.paths``."""

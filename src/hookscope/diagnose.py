@@ -211,14 +211,20 @@ def locate_error(model: nn.Module, exc: BaseException) -> None:
 
 
 def _innermost_module_frame(exc: BaseException, names: dict[int, str]) -> FrameType | None:
-    found = None
+    """The ``forward`` frame of the innermost model module in the traceback (its inputs are what
+    the module was called with), else that module's last frame (e.g. a helper method)."""
+    frames: list[FrameType] = []
     tb = exc.__traceback__
     while tb is not None:
         owner = tb.tb_frame.f_locals.get("self")
         if isinstance(owner, nn.Module) and id(owner) in names:
-            found = tb.tb_frame
+            frames.append(tb.tb_frame)
         tb = tb.tb_next
-    return found
+    if not frames:
+        return None
+    innermost = frames[-1].f_locals["self"]
+    own = [f for f in frames if f.f_locals["self"] is innermost]
+    return next((f for f in reversed(own) if f.f_code.co_name == "forward"), own[-1])
 
 
 def _tensor_shapes(frame: FrameType) -> str:

@@ -1,8 +1,11 @@
 """Extraction: run a model over a data set and stream chosen activations into a store.
 
-``extract(model, data, layers, out)`` runs one forward pass per batch under ``hookscope.capture``,
-turns each selected output into rows (reduced, cast, padding dropped), and hands full shards to
-a background thread that writes them (``hookscope.store``), so compute and disk overlap. At most
+``extract(model, data, layers, out)`` runs one forward pass per batch under one
+``hookscope.capture`` session kept open across the batches (``clear()`` between them; the first
+batch runs in a capture of its own, which checks that model, data and layers fit and says why a
+module did not run), turns each selected output into rows (reduced, cast, padding dropped), and
+hands full shards to a background thread that writes them (``hookscope.store``), so compute and
+disk overlap. At most
 three shards are in memory (one filling, one queued, one being written): about
 ``3 * shard_bytes``, however large the data set. ``load_data`` makes the data of the CLI's
 ``--data PATH`` (``hookscope._batches``).
@@ -46,7 +49,7 @@ from hookscope._store_writer import (
     join_parts,
     read_part,
 )
-from hookscope.capture import capture
+from hookscope.capture import Capture, capture
 from hookscope.errors import ExtractError, HookscopeError
 from hookscope.reductions import Reduce, Reduction, reduction, reduction_name
 from hookscope.select import resolve
@@ -144,6 +147,7 @@ class _Job:
     progress: bool
     shard_bytes: int
     shard_seconds: float
+    session: Capture | None = None  # the capture open across the batches after the first
 
 
 def _extract(job: _Job, folder: Path, header: dict[str, Any], *,
@@ -197,6 +201,15 @@ def _write_all(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Rows]],
                start: int) -> None:
     """Store the rows of every remaining batch, handing full shards to a background writer."""
     staging = Staging(min(max(job.shard_bytes, 2**20), 16 * 2**20))
+    try:
+        with capture(job.model, *job.keys, on_unfired="ignore") as job.session:
+            _write_batches(job, writer, todo, start, staging)
+    finally:
+        staging.close()
+
+
+def _write_batches(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Rows]], start: int,
+                   staging: Staging) -> None:
     background = BackgroundWriter(writer, staging)
     bar = _Progress(job, start)
     layers = writer.manifest["layers"]
@@ -267,9 +280,26 @@ def _rows(job: _Job, batch: Any) -> Rows:
     args, kwargs = map_tensors(lambda t: t.to(device, non_blocking=True), (args, kwargs))
     mask = kwargs.get("attention_mask")
     n = _batch_rows(args, kwargs)
-    with capture(job.model, *job.keys, on_unfired="error") as acts:
+    if job.session is None:  # the first batch: a capture of its own, which says why a module
+        with capture(job.model, *job.keys, on_unfired="error") as acts:  # did not run
+            job.model(*args, **kwargs)
+    else:
+        acts = job.session
+        acts.clear()
         job.model(*args, **kwargs)
+        acts.check_writes()
+        _check_calls(acts, job.keys)
     return {key: _layer_rows(key, _one_tensor(key, acts[key]), n, mask, job) for key in job.keys}
+
+
+def _check_calls(acts: Capture, keys: list[str]) -> None:
+    """Each selected module runs once per batch (a store keeps one row per input)."""
+    counts = acts.counts
+    for key in keys:
+        if counts.get(key, 1) != 1:
+            raise ExtractError(f"'{key}' ran {counts[key]} times on this batch and once on the "
+                               f"first; a store layer takes one call per batch: select a module "
+                               f"that runs once per forward pass")
 
 
 def _batch_rows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

@@ -425,8 +425,11 @@ def open_store(path: str | os.PathLike[str], *, allow_incomplete: bool = False,
                          f"`hookscope extract --out` wrote")
     if not (folder / MANIFEST).is_file():
         parts = sorted(folder.glob("manifest-r*.json")) if folder.is_dir() else []
+        empty = folder.is_dir() and not any(folder.iterdir())
         detail = (f"it holds the part manifests of an interrupted run over {len(parts)}+ "
                   f"processes; rerun the same torchrun command with --resume" if parts else
+                  "it is empty: an extraction stopped before it began writing; run it again "
+                  "(--resume starts afresh)" if empty else
                   "point to the folder hookscope.extract / `hookscope extract --out` wrote")
         raise StoreError(f"{folder} is not a hookscope store (no {MANIFEST}): {detail}.")
     manifest = read_manifest(folder / MANIFEST)

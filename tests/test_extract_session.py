@@ -1,0 +1,64 @@
+"""extract keeps one hook session across batches: hooks are registered twice in all (the
+first batch's check, then one session), never once per batch; and an in-place write to a kept
+output on a later batch is reported, never stored as a wrong row."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from hookscope.errors import HookscopeError
+from hookscope.extract import extract
+from tests.models import LeNet
+
+
+def test_hooks_are_registered_once_for_all_batches(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    model = LeNet().eval()
+    registered: list[str] = []
+    original = nn.Module.register_forward_hook
+
+    def counting(self: nn.Module, *args: object, **kwargs: object) -> object:
+        registered.append(type(self).__name__)
+        return original(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(nn.Module, "register_forward_hook", counting)
+    images = torch.randn(40, 3, 32, 32)
+    store = extract(model, TensorDataset(images), ["conv2", "fc1"], tmp_path / "s", batch_size=4,
+                    progress=False)
+    assert registered.count("Conv2d") == 2 and registered.count("Linear") == 2  # not 2 x 10
+    with torch.no_grad():
+        expected = model.fc1(model.pool(torch.relu(model.conv2(
+            model.pool(torch.relu(model.conv1(images)))))).flatten(1))
+    torch.testing.assert_close(store["fc1"][:], expected)
+
+
+class _LateInPlace(nn.Module):
+    """``lin``'s output is zeroed in place, but only for inputs whose sum is large."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if x.sum() > 100:  # a data-dependent branch: not seen on the first batches
+            y.mul_(0)
+        return y
+
+
+def test_a_late_in_place_write_is_reported_not_stored(tmp_path: Path) -> None:
+    model = _LateInPlace().eval()
+    x = torch.ones(12, 3)
+    x[8:] = 100.0  # the third batch of 4 takes the in-place branch
+    with pytest.warns(RuntimeWarning, match=r"overwritten in place after capture: lin"), \
+            pytest.raises(HookscopeError, match=r"call 0 of 'lin' was overwritten in place"):
+        extract(model, TensorDataset(x), "lin", tmp_path / "s", batch_size=4, progress=False)
+    rows = extract(model, TensorDataset(x), "lin", tmp_path / "s", batch_size=4, progress=False,
+                   resume=True)["lin"][:]  # hookscope now copies lin's output: resumed right
+    with torch.no_grad():
+        torch.testing.assert_close(rows, model.lin(x))  # what lin returned, before the write
