@@ -21,7 +21,9 @@ import torch
 from torch import nn
 
 from hookscope.errors import HookscopeError
-from hookscope.select import Target, unwrap
+from hookscope.names import index
+from hookscope.select import Target
+from hookscope.wrappers import wrapped_attribute
 
 __all__ = ["preflight", "check_targets", "witnesses", "explain_unfired", "explain_no_hooks",
            "locate_error", "COMPILED"]
@@ -65,8 +67,7 @@ def witnesses(model: nn.Module, targets: Sequence[Target]) -> dict[str, nn.Modul
         ``{path: module}`` of modules that are not themselves selected (root is ``""``), and
         for a ``torch.compile``'d model its wrapper under the key ``COMPILED``.
     """
-    root, _ = unwrap(model)
-    modules = dict(root.named_modules())
+    modules = index(model).modules
     children = _child_index(modules)
     selected = {t.path for t in targets}
     found: dict[str, nn.Module] = {}
@@ -83,13 +84,11 @@ def witnesses(model: nn.Module, targets: Sequence[Target]) -> dict[str, nn.Modul
 def _compile_wrapper(model: nn.Module) -> nn.Module | None:
     """The ``torch.compile`` wrapper (``OptimizedModule``) around the model, if any. Its own
     hooks run on every call, outside the compiled code, even when those inside do not."""
-    while True:
-        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+    while (attribute := wrapped_attribute(model)) is not None:
+        if attribute == "_orig_mod":
             return model
-        inner = model._modules["module"] if list(model._modules) == ["module"] else None
-        if inner is None:  # DataParallel/DDP hold just 'module'
-            return None
-        model = inner
+        model = model._modules[attribute]  # type: ignore[assignment]
+    return None
 
 
 def explain_unfired(model: nn.Module, targets: Sequence[Target], ran: set[str]) -> dict[str, str]:
@@ -102,8 +101,7 @@ def explain_unfired(model: nn.Module, targets: Sequence[Target], ran: set[str]) 
     """
     if not targets:
         return {}
-    root, _ = unwrap(model)
-    modules = dict(root.named_modules())
+    modules = index(model).modules
     children = _child_index(modules)
     return {t.key: _reason(t.path, modules, children, ran) for t in targets}
 
@@ -194,8 +192,7 @@ def locate_error(model: nn.Module, exc: BaseException) -> None:
     shapes [(2, 7)]``. Python 3.11+ prints notes with the traceback; the exception's type and
     message are unchanged.
     """
-    root, _ = unwrap(model)
-    names = {id(m): p for p, m in root.named_modules()}
+    names = {id(m): p for p, m in index(model).modules.items()}
     frame = _innermost_module_frame(exc, names)
     if frame is None:
         return
