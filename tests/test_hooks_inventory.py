@@ -7,9 +7,9 @@ import warnings
 
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
 from torch.nn.utils import weight_norm
 from torch.nn.utils.weight_norm import WeightNorm
-from torch.nn.modules import module as torch_module
 
 import hookscope
 from hookscope.hooks import _GLOBAL_DICTS, _HOOK_DICTS, _SIDE_DICTS

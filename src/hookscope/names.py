@@ -76,8 +76,8 @@ def index(model: nn.Module) -> ModuleIndex:
     first: dict[int, str] = {}
     wrapper_paths: dict[str, str] = {}
     for raw, path, module, owner in _walk(model):
-        if owner is not None:
-            found.parametrizations[raw] = found.parametrizations[path] = owner
+        if owner is not None:  # the owner came first: its primary path is known
+            found.parametrizations[raw] = found.parametrizations[path] = found.canonical[owner]
             continue
         if wrapped_attribute(module) is not None:
             found.wrappers[raw] = type(module).__name__
