@@ -11,7 +11,7 @@ import torch.ao.quantization as tq
 from torch import nn
 
 import hookscope
-from hookscope.errors import CaptureError
+from hookscope.errors import CaptureError, FusedModuleWarning
 from hookscope.tree import format_tree
 
 
@@ -70,6 +70,15 @@ def test_32_tree_shows_the_quantized_dtype() -> None:
     rows = {row.path: row for row in hookscope.tree(model, x)}
     assert rows["conv"].class_name == "ConvReLU2d" and rows["conv"].outputs == ("1x2x6x6 quint8",)
     assert rows["bn"].class_name == "Identity"
+
+
+def test_32_selecting_a_fused_away_module_warns_and_names_the_fused_one() -> None:
+    model, x = quantized_model(), torch.randn(1, 1, 8, 8)
+    with pytest.warns(FusedModuleWarning, match=r"'bn' is an nn\.Identity left by fuse_modules: "
+                                                 r"'conv' \(ConvReLU2d\) now computes it.*Select 'conv'"):
+        with hookscope.capture(model, "bn", "conv") as acts:
+            model(x)
+    assert torch.equal(acts["bn"], acts["conv"])  # the Identity returns the fused output
 
 
 # ------------------------------------------------------------------ case 34: lazy modules

@@ -14,13 +14,14 @@ Three moments, three functions:
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Sequence
 from types import FrameType
 
 import torch
 from torch import nn
 
-from hookscope.errors import HookscopeError
+from hookscope.errors import FusedModuleWarning, HookscopeError
 from hookscope.names import index
 from hookscope.select import Target
 from hookscope.wrappers import wrapped_attribute
@@ -41,13 +42,39 @@ def preflight(model: nn.Module) -> None:
 
 
 def check_targets(model: nn.Module, targets: Sequence[Target]) -> None:
-    """Raise before registering when a selected module's hook could not fire.
+    """Raise before registering when a selected module's hook could not fire; warn when its
+    output is not what its name says.
 
     Raises:
         HookscopeError: a selected module is TorchScript.
+
+    Warns:
+        FusedModuleWarning: a selected ``nn.Identity`` is a placeholder that
+            ``torch.ao.quantization.fuse_modules`` left where a fused module (``bn``, ``relu``)
+            was: it returns its input, the fused module's output (shared/cases/32).
     """
+    modules = index(model).modules if targets else {}
     for target in targets:
         _refuse_script(target.path, target.module)
+        fused = _fused_into(target.path, modules)
+        if fused is not None:
+            warnings.warn(
+                f"'{target.path}' is an nn.Identity left by fuse_modules: '{fused}' "
+                f"({type(modules[fused]).__name__}) now computes it, so '{target.path}' returns "
+                f"its input unchanged, the fused module's output. Select '{fused}' for the fused "
+                f"result, or capture the float model before fusion for '{target.path}' alone",
+                FusedModuleWarning, stacklevel=4)
+
+
+def _fused_into(path: str, modules: dict[str, nn.Module]) -> str | None:
+    """The sibling fused module (``torch.ao.nn.intrinsic``) that an ``Identity`` stands in for."""
+    if type(modules[path]) is not nn.Identity:
+        return None
+    parent, _, _ = path.rpartition(".")
+    siblings = [p for p in modules if p and p.rpartition(".")[0] == parent and p != path]
+    before = [p for p in siblings if list(modules).index(p) < list(modules).index(path)]
+    fused = [p for p in before if type(modules[p]).__module__.startswith("torch.ao.nn.intrinsic")]
+    return fused[-1] if fused else None
 
 
 def _refuse_script(path: str, module: nn.Module) -> None:
