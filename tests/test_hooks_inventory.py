@@ -6,6 +6,7 @@ import functools
 import warnings
 
 import torch
+import torch.ao.quantization as tq
 from torch import nn
 from torch.nn.modules import module as torch_module
 from torch.nn.utils import weight_norm
@@ -110,3 +111,19 @@ def test_hooks_of_a_partial_and_of_a_callable_object_name_their_package() -> Non
     assert owners == [("WeightNorm", "torch", True),
                       ("leaked_hook", "user code (tests.test_hooks_inventory)", False)]
     assert hookscope.remove_hooks(model, include_internal=True) == 2
+
+
+def test_28_quantization_observers_are_internal_and_calibration_still_records() -> None:
+    from tests.test_values_kinds import QNet
+    model = QNet().eval()
+    model.qconfig = tq.get_default_qconfig("x86")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = tq.prepare(tq.fuse_modules(model, [["conv", "bn", "relu"]]))
+    found = [(h.path, h.function, h.registered_by, h.internal) for h in hookscope.hooks(prepared)]
+    assert found == [("quant", "_observer_forward_hook", "torch", True),
+                     ("conv", "_observer_forward_hook", "torch", True)]
+    assert hookscope.remove_hooks(prepared) == 0
+    prepared(torch.full((1, 1, 8, 8), 3.0))
+    observer = prepared.quant.activation_post_process
+    assert float(observer.max_val) == 3.0  # the observer still sees calibration data

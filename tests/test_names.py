@@ -201,6 +201,7 @@ def test_30_real_fsdp_names_are_the_models_own(process_group: None) -> None:
     assert "layers.0.fc" not in dict(model.named_modules())  # what case 30 reports
     raw = "_fsdp_wrapped_module.layers.0._fsdp_wrapped_module.fc"
     assert list(select(model, "**")) == PLAIN_PATHS
+    assert [row.path for row in hookscope.tree(model)] == ["", "layers", *PLAIN_PATHS]
     assert list(select(model, "layers.*.fc", raw, "head.weight")) == ["layers.0.fc", "layers.1.fc", "head"]
     with torch.no_grad(), hookscope.capture(model, "layers.*.fc", "head") as acts:
         out = model(x)
