@@ -18,7 +18,6 @@ maps all of them:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -75,11 +74,11 @@ def index(model: nn.Module) -> ModuleIndex:
     found = ModuleIndex(unwrap(model)[0])
     first: dict[int, str] = {}
     wrapper_paths: dict[str, str] = {}
-    for raw, path, module, owner in _walk(model):
+    for raw, path, module, owner, wrapper in _walk(model):
         if owner is not None:  # the owner came first: its primary path is known
             found.parametrizations[raw] = found.parametrizations[path] = found.canonical[owner]
             continue
-        if wrapped_attribute(module) is not None:
+        if wrapper:
             found.wrappers[raw] = type(module).__name__
             wrapper_paths[raw] = path
             continue
@@ -95,25 +94,34 @@ def index(model: nn.Module) -> ModuleIndex:
     return found
 
 
-def _walk(model: nn.Module) -> Iterator[tuple[str, str, nn.Module, str | None]]:
-    """Yield ``(raw path, path without wrapper segments, module, owning layer's path or None)``
-    for every attribute path of every module (shared modules once per path), depth first.
-    Modules inside a parametrization get the path of the layer that owns them."""
-    stack: list[tuple[str, str, nn.Module, str | None, frozenset[int]]] = [("", "", model, None, frozenset())]
-    while stack:
-        raw, path, module, owner, ancestors = stack.pop()
-        yield raw, path, module, owner
+Visit = tuple[str, str, nn.Module, "str | None", bool]
+
+
+def _walk(model: nn.Module) -> list[Visit]:
+    """``(raw path, path without wrapper segments, module, owning layer's path or None, is a
+    wrapper)`` for every attribute path of every module (shared modules once per path), depth
+    first in ``named_modules()`` order. Modules inside a parametrization get the path of the
+    layer that owns them; a module that holds one of its ancestors (a cycle) is skipped."""
+    found: list[Visit] = []
+    on_path: set[int] = set()
+
+    def visit(raw: str, path: str, module: nn.Module, owner: str | None) -> None:
         inner = wrapped_attribute(module)
-        children = []
+        found.append((raw, path, module, owner, inner is not None))
+        if not module._modules:
+            return
+        on_path.add(id(module))
         for name, child in module._modules.items():
-            if child is None or id(child) in ancestors:  # a cycle: a child holding its parent
+            if child is None or id(child) in on_path:
                 continue
-            child_raw = f"{raw}.{name}" if raw else name
             child_path = path if name == inner else (f"{path}.{name}" if path else name)
             child_owner = owner if owner is not None else (
                 path if name == "parametrizations" and parametrize.is_parametrized(module) else None)
-            children.append((child_raw, child_path, child, child_owner, ancestors | {id(module)}))
-        stack.extend(reversed(children))
+            visit(f"{raw}.{name}" if raw else name, child_path, child, child_owner)
+        on_path.discard(id(module))
+
+    visit("", "", model, None)
+    return found
 
 
 def _holds(module: nn.Module, leaf: str) -> bool:

@@ -67,7 +67,8 @@ class Target:
     key: str = field(init=False, repr=False)  # record name: path and parts, "lstm[1][0]"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "key", (self.path or ROOT) + "".join(f"[{p}]" for p in self.parts))
+        parts = "".join(f"[{p}]" for p in self.parts) if self.parts else ""
+        object.__setattr__(self, "key", (self.path or ROOT) + parts)
 
 
 def is_container(module: nn.Module) -> bool:
@@ -199,15 +200,20 @@ def _match_glob(pattern: str, names: ModuleIndex) -> list[str]:
 def _matching(names: ModuleIndex, compiled: re.Pattern[str]) -> list[str]:
     """Paths of the modules any of whose names (path, alias, raw path) ``compiled`` matches;
     never the root."""
+    if compiled.pattern == _EVERY:
+        return [p for p in names.modules if p]
     found = {names.canonical[n] for n in names.canonical if n and compiled.fullmatch(n)}
     return [p for p in names.modules if p and p in found]
+
+
+_EVERY = r"(?:[^.]+(?:\.[^.]+)*)?"  # what '**' compiles to: every name
 
 
 def _glob_to_regex(pattern: str) -> str:
     regex = ""
     for i, segment in enumerate(pattern.split(".")):
         if segment == "**":  # zero or more whole segments, with their dots
-            regex += r"(?:[^.]+(?:\.[^.]+)*)?" if i == 0 else r"(?:\.[^.]+)*"
+            regex += _EVERY if i == 0 else r"(?:\.[^.]+)*"
             continue
         if i and not regex.endswith(")?"):
             regex += r"\."
