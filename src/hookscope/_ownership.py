@@ -64,6 +64,8 @@ class OwnedHook:
         self.foreign_calls = 0
 
     def __call__(self, module: nn.Module, *args: Any) -> Any:
+        if torch.compiler.is_compiling():  # traced into a compiled graph: calls are the model's
+            return self.function(module, *args)
         if module is not self.module:  # a copy made while the session was active
             _forget(module, self.handle_id)
             return None

@@ -40,8 +40,8 @@ def check_not_transformed(t: torch.Tensor, where: str) -> None:
     Raises:
         CaptureError: naming the transform (vmap, or grad/jacrev/vjp) and what to do instead.
     """
-    if not _functorch.is_functorch_wrapped_tensor(t):
-        return
+    if torch.compiler.is_compiling() or not _functorch.is_functorch_wrapped_tensor(t):
+        return  # (dynamo traces hooks: a transform never wraps what it compiles here)
     if _functorch.is_batchedtensor(t):
         transform = "torch.func.vmap"
         fix = ("call the model on the whole batch without vmap inside the capture (a vmapped "
