@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -63,6 +64,42 @@ def test_32_stats_of_a_quantized_output_are_those_of_its_dequantized_values() ->
     assert summary["count"] == values.numel() == 2 * 2 * 6 * 6
     assert summary["mean"] == pytest.approx(float(values.mean()), rel=1e-9)
     assert summary["max"] == pytest.approx(float(values.max()), rel=1e-9)
+
+
+def test_32_capture_keeps_dequantized_values_notes_the_dtype_and_saves(tmp_path: Path) -> None:
+    model, x = quantized_model(), torch.randn(2, 1, 8, 8)
+    reference = _plain_output(model, "conv", x)
+    with torch.no_grad(), hookscope.capture(model, "conv", "quant") as acts:
+        model(x)
+    assert acts["conv"].dtype == torch.float32 and torch.equal(acts["conv"], reference.dequantize())
+    assert acts.records.notes["conv"] == (f"torch.quint8 (scale {reference.q_scale():.6g}, zero point "
+                                          f"{reference.q_zero_point()}), kept dequantized as torch.float32")
+    acts.save(tmp_path / "q.safetensors")
+    loaded = hookscope.load(tmp_path / "q.safetensors")
+    assert torch.equal(loaded["conv"], reference.dequantize())
+
+
+def test_32_compare_diffs_quantized_outputs_by_value() -> None:
+    model, x = quantized_model(), torch.randn(1, 1, 8, 8)
+    other = quantized_model()  # calibrated on other data: other scales, other values
+    result = hookscope.compare(model, other, x, layers="conv")
+    diff = result["conv"]
+    a, b = _plain_output(model, "conv", x).dequantize(), _plain_output(other, "conv", x).dequantize()
+    assert diff.shape == (1, 2, 6, 6)
+    assert diff.max_abs == pytest.approx(float((a - b).abs().max()), rel=1e-6)
+
+
+def test_32_ablate_and_edits_work_on_quantized_outputs_and_requantize() -> None:
+    model, x = quantized_model(), torch.randn(1, 1, 8, 8)
+    with torch.no_grad(), hookscope.ablate(model, "conv"):
+        out = model(x)
+    assert torch.equal(out, torch.zeros(1, 2, 6, 6))  # zeros through dequant
+    reference = _plain_output(model, "conv", x)
+    with torch.no_grad(), hookscope.edit(model, {"conv": lambda output: output * 2}):
+        doubled = model(x)
+    expected = torch.quantize_per_tensor(reference.dequantize() * 2, reference.q_scale(),
+                                         reference.q_zero_point(), torch.quint8).dequantize()
+    assert torch.equal(doubled, expected)
 
 
 def test_32_tree_shows_the_quantized_dtype() -> None:

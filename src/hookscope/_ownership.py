@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["OwnedHook", "DetachedHook", "register"]
+__all__ = ["OwnedHook", "DetachedHook", "register", "in_recompute"]
 
 _TABLES = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
            "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
@@ -72,7 +72,7 @@ class OwnedHook:
         if threading.get_ident() != self.thread:
             self.foreign_calls += 1
             return None
-        if _graph_task_id() != -1:
+        if _graph_task_id() != -1:  # a forward inside backward: a checkpoint recompute
             self.recomputes += 1
             if not self.in_recompute:
                 return None
@@ -107,6 +107,11 @@ def register(module: nn.Module, hook: OwnedHook, *, pre: bool = False, with_kwar
         handle = module.register_forward_hook(hook, with_kwargs=with_kwargs, prepend=prepend)
     hook.handle_id = handle.id
     return handle
+
+
+def in_recompute() -> bool:
+    """True while autograd runs a backward pass: a forward now is a checkpoint recompute."""
+    return not torch.compiler.is_compiling() and _graph_task_id() != -1
 
 
 def _forget(module: nn.Module, handle_id: int) -> None:

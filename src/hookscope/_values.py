@@ -19,7 +19,7 @@ import torch
 
 from hookscope.errors import CaptureError
 
-__all__ = ["keepable", "check_not_transformed", "quantized_note"]
+__all__ = ["keepable", "check_not_transformed", "quantized_note", "requantize_like", "dequantized"]
 
 _functorch = torch._C._functorch
 
@@ -63,3 +63,18 @@ def quantized_note(t: torch.Tensor) -> str:
     else:
         detail = f"per-channel scales along dim {t.q_per_channel_axis()}"
     return f"{t.dtype} ({detail}), kept dequantized as torch.float32"
+
+
+def dequantized(t: torch.Tensor) -> torch.Tensor:
+    """``t.dequantize()`` for a quantized tensor, ``t`` itself otherwise."""
+    return t.dequantize() if t.is_quantized else t
+
+
+def requantize_like(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """``new`` (float) quantized with ``old``'s dtype, scheme, scale(s) and zero point(s), so an
+    edit computed on dequantized values can be returned to a quantized model."""
+    new = new.to(torch.float32)
+    if old.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+        return torch.quantize_per_tensor(new, old.q_scale(), old.q_zero_point(), old.dtype)
+    return torch.quantize_per_channel(new, old.q_per_channel_scales(), old.q_per_channel_zero_points(),
+                                      old.q_per_channel_axis(), old.dtype)

@@ -22,6 +22,7 @@ from typing import Any
 from torch import nn
 from torch.nn.modules import module as torch_module
 
+from hookscope._ownership import OwnedHook
 from hookscope.names import index
 
 __all__ = ["HookInfo", "hooks", "remove_hooks", "INTERNAL_PACKAGES"]
@@ -135,9 +136,10 @@ def _info(path: str, kind: str, handle_id: int, fn: Any) -> HookInfo:
 
 
 def _function(fn: Any) -> Any:
-    """The code behind a hook: through ``functools.partial`` and bound methods."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
+    """The code behind a hook: through ``functools.partial``, hookscope's ``OwnedHook`` and
+    bound methods."""
+    while isinstance(fn, (functools.partial, OwnedHook)):
+        fn = fn.func if isinstance(fn, functools.partial) else fn.function
     return getattr(fn, "__func__", fn)
 
 

@@ -27,7 +27,7 @@ from hookscope._nested import get_part, iter_tensors
 from hookscope._session import HookSession
 from hookscope._values import keepable
 from hookscope.errors import HookscopeError
-from hookscope.select import Target
+from hookscope.select import Target, as_patterns
 
 Tensor = torch.Tensor
 
@@ -211,7 +211,7 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
         HookscopeError: the model is TorchScript, ``batches`` is empty, or an output lacks
             the channel dimension asked for, or is complex.
     """
-    patterns = [layers] if isinstance(layers, str) else list(layers)
+    patterns = as_patterns(layers)
     session = _StatsSession(model, patterns, per_channel)
     count = 0
     with session, torch.no_grad():
@@ -238,7 +238,7 @@ class _StatsSession(HookSession):
 
     def _register(self) -> None:
         for target in self.targets:
-            self._add(target.module.register_forward_hook(self._updater(target)))
+            self._hook(target.module, self._updater(target))
 
     def _updater(self, target: Target) -> Callable[[nn.Module, Any, Any], None]:
         running, parts, ran = self.results[target.key], target.parts, self._ran
