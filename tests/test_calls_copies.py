@@ -119,6 +119,18 @@ def test_two_threads_capturing_one_model_each_get_exactly_their_own_calls() -> N
             assert torch.equal(value, model[0](x).detach())
 
 
+def test_a_module_run_only_by_another_thread_is_reported_with_that_cause() -> None:
+    model = nn.Sequential(nn.Linear(4, 4))
+    with pytest.warns(hookscope.HookNeverFiredWarning,
+                      match=r"0 ran 2 times, all in other threads: a hookscope block records only "
+                            r"the calls made by the thread that entered it"):
+        with hookscope.capture(model, "0") as acts:
+            worker = threading.Thread(target=lambda: [model(torch.randn(1, 4)) for _ in range(2)])
+            worker.start()
+            worker.join()
+    assert acts.counts == {"0": 0}
+
+
 def test_deepcopy_inside_a_block_does_not_carry_hooks_into_the_copy() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     x = torch.randn(2, 4)

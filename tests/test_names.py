@@ -58,6 +58,9 @@ def test_27_every_name_of_a_shared_module_records_both_calls_under_its_first_nam
     encoder_call, decoder_call = acts.calls("shared")  # encoder runs first, then the decoder
     assert torch.equal(encoder_call, model.shared(src).detach())
     assert torch.equal(decoder_call, model.shared(tgt).detach())
+    assert acts.records.aliases == {"encoder.embed_tokens": "shared", "decoder.embed_tokens": "shared"}
+    assert torch.equal(acts["decoder.embed_tokens", 1], decoder_call)  # any name reads the record
+    assert len(acts.calls("encoder.embed_tokens")) == 2
 
 
 def test_27_globs_reach_a_module_through_any_of_its_names() -> None:
