@@ -10,16 +10,19 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from hookscope.hooks import _GLOBAL_DICTS, _HOOK_DICTS
+from hookscope.hooks import _GLOBAL_DICTS, _HOOK_DICTS, _is_internal, _registered_by
 
 
 def _live_hooks() -> set[tuple[int, str, int]]:
+    """Hooks on live modules, except internal ones (weight_norm, lazy init: part of a model
+    that a test built, not left behind by hookscope)."""
     found = set()
     module_type = nn.Module
     for obj in gc.get_objects():
         if issubclass(type(obj), module_type):  # type(), not isinstance: no __class__ lookups
             for attr in _HOOK_DICTS.values():
-                found.update((id(obj), attr, hid) for hid in getattr(obj, attr))
+                found.update((id(obj), attr, hid) for hid, fn in getattr(obj, attr).items()
+                             if not _is_internal(_registered_by(fn)))
     for attr in _GLOBAL_DICTS.values():
         found.update((0, attr, hid) for hid in getattr(torch_module, attr))
     return found

@@ -10,15 +10,22 @@ from torch import nn
 from hookscope._nested import map_tensors
 
 
-def plain_capture(model: nn.Module, paths: list[str], *args: Any, **kwargs: Any) -> dict[str, list[Any]]:
-    """Outputs of every call of ``paths`` with bare ``register_forward_hook`` and clones."""
+def plain_capture(model: nn.Module, paths: list[str], *args: Any, grad_enabled: bool,
+                  **kwargs: Any) -> dict[str, list[Any]]:
+    """Outputs of every call of ``paths`` with bare ``register_forward_hook`` and clones.
+
+    ``grad_enabled`` must be the grad mode of the run it is compared with: some kernels differ
+    between modes (oneDNN picks another LSTM kernel under ``no_grad`` on some CPUs), so only a
+    reference computed in the same mode may be compared bit for bit.
+    """
     modules = dict(model.named_modules())
     seen: dict[str, list[Any]] = {p: [] for p in paths}
     handles = [modules[p].register_forward_hook(
         lambda m, i, o, p=p: seen[p].append(map_tensors(lambda t: t.detach().clone(), o)))
         for p in paths]
     try:
-        model(*args, **kwargs)
+        with torch.set_grad_enabled(grad_enabled):
+            model(*args, **kwargs)
     finally:
         for h in handles:
             h.remove()

@@ -46,7 +46,7 @@ def test_lenet_conv2_equals_plain_hook() -> None:
     x = torch.randn(2, 3, 32, 32)
     with hookscope.capture(model, "conv2") as acts:
         model(x)
-    reference = plain_capture(model, ["conv2"], x)["conv2"][0]
+    reference = plain_capture(model, ["conv2"], x, grad_enabled=True)["conv2"][0]
     assert acts["conv2"].shape == (2, 16, 10, 10)
     assert torch.equal(acts["conv2"], reference)
 
@@ -54,7 +54,8 @@ def test_lenet_conv2_equals_plain_hook() -> None:
 def test_twins_like_pos_block_conv_by_path_and_by_weight_key() -> None:
     model = ModuleListBlocks()
     x = torch.randn(2, 8, 6, 6)
-    reference = plain_capture(model, ["pos_block.3.proj.0"], x)["pos_block.3.proj.0"][0]
+    path = "pos_block.3.proj.0"
+    reference = plain_capture(model, [path], x, grad_enabled=True)[path][0]
     for pattern in ["pos_block.3.proj.0", "pos_block.3.proj.0.weight"]:
         with hookscope.capture(model, pattern) as acts:
             model(x)
@@ -106,7 +107,7 @@ def test_captured_tensors_do_not_keep_inputs_alive() -> None:
 def test_tuple_output_keeps_structure_and_parts() -> None:
     model = TupleOutput()
     x = torch.randn(2, 5, 4)
-    reference = plain_capture(model, ["lstm"], x)["lstm"][0]
+    reference = plain_capture(model, ["lstm"], x, grad_enabled=True)["lstm"][0]
     with hookscope.capture(model, "lstm", "lstm[1][0]", "lstm[0]") as acts:
         model(x)
     assert_same(acts["lstm"], reference)
@@ -160,7 +161,7 @@ def test_inputs_not_requested_raises_with_fix() -> None:
 def test_to_dtype_and_reduce_options() -> None:
     model = LeNet()
     x = torch.randn(2, 3, 32, 32)
-    reference = plain_capture(model, ["conv2"], x)["conv2"][0]
+    reference = plain_capture(model, ["conv2"], x, grad_enabled=True)["conv2"][0]
     options = dict(dtype=torch.float16, reduce=lambda t: t.mean(dim=(2, 3)), to="cpu")
     _, acts = hookscope.run(model, x, layers="conv2", options=options)
     assert acts["conv2"].dtype == torch.float16 and acts["conv2"].shape == (2, 16)

@@ -31,8 +31,8 @@ def test_perturbed_weight_diverges_first_at_exactly_that_layer() -> None:
     assert result.first_divergent is not None and result.first_divergent.path == "conv2"
     assert [d.max_abs for d in result.diffs[:2]] == [0.0, 0.0]
     assert all(not d.close for d in result.diffs[2:])
-    a = plain_capture(model_a, ["conv2"], x)["conv2"][0].double()
-    b = plain_capture(model_b, ["conv2"], x)["conv2"][0].double()
+    a = plain_capture(model_a, ["conv2"], x, grad_enabled=False)["conv2"][0].double()
+    b = plain_capture(model_b, ["conv2"], x, grad_enabled=False)["conv2"][0].double()
     conv2 = result["conv2"]
     assert conv2.max_abs == pytest.approx(float((a - b).abs().max()), rel=1e-12)
     assert conv2.rel == pytest.approx(float((a - b).norm() / a.norm()), rel=1e-12)

@@ -24,7 +24,7 @@ def test_zoo_every_module_equals_plain_hooks(name: str) -> None:
     model = factory().eval()
     args = make_input()
     paths = _hookable_paths(model)
-    reference = plain_capture(model, paths, *args)
+    reference = plain_capture(model, paths, *args, grad_enabled=False)
     with torch.no_grad(), hookscope.capture(model, "**", on_unfired="ignore", clone=True) as acts:
         model(*args)
     ran = [p for p in paths if reference[p]]
@@ -96,7 +96,8 @@ def test_random_trees_equal_plain_hooks_with_default_clone_policy(model: nn.Modu
     paths = _hookable_paths(model)
     if not paths:
         return
-    reference = plain_capture(model, paths, x.clone())  # an in-place leaf may write the input
+    # x.clone(): an in-place leaf may write the input
+    reference = plain_capture(model, paths, x.clone(), grad_enabled=False)
     for _ in range(2):  # the first session learns the in-place policy, the second uses it
         with torch.no_grad(), hookscope.capture(model, "**", on_unfired="ignore") as acts:
             model(x.clone())

@@ -29,13 +29,20 @@ def test_two_ranks_equal_one_process_row_for_row(tmp_path: Path) -> None:
     spec = f"tests.models:MlpStack@{weights}"
     args = ["extract", spec, "--data", str(rows), "--layer", "fc1", "--layer", "fc2",
             "--batch-size", "4", "--shard-bytes", "600", "--no-progress"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT),
-                                                        os.environ.get("PYTHONPATH", "")])}
+    # Both sides run with one thread: torchrun would set OMP_NUM_THREADS=1 for its ranks anyway,
+    # and a bitwise comparison only holds between runs of the same kernels on the same threads.
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "hookscope",
                            *args, "--out", str(tmp_path / "ranks")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert main([*args, "--out", str(tmp_path / "single")]) == 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main([*args, "--out", str(tmp_path / "single")]) == 0
+    finally:
+        torch.set_num_threads(threads)
 
     ranks, single = open_store(tmp_path / "ranks"), open_store(tmp_path / "single")
     files = [s.file for s in ranks.shards]

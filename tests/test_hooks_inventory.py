@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
+import torch.ao.quantization as tq
 from torch import nn
 from torch.nn.modules import module as torch_module
+from torch.nn.utils import weight_norm
+from torch.nn.utils.weight_norm import WeightNorm
 
 import hookscope
 from hookscope.hooks import _GLOBAL_DICTS, _HOOK_DICTS, _SIDE_DICTS
@@ -64,3 +70,60 @@ def test_wrapped_model_hooks_keep_inner_names() -> None:
     model.fc1.register_forward_hook(leaked_hook)
     assert [(h.path, h.kind) for h in hookscope.hooks(dp)] == [("fc1", "forward")]
     assert hookscope.remove_hooks(dp) == 1
+
+
+# ------------------------------------------------------------- case 28: hooks that are the model
+def test_28_remove_hooks_keeps_weight_norm_and_lazy_init_and_lists_them_as_internal() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        wn = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.ReLU(), nn.Linear(4, 2))
+    lazy = nn.Sequential(nn.LazyLinear(8), nn.ReLU(), nn.Linear(8, 2))
+    model = nn.ModuleDict({"wn": wn, "lazy": lazy})
+    wn[2].register_forward_hook(leaked_hook)
+    found = {(h.path, h.function): h for h in hookscope.hooks(model)}
+    assert set(found) == {("wn.0", "WeightNorm"), ("lazy.0", "LazyModuleMixin._infer_parameters"),
+                          ("wn.2", "leaked_hook")}
+    assert found["wn.0", "WeightNorm"].internal and found["wn.0", "WeightNorm"].registered_by == "torch"
+    assert found["lazy.0", "LazyModuleMixin._infer_parameters"].internal
+    leak = found["wn.2", "leaked_hook"]
+    assert not leak.internal and leak.registered_by == "user code (tests.test_hooks_inventory)"
+
+    assert hookscope.remove_hooks(model) == 1  # only the leak
+    assert [h.function for h in hookscope.hooks(model)] == ["WeightNorm", "LazyModuleMixin._infer_parameters"]
+    x = torch.randn(2, 4)
+    before = wn(x)
+    with torch.no_grad():
+        wn[0].weight_g.mul_(0.0)  # weight_norm still follows weight_g: the layer now outputs its bias
+    assert not torch.allclose(before, wn(x))
+    assert torch.equal(wn[0](x), wn[0].bias.expand(2, 4))
+    assert lazy(x).shape == (2, 2) and lazy[0].weight.shape == (8, 4)  # still initialises
+
+    fresh = nn.Sequential(nn.LazyLinear(3))
+    assert hookscope.remove_hooks(fresh, include_internal=True) == 1  # asked for: removed
+    assert hookscope.hooks(fresh) == []
+
+
+def test_hooks_of_a_partial_and_of_a_callable_object_name_their_package() -> None:
+    model = nn.Linear(2, 2)
+    model.register_forward_hook(functools.partial(leaked_hook))
+    model.register_forward_pre_hook(WeightNorm("weight", 0))  # torch's class, registered by hand
+    owners = [(h.function, h.registered_by, h.internal) for h in hookscope.hooks(model)]
+    assert owners == [("WeightNorm", "torch", True),
+                      ("leaked_hook", "user code (tests.test_hooks_inventory)", False)]
+    assert hookscope.remove_hooks(model, include_internal=True) == 2
+
+
+def test_28_quantization_observers_are_internal_and_calibration_still_records() -> None:
+    from tests.test_values_kinds import QNet
+    model = QNet().eval()
+    model.qconfig = tq.get_default_qconfig("x86")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prepared = tq.prepare(tq.fuse_modules(model, [["conv", "bn", "relu"]]))
+    found = [(h.path, h.function, h.registered_by, h.internal) for h in hookscope.hooks(prepared)]
+    assert found == [("quant", "_observer_forward_hook", "torch", True),
+                     ("conv", "_observer_forward_hook", "torch", True)]
+    assert hookscope.remove_hooks(prepared) == 0
+    prepared(torch.full((1, 1, 8, 8), 3.0))
+    observer = prepared.quant.activation_post_process
+    assert float(observer.max_val) == 3.0  # the observer still sees calibration data

@@ -38,7 +38,9 @@ def test_stats_over_batches_match_numpy_on_lenet() -> None:
     batches = [torch.randn(4, 3, 32, 32) for _ in range(5)]
     result = stats(model, batches, layers=["conv1", "conv2", "fc1"])
     assert list(result) == ["conv1", "conv2", "fc1"]
-    reference = [plain_capture(model, ["conv1", "conv2", "fc1"], b) for b in batches]
+    # stats runs under no_grad: so does the reference (kernels may differ between grad modes)
+    reference = [plain_capture(model, ["conv1", "conv2", "fc1"], b, grad_enabled=False)
+                 for b in batches]
     for path in result:
         _check_against_numpy(result[path], [r[path][0] for r in reference], None)
     assert result["conv2"].as_dict()["count"] == 5 * 4 * 16 * 10 * 10
@@ -48,14 +50,14 @@ def test_per_channel_uses_dim_1_for_feature_maps_and_last_dim_for_tokens() -> No
     cnn = LeNet().eval()
     batches = [torch.randn(2, 3, 32, 32) for _ in range(3)]
     got = stats(cnn, batches, layers="conv2", per_channel=True)["conv2"]
-    outputs = [plain_capture(cnn, ["conv2"], b)["conv2"][0] for b in batches]
+    outputs = [plain_capture(cnn, ["conv2"], b, grad_enabled=False)["conv2"][0] for b in batches]
     assert got.channel_dim == 1 and len(got.as_dict()["mean"]) == 16
     _check_against_numpy(got, outputs, 1)
 
     tokens = nn.Sequential(nn.Linear(4, 6), nn.GELU())  # (batch, seq, d_model) -> channel is d_model
     token_batches = [torch.randn(2, 5, 4) for _ in range(3)]
     got = stats(tokens, token_batches, layers="1", per_channel=True)["1"]
-    outputs = [plain_capture(tokens, ["1"], b)["1"][0] for b in token_batches]
+    outputs = [plain_capture(tokens, ["1"], b, grad_enabled=False)["1"][0] for b in token_batches]
     assert got.channel_dim == -1 and len(got.as_dict()["mean"]) == 6
     _check_against_numpy(got, outputs, -1)
 
@@ -64,7 +66,7 @@ def test_explicit_channel_dimension_for_conv1d() -> None:
     model = nn.Sequential(nn.Conv1d(2, 3, 3))  # (batch, channels, length) is 3-dim but not tokens
     batches = [torch.randn(2, 2, 9) for _ in range(2)]
     got = stats(model, batches, layers="0", per_channel=1)["0"]
-    outputs = [plain_capture(model, ["0"], b)["0"][0] for b in batches]
+    outputs = [plain_capture(model, ["0"], b, grad_enabled=False)["0"][0] for b in batches]
     _check_against_numpy(got, outputs, 1)
 
 
@@ -81,7 +83,7 @@ def test_dead_relu_fraction_and_structured_output_part() -> None:
     batches = [torch.randn(2, 5, 4) for _ in range(2)]
     result = stats(model, batches, layers=["lstm[1][0]"])
     assert list(result) == ["lstm[1][0]"]
-    h = [plain_capture(model, ["lstm"], b)["lstm"][0][1][0] for b in batches]
+    h = [plain_capture(model, ["lstm"], b, grad_enabled=False)["lstm"][0][1][0] for b in batches]
     _check_against_numpy(result["lstm[1][0]"], h, None)
     relu = nn.Sequential(nn.Linear(3, 8), nn.ReLU())
     with torch.no_grad():

@@ -4,8 +4,13 @@
 their hooks plus *witness* pre-hooks (which tell, afterwards, why a selected module did not run),
 remove every hook on exit whatever happened, add a note naming the module where a forward pass
 broke, and report selected modules whose hooks never fired. ``HookSession`` does this once;
-subclasses only add their own hooks (``_register``) and say what a silent module costs
-(``_unfired_consequence``).
+subclasses only add their own hooks (``_register``, through ``_hook``) and say what a silent
+module costs (``_unfired_consequence``).
+
+Every hook is an ``OwnedHook`` (``_ownership.py``): it acts only for this session's module
+objects (not a ``deepcopy`` made inside the block), in the thread that entered the block, and not
+for the forward that activation checkpointing re-runs during backward (counted in
+``recomputes``; edits apply to it too, so the recompute equals the real forward).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hookscope import diagnose
+from hookscope._ownership import OwnedHook, register
 from hookscope.errors import HookNeverFiredError, HookNeverFiredWarning, HookscopeError, warn
 from hookscope.select import Target, resolve
 
@@ -57,6 +63,7 @@ class HookSession:
         self.unfired: dict[str, str] = {}
         self._on_unfired = on_unfired
         self._handles: list[RemovableHandle] = []
+        self._owned: list[tuple[OwnedHook, bool]] = []  # (hook, is a forward hook)
         self._ran: set[str] = set()  # paths of selected modules and witnesses that ran
         self._active = False
 
@@ -69,7 +76,7 @@ class HookSession:
             self._register()
             if self._on_unfired != "ignore" or self._explain_unfired:
                 for path, module in diagnose.witnesses(self.model, self.targets).items():
-                    self._add(module.register_forward_pre_hook(self._witness(path)))
+                    self._hook(module, self._witness(path), pre=True)
         except BaseException:
             self._remove()
             raise
@@ -86,7 +93,7 @@ class HookSession:
             return
         ran = self._ran_paths()
         silent = [t for t in self.targets if t.path not in ran]
-        self.unfired = diagnose.explain_unfired(self.model, silent, ran)
+        self.unfired = {**diagnose.explain_unfired(self.model, silent, ran), **self._other_threads(silent)}
         self._report_unfired()
 
     def _register(self) -> None:
@@ -103,6 +110,35 @@ class HookSession:
 
     def _add(self, handle: RemovableHandle) -> None:
         self._handles.append(handle)
+
+    def _hook(self, module: nn.Module, function: Hook, *, pre: bool = False, with_kwargs: bool = False,
+              in_recompute: bool = False) -> None:
+        """Register ``function`` on ``module`` as this session's forward (``pre``: forward-pre)
+        hook, wrapped in an ``OwnedHook``; ``in_recompute`` also runs it when activation
+        checkpointing re-runs the forward during backward (edits)."""
+        owned = OwnedHook(function, module, in_recompute=in_recompute)
+        self._add(register(module, owned, pre=pre, with_kwargs=with_kwargs))
+        self._owned.append((owned, not pre))
+
+    @property
+    def recomputes(self) -> dict[str, int]:
+        """``{record name: forwards re-run during backward}`` (activation checkpointing); these
+        are never counted as calls."""
+        return {t.key: max((h.recomputes for h, forward in self._owned
+                            if forward and h.module is t.module), default=0) for t in self.targets}
+
+    def _other_threads(self, silent: Sequence[Target]) -> dict[str, str]:
+        """Reasons for silent targets that ran only in threads other than this block's."""
+        found = {}
+        for target in silent:
+            calls = max((h.foreign_calls for h, _ in self._owned if h.module is target.module), default=0)
+            if calls:
+                found[target.key] = (
+                    f"{target.path or 'the model'} ran {calls} time{'s' if calls > 1 else ''}, all in "
+                    f"other threads: a hookscope block records only the calls made by the thread "
+                    f"that entered it (so concurrent requests never mix). Enter the block in the "
+                    f"thread that calls the model")
+        return found
 
     def _remove(self) -> None:
         for handle in self._handles:
@@ -174,11 +210,11 @@ class Observer(HookSession):
         for target in self.targets:
             module = target.module
             if self._pre is not None:
-                self._add(module.register_forward_pre_hook(
-                    self._marked(target, self._pre(target)), with_kwargs=self._with_kwargs))
+                self._hook(module, self._marked(target, self._pre(target)), pre=True,
+                           with_kwargs=self._with_kwargs)
             if self._forward is not None:
-                self._add(module.register_forward_hook(
-                    self._marked(target, self._forward(target)), with_kwargs=self._with_kwargs))
+                self._hook(module, self._marked(target, self._forward(target)),
+                           with_kwargs=self._with_kwargs)
 
     def _marked(self, target: Target, hook: Hook) -> Hook:
         """``hook``, also noting that the target ran when unfired modules are explained."""

@@ -23,7 +23,9 @@ from torch import nn
 
 from hookscope._inplace import InPlacePolicy, shares_memory
 from hookscope._nested import get_part, iter_tensors, map_tensors
+from hookscope._ownership import in_recompute
 from hookscope._session import HookSession, OnUnfired, by_module
+from hookscope._values import keepable, quantized_note
 from hookscope.errors import CaptureError, warn
 from hookscope.grads import converter, watch_inputs, watch_output
 from hookscope.records import CallInputs, Entry, RecordKey, Records
@@ -51,12 +53,13 @@ class CaptureOptions:
 class _Slot:
     """One target's record entry, plus the references kept with their versions (session state)."""
 
-    __slots__ = ("target", "entry", "versions")
+    __slots__ = ("target", "entry", "versions", "recomputed")
 
     def __init__(self, target: Target, entry: Entry):
         self.target = target
         self.entry = entry
         self.versions: list[tuple[int, Tensor, int]] = []  # (call, tensor kept by reference, version)
+        self.recomputed = 0  # checkpoint recomputes seen (with grads=True)
 
 
 # Why a capture built but never entered holds nothing (``acts = capture(...)`` without ``with``).
@@ -81,6 +84,8 @@ class Capture(HookSession):
         kept = [name for name in ("inputs", "grads", "grad_inputs") if getattr(options, name)]
         self.records = Records((Entry(t.key, t.module) for t in self.targets), kept)
         self._slots = {t.key: _Slot(t, self.records.entry(t.key)) for t in self.targets}
+        self.records.aliases = {alias + t.key[len(t.path or "(root)"):]: t.key
+                                for t in self.targets for alias in t.aliases}
         self._options = options
         self._grad_convert = converter(options.to, options.dtype)  # applied to each arriving gradient
         self._policy = InPlacePolicy(options.clone)
@@ -101,13 +106,16 @@ class Capture(HookSession):
     def _register(self) -> None:
         for module, targets in by_module(self.targets).items():
             slots = [self._slots[t.key] for t in targets]
-            self._add(module.register_forward_hook(self._make_hook(module, slots),
-                                                   with_kwargs=self._options.inputs))
+            if self._options.inputs:  # before the call: a module may write its input in place
+                self._hook(module, _inputs_hook(slots), pre=True, with_kwargs=True)
+            # with grads, a checkpoint recompute reaches the hook: under reentrant checkpointing
+            # the gradient flows only through the recomputed output (see _regrad)
+            self._hook(module, self._make_hook(module, slots), in_recompute=self._options.grads)
             if self._options.grad_inputs:
-                self._add(module.register_forward_pre_hook(
-                    watch_inputs([s.entry.grad_inputs for s in slots], self._grad_convert), with_kwargs=True))
+                self._hook(module, watch_inputs([s.entry.grad_inputs for s in slots], self._grad_convert),
+                           pre=True, with_kwargs=True)
         root, _ = unwrap(self.model)
-        self._add(root.register_forward_hook(lambda module, args, output: self._policy.end_pass()))
+        self._hook(root, lambda module, args, output: self._policy.end_pass())
 
     def _finish(self) -> None:
         self._policy.end_pass()
@@ -124,19 +132,17 @@ class Capture(HookSession):
         snapshot = self._snapshot_fn(module)
         options = self._options
         single = slots[0] if len(slots) == 1 and not slots[0].target.parts else None
-        if single is not None and not (options.inputs or options.grads or options.to is not None
+        if single is not None and not (options.grads or options.to is not None
                                        or options.dtype is not None or options.reduce is not None):
             return self._plain_hook(module, single, snapshot)
-        with_inputs, with_grads, convert = options.inputs, options.grads, self._grad_convert
+        with_grads, convert = options.grads, self._grad_convert
 
-        def hook(module: nn.Module, args: Any, *rest: Any) -> None:
-            output = rest[-1]
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if in_recompute():
+                _regrad(slots, output, convert)
+                return
             for slot in slots:
                 slot.entry.outputs.append(snapshot(_part(output, slot), slot))
-            if with_inputs:
-                kwargs = rest[0] if len(rest) == 2 else {}
-                for slot in slots:
-                    slot.entry.inputs.append((map_tensors(_copy, args), map_tensors(_copy, kwargs)))
             if with_grads:
                 for slot in slots:
                     slot.entry.grads.append(watch_output(_part(output, slot), convert))
@@ -150,7 +156,7 @@ class Capture(HookSession):
         outputs, versions, verdicts = slot.entry.outputs, slot.versions, self._policy.copy
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if type(output) is Tensor and verdicts[module] is False:
+            if type(output) is Tensor and verdicts[module] is False and not _special(output):
                 kept = output.detach()
                 if not kept.is_inference():  # inference tensors have no version counter
                     versions.append((len(outputs), kept, kept._version))
@@ -169,6 +175,8 @@ class Capture(HookSession):
         verdicts = policy.copy
 
         def keep(t: Tensor, slot: _Slot, copy: bool, on_trial: bool) -> Tensor:
+            if _special(t):  # quantized: dequantized; inside a functorch transform: refused
+                t = self._keepable(t, slot)
             kept = t.detach()
             if converts:
                 if to is not None or dtype is not None:
@@ -193,6 +201,11 @@ class Capture(HookSession):
                 return keep(output, slot, copy, on_trial)
             return map_tensors(lambda t: keep(t, slot, copy, on_trial), output)
         return snapshot
+
+    def _keepable(self, t: Tensor, slot: _Slot) -> Tensor:
+        if t.is_quantized:
+            self.records.notes.setdefault(slot.target.key, quantized_note(t))
+        return keepable(t, slot.target.key)
 
     def _warn_unverifiable(self) -> None:
         """clone=False under torch.inference_mode(): nothing can tell whether the references kept
@@ -301,7 +314,38 @@ def _part(output: Any, slot: _Slot) -> Any:
 
 
 def _copy(t: Tensor) -> Tensor:
-    return t.detach().clone()
+    return keepable(t, "an input").detach().clone()
+
+
+def _regrad(slots: list[_Slot], output: Any, convert: Callable[[Tensor], Tensor]) -> None:
+    """A checkpoint recompute of a call whose output could not take a gradient (reentrant
+    checkpointing runs the first forward under no_grad): watch the recomputed output instead,
+    which is what the gradient flows through. Recomputes come in call order within a segment."""
+    for slot in slots:
+        grads = slot.entry.grads
+        if not grads:
+            continue
+        call = slot.recomputed % len(grads)
+        slot.recomputed += 1
+        if grads[call].watched == 0:
+            grads[call] = watch_output(_part(output, slot), convert)
+
+
+def _inputs_hook(slots: list[_Slot]) -> Callable[..., None]:
+    """A forward pre-hook keeping a copy of each call's inputs as the module receives them."""
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        for slot in slots:
+            slot.entry.inputs.append((map_tensors(_copy, args), map_tensors(_copy, kwargs)))
+    return hook
+
+
+def _special(t: Tensor) -> bool:
+    """A quantized tensor, or one wrapped by a functorch transform: not kept as it is. (While
+    dynamo traces the hook there is no transform, and the C check would break the graph.)"""
+    return t.is_quantized or (not torch.compiler.is_compiling() and _is_transformed(t))
+
+
+_is_transformed = torch._C._functorch.is_functorch_wrapped_tensor
 
 
 def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool = False,

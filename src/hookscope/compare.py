@@ -19,6 +19,7 @@ from torch import nn
 from hookscope import diagnose
 from hookscope._nested import get_part, iter_tensors, map_tensors
 from hookscope._session import Observer, resolve_checked
+from hookscope._values import dequantized
 from hookscope.errors import HookscopeError
 from hookscope.select import Target, as_patterns
 
@@ -173,7 +174,8 @@ def _watching(model: nn.Module, targets: list[Target], sink: Callable[[Key, Any]
 
 
 def _floats(output: Any) -> list[Tensor]:
-    return [t for t in iter_tensors(output) if t.is_floating_point()]
+    """The floating tensors of an output; quantized ones as their dequantized values."""
+    return [dequantized(t) for t in iter_tensors(output) if t.is_floating_point() or t.is_quantized]
 
 
 def _cast_inputs(model: nn.Module, inputs: Any) -> Any:

@@ -14,14 +14,17 @@ Three moments, three functions:
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Sequence
 from types import FrameType
 
 import torch
 from torch import nn
 
-from hookscope.errors import HookscopeError
-from hookscope.select import Target, unwrap
+from hookscope.errors import FusedModuleWarning, HookscopeError
+from hookscope.names import index
+from hookscope.select import Target
+from hookscope.wrappers import wrapped_attribute
 
 __all__ = ["preflight", "check_targets", "witnesses", "explain_unfired", "explain_no_hooks",
            "locate_error", "COMPILED"]
@@ -39,13 +42,39 @@ def preflight(model: nn.Module) -> None:
 
 
 def check_targets(model: nn.Module, targets: Sequence[Target]) -> None:
-    """Raise before registering when a selected module's hook could not fire.
+    """Raise before registering when a selected module's hook could not fire; warn when its
+    output is not what its name says.
 
     Raises:
         HookscopeError: a selected module is TorchScript.
+
+    Warns:
+        FusedModuleWarning: a selected ``nn.Identity`` is a placeholder that
+            ``torch.ao.quantization.fuse_modules`` left where a fused module (``bn``, ``relu``)
+            was: it returns its input, the fused module's output (shared/cases/32).
     """
+    modules = index(model).modules if targets else {}
     for target in targets:
         _refuse_script(target.path, target.module)
+        fused = _fused_into(target.path, modules)
+        if fused is not None:
+            warnings.warn(
+                f"'{target.path}' is an nn.Identity left by fuse_modules: '{fused}' "
+                f"({type(modules[fused]).__name__}) now computes it, so '{target.path}' returns "
+                f"its input unchanged, the fused module's output. Select '{fused}' for the fused "
+                f"result, or capture the float model before fusion for '{target.path}' alone",
+                FusedModuleWarning, stacklevel=4)
+
+
+def _fused_into(path: str, modules: dict[str, nn.Module]) -> str | None:
+    """The sibling fused module (``torch.ao.nn.intrinsic``) that an ``Identity`` stands in for."""
+    if type(modules[path]) is not nn.Identity:
+        return None
+    parent, _, _ = path.rpartition(".")
+    siblings = [p for p in modules if p and p.rpartition(".")[0] == parent and p != path]
+    before = [p for p in siblings if list(modules).index(p) < list(modules).index(path)]
+    fused = [p for p in before if type(modules[p]).__module__.startswith("torch.ao.nn.intrinsic")]
+    return fused[-1] if fused else None
 
 
 def _refuse_script(path: str, module: nn.Module) -> None:
@@ -65,8 +94,7 @@ def witnesses(model: nn.Module, targets: Sequence[Target]) -> dict[str, nn.Modul
         ``{path: module}`` of modules that are not themselves selected (root is ``""``), and
         for a ``torch.compile``'d model its wrapper under the key ``COMPILED``.
     """
-    root, _ = unwrap(model)
-    modules = dict(root.named_modules())
+    modules = index(model).modules
     children = _child_index(modules)
     selected = {t.path for t in targets}
     found: dict[str, nn.Module] = {}
@@ -83,13 +111,11 @@ def witnesses(model: nn.Module, targets: Sequence[Target]) -> dict[str, nn.Modul
 def _compile_wrapper(model: nn.Module) -> nn.Module | None:
     """The ``torch.compile`` wrapper (``OptimizedModule``) around the model, if any. Its own
     hooks run on every call, outside the compiled code, even when those inside do not."""
-    while True:
-        if hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+    while (attribute := wrapped_attribute(model)) is not None:
+        if attribute == "_orig_mod":
             return model
-        inner = model._modules["module"] if list(model._modules) == ["module"] else None
-        if inner is None:  # DataParallel/DDP hold just 'module'
-            return None
-        model = inner
+        model = model._modules[attribute]  # type: ignore[assignment]
+    return None
 
 
 def explain_unfired(model: nn.Module, targets: Sequence[Target], ran: set[str]) -> dict[str, str]:
@@ -102,8 +128,7 @@ def explain_unfired(model: nn.Module, targets: Sequence[Target], ran: set[str]) 
     """
     if not targets:
         return {}
-    root, _ = unwrap(model)
-    modules = dict(root.named_modules())
+    modules = index(model).modules
     children = _child_index(modules)
     return {t.key: _reason(t.path, modules, children, ran) for t in targets}
 
@@ -194,8 +219,7 @@ def locate_error(model: nn.Module, exc: BaseException) -> None:
     shapes [(2, 7)]``. Python 3.11+ prints notes with the traceback; the exception's type and
     message are unchanged.
     """
-    root, _ = unwrap(model)
-    names = {id(m): p for p, m in root.named_modules()}
+    names = {id(m): p for p, m in index(model).modules.items()}
     frame = _innermost_module_frame(exc, names)
     if frame is None:
         return

@@ -29,9 +29,11 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from hookscope._nested import get_part, iter_tensors_with_keys, map_tensors, set_part
+from hookscope._nested import get_part, iter_tensors, iter_tensors_with_keys, map_tensors, set_part
+from hookscope._ownership import in_recompute
 from hookscope._session import HookSession, OnUnfired, resolve_checked
 from hookscope._sources import Source, SourceReader
+from hookscope._values import requantize_like
 from hookscope.errors import EditError, warn
 from hookscope.select import Target, as_patterns
 
@@ -67,6 +69,7 @@ class Edit(HookSession):
                             "edit gets (args, kwargs): drop the brackets and change them in fn")
         self._inputs = inputs
         self._calls = [0] * len(self._rules)
+        self._recomputed = [0] * len(self._rules)  # checkpoint recomputes seen, per rule
 
     @property
     def counts(self) -> dict[str, int]:
@@ -75,17 +78,24 @@ class Edit(HookSession):
 
     def _register(self) -> None:
         for index, (target, rule) in enumerate(self._rules):
+            # in_recompute: activation checkpointing re-runs the forward during backward; the
+            # edit must apply there too, or the recomputed values differ from the real ones
             if self._inputs:
-                self._add(target.module.register_forward_pre_hook(
-                    self._input_hook(index, target, rule), with_kwargs=True))
+                self._hook(target.module, self._input_hook(index, target, rule), pre=True,
+                           with_kwargs=True, in_recompute=True)
             else:
-                self._add(target.module.register_forward_hook(self._output_hook(index, target, rule)))
+                self._hook(target.module, self._output_hook(index, target, rule), in_recompute=True)
 
     def _output_hook(self, index: int, target: Target, rule: Rule) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             call = self._next_call(index, target)
             old = _part(output, target)
-            new = rule(old, target, call)
+            if isinstance(old, torch.Tensor) and old.is_quantized:  # edit the real numbers
+                new = rule(old.dequantize(), target, call)
+                new = None if new is None else requantize_like(new, old)
+            else:
+                _refuse_quantized(old, target)
+                new = rule(old, target, call)
             if new is None:
                 return None
             _check_fits(self._patterns[index], target, call, old, new)
@@ -105,6 +115,9 @@ class Edit(HookSession):
         return hook
 
     def _next_call(self, index: int, target: Target) -> int:
+        if in_recompute():  # the same calls again, in order (not new calls): call k gets rule k
+            self._recomputed[index] += 1
+            return (self._recomputed[index] - 1) % max(self._calls[index], 1)
         self._ran.add(target.path)
         call = self._calls[index]
         self._calls[index] += 1
@@ -291,6 +304,16 @@ def _accepts(fn: Callable[..., Any], count: int) -> bool:
     except ValueError:  # no signature (some builtins): assume the short form
         return count in (1, 2)
     return True
+
+
+def _refuse_quantized(value: Any, target: Target) -> None:
+    quantized = [t.dtype for t in iter_tensors(value) if t.is_quantized]
+    if quantized:
+        raise EditError(
+            f"cannot edit '{target.key}': its output holds quantized tensors ({quantized[0]}) "
+            f"inside a structure, which hookscope cannot write back. Select the quantized "
+            f"tensor itself ('{target.key}[0]' ...), or edit the float model before "
+            f"torch.ao.quantization.convert")
 
 
 def _zero(value: Any, target: Target, call: int) -> Any:

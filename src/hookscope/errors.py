@@ -42,6 +42,11 @@ class HookNeverFiredWarning(UserWarning):
     """A selected module never ran while hooks were installed (``on_unfired="warn"``)."""
 
 
+class FusedModuleWarning(UserWarning):
+    """A selected module is a placeholder left by fusion (``fuse_modules``): its output is not
+    what its name says."""
+
+
 class CaptureError(HookscopeError, KeyError):
     """A record was asked for that the capture does not hold, or holds ambiguously."""
 

@@ -34,6 +34,7 @@ from hookscope import diagnose
 from hookscope._nested import iter_tensors
 from hookscope._session import Observer
 from hookscope.errors import HookscopeError
+from hookscope.names import index
 from hookscope.select import Target, unwrap
 
 Tensor = torch.Tensor
@@ -202,7 +203,8 @@ class _Tracker:
 
     def __init__(self, root: nn.Module, record_nodes: bool) -> None:
         self.root = root
-        self.paths = {module: path for path, module in root.named_modules()}
+        # canonical paths: wrappers at any depth (FSDP blocks) are looked through, not hooked
+        self.paths = {module: path for path, module in index(root).modules.items()}
         self.record_nodes = record_nodes
         self.counts: dict[nn.Module, int] = {}
         self.active: list[_Call] = []

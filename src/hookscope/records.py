@@ -157,6 +157,10 @@ class Records:
     Attributes:
         metadata: strings saved with the file (``load``), else empty.
         unfired: ``{record name: reason}`` for selected modules that never ran.
+        notes: ``{record name: note}`` where a value was kept in another form, e.g.
+            ``"torch.quint8 (scale 0.02, zero point 0), kept dequantized as torch.float32"``.
+        aliases: ``{other name: record name}`` for modules registered under several names
+            (``"encoder.embed_tokens": "shared"``); reading by an alias reads the record.
 
     Raises (on reading):
         CaptureError: the name was not recorded, never ran, ran more than once (for
@@ -169,6 +173,8 @@ class Records:
         self._kept = frozenset(kept)  # of "inputs", "grads", "grad_inputs"
         self.metadata = dict(metadata or {})
         self.unfired: dict[str, str] = {}
+        self.notes: dict[str, str] = {}  # record name -> how a value was kept (dequantized)
+        self.aliases: dict[str, str] = {}  # other name of a recorded module -> its record name
 
     def entry(self, name: str) -> Entry:
         """The entry of record ``name`` (live capture sessions append to it)."""
@@ -233,7 +239,7 @@ class Records:
     def __getitem__(self, key: str | tuple[str, int] | RecordKey) -> Any:
         if isinstance(key, tuple):
             return self._value(*key)
-        if isinstance(key, str) and key in self._entries:
+        if isinstance(key, str) and (key in self._entries or key in self.aliases):
             return self._only(key)
         address = RecordKey.parse(key) if isinstance(key, str) else key
         name, parts = self._name_for(address)
@@ -299,7 +305,7 @@ class Records:
         """
         record = self._grad_record(path, call, "grad_inputs")
         args, kwargs = record.value()
-        return CallInputs(args, kwargs, _bind(self._entries[path].module, args, kwargs))
+        return CallInputs(args, kwargs, _bind(self._entry(path).module, args, kwargs))
 
     def save(self, file: str | os.PathLike[str], *, overwrite: bool = True,
              metadata: Mapping[str, str] | None = None) -> None:
@@ -338,6 +344,7 @@ class Records:
         raise AssertionError  # pragma: no cover
 
     def _entry(self, name: str) -> Entry:
+        name = self.aliases.get(name, name)
         entry = self._entries.get(name)
         if entry is None:
             raise CaptureError(f"'{name}' was not selected in this capture; selected: "

@@ -1,21 +1,28 @@
 """Resolve names and patterns to submodules: ``"pos_block.*.proj.0"`` -> ``{path: module}``.
 
-A **path** is a qualified name exactly as ``named_modules()`` yields it (``"layers.3.mlp"``);
-a **pattern** is what a user types, resolved here without registering anything:
+A **path** is a module's canonical name (``hookscope.names``): its qualified name as
+``named_modules()`` gives it, without wrapper segments (``"layers.3.mlp"``). A **pattern** is
+what a user types, resolved here without registering anything:
 
-- an exact path, or a ``state_dict()`` key, resolved to the module that owns it
-  (``"conv2.weight"`` -> ``"conv2"``);
+- an exact path, any other name of the same module (a second attribute path of a shared module,
+  a path with wrapper segments), or a ``state_dict()`` / parameter key, resolved to the module
+  that owns it (``"conv2.weight"`` -> ``"conv2"``, ``"layer.weight_g"`` and
+  ``"layer.parametrizations.weight.original0"`` -> ``"layer"``);
+- Python's own spelling, as copied from code: ``"pos_block[3].proj[0]"`` is
+  ``"pos_block.3.proj.0"``, ``"blocks['attn']"`` is ``"blocks.attn"``;
 - a glob over dot-separated segments: ``*`` matches one segment (and wildcards
-  inside a segment, ``*relu*``, ``?``), ``**`` any number of segments (``"**"`` alone: every module);
+  inside a segment, ``*relu*``, ``?``), ``**`` any number of segments (``"**"`` alone: every
+  submodule, never the root);
 - ``re:REGEX``, matched against the whole path; ``type:Conv2d`` (``isinstance``, by class name
   or qualified class name, subclasses included);
+- ``"(root)"`` or ``""``: the model itself (patterns never match the root otherwise);
 - any of these may end with parts of a structured output in brackets: ``"lstm[0]"``,
   ``"lstm[1][0]"``, ``"bert[last_hidden_state]"``. A trailing ``[k]`` that names a child module
   (``"features[0]"`` of a ``Sequential``) selects that child instead.
 
-Wrappers are transparent: for ``DataParallel``/``DistributedDataParallel`` (``module.``) and
-``torch.compile`` (``_orig_mod.``), paths are those of the wrapped model, and patterns may be
-given with or without the prefix. The root module itself is never matched by a pattern.
+Wrappers are transparent at any depth (``hookscope.wrappers``: DataParallel/DDP ``module.``,
+``torch.compile`` ``_orig_mod.``, FSDP ``_fsdp_wrapped_module.``, checkpoint wrappers and
+look-alikes): globs, regexes and exact names match with or without their segments.
 """
 
 from __future__ import annotations
@@ -30,11 +37,14 @@ import torch.fx
 from torch import nn
 
 from hookscope.errors import SelectorError
+from hookscope.names import ModuleIndex, index
+from hookscope.wrappers import unwrap
 
-__all__ = ["Target", "select", "resolve", "unwrap", "is_container"]
+__all__ = ["Target", "select", "resolve", "unwrap", "is_container", "ROOT"]
 
-_WRAPPER_ATTRS = ("module", "_orig_mod")  # DataParallel/DDP, torch.compile's OptimizedModule
+ROOT = "(root)"  # the pattern, and the record name, of the model itself
 _PART = re.compile(r"\[([^\[\]]+)\]$")
+_INNER_INDEX = re.compile(r"\[\s*(['\"]?)([^\[\]'\"]+)\1\s*\](?=[.\[]|$)")
 
 
 @dataclass(frozen=True)
@@ -42,36 +52,24 @@ class Target:
     """One selected module, and which part of its output a pattern asked for.
 
     Attributes:
-        path: qualified name in the unwrapped model, e.g. ``"pos_block.3.proj.0"``.
+        path: canonical path, e.g. ``"pos_block.3.proj.0"``; ``""`` for the root.
         module: the submodule itself.
         parts: keys into a structured output, e.g. ``(1, 0)`` for ``"lstm[1][0]"``; empty for all.
-        key: the record name, the path followed by its parts: ``"lstm[1][0]"``.
+        aliases: the module's other names (a module registered under several attribute paths).
+        key: the record name, the path followed by its parts: ``"lstm[1][0]"``; ``"(root)"``
+            for the root.
     """
 
     path: str
     module: nn.Module
     parts: tuple[int | str, ...] = ()
+    aliases: tuple[str, ...] = ()
 
     key: str = field(init=False, repr=False)  # record name: path and parts, "lstm[1][0]"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "key", self.path + "".join(f"[{p}]" for p in self.parts))
-
-
-def unwrap(model: nn.Module) -> tuple[nn.Module, tuple[str, ...]]:
-    """Strip ``DataParallel``/``DDP`` and ``torch.compile`` wrappers.
-
-    Returns:
-        The innermost model and the wrapper prefixes removed, outermost first
-        (e.g. ``("module.",)``).
-    """
-    prefixes: list[str] = []
-    while True:
-        inner = _wrapped(model)
-        if inner is None:
-            return model, tuple(prefixes)
-        attr, model = inner
-        prefixes.append(attr + ".")
+        parts = "".join(f"[{p}]" for p in self.parts) if self.parts else ""
+        object.__setattr__(self, "key", (self.path or ROOT) + parts)
 
 
 def is_container(module: nn.Module) -> bool:
@@ -93,9 +91,10 @@ def select(model: nn.Module, *patterns: str) -> dict[str, nn.Module]:
         ``{path: module}`` without duplicates.
 
     Raises:
-        SelectorError: a pattern matches nothing (the message lists the closest real paths), or
-            names a container such as ``ModuleList`` exactly (the message gives the pattern of
-            its children and how many modules that matches).
+        SelectorError: a pattern matches nothing (the message lists the closest real paths, or
+            says what the name is instead: a functional call, a name with the model's variable
+            in front), or names a container such as ``ModuleList`` exactly (the message gives
+            the pattern of its children and how many modules that matches).
     """
     return {t.path: t.module for t in resolve(model, patterns)}
 
@@ -108,121 +107,114 @@ def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str]) -> list[Tar
     if not patterns:
         raise SelectorError("no pattern given: name at least one module, e.g. 'conv2', "
                             "'blocks.*', 'type:Linear' or '**' for every module")
-    root, prefixes = unwrap(model)
-    modules = {path: m for path, m in root.named_modules() if path}
-    order = {path: i for i, path in enumerate(modules)}
+    names = index(model)
+    order = {path: i for i, path in enumerate(names.modules)}
     chosen: dict[tuple[str, tuple[int | str, ...]], Target] = {}
     for pattern in patterns:
         if not isinstance(pattern, str):
             raise SelectorError(f"patterns are strings; got {type(pattern).__name__} {pattern!r}")
-        for target in _resolve_one(root, modules, _strip_prefixes(pattern, prefixes)):
-            chosen.setdefault((target.path, target.parts), target)
+        for path, parts in _resolve_one(names, pattern.strip()):
+            target = Target(path, names.modules[path], parts, names.aliases.get(path, ()))
+            chosen.setdefault((path, parts), target)
     return sorted(chosen.values(), key=lambda t: order[t.path])
 
 
-def _wrapped(model: nn.Module) -> tuple[str, nn.Module] | None:
-    for attr in _WRAPPER_ATTRS:
-        # ScriptModule's _modules has no .get(): index it
-        inner = (model._modules[attr] if attr in model._modules else None) if attr == "module" \
-            else getattr(model, attr, None)
-        if isinstance(inner, nn.Module) and _is_wrapper(model, attr):
-            return attr, inner
-    return None
-
-
-def _is_wrapper(model: nn.Module, attr: str) -> bool:
-    if attr == "_orig_mod":
-        return True
-    # DataParallel, DistributedDataParallel and look-alikes: a single child named 'module'.
-    return type(model).__name__ in ("DataParallel", "DistributedDataParallel") or (
-        list(model._modules) == ["module"] and type(model).__name__.endswith(("Parallel", "Wrapper")))
-
-
-def _strip_prefixes(pattern: str, prefixes: tuple[str, ...]) -> str:
-    for prefix in prefixes:
-        if pattern.startswith(prefix):
-            pattern = pattern[len(prefix):]
-    return pattern
-
-
 def _split_parts(pattern: str) -> tuple[str, tuple[int | str, ...]]:
+    """``"pos_block[3].proj[0]"`` -> ``("pos_block.3.proj", (0,))``: an index followed by more
+    of the name is a path segment; trailing ones are output parts (or children, see below)."""
+    if pattern.startswith("re:"):
+        return pattern, ()
     parts: list[int | str] = []
-    while (m := _PART.search(pattern)) and not pattern.startswith("re:"):
+    while m := _PART.search(pattern):
         raw = m.group(1).strip().strip("'\"")
         parts.insert(0, int(raw) if re.fullmatch(r"-?\d+", raw) else raw)
         pattern = pattern[: m.start()]
-    return pattern, tuple(parts)
+    return _INNER_INDEX.sub(lambda m: "." + m.group(2).strip(), pattern), tuple(parts)
 
 
-def _resolve_one(root: nn.Module, modules: dict[str, nn.Module], pattern: str) -> list[Target]:
+def _resolve_one(names: ModuleIndex, pattern: str) -> list[tuple[str, tuple[int | str, ...]]]:
     base, parts = _split_parts(pattern)
-    # 'features[0]' of a Sequential means the child 'features.0', not part 0 of the output.
-    while parts and isinstance(parts[0], int) and f"{base}.{parts[0]}" in modules:
-        base, parts = f"{base}.{parts[0]}", parts[1:]
+    if base in ("", ROOT):
+        return [("", parts)]
+    base, parts = _fold_children(names, base, parts)
     if base.startswith("re:"):
-        paths = _match_regex(base[3:], modules)
+        paths = _match_regex(base[3:], names)
     elif base.startswith("type:"):
-        paths = _match_type(base[5:], modules)
+        paths = _match_type(base[5:], names.modules)
     elif "*" in base or "?" in base:
-        paths = _match_glob(base, modules)
+        paths = _match_glob(base, names)
     else:
-        path = _exact(root, modules, base)
-        return [Target(path, modules[path], parts)]
-    hookable = [p for p in paths if not is_container(modules[p])]
+        return [(_exact(names, base, parts), parts)]
+    hookable = [p for p in paths if not is_container(names.modules[p])]
     if not hookable:
-        raise SelectorError(_no_match_message(pattern, modules, paths))
-    return [Target(p, modules[p], parts) for p in hookable]
+        raise SelectorError(_no_match_message(pattern, names, paths))
+    return [(p, parts) for p in hookable]
 
 
-def _exact(root: nn.Module, modules: dict[str, nn.Module], name: str) -> str:
-    if name in modules:
-        path = name
-    else:
-        owner = _state_dict_owner(root, name)
-        if owner is None:
-            raise SelectorError(_unknown_message(root, modules, name))
-        path = owner
-    if is_container(modules[path]):
-        raise SelectorError(_container_message(path, modules))
+def _fold_children(names: ModuleIndex, base: str,
+                   parts: tuple[int | str, ...]) -> tuple[str, tuple[int | str, ...]]:
+    """'features[0]' of a Sequential means the child 'features.0', not part 0 of the output."""
+    while parts and names.path_of(f"{base}.{parts[0]}") is not None:
+        base, parts = f"{base}.{parts[0]}", parts[1:]
+    return base, parts
+
+
+def _exact(names: ModuleIndex, name: str, parts: tuple[int | str, ...] = ()) -> str:
+    path = names.path_of(name)
+    if path is None and name in names.parametrizations:
+        raise SelectorError(_parametrization_message(name, names.parametrizations[name]))
+    if path is None:
+        path = names.owner_of_key(name)
+    if path is None:
+        raise SelectorError(_unknown_message(names, name, parts))
+    if is_container(names.modules[path]) and path:
+        raise SelectorError(_container_message(path, names.modules))
     return path
 
 
-def _state_dict_owner(root: nn.Module, key: str) -> str | None:
-    owner, _, leaf = key.rpartition(".")
-    try:
-        module = root.get_submodule(owner)
-    except AttributeError:
-        return None
-    if leaf in module._parameters or leaf in module._buffers:
-        return owner if owner else None
-    return None
+def _parametrization_message(name: str, owner: str) -> str:
+    return (f"'{name}' is part of a parametrization of '{owner or ROOT}' (torch.nn.utils."
+            f"parametrize / weight_norm / spectral_norm): it computes a weight each time the "
+            f"weight is read, it is not an activation of the model. Select the layer itself, "
+            f"'{owner or ROOT}', whose output uses that weight")
 
 
-def _match_regex(expr: str, modules: dict[str, nn.Module]) -> list[str]:
+def _match_regex(expr: str, names: ModuleIndex) -> list[str]:
     try:
         compiled = re.compile(expr)
     except re.error as err:
         raise SelectorError(f"'re:{expr}' is not a valid regular expression ({err}); "
                             f"escape dots as '\\.' and anchor nothing: it must match the whole path") from err
-    return [p for p in modules if compiled.fullmatch(p)]
+    return _matching(names, compiled)
 
 
 def _match_type(name: str, modules: dict[str, nn.Module]) -> list[str]:
     def matches(m: nn.Module) -> bool:
         return any(name in (c.__name__, f"{c.__module__}.{c.__qualname__}") for c in type(m).__mro__)
-    return [p for p, m in modules.items() if matches(m)]
+    return [p for p, m in modules.items() if p and matches(m)]
 
 
-def _match_glob(pattern: str, modules: dict[str, nn.Module]) -> list[str]:
-    compiled = re.compile(_glob_to_regex(pattern))
-    return [p for p in modules if compiled.fullmatch(p)]
+def _match_glob(pattern: str, names: ModuleIndex) -> list[str]:
+    return _matching(names, re.compile(_glob_to_regex(pattern)))
+
+
+def _matching(names: ModuleIndex, compiled: re.Pattern[str]) -> list[str]:
+    """Paths of the modules any of whose names (path, alias, raw path) ``compiled`` matches;
+    never the root."""
+    if compiled.pattern == _EVERY:
+        return [p for p in names.modules if p]
+    found = {names.canonical[n] for n in names.canonical if n and compiled.fullmatch(n)}
+    return [p for p in names.modules if p and p in found]
+
+
+_EVERY = r"(?:[^.]+(?:\.[^.]+)*)?"  # what '**' compiles to: every name
 
 
 def _glob_to_regex(pattern: str) -> str:
     regex = ""
     for i, segment in enumerate(pattern.split(".")):
         if segment == "**":  # zero or more whole segments, with their dots
-            regex += r"(?:[^.]+(?:\.[^.]+)*)?" if i == 0 else r"(?:\.[^.]+)*"
+            regex += _EVERY if i == 0 else r"(?:\.[^.]+)*"
             continue
         if i and not regex.endswith(")?"):
             regex += r"\."
@@ -257,17 +249,66 @@ def _container_message(path: str, modules: dict[str, nn.Module]) -> str:
             f"never the container, so a hook on it would never fire.\n\n  {fix}")
 
 
-def _unknown_message(root: nn.Module, modules: dict[str, nn.Module], name: str) -> str:
-    keys = [p for p, m in modules.items() if not is_container(m)]
-    keys += [k for k, _ in root.named_parameters()] + [k for k, _ in root.named_buffers()]
-    close = difflib.get_close_matches(name, keys, n=5, cutoff=0.5)
-    if "." in name and not close:  # 'model.layers.0' copied from code: drop the variable name
-        close = difflib.get_close_matches(name.split(".", 1)[1], keys, n=5, cutoff=0.5)
+def _unknown_message(names: ModuleIndex, name: str, parts: tuple[int | str, ...] = ()) -> str:
+    head, _, rest = name.partition(".")
+    if rest and names.path_of(head) is None and (names.path_of(rest) or names.owner_of_key(rest)):
+        rest, parts = _fold_children(names, rest, parts)
+        fix = rest + "".join(f"[{p}]" for p in parts)
+        return (f"no module named '{name}': did you mean '{fix}'? Paths start below the model; "
+                f"'{head}.' is the variable that holds it in your code, not part of any path")
+    functional = _functional_message(names, name)
+    if functional:
+        return functional
+    keys = [p for p, m in names.modules.items() if p and not is_container(m)]
+    keys += [a for aliases in names.aliases.values() for a in aliases]
+    keys += [f"{p}.{k}" if p else k for p, m in names.modules.items()
+             for k in (*m._parameters, *m._buffers)]
+    close = difflib.get_close_matches(_without_wrappers(names, name), keys, n=5, cutoff=0.5)
+    top = [p for p in names.modules if p and "." not in p]
     hint = f"did you mean {', '.join(repr(c) for c in close)}?" if close else (
-        f"the model's top-level modules are {', '.join(repr(p) for p in modules if '.' not in p)[:400]}")
+        f"the model's top-level modules are {', '.join(repr(p) for p in top)[:400]}"
+        if top else f"the model is a single {type(names.root).__name__} with no submodules: select "
+                    f"it with '{ROOT}' (or '')")
     return (f"no module or state_dict key named '{name}': {hint} "
             f"(names are as model.named_modules() gives them; 'hookscope tree MODEL' lists them all)"
-            f"{_graph_module_hint(root)}")
+            f"{_graph_module_hint(names.root)}")
+
+
+def _without_wrappers(names: ModuleIndex, name: str) -> str:
+    """``name`` with its longest known prefix written as a canonical path
+    (``"module.fc_1"`` -> ``"fc_1"`` under DataParallel)."""
+    segments = name.split(".")
+    for i in range(len(segments) - 1, 0, -1):
+        path = names.path_of(".".join(segments[:i]))
+        if path is not None:
+            return ".".join(([path] if path else []) + segments[i:])
+    return name
+
+
+def _functional_message(names: ModuleIndex, name: str) -> str | None:
+    """``'block.relu'`` (or ``'relu'``) where ``block``'s forward calls ``F.relu`` /
+    ``torch.relu`` / ``x.relu()``: the name of a function a forward calls (read from the code
+    object's names, nothing is run), not of a module."""
+    parent, _, function = name.rpartition(".")
+    path = names.path_of(parent)
+    if path is None or not function.isidentifier():
+        return None
+    callers = [p for p in names.modules if _calls(names.modules[p], function)
+               and (p == path or (not parent and p))]
+    if not callers or (parent and callers != [path]):
+        return None
+    classes = sorted({type(names.modules[p]).__name__ for p in callers})
+    where = ", ".join(f"'{p}'" if p else "the model" for p in callers[:4])
+    where += " …" if len(callers) > 4 else ""
+    return (f"'{name}' is not a module: {'/'.join(classes)}.forward ({where}) calls {function} as a "
+            f"function (F.{function}, torch.{function} or x.{function}()), and module hooks only "
+            f"see modules. Capture that call's result with the function address "
+            f"'{callers[0]}::{function}', or capture {where.split(',')[0]} or the module that feeds it")
+
+
+def _calls(module: nn.Module, function: str) -> bool:
+    code = getattr(getattr(type(module), "forward", None), "__code__", None)
+    return code is not None and function in code.co_names
 
 
 def _graph_module_hint(root: nn.Module) -> str:
@@ -280,18 +321,23 @@ def _graph_module_hint(root: nn.Module) -> str:
             f"or capture the eager model before tracing")
 
 
-def _no_match_message(pattern: str, modules: dict[str, nn.Module], matched: list[str]) -> str:
+def _no_match_message(pattern: str, names: ModuleIndex, matched: list[str]) -> str:
+    modules = names.modules
     if matched:  # only containers matched
         return (f"pattern '{pattern}' matched only containers with no forward ({', '.join(matched[:5])}), "
                 f"whose hooks can never fire: select their children, e.g. '{matched[0]}.*'")
+    if len(modules) == 1:
+        return (f"pattern '{pattern}' matched no module: the model is a single "
+                f"{type(names.root).__name__} with no submodules, and patterns never match the "
+                f"model itself. Select it with '{ROOT}' (or '')")
     if pattern.startswith("type:"):
-        classes = sorted({type(m).__name__ for m in modules.values()})
+        classes = sorted({type(m).__name__ for p, m in modules.items() if p})
         close = difflib.get_close_matches(pattern[5:], classes, n=3, cutoff=0.5)
         hint = f"did you mean {', '.join(repr('type:' + c) for c in close)}? " if close else ""
         return (f"pattern '{pattern}' matched no module: {hint}the classes in this model are "
                 f"{', '.join(classes)[:600]}")
     literal = re.sub(r"[*?\[\]]", "", pattern.split(":", 1)[-1]).strip(".")
-    hookable = [p for p, m in modules.items() if not is_container(m)]
+    hookable = [p for p, m in modules.items() if p and not is_container(m)]
     close = difflib.get_close_matches(literal, hookable, n=5, cutoff=0.4)
     hint = f"; closest paths: {', '.join(repr(c) for c in close)}" if close else ""
     deeper = f" ('**.{pattern}' searches every depth)" if "." not in pattern and ":" not in pattern else ""

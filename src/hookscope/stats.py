@@ -26,6 +26,7 @@ from torch import nn
 from hookscope._batch_inputs import model_inputs
 from hookscope._nested import get_part, iter_tensors
 from hookscope._session import HookSession
+from hookscope._values import keepable
 from hookscope.errors import HookscopeError
 from hookscope.select import Target, as_patterns
 
@@ -206,6 +207,7 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
         ``{path: RunningStats}`` in ``named_modules()`` order (keys keep output parts:
         ``"lstm[1][0]"``); ``.as_dict()`` gives plain numbers. A module that never ran keeps
         ``count == 0`` and is named, with the likely cause, in a ``HookNeverFiredWarning``.
+        Quantized outputs (``torch.quint8``...) are summarised dequantized (float32).
 
     Raises:
         SelectorError: a pattern matches no module.
@@ -240,7 +242,7 @@ class _StatsSession(HookSession):
 
     def _register(self) -> None:
         for target in self.targets:
-            self._add(target.module.register_forward_hook(self._updater(target)))
+            self._hook(target.module, self._updater(target))
 
     def _updater(self, target: Target) -> Callable[[nn.Module, Any, Any], None]:
         running, parts, ran = self.results[target.key], target.parts, self._ran
@@ -249,7 +251,8 @@ class _StatsSession(HookSession):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             ran.add(target.path)
             part = get_part(output, parts) if parts else output
-            tensor = next((t for t in iter_tensors(part) if t.is_floating_point()), None)
+            tensors = (keepable(t, target.key) for t in iter_tensors(part))  # quantized: dequantized
+            tensor = next((t for t in tensors if t.is_floating_point()), None)
             if tensor is None:
                 return
             mask = self.mask

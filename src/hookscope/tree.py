@@ -3,13 +3,16 @@ often each module ran and what it returned.
 
 Containers with no ``forward`` of their own (``ModuleList``, ``ModuleDict``) are marked with the
 pattern that selects their children (``_blocks.*``); modules that never ran in the example pass
-are marked too, so the tree shows at a glance which names a hook can use.
+are marked too, so the tree shows at a glance which names a hook can use. A module registered
+under several names is listed once, with its other names in the note. Lazy modules
+(``LazyLinear``...) whose parameters do not exist before the first forward show ``?`` for their
+parameter counts until an example input materialises them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +21,8 @@ from torch import nn
 
 from hookscope._session import Observer
 from hookscope.errors import SelectorError
-from hookscope.select import Target, is_container, select, unwrap
+from hookscope.names import ModuleIndex, index
+from hookscope.select import Target, is_container, select
 
 __all__ = ["TreeRow", "tree", "tree_of_call", "format_tree", "filter_rows", "describe_output", "format_count"]
 
@@ -33,8 +37,9 @@ class TreeRow:
         path: qualified name as ``named_modules()`` gives it (wrappers stripped); ``""`` is the root.
         class_name: the module's class, e.g. ``"Conv2d"``.
         depth: 0 for the root, 1 for its children, ...
-        params: parameters of the module and everything below it (shared ones counted once).
-        own_params: parameters registered on the module itself.
+        params: parameters of the module and everything below it (shared ones counted once);
+            ``None`` while some of them are lazy (``UninitializedParameter``: not yet known).
+        own_params: parameters registered on the module itself; ``None`` while lazy.
         calls: how many times it ran in the example forward pass; ``None`` without an example.
         outputs: its distinct output signatures in call order, e.g. ``("1x32x112x112 float32",)``.
         container: ``True`` for a module with no ``forward`` (never called, hooks never fire).
@@ -44,8 +49,8 @@ class TreeRow:
     path: str
     class_name: str
     depth: int
-    params: int
-    own_params: int
+    params: int | None
+    own_params: int | None
     calls: int | None = None
     outputs: tuple[str, ...] = ()
     container: bool = False
@@ -73,9 +78,8 @@ def tree(model: nn.Module, *args: Any, **kwargs: Any) -> list[TreeRow]:
         Whatever the forward pass raises on a bad example input.
     """
     if not (args or kwargs):
-        root, _ = unwrap(model)
-        modules = dict(root.named_modules())
-        return [_row(path, module, modules, None) for path, module in modules.items()]
+        names = index(model)
+        return [_row(path, names, None) for path in names.modules]
     return tree_of_call(model, lambda: model(*args, **kwargs))
 
 
@@ -85,10 +89,9 @@ def tree_of_call(model: nn.Module, call: Callable[[], Any]) -> list[TreeRow]:
     ``call()`` runs once under ``torch.no_grad()`` while every module of ``model`` has a
     counting hook; hooks are removed on return, also when ``call`` raises.
     """
-    root, _ = unwrap(model)
-    modules = dict(root.named_modules())
-    ran = _run_example(root, modules, call)
-    return [_row(path, module, modules, ran) for path, module in modules.items()]
+    names = index(model)
+    ran = _run_example(names.root, names.modules, call)  # materialises lazy modules, as a forward does
+    return [_row(path, names, ran) for path in names.modules]
 
 
 def filter_rows(rows: Sequence[TreeRow], model: nn.Module, pattern: str | None = None,
@@ -171,18 +174,33 @@ def _run_example(root: nn.Module, modules: dict[str, nn.Module],
     return ran
 
 
-def _row(path: str, module: nn.Module, modules: dict[str, nn.Module],
-         ran: dict[str, list[str]] | None) -> TreeRow:
+def _row(path: str, names: ModuleIndex, ran: dict[str, list[str]] | None) -> TreeRow:
+    module = names.modules[path]
     container = is_container(module) and path != ""
     calls = None if ran is None or container else len(ran[path])
     outputs = tuple(dict.fromkeys(ran[path])) if ran is not None and not container else ()
-    note = _container_note(path, modules) if container else (
-        _never_ran_note(path, ran) if ran is not None and calls == 0 else "")
+    notes = [_container_note(path, names.modules) if container else (
+        _never_ran_note(path, ran) if ran is not None and calls == 0 else "")]
+    if path in names.aliases:
+        notes.append(f"also named {', '.join(names.aliases[path])} (one module)")
+    if _count(module.parameters(recurse=False)) is None:
+        notes.append("lazy: parameters are created by the first forward; give an input to see them")
     return TreeRow(path=path, class_name=type(module).__name__,
                    depth=0 if path == "" else path.count(".") + 1,
-                   params=sum(p.numel() for p in module.parameters()),
-                   own_params=sum(p.numel() for p in module.parameters(recurse=False)),
-                   calls=calls, outputs=outputs, container=container, note=note)
+                   params=_count(module.parameters()),
+                   own_params=_count(module.parameters(recurse=False)),
+                   calls=calls, outputs=outputs, container=container,
+                   note="; ".join(n for n in notes if n))
+
+
+def _count(parameters: Iterator[nn.Parameter]) -> int | None:
+    """Number of parameter elements, or None when one is lazy (its shape is not known yet)."""
+    total = 0
+    for p in parameters:
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            return None
+        total += p.numel()
+    return total
 
 
 def _container_note(path: str, modules: dict[str, nn.Module]) -> str:
@@ -204,11 +222,15 @@ def _never_ran_note(path: str, ran: dict[str, list[str]]) -> str:
 
 def _cells(row: TreeRow, with_calls: bool, indent: int) -> list[str]:
     name = "  " * indent + (row.path or "(root)")
-    cells = [name, row.class_name, format_count(row.params), format_count(row.own_params)]
+    cells = [name, row.class_name, _param_cell(row.params), _param_cell(row.own_params)]
     if with_calls:
         calls = "-" if row.calls is None else str(row.calls)
         cells += [calls, " | ".join(row.outputs) or "-"]
     return cells
+
+
+def _param_cell(n: int | None) -> str:
+    return "?" if n is None else format_count(n)
 
 
 def _describe(value: Any) -> str:

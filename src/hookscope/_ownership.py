@@ -1,0 +1,119 @@
+"""Private: a session's hook acts only on the calls that belong to its session.
+
+A hook on a module is run by more than the calls its ``with`` block means:
+
+- **copies**: ``copy.deepcopy(model)`` (EMA, teacher/student) copies the module's hook
+  dictionaries, hooks included, and pickling (``torch.save(model)``) tries to pickle them;
+- **threads**: another thread calling the same model (a server running requests in parallel)
+  runs the same hooks;
+- **recomputation**: activation checkpointing (``torch.utils.checkpoint``, reentrant or not, HF
+  ``gradient_checkpointing_enable()``) runs the forward of the checkpointed part again during
+  backward. That is not a new call of the module.
+
+``OwnedHook`` wraps a session's hook function and calls it only for the session's own module
+object, in the thread that entered the session, outside a backward pass (a forward that runs
+while autograd executes a graph task is a recomputation; ``torch._C._current_graph_task_id()``
+is -1 outside backward). Other calls are counted (``foreign_calls``, ``recomputes``) so reports
+can say why a module looked silent. A copy of the hook (``deepcopy``, pickle) is a
+``DetachedHook`` that removes itself from the copied module on its first call and does nothing:
+the copy computes exactly what the original computes without hookscope.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["OwnedHook", "DetachedHook", "register", "in_recompute"]
+
+_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+           "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
+_graph_task_id = torch._C._current_graph_task_id
+
+
+class OwnedHook:
+    """A forward or forward-pre hook that runs ``function`` only for its session's calls.
+
+    Args:
+        function: the hook, called as torch calls hooks: ``(module, args[, kwargs], output)``.
+        module: the module it is registered on (copies of it are not the session's).
+        in_recompute: also run ``function`` during an activation-checkpointing recompute (edits
+            must, so the recomputed forward equals the real one); the call is still counted in
+            ``recomputes`` and never as a new call by ``function``'s session.
+
+    Attributes:
+        handle_id: the id of the handle it was registered under (set by ``register``).
+        recomputes: forwards re-run during backward that reached this hook.
+        foreign_calls: calls from threads other than the session's.
+    """
+
+    __slots__ = ("function", "module", "thread", "in_recompute", "handle_id", "recomputes",
+                 "foreign_calls")
+
+    def __init__(self, function: Callable[..., Any], module: nn.Module, *, in_recompute: bool = False):
+        self.function = function
+        self.module = module
+        self.thread = threading.get_ident()
+        self.in_recompute = in_recompute
+        self.handle_id = -1
+        self.recomputes = 0
+        self.foreign_calls = 0
+
+    def __call__(self, module: nn.Module, *args: Any) -> Any:
+        if torch.compiler.is_compiling():  # traced into a compiled graph: calls are the model's
+            return self.function(module, *args)
+        if module is not self.module:  # a copy made while the session was active
+            _forget(module, self.handle_id)
+            return None
+        if threading.get_ident() != self.thread:
+            self.foreign_calls += 1
+            return None
+        if _graph_task_id() != -1:  # a forward inside backward: a checkpoint recompute
+            self.recomputes += 1
+            if not self.in_recompute:
+                return None
+        return self.function(module, *args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DetachedHook:
+        return DetachedHook(self.handle_id)
+
+    def __reduce__(self) -> tuple[type[DetachedHook], tuple[int]]:
+        return DetachedHook, (self.handle_id,)
+
+
+class DetachedHook:
+    """What a copied or unpickled module holds instead of a session's hook: on its first call it
+    removes itself from that module and returns None (the module's result is unchanged)."""
+
+    __slots__ = ("handle_id",)
+
+    def __init__(self, handle_id: int):
+        self.handle_id = handle_id
+
+    def __call__(self, module: nn.Module, *args: Any) -> None:
+        _forget(module, self.handle_id)
+
+
+def register(module: nn.Module, hook: OwnedHook, *, pre: bool = False, with_kwargs: bool = False,
+             prepend: bool = False) -> torch.utils.hooks.RemovableHandle:
+    """Register ``hook`` on ``module`` as a forward (or forward-pre) hook; return the handle."""
+    if pre:
+        handle = module.register_forward_pre_hook(hook, with_kwargs=with_kwargs, prepend=prepend)
+    else:
+        handle = module.register_forward_hook(hook, with_kwargs=with_kwargs, prepend=prepend)
+    hook.handle_id = handle.id
+    return handle
+
+
+def in_recompute() -> bool:
+    """True while autograd runs a backward pass: a forward now is a checkpoint recompute."""
+    return not torch.compiler.is_compiling() and _graph_task_id() != -1
+
+
+def _forget(module: nn.Module, handle_id: int) -> None:
+    for table in _TABLES:
+        getattr(module, table, {}).pop(handle_id, None)
