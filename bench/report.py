@@ -112,10 +112,10 @@ def markdown(results: dict[str, Any]) -> str:
             "- **x bare**: median time of the case / median time of the bare forward in the same "
             "process run; **per-round x**: quartiles of (case / bare) paired round by round.",
             "- A case's time covers setting the capture up, the forward pass and taking it down; "
-            "the garbage collector is off while it runs (as in timeit). hookscope learns once per "
-            "model which outputs get written in place, copying every output in that first "
-            "capture; the *first capture of the model* row pays this on every run (what a "
-            "one-shot `hookscope.run` costs), the other hookscope rows are later captures.",
+            "the garbage collector is off while it runs (as in timeit). hookscope keeps each "
+            "captured tensor copy-on-write (no per-model state, no learning pass): only a tensor "
+            "written in place after capture is copied, when the write happens; the *first "
+            "capture of the model* row is therefore the same code as the later ones.",
             "- **values**: each kept tensor compared exactly with a reference forward whose hooks "
             "clone every output; *wrong* means the kept tensor was overwritten in place later "
             "(in-place ReLU, `+=`). n/c: not checked (other model, or records not keyed by "
