@@ -30,18 +30,18 @@ import torch
 
 Tensor = torch.Tensor
 
-_lazy_clone = torch._lazy_clone
-_compiling = torch.compiler.is_compiling
+lazy_clone = torch._lazy_clone
+compiling = torch.compiler.is_compiling
 
 
 def keep(t: Tensor) -> Tensor:
     """A detached tensor equal to ``t`` now and unchanged by later in-place writes to ``t``."""
     if t.requires_grad:
         t = t.detach()
-    if _compiling():  # hooks traced by torch.compile: dynamo cannot trace a lazy clone
+    if compiling():  # hooks traced by torch.compile: dynamo cannot trace a lazy clone
         return t.clone()
     try:
-        return _lazy_clone(t)
+        return lazy_clone(t)
     except (NotImplementedError, RuntimeError):  # sparse, nested: no copy-on-write storage
         return t.clone()
 

@@ -85,6 +85,7 @@ class Capture(HookSession):
             self.records.unfired = self.unfired  # so reading a silent module says why
 
     def _register(self) -> None:
+        self._snapshot = self._snapshot_fn()  # one per session, shared by every hook
         for module, targets in by_module(self.targets).items():
             slots = [self._slots[t.key] for t in targets]
             self._add(module.register_forward_hook(self._make_hook(slots),
@@ -109,7 +110,7 @@ class Capture(HookSession):
                 options.inputs or options.grads or options.to is not None
                 or options.dtype is not None or options.reduce is not None):
             return self._plain_hook(single)
-        snapshot = self._snapshot_fn()
+        snapshot = self._snapshot
         with_inputs, with_grads, convert = options.inputs, options.grads, self._grad_convert
         keep_input = inplace.copy if options.clone else inplace.keep
 
@@ -128,15 +129,20 @@ class Capture(HookSession):
         return hook
 
     def _plain_hook(self, slot: _Slot) -> Callable[..., None]:
-        """The hot path: one record of the whole output, no options, copy-on-write. Per call
-        this costs about what a bare hook appending ``detach()`` costs."""
-        outputs, keep, snapshot = slot.entry.outputs, inplace.keep, self._snapshot_fn()
+        """The hot path: one record of the whole output, no options, copy-on-write
+        (``inplace.keep`` inlined). Per call this costs about what a bare hook appending
+        ``detach()`` costs."""
+        outputs, snapshot, lazy_clone = slot.entry.outputs, self._snapshot, inplace.lazy_clone
+        compiling = inplace.compiling
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if type(output) is Tensor:
-                outputs.append(keep(output))
-            else:
-                outputs.append(snapshot(output, slot))
+            if type(output) is Tensor and not output.requires_grad and not compiling():
+                try:
+                    outputs.append(lazy_clone(output))
+                    return
+                except (NotImplementedError, RuntimeError):  # no copy-on-write storage
+                    pass
+            outputs.append(snapshot(output, slot))
         return hook
 
     def _snapshot_fn(self) -> Callable[[Any, _Slot], Any]:
