@@ -112,18 +112,15 @@ def hookscope_capture(model: nn.Module, example: Sequence[Any], patterns: Sequen
                       name: str, first: bool = False, **options: Any) -> Case:
     """``hookscope.capture(model, *patterns, **options)`` around one forward pass.
 
-    ``first=True`` makes every run the model's first capture: hookscope forgets what it learned
-    about in-place writes (a private table), so each run pays the learning pass, which copies
-    every output once.
+    ``first=True`` names the row "first capture of the model": hookscope keeps no state per model
+    or per process (in-place protection is copy-on-write per tensor), so every capture is a
+    first capture and the row runs the same code; it stays to show that in the figures.
     """
     import hookscope
 
-    def run() -> Any:
-        if first:
-            from hookscope import _inplace
+    del first  # nothing to forget: see above
 
-            for module in model.modules():
-                _inplace._WRITTEN_IN_PLACE.pop(module, None)
+    def run() -> Any:
         with hookscope.capture(model, *patterns, **options) as acts:
             model(*example)
         return acts

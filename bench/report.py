@@ -6,7 +6,7 @@ from typing import Any
 
 
 def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """Evaluate the goals of issue 7 on ``results``.
+    """Evaluate the goals of issues 7 and 14 on ``results``.
 
     Returns:
         ``[{"goal": text, "value": text, "met": True | False | None}]``; ``None`` when a figure
@@ -33,10 +33,35 @@ def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
         met = None if ours is None or theirs is None else ours < theirs
         found.append({"goal": f"hookscope < {label}", "value": f"{_x(ours)} vs {_x(theirs)}",
                       "met": met})
+    found += _issue14(ratio)
     dispatch = results.get("dispatch") or {}
-    steady = dispatch.get("ratio_steady")
-    found.append({"goal": "per-call dispatch <= 1.3x a bare hook (steady state)",
-                  "value": _x(steady), "met": None if steady is None else steady <= 1.3})
+    steady, per_capture = dispatch.get("ratio_steady"), dispatch.get("ratio_per_capture")
+    found.append({"goal": "per-call dispatch <= 1.15x a bare hook (steady state)",
+                  "value": _x(steady), "met": None if steady is None else steady <= 1.15})
+    found.append({"goal": "set-up, call and take-down on 200 modules <= 1.3x bare hooks "
+                          "registered and removed per forward",
+                  "value": _x(per_capture), "met": None if per_capture is None else per_capture <= 1.3})
+    return found
+
+
+def _issue14(ratio: Any) -> list[dict[str, Any]]:
+    """Issue 14's goals: hookscope against plain ``detach()`` hooks in the same run."""
+    found = []
+    for goal, workload, ours_prefix, base_prefix, limit in (
+            ("CNN every module <= 1.05x plain detach hooks", "resnet",
+             "hookscope, every module (", "plain hooks detach(), every module", 1.05),
+            ("CNN first capture within 1.05x of later captures", "resnet",
+             "hookscope, every module, first", "hookscope, every module (", 1.05),
+            ("CNN 16 blocks <= 1.05x plain detach hooks", "resnet",
+             "hookscope 'layer*.*' (16 blocks)", "plain hooks detach(), 16 blocks", 1.05),
+            ("efficientnet every module <= 1.05x plain detach hooks", "efficientnet",
+             "hookscope, every module (", "plain hooks detach(), every module", 1.05),
+            ("efficientnet first capture within 1.05x of later captures", "efficientnet",
+             "hookscope, every module, first", "hookscope, every module (", 1.05)):
+        ours, base = ratio(workload, ours_prefix), ratio(workload, base_prefix)
+        value = None if ours is None or base is None else ours / base
+        found.append({"goal": goal, "value": f"{_x(value)} ({_x(ours)} vs {_x(base)} bare)",
+                      "met": None if value is None else value <= limit})
     return found
 
 
@@ -112,10 +137,10 @@ def markdown(results: dict[str, Any]) -> str:
             "- **x bare**: median time of the case / median time of the bare forward in the same "
             "process run; **per-round x**: quartiles of (case / bare) paired round by round.",
             "- A case's time covers setting the capture up, the forward pass and taking it down; "
-            "the garbage collector is off while it runs (as in timeit). hookscope learns once per "
-            "model which outputs get written in place, copying every output in that first "
-            "capture; the *first capture of the model* row pays this on every run (what a "
-            "one-shot `hookscope.run` costs), the other hookscope rows are later captures.",
+            "the garbage collector is off while it runs (as in timeit). hookscope keeps each "
+            "captured tensor copy-on-write (no per-model state, no learning pass): only a tensor "
+            "written in place after capture is copied, when the write happens; the *first "
+            "capture of the model* row is therefore the same code as the later ones.",
             "- **values**: each kept tensor compared exactly with a reference forward whose hooks "
             "clone every output; *wrong* means the kept tensor was overwritten in place later "
             "(in-place ReLU, `+=`). n/c: not checked (other model, or records not keyed by "

@@ -8,7 +8,6 @@ from torch import nn
 
 import hookscope
 from hookscope import CaptureError, HookNeverFiredWarning, SelectorError
-from hookscope._inplace import _WRITTEN_IN_PLACE
 from tests.models import DirectForwardCall, InplaceRelu, ModuleListBlocks, ReusedRelu, UnusedBranch
 
 
@@ -102,12 +101,11 @@ def _case04_model() -> tuple[nn.Sequential, torch.Tensor, torch.Tensor]:
 
 def test_04_inplace_relu_does_not_change_captured_conv_output() -> None:
     model, x, reference = _case04_model()
-    for _ in range(3):  # first session learns; later ones must still be right
+    for _ in range(3):  # every session is right, the first as the later ones
         with torch.no_grad(), hookscope.capture(model, "0") as acts:
             model(x)
         assert torch.equal(acts["0"], reference)
         assert round(acts["0"].min().item(), 3) == -0.866
-    assert _WRITTEN_IN_PLACE[model[0]] is True
 
 
 def test_04_clone_false_never_returns_overwritten_data() -> None:
@@ -119,7 +117,7 @@ def test_04_clone_false_never_returns_overwritten_data() -> None:
         acts["0"]
 
 
-def test_04_functional_inplace_add_is_learned_and_correct() -> None:
+def test_04_functional_inplace_add_is_correct() -> None:
     model = InplaceRelu().eval()
     x = torch.randn(2, 3, 6, 6)
     with torch.no_grad():
@@ -130,7 +128,6 @@ def test_04_functional_inplace_add_is_learned_and_correct() -> None:
         with torch.no_grad(), hookscope.capture(model, "bn", "conv", "conv2") as acts:
             model(x)
         assert torch.equal(acts["bn"], bn_ref) and torch.equal(acts["conv"], conv_ref)
-    assert _WRITTEN_IN_PLACE[model.bn] is True and _WRITTEN_IN_PLACE[model.conv2] is False
 
 
 def test_09_dataparallel_names_match_unwrapped() -> None:

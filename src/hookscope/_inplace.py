@@ -1,68 +1,54 @@
 """Private: keep captured values equal to what modules returned, despite later in-place writes.
 
-A later in-place write (``ReLU(inplace=True)``, ``x += y``) changes a tensor kept by reference.
-Cloning every output costs x1.54 against x1.31 for references on an all-leaf ResNet-50 capture
-(bench/RESULTS.md), so hookscope learns, per module, whether its output is written in place:
+A later in-place write (``ReLU(inplace=True)``, ``x += y``, ``x[i] = v``, ``out=``) changes a
+tensor kept by reference. Copying every output costs a copy of every activation; hookscope
+copies only the tensors that really get written, and only when the write happens.
 
-- the first capture of a module copies its outputs and keeps the originals with their version
-  counters (``Tensor._version``); at the end of that forward pass the module is remembered as
-  written-in-place (copied from then on) if a counter moved, else as safe (kept by reference);
-- outputs kept by reference are checked again when the capture ends; a value that changed anyway
-  (a data-dependent branch) is marked broken, never returned, and the module is copied from then on.
+It keeps each captured tensor as a *lazy clone* (``torch._lazy_clone``): a new tensor sharing
+the same memory as copy-on-write storage (PyTorch's ``c10::impl::cow``; design in
+https://github.com/pytorch/pytorch/pull/100818, operator in
+https://github.com/pytorch/pytorch/pull/100821). Reading either tensor copies nothing; the
+first write to either one, by any op, view, ``out=`` argument or ``.numpy()`` array, first gives
+the writer its own copy, so the kept value never changes. This holds under
+``torch.inference_mode()``, ``torch.no_grad()`` and grad mode alike (it needs no version
+counter), decides nothing in advance (no learning pass) and holds no state outside the tensors.
 
-Under ``torch.inference_mode()`` tensors carry no version counter: the first pass then compares
-each original with its copy, and later references cannot be checked. A module whose in-place
-writer left the values unchanged during that first pass (a ``clamp_`` that clipped nothing) would
-go unnoticed there; ``clone=True`` copies always.
+A lazy clone costs about what ``detach()`` costs. Its one visible effect: a tensor that is
+written after capture moves to new memory, so a raw pointer taken *before* capture
+(``data_ptr()``) no longer sees its writes. Layouts without plain storage (sparse, nested) are
+copied at once instead, and so are tensors in hooks that ``torch.compile`` traces (dynamo
+cannot trace a lazy clone; inside a compiled graph the copy is planned with the rest).
+
+``clone=False`` keeps plain references (``detach()``) and checks their version counters when the
+capture ends: a value overwritten in between is reported and raises on reading. Inference tensors
+have no version counter, so there the check cannot be made (a warning says so).
 """
 
 from __future__ import annotations
 
-import weakref
-
 import torch
-from torch import nn
 
 Tensor = torch.Tensor
 
-# module -> True when its output was seen written in place after it returned, False when seen safe.
-_WRITTEN_IN_PLACE: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+lazy_clone = torch._lazy_clone
+compiling = torch.compiler.is_compiling
 
 
-class InPlacePolicy:
-    """One capture's view of the learned policy, plus the module outputs on trial.
+def keep(t: Tensor) -> Tensor:
+    """A detached tensor equal to ``t`` now and unchanged by later in-place writes to ``t``."""
+    if t.requires_grad:
+        t = t.detach()
+    if compiling():  # hooks traced by torch.compile: dynamo cannot trace a lazy clone
+        return t.clone()
+    try:
+        return lazy_clone(t)
+    except (NotImplementedError, RuntimeError):  # sparse, nested: no copy-on-write storage
+        return t.clone()
 
-    Args:
-        clone: ``None`` learns (above); ``True`` always copies; ``False`` never copies (values
-            overwritten later are still detected where version counters exist).
-    """
 
-    def __init__(self, clone: bool | None):
-        self._clone = clone
-        self.copy: dict[nn.Module, bool | None] = {}  # None while on trial; read by hooks per call
-        self._trial: list[tuple[nn.Module, Tensor, int | None, Tensor]] = []
-
-    def watch(self, module: nn.Module) -> None:
-        """Give ``module`` its verdict so far (before its hook is registered)."""
-        self.copy.setdefault(module, _WRITTEN_IN_PLACE.get(module) if self._clone is None else self._clone)
-
-    def on_trial(self, module: nn.Module, kept: Tensor, copy: Tensor) -> None:
-        """Remember an output kept by reference (``kept``) and its ``copy`` until the pass ends."""
-        self._trial.append((module, kept, version(kept), copy))
-
-    def end_pass(self) -> None:
-        """Decide, for each module on trial, whether its output was written in place."""
-        verdict: dict[nn.Module, bool] = {}
-        for module, kept, counter, copy in self._trial:
-            written = kept._version != counter if counter is not None else not torch.equal(kept, copy)
-            verdict[module] = verdict.get(module, False) or written
-        for module, written in verdict.items():
-            self.mark(module, written)
-        self._trial.clear()
-
-    def mark(self, module: nn.Module, written: bool) -> None:
-        """Record that ``module``'s output is (or is not) written in place after it returns."""
-        _WRITTEN_IN_PLACE[module] = self.copy[module] = written
+def copy(t: Tensor) -> Tensor:
+    """A detached copy of ``t`` made now (``clone=True``)."""
+    return t.detach().clone()
 
 
 def version(t: Tensor) -> int | None:
@@ -74,7 +60,7 @@ def shares_memory(kept: Tensor, original: Tensor) -> bool:
     """True when ``kept`` (a detached, converted or reduced ``original``) aliases its memory."""
     if kept is original or kept._base is original or kept._base is original._base is not None:
         return True
-    try:
-        return kept.untyped_storage().data_ptr() == original.untyped_storage().data_ptr()
-    except RuntimeError:  # tensors without storage (meta, some subclasses)
+    try:  # the storage objects themselves: data_ptr() would materialize a copy-on-write one
+        return bool(kept.untyped_storage()._cdata == original.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, some subclasses)
         return False

@@ -3,11 +3,11 @@
 ``capture(model, *patterns)`` is a context manager (a ``HookSession``, see ``_session.py``). On
 entry it resolves the patterns (errors come before anything is registered), then adds one forward
 hook per selected module; on exit it removes every hook it added, also on an exception or
-``KeyboardInterrupt``, checks that no captured value was overwritten in place, and reports each
-selected module whose hook never fired.
+``KeyboardInterrupt``, and reports each selected module whose hook never fired.
 
 Captured values stay equal to what the module returned at that moment, even when a later in-place
-op writes over its memory, without copying every output: see ``_inplace.py``.
+op writes over its memory, without copying every output: each is kept copy-on-write, and only a
+tensor really written later is copied, when the write happens (``_inplace.py``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope._inplace import InPlacePolicy, shares_memory
+from hookscope import _inplace as inplace
 from hookscope._nested import get_part, iter_tensors, map_tensors
 from hookscope._ownership import in_recompute
 from hookscope._session import HookSession, OnUnfired, by_module
@@ -30,7 +30,7 @@ from hookscope.errors import CaptureError, warn
 from hookscope.grads import converter, watch_inputs, watch_output
 from hookscope.records import CallInputs, Entry, RecordKey, Records
 from hookscope.reductions import Reduce, reduction
-from hookscope.select import Target, as_patterns, unwrap
+from hookscope.select import Target, as_patterns
 
 __all__ = ["Capture", "CaptureOptions", "CallInputs", "capture", "run"]  # CallInputs: records.py
 
@@ -88,7 +88,6 @@ class Capture(HookSession):
                                 for t in self.targets for alias in t.aliases}
         self._options = options
         self._grad_convert = converter(options.to, options.dtype)  # applied to each arriving gradient
-        self._policy = InPlacePolicy(options.clone)
         self.records.unfired = {t.key: NOT_ENTERED for t in self.targets}
 
     def __enter__(self) -> Capture:
@@ -104,23 +103,21 @@ class Capture(HookSession):
             self.records.unfired = self.unfired  # so reading a silent module says why
 
     def _register(self) -> None:
+        self._snapshot = self._snapshot_fn()  # one per session, shared by every hook
         for module, targets in by_module(self.targets).items():
             slots = [self._slots[t.key] for t in targets]
             if self._options.inputs:  # before the call: a module may write its input in place
-                self._hook(module, _inputs_hook(slots), pre=True, with_kwargs=True)
+                self._hook(module, _inputs_hook(slots, self._options.clone), pre=True, with_kwargs=True)
             # with grads, a checkpoint recompute reaches the hook: under reentrant checkpointing
             # the gradient flows only through the recomputed output (see _regrad)
-            self._hook(module, self._make_hook(module, slots), in_recompute=self._options.grads)
+            self._hook(module, self._make_hook(slots), in_recompute=self._options.grads)
             if self._options.grad_inputs:
                 self._hook(module, watch_inputs([s.entry.grad_inputs for s in slots], self._grad_convert),
                            pre=True, with_kwargs=True)
-        root, _ = unwrap(self.model)
-        self._hook(root, lambda module, args, output: self._policy.end_pass())
 
     def _finish(self) -> None:
-        self._policy.end_pass()
-        self._check_versions()
         if self._options.clone is False:
+            self._check_versions()
             self._warn_unverifiable()
 
     def _ran_paths(self) -> set[str]:
@@ -128,13 +125,14 @@ class Capture(HookSession):
         return self._ran | {s.target.path for s in self._slots.values() if s.entry.outputs}
 
     # ----------------------------------------------------------------- hooks
-    def _make_hook(self, module: nn.Module, slots: list[_Slot]) -> Callable[..., None]:
-        snapshot = self._snapshot_fn(module)
+    def _make_hook(self, slots: list[_Slot]) -> Callable[..., None]:
         options = self._options
         single = slots[0] if len(slots) == 1 and not slots[0].target.parts else None
-        if single is not None and not (options.grads or options.to is not None
-                                       or options.dtype is not None or options.reduce is not None):
-            return self._plain_hook(module, single, snapshot)
+        if single is not None and options.clone is None and not (
+                options.grads or options.to is not None
+                or options.dtype is not None or options.reduce is not None):
+            return self._plain_hook(single)
+        snapshot = self._snapshot
         with_grads, convert = options.grads, self._grad_convert
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
@@ -148,33 +146,32 @@ class Capture(HookSession):
                     slot.entry.grads.append(watch_output(_part(output, slot), convert))
         return hook
 
-    def _plain_hook(self, module: nn.Module, slot: _Slot,
-                    snapshot: Callable[[Any, _Slot], Any]) -> Callable[..., None]:
-        """The hot path: one record of the whole output, no options. A tensor output of a module
-        known to be safe is kept by reference with its version; anything else goes through
-        ``snapshot``. Per call this costs about what a bare hook appending ``detach()`` costs."""
-        outputs, versions, verdicts = slot.entry.outputs, slot.versions, self._policy.copy
+    def _plain_hook(self, slot: _Slot) -> Callable[..., None]:
+        """The hot path: one record of the whole output, no options, copy-on-write
+        (``inplace.keep`` inlined). Per call this costs about what a bare hook appending
+        ``detach()`` costs."""
+        outputs, snapshot, lazy_clone = slot.entry.outputs, self._snapshot, inplace.lazy_clone
+        compiling = inplace.compiling
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if type(output) is Tensor and verdicts[module] is False and not _special(output):
-                kept = output.detach()
-                if not kept.is_inference():  # inference tensors have no version counter
-                    versions.append((len(outputs), kept, kept._version))
-                outputs.append(kept)
-            else:
-                outputs.append(snapshot(output, slot))
+            if (type(output) is Tensor and not output.requires_grad and not compiling()
+                    and not _special(output)):
+                try:
+                    outputs.append(lazy_clone(output))
+                    return
+                except (NotImplementedError, RuntimeError):  # no copy-on-write storage
+                    pass
+            outputs.append(snapshot(output, slot))
         return hook
 
-    def _snapshot_fn(self, module: nn.Module) -> Callable[[Any, _Slot], Any]:
+    def _snapshot_fn(self) -> Callable[[Any, _Slot], Any]:
         """Return ``snapshot(output, slot)``: the output with each tensor detached, converted,
-        reduced, and copied when the in-place policy says so (decided once per call)."""
+        reduced, and kept safe from later in-place writes as ``clone`` asks (``_inplace.py``)."""
         to, dtype, reduce = self._options.to, self._options.dtype, self._options.reduce
         converts = to is not None or dtype is not None or reduce is not None
-        policy = self._policy
-        policy.watch(module)
-        verdicts = policy.copy
+        clone = self._options.clone
 
-        def keep(t: Tensor, slot: _Slot, copy: bool, on_trial: bool) -> Tensor:
+        def one(t: Tensor, slot: _Slot) -> Tensor:
             if _special(t):  # quantized: dequantized; inside a functorch transform: refused
                 t = self._keepable(t, slot)
             kept = t.detach()
@@ -183,23 +180,21 @@ class Capture(HookSession):
                     kept = kept.to(device=to, dtype=dtype)
                 if reduce is not None:
                     kept = reduce(kept)
-                if not shares_memory(kept, t):
+                if not inplace.shares_memory(kept, t):
                     return kept
-            if copy:
-                pristine = kept.clone()
-                if on_trial:
-                    policy.on_trial(module, kept, pristine)
-                return pristine
-            if not kept.is_inference():  # inference tensors have no version counter
-                slot.versions.append((len(slot.entry.outputs), kept, kept._version))
+            if clone is None:
+                return inplace.keep(kept)
+            if clone:
+                return kept.clone()
+            counter = inplace.version(kept)
+            if counter is not None:  # inference tensors have no version counter
+                slot.versions.append((len(slot.entry.outputs), kept, counter))
             return kept
 
         def snapshot(output: Any, slot: _Slot) -> Any:
-            written = verdicts[module]
-            copy, on_trial = written is not False, written is None
             if isinstance(output, Tensor):
-                return keep(output, slot, copy, on_trial)
-            return map_tensors(lambda t: keep(t, slot, copy, on_trial), output)
+                return one(output, slot)
+            return map_tensors(lambda t: one(t, slot), output)
         return snapshot
 
     def _keepable(self, t: Tensor, slot: _Slot) -> Tensor:
@@ -221,19 +216,19 @@ class Capture(HookSession):
                 f"under torch.no_grad()", RuntimeWarning)
 
     def _check_versions(self) -> None:
+        """clone=False: mark each reference whose version counter moved since capture."""
         for slot in self._slots.values():
             for call, tensor, counter in slot.versions:
                 if tensor._version != counter:
                     slot.entry.broken.add(call)
-                    self._policy.mark(slot.target.module, True)
             slot.versions.clear()
         broken = [f"{k} (calls {sorted(s.entry.broken)})" for k, s in self._slots.items()
                   if s.entry.broken]
         if broken:
             warn(
                 f"captured outputs were overwritten in place after capture: {', '.join(broken)}. "
-                f"Their values are wrong and reading them raises. Run the capture again: hookscope "
-                f"now copies these modules' outputs (or pass clone=True).", RuntimeWarning)
+                f"Their values are wrong and reading them raises. Capture again with clone=None "
+                f"(the default: copy-on-write) or clone=True.", RuntimeWarning)
 
     # ----------------------------------------------------------------- live records
     def clear(self) -> None:
@@ -313,8 +308,10 @@ def _part(output: Any, slot: _Slot) -> Any:
         raise CaptureError(f"cannot take {slot.target.key!r}: {err.args[0]}") from None
 
 
-def _copy(t: Tensor) -> Tensor:
-    return keepable(t, "an input").detach().clone()
+def _keep_input(t: Tensor, clone: bool | None) -> Tensor:
+    """An input as the module received it, safe from later in-place writes (``_inplace.py``)."""
+    t = keepable(t, "an input")
+    return inplace.copy(t) if clone else inplace.keep(t)
 
 
 def _regrad(slots: list[_Slot], output: Any, convert: Callable[[Tensor], Tensor]) -> None:
@@ -331,11 +328,14 @@ def _regrad(slots: list[_Slot], output: Any, convert: Callable[[Tensor], Tensor]
             grads[call] = watch_output(_part(output, slot), convert)
 
 
-def _inputs_hook(slots: list[_Slot]) -> Callable[..., None]:
-    """A forward pre-hook keeping a copy of each call's inputs as the module receives them."""
+def _inputs_hook(slots: list[_Slot], clone: bool | None) -> Callable[..., None]:
+    """A forward pre-hook keeping each call's inputs as the module receives them."""
+    def keep(t: Tensor) -> Tensor:
+        return _keep_input(t, clone)
+
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         for slot in slots:
-            slot.entry.inputs.append((map_tensors(_copy, args), map_tensors(_copy, kwargs)))
+            slot.entry.inputs.append((map_tensors(keep, args), map_tensors(keep, kwargs)))
     return hook
 
 
@@ -378,10 +378,12 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
             ``extract`` takes (``"mean"``, ``"first"``, ``"last"``; ``hookscope.reductions`` says
             which axis each uses; no attention mask is known here, so padding counts) or a
             function, e.g. ``lambda t: t.mean(dim=(2, 3))`` keeps ``(batch, channels)``.
-        clone: ``None`` (default) copies outputs only of modules whose output is written in place
-            later (learned on first use, see ``_inplace.py``); ``True`` copies always;
-            ``False`` never: values overwritten later raise on reading, except under
-            ``torch.inference_mode()``, whose tensors have no version counter (a warning says so).
+        clone: ``None`` (default) keeps each tensor copy-on-write: nothing is copied unless a
+            later in-place op writes it, and then only that tensor, just before the write (the
+            writer gets the copy; exact in every grad mode, see ``_inplace.py``); ``True``
+            copies every tensor at once; ``False`` keeps plain references: values overwritten
+            later raise on reading, except under ``torch.inference_mode()``, whose tensors have
+            no version counter (a warning says so).
         on_unfired: what to do on exit about selected modules that never ran: ``"warn"``
             (``HookNeverFiredWarning``), ``"error"`` (``HookNeverFiredError``, raised after the
             forward finished, records still in ``err.capture``) or ``"ignore"``.
