@@ -69,3 +69,8 @@ class EditError(HookscopeError, ValueError):
 class GradcamError(HookscopeError, ValueError):
     """Grad-CAM cannot be computed: the layer's output is not a feature map, the model's output
     is not class scores, or a target class is out of range."""
+
+
+class AttentionError(HookscopeError, ValueError):
+    """Attention probabilities cannot be taken from a module: it never ran, or one of its calls
+    computed no attention or more than one; the message names the module and the pattern to use."""

@@ -1,0 +1,341 @@
+"""Private: see the torch function calls that one module's own ``forward`` makes.
+
+Module hooks see what a module returns, never the values computed *inside* its ``forward`` by
+functions (``F.relu``, ``torch.softmax``, ``F.scaled_dot_product_attention``). A
+``torch.overrides.TorchFunctionMode`` sees every such call, so ``FunctionWatcher`` enters one
+only while a watched module's forward runs: its forward pre-hook (registered last, so it runs
+just before ``forward``) enters the mode, its forward hook (``prepend=True``, ``always_call=True``:
+right after ``forward``, also when it raises) leaves it. Calls made while one of the module's
+direct children runs are not the module's own: a pre-hook on each child marks them suspended, and
+they are passed through untouched. Nothing is intercepted anywhere else: no global patching, no
+global hooks, and modules that are not watched (or children of watched ones) carry no hook.
+
+Inside the mode's handler torch pops the mode, so the handler's own work (detach, clone) and the
+body of a Python function it forwards to (``F.softmax`` calling ``Tensor.softmax``) are not seen:
+each call the module's code makes is seen exactly once, under the name its author wrote
+(``function_name``).
+
+Each watcher enters its mode once however deeply watched modules nest (a stack of frames says
+whose forward is running), and the torch calls an ``on_call`` makes are never reported.
+
+A call is passed to ``on_call(call)`` as a ``FunctionCall`` once the function has returned;
+whatever ``on_call`` returns other than ``None`` replaces the function's return value, so edits
+reach everything the forward computes after it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode, get_testing_overrides
+from torch.utils.hooks import RemovableHandle
+
+from hookscope.errors import HookscopeError
+
+__all__ = ["FunctionCall", "FunctionWatcher", "Watch", "function_name", "bind_arguments",
+           "refuse_uninterceptable"]
+
+OnCall = Callable[["FunctionCall"], Any]
+
+
+@dataclass
+class FunctionCall:
+    """One call of a torch function made by a watched module's own forward.
+
+    Attributes:
+        module: the watched module whose forward made the call.
+        name: the function's name as written in code: ``"relu"`` for ``F.relu``, ``torch.relu``
+            and ``Tensor.relu`` alike; ``"add"`` for ``x + y``; ``"getitem"`` for ``x[0]``.
+        func: the function object torch dispatched (``torch.nn.functional.relu``, ...).
+        args, kwargs: the arguments as passed (references, not copies).
+        output: what the function returned.
+        module_call: index of the module's forward call this happened in (0, 1, ... per watch).
+        occurrence: index of this call among the calls of ``name`` in that forward call.
+    """
+
+    module: nn.Module
+    name: str
+    func: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    output: Any
+    module_call: int
+    occurrence: int
+
+    def named_arguments(self) -> dict[str, Any]:
+        """The arguments bound to the function's parameter names (see ``bind_arguments``)."""
+        return bind_arguments(self.func, self.args, self.kwargs)
+
+
+@dataclass
+class Watch:
+    """What to intercept in one module's forward.
+
+    Attributes:
+        module: the module watched.
+        on_call: called with each ``FunctionCall`` whose name is in ``names``.
+        names: function names to report; ``None`` for every call.
+        deep: also report calls made inside its children (used to find the one attention
+            computation of a whole block); by default only the module's own calls.
+    """
+
+    module: nn.Module
+    on_call: OnCall
+    names: frozenset[str] | None = None
+    deep: bool = False
+    module_calls: int = field(default=0, init=False)
+
+
+class FunctionWatcher:
+    """Intercept torch function calls made by the forward of watched modules.
+
+    Use ``watch`` for each module, then ``install()`` (returns the hook handles, which the
+    caller removes) and, once the forward passes are over, ``close()``, which leaves a mode that
+    an interrupted forward (``KeyboardInterrupt``) left entered.
+    """
+
+    def __init__(self) -> None:
+        self._watches: dict[nn.Module, list[Watch]] = {}
+        self._frames: list[_Frame] = []  # one per running watched forward, innermost last
+        self._mode = _Mode(self)
+        self._entered = False  # True while a watched forward runs (nested ones enter it once)
+
+    def watch(self, module: nn.Module, on_call: OnCall, *, names: Iterable[str] | None = None,
+              deep: bool = False) -> Watch:
+        """Report the calls of ``names`` (every call when ``None``) in ``module``'s forward."""
+        entry = Watch(module, on_call, None if names is None else frozenset(names), deep)
+        self._watches.setdefault(module, []).append(entry)
+        return entry
+
+    def install(self) -> list[RemovableHandle]:
+        """Add the forward pre-hooks and hooks on watched modules and their direct children."""
+        handles: list[RemovableHandle] = []
+        # Children first: on a child that is watched too, the parent's frame is suspended
+        # before the child's frame is pushed, and resumed after it is popped.
+        suspending = {child: None for module, watches in self._watches.items()
+                      if not all(w.deep for w in watches) for child in module.children()}
+        for child in suspending:
+            handles.append(child.register_forward_pre_hook(self._suspend_hook))
+            handles.append(child.register_forward_hook(self._resume_hook, prepend=True,
+                                                       always_call=True))
+        for module, watches in self._watches.items():
+            handles.append(module.register_forward_pre_hook(self._enter_hook(watches)))
+            handles.append(module.register_forward_hook(self._leave_hook(), prepend=True,
+                                                        always_call=True))
+        return handles
+
+    def close(self) -> None:
+        """Leave the mode if a forward was interrupted inside a watched module."""
+        if self._entered:
+            self._leave()
+        self._frames.clear()
+
+    # ---------------------------------------------------------------- hooks
+    def _enter_hook(self, watches: list[Watch]) -> Callable[[nn.Module, Any], None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            calls = []
+            for watch in watches:
+                calls.append(watch.module_calls)
+                watch.module_calls += 1
+            self._frames.append(_Frame(watches, calls))
+            if not self._entered:
+                self._mode.__enter__()  # type: ignore[no-untyped-call]
+                self._entered = True
+        return hook
+
+    def _leave_hook(self) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._frames:
+                self._frames.pop()
+            if not self._frames and self._entered:
+                self._leave()
+        return hook
+
+    def _leave(self) -> None:
+        self._entered = False
+        self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+
+    def _suspend_hook(self, module: nn.Module, args: Any) -> None:
+        if self._frames:
+            self._frames[-1].suspended += 1
+
+    def _resume_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._frames and self._frames[-1].suspended:
+            self._frames[-1].suspended -= 1
+
+    # ---------------------------------------------------------------- dispatch
+    def dispatch(self, func: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Any:
+        """Run ``func`` and report it to the innermost running watched forward."""
+        output = func(*args, **kwargs)
+        if not self._frames or _REPORTING[0]:
+            return output
+        _REPORTING[0] = True  # torch calls made by on_call are hookscope's, not the module's
+        try:
+            return self._report(self._frames[-1], func, args, kwargs, output)
+        finally:
+            _REPORTING[0] = False
+
+    def _report(self, frame: _Frame, func: Callable[..., Any], args: tuple[Any, ...],
+                kwargs: dict[str, Any], output: Any) -> Any:
+        name = function_name(func)
+        for watch, module_call in zip(frame.watches, frame.module_calls):
+            if (frame.suspended and not watch.deep) or (watch.names is not None
+                                                        and name not in watch.names):
+                continue
+            occurrence = frame.count(watch, name)
+            call = FunctionCall(watch.module, name, func, args, kwargs, output, module_call,
+                                occurrence)
+            new = watch.on_call(call)
+            if new is not None:
+                output = new
+        return output
+
+
+# True while some watcher's on_call runs: the torch calls it makes are seen by the modes of other
+# watchers still on the stack (two sessions watching one forward), which must pass them through.
+_REPORTING = [False]
+
+
+class _Frame:
+    """One running forward of a watched module."""
+
+    __slots__ = ("watches", "module_calls", "suspended", "counts")
+
+    def __init__(self, watches: list[Watch], module_calls: list[int]):
+        self.watches = watches
+        self.module_calls = module_calls
+        self.suspended = 0  # > 0 while a direct child runs
+        self.counts: dict[tuple[int, str], int] = {}
+
+    def count(self, watch: Watch, name: str) -> int:
+        key = (id(watch), name)
+        seen = self.counts.get(key, 0)
+        self.counts[key] = seen + 1
+        return seen
+
+
+class _Mode(TorchFunctionMode):
+    """The mode entered while a watched forward runs; it hands every call to the watcher."""
+
+    def __init__(self, watcher: FunctionWatcher):
+        super().__init__()
+        self._watcher = watcher
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
+                           kwargs: Mapping[str, Any] | None = None) -> Any:
+        return self._watcher.dispatch(func, args, dict(kwargs or {}))
+
+
+# ------------------------------------------------------------------------------- names
+_NAMES: dict[Any, str] = {}
+
+
+def function_name(func: Callable[..., Any]) -> str:
+    """The name a user writes for ``func``: its ``__name__`` without dunder underscores.
+
+    ``F.relu``, ``torch.relu``, ``Tensor.relu`` -> ``"relu"``; ``F.max_pool2d`` (a
+    ``boolean_dispatch`` wrapper) -> ``"max_pool2d"``; ``Tensor.__getitem__`` -> ``"getitem"``;
+    reading a tensor property (``x.T``, ``x.shape``) -> the property's name (``"T"``).
+    """
+    try:
+        return _NAMES[func]
+    except (KeyError, TypeError):
+        pass
+    name = getattr(func, "__name__", None) or type(func).__name__
+    if name == "__get__":  # a getset_descriptor's __get__: x.T, x.shape, x.grad
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    if name.startswith("__") and name.endswith("__") and len(name) > 4:
+        name = name[2:-2]
+    try:
+        _NAMES[func] = name
+    except TypeError:
+        pass
+    return name
+
+
+_SIGNATURES: dict[Any, inspect.Signature | None] = {}
+
+
+def bind_arguments(func: Callable[..., Any], args: tuple[Any, ...],
+                   kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Bind ``args`` and ``kwargs`` to ``func``'s parameter names, defaults filled in.
+
+    Builtins (``F.scaled_dot_product_attention``, ``torch.softmax``) have no Python signature;
+    theirs comes from the documentation for SDPA (``query, key, value, attn_mask, dropout_p,
+    is_causal, scale, enable_gqa``) and otherwise from ``torch.overrides.get_testing_overrides()``,
+    whose dummy for each overridable function has its parameters. A function bound by neither gives
+    ``{"0": args[0], ..., **kwargs}``.
+    """
+    signature = _signature(func)
+    if signature is not None:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            pass
+        else:
+            bound.apply_defaults()
+            return dict(bound.arguments)
+    return {**{str(i): a for i, a in enumerate(args)}, **kwargs}
+
+
+def _signature(func: Callable[..., Any]) -> inspect.Signature | None:
+    if func in _SIGNATURES:
+        return _SIGNATURES[func]
+    signature: inspect.Signature | None
+    try:
+        signature = inspect.signature(func)
+        if any(p.kind is p.VAR_POSITIONAL for p in signature.parameters.values()):
+            raise ValueError("only *args")
+    except (TypeError, ValueError):
+        dummy = _DOCUMENTED.get(function_name(func)) or _testing_overrides().get(func)
+        signature = inspect.signature(dummy) if dummy is not None else None
+    _SIGNATURES[func] = signature
+    return signature
+
+
+_OVERRIDES: dict[Any, Callable[..., Any]] = {}
+
+
+def _sdpa(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+          is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> None:
+    """The documented signature of ``F.scaled_dot_product_attention`` (torch 2.5+), which its
+    builtin lacks and whose testing override stops at ``dropout_p``."""
+
+
+_DOCUMENTED: dict[str, Callable[..., Any]] = {"scaled_dot_product_attention": _sdpa}
+
+
+def _testing_overrides() -> dict[Any, Callable[..., Any]]:
+    if not _OVERRIDES:
+        _OVERRIDES.update(get_testing_overrides())
+    return _OVERRIDES
+
+
+# ------------------------------------------------------------------------------- refusals
+def refuse_uninterceptable(model: nn.Module, address: str) -> None:
+    """Raise before running when calls inside ``model``'s forward cannot be seen one by one.
+
+    Raises:
+        HookscopeError: ``model`` (or the module addressed) is a TorchScript module, whose code
+            runs in the TorchScript interpreter, which never dispatches to a
+            ``TorchFunctionMode``; or a ``torch.compile`` wrapper, whose compiled graph replaces
+            the Python forward so its calls are not made one by one.
+    """
+    if isinstance(model, torch.jit.ScriptModule):
+        raise HookscopeError(
+            f"'{address}' addresses a function call inside forward, but this is a TorchScript "
+            f"module ({type(model).__name__}): its code runs in the TorchScript interpreter, "
+            f"which does not dispatch calls to Python, so they cannot be seen. Address the eager "
+            f"module (before torch.jit.script/trace), or a module-level name without '::'")
+    if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+        raise HookscopeError(
+            f"'{address}' addresses a function call inside forward, but the model is "
+            f"torch.compile'd: the compiled graph runs instead of the Python forward, so its "
+            f"calls are not made one by one. Pass the eager model (model._orig_mod) for "
+            f"function-level addresses")
