@@ -26,6 +26,7 @@ reach everything the forward computes after it.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +39,7 @@ from torch.utils.hooks import RemovableHandle
 from hookscope.errors import HookscopeError
 
 __all__ = ["FunctionCall", "FunctionWatcher", "Watch", "function_name", "bind_arguments",
-           "refuse_uninterceptable"]
+           "refuse_uninterceptable", "functional_counterpart", "functional_hint"]
 
 OnCall = Callable[["FunctionCall"], Any]
 
@@ -315,6 +316,33 @@ def _testing_overrides() -> dict[Any, Callable[..., Any]]:
     if not _OVERRIDES:
         _OVERRIDES.update(get_testing_overrides())
     return _OVERRIDES
+
+
+_ACRONYMS = re.compile(r"(?<![A-Z])(SE|E|G|Si|PRe|Re)LU")
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
+
+
+def functional_counterpart(module: nn.Module) -> str | None:
+    """The ``torch.nn.functional`` name of a parameter-free built-in module (an activation,
+    pooling, dropout, softmax), or ``None`` for others.
+
+    ``ReLU`` -> ``"relu"``, ``LeakyReLU`` -> ``"leaky_relu"``, ``MaxPool2d`` -> ``"max_pool2d"``,
+    ``LogSoftmax`` -> ``"log_softmax"``, ``SiLU`` -> ``"silu"``: the name a forward that applies
+    the functional form instead of calling the module is addressed by (``"parent::relu"``).
+    """
+    cls = type(module)
+    stateful = next(module.parameters(), None) is not None or next(module.children(), None)
+    if stateful is not None or not cls.__module__.startswith("torch.nn.modules"):
+        return None  # a Linear or Conv2d that never ran is rarely replaced by F.linear
+    name = _ACRONYMS.sub(lambda m: m.group(1).capitalize() + "lu", cls.__name__)
+    return _CAMEL.sub("_", name).lower()
+
+
+def functional_hint(parent: str, module: nn.Module) -> str:
+    """Say which address reaches the value when ``parent`` applies ``module``'s functional form:
+    ``"'encoder::gelu'"``; ``""`` when the module has no functional counterpart."""
+    name = functional_counterpart(module)
+    return f"'{parent}::{name}'" if name else ""
 
 
 # ------------------------------------------------------------------------------- refusals
