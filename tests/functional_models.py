@@ -87,3 +87,9 @@ class TwoAttentions(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.second(self.first(x))
+
+
+def two_blocks() -> nn.Module:
+    """Factory for the CLI: a fused-attention block, then an eager one (d=16, 4 heads)."""
+    torch.manual_seed(0)
+    return nn.Sequential(Block(FusedSelfAttention(causal=True)), Block(EagerSelfAttention()))
