@@ -36,10 +36,11 @@ from torch import nn
 from torch.overrides import TorchFunctionMode, get_testing_overrides
 from torch.utils.hooks import RemovableHandle
 
-from hookscope.errors import HookscopeError
+from hookscope.errors import HookscopeError, SelectorError
 
-__all__ = ["FunctionCall", "FunctionWatcher", "Watch", "function_name", "bind_arguments",
-           "refuse_uninterceptable", "functional_counterpart", "functional_hint"]
+__all__ = ["FunctionCall", "FunctionWatcher", "FunctionHooks", "Watch", "function_name",
+           "bind_arguments", "split_address", "parse_op", "refuse_uninterceptable",
+           "functional_counterpart", "functional_hint"]
 
 OnCall = Callable[["FunctionCall"], Any]
 
@@ -203,6 +204,61 @@ class FunctionWatcher:
 _REPORTING = [False]
 
 
+class FunctionHooks:
+    """Forward hooks on function calls: how sessions serve targets that address a call.
+
+    ``add(module, op, hook)`` makes ``hook(module, args, output)`` (or ``hook(module, args,
+    kwargs, output)``) run after each call of ``op`` in ``module``'s own forward, exactly as a
+    forward hook runs after the module: ``args``/``kwargs`` are the function's, ``output`` its
+    return value, and a non-``None`` return replaces it.
+    """
+
+    def __init__(self) -> None:
+        self._watcher = FunctionWatcher()
+        self._watches: dict[str, tuple[Watch, str]] = {}
+        self.called: set[str] = set()  # record names whose function was called
+        self.functions: dict[str, Callable[..., Any]] = {}  # record name -> function called
+
+    def add(self, key: str, module: nn.Module, op: str, hook: Callable[..., Any], *,
+            with_kwargs: bool = False) -> None:
+        """Call ``hook`` for the calls ``op`` (``"relu"``, ``"relu#1"``) selects in ``module``;
+        ``key`` is the record name (``"conv_stack::relu"``)."""
+        name, occurrence = parse_op(op)
+        called, functions = self.called, self.functions
+
+        def on_call(call: FunctionCall) -> Any:
+            if occurrence is not None and call.occurrence != occurrence:
+                return None
+            called.add(key)
+            functions[key] = call.func
+            if with_kwargs:
+                return hook(call.module, call.args, call.kwargs, call.output)
+            return hook(call.module, call.args, call.output)
+        self._watches[key] = (self._watcher.watch(module, on_call, names={name}), op)
+
+    def install(self) -> list[RemovableHandle]:
+        """Add the hooks (see ``FunctionWatcher.install``); the caller removes the handles."""
+        return self._watcher.install() if self._watches else []
+
+    def close(self) -> None:
+        """Leave the mode if a forward was interrupted (see ``FunctionWatcher.close``)."""
+        self._watcher.close()
+
+    def unfired(self, key: str, path: str) -> str | None:
+        """Why the calls of record ``key`` were never seen although its module ran, or ``None``
+        when they were seen or the module itself never ran (a module-level reason then)."""
+        watch, op = self._watches[key]
+        if key in self.called or not watch.module_calls:
+            return None
+        name, occurrence = parse_op(op)
+        what = f"call {occurrence} of {name}" if occurrence is not None else f"any {name}"
+        where = f"'{path}'" if path else "the model"
+        return (f"{where} ran {watch.module_calls} time{'s' if watch.module_calls > 1 else ''} "
+                f"but its own forward never made {what} (calls made inside its children are "
+                f"theirs: address the child that makes it). 'hookscope tree MODEL --input X "
+                f"--ops' lists the calls of every module's own forward")
+
+
 class _Frame:
     """One running forward of a watched module."""
 
@@ -231,6 +287,42 @@ class _Mode(TorchFunctionMode):
     def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
                            kwargs: Mapping[str, Any] | None = None) -> Any:
         return self._watcher.dispatch(func, args, dict(kwargs or {}))
+
+
+# ------------------------------------------------------------------------------- addresses
+_OP = re.compile(r"(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:#(?P<occurrence>\d+))?")
+
+
+def split_address(pattern: str) -> tuple[str, str | None, str]:
+    """Split a function-level address into its module pattern, its op and its output parts.
+
+    ``"h.*.attn::softmax#0[0]"`` -> ``("h.*.attn", "softmax#0", "[0]")``; ``"::relu"`` ->
+    ``("", "relu", "")``; a pattern without ``::`` -> ``(pattern, None, "")``.
+
+    Raises:
+        SelectorError: the op is not ``NAME`` or ``NAME#N`` (N a call index from 0).
+    """
+    base, separator, rest = pattern.rpartition("::")
+    if not separator:
+        return pattern, None, ""
+    bracket = rest.find("[")
+    op, parts = (rest, "") if bracket < 0 else (rest[:bracket], rest[bracket:])
+    if not _OP.fullmatch(op.strip()):
+        raise SelectorError(
+            f"'{pattern}': after '::' comes the name of a function the module's forward calls, "
+            f"as written in code ('relu' for F.relu, 'softmax', 'scaled_dot_product_attention'), "
+            f"optionally '#N' for its N-th call (from 0) in each forward and output parts in "
+            f"brackets: e.g. 'h.*.attn::softmax', '::relu#1', 'attn::unbind[0]'")
+    return base.strip(), op.strip(), parts
+
+
+def parse_op(op: str) -> tuple[str, int | None]:
+    """``"relu"`` -> ``("relu", None)``; ``"relu#1"`` -> ``("relu", 1)``."""
+    match = _OP.fullmatch(op)
+    if match is None:
+        raise ValueError(f"not an op: {op!r}")
+    occurrence = match["occurrence"]
+    return match["name"], None if occurrence is None else int(occurrence)
 
 
 # ------------------------------------------------------------------------------- names
