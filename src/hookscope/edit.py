@@ -23,6 +23,7 @@ source. On exit, a selected module that never ran is reported like in ``capture`
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -30,10 +31,10 @@ import torch
 from torch import nn
 
 from hookscope._nested import get_part, iter_tensors_with_keys, map_tensors, set_part
-from hookscope._session import HookSession, OnUnfired
-from hookscope._sources import Records, Source
+from hookscope._session import HookSession, OnUnfired, resolve_checked
+from hookscope._sources import Source, SourceReader
 from hookscope.errors import EditError
-from hookscope.select import Target, resolve
+from hookscope.select import Target, as_patterns
 
 __all__ = ["Edit", "edit", "ablate", "patch", "steer"]
 
@@ -56,9 +57,10 @@ class Edit(HookSession):
 
     def __init__(self, model: nn.Module, rules: Sequence[tuple[str, Rule]], *,
                  inputs: bool = False, on_unfired: OnUnfired = "warn"):
-        super().__init__(model, [pattern for pattern, _ in rules], on_unfired)
         self._rules = [(target, rule) for pattern, rule in rules
-                       for target in resolve(model, [pattern])]
+                       for target in resolve_checked(model, [pattern])]  # each pattern once
+        targets = list({(t.path, t.parts): t for t, _ in self._rules}.values())
+        super().__init__(model, (), on_unfired, targets=targets if targets else None)
         if inputs and any(t.parts for t, _ in self._rules):
             raise EditError("output parts such as 'lstm[0]' select pieces of an output; an input "
                             "edit gets (args, kwargs): drop the brackets and change them in fn")
@@ -107,7 +109,7 @@ class Edit(HookSession):
 
 
 def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: bool = False,
-         on_unfired: OnUnfired = "warn") -> Edit:
+         context: bool = False, on_unfired: OnUnfired = "warn") -> Edit:
     """Replace what selected modules return (or receive) with what ``fn`` makes of it.
 
     ::
@@ -117,12 +119,15 @@ def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: b
 
     Args:
         model: root module (wrappers looked through, as in ``capture``).
-        edits: ``{pattern: fn}``. For outputs, ``fn(output)`` or ``fn(output, path, call)``
-            returns the new output (any structure: tensor, tuple, dict, dataclass), or ``None``
-            to keep it; with a part (``"lstm[0]"``) ``fn`` gets and returns only that part.
-            With ``inputs=True``, ``fn(args, kwargs)`` or ``fn(args, kwargs, path, call)``
-            returns ``(args, kwargs)`` or ``None``. ``call`` counts from 0 per module.
+        edits: ``{pattern: fn}``. For outputs, ``fn(output)`` returns the new output (any
+            structure: tensor, tuple, dict, dataclass), or ``None`` to keep it; with a part
+            (``"lstm[0]"``) ``fn`` gets and returns only that part. With ``inputs=True``,
+            ``fn(args, kwargs)`` returns ``(args, kwargs)`` or ``None``.
         inputs: edit the inputs (forward pre-hooks) instead of the outputs.
+        context: call ``fn(output, path, call)`` (``fn(args, kwargs, path, call)`` for inputs):
+            also the module path and the call index, counted from 0 per module. A ``fn`` that
+            cannot take the short form but takes this one is called so too, with a
+            ``DeprecationWarning`` (the form was once guessed from the signature).
         on_unfired: a selected module that never ran: ``"warn"``, ``"error"`` or ``"ignore"``.
 
     Returns:
@@ -134,7 +139,7 @@ def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: b
             than ``(args, kwargs)`` or ``None`` (during the forward pass).
         HookNeverFiredError: on exit, with ``on_unfired="error"``, a selected module never ran.
     """
-    rules = [(pattern, _adapt(fn, 4 if inputs else 3, inputs)) for pattern, fn in edits.items()]
+    rules = [(pattern, _adapt(pattern, fn, inputs, context)) for pattern, fn in edits.items()]
     return Edit(model, rules, inputs=inputs, on_unfired=on_unfired)
 
 
@@ -162,7 +167,7 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
             forward pass, a reference that lacks the module, or whose rows (shape past dim 0)
             differ from the output's.
     """
-    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+    patterns = as_patterns(patterns)
     if how not in ("zero", "mean", "resample"):
         raise EditError(f"how={how!r} is not one of 'zero', 'mean', 'resample'")
     if how == "zero":
@@ -171,7 +176,7 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
         raise EditError(f"how={how!r} needs reference=acts: a capture of the same modules on "
                         f"reference inputs, e.g. with hookscope.capture(model, *patterns) as "
                         f"acts: model(x_reference)")
-    rule = _reference_rule(Records(reference, "reference"), how)
+    rule = _reference_rule(SourceReader(reference, "reference"), how)
     return Edit(model, [(p, rule) for p in patterns], on_unfired=on_unfired)
 
 
@@ -202,8 +207,8 @@ def patch(model: nn.Module, *, source: Source, layers: str | Sequence[str] | Non
             a value's shape differs from the live output's (the message names the module, the
             call and both shapes).
     """
-    records = Records(source, "source")
-    patterns = records.keys() if layers is None else [layers] if isinstance(layers, str) else list(layers)
+    records = SourceReader(source, "source")
+    patterns = records.keys() if layers is None else as_patterns(layers)
 
     def rule(value: Any, target: Target, call: int) -> Any:
         def replace(live: Tensor, keys: tuple[int | str, ...]) -> Tensor:
@@ -252,14 +257,19 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
 
 
 # ------------------------------------------------------------------------------- rules
-def _adapt(fn: Callable[..., Any], full: int, inputs: bool) -> Rule:
-    """Call ``fn`` with (value) or (value, path, call), or for inputs (args, kwargs[, path, call])."""
-    takes_where = _accepts(fn, full)
+def _adapt(pattern: str, fn: Callable[..., Any], inputs: bool, context: bool) -> Rule:
+    """The rule calling ``fn`` in the form asked for: (value) or (value, path, call), where for
+    inputs the value is (args, kwargs)."""
+    short = 2 if inputs else 1
+    if not context and not _accepts(fn, short) and _accepts(fn, short + 2):
+        warnings.warn(f"the edit of '{pattern}' takes (path, call) too: pass context=True to "
+                      f"hookscope.edit to say so", DeprecationWarning, stacklevel=3)
+        context = True
     if inputs:
-        if takes_where:
+        if context:
             return lambda value, target, call: fn(*value, target.path, call)
         return lambda value, target, call: fn(*value)
-    if takes_where:
+    if context:
         return lambda value, target, call: fn(value, target.path, call)
     return lambda value, target, call: fn(value)
 
@@ -267,8 +277,10 @@ def _adapt(fn: Callable[..., Any], full: int, inputs: bool) -> Rule:
 def _accepts(fn: Callable[..., Any], count: int) -> bool:
     try:
         inspect.signature(fn).bind(*([None] * count))
-    except (TypeError, ValueError):  # ValueError: no signature (some builtins)
+    except TypeError:
         return False
+    except ValueError:  # no signature (some builtins): assume the short form
+        return count in (1, 2)
     return True
 
 
@@ -276,7 +288,7 @@ def _zero(value: Any, target: Target, call: int) -> Any:
     return map_tensors(torch.zeros_like, value)
 
 
-def _reference_rule(records: Records, how: str) -> Rule:
+def _reference_rule(records: SourceReader, how: str) -> Rule:
     pooled: dict[tuple[str, tuple[int | str, ...]], Tensor] = {}  # (record, keys) -> rows
 
     def rule(value: Any, target: Target, call: int) -> Any:
@@ -298,7 +310,7 @@ def _reference_rule(records: Records, how: str) -> Rule:
     return rule
 
 
-def _pool(records: Records, target: Target, keys: tuple[int | str, ...], how: str) -> Tensor:
+def _pool(records: SourceReader, target: Target, keys: tuple[int | str, ...], how: str) -> Tensor:
     """All reference rows of one tensor position, ``(rows, ...)``, or their mean over rows."""
     calls = records.calls(target, keys)
     if not calls:

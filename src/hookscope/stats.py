@@ -26,7 +26,7 @@ from torch import nn
 from hookscope._nested import get_part, iter_tensors
 from hookscope._session import HookSession
 from hookscope.errors import HookscopeError
-from hookscope.select import Target
+from hookscope.select import Target, as_patterns
 
 Tensor = torch.Tensor
 
@@ -209,7 +209,7 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
         HookscopeError: the model is TorchScript, ``batches`` is empty, or an output lacks
             the channel dimension asked for, or is complex.
     """
-    patterns = [layers] if isinstance(layers, str) else list(layers)
+    patterns = as_patterns(layers)
     session = _StatsSession(model, patterns, per_channel)
     count = 0
     with session, torch.no_grad():

@@ -18,8 +18,9 @@ from torch import nn
 
 from hookscope._functional import FunctionCall, FunctionWatcher, functional_hint
 from hookscope._nested import iter_tensors
+from hookscope._session import Observer
 from hookscope.errors import SelectorError
-from hookscope.select import is_container, select, unwrap
+from hookscope.select import Target, is_container, select, unwrap
 
 __all__ = ["OpRow", "TreeRow", "tree", "tree_of_call", "format_tree", "filter_rows", "describe_output",
            "format_count"]
@@ -110,7 +111,7 @@ def tree_of_call(model: nn.Module, call: Callable[[], Any], *, ops: bool = False
     """
     root, _ = unwrap(model)
     modules = dict(root.named_modules())
-    ran, calls = _run_example(modules, call, ops)
+    ran, calls = _run_example(root, modules, call, ops)
     return [_row(path, module, modules, ran, calls.get(path)) for path, module in modules.items()]
 
 
@@ -180,8 +181,8 @@ def format_count(n: int) -> str:
 
 
 # ------------------------------------------------------------------------------- internals
-def _run_example(modules: dict[str, nn.Module], call: Callable[[], Any], ops: bool
-                 ) -> tuple[dict[str, list[str]], dict[str, dict[str, list[str]]]]:
+def _run_example(root: nn.Module, modules: dict[str, nn.Module], call: Callable[[], Any],
+                 ops: bool) -> tuple[dict[str, list[str]], dict[str, dict[str, list[str]]]]:
     """Run the example once; return ``{path: [output description of each call]}`` and, with
     ``ops``, ``{path: {function name: [output description of each call]}}``."""
     ran: dict[str, list[str]] = {path: [] for path in modules}
@@ -193,16 +194,17 @@ def _run_example(modules: dict[str, nn.Module], call: Callable[[], Any], ops: bo
                 functions[path] = {}
                 watcher.watch(module, _op_recorder(functions[path]))
 
-    def recorder(path: str) -> Any:
+    def recorder(target: Target) -> Any:
+        descriptions = ran[target.path]
+
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
-            ran[path].append(describe_output(output))
+            descriptions.append(describe_output(output))
         return hook
 
-    handles = [module.register_forward_hook(recorder(path))
-               for path, module in modules.items() if not is_container(module)]
+    targets = [Target(path, module) for path, module in modules.items() if not is_container(module)]
+    handles = watcher.install()
     try:
-        handles += watcher.install()
-        with torch.no_grad():
+        with Observer(root, targets, forward=recorder, explain_unfired=False), torch.no_grad():
             call()
     finally:
         for handle in handles:
