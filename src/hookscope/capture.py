@@ -86,7 +86,11 @@ class Capture(HookSession):
             self.records.unfired = self.unfired  # so reading a silent module says why
 
     def _register(self) -> None:
-        for module, targets in by_module(self.targets).items():
+        for target in self.targets:
+            if target.op is not None:
+                self._hook_output(target, self._function_hook(self._slots[target.key]),
+                                  with_kwargs=self._options.inputs)
+        for module, targets in by_module([t for t in self.targets if t.op is None]).items():
             slots = [self._slots[t.key] for t in targets]
             self._add(module.register_forward_hook(self._make_hook(module, slots),
                                                    with_kwargs=self._options.inputs))
@@ -97,6 +101,8 @@ class Capture(HookSession):
         self._add(root.register_forward_hook(lambda module, args, output: self._policy.end_pass()))
 
     def _finish(self) -> None:
+        for key, function in self._functions.functions.items():
+            self._slots[key].entry.function = function
         self._policy.end_pass()
         self._check_versions()
         if self._options.clone is False:
@@ -127,6 +133,32 @@ class Capture(HookSession):
             if with_grads:
                 for slot in slots:
                     slot.entry.grads.append(watch_output(_part(output, slot), convert))
+        return hook
+
+    def _function_hook(self, slot: _Slot) -> Callable[..., None]:
+        """Record each call of a function-level target: its output (the selected part), each
+        tensor detached, converted, reduced, and copied unless ``clone=False`` (values made
+        inside a forward are often written in place by the code that follows, ``x += ...``);
+        with ``inputs=True`` the function's arguments; with ``grads=True`` a gradient watch."""
+        options, convert, entry = self._options, self._grad_convert, slot.entry
+        to, dtype, reduce = options.to, options.dtype, options.reduce
+        copy = options.clone is not False
+
+        def keep(t: Tensor) -> Tensor:
+            kept = t.detach()
+            if to is not None or dtype is not None:
+                kept = kept.to(device=to, dtype=dtype)
+            if reduce is not None:
+                kept = reduce(kept)
+            return kept.clone() if copy and shares_memory(kept, t) else kept
+
+        def hook(module: nn.Module, args: Any, *rest: Any) -> None:
+            output = _part(rest[-1], slot)
+            entry.outputs.append(map_tensors(keep, output))
+            if options.inputs:
+                entry.inputs.append((map_tensors(_copy, args), map_tensors(_copy, rest[0])))
+            if options.grads:
+                entry.grads.append(watch_output(output, convert))
         return hook
 
     def _plain_hook(self, module: nn.Module, slot: _Slot,

@@ -59,11 +59,15 @@ class Edit(HookSession):
                  inputs: bool = False, on_unfired: OnUnfired = "warn"):
         self._rules = [(target, rule) for pattern, rule in rules
                        for target in resolve_checked(model, [pattern])]  # each pattern once
-        targets = list({(t.path, t.parts): t for t, _ in self._rules}.values())
+        targets = list({(t.path, t.parts, t.op): t for t, _ in self._rules}.values())
         super().__init__(model, (), on_unfired, targets=targets if targets else None)
         if inputs and any(t.parts for t, _ in self._rules):
             raise EditError("output parts such as 'lstm[0]' select pieces of an output; an input "
                             "edit gets (args, kwargs): drop the brackets and change them in fn")
+        if inputs and any(t.op for t, _ in self._rules):
+            raise EditError("inputs=True edits what a module receives; a function-level address "
+                            "('path::name') selects a value computed inside forward: edit that "
+                            "value (inputs=False), or the inputs of the module that makes the call")
         self._inputs = inputs
         self._calls = [0] * len(self._rules)
 
@@ -78,7 +82,7 @@ class Edit(HookSession):
                 self._add(target.module.register_forward_pre_hook(
                     self._input_hook(index, target, rule), with_kwargs=True))
             else:
-                self._add(target.module.register_forward_hook(self._output_hook(index, target, rule)))
+                self._hook_output(target, self._output_hook(index, target, rule))
 
     def _output_hook(self, index: int, target: Target, rule: Rule) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:

@@ -29,6 +29,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from hookscope._functional import split_address
 from hookscope.errors import SelectorError
 
 __all__ = ["Target", "select", "resolve", "unwrap", "is_container"]
@@ -42,20 +43,26 @@ class Target:
     """One selected module, and which part of its output a pattern asked for.
 
     Attributes:
-        path: qualified name in the unwrapped model, e.g. ``"pos_block.3.proj.0"``.
+        path: qualified name in the unwrapped model, e.g. ``"pos_block.3.proj.0"``; ``""`` is
+            the root (only with an ``op``: ``"::relu"``).
         module: the submodule itself.
         parts: keys into a structured output, e.g. ``(1, 0)`` for ``"lstm[1][0]"``; empty for all.
-        key: the record name, the path followed by its parts: ``"lstm[1][0]"``.
+        op: a function called by the module's own forward, ``"relu"`` (every call) or
+            ``"relu#1"`` (its call 1 in each forward); ``None`` for the module's output.
+        key: the record name, the path, ``::op`` and parts: ``"lstm[1][0]"``,
+            ``"h.0.attn::softmax"``, ``"::relu#1"``.
     """
 
     path: str
     module: nn.Module
     parts: tuple[int | str, ...] = ()
+    op: str | None = None
 
-    key: str = field(init=False, repr=False)  # record name: path and parts, "lstm[1][0]"
+    key: str = field(init=False, repr=False)  # record name: path, op and parts
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "key", self.path + "".join(f"[{p}]" for p in self.parts))
+        name = self.path if self.op is None else f"{self.path}::{self.op}"
+        object.__setattr__(self, "key", name + "".join(f"[{p}]" for p in self.parts))
 
 
 def unwrap(model: nn.Module) -> tuple[nn.Module, tuple[str, ...]]:
@@ -111,13 +118,28 @@ def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str]) -> list[Tar
     root, prefixes = unwrap(model)
     modules = {path: m for path, m in root.named_modules() if path}
     order = {path: i for i, path in enumerate(modules)}
-    chosen: dict[tuple[str, tuple[int | str, ...]], Target] = {}
+    chosen: dict[tuple[str, tuple[int | str, ...], str | None], Target] = {}
     for pattern in patterns:
         if not isinstance(pattern, str):
             raise SelectorError(f"patterns are strings; got {type(pattern).__name__} {pattern!r}")
-        for target in _resolve_one(root, modules, _strip_prefixes(pattern, prefixes)):
-            chosen.setdefault((target.path, target.parts), target)
-    return sorted(chosen.values(), key=lambda t: order[t.path])
+        for target in _resolve_address(root, modules, _strip_prefixes(pattern, prefixes)):
+            chosen.setdefault((target.path, target.parts, target.op), target)
+    return sorted(chosen.values(), key=lambda t: order.get(t.path, -1))
+
+
+def _resolve_address(root: nn.Module, modules: dict[str, nn.Module], pattern: str) -> list[Target]:
+    """A module pattern, or a function-level address ``module pattern::op[parts]``."""
+    base, op, op_parts = split_address(pattern)
+    if op is None:
+        return _resolve_one(root, modules, pattern)
+    _, parts = _split_parts("_" + op_parts)
+    if not base:
+        return [Target("", root, parts, op)]
+    targets = _resolve_one(root, modules, base)
+    if any(t.parts for t in targets):
+        raise SelectorError(f"'{pattern}': output parts of a function call come after its name, "
+                            f"e.g. '{base.split('[')[0]}::{op}[0]'")
+    return [Target(t.path, t.module, parts, op) for t in targets]
 
 
 def _wrapped(model: nn.Module) -> tuple[str, nn.Module] | None:
