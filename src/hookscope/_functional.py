@@ -6,9 +6,10 @@ functions (``F.relu``, ``torch.softmax``, ``F.scaled_dot_product_attention``). A
 only while a watched module's forward runs: its forward pre-hook (registered last, so it runs
 just before ``forward``) enters the mode, its forward hook (``prepend=True``, ``always_call=True``:
 right after ``forward``, also when it raises) leaves it. Calls made while one of the module's
-direct children runs are not the module's own: a pre-hook on each child marks them suspended, and
-they are passed through untouched. Nothing is intercepted anywhere else: no global patching, no
-global hooks, and modules that are not watched (or children of watched ones) carry no hook.
+direct children runs are not the module's own: a pre-hook on each child suspends the watch and
+leaves the mode until the child returns, so the child runs at full speed. Nothing is intercepted
+anywhere else: no global patching, no global hooks, and modules that are not watched (or children
+of watched ones) carry no hook.
 
 Inside the mode's handler torch pops the mode, so the handler's own work (detach, clone) and the
 body of a Python function it forwards to (``F.softmax`` calling ``Tensor.softmax``) are not seen:
@@ -105,7 +106,7 @@ class FunctionWatcher:
         self._watches: dict[nn.Module, list[Watch]] = {}
         self._frames: list[_Frame] = []  # one per running watched forward, innermost last
         self._mode = _Mode(self)
-        self._entered = False  # True while a watched forward runs (nested ones enter it once)
+        self._entered = False  # whether self._mode is on torch's mode stack (entered once)
 
     def watch(self, module: nn.Module, on_call: OnCall, *, names: Iterable[str] | None = None,
               deep: bool = False) -> Watch:
@@ -117,14 +118,13 @@ class FunctionWatcher:
     def install(self) -> list[RemovableHandle]:
         """Add the forward pre-hooks and hooks on watched modules and their direct children."""
         handles: list[RemovableHandle] = []
-        # Children first: on a child that is watched too, the parent's frame is suspended
-        # before the child's frame is pushed, and resumed after it is popped.
+        # On a child that is watched too, the parent's frame is suspended before the child's
+        # frame is pushed (prepend) and resumed after it is popped (appended).
         suspending = {child: None for module, watches in self._watches.items()
                       if not all(w.deep for w in watches) for child in module.children()}
-        for child in suspending:
-            handles.append(child.register_forward_pre_hook(self._suspend_hook))
-            handles.append(child.register_forward_hook(self._resume_hook, prepend=True,
-                                                       always_call=True))
+        for child in suspending:  # first in, last out: the child's other hooks are not ours
+            handles.append(child.register_forward_pre_hook(self._suspend_hook, prepend=True))
+            handles.append(child.register_forward_hook(self._resume_hook, always_call=True))
         for module, watches in self._watches.items():
             handles.append(module.register_forward_pre_hook(self._enter_hook(watches)))
             handles.append(module.register_forward_hook(self._leave_hook(), prepend=True,
@@ -133,9 +133,9 @@ class FunctionWatcher:
 
     def close(self) -> None:
         """Leave the mode if a forward was interrupted inside a watched module."""
+        self._frames.clear()
         if self._entered:
             self._leave()
-        self._frames.clear()
 
     # ---------------------------------------------------------------- hooks
     def _enter_hook(self, watches: list[Watch]) -> Callable[[nn.Module, Any], None]:
@@ -145,30 +145,42 @@ class FunctionWatcher:
                 calls.append(watch.module_calls)
                 watch.module_calls += 1
             self._frames.append(_Frame(watches, calls))
-            if not self._entered:
-                self._mode.__enter__()  # type: ignore[no-untyped-call]
-                self._entered = True
+            self._sync()
         return hook
 
     def _leave_hook(self) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if self._frames:
                 self._frames.pop()
-            if not self._frames and self._entered:
-                self._leave()
+            self._sync()
         return hook
-
-    def _leave(self) -> None:
-        self._entered = False
-        self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
     def _suspend_hook(self, module: nn.Module, args: Any) -> None:
         if self._frames:
             self._frames[-1].suspended += 1
+            self._sync()
 
     def _resume_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._frames and self._frames[-1].suspended:
             self._frames[-1].suspended -= 1
+            self._sync()
+
+    def _sync(self) -> None:
+        """Have the mode entered exactly while the innermost watched forward wants calls: not
+        while one of its children runs (unless a watch is deep), so children run at full speed.
+        Leaving needs the mode on top of torch's stack; if another mode is above it (one that
+        the model entered), it stays, and ``dispatch`` passes the children's calls through."""
+        frame = self._frames[-1] if self._frames else None
+        wanted = frame is not None and (not frame.suspended or frame.deep)
+        if wanted and not self._entered:
+            self._mode.__enter__()  # type: ignore[no-untyped-call]
+            self._entered = True
+        elif not wanted and self._entered and _on_top(self._mode):
+            self._leave()
+
+    def _leave(self) -> None:
+        self._entered = False
+        self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
 
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, func: Callable[..., Any], args: tuple[Any, ...],
@@ -262,10 +274,11 @@ class FunctionHooks:
 class _Frame:
     """One running forward of a watched module."""
 
-    __slots__ = ("watches", "module_calls", "suspended", "counts")
+    __slots__ = ("watches", "module_calls", "suspended", "counts", "deep")
 
     def __init__(self, watches: list[Watch], module_calls: list[int]):
         self.watches = watches
+        self.deep = any(w.deep for w in watches)
         self.module_calls = module_calls
         self.suspended = 0  # > 0 while a direct child runs
         self.counts: dict[tuple[int, str], int] = {}
@@ -275,6 +288,12 @@ class _Frame:
         seen = self.counts.get(key, 0)
         self.counts[key] = seen + 1
         return seen
+
+
+def _on_top(mode: TorchFunctionMode) -> bool:
+    """Whether ``mode`` is the innermost torch function mode (so that leaving it pops it)."""
+    depth = torch._C._len_torch_function_stack()
+    return bool(depth) and torch._C._get_function_stack_at(depth - 1) is mode
 
 
 class _Mode(TorchFunctionMode):

@@ -95,7 +95,11 @@ class HookSession:
             return
         ran = self._ran_paths()
         called = self._functions.called
-        silent = [t for t in self.targets if (t.key not in called if t.op else t.path not in ran)]
+        # A wide address ('h.*::softmax', '**::relu') matches modules that make no such call;
+        # they are not reported as long as one module it matched made it.
+        made = {t.op for t in self.targets if t.op and t.wide and t.key in called}
+        silent = [t for t in self.targets if (t.key not in called and not (t.wide and t.op in made)
+                                              if t.op else t.path not in ran)]
         inside = {t.key: why for t in silent if t.op
                   and (why := self._functions.unfired(t.key, t.path)) is not None}
         self.unfired = diagnose.explain_unfired(self.model,

@@ -51,12 +51,15 @@ class Target:
             ``"relu#1"`` (its call 1 in each forward); ``None`` for the module's output.
         key: the record name, the path, ``::op`` and parts: ``"lstm[1][0]"``,
             ``"h.0.attn::softmax"``, ``"::relu#1"``.
+        wide: selected by a glob, ``re:`` or ``type:`` pattern (not by its exact name); a
+            function-level target selected so need not make the call (only some modules do).
     """
 
     path: str
     module: nn.Module
     parts: tuple[int | str, ...] = ()
     op: str | None = None
+    wide: bool = False
 
     key: str = field(init=False, repr=False)  # record name: path, op and parts
 
@@ -139,7 +142,8 @@ def _resolve_address(root: nn.Module, modules: dict[str, nn.Module], pattern: st
     if any(t.parts for t in targets):
         raise SelectorError(f"'{pattern}': output parts of a function call come after its name, "
                             f"e.g. '{base.split('[')[0]}::{op}[0]'")
-    return [Target(t.path, t.module, parts, op) for t in targets]
+    wide = base.startswith(("re:", "type:")) or "*" in base or "?" in base
+    return [Target(t.path, t.module, parts, op, wide) for t in targets]
 
 
 def _wrapped(model: nn.Module) -> tuple[str, nn.Module] | None:
