@@ -13,6 +13,12 @@ a **pattern** is what a user types, resolved here without registering anything:
   ``"lstm[1][0]"``, ``"bert[last_hidden_state]"``. A trailing ``[k]`` that names a child module
   (``"features[0]"`` of a ``Sequential``) selects that child instead.
 
+A **function-level address** ``PATTERN::NAME`` selects the calls of function ``NAME`` made by
+the own forward of each module ``PATTERN`` selects (not by its children): ``"::relu"`` (the root
+model's ``F.relu`` calls), ``"h.*.attn::softmax"``; ``NAME#N`` keeps only call ``N`` of each
+forward (``"::relu#1"``); output parts follow the name (``"attn::unbind[0]"``). See
+``_functional.py`` for how the calls are seen.
+
 Wrappers are transparent: for ``DataParallel``/``DistributedDataParallel`` (``module.``) and
 ``torch.compile`` (``_orig_mod.``), paths are those of the wrapped model, and patterns may be
 given with or without the prefix. The root module itself is never matched by a pattern.

@@ -33,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--layer", action="append", required=True, metavar="PATTERN",
                         help="modules to capture, repeatable: a path ('_conv_stem'), a glob "
-                             "('_blocks.*', '**._swish'), 're:REGEX' or 'type:Conv2d'")
+                             "('_blocks.*', '**._swish'), 're:REGEX' or 'type:Conv2d'; "
+                             "'PATTERN::NAME' for the calls of function NAME inside their "
+                             "forward ('::relu', 'h.*.attn::softmax'; tree --ops lists them)")
     parser.add_argument("--save", metavar="FILE.safetensors",
                         help="write every captured tensor here (keys 'path' or 'path:call')")
     parser.add_argument("--plot", metavar="DIR",
