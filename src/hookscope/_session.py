@@ -19,7 +19,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hookscope import diagnose
-from hookscope._functional import FunctionHooks, refuse_uninterceptable
+from hookscope._function_names import refuse_uninterceptable
+from hookscope._functional import FunctionHooks
 from hookscope.errors import HookNeverFiredError, HookNeverFiredWarning, HookscopeError
 from hookscope.select import Target, resolve
 

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope._functional import FunctionCall, FunctionWatcher, refuse_uninterceptable
+from hookscope._function_names import refuse_uninterceptable
+from hookscope._functional import FunctionCall, FunctionWatcher
 from hookscope.errors import AttentionError
 from hookscope.select import resolve
 

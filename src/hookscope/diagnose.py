@@ -20,7 +20,7 @@ from types import FrameType
 import torch
 from torch import nn
 
-from hookscope._functional import functional_hint
+from hookscope._function_names import functional_hint
 from hookscope.errors import HookscopeError
 from hookscope.select import Target, unwrap
 

@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from hookscope._files import write_atomic
-from hookscope._functional import bind_arguments
+from hookscope._function_names import bind_arguments
 from hookscope._nested import get_part, iter_tensors_with_keys
 from hookscope.errors import CaptureError, HookscopeError
 from hookscope.grads import NO_GRADIENT_YET, GradRecord

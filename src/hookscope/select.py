@@ -35,7 +35,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from hookscope._functional import split_address
+from hookscope._function_names import split_address
 from hookscope.errors import SelectorError
 
 __all__ = ["Target", "select", "resolve", "unwrap", "is_container"]

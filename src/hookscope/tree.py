@@ -16,7 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope._functional import FunctionCall, FunctionWatcher, functional_hint
+from hookscope._function_names import functional_hint
+from hookscope._functional import FunctionCall, FunctionWatcher
 from hookscope._nested import iter_tensors
 from hookscope._session import Observer
 from hookscope.errors import SelectorError
