@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from hookscope._function_names import refuse_uninterceptable
-from hookscope._functional import FunctionCall, FunctionWatcher
+from hookscope._functional import FunctionCall, FunctionWatcher, Watch
 from hookscope.errors import AttentionError
 from hookscope.select import resolve
 
@@ -108,11 +108,10 @@ def attention(model: nn.Module, *args: Any, layers: str | Sequence[str], **kwarg
     """
     patterns = [layers] if isinstance(layers, str) else list(layers)
     refuse_uninterceptable(model, patterns[0])
-    targets = resolve(model, patterns)
     watcher = FunctionWatcher()
-    found: dict[str, dict[int, list[Tensor]]] = {}
-    watches = {}
-    for target in targets:
+    found: dict[str, dict[int, list[Tensor]]] = {}  # path -> module call -> probabilities
+    watches: dict[str, Watch] = {}
+    for target in resolve(model, patterns):
         refuse_uninterceptable(target.module, target.path)
         found[target.path] = {}
         watches[target.path] = watcher.watch(target.module, _collector(found[target.path]),
@@ -126,14 +125,19 @@ def attention(model: nn.Module, *args: Any, layers: str | Sequence[str], **kwarg
         watcher.close()
     result: dict[str, Tensor] = {}
     for path, watch in watches.items():
-        calls = [_one(path, call, found[path].get(call, [])) for call in range(watch.module_calls)]
-        if not calls:
-            raise AttentionError(f"'{path}' never ran in this forward pass, so it has no attention "
-                                 f"probabilities: select modules that run ('hookscope tree MODEL "
-                                 f"--input X' shows which ran)")
-        result.update({path: calls[0]} if len(calls) == 1 else
-                      {f"{path}:{k}": value for k, value in enumerate(calls)})
+        result.update(_per_call(path, [found[path].get(call, [])
+                                       for call in range(watch.module_calls)]))
     return result
+
+
+def _per_call(path: str, calls: list[list[Tensor]]) -> dict[str, Tensor]:
+    """``{path: probabilities}`` for a module that ran once, ``{path:k: ...}`` for several."""
+    if not calls:
+        raise AttentionError(f"'{path}' never ran in this forward pass, so it has no attention "
+                             f"probabilities: select modules that run ('hookscope tree MODEL "
+                             f"--input X' shows which ran)")
+    values = [_one(path, call, found) for call, found in enumerate(calls)]
+    return {path: values[0]} if len(values) == 1 else {f"{path}:{k}": v for k, v in enumerate(values)}
 
 
 def _collector(calls: dict[int, list[Tensor]]) -> Callable[[FunctionCall], None]:
