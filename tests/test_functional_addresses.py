@@ -198,3 +198,13 @@ def test_cli_stats_and_diff_with_function_addresses(capsys: pytest.CaptureFixtur
     rows = [line.split()[:3] for line in capsys.readouterr().out.splitlines()
             if line.startswith("::max_pool2d")]
     assert rows == [["::max_pool2d", "0", "2x6x14x14"], ["::max_pool2d", "1", "2x16x5x5"]]
+
+
+def test_extract_stores_a_function_value_row_by_row(tmp_path: Path) -> None:
+    net = SeedLeNet()
+    batches = [torch.randn(4, 3, 32, 32) for _ in range(3)]
+    store = hookscope.extract(net, batches, "::relu#1", tmp_path / "store", progress=False)
+    with torch.no_grad():
+        expected = torch.cat([lenet_relus(net, batch)[1] for batch in batches])
+    assert store["::relu#1"][0:12].shape == (12, 16, 10, 10)
+    assert torch.equal(store["::relu#1"][0:12], expected)
