@@ -208,3 +208,16 @@ def test_extract_stores_a_function_value_row_by_row(tmp_path: Path) -> None:
         expected = torch.cat([lenet_relus(net, batch)[1] for batch in batches])
     assert store["::relu#1"][0:12].shape == (12, 16, 10, 10)
     assert torch.equal(store["::relu#1"][0:12], expected)
+
+
+def test_capture_inside_an_edit_of_the_same_call_sees_the_edited_value(
+        lenet: tuple[SeedLeNet, torch.Tensor]) -> None:
+    net, x = lenet
+    with torch.no_grad():
+        with hookscope.ablate(net, "::relu#3"), hookscope.capture(net, "::relu") as acts:
+            y = net(x)
+        expected = lenet_relus(net, x)
+    assert torch.equal(acts["::relu", 3], torch.zeros(2, 84))
+    assert torch.equal(acts["::relu", 2], expected[2])
+    assert torch.equal(y, net.fc3(torch.zeros(2, 84)))
+    assert acts.counts == {"::relu": 4}  # neither session saw the other's own torch calls
