@@ -333,8 +333,12 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
     Args:
         model: root module; ``DataParallel``/``DDP``/``torch.compile`` wrappers are looked through.
         *patterns: paths, ``state_dict()`` keys, globs, ``re:``/``type:`` patterns, optionally
-            with output parts (``"lstm[0]"``); see ``hookscope.select``.
-        inputs: also keep each call's positional and keyword inputs (``acts.inputs(path, k)``).
+            with output parts (``"lstm[0]"``); see ``hookscope.select``. A function-level
+            address ``PATTERN::NAME`` records every call of function ``NAME`` made by the own
+            forward of the modules selected (``"::relu"``, ``"h.*.attn::softmax"``;
+            ``"::relu#1"`` for call 1 of each forward), each value copied unless ``clone=False``.
+        inputs: also keep each call's positional and keyword inputs (``acts.inputs(path, k)``);
+            for a function-level address, its arguments bound to the function's parameters.
         grads: also keep d(loss)/d(output) of each call, filled in when ``backward()`` runs
             through it (``acts.grad(path, k)``); uses tensor hooks, so in-place ops after the
             module, tuple outputs and modules with a legacy backward hook work (``grads.py``).

@@ -126,7 +126,9 @@ def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: b
         edits: ``{pattern: fn}``. For outputs, ``fn(output)`` returns the new output (any
             structure: tensor, tuple, dict, dataclass), or ``None`` to keep it; with a part
             (``"lstm[0]"``) ``fn`` gets and returns only that part. With ``inputs=True``,
-            ``fn(args, kwargs)`` returns ``(args, kwargs)`` or ``None``.
+            ``fn(args, kwargs)`` returns ``(args, kwargs)`` or ``None``. A function-level
+            address (``"::relu#3"``, ``"h.*.attn::scaled_dot_product_attention"``) edits the
+            value that call returned, before the rest of forward uses it.
         inputs: edit the inputs (forward pre-hooks) instead of the outputs.
         context: call ``fn(output, path, call)`` (``fn(args, kwargs, path, call)`` for inputs):
             also the module path and the call index, counted from 0 per module. A ``fn`` that
@@ -139,7 +141,8 @@ def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: b
 
     Raises:
         SelectorError: a pattern matches no module (before anything is registered).
-        EditError: output parts with ``inputs=True``; an input edit returned something other
+        EditError: output parts or a function-level address with ``inputs=True``; an input
+            edit returned something other
             than ``(args, kwargs)`` or ``None`` (during the forward pass).
         HookNeverFiredError: on exit, with ``on_unfired="error"``, a selected module never ran.
     """
