@@ -96,6 +96,19 @@ def hooked_transformer(size: Size) -> nn.Module:
         return HookedTransformer(config).eval()
 
 
+def minilm() -> nn.Module:
+    """Return all-MiniLM-L6-v2 with its shipped weights (the ``minilm`` model spec), eval mode."""
+    from hookscope.models import load_model
+
+    return load_model("minilm").module
+
+
+def minilm_tokens(size: Size) -> Tensor:
+    """Return random MiniLM token ids, ``(batch, seq)`` int64, seed 0 (no padding)."""
+    generator = torch.Generator().manual_seed(0)
+    return torch.randint(1000, 30000, (size.batch, size.seq), generator=generator)
+
+
 def tokens(size: Size) -> Tensor:
     """Return random token ids, ``(batch, seq)`` int64, seed 0."""
     generator = torch.Generator().manual_seed(0)

@@ -149,6 +149,18 @@ def _or_none(acts: Any, path: str, call: int) -> Any:
         return None
 
 
+def hookscope_attention(model: nn.Module, example: Sequence[Any], pattern: str, *,
+                        name: str) -> Case:
+    """``hookscope.attention(model, *example, layers=pattern)``: probabilities of each module."""
+    import hookscope
+
+    def run() -> dict[str, Tensor]:
+        return hookscope.attention(model, *example, layers=pattern)
+
+    return Case(name, "hookscope", run, lambda kept: kept.values(),
+                note="recomputes (batch, heads, query, key) probabilities from the SDPA inputs")
+
+
 def nnsight_trace(model: nn.Module, example: Sequence[Any], paths: Sequence[str], *,
                   name: str, note: str = "") -> Case:
     """``NNsight(model).trace(...)`` saving ``.output`` of each path, in execution order.

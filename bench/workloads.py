@@ -23,6 +23,8 @@ WORKLOADS: dict[str, str] = {
     "resnet": "ResNet-50-sized CNN, plain torch, in-place ReLU, images",
     "resnet-torchlens": "same CNN, torchlens (own process)",
     "efficientnet": "efficientnet-lite0 (real weights), scikit-image photos",
+    "functional": "function-level addresses: the SDPA call of every attention module, GPT-2-sized "
+                  "and MiniLM (real weights), tokens",
 }
 
 
@@ -58,7 +60,7 @@ def build(name: str, size: models.Size, *, peers_wanted: bool = True) -> Workloa
     """
     return {"gpt2": _gpt2, "gpt2-torchlens": _gpt2_torchlens, "resnet": _resnet,
             "resnet-torchlens": _resnet_torchlens,
-            "efficientnet": _efficientnet}[name](size, peers_wanted)
+            "efficientnet": _efficientnet, "functional": _functional}[name](size, peers_wanted)
 
 
 def _block_cases(cases: list[Case], model: torch.nn.Module, example: tuple[Any, ...],
@@ -199,6 +201,42 @@ def _efficientnet(size: models.Size, peers_wanted: bool) -> Workload:
     return Workload("efficientnet", f"photos {tuple(example[0].shape)}", cases,
                     _reference(model, example, paths + blocks), {},
                     {"modules": len(paths), "photos": list(models.PHOTOS[:size.photos])})
+
+
+def _functional(size: models.Size, peers_wanted: bool) -> Workload:
+    """Each model's bare forward, then its attention modules captured by module hooks (what a
+    module address costs, unchanged by function addresses) and by the function address of their
+    SDPA call, and hookscope.attention (which also recomputes the probabilities)."""
+    gpt2, gpt2_tokens = models.gpt2(size), (models.tokens(size),)
+    minilm, minilm_tokens = models.minilm(), (models.minilm_tokens(size),)
+    cases = [peers.bare(gpt2, *gpt2_tokens)]
+    _function_cases(cases, gpt2, gpt2_tokens, "transformer.h.*.attn", size.n_layer, "GPT-2")
+    cases.append(peers.bare(minilm, *minilm_tokens, name="MiniLM bare forward"))
+    _function_cases(cases, minilm, minilm_tokens, "encoder.layer.*.attention.self", 6, "MiniLM",
+                    floor="MiniLM bare forward")
+    return Workload("functional", f"tokens ({size.batch}, {size.seq}) for both", cases, None, {},
+                    {"gpt2_attn_implementation": getattr(gpt2.config, "_attn_implementation", "?"),
+                     "minilm_attn_implementation": getattr(minilm.config, "_attn_implementation",
+                                                           "?")})
+
+
+def _function_cases(cases: list[Case], model: torch.nn.Module, example: tuple[Any, ...],
+                    pattern: str, layers: int, label: str, floor: str | None = None) -> None:
+    import hookscope
+
+    paths = list(hookscope.select(model, pattern))
+    address = f"{pattern}::scaled_dot_product_attention"
+    for case in (
+            peers.plain_hooks(model, example, paths,
+                              name=f"{label}: plain hooks detach(), {layers} attention modules"),
+            peers.hookscope_capture(model, example, [pattern],
+                                    name=f"{label}: hookscope '{pattern}' (module outputs)"),
+            peers.hookscope_capture(model, example, [address],
+                                    name=f"{label}: hookscope '{address}'"),
+            peers.hookscope_attention(model, example, pattern,
+                                      name=f"{label}: hookscope.attention, {layers} modules")):
+        case.floor = floor
+        cases.append(case)
 
 
 def _reference(model: torch.nn.Module, example: tuple[Any, ...],

@@ -63,7 +63,7 @@ def test_02_declared_relu_never_called_is_reported_not_empty() -> None:
     message = str(record[0].message)
     assert "relu (ReLU) was registered but never called" in message
     assert "modules that did run there: conv1, fc" in message
-    assert "capture a module next to it that runs (conv1)" in message
+    assert "the address '::relu' reaches that value" in message
     assert "relu" not in acts and bool((acts["conv1"] < 0).any())
 
 

@@ -11,7 +11,8 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "hookscope"
 CORE = ["select", "_session", "capture", "records", "edit", "grads", "hooks", "diagnose", "_nested",
-        "_inplace", "_sources", "_files", "errors", "compare", "tree", "nonfinite", "stats"]
+        "_inplace", "_sources", "_files", "errors", "compare", "tree", "nonfinite", "stats",
+        "_functional", "_function_names", "attention"]
 APPLICATION = {"models", "inputs", "predictions", "viz", "gradcam", "cli"}
 
 

@@ -4,10 +4,12 @@ Select modules by the names you already see, capture every call, never fail sile
 diagnose, and extract activations of whole data sets to disk.
 """
 
+from hookscope.attention import attention
 from hookscope.capture import CallInputs, Capture, capture, run
 from hookscope.compare import Comparison, LayerDiff, compare
 from hookscope.edit import Edit, ablate, edit, patch, steer
 from hookscope.errors import (
+    AttentionError,
     CaptureError,
     EditError,
     ExtractError,
@@ -37,6 +39,7 @@ from hookscope.tree import TreeRow, tree
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionError",
     "CallInputs",
     "Capture",
     "CaptureError",
@@ -66,6 +69,7 @@ __all__ = [
     "TensorSummary",
     "TreeRow",
     "ablate",
+    "attention",
     "capture",
     "compare",
     "edit",

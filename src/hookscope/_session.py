@@ -23,6 +23,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hookscope import diagnose
+from hookscope._function_names import refuse_uninterceptable
+from hookscope._functional import FunctionHooks
 from hookscope._ownership import OwnedHook, register
 from hookscope.errors import HookNeverFiredError, HookNeverFiredWarning, HookscopeError, warn
 from hookscope.select import Target, resolve
@@ -60,6 +62,11 @@ class HookSession:
         elif targets is None:  # else resolved by the caller with resolve_checked
             targets = resolve_checked(model, patterns)
         self.targets = list(targets)
+        for target in self.targets:
+            if target.op is not None:  # before anything runs: calls there cannot be seen
+                refuse_uninterceptable(model, target.key)
+                refuse_uninterceptable(target.module, target.key)
+        self._functions = FunctionHooks()  # serves targets that address a function call
         self.unfired: dict[str, str] = {}
         self._on_unfired = on_unfired
         self._handles: list[RemovableHandle] = []
@@ -74,6 +81,8 @@ class HookSession:
         self._active = True
         try:
             self._register()
+            for handle in self._functions.install():
+                self._add(handle)
             if self._on_unfired != "ignore" or self._explain_unfired:
                 for path, module in diagnose.witnesses(self.model, self.targets).items():
                     self._hook(module, self._witness(path), pre=True)
@@ -92,8 +101,18 @@ class HookSession:
         if not self._explain_unfired:
             return
         ran = self._ran_paths()
-        silent = [t for t in self.targets if t.path not in ran]
-        self.unfired = {**diagnose.explain_unfired(self.model, silent, ran), **self._other_threads(silent)}
+        called = self._functions.called
+        # A wide address ('h.*::softmax', '**::relu') matches modules that make no such call;
+        # they are not reported as long as one module it matched made it.
+        made = {t.op for t in self.targets if t.op and t.wide and t.key in called}
+        silent = [t for t in self.targets if (t.key not in called and not (t.wide and t.op in made)
+                                              if t.op else t.path not in ran)]
+        inside = {t.key: why for t in silent if t.op
+                  and (why := self._functions.unfired(t.key, t.path)) is not None}
+        self.unfired = diagnose.explain_unfired(self.model,
+                                                [t for t in silent if t.key not in inside], ran)
+        self.unfired.update(inside)
+        self.unfired.update(self._other_threads(silent))
         self._report_unfired()
 
     def _register(self) -> None:
@@ -140,10 +159,22 @@ class HookSession:
                     f"thread that calls the model")
         return found
 
+    def _hook_output(self, target: Target, hook: Hook, *, with_kwargs: bool = False,
+                     in_recompute: bool = False) -> None:
+        """Run ``hook(module, args, [kwargs,] output)`` after each call of ``target``: a forward
+        hook on its module, or, for a function-level target (``target.op``), after each call of
+        that function in the module's own forward, with the function's arguments and output.
+        Either way a non-``None`` return replaces the output."""
+        if target.op is None:
+            self._hook(target.module, hook, with_kwargs=with_kwargs, in_recompute=in_recompute)
+        else:
+            self._functions.add(target.key, target.module, target.op, hook, with_kwargs=with_kwargs)
+
     def _remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._functions.close()
         self._active = False
 
     def _witness(self, path: str) -> Callable[..., None]:
@@ -209,12 +240,12 @@ class Observer(HookSession):
     def _register(self) -> None:
         for target in self.targets:
             module = target.module
-            if self._pre is not None:
+            if self._pre is not None and target.op is None:
                 self._hook(module, self._marked(target, self._pre(target)), pre=True,
                            with_kwargs=self._with_kwargs)
             if self._forward is not None:
-                self._hook(module, self._marked(target, self._forward(target)),
-                           with_kwargs=self._with_kwargs)
+                self._hook_output(target, self._marked(target, self._forward(target)),
+                                  with_kwargs=self._with_kwargs)
 
     def _marked(self, target: Target, hook: Hook) -> Hook:
         """``hook``, also noting that the target ran when unfired modules are explained."""

@@ -104,7 +104,11 @@ class Capture(HookSession):
 
     def _register(self) -> None:
         self._snapshot = self._snapshot_fn()  # one per session, shared by every hook
-        for module, targets in by_module(self.targets).items():
+        for target in self.targets:
+            if target.op is not None:
+                self._hook_output(target, self._function_hook(self._slots[target.key]),
+                                  with_kwargs=self._options.inputs)
+        for module, targets in by_module([t for t in self.targets if t.op is None]).items():
             slots = [self._slots[t.key] for t in targets]
             if self._options.inputs:  # before the call: a module may write its input in place
                 self._hook(module, _inputs_hook(slots, self._options.clone), pre=True, with_kwargs=True)
@@ -116,6 +120,8 @@ class Capture(HookSession):
                            pre=True, with_kwargs=True)
 
     def _finish(self) -> None:
+        for key, function in self._functions.functions.items():
+            self._slots[key].entry.function = function
         if self._options.clone is False:
             self._check_versions()
             self._warn_unverifiable()
@@ -144,6 +150,27 @@ class Capture(HookSession):
             if with_grads:
                 for slot in slots:
                     slot.entry.grads.append(watch_output(_part(output, slot), convert))
+        return hook
+
+    def _function_hook(self, slot: _Slot) -> Callable[..., None]:
+        """Record each call of a function-level target: its output (the selected part), kept as
+        ``snapshot`` keeps module outputs (copy-on-write unless ``clone`` says otherwise; values
+        made inside a forward are often written in place by the code that follows,
+        ``x += ...``); with ``inputs=True`` the function's arguments; with ``grads=True`` a
+        gradient watch."""
+        options, convert, entry, snapshot = self._options, self._grad_convert, slot.entry, self._snapshot
+        clone = options.clone
+
+        def keep_input(t: Tensor) -> Tensor:
+            return _keep_input(t, clone)
+
+        def hook(module: nn.Module, args: Any, *rest: Any) -> None:
+            output = _part(rest[-1], slot)
+            entry.outputs.append(snapshot(output, slot))
+            if options.inputs:
+                entry.inputs.append((map_tensors(keep_input, args), map_tensors(keep_input, rest[0])))
+            if options.grads:
+                entry.grads.append(watch_output(output, convert))
         return hook
 
     def _plain_hook(self, slot: _Slot) -> Callable[..., None]:
@@ -363,8 +390,12 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
     Args:
         model: root module; ``DataParallel``/``DDP``/``torch.compile`` wrappers are looked through.
         *patterns: paths, ``state_dict()`` keys, globs, ``re:``/``type:`` patterns, optionally
-            with output parts (``"lstm[0]"``); see ``hookscope.select``.
-        inputs: also keep each call's positional and keyword inputs (``acts.inputs(path, k)``).
+            with output parts (``"lstm[0]"``); see ``hookscope.select``. A function-level
+            address ``PATTERN::NAME`` records every call of function ``NAME`` made by the own
+            forward of the modules selected (``"::relu"``, ``"h.*.attn::softmax"``;
+            ``"::relu#1"`` for call 1 of each forward), each value copied unless ``clone=False``.
+        inputs: also keep each call's positional and keyword inputs (``acts.inputs(path, k)``);
+            for a function-level address, its arguments bound to the function's parameters.
         grads: also keep d(loss)/d(output) of each call, filled in when ``backward()`` runs
             through it (``acts.grad(path, k)``); uses tensor hooks, so in-place ops after the
             module, tuple outputs and modules with a legacy backward hook work (``grads.py``).

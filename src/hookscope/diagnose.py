@@ -21,6 +21,7 @@ from types import FrameType
 import torch
 from torch import nn
 
+from hookscope._function_names import functional_hint
 from hookscope.errors import FusedModuleWarning, HookscopeError
 from hookscope.names import index
 from hookscope.select import Target
@@ -155,11 +156,15 @@ def _reason(path: str, modules: dict[str, nn.Module], children: dict[str, list[s
     if parent in ran:
         siblings = [c for c in children.get(parent, ()) if c in ran and c != path]
         seen = f" (modules that did run there: {', '.join(siblings[:6])})" if siblings else ""
+        address = functional_hint(parent, module)
+        reach = (f"the address {address} reaches that value (every such call of the parent's "
+                 f"own forward, in order; 'hookscope tree MODEL --input X --ops' lists them)"
+                 if address else f"capture a module next to it that runs"
+                 f"{' (' + siblings[0] + ')' if siblings else ''} or the parent")
         return (f"{path} ({kind}) was registered but never called: {parent_name} ran without "
                 f"calling it{seen}. Either the parent applies the functional form instead "
-                f"(torch.nn.functional, e.g. F.relu, or a fused op), which hooks cannot see, so "
-                f"capture a module next to it that runs{' (' + siblings[0] + ')' if siblings else ''}"
-                f" or the parent; or this input takes a branch that does not use it")
+                f"(torch.nn.functional, e.g. F.relu), which module hooks cannot see: {reach}; "
+                f"or this input takes a branch that does not use it")
     return (f"{path} ({kind}) never ran, and neither did its parent {parent_name}: this input "
             f"takes a branch of the model that does not reach it")
 

@@ -62,11 +62,15 @@ class Edit(HookSession):
                     for target in resolve_checked(model, [pattern])]  # each pattern once
         self._rules = [(target, rule) for _, target, rule in resolved]
         self._patterns = [pattern for pattern, _, _ in resolved]  # named when an edit misfits
-        targets = list({(t.path, t.parts): t for t, _ in self._rules}.values())
+        targets = list({(t.path, t.parts, t.op): t for t, _ in self._rules}.values())
         super().__init__(model, (), on_unfired, targets=targets if targets else None)
         if inputs and any(t.parts for t, _ in self._rules):
             raise EditError("output parts such as 'lstm[0]' select pieces of an output; an input "
                             "edit gets (args, kwargs): drop the brackets and change them in fn")
+        if inputs and any(t.op for t, _ in self._rules):
+            raise EditError("inputs=True edits what a module receives; a function-level address "
+                            "('path::name') selects a value computed inside forward: edit that "
+                            "value (inputs=False), or the inputs of the module that makes the call")
         self._inputs = inputs
         self._calls = [0] * len(self._rules)
         self._recomputed = [0] * len(self._rules)  # checkpoint recomputes seen, per rule
@@ -84,7 +88,7 @@ class Edit(HookSession):
                 self._hook(target.module, self._input_hook(index, target, rule), pre=True,
                            with_kwargs=True, in_recompute=True)
             else:
-                self._hook(target.module, self._output_hook(index, target, rule), in_recompute=True)
+                self._hook_output(target, self._output_hook(index, target, rule), in_recompute=True)
 
     def _output_hook(self, index: int, target: Target, rule: Rule) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
@@ -138,7 +142,9 @@ def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: b
         edits: ``{pattern: fn}``. For outputs, ``fn(output)`` returns the new output (any
             structure: tensor, tuple, dict, dataclass), or ``None`` to keep it; with a part
             (``"lstm[0]"``) ``fn`` gets and returns only that part. With ``inputs=True``,
-            ``fn(args, kwargs)`` returns ``(args, kwargs)`` or ``None``.
+            ``fn(args, kwargs)`` returns ``(args, kwargs)`` or ``None``. A function-level
+            address (``"::relu#3"``, ``"h.*.attn::scaled_dot_product_attention"``) edits the
+            value that call returned, before the rest of forward uses it.
         inputs: edit the inputs (forward pre-hooks) instead of the outputs.
         context: call ``fn(output, path, call)`` (``fn(args, kwargs, path, call)`` for inputs):
             also the module path and the call index, counted from 0 per module. A ``fn`` that
@@ -151,7 +157,8 @@ def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: b
 
     Raises:
         SelectorError: a pattern matches no module (before anything is registered).
-        EditError: ``edits`` is not a dict; output parts with ``inputs=True``; during the
+        EditError: ``edits`` is not a dict; output parts or a function-level address with
+            ``inputs=True``; during the
             forward pass, an input edit
             returned something other than ``(args, kwargs)`` or ``None``, or an output edit
             returned another structure, tensor shape or dtype than the module (or part) did:

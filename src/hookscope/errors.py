@@ -103,3 +103,8 @@ def warn(message: str, category: type[Warning]) -> None:
         frame = frame.f_back
         level += 1
     warnings.warn(message, category, stacklevel=level)
+
+
+class AttentionError(HookscopeError, ValueError):
+    """Attention probabilities cannot be taken from a module: it never ran, or one of its calls
+    computed no attention or more than one; the message names the module and the pattern to use."""

@@ -23,7 +23,7 @@ import inspect
 import json
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from hookscope._files import write_atomic
+from hookscope._function_names import bind_arguments
 from hookscope._nested import get_part, iter_tensors_with_keys
 from hookscope.errors import CaptureError, HookscopeError
 from hookscope.grads import NO_GRADIENT_YET, GradRecord
@@ -123,11 +124,13 @@ class CallInputs:
 class Entry:
     """Everything recorded under one record name; the capture session appends to the lists."""
 
-    __slots__ = ("name", "module", "outputs", "inputs", "grads", "grad_inputs", "broken")
+    __slots__ = ("name", "module", "function", "outputs", "inputs", "grads", "grad_inputs",
+                 "broken")
 
     def __init__(self, name: str, module: nn.Module | None = None):
         self.name = name
         self.module = module
+        self.function: Callable[..., Any] | None = None  # for a function-level record
         self.outputs: list[Any] = []
         self.inputs: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
         self.grads: list[GradRecord] = []
@@ -262,7 +265,7 @@ class Records:
             raise CaptureError(f"inputs were not recorded: use hookscope.capture(model, "
                                f"'{path}', inputs=True) to keep them")
         args, kwargs = entry.inputs[self._index(path, entry, call)]
-        return CallInputs(args, kwargs, _bind(entry.module, args, kwargs))
+        return CallInputs(args, kwargs, _bind(entry, args, kwargs))
 
     def grad(self, path: str, call: int = 0) -> Any:
         """d(loss)/d(output) of call ``call`` of ``path``; same structure and shapes as the output.
@@ -305,7 +308,7 @@ class Records:
         """
         record = self._grad_record(path, call, "grad_inputs")
         args, kwargs = record.value()
-        return CallInputs(args, kwargs, _bind(self._entry(path).module, args, kwargs))
+        return CallInputs(args, kwargs, _bind(self._entry(path), args, kwargs))
 
     def save(self, file: str | os.PathLike[str], *, overwrite: bool = True,
              metadata: Mapping[str, str] | None = None) -> None:
@@ -436,11 +439,15 @@ def _shapes(outputs: list[Any]) -> str:
     return shape if len(outputs) == 1 else f"{len(outputs)} calls, first {shape}"
 
 
-def _bind(module: nn.Module | None, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+def _bind(entry: Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Bind inputs to the parameter names of the module's forward, or of the function called
+    for a function-level record (``query``, ``key``, ``value``, ... of SDPA)."""
+    if entry.function is not None:
+        return bind_arguments(entry.function, args, kwargs)
     try:
-        if module is None:
+        if entry.module is None:
             raise TypeError
-        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+        bound = inspect.signature(entry.module.forward).bind(*args, **kwargs)
     except (TypeError, ValueError):
         return {**{str(i): a for i, a in enumerate(args)}, **kwargs}
     bound.apply_defaults()

@@ -20,6 +20,13 @@ what a user types, resolved here without registering anything:
   ``"lstm[1][0]"``, ``"bert[last_hidden_state]"``. A trailing ``[k]`` that names a child module
   (``"features[0]"`` of a ``Sequential``) selects that child instead.
 
+A **function-level address** ``PATTERN::NAME`` selects the calls of function ``NAME`` made by
+the own forward of each module ``PATTERN`` selects (not by its children): ``"::relu"`` (the root
+model's ``F.relu`` calls), ``"h.*.attn::softmax"``; ``NAME#N`` keeps only call ``N`` of each
+forward (``"::relu#1"``); output parts follow the name (``"attn::unbind[0]"``). See
+``_functional.py`` for how the calls are seen.
+
+
 Wrappers are transparent at any depth (``hookscope.wrappers``: DataParallel/DDP ``module.``,
 ``torch.compile`` ``_orig_mod.``, FSDP ``_fsdp_wrapped_module.``, checkpoint wrappers and
 look-alikes): globs, regexes and exact names match with or without their segments.
@@ -36,6 +43,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from hookscope._function_names import split_address
 from hookscope.errors import SelectorError
 from hookscope.names import ModuleIndex, index
 from hookscope.wrappers import unwrap
@@ -56,20 +64,26 @@ class Target:
         module: the submodule itself.
         parts: keys into a structured output, e.g. ``(1, 0)`` for ``"lstm[1][0]"``; empty for all.
         aliases: the module's other names (a module registered under several attribute paths).
-        key: the record name, the path followed by its parts: ``"lstm[1][0]"``; ``"(root)"``
-            for the root.
+        op: a function called by the module's own forward, ``"relu"`` (every call) or
+            ``"relu#1"`` (its call 1 in each forward); ``None`` for the module's output.
+        key: the record name, the path, ``::op`` and parts: ``"lstm[1][0]"``,
+            ``"h.0.attn::softmax"``, ``"::relu#1"``; ``"(root)"`` for the root's output.
+        wide: selected by a glob, ``re:`` or ``type:`` pattern (not by its exact name); a
+            function-level target selected so need not make the call (only some modules do).
     """
 
     path: str
     module: nn.Module
     parts: tuple[int | str, ...] = ()
     aliases: tuple[str, ...] = ()
+    op: str | None = None
+    wide: bool = False
 
-    key: str = field(init=False, repr=False)  # record name: path and parts, "lstm[1][0]"
+    key: str = field(init=False, repr=False)  # record name: path, op and parts
 
     def __post_init__(self) -> None:
-        parts = "".join(f"[{p}]" for p in self.parts) if self.parts else ""
-        object.__setattr__(self, "key", (self.path or ROOT) + parts)
+        name = (self.path or ROOT) if self.op is None else f"{self.path}::{self.op}"
+        object.__setattr__(self, "key", name + "".join(f"[{p}]" for p in self.parts))
 
 
 def is_container(module: nn.Module) -> bool:
@@ -109,14 +123,34 @@ def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str]) -> list[Tar
                             "'blocks.*', 'type:Linear' or '**' for every module")
     names = index(model)
     order = {path: i for i, path in enumerate(names.modules)}
-    chosen: dict[tuple[str, tuple[int | str, ...]], Target] = {}
+    chosen: dict[tuple[str, tuple[int | str, ...], str | None], Target] = {}
     for pattern in patterns:
         if not isinstance(pattern, str):
             raise SelectorError(f"patterns are strings; got {type(pattern).__name__} {pattern!r}")
-        for path, parts in _resolve_one(names, pattern.strip()):
-            target = Target(path, names.modules[path], parts, names.aliases.get(path, ()))
-            chosen.setdefault((path, parts), target)
+        for target in _resolve_address(names, pattern.strip()):
+            chosen.setdefault((target.path, target.parts, target.op), target)
     return sorted(chosen.values(), key=lambda t: order[t.path])
+
+
+def _resolve_address(names: ModuleIndex, pattern: str) -> list[Target]:
+    """A module pattern, or a function-level address ``module pattern::op[parts]``."""
+    base, op, op_parts = split_address(pattern)
+    if op is None:
+        return [_target(names, path, parts) for path, parts in _resolve_one(names, pattern)]
+    _, parts = _split_parts("_" + op_parts)
+    if not base:
+        return [_target(names, "", parts, op)]
+    found = _resolve_one(names, base)
+    if any(p for _, p in found):
+        raise SelectorError(f"'{pattern}': output parts of a function call come after its name, "
+                            f"e.g. '{base.split('[')[0]}::{op}[0]'")
+    wide = base.startswith(("re:", "type:")) or "*" in base or "?" in base
+    return [_target(names, path, parts, op, wide) for path, _ in found]
+
+
+def _target(names: ModuleIndex, path: str, parts: tuple[int | str, ...], op: str | None = None,
+            wide: bool = False) -> Target:
+    return Target(path, names.modules[path], parts, names.aliases.get(path, ()), op, wide)
 
 
 def _split_parts(pattern: str) -> tuple[str, tuple[int | str, ...]]:

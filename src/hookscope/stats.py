@@ -242,7 +242,7 @@ class _StatsSession(HookSession):
 
     def _register(self) -> None:
         for target in self.targets:
-            self._hook(target.module, self._updater(target))
+            self._hook_output(target, self._updater(target))
 
     def _updater(self, target: Target) -> Callable[[nn.Module, Any, Any], None]:
         running, parts, ran = self.results[target.key], target.parts, self._ran

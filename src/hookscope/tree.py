@@ -19,14 +19,33 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope._function_names import functional_hint
+from hookscope._functional import FunctionCall, FunctionWatcher
+from hookscope._nested import iter_tensors
 from hookscope._session import Observer
 from hookscope.errors import SelectorError
 from hookscope.names import ModuleIndex, index
 from hookscope.select import Target, is_container, select
 
-__all__ = ["TreeRow", "tree", "tree_of_call", "format_tree", "filter_rows", "describe_output", "format_count"]
+__all__ = ["OpRow", "TreeRow", "tree", "tree_of_call", "format_tree", "filter_rows", "describe_output",
+           "format_count"]
 
 _MAX_DESCRIPTION = 160  # characters of an output description before it is cut
+
+
+@dataclass(frozen=True)
+class OpRow:
+    """The calls of one torch function that a module's own forward made (``tree(..., ops=True)``).
+
+    Attributes:
+        address: what selects these calls: ``"conv_stack::max_pool2d"``, ``"::relu"`` (the root).
+        calls: how many calls, over all the module's calls.
+        outputs: distinct output descriptions in call order, e.g. ``("2x16x5x5 float32",)``.
+    """
+
+    address: str
+    calls: int
+    outputs: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -44,6 +63,8 @@ class TreeRow:
         outputs: its distinct output signatures in call order, e.g. ``("1x32x112x112 float32",)``.
         container: ``True`` for a module with no ``forward`` (never called, hooks never fire).
         note: why a hook here would not fire and what to select instead, or ``""``.
+        ops: with ``ops=True``, the torch function calls of its own forward (not its children's)
+            that returned a tensor, one ``OpRow`` per function name, in order of first call.
     """
 
     path: str
@@ -55,13 +76,14 @@ class TreeRow:
     outputs: tuple[str, ...] = ()
     container: bool = False
     note: str = ""
+    ops: tuple[OpRow, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         """The row as plain JSON-ready values, keys in field order."""
         return dataclasses.asdict(self)
 
 
-def tree(model: nn.Module, *args: Any, **kwargs: Any) -> list[TreeRow]:
+def tree(model: nn.Module, *args: Any, ops: bool = False, **kwargs: Any) -> list[TreeRow]:
     """List every module of ``model``; with example inputs, also calls and output shapes.
 
     Args:
@@ -70,6 +92,9 @@ def tree(model: nn.Module, *args: Any, **kwargs: Any) -> list[TreeRow]:
         *args, **kwargs: an example input; when given, ``model(*args, **kwargs)`` runs once
             under ``torch.no_grad()`` with a counting hook on every module (all removed on
             return, also when the forward raises).
+        ops: with an example input, also list each module's own torch function calls
+            (``TreeRow.ops``): what a ``path::function`` address can reach. The example pass
+            is then slower (every call goes through a ``TorchFunctionMode``).
 
     Returns:
         One ``TreeRow`` per module in ``named_modules()`` order, the root first.
@@ -80,18 +105,19 @@ def tree(model: nn.Module, *args: Any, **kwargs: Any) -> list[TreeRow]:
     if not (args or kwargs):
         names = index(model)
         return [_row(path, names, None) for path in names.modules]
-    return tree_of_call(model, lambda: model(*args, **kwargs))
+    return tree_of_call(model, lambda: model(*args, **kwargs), ops=ops)
 
 
-def tree_of_call(model: nn.Module, call: Callable[[], Any]) -> list[TreeRow]:
+def tree_of_call(model: nn.Module, call: Callable[[], Any], *, ops: bool = False) -> list[TreeRow]:
     """As ``tree``, with the example pass given as a function, e.g. ``lambda: inputs.call(model)``.
 
     ``call()`` runs once under ``torch.no_grad()`` while every module of ``model`` has a
     counting hook; hooks are removed on return, also when ``call`` raises.
     """
     names = index(model)
-    ran = _run_example(names.root, names.modules, call)  # materialises lazy modules, as a forward does
-    return [_row(path, names, ran) for path in names.modules]
+    # running the example materialises lazy modules, as a forward does
+    ran, calls = _run_example(names.root, names.modules, call, ops)
+    return [_row(path, names, ran, calls.get(path)) for path in names.modules]
 
 
 def filter_rows(rows: Sequence[TreeRow], model: nn.Module, pattern: str | None = None,
@@ -123,7 +149,8 @@ def format_tree(rows: Sequence[TreeRow]) -> str:
     (relative to the shallowest row shown).
 
     Columns: path, class, params (with children), own; then calls and output when the rows
-    come from an example pass; then a note for containers and modules that never ran.
+    come from an example pass; then a note for containers and modules that never ran. Each
+    row's ``ops`` follow it, one line each: ``address  xCALLS  outputs``.
     """
     with_calls = any(row.calls is not None for row in rows)
     header = ["path", "class", "params", "own"] + (["calls", "output"] if with_calls else [])
@@ -132,9 +159,12 @@ def format_tree(rows: Sequence[TreeRow]) -> str:
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
     notes = [""] + [row.note for row in rows]
     lines = []
-    for line, note in zip(table, notes):
+    for line, note, row in zip(table, notes, [None, *rows]):
         text = "  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip()
         lines.append(f"{text}  # {note}" if note else text)
+        indent = "  " * (row.depth - top + 1) if row is not None else ""
+        lines += [f"{indent}{op.address}  x{op.calls}  {' | '.join(op.outputs)}"
+                  for op in (row.ops if row is not None else ())]
     return "\n".join(lines) + "\n"
 
 
@@ -156,10 +186,18 @@ def format_count(n: int) -> str:
 
 
 # ------------------------------------------------------------------------------- internals
-def _run_example(root: nn.Module, modules: dict[str, nn.Module],
-                 call: Callable[[], Any]) -> dict[str, list[str]]:
-    """Run the example once; return ``{path: [output description of each call]}``."""
+def _run_example(root: nn.Module, modules: dict[str, nn.Module], call: Callable[[], Any],
+                 ops: bool) -> tuple[dict[str, list[str]], dict[str, dict[str, list[str]]]]:
+    """Run the example once; return ``{path: [output description of each call]}`` and, with
+    ``ops``, ``{path: {function name: [output description of each call]}}``."""
     ran: dict[str, list[str]] = {path: [] for path in modules}
+    functions: dict[str, dict[str, list[str]]] = {}
+    watcher = FunctionWatcher()
+    if ops:
+        for path, module in modules.items():
+            if not is_container(module):
+                functions[path] = {}
+                watcher.watch(module, _op_recorder(functions[path]))
 
     def recorder(target: Target) -> Any:
         descriptions = ran[target.path]
@@ -169,18 +207,32 @@ def _run_example(root: nn.Module, modules: dict[str, nn.Module],
         return hook
 
     targets = [Target(path, module) for path, module in modules.items() if not is_container(module)]
-    with Observer(root, targets, forward=recorder, explain_unfired=False), torch.no_grad():
-        call()
-    return ran
+    handles = watcher.install()
+    try:
+        with Observer(root, targets, forward=recorder, explain_unfired=False), torch.no_grad():
+            call()
+    finally:
+        for handle in handles:
+            handle.remove()
+        watcher.close()
+    return ran, functions
 
 
-def _row(path: str, names: ModuleIndex, ran: dict[str, list[str]] | None) -> TreeRow:
+def _op_recorder(calls: dict[str, list[str]]) -> Callable[[FunctionCall], None]:
+    def on_call(call: FunctionCall) -> None:
+        if next(iter_tensors(call.output), None) is not None:
+            calls.setdefault(call.name, []).append(describe_output(call.output))
+    return on_call
+
+
+def _row(path: str, names: ModuleIndex, ran: dict[str, list[str]] | None,
+         functions: dict[str, list[str]] | None = None) -> TreeRow:
     module = names.modules[path]
     container = is_container(module) and path != ""
     calls = None if ran is None or container else len(ran[path])
     outputs = tuple(dict.fromkeys(ran[path])) if ran is not None and not container else ()
     notes = [_container_note(path, names.modules) if container else (
-        _never_ran_note(path, ran) if ran is not None and calls == 0 else "")]
+        _never_ran_note(path, module, ran) if ran is not None and calls == 0 else "")]
     if path in names.aliases:
         notes.append(f"also named {', '.join(names.aliases[path])} (one module)")
     if _count(module.parameters(recurse=False)) is None:
@@ -190,7 +242,9 @@ def _row(path: str, names: ModuleIndex, ran: dict[str, list[str]] | None) -> Tre
                    params=_count(module.parameters()),
                    own_params=_count(module.parameters(recurse=False)),
                    calls=calls, outputs=outputs, container=container,
-                   note="; ".join(n for n in notes if n))
+                   note="; ".join(n for n in notes if n),
+                   ops=tuple(OpRow(f"{path}::{name}", len(described), tuple(dict.fromkeys(described)))
+                             for name, described in (functions or {}).items()))
 
 
 def _count(parameters: Iterator[nn.Parameter]) -> int | None:
@@ -211,12 +265,14 @@ def _container_note(path: str, modules: dict[str, nn.Module]) -> str:
             if children else "container, no forward and no children: nothing to hook")
 
 
-def _never_ran_note(path: str, ran: dict[str, list[str]]) -> str:
+def _never_ran_note(path: str, module: nn.Module, ran: dict[str, list[str]]) -> str:
     parent = path.rpartition(".")[0]
     if ran.get(parent):
         who = f"'{parent}'" if parent else "the model's forward"
-        return (f"never ran: {who} ran without calling it (a functional call such as F.relu, "
-                "or a branch not taken)")
+        address = functional_hint(parent, module)
+        functional = f"F.{address.split('::')[1][:-1]}: address it as {address}" if address else (
+            "a functional call such as F.relu")
+        return f"never ran: {who} ran without calling it ({functional}, or a branch not taken)"
     return "never ran, nor did its parent: this input takes a branch that does not reach it"
 
 

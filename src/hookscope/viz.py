@@ -20,8 +20,8 @@ from hookscope._extras import require
 from hookscope._files import write_atomic
 from hookscope.errors import SpecError
 
-__all__ = ["plot_activation", "plot_activations", "feature_grid", "histogram", "FIGURE_SIZE_PX",
-           "MAX_CHANNELS"]
+__all__ = ["plot_activation", "plot_activations", "feature_grid", "histogram", "attention_grid",
+           "FIGURE_SIZE_PX", "MAX_CHANNELS"]
 
 FIGURE_SIZE_PX = (1600, 800)  # (width, height) of every PNG written here
 _DPI = 100
@@ -147,6 +147,48 @@ def histogram(values: torch.Tensor, file: str | Path, *, title: str) -> Path:
     nonfinite = flat.size - finite.size
     figure.suptitle(f"{title}   {shape} {str(values.dtype).removeprefix('torch.')}: {summary}"
                     + (f", {nonfinite} NaN/Inf" if nonfinite else ""), fontsize=12)
+    return save_figure(figure, Path(file))
+
+
+def attention_grid(probabilities: torch.Tensor, file: str | Path, *, title: str,
+                   tokens: list[str] | None = None) -> Path:
+    """Draw each head's attention probabilities as a heat map, heads in a grid.
+
+    Args:
+        probabilities: ``(heads, query, key)`` values in [0, 1] (one batch row of what
+            ``hookscope.attention`` returns); every map shares the colour scale 0..1 (viridis).
+        file: PNG to write (its folder must exist); replaced atomically.
+        title: figure title, e.g. ``"encoder.layer.2"``.
+        tokens: labels of the positions, drawn on both axes (queries down, keys across) when
+            there are at most 40 of them; ``None`` for indices.
+
+    Returns:
+        ``file`` as a ``Path``, ``FIGURE_SIZE_PX`` wide and as tall as the grid needs.
+    """
+    values = probabilities.detach().float().cpu()  # (heads, query, key)
+    heads, queries, keys = values.shape
+    columns = math.ceil(math.sqrt(heads * 4 / 3))
+    rows = math.ceil(heads / columns)
+    width = FIGURE_SIZE_PX[0] / _DPI
+    figure = require("matplotlib.figure", "--plot").Figure(
+        figsize=(width, width * rows / columns + 0.6), dpi=_DPI)
+    grid = figure.subplots(rows, columns, squeeze=False)
+    labelled = tokens is not None and len(tokens) <= 40
+    for head, axes in enumerate(grid.flat):
+        if head >= heads:
+            axes.axis("off")
+            continue
+        axes.imshow(values[head].numpy(), cmap="viridis", vmin=0.0, vmax=1.0,
+                    interpolation="nearest")
+        axes.set_title(f"head {head}", fontsize=9)
+        if labelled and tokens is not None:
+            axes.set_xticks(range(keys), tokens[:keys], rotation=90, fontsize=6)
+            axes.set_yticks(range(queries), tokens[:queries], fontsize=6)
+        else:
+            axes.tick_params(labelsize=6)
+    figure.suptitle(f"{title}   {heads} heads, {queries} queries (rows) x {keys} keys "
+                    f"(columns), probability 0..1", fontsize=12)
+    figure.tight_layout(rect=(0, 0, 1, 0.96))
     return save_figure(figure, Path(file))
 
 

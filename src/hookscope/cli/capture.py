@@ -39,7 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_layer_argument(parser, required=True,
                        help="modules to capture, one or more, repeatable: a path ('_conv_stem'), "
-                            "a glob ('_blocks.*', '**._swish'), 're:REGEX' or 'type:Conv2d'")
+                            "a glob ('_blocks.*', '**._swish'), 're:REGEX' or 'type:Conv2d'; "
+                            "'PATTERN::NAME' for the calls of function NAME inside their "
+                            "forward ('::relu', 'h.*.attn::softmax'; tree --ops lists them)")
     parser.add_argument("--save", metavar="FILE.safetensors",
                         help="write every captured tensor here (keys 'path' or 'path:call')")
     parser.add_argument("--plot", metavar="DIR",

@@ -27,7 +27,7 @@ from hookscope._files import advice
 from hookscope.errors import HookNeverFiredWarning, HookscopeError
 
 # Verbs appear in --help in this order; any verb not listed follows alphabetically.
-ORDER = ("tree", "capture", "nan", "diff", "stats", "extract", "show")
+ORDER = ("tree", "capture", "attention", "nan", "diff", "stats", "extract", "show")
 
 
 def _verbs() -> dict[str, ModuleType]:
@@ -50,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     """Return the parser of the whole command, one sub-parser per verb."""
     parser = _Parser(
         prog="hookscope",
-        description="Look inside PyTorch models by module name: tree, capture, nan, diff, "
-                    "stats, extract, show.")
+        description="Look inside PyTorch models by module name: tree, capture, attention, "
+                    "nan, diff, stats, extract, show.")
     parser.add_argument("--version", action="version", version=f"hookscope {hookscope.__version__}")
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an error")

