@@ -13,7 +13,10 @@ the writer its own copy, so the kept value never changes. This holds under
 ``torch.inference_mode()``, ``torch.no_grad()`` and grad mode alike (it needs no version
 counter), decides nothing in advance (no learning pass) and holds no state outside the tensors.
 
-A lazy clone costs about what ``detach()`` costs. Its one visible effect: a tensor that is
+A lazy clone costs about what ``detach()`` costs. Some CPU kernels still ask for a writable
+pointer to an input they only read (torch 2.13: the 1x1, stride-1 ``Conv2d`` path,
+``aten::_slow_conv2d_forward``), which copies that input once, as a write would; PR 100821 above
+names this audit as unfinished. Its one visible effect: a tensor that is
 written after capture moves to new memory, so a raw pointer taken *before* capture
 (``data_ptr()``) no longer sees its writes. Layouts without plain storage (sparse, nested) are
 copied at once instead, and so are tensors in hooks that ``torch.compile`` traces (dynamo
