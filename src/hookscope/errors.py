@@ -69,3 +69,8 @@ class EditError(HookscopeError, ValueError):
 class GradcamError(HookscopeError, ValueError):
     """Grad-CAM cannot be computed: the layer's output is not a feature map, the model's output
     is not class scores, or a target class is out of range."""
+
+
+class PositionError(HookscopeError, IndexError):
+    """``positions=`` names a token position that does not exist, or marks padding (see
+    ``hookscope.positions``)."""
