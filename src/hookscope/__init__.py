@@ -15,6 +15,7 @@ from hookscope.errors import (
     HookNeverFiredError,
     HookNeverFiredWarning,
     HookscopeError,
+    PositionError,
     SelectorError,
     StoreCorruptError,
     StoreError,
@@ -29,6 +30,7 @@ from hookscope.records import load
 from hookscope.select import select
 from hookscope.stats import RunningStats, stats
 from hookscope.store import Store, open_store
+from hookscope.sweep import Sweep, patching_sweep
 from hookscope.tree import TreeRow, tree
 
 __version__ = "0.1.0"
@@ -49,12 +51,14 @@ __all__ = [
     "LayerDiff",
     "NoGrad",
     "NonFiniteOrigin",
+    "PositionError",
     "RunningStats",
     "SelectorError",
     "Store",
     "StoreCorruptError",
     "StoreError",
     "StoreExistsError",
+    "Sweep",
     "TensorSummary",
     "TreeRow",
     "ablate",
@@ -67,6 +71,7 @@ __all__ = [
     "hooks",
     "load",
     "open_store",
+    "patching_sweep",
     "patch",
     "remove_hooks",
     "run",
