@@ -22,6 +22,7 @@ from hookscope.errors import (
     StoreExistsError,
 )
 from hookscope.extract import extract
+from hookscope.generation import GenerationCapture, capture_generation
 from hookscope.gradcam import gradcam, save_gradcam_overlay
 from hookscope.grads import NoGrad
 from hookscope.hooks import HookInfo, hooks, remove_hooks
@@ -43,6 +44,7 @@ __all__ = [
     "Edit",
     "EditError",
     "ExtractError",
+    "GenerationCapture",
     "GradcamError",
     "HookInfo",
     "HookNeverFiredError",
@@ -63,6 +65,7 @@ __all__ = [
     "TreeRow",
     "ablate",
     "capture",
+    "capture_generation",
     "compare",
     "edit",
     "extract",
