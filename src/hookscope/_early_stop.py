@@ -14,12 +14,25 @@ layer"; nnsight's ``.stop()`` and TransformerLens' ``stop_at_layer`` do the same
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+#: why a module selected by another block did not run when a forward was cut short
+SKIPPED_BY_STOP = ("skipped: the forward pass was stopped early (early_stop=True) once the "
+                   "early-stop block's modules had returned, before this module's turn")
+
+_STOPS: weakref.WeakKeyDictionary[nn.Module, int] = weakref.WeakKeyDictionary()
+
+
+def stops(root: nn.Module) -> int:
+    """How many forward passes of ``root`` an early stop has cut short in this process; a block
+    that sees this grow knows its silent modules were skipped, not missed."""
+    return _STOPS.get(root, 0)
 
 
 class StopForward(BaseException):
@@ -34,18 +47,20 @@ class EarlyStop:
     """Tracks which selected modules have returned in the current forward pass.
 
     Args:
-        modules: the selected modules (each stops the pass only once all have returned).
+        root: the module whose forward is a pass (a pre-hook on it starts each pass anew).
+        modules: the selected modules (the pass stops once all have returned).
     """
 
-    def __init__(self, modules: Iterable[nn.Module]):
+    def __init__(self, root: nn.Module, modules: Iterable[nn.Module]):
+        self._root = root
         self._modules = list(dict.fromkeys(modules))
         self._pending = set(map(id, self._modules))
         self.stopped = 0  # passes cut short so far
 
-    def register(self, root: nn.Module, add: Callable[[RemovableHandle], None]) -> None:
-        """Add a pre-hook on ``root`` (a new pass starts) and a forward hook on each module, after
+    def register(self, add: Callable[[RemovableHandle], None]) -> None:
+        """Add a pre-hook on the root (a new pass starts) and a forward hook on each module, after
         the hooks already there (so a capture's record is taken before the stop)."""
-        add(root.register_forward_pre_hook(lambda module, args: self._reset()))
+        add(self._root.register_forward_pre_hook(lambda module, args: self._reset()))
         for module in self._modules:
             add(module.register_forward_hook(self._returned))
 
@@ -57,6 +72,7 @@ class EarlyStop:
         if not self._pending:
             self._reset()
             self.stopped += 1
+            _STOPS[self._root] = _STOPS.get(self._root, 0) + 1
             raise StopForward(self)
 
 

@@ -19,8 +19,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hookscope import diagnose
+from hookscope._early_stop import SKIPPED_BY_STOP, EarlyStop, StopForward, stopped_by, stops
 from hookscope.errors import HookNeverFiredError, HookNeverFiredWarning, HookscopeError
-from hookscope.select import Target, resolve
+from hookscope.select import Target, resolve, unwrap
 
 OnUnfired = Literal["warn", "error", "ignore"]
 
@@ -55,6 +56,8 @@ class HookSession:
         self._on_unfired = on_unfired
         self._handles: list[RemovableHandle] = []
         self._ran: set[str] = set()  # paths of selected modules and witnesses that ran
+        self._stopper: EarlyStop | None = None  # set by _register for early_stop=True
+        self._stops_before = 0  # forwards of this model cut short before the block began
         self._active = False
 
     def __enter__(self) -> Any:
@@ -62,6 +65,7 @@ class HookSession:
             raise HookscopeError(f"this {type(self).__name__} is already active: enter it once, "
                                  f"and build a new one for another block")
         self._active = True
+        self._stops_before = stops(unwrap(self.model)[0])
         try:
             self._register()
             for path, module in diagnose.witnesses(self.model, self.targets).items():
@@ -72,21 +76,34 @@ class HookSession:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+                 tb: TracebackType | None) -> bool | None:
         self._remove()
         self._finish()
-        if exc is not None:
-            diagnose.locate_error(self.model, exc)
-            return
+        stopped = stopped_by(exc, self._stopper)  # our early stop: the block ends cleanly
+        if exc is not None and not stopped:
+            if not isinstance(exc, StopForward):  # another block's stop is no error
+                diagnose.locate_error(self.model, exc)
+            return None
         ran = self._ran_paths()
         silent = [t for t in self.targets if t.path not in ran]
-        self.unfired = diagnose.explain_unfired(self.model, silent, ran)
-        self._report_unfired()
+        if silent and stops(unwrap(self.model)[0]) > self._stops_before:
+            self.unfired = {t.key: SKIPPED_BY_STOP for t in silent}  # not their fault: no report
+        else:
+            self.unfired = diagnose.explain_unfired(self.model, silent, ran)
+            self._report_unfired()
+        return True if stopped else None
 
     def _register(self) -> None:
         """Add this session's hooks with ``self._add``; mark a selected module that runs by
         adding its path to ``self._ran``."""
         raise NotImplementedError
+
+    def _stop_early(self) -> None:
+        """Cut each forward short once every selected module has returned (``early_stop``);
+        call at the end of ``_register``, so the stop runs after this session's hooks."""
+        root, _ = unwrap(self.model)
+        self._stopper = EarlyStop(root, (t.module for t in self.targets))
+        self._stopper.register(self._add)
 
     def _finish(self) -> None:
         """Run after every hook is removed, before the unfired report."""

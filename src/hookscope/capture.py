@@ -45,6 +45,7 @@ class CaptureOptions:
     dtype: torch.dtype | None = None
     reduce: Callable[[Tensor], Tensor] | None = None
     clone: bool | None = None
+    early_stop: bool = False
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,8 @@ class Capture(HookSession):
                     watch_inputs([s.grad_inputs for s in slots], self._grad_convert), with_kwargs=True))
         root, _ = unwrap(self.model)
         self._add(root.register_forward_hook(lambda module, args, output: self._policy.end_pass()))
+        if self._options.early_stop:
+            self._stop_early()
 
     def _finish(self) -> None:
         self._policy.end_pass()
@@ -387,7 +390,7 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
             grad_inputs: bool = False, to: torch.device | str | None = None,
             dtype: torch.dtype | None = None,
             reduce: Callable[[Tensor], Tensor] | None = None, clone: bool | None = None,
-            on_unfired: OnUnfired = "warn") -> Capture:
+            early_stop: bool = False, on_unfired: OnUnfired = "warn") -> Capture:
     """Record the output of every call of each module that ``patterns`` select.
 
     Use it as a context manager; hooks exist only inside the ``with`` block::
@@ -416,6 +419,12 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
             later (learned on first use, see ``_inplace.py``); ``True`` copies always;
             ``False`` never: values overwritten later raise on reading, except under
             ``torch.inference_mode()``, whose tensors have no version counter (a warning says so).
+        early_stop: stop the forward pass once every selected module has returned in it: the
+            rest of the model does not run (faster in proportion), the forward call does not
+            return, and the ``with`` block ends there, cleanly (hooks removed, model untouched,
+            records kept): make the forward the block's last statement, or use
+            ``run(..., options={"early_stop": True})``, which returns ``(None, acts)``. A module
+            called again later in the same pass (shared weights) keeps its first call only.
         on_unfired: what to do on exit about selected modules that never ran: ``"warn"``
             (``HookNeverFiredWarning``), ``"error"`` (``HookNeverFiredError``, raised after the
             forward finished, records still in ``err.capture``) or ``"ignore"``.
@@ -429,7 +438,7 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
         HookscopeError: the model cannot be hooked (TorchScript), or an option is invalid.
     """
     options = CaptureOptions(inputs=inputs, grads=grads, grad_inputs=grad_inputs, to=to,
-                             dtype=dtype, reduce=reduce, clone=clone)
+                             dtype=dtype, reduce=reduce, clone=clone, early_stop=early_stop)
     return Capture(model, patterns, options, on_unfired)
 
 
@@ -442,16 +451,18 @@ def run(model: nn.Module, *args: Any, layers: str | Sequence[str],
         *args, **kwargs: passed to ``model``.
         layers: one pattern or a list of patterns (see ``capture``).
         options: keyword options of ``capture`` (``inputs``, ``grads``, ``grad_inputs``, ``to``,
-            ``dtype``, ``reduce``, ``clone``, ``on_unfired``).
+            ``dtype``, ``reduce``, ``clone``, ``early_stop``, ``on_unfired``).
 
     Returns:
-        ``(output, acts)``: what the model returned, and the ``Capture``.
+        ``(output, acts)``: what the model returned (``None`` when ``early_stop`` cut it
+        short), and the ``Capture``.
 
     Raises:
         As ``capture``; an exception inside the forward pass propagates with a note naming the
         innermost module where it happened.
     """
     patterns = [layers] if isinstance(layers, str) else list(layers)
+    output = None
     with capture(model, *patterns, **(options or {})) as acts:
         output = model(*args, **kwargs)
     return output, acts

@@ -50,7 +50,7 @@ Rows = dict[str, tuple[Tensor, Tensor | None]]  # key -> (rows or flat tokens, t
 def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str | os.PathLike[str],
             *, reduce: Reduce = None, dtype: torch.dtype | None = None, batch_size: int = 32,
             shard_bytes: int = 256 * 2**20, resume: bool = False, overwrite: bool = False,
-            progress: bool = True, model_spec: str | None = None) -> Store:
+            progress: bool = True, model_spec: str | None = None, early_stop: bool = False) -> Store:
     """Run ``model`` over ``data`` and store the output of each selected layer, row by row.
 
     Args:
@@ -76,6 +76,8 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
         overwrite: delete an existing store at ``out`` first.
         progress: show a progress bar (rows/s, MB/s) on stderr (rank 0 only under torchrun).
         model_spec: how the model was made, kept in the manifest (the CLI's ``MODEL``).
+        early_stop: stop each forward once every selected layer has returned (the rest of the
+            model does not run; same rows, less time for early layers; see ``capture``).
 
     Returns:
         The finished store, opened (``hookscope.open_store(out)``).
@@ -101,7 +103,7 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
         config = {"layers": keys, "reduce": _reduce_name(reduce), "batches": source.count,
                   "dtype": dtype_name(dtype) if dtype else None}
         header = {"model": {"spec": model_spec, "class": _class_name(model)}, "extract": config}
-        job = _Job(model, keys, reducer, dtype, source, ranks, progress)
+        job = _Job(model, keys, reducer, dtype, source, ranks, progress, early_stop)
         with torch.no_grad():
             _extract(job, folder, header, shard_bytes, resume=resume, overwrite=overwrite)
     finally:
@@ -120,6 +122,7 @@ class _Job:
     source: BatchSource
     ranks: _Ranks
     progress: bool
+    early_stop: bool = False
 
 
 def _extract(job: _Job, folder: Path, header: dict[str, Any], shard_bytes: int, *,
@@ -323,7 +326,7 @@ def _rows(job: _Job, batch: Any) -> Rows:
     args, kwargs = map_tensors(lambda t: t.to(device, non_blocking=True), (args, kwargs))
     mask = kwargs.get("attention_mask")
     n = _batch_rows(args, kwargs)
-    with capture(job.model, *job.keys, on_unfired="error") as acts:
+    with capture(job.model, *job.keys, on_unfired="error", early_stop=job.early_stop) as acts:
         job.model(*args, **kwargs)
     return {key: _layer_rows(key, _one_tensor(key, acts[key]), n, mask, job) for key in job.keys}
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope._early_stop import forward_boundary
 from hookscope._nested import get_part, iter_tensors
 from hookscope._session import HookSession
 from hookscope.errors import HookscopeError
@@ -176,7 +177,7 @@ class RunningStats:
 
 
 def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "**", *,
-          per_channel: PerChannel = False) -> dict[str, RunningStats]:
+          per_channel: PerChannel = False, early_stop: bool = False) -> dict[str, RunningStats]:
     """Run ``model`` over ``batches`` and return streaming statistics of each selected output.
 
     Each module's output updates its ``RunningStats`` inside the forward hook and is dropped, so
@@ -198,6 +199,8 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
             ``(batch, channels, height, width)``) and along the last dimension for 3-dim
             outputs (``(batch, seq, d_model)``, tokens). An ``int``: that dimension for every
             layer, e.g. ``1`` for Conv1d's ``(batch, channels, length)``.
+        early_stop: stop each forward once every selected module has returned (the rest of
+            the model does not run; see ``capture``).
 
     Returns:
         ``{path: RunningStats}`` in ``named_modules()`` order (keys keep output parts:
@@ -210,12 +213,13 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
             the channel dimension asked for, or is complex.
     """
     patterns = [layers] if isinstance(layers, str) else list(layers)
-    session = _StatsSession(model, patterns, per_channel)
+    session = _StatsSession(model, patterns, per_channel, early_stop)
     count = 0
     with session, torch.no_grad():
         for batch in batches:
             session.mask = batch.get("attention_mask") if isinstance(batch, dict) else None
-            _call_model(model, batch)
+            with forward_boundary(session._stopper):
+                _call_model(model, batch)
             count += 1
         if count == 0:
             raise HookscopeError("batches was empty: pass at least one batch (a tensor, a tuple "
@@ -228,8 +232,10 @@ class _StatsSession(HookSession):
 
     _unfired_consequence = "their statistics are empty (count 0)"
 
-    def __init__(self, model: nn.Module, patterns: list[str], per_channel: PerChannel):
+    def __init__(self, model: nn.Module, patterns: list[str], per_channel: PerChannel,
+                 early_stop: bool):
         super().__init__(model, patterns, "warn")
+        self._early_stop = early_stop
         self.results = {t.key: RunningStats() for t in self.targets}
         self._per_channel = per_channel
         self.mask: Tensor | None = None  # (batch, seq) attention mask of the batch running now
@@ -237,6 +243,8 @@ class _StatsSession(HookSession):
     def _register(self) -> None:
         for target in self.targets:
             self._add(target.module.register_forward_hook(self._updater(target)))
+        if self._early_stop:
+            self._stop_early()
 
     def _updater(self, target: Target) -> Callable[[nn.Module, Any, Any], None]:
         running, parts, ran = self.results[target.key], target.parts, self._ran
