@@ -81,3 +81,28 @@ def test_tuple_output_needs_a_part_and_no_hook_is_left() -> None:
     with hookscope.capture_generation(model, "transformer.h.0.attn[0]") as gen:
         sequences = model.generate(torch.tensor([[5, 6]]), max_new_tokens=2, do_sample=False)
     assert gen.aligned("transformer.h.0.attn[0]").shape == (1, sequences.shape[1] - 1, 32)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_steer_last_token_while_generating(use_cache: bool) -> None:
+    """positions=-1 during generate(): the newest token of each forward (the mask covers the
+    past tokens too with a cache; its last columns are this forward's), as a plain hook does."""
+    model, v = tiny_gpt2(), torch.full((32,), 0.5)
+    prompt = torch.tensor([[5, 6, 7]])
+    kwargs: dict[str, Any] = {"attention_mask": torch.ones_like(prompt), "max_new_tokens": 3,
+                              "do_sample": False, "use_cache": use_cache,
+                              "output_scores": True, "return_dict_in_generate": True}
+
+    def add_last(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        output = output.clone()
+        output[:, -1] += v
+        return output
+
+    handle = model.transformer.h[0].register_forward_hook(add_last)
+    expected = model.generate(prompt, **kwargs)
+    handle.remove()
+    with hookscope.steer(model, {"transformer.h.0": v}, positions=-1):
+        got = model.generate(prompt, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    for mine, theirs in zip(got.scores, expected.scores):
+        torch.testing.assert_close(mine, theirs, rtol=0, atol=0)

@@ -398,7 +398,8 @@ def _patch_positions_rule(records: Records, source_of: dict[str, Target], destin
     def rule(value: Any, target: Target, call: int) -> Any:
         def replace(live: Tensor, keys: tuple[int | str, ...]) -> Tensor:
             recorded = records.leaf(source_of.get(target.key, target), call, keys)
-            rows, columns = resolve_positions(destination, live.shape, watcher.current, absolute=absolute)
+            rows, columns = resolve_positions(destination, live.shape, watcher.mask_for(live.shape),
+                                              absolute=absolute)
             src_rows, src_columns = resolve_positions(origin, recorded.shape, source_mask,
                                                       absolute=absolute)
             if not torch.equal(rows.cpu(), src_rows.cpu()) or recorded.shape[2:] != live.shape[2:]:
@@ -423,7 +424,8 @@ def _at_positions(rule: Rule, positions: Positions, watcher: MaskWatcher, absolu
         new = rule(value, target, call)
 
         def keep_outside(live: Tensor, keys: tuple[int | str, ...]) -> Tensor:
-            rows, columns = resolve_positions(positions, live.shape, watcher.current, absolute=absolute)
+            rows, columns = resolve_positions(positions, live.shape, watcher.mask_for(live.shape),
+                                              absolute=absolute)
             chosen = torch.zeros(live.shape[:2], dtype=torch.bool, device=live.device)
             chosen[rows.to(live.device), columns.to(live.device)] = True
             chosen = chosen.reshape(*chosen.shape, *[1] * (live.dim() - 2))  # (batch, seq, 1, ...)

@@ -178,6 +178,16 @@ class MaskWatcher:
             found = args[self._index]
         self.current = found if isinstance(found, Tensor) else None
 
+    def mask_for(self, shape: Sequence[int]) -> Tensor | None:
+        """The mask of an output of ``shape`` ``(batch, seq, ...)``: the current mask, or, when
+        it is wider (a KV cache: it covers the past tokens too, as transformers' ``generate()``
+        passes it), its last ``seq`` columns, which are the tokens of this forward."""
+        mask = self.current
+        if (mask is not None and mask.dim() == 2 and len(shape) >= 2 and mask.shape[0] == shape[0]
+                and mask.shape[1] > shape[1]):
+            return mask[:, mask.shape[1] - shape[1]:]
+        return mask
+
 
 def _positional_index(model: nn.Module, name: str) -> int | None:
     try:
