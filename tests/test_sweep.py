@@ -157,3 +157,15 @@ def hand_patched_minilm(model: nn.Module, layer: nn.Module, source: torch.Tensor
             return float(metric(model(**inputs)))
     finally:
         handle.remove()
+
+
+def test_progress_bar_counts_forwards(capsys: pytest.CaptureFixture[str]) -> None:
+    model = tiny_gpt2()
+    ids = {"input_ids": torch.tensor([[3, 9, 14]])}
+    sweep = hookscope.patching_sweep(model, ids, ids, layers="transformer.h.*", metric=logit_diff,
+                                     batch_size=2)
+    err = capsys.readouterr().err
+    assert "patching sweep" in err and "6/6" in err  # 3 layers x ceil(3 positions / 2) forwards
+    # clean == corrupted: every patched run gives the clean metric
+    torch.testing.assert_close(sweep.values, torch.full((3, 3), sweep.clean, dtype=torch.float64),
+                               rtol=1e-6, atol=1e-6)

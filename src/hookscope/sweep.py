@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from hookscope._extras import require
 from hookscope._nested import map_tensors
 from hookscope.capture import capture
 from hookscope.edit import edit
@@ -69,9 +70,12 @@ class Sweep:
         Raises:
             MissingExtraError: matplotlib is not installed (extra ``[viz]``).
         """
+        colors = require("matplotlib.colors", "Sweep.plot")
         figure = _figure()
         axes = figure.add_axes((0.22, 0.12, 0.68, 0.78))
-        image = axes.imshow(self.values.numpy(), cmap="RdBu_r", aspect="auto")
+        # white = the corrupted run's metric; red above it, blue below
+        image = axes.imshow(self.values.numpy(), cmap="RdBu_r", aspect="auto",
+                            norm=colors.CenteredNorm(vcenter=self.corrupted))
         axes.set_xticks(np.arange(len(self.positions)), [str(p) for p in self.positions])
         axes.set_yticks(np.arange(len(self.layers)), self.layers)
         axes.set_xlabel("position")
