@@ -15,8 +15,10 @@ from hookscope.errors import (
     HookNeverFiredError,
     HookNeverFiredWarning,
     HookscopeError,
+    MissingExtraError,
     PositionError,
     SelectorError,
+    SpecError,
     StoreCorruptError,
     StoreError,
     StoreExistsError,
@@ -27,7 +29,7 @@ from hookscope.gradcam import gradcam, save_gradcam_overlay
 from hookscope.grads import NoGrad
 from hookscope.hooks import HookInfo, hooks, remove_hooks
 from hookscope.nonfinite import NonFiniteOrigin, TensorSummary, find_nonfinite
-from hookscope.records import load
+from hookscope.records import RecordKey, Records, load
 from hookscope.select import select
 from hookscope.stats import RunningStats, stats
 from hookscope.store import Store, open_store
@@ -51,11 +53,15 @@ __all__ = [
     "HookNeverFiredWarning",
     "HookscopeError",
     "LayerDiff",
+    "MissingExtraError",
     "NoGrad",
     "NonFiniteOrigin",
     "PositionError",
+    "RecordKey",
+    "Records",
     "RunningStats",
     "SelectorError",
+    "SpecError",
     "Store",
     "StoreCorruptError",
     "StoreError",

@@ -12,7 +12,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -20,8 +20,9 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 
 from hookscope._extras import require
 from hookscope.errors import ExtractError, SpecError
-from hookscope.inputs import IMAGE_SUFFIXES, TENSOR_SUFFIXES, load_inputs, preprocess_image
-from hookscope.models import LoadedModel
+
+if TYPE_CHECKING:  # the model-spec layer loads only when data is read from a path (the CLI)
+    from hookscope.models import LoadedModel
 
 __all__ = ["BatchSource", "load_data"]
 
@@ -115,6 +116,7 @@ def load_data(path: str | os.PathLike[str], model: LoadedModel, *,
             is opened and checked first, so this comes before any shard), or does not suit
             the model (text for an image model, ...).
     """
+    from hookscope.inputs import TENSOR_SUFFIXES, load_inputs
     source = Path(path)
     collate: Callable[[list[str]], Any]
     if source.is_dir():
@@ -131,6 +133,7 @@ def load_data(path: str | os.PathLike[str], model: LoadedModel, *,
 
 
 def _image_files(folder: Path, model: LoadedModel) -> list[str]:
+    from hookscope.inputs import IMAGE_SUFFIXES
     if model.kind != "image" or model.preprocess is None:
         raise SpecError(f"--data {folder} is a folder of images, but '{model.spec}' does not "
                         f"take images")
@@ -150,6 +153,7 @@ def _image_files(folder: Path, model: LoadedModel) -> list[str]:
 
 
 def _text_lines(file: Path, model: LoadedModel) -> list[str]:
+    from hookscope.inputs import TENSOR_SUFFIXES
     if model.kind != "text" or model.tokenizer is None:
         raise SpecError(f"--data {file} is read as text, one input a line, but '{model.spec}' "
                         f"does not take text; give a folder of images or a tensor file "
@@ -176,6 +180,7 @@ class _ImageBatch:
         self.preprocess, self.dtype = model.preprocess, model.dtype
 
     def __call__(self, files: list[str]) -> Tensor:
+        from hookscope.inputs import preprocess_image
         image_module = require("PIL.Image", "reading images")
         rows = []
         for file in files:

@@ -16,7 +16,7 @@ def write_atomic(file: str | os.PathLike[str], write: Callable[[str], Any]) -> N
     file = os.fspath(file)
     folder = os.path.dirname(os.path.abspath(file))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(file)}.tmp-", dir=folder)
     os.close(fd)
     try:
         write(tmp)

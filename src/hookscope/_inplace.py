@@ -2,7 +2,7 @@
 
 A later in-place write (``ReLU(inplace=True)``, ``x += y``) changes a tensor kept by reference.
 Cloning every output costs x1.54 against x1.31 for references on an all-leaf ResNet-50 capture
-(shared/BASELINE.md), so hookscope learns, per module, whether its output is written in place:
+(bench/RESULTS.md), so hookscope learns, per module, whether its output is written in place:
 
 - the first capture of a module copies its outputs and keeps the originals with their version
   counters (``Tensor._version``); at the end of that forward pass the module is remembered as

@@ -43,15 +43,19 @@ class HookSession:
 
     _unfired_consequence = "nothing was recorded"
     _allow_no_patterns = False  # an edit of nothing is a valid no-op; a capture of nothing is not
+    _explain_unfired = True  # find out why silent modules did not run, even when not reporting it
 
-    def __init__(self, model: nn.Module, patterns: Sequence[str], on_unfired: OnUnfired):
+    def __init__(self, model: nn.Module, patterns: Sequence[str], on_unfired: OnUnfired, *,
+                 targets: Sequence[Target] | None = None):
         if on_unfired not in ("warn", "error", "ignore"):
             raise HookscopeError(f"on_unfired={on_unfired!r} is not one of 'warn', 'error', 'ignore'")
-        diagnose.preflight(model)
         self.model = model
-        no_op = not patterns and self._allow_no_patterns
-        self.targets = [] if no_op else resolve(model, list(patterns))
-        diagnose.check_targets(model, self.targets)
+        if targets is None and not patterns and self._allow_no_patterns:
+            diagnose.preflight(model)  # a no-op edit still refuses what could never be hooked
+            targets = []
+        elif targets is None:  # else resolved by the caller with resolve_checked
+            targets = resolve_checked(model, patterns)
+        self.targets = list(targets)
         self.unfired: dict[str, str] = {}
         self._on_unfired = on_unfired
         self._handles: list[RemovableHandle] = []
@@ -68,8 +72,9 @@ class HookSession:
         self._stops_before = stops(unwrap(self.model)[0])
         try:
             self._register()
-            for path, module in diagnose.witnesses(self.model, self.targets).items():
-                self._add(module.register_forward_pre_hook(self._witness(path)))
+            if self._on_unfired != "ignore" or self._explain_unfired:
+                for path, module in diagnose.witnesses(self.model, self.targets).items():
+                    self._add(module.register_forward_pre_hook(self._witness(path)))
         except BaseException:
             self._remove()
             raise
@@ -84,6 +89,8 @@ class HookSession:
             if not isinstance(exc, StopForward):  # another block's stop is no error
                 diagnose.locate_error(self.model, exc)
             return None
+        if not self._explain_unfired:
+            return True if stopped else None
         ran = self._ran_paths()
         silent = [t for t in self.targets if t.path not in ran]
         if silent and stops(unwrap(self.model)[0]) > self._stops_before:
@@ -140,6 +147,67 @@ class HookSession:
                                       capture=self, unfired=self.unfired)
         warnings.warn(message + "\n(pass on_unfired='error' (--on-unfired error) to make this an "
                       "error, 'ignore' to silence it)", HookNeverFiredWarning, stacklevel=3)
+
+
+Hook = Callable[..., Any]
+
+
+def resolve_checked(model: nn.Module, patterns: Sequence[str]) -> list[Target]:
+    """``select.resolve`` after refusing models that cannot be hooked (TorchScript), then the
+    checks on what was selected (``diagnose.check_targets``)."""
+    diagnose.preflight(model)
+    targets = resolve(model, list(patterns))
+    diagnose.check_targets(model, targets)
+    return targets
+
+
+class Observer(HookSession):
+    """An observe-only session: hooks that read what runs and record nothing of their own
+    (``compare``, ``tree``, ``find_nonfinite``), with the same life cycle as a capture.
+
+    Args:
+        model: the root module (wrappers are the caller's business: pass the module to hook).
+        targets: resolved targets (``select.resolve``), or modules straight from
+            ``named_modules()`` wrapped as ``Target(path, module)``.
+        forward: ``forward(target) -> hook(module, args, [kwargs,] output)``, or None.
+        pre: ``pre(target) -> hook(module, args, [kwargs])``, or None.
+        with_kwargs: the hooks also take the call's keyword arguments.
+        on_unfired: as ``capture``; default ``"ignore"``: ``unfired`` is still filled in on exit
+            (with each cause) for the caller to report.
+        explain_unfired: False skips the witness hooks and leaves ``unfired`` empty (``tree``
+            and ``find_nonfinite`` hook every module and report silent ones themselves).
+    """
+
+    _unfired_consequence = "nothing was observed there"
+
+    def __init__(self, model: nn.Module, targets: Sequence[Target], *,
+                 forward: Callable[[Target], Hook] | None = None,
+                 pre: Callable[[Target], Hook] | None = None, with_kwargs: bool = False,
+                 on_unfired: OnUnfired = "ignore", explain_unfired: bool = True):
+        super().__init__(model, (), on_unfired, targets=targets)
+        self._forward, self._pre, self._with_kwargs = forward, pre, with_kwargs
+        self._explain_unfired = explain_unfired
+
+    def _register(self) -> None:
+        for target in self.targets:
+            module = target.module
+            if self._pre is not None:
+                self._add(module.register_forward_pre_hook(
+                    self._marked(target, self._pre(target)), with_kwargs=self._with_kwargs))
+            if self._forward is not None:
+                self._add(module.register_forward_hook(
+                    self._marked(target, self._forward(target)), with_kwargs=self._with_kwargs))
+
+    def _marked(self, target: Target, hook: Hook) -> Hook:
+        """``hook``, also noting that the target ran when unfired modules are explained."""
+        if not self._explain_unfired:
+            return hook
+        ran, path = self._ran, target.path
+
+        def marked(*args: Any) -> Any:
+            ran.add(path)
+            return hook(*args)
+        return marked
 
 
 def by_module(targets: Sequence[Target]) -> dict[nn.Module, list[Target]]:

@@ -12,10 +12,10 @@ op writes over its memory, without copying every output: see ``_inplace.py``.
 
 from __future__ import annotations
 
-import inspect
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -25,11 +25,11 @@ from hookscope._inplace import InPlacePolicy, shares_memory
 from hookscope._nested import get_part, iter_tensors, map_tensors
 from hookscope._session import HookSession, OnUnfired, by_module
 from hookscope.errors import CaptureError
-from hookscope.grads import NO_GRADIENT_YET, GradRecord, converter, watch_inputs, watch_output
-from hookscope.records import save_records
-from hookscope.select import Target, unwrap
+from hookscope.grads import converter, watch_inputs, watch_output
+from hookscope.records import CallInputs, Entry, RecordKey, Records
+from hookscope.select import Target, as_patterns, unwrap
 
-__all__ = ["Capture", "CaptureOptions", "CallInputs", "capture", "run"]
+__all__ = ["Capture", "CaptureOptions", "CallInputs", "capture", "run"]  # CallInputs: records.py
 
 Tensor = torch.Tensor
 
@@ -48,61 +48,43 @@ class CaptureOptions:
     early_stop: bool = False
 
 
-@dataclass(frozen=True)
-class CallInputs:
-    """The inputs of one call: ``args`` and ``kwargs`` as passed, ``named`` bound to the
-    signature of ``forward`` (``{'hidden_states': Tensor, 'attention_mask': Tensor, ...}``).
-
-    ``inputs[0]`` is the first argument and ``inputs["attention_mask"]`` the named one, whether
-    the caller passed it by position or by keyword.
-    """
-
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    named: dict[str, Any]
-
-    def __getitem__(self, key: int | str) -> Any:
-        if isinstance(key, int):
-            return list(self.named.values())[key]
-        return self.named[key]
-
-
 class _Slot:
-    """Everything recorded for one target (a module, or a part of its output)."""
+    """One target's record entry, plus the references kept with their versions (session state)."""
 
-    __slots__ = ("target", "outputs", "inputs", "grads", "grad_inputs", "versions", "broken")
+    __slots__ = ("target", "entry", "versions")
 
-    def __init__(self, target: Target):
+    def __init__(self, target: Target, entry: Entry):
         self.target = target
-        self.outputs: list[Any] = []
-        self.inputs: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-        self.grads: list[GradRecord] = []
-        self.grad_inputs: list[GradRecord] = []
+        self.entry = entry
         self.versions: list[tuple[int, Tensor, int]] = []  # (call, tensor kept by reference, version)
-        self.broken: set[int] = set()  # calls whose value was overwritten in place
 
 
 class Capture(HookSession):
-    """Records of one capture session; build it with ``hookscope.capture(...)``.
+    """One capture session: the hooks and the in-place policy; build it with ``hookscope.capture``.
 
-    Reading records: ``acts[path]`` is the output of the module's one call; ``acts[path, k]`` the
-    output of call ``k`` (negative counts from the end); ``acts.calls(path)`` every call in order.
-    Outputs keep their structure (tensor, tuple, dict, dataclass, ``ModelOutput``), each tensor
-    detached, e.g. ``(batch, channels, height, width)`` float32 for a ``Conv2d``.
+    What it recorded is ``self.records`` (a ``hookscope.Records``); the session reads through to
+    it, so ``acts[path]``, ``acts[path, k]``, ``acts.calls(path)``, ``acts.save(file)`` and the
+    rest work on the session itself, inside the ``with`` block and after it.
 
-    Raises (on reading):
-        CaptureError: the path was not selected, never ran, ran more than once (for
-            ``acts[path]``), or its value was overwritten in place (``clone=False``, or a module
-            whose in-place write depends on the data).
+    Raises (on reading): as ``Records``.
     """
 
     def __init__(self, model: nn.Module, patterns: Sequence[str], options: CaptureOptions,
                  on_unfired: OnUnfired = "warn"):
         super().__init__(model, patterns, on_unfired)
-        self._slots = {t.key: _Slot(t) for t in self.targets}
+        kept = [name for name in ("inputs", "grads", "grad_inputs") if getattr(options, name)]
+        self.records = Records((Entry(t.key, t.module) for t in self.targets), kept)
+        self._slots = {t.key: _Slot(t, self.records.entry(t.key)) for t in self.targets}
         self._options = options
         self._grad_convert = converter(options.to, options.dtype)  # applied to each arriving gradient
         self._policy = InPlacePolicy(options.clone)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool | None:
+        try:
+            return super().__exit__(exc_type, exc, tb)  # True: this capture's early stop ended it
+        finally:
+            self.records.unfired = self.unfired  # so reading a silent module says why
 
     def _register(self) -> None:
         for module, targets in by_module(self.targets).items():
@@ -111,7 +93,7 @@ class Capture(HookSession):
                                                    with_kwargs=self._options.inputs))
             if self._options.grad_inputs:
                 self._add(module.register_forward_pre_hook(
-                    watch_inputs([s.grad_inputs for s in slots], self._grad_convert), with_kwargs=True))
+                    watch_inputs([s.entry.grad_inputs for s in slots], self._grad_convert), with_kwargs=True))
         root, _ = unwrap(self.model)
         self._add(root.register_forward_hook(lambda module, args, output: self._policy.end_pass()))
         if self._options.early_stop:
@@ -125,7 +107,7 @@ class Capture(HookSession):
 
     def _ran_paths(self) -> set[str]:
         # selected modules are known to have run by their records: their hooks skip ran.add()
-        return self._ran | {s.target.path for s in self._slots.values() if s.outputs}
+        return self._ran | {s.target.path for s in self._slots.values() if s.entry.outputs}
 
     # ----------------------------------------------------------------- hooks
     def _make_hook(self, module: nn.Module, slots: list[_Slot]) -> Callable[..., None]:
@@ -140,14 +122,14 @@ class Capture(HookSession):
         def hook(module: nn.Module, args: Any, *rest: Any) -> None:
             output = rest[-1]
             for slot in slots:
-                slot.outputs.append(snapshot(_part(output, slot), slot))
+                slot.entry.outputs.append(snapshot(_part(output, slot), slot))
             if with_inputs:
                 kwargs = rest[0] if len(rest) == 2 else {}
                 for slot in slots:
-                    slot.inputs.append((map_tensors(_copy, args), map_tensors(_copy, kwargs)))
+                    slot.entry.inputs.append((map_tensors(_copy, args), map_tensors(_copy, kwargs)))
             if with_grads:
                 for slot in slots:
-                    slot.grads.append(watch_output(_part(output, slot), convert))
+                    slot.entry.grads.append(watch_output(_part(output, slot), convert))
         return hook
 
     def _plain_hook(self, module: nn.Module, slot: _Slot,
@@ -155,7 +137,7 @@ class Capture(HookSession):
         """The hot path: one record of the whole output, no options. A tensor output of a module
         known to be safe is kept by reference with its version; anything else goes through
         ``snapshot``. Per call this costs about what a bare hook appending ``detach()`` costs."""
-        outputs, versions, verdicts = slot.outputs, slot.versions, self._policy.copy
+        outputs, versions, verdicts = slot.entry.outputs, slot.versions, self._policy.copy
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if type(output) is Tensor and verdicts[module] is False:
@@ -191,7 +173,7 @@ class Capture(HookSession):
                     policy.on_trial(module, kept, pristine)
                 return pristine
             if not kept.is_inference():  # inference tensors have no version counter
-                slot.versions.append((len(slot.outputs), kept, kept._version))
+                slot.versions.append((len(slot.entry.outputs), kept, kept._version))
             return kept
 
         def snapshot(output: Any, slot: _Slot) -> Any:
@@ -206,7 +188,7 @@ class Capture(HookSession):
         """clone=False under torch.inference_mode(): nothing can tell whether the references kept
         were written in place later, so say so rather than return them as if checked."""
         unchecked = [k for k, s in self._slots.items()
-                     if any(t.is_inference() for o in s.outputs for t in iter_tensors(o))]
+                     if any(t.is_inference() for o in s.entry.outputs for t in iter_tensors(o))]
         if unchecked:
             warnings.warn(
                 f"clone=False under torch.inference_mode(): the outputs of {', '.join(unchecked[:5])}"
@@ -219,148 +201,77 @@ class Capture(HookSession):
         for slot in self._slots.values():
             for call, tensor, counter in slot.versions:
                 if tensor._version != counter:
-                    slot.broken.add(call)
+                    slot.entry.broken.add(call)
                     self._policy.mark(slot.target.module, True)
             slot.versions.clear()
-        broken = [f"{k} (calls {sorted(s.broken)})" for k, s in self._slots.items() if s.broken]
+        broken = [f"{k} (calls {sorted(s.entry.broken)})" for k, s in self._slots.items()
+                  if s.entry.broken]
         if broken:
             warnings.warn(
                 f"captured outputs were overwritten in place after capture: {', '.join(broken)}. "
                 f"Their values are wrong and reading them raises. Run the capture again: hookscope "
                 f"now copies these modules' outputs (or pass clone=True).", RuntimeWarning, stacklevel=4)
 
-    # ----------------------------------------------------------------- reading
+    # ----------------------------------------------------------------- live records
+    def clear(self) -> None:
+        """Drop every record so far and keep the hooks: one capture can serve many batches
+        (``with capture(...) as acts: for x in batches: model(x); use(acts); acts.clear()``)."""
+        self.records.clear()
+        for slot in self._slots.values():
+            slot.versions.clear()
+
     @property
     def paths(self) -> list[str]:
-        """Selected record names (paths, with output parts if asked), ``named_modules()`` order."""
-        return list(self._slots)
+        """See ``Records.paths``."""
+        return self.records.paths
 
     @property
     def counts(self) -> dict[str, int]:
-        """``{path: number of calls recorded}``; 0 for modules that never ran."""
-        return {k: len(s.outputs) for k, s in self._slots.items()}
+        """See ``Records.counts``."""
+        return self.records.counts
+
+    def items(self) -> Iterator[tuple[RecordKey, Tensor]]:
+        """See ``Records.items``."""
+        return self.records.items()
 
     def __contains__(self, key: object) -> bool:
-        return isinstance(key, str) and key in self._slots and bool(self._slots[key].outputs)
+        return key in self.records
 
     def __iter__(self) -> Iterator[str]:
-        return (k for k, s in self._slots.items() if s.outputs)
+        return iter(self.records)
 
     def __len__(self) -> int:
-        return sum(1 for s in self._slots.values() if s.outputs)
+        return len(self.records)
 
-    def __getitem__(self, key: str | tuple[str, int]) -> Any:
-        if isinstance(key, tuple):
-            path, call = key
-            return self._value(path, call)
-        slot = self._slot(key)
-        if len(slot.outputs) != 1:
-            raise CaptureError(
-                f"'{key}' ran {len(slot.outputs)} times in this capture, so acts['{key}'] is "
-                f"ambiguous: ask for one call with acts['{key}', k] (k = 0 … {len(slot.outputs) - 1}, "
-                f"or -1 for the last) or for all with acts.calls('{key}')")
-        return self._value(key, 0)
+    def __getitem__(self, key: str | tuple[str, int] | RecordKey) -> Any:
+        return self.records[key]
+
+    def __repr__(self) -> str:
+        return repr(self.records).replace("hookscope.Records", "hookscope.Capture", 1)
 
     def calls(self, path: str) -> list[Any]:
-        """Every call's output for ``path``, in call order (possibly empty only if it never ran,
-        which raises instead)."""
-        slot = self._slot(path)
-        return [self._value(path, k) for k in range(len(slot.outputs))]
+        """See ``Records.calls``."""
+        return self.records.calls(path)
 
     def inputs(self, path: str, call: int = 0) -> CallInputs:
-        """The inputs of call ``call`` of ``path``; needs ``capture(..., inputs=True)``."""
-        slot = self._slot(path)
-        if not self._options.inputs:
-            raise CaptureError(f"inputs were not recorded: use hookscope.capture(model, "
-                               f"'{path}', inputs=True) to keep them")
-        args, kwargs = slot.inputs[self._index(path, slot, call)]
-        return CallInputs(args, kwargs, _bind(slot.target.module, args, kwargs))
+        """See ``Records.inputs``."""
+        return self.records.inputs(path, call)
 
     def grad(self, path: str, call: int = 0) -> Any:
-        """d(loss)/d(output) of call ``call`` of ``path``; same structure and shapes as the output.
-
-        Needs ``capture(..., grads=True)`` and a backward pass (``loss.backward()`` or
-        ``torch.autograd.grad``) through that output, inside or after the ``with`` block; each
-        backward pass replaces the gradients of the one before. It is the gradient of the value
-        the module returned, also when an in-place op (``ReLU(inplace=True)``) rewrites it later.
-        In a structured output, a tensor without a gradient is a ``hookscope.NoGrad`` with the
-        reason (an integer tensor, a part the loss does not use).
-
-        Raises:
-            CaptureError: gradients were not recorded; no tensor of this output requires grad
-                (the forward ran under ``torch.no_grad()``, or nothing before it requires
-                grad); or no gradient has reached it yet (no backward pass ran through it).
-        """
-        record = self._grad_record(path, call, "grads")
-        if record.watched == 0:
-            raise CaptureError(f"call {call} of '{path}' has no gradient because its output "
-                               f"cannot have one: {record.first_reason()}")
-        if not record.grads:
-            raise CaptureError(f"call {call} of '{path}': {NO_GRADIENT_YET}")
-        return record.value()
+        """See ``Records.grad``."""
+        return self.records.grad(path, call)
 
     def grad_calls(self, path: str) -> list[Any]:
-        """d(loss)/d(output) for every call of ``path``, in call order (see ``grad``)."""
-        return [self.grad(path, k) for k in range(len(self._slot(path).outputs))]
+        """See ``Records.grad_calls``."""
+        return self.records.grad_calls(path)
 
     def grad_input(self, path: str, call: int = 0) -> CallInputs:
-        """d(loss)/d(input) of call ``call`` of ``path``: the gradient through this module only.
-
-        Needs ``capture(..., grad_inputs=True)`` and a backward pass. Laid out as ``inputs``:
-        ``g[0]`` is the gradient of the first input, ``g["attention_mask"]`` of a named one,
-        ``g.args``/``g.kwargs`` as passed. An input that does not require grad (the data fed
-        to the first layer, an integer mask), or that got no gradient, is a
-        ``hookscope.NoGrad`` whose ``reason`` says so; never a bare ``None``.
-
-        Raises:
-            CaptureError: input gradients were not recorded, or ``path``/``call`` does not exist.
-        """
-        record = self._grad_record(path, call, "grad_inputs")
-        args, kwargs = record.value()
-        return CallInputs(args, kwargs, _bind(self._slots[path].target.module, args, kwargs))
-
-    def _grad_record(self, path: str, call: int, option: str) -> GradRecord:
-        slot = self._slot(path)
-        if not getattr(self._options, option):
-            raise CaptureError(f"{'input ' if option == 'grad_inputs' else ''}gradients were not "
-                               f"recorded: use hookscope.capture(model, '{path}', {option}=True), "
-                               f"then call loss.backward()")
-        records = slot.grads if option == "grads" else slot.grad_inputs
-        return records[self._index(path, slot, call)]
+        """See ``Records.grad_input``."""
+        return self.records.grad_input(path, call)
 
     def save(self, file: str, *, overwrite: bool = True, metadata: dict[str, str] | None = None) -> None:
-        """Write every record to one safetensors file, atomically; see ``hookscope.records``
-        for the key names (``path``, ``path:k``, ``lstm[1][0]``) and ``hookscope.load``."""
-        save_records(self, file, overwrite=overwrite, metadata=metadata)
-
-    def _slot(self, key: str) -> _Slot:
-        slot = self._slots.get(key)
-        if slot is None:
-            raise CaptureError(f"'{key}' was not selected in this capture; selected: "
-                               f"{', '.join(repr(k) for k in list(self._slots)[:8])}"
-                               f"{' …' if len(self._slots) > 8 else ''}")
-        if not slot.outputs:
-            why = self.unfired.get(key, "no forward pass has run yet")
-            raise CaptureError(f"'{key}' never ran, so nothing was recorded: {why}")
-        return slot
-
-    def _index(self, path: str, slot: _Slot, call: int) -> int:
-        n = len(slot.outputs)
-        if not -n <= call < n:
-            raise CaptureError(f"'{path}' ran {n} time{'s' if n != 1 else ''}; call {call} does "
-                               f"not exist (use 0 … {n - 1}, or -1 for the last)")
-        return call % n
-
-    def _value(self, path: str, call: int) -> Any:
-        slot = self._slot(path)
-        k = self._index(path, slot, call)
-        if k in slot.broken:
-            raise CaptureError(
-                f"call {k} of '{path}' was overwritten in place after it was captured (an in-place "
-                f"op such as ReLU(inplace=True) or '+=' in the code that uses it), so the kept "
-                f"value is wrong. Capture again (hookscope now copies this module's output) or "
-                f"pass clone=True")
-        return slot.outputs[k]
+        """See ``Records.save``."""
+        self.records.save(file, overwrite=overwrite, metadata=metadata)
 
 
 def _part(output: Any, slot: _Slot) -> Any:
@@ -375,15 +286,6 @@ def _part(output: Any, slot: _Slot) -> Any:
 
 def _copy(t: Tensor) -> Tensor:
     return t.detach().clone()
-
-
-def _bind(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    try:
-        bound = inspect.signature(module.forward).bind(*args, **kwargs)
-    except (TypeError, ValueError):
-        return {**{str(i): a for i, a in enumerate(args)}, **kwargs}
-    bound.apply_defaults()
-    return dict(bound.arguments)
 
 
 def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool = False,
@@ -451,7 +353,11 @@ def run(model: nn.Module, *args: Any, layers: str | Sequence[str],
         *args, **kwargs: passed to ``model``.
         layers: one pattern or a list of patterns (see ``capture``).
         options: keyword options of ``capture`` (``inputs``, ``grads``, ``grad_inputs``, ``to``,
-            ``dtype``, ``reduce``, ``clone``, ``early_stop``, ``on_unfired``).
+            ``dtype``, ``reduce``, ``clone``, ``early_stop``, ``on_unfired``). They travel in
+            one dict, not as keywords, because ``**kwargs`` belong to the model: a forward that
+            takes ``inputs=``, ``to=`` or ``dtype=`` (Hugging Face models take
+            ``inputs_embeds``, ``output_attentions``, ...) must get them untouched, and a capture
+            option spelled as a keyword could silently shadow one of them.
 
     Returns:
         ``(output, acts)``: what the model returned (``None`` when ``early_stop`` cut it
@@ -461,7 +367,7 @@ def run(model: nn.Module, *args: Any, layers: str | Sequence[str],
         As ``capture``; an exception inside the forward pass propagates with a note naming the
         innermost module where it happened.
     """
-    patterns = [layers] if isinstance(layers, str) else list(layers)
+    patterns = as_patterns(layers)
     output = None
     with capture(model, *patterns, **(options or {})) as acts:
         output = model(*args, **kwargs)

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,8 +18,9 @@ from torch import nn
 
 from hookscope import diagnose
 from hookscope._nested import get_part, iter_tensors, map_tensors
+from hookscope._session import Observer, resolve_checked
 from hookscope.errors import HookscopeError
-from hookscope.select import Target, resolve
+from hookscope.select import Target, as_patterns
 
 Tensor = torch.Tensor
 Key = tuple[str, int]
@@ -62,12 +62,15 @@ class Comparison:
         diffs: the comparisons.
         unmatched: ``"path:k"`` for calls that ran in only one of the two runs.
         atol, rtol: the tolerances used for ``LayerDiff.close``.
+        unfired: ``{path: why it never ran}`` for selected modules that ran in neither run
+            (an unused branch, a module called through ``.forward``), run A's cause first.
     """
 
     diffs: tuple[LayerDiff, ...]
     unmatched: tuple[str, ...]
     atol: float
     rtol: float
+    unfired: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def first_divergent(self) -> LayerDiff | None:
@@ -110,7 +113,7 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
         HookscopeError: a model is TorchScript, or none of its selected modules' hooks fired
             (a ``torch.compile``'d model compiled earlier: the message gives the fix).
     """
-    patterns = [layers] if isinstance(layers, str) else list(layers)
+    patterns = as_patterns(layers)
     targets_a, targets_b = _targets(model_a, patterns), _targets(model_b, patterns)
     common = [key for key in targets_a if key in targets_b]
     reference: dict[Key, list[Tensor]] = {}
@@ -130,15 +133,16 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
         diffs[key] = _diff(key, reference.pop(key), _floats(output), atol, rtol)
 
     with torch.no_grad():
-        with _watching([targets_a[key] for key in common], keep):
+        with _watching(model_a, [targets_a[key] for key in common], keep) as session_a:
             keep((OUTPUT, 0), model_a(*_cast_inputs(model_a, args), **_cast_inputs(model_a, kwargs)))
-        with _watching([targets_b[key] for key in common], check):
+        with _watching(model_b, [targets_b[key] for key in common], check) as session_b:
             check((OUTPUT, 0), model_b(*_cast_inputs(model_b, args), **_cast_inputs(model_b, kwargs)))
     _require_hooks_fired(model_a, not common or len(order) > 1)  # order always holds OUTPUT
     _require_hooks_fired(model_b, not common or len(diffs) + len(unmatched) > 1)
     unmatched += [f"{path}:{k}" for path, k in reference]
     return Comparison(diffs=tuple(diffs[key] for key in order if key in diffs),
-                      unmatched=tuple(unmatched), atol=atol, rtol=rtol)
+                      unmatched=tuple(unmatched), atol=atol, rtol=rtol,
+                      unfired={k: v for k, v in session_a.unfired.items() if k in session_b.unfired})
 
 
 def _require_hooks_fired(model: nn.Module, fired: bool) -> None:
@@ -148,15 +152,11 @@ def _require_hooks_fired(model: nn.Module, fired: bool) -> None:
 
 
 def _targets(model: nn.Module, patterns: list[str]) -> dict[str, Target]:
-    diagnose.preflight(model)
-    targets = resolve(model, patterns)
-    diagnose.check_targets(model, targets)
-    return {t.key: t for t in targets}
+    return {t.key: t for t in resolve_checked(model, patterns)}
 
 
-@contextmanager
-def _watching(targets: list[Target], sink: Callable[[Key, Any], None]) -> Iterator[None]:
-    """Call ``sink((key, k), output)`` as call ``k`` of each target's module returns."""
+def _watching(model: nn.Module, targets: list[Target], sink: Callable[[Key, Any], None]) -> Observer:
+    """A session calling ``sink((key, k), output)`` as call ``k`` of each target's module returns."""
     counts = {t.key: 0 for t in targets}
 
     def hook_for(target: Target) -> Callable[[nn.Module, Any, Any], None]:
@@ -166,12 +166,7 @@ def _watching(targets: list[Target], sink: Callable[[Key, Any], None]) -> Iterat
             sink((target.key, counts[target.key] - 1), part)
         return hook
 
-    handles = [t.module.register_forward_hook(hook_for(t)) for t in targets]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+    return Observer(model, targets, forward=hook_for)
 
 
 def _floats(output: Any) -> list[Tensor]:

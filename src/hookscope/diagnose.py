@@ -146,7 +146,7 @@ _COMPILED_WHY = ("its compiled code was built before these hooks existed and doe
 
 
 def _compiled_reason(path: str, kind: str, ran: set[str]) -> str | None:
-    """shared/cases/07: the compiled model ran, but none of the hooks inside it did."""
+    """pytorch/pytorch#117758: the compiled model ran, but none of the hooks inside it did."""
     if ran != {COMPILED}:
         return None
     return (f"{path} ({kind}) never ran through its hooks although the torch.compile'd model was "
@@ -155,7 +155,7 @@ def _compiled_reason(path: str, kind: str, ran: set[str]) -> str | None:
 
 def explain_no_hooks(model: nn.Module) -> str | None:
     """Why ``model`` ran without firing any hook inside it, when the cause is known: a
-    ``torch.compile`` wrapper whose code was compiled earlier (shared/cases/07); else None."""
+    ``torch.compile`` wrapper whose code was compiled earlier (pytorch/pytorch#117758); else None."""
     if _compile_wrapper(model) is None:
         return None
     return f"the torch.compile'd model ran but none of its modules' hooks fired: {_COMPILED_WHY}"
@@ -163,7 +163,7 @@ def explain_no_hooks(model: nn.Module) -> str | None:
 
 def _fast_path_reason(path: str, kind: str, modules: dict[str, nn.Module],
                       ran: set[str]) -> str | None:
-    """shared/cases/20: a TransformerEncoderLayer that ran its fused kernel skips its children."""
+    """pytorch/pytorch#128413: a TransformerEncoderLayer that ran its fused kernel skips its children."""
     ancestors = [path.rsplit(".", n)[0] for n in range(1, path.count(".") + 1)] + [""]
     layer = next((a for a in ancestors if isinstance(modules[a], nn.TransformerEncoderLayer)), None)
     if layer is None or layer not in ran:

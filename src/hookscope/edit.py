@@ -28,6 +28,7 @@ source. On exit, a selected module that never ran is reported like in ``capture`
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -35,11 +36,11 @@ import torch
 from torch import nn
 
 from hookscope._nested import get_part, iter_tensors_with_keys, map_tensors, set_part
-from hookscope._session import HookSession, OnUnfired
-from hookscope._sources import Records, Source
+from hookscope._session import HookSession, OnUnfired, resolve_checked
+from hookscope._sources import Source, SourceReader
 from hookscope.errors import EditError
 from hookscope.positions import MaskWatcher, Positions, resolve_positions
-from hookscope.select import Target, resolve, unwrap
+from hookscope.select import Target, as_patterns, resolve, unwrap
 
 __all__ = ["Edit", "edit", "ablate", "patch", "steer"]
 
@@ -62,10 +63,11 @@ class Edit(HookSession):
     def __init__(self, model: nn.Module, rules: Sequence[tuple[str, Rule]], *,
                  inputs: bool = False, on_unfired: OnUnfired = "warn",
                  watcher: MaskWatcher | None = None):
-        super().__init__(model, [pattern for pattern, _ in rules], on_unfired)
-        self._watcher = watcher  # the attention mask of the running forward, for positions
         self._rules = [(target, rule) for pattern, rule in rules
-                       for target in resolve(model, [pattern])]
+                       for target in resolve_checked(model, [pattern])]  # each pattern once
+        targets = list({(t.path, t.parts): t for t, _ in self._rules}.values())
+        super().__init__(model, (), on_unfired, targets=targets if targets else None)
+        self._watcher = watcher  # the attention mask of the running forward, for positions
         if inputs and any(t.parts for t, _ in self._rules):
             raise EditError("output parts such as 'lstm[0]' select pieces of an output; an input "
                             "edit gets (args, kwargs): drop the brackets and change them in fn")
@@ -117,7 +119,7 @@ class Edit(HookSession):
 
 
 def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: bool = False,
-         on_unfired: OnUnfired = "warn") -> Edit:
+         context: bool = False, on_unfired: OnUnfired = "warn") -> Edit:
     """Replace what selected modules return (or receive) with what ``fn`` makes of it.
 
     ::
@@ -127,12 +129,15 @@ def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: b
 
     Args:
         model: root module (wrappers looked through, as in ``capture``).
-        edits: ``{pattern: fn}``. For outputs, ``fn(output)`` or ``fn(output, path, call)``
-            returns the new output (any structure: tensor, tuple, dict, dataclass), or ``None``
-            to keep it; with a part (``"lstm[0]"``) ``fn`` gets and returns only that part.
-            With ``inputs=True``, ``fn(args, kwargs)`` or ``fn(args, kwargs, path, call)``
-            returns ``(args, kwargs)`` or ``None``. ``call`` counts from 0 per module.
+        edits: ``{pattern: fn}``. For outputs, ``fn(output)`` returns the new output (any
+            structure: tensor, tuple, dict, dataclass), or ``None`` to keep it; with a part
+            (``"lstm[0]"``) ``fn`` gets and returns only that part. With ``inputs=True``,
+            ``fn(args, kwargs)`` returns ``(args, kwargs)`` or ``None``.
         inputs: edit the inputs (forward pre-hooks) instead of the outputs.
+        context: call ``fn(output, path, call)`` (``fn(args, kwargs, path, call)`` for inputs):
+            also the module path and the call index, counted from 0 per module. A ``fn`` that
+            cannot take the short form but takes this one is called so too, with a
+            ``DeprecationWarning`` (the form was once guessed from the signature).
         on_unfired: a selected module that never ran: ``"warn"``, ``"error"`` or ``"ignore"``.
 
     Returns:
@@ -144,7 +149,7 @@ def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: b
             than ``(args, kwargs)`` or ``None`` (during the forward pass).
         HookNeverFiredError: on exit, with ``on_unfired="error"``, a selected module never ran.
     """
-    rules = [(pattern, _adapt(fn, 4 if inputs else 3, inputs)) for pattern, fn in edits.items()]
+    rules = [(pattern, _adapt(pattern, fn, inputs, context)) for pattern, fn in edits.items()]
     return Edit(model, rules, inputs=inputs, on_unfired=on_unfired)
 
 
@@ -180,7 +185,7 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
             differ from the output's.
         PositionError: in the forward pass, a position that a row lacks (see ``positions``).
     """
-    patterns = [patterns] if isinstance(patterns, str) else list(patterns)
+    patterns = as_patterns(patterns)
     if how not in ("zero", "mean", "resample"):
         raise EditError(f"how={how!r} is not one of 'zero', 'mean', 'resample'")
     rule: Rule = _zero
@@ -189,7 +194,7 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
             raise EditError(f"how={how!r} needs reference=acts: a capture of the same modules on "
                             f"reference inputs, e.g. with hookscope.capture(model, *patterns) as "
                             f"acts: model(x_reference)")
-        rule = _reference_rule(Records(reference, "reference"), how)
+        rule = _reference_rule(SourceReader(reference, "reference"), how)
     if positions is None:
         return Edit(model, [(p, rule) for p in patterns], on_unfired=on_unfired)
     watcher = MaskWatcher(unwrap(model)[0], attention_mask)
@@ -241,7 +246,7 @@ def patch(model: nn.Module, *, source: Source,
             both shapes).
         PositionError: in the forward pass, a position that a row of either run lacks.
     """
-    records = Records(source, "source")
+    records = SourceReader(source, "source")
     pairs = _layer_pairs(records, layers, source_layers)
     source_of = _source_targets(model, pairs)
     if positions is None:
@@ -300,14 +305,19 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
 
 
 # ------------------------------------------------------------------------------- rules
-def _adapt(fn: Callable[..., Any], full: int, inputs: bool) -> Rule:
-    """Call ``fn`` with (value) or (value, path, call), or for inputs (args, kwargs[, path, call])."""
-    takes_where = _accepts(fn, full)
+def _adapt(pattern: str, fn: Callable[..., Any], inputs: bool, context: bool) -> Rule:
+    """The rule calling ``fn`` in the form asked for: (value) or (value, path, call), where for
+    inputs the value is (args, kwargs)."""
+    short = 2 if inputs else 1
+    if not context and not _accepts(fn, short) and _accepts(fn, short + 2):
+        warnings.warn(f"the edit of '{pattern}' takes (path, call) too: pass context=True to "
+                      f"hookscope.edit to say so", DeprecationWarning, stacklevel=3)
+        context = True
     if inputs:
-        if takes_where:
+        if context:
             return lambda value, target, call: fn(*value, target.path, call)
         return lambda value, target, call: fn(*value)
-    if takes_where:
+    if context:
         return lambda value, target, call: fn(value, target.path, call)
     return lambda value, target, call: fn(value)
 
@@ -315,8 +325,10 @@ def _adapt(fn: Callable[..., Any], full: int, inputs: bool) -> Rule:
 def _accepts(fn: Callable[..., Any], count: int) -> bool:
     try:
         inspect.signature(fn).bind(*([None] * count))
-    except (TypeError, ValueError):  # ValueError: no signature (some builtins)
+    except TypeError:
         return False
+    except ValueError:  # no signature (some builtins): assume the short form
+        return count in (1, 2)
     return True
 
 
@@ -324,7 +336,7 @@ def _zero(value: Any, target: Target, call: int) -> Any:
     return map_tensors(torch.zeros_like, value)
 
 
-def _reference_rule(records: Records, how: str) -> Rule:
+def _reference_rule(records: SourceReader, how: str) -> Rule:
     pooled: dict[tuple[str, tuple[int | str, ...]], Tensor] = {}  # (record, keys) -> rows
 
     def rule(value: Any, target: Target, call: int) -> Any:
@@ -346,7 +358,7 @@ def _reference_rule(records: Records, how: str) -> Rule:
     return rule
 
 
-def _pool(records: Records, target: Target, keys: tuple[int | str, ...], how: str) -> Tensor:
+def _pool(records: SourceReader, target: Target, keys: tuple[int | str, ...], how: str) -> Tensor:
     """All reference rows of one tensor position, ``(rows, ...)``, or their mean over rows."""
     calls = records.calls(target, keys)
     if not calls:
@@ -374,7 +386,7 @@ def _steer_rule(vector: Tensor) -> Rule:
     return rule
 
 
-def _patch_rule(records: Records, source_of: dict[str, Target]) -> Rule:
+def _patch_rule(records: SourceReader, source_of: dict[str, Target]) -> Rule:
     def rule(value: Any, target: Target, call: int) -> Any:
         origin = source_of.get(target.key, target)
 
@@ -391,7 +403,7 @@ def _patch_rule(records: Records, source_of: dict[str, Target]) -> Rule:
     return rule
 
 
-def _patch_positions_rule(records: Records, source_of: dict[str, Target], destination: Positions,
+def _patch_positions_rule(records: SourceReader, source_of: dict[str, Target], destination: Positions,
                           origin: Positions, watcher: MaskWatcher, source_mask: Tensor | None,
                           absolute: bool) -> Rule:
     """Patch rule that writes the source's ``origin`` positions into this run's ``destination``."""
@@ -434,7 +446,7 @@ def _at_positions(rule: Rule, positions: Positions, watcher: MaskWatcher, absolu
     return positioned
 
 
-def _layer_pairs(records: Records, layers: str | Sequence[str] | Mapping[str, str] | None,
+def _layer_pairs(records: SourceReader, layers: str | Sequence[str] | Mapping[str, str] | None,
                  source_layers: str | Sequence[str] | None) -> list[tuple[str, str | None]]:
     """``[(pattern to patch, source pattern or None for the same)]``."""
     if isinstance(layers, Mapping):
@@ -442,10 +454,10 @@ def _layer_pairs(records: Records, layers: str | Sequence[str] | Mapping[str, st
             raise EditError("give the source layers once: either layers={pattern: source "
                             "pattern} or source_layers=[...], not both")
         return list(layers.items())
-    patterns = records.keys() if layers is None else [layers] if isinstance(layers, str) else list(layers)
+    patterns = records.keys() if layers is None else as_patterns(layers)
     if source_layers is None:
         return [(p, None) for p in patterns]
-    sources = [source_layers] if isinstance(source_layers, str) else list(source_layers)
+    sources = as_patterns(source_layers)
     if len(sources) != len(patterns):
         raise EditError(f"layers has {len(patterns)} patterns and source_layers {len(sources)}; "
                         f"give one source pattern per pattern, in the same order")

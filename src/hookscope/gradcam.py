@@ -10,7 +10,7 @@ class ``c`` (the logit, before softmax):
 
 ``L^c`` is upsampled (bilinear) to the input's size and scaled to [0, 1] per image here. The
 feature maps and their gradients come from ``capture(..., grads=True)``: tensor hooks, so an
-in-place activation after the layer (shared/cases/06) does not break it, and the backward pass
+in-place activation after the layer (pytorch/pytorch#61519) does not break it, and the backward pass
 is ``torch.autograd.grad`` with respect to the input, so no parameter's ``.grad`` changes.
 """
 

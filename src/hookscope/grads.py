@@ -4,7 +4,7 @@
 
 - ``register_full_backward_hook`` wraps a module's outputs in a custom autograd Function that
   returns views; an in-place op right after the module (``ReLU(inplace=True)``) then makes the
-  *forward* pass fail (shared/cases/06). A tensor hook registered on the output from a forward
+  *forward* pass fail (pytorch/pytorch#61519). A tensor hook registered on the output from a forward
   hook changes nothing in the forward and, registered before an in-place write, receives
   d(loss)/d(output) as the module returned it.
 - The legacy ``register_backward_hook`` reports the gradients of the module's last autograd node,

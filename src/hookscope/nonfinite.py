@@ -8,7 +8,7 @@ child produced the NaN receives finite inputs and returns a non-finite output to
 later. A parent is reported only when the NaN comes from its own code between child calls
 (``torch.log`` in its ``forward``), which is where it was made.
 
-Backward: full backward hooks would break on in-place operations (shared/cases/06), so the
+Backward: full backward hooks would break on in-place operations (pytorch/pytorch#61519), so the
 gradients are watched on the autograd graph itself: while the forward runs, a
 ``TorchFunctionMode`` notes which module call created each autograd node; during the backward,
 a hook on every node sees the gradients coming in and going out. The first node whose incoming
@@ -32,8 +32,9 @@ from torch.utils.hooks import RemovableHandle
 
 from hookscope import diagnose
 from hookscope._nested import iter_tensors
+from hookscope._session import Observer
 from hookscope.errors import HookscopeError
-from hookscope.select import unwrap
+from hookscope.select import Target, unwrap
 
 Tensor = torch.Tensor
 MAX_POSITIONS = 8
@@ -211,21 +212,18 @@ class _Tracker:
 
     @contextmanager
     def installed(self) -> Iterator[None]:
-        handles: list[RemovableHandle] = []
-        try:
-            for module in self.paths:
-                handles.append(module.register_forward_pre_hook(self._pre_hook, with_kwargs=True))
-                handles.append(module.register_forward_hook(self._post_hook, with_kwargs=True))
+        targets = [Target(path, module) for module, path in self.paths.items()]
+        with Observer(self.root, targets, pre=lambda t: self._pre_hook,
+                      forward=lambda t: self._post_hook, with_kwargs=True, explain_unfired=False):
             with _OpWatcher(self):
                 yield
-        finally:
-            for handle in handles:
-                handle.remove()
 
     @contextmanager
     def node_hooks(self) -> Iterator[None]:
-        handles = [node.register_hook(self._node_hook(node)) for node in self.owners]
-        try:
+        handles: list[RemovableHandle] = []
+        try:  # registered inside the try: a failure half-way removes those already added
+            for node in self.owners:
+                handles.append(node.register_hook(self._node_hook(node)))
             yield
         finally:
             for handle in handles:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -270,7 +271,7 @@ def _unknown_message(root: nn.Module, modules: dict[str, nn.Module], name: str) 
 
 
 def _graph_module_hint(root: nn.Module) -> str:
-    """For a ``torch.fx.GraphModule``: modules the tracer inlined are gone (shared/cases/25)."""
+    """For a ``torch.fx.GraphModule``: modules the tracer inlined are gone (pytorch/pytorch#105445)."""
     if not isinstance(root, torch.fx.GraphModule):
         return ""
     called = [str(n.target) for n in root.graph.nodes if n.op == "call_module"]
@@ -296,3 +297,10 @@ def _no_match_message(pattern: str, modules: dict[str, nn.Module], matched: list
     deeper = f" ('**.{pattern}' searches every depth)" if "." not in pattern and ":" not in pattern else ""
     return (f"pattern '{pattern}' matched no module{hint}. Globs: '*' is one dotted segment, "
             f"'**' any number of them{deeper}; 'hookscope tree MODEL' lists every path")
+
+def as_patterns(layers: str | Sequence[str]) -> list[str]:
+    """One pattern or a list of patterns -> a list of patterns: ``"fc1"`` -> ``["fc1"]``.
+
+    Every public function that takes "a pattern or a list of patterns" (``layers=``) reads it
+    through this; a lone string is never split into its characters."""
+    return [layers] if isinstance(layers, str) else list(layers)

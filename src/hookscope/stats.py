@@ -27,7 +27,7 @@ from hookscope._early_stop import forward_boundary
 from hookscope._nested import get_part, iter_tensors
 from hookscope._session import HookSession
 from hookscope.errors import HookscopeError
-from hookscope.select import Target
+from hookscope.select import Target, as_patterns
 
 Tensor = torch.Tensor
 
@@ -212,7 +212,7 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
         HookscopeError: the model is TorchScript, ``batches`` is empty, or an output lacks
             the channel dimension asked for, or is complex.
     """
-    patterns = [layers] if isinstance(layers, str) else list(layers)
+    patterns = as_patterns(layers)
     session = _StatsSession(model, patterns, per_channel, early_stop)
     count = 0
     with session, torch.no_grad():

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope._session import Observer
 from hookscope.errors import SelectorError
-from hookscope.select import is_container, select, unwrap
+from hookscope.select import Target, is_container, select, unwrap
 
 __all__ = ["TreeRow", "tree", "tree_of_call", "format_tree", "filter_rows", "describe_output", "format_count"]
 
@@ -86,7 +87,7 @@ def tree_of_call(model: nn.Module, call: Callable[[], Any]) -> list[TreeRow]:
     """
     root, _ = unwrap(model)
     modules = dict(root.named_modules())
-    ran = _run_example(modules, call)
+    ran = _run_example(root, modules, call)
     return [_row(path, module, modules, ran) for path, module in modules.items()]
 
 
@@ -152,23 +153,21 @@ def format_count(n: int) -> str:
 
 
 # ------------------------------------------------------------------------------- internals
-def _run_example(modules: dict[str, nn.Module], call: Callable[[], Any]) -> dict[str, list[str]]:
+def _run_example(root: nn.Module, modules: dict[str, nn.Module],
+                 call: Callable[[], Any]) -> dict[str, list[str]]:
     """Run the example once; return ``{path: [output description of each call]}``."""
     ran: dict[str, list[str]] = {path: [] for path in modules}
 
-    def recorder(path: str) -> Any:
+    def recorder(target: Target) -> Any:
+        descriptions = ran[target.path]
+
         def hook(module: nn.Module, inputs: Any, output: Any) -> None:
-            ran[path].append(describe_output(output))
+            descriptions.append(describe_output(output))
         return hook
 
-    handles = [module.register_forward_hook(recorder(path))
-               for path, module in modules.items() if not is_container(module)]
-    try:
-        with torch.no_grad():
-            call()
-    finally:
-        for handle in handles:
-            handle.remove()
+    targets = [Target(path, module) for path, module in modules.items() if not is_container(module)]
+    with Observer(root, targets, forward=recorder, explain_unfired=False), torch.no_grad():
+        call()
     return ran
 
 

@@ -20,7 +20,7 @@ from hookscope.errors import SpecError
 from hookscope.inputs import Inputs, load_inputs
 from hookscope.models import LoadedModel, load_model
 from hookscope.predictions import Prediction, predict
-from hookscope.records import record_items, save_records
+from hookscope.records import RecordKey
 from hookscope.stats import RunningStats
 
 HELP = "run a model once and show every call of the selected modules: prediction, stats, PNGs"
@@ -79,13 +79,13 @@ def run(args: argparse.Namespace) -> int:
     prediction = (Prediction("none") if output is None else
                   predict(loaded, output, attention_mask=inputs.kwargs.get("attention_mask")))
     counts = acts.counts
-    records = [_record(path, call, key, tensor, counts[path])
-               for path, call, key, tensor in record_items(acts)]
-    for path in sorted({p for p, n in counts.items() if n} - {r["path"].split("[")[0] for r in records}):
+    items = list(acts.items())
+    records = [_record(key, tensor) for key, tensor in items]
+    for path in sorted({p for p, n in counts.items() if n} - {key.path for key, _ in items}):
         say(f"warning: '{path}' ran but its output holds no tensor (e.g. an output part that is "
             f"None): nothing to show")
     if args.save:
-        save_records(acts, args.save, overwrite=True, metadata=_metadata(args, loaded, records))
+        acts.save(args.save, overwrite=True, metadata=_metadata(args, loaded, records))
         say(f"saved {_count(len(records), 'tensor')} to {args.save}")
     plots = _plot(args, acts, inputs) if args.plot else []
     if args.gradcam:
@@ -114,14 +114,13 @@ def _load(spec: str) -> LoadedModel:
     return loaded
 
 
-def _record(path: str, call: int, key: str, tensor: torch.Tensor, calls: int) -> dict[str, Any]:
-    """One row: the module path (with the output part, e.g. ``attn[0]``), the call, the file
-    key, and statistics of the finite values (float64)."""
-    stem = path if calls == 1 else f"{path}:{call}"
+def _record(key: RecordKey, tensor: torch.Tensor) -> dict[str, Any]:
+    """One row: the record name (module path with the output part, e.g. ``attn[0]``), the
+    call, the file key, and statistics of the finite values (float64)."""
     running = RunningStats()
     running.update(tensor)
     stats = running.as_dict()
-    return {"path": path + key[len(stem):], "call": call, "key": key,
+    return {"path": key.name, "call": key.call or 0, "key": str(key),
             "shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
             "mean": stats["mean"], "std": stats["std"], "min": stats["min"], "max": stats["max"],
             "zeros": stats["frac_zeros"], "nonfinite": int(running.nonfinite)}
@@ -140,7 +139,7 @@ def _metadata(args: argparse.Namespace, loaded: LoadedModel,
 
 def _plot(args: argparse.Namespace, acts: hookscope.Capture, inputs: Inputs) -> list[Path]:
     from hookscope.viz import plot_activations  # matplotlib only when asked
-    tensors = {key.replace(":", ".call"): tensor for _, _, key, tensor in record_items(acts)}
+    tensors = {str(key).replace(":", ".call"): tensor for key, tensor in acts.items()}
     image = inputs.images[0] if inputs.images else None
     files = plot_activations(tensors, args.plot, image=image, overwrite=args.overwrite)
     first = f" (first of {len(inputs.specs)} inputs)" if len(inputs.specs) > 1 else ""
