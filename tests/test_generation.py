@@ -3,6 +3,7 @@ forward over the generated sequence (tiny GPT-2 from a config, random weights)."
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -106,3 +107,22 @@ def test_steer_last_token_while_generating(use_cache: bool) -> None:
     assert torch.equal(got.sequences, expected.sequences)
     for mine, theirs in zip(got.scores, expected.scores):
         torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+
+
+def test_save_writes_aligned_activations_and_token_ids(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    model = tiny_gpt2()
+    prompt = torch.tensor([[5, 6, 7]])
+    with hookscope.capture_generation(model, "transformer.h.0", "transformer.h.1") as gen:
+        sequences = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3,
+                                   do_sample=False)
+    file = tmp_path / "gen.safetensors"
+    gen.save(file)
+    saved = load_file(file)
+    assert sorted(saved) == ["token_ids", "transformer.h.0", "transformer.h.1"]
+    assert torch.equal(saved["token_ids"], sequences[:, :5])
+    assert torch.equal(saved["transformer.h.1"], gen.aligned("transformer.h.1"))
+    with pytest.raises(hookscope.HookscopeError, match="pass overwrite=True"):
+        gen.save(file)
+    assert [p.name for p in tmp_path.iterdir()] == ["gen.safetensors"]  # no temporary left

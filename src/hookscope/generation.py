@@ -17,17 +17,21 @@ activations. This is the per-token view asked for in TransformerLens #697/#889 a
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from hookscope._files import write_atomic
 from hookscope._session import OnUnfired
 from hookscope.capture import Capture, capture
-from hookscope.errors import CaptureError
+from hookscope.errors import CaptureError, HookscopeError
 from hookscope.select import unwrap
 
 __all__ = ["Step", "GenerationRecord", "GenerationCapture", "capture_generation"]
@@ -182,6 +186,22 @@ class GenerationCapture:
                 filled = step.stop
         return ids
 
+    def save(self, file: str | os.PathLike[str], *, overwrite: bool = False) -> None:
+        """Write every selected path's ``aligned`` activations and ``token_ids`` to one
+        safetensors file, atomically; the steps go in the metadata (``hookscope.steps``: JSON
+        ``[[index, start, stop], ...]``). Read it back with ``safetensors.torch.load_file``.
+
+        Raises:
+            HookscopeError: ``file`` exists and ``overwrite`` is False.
+            CaptureError: as ``aligned`` and ``token_ids``.
+        """
+        if os.path.exists(file) and not overwrite:
+            raise HookscopeError(f"{os.fspath(file)} exists; pass overwrite=True or pick another name")
+        tensors = {t.key: self.aligned(t.key).detach().cpu().contiguous() for t in self.capture.targets}
+        tensors["token_ids"] = self.token_ids()
+        steps = json.dumps([[s.index, s.start, s.stop] for s in self.steps])
+        write_atomic(file, lambda tmp: save_file(tensors, tmp, metadata={"hookscope.steps": steps}))
+
 
 def _fed_tokens(path: str, record: GenerationRecord) -> Tensor:
     value = record.value
@@ -203,6 +223,7 @@ def capture_generation(model: nn.Module, *patterns: str, on_unfired: OnUnfired =
             sequences = model.generate(ids, max_new_tokens=5)
         gen.aligned("transformer.h.1")   # (batch, len(sequence) - 1, d_model)
         gen.token_ids()                  # (batch, len(sequence) - 1): the tokens at those rows
+        gen.save("generated.safetensors")  # both, for every selected path
 
     Enter it around one ``generate()`` call (steps count the root's forwards since entry).
 
