@@ -67,6 +67,8 @@ def test_run_returns_none_and_edits_skipped_by_the_stop_are_not_blamed() -> None
 
 def test_errors_and_other_exceptions_pass_through() -> None:
     model = Counted()
+    with pytest.raises(hookscope.CaptureError, match="drop early_stop to record gradients"):
+        hookscope.capture(model, "2", grads=True, early_stop=True)
     with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied"):
         with hookscope.capture(model, "2", early_stop=True):
             model(torch.randn(2, 5))

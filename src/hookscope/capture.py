@@ -339,6 +339,10 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
             container (``ModuleList``) whose hook could never fire.
         HookscopeError: the model cannot be hooked (TorchScript), or an option is invalid.
     """
+    if early_stop and (grads or grad_inputs):
+        raise CaptureError("early_stop=True ends the forward before the model's output exists, so "
+                           "no loss and no backward pass can reach the captured modules: drop "
+                           "early_stop to record gradients (grads=True / grad_inputs=True)")
     options = CaptureOptions(inputs=inputs, grads=grads, grad_inputs=grad_inputs, to=to,
                              dtype=dtype, reduce=reduce, clone=clone, early_stop=early_stop)
     return Capture(model, patterns, options, on_unfired)
