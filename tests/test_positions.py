@@ -82,3 +82,17 @@ def test_errors_name_the_row_and_the_fix() -> None:
         resolve_positions(-1, (4,), None)
     with pytest.raises(PositionError, match="give an int, a list of ints"):
         resolve_positions(["a"], (2, 3), None)  # type: ignore[list-item]
+
+
+def test_int_likes_and_ranges_are_positions() -> None:
+    import numpy as np
+
+    mask = torch.tensor([[1, 1, 0]])
+    expected = ([0], [1])
+    for form in (np.int64(-1), torch.tensor(-1), [np.int32(-1)], torch.tensor([-1]), range(1, 2)):
+        rows, columns = resolve_positions(form, (1, 3), mask)  # type: ignore[arg-type]
+        assert (rows.tolist(), columns.tolist()) == expected, form
+    with pytest.raises(PositionError, match="give an int"):
+        resolve_positions([True], (1, 3), mask)
+    with pytest.raises(PositionError, match="give an int"):
+        resolve_positions(1.0, (1, 3), mask)  # type: ignore[arg-type]

@@ -23,6 +23,7 @@ Forms of ``positions``:
 from __future__ import annotations
 
 import inspect
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -112,7 +113,7 @@ def _pick(positions: Positions, real: list[int], row: int, seq: int, masked: boo
     if isinstance(positions, bool) or isinstance(positions, Tensor) and positions.dim() > 1:
         raise PositionError(f"positions={positions!r} is not a position: give an int, a list of "
                             f"ints, a slice or a boolean mask")
-    wanted = [positions] if isinstance(positions, int) else _ints(positions)
+    wanted = _ints(positions)
     picked = []
     for p in wanted:
         if not -len(real) <= p < len(real):
@@ -125,16 +126,20 @@ def _pick(positions: Positions, real: list[int], row: int, seq: int, masked: boo
 
 
 def _ints(positions: Any) -> list[int]:
+    """``positions`` as Python ints: an int-like (numpy, 0-dim tensor) or a sequence of them."""
     if isinstance(positions, Tensor):
         positions = positions.tolist()
     try:
         values = list(positions)
     except TypeError:
         values = [positions]
-    if not all(isinstance(p, int) and not isinstance(p, bool) for p in values):
+    try:
+        if any(isinstance(p, bool) for p in values):
+            raise TypeError
+        return [operator.index(p) for p in values]
+    except TypeError:
         raise PositionError(f"positions={positions!r} is not a position: give an int, a list of "
-                            f"ints, a slice or a boolean mask")
-    return values
+                            f"ints, a slice or a boolean mask") from None
 
 
 def _from_bool(selected: Tensor, batch: int, seq: int, mask: Tensor | None,
