@@ -178,3 +178,44 @@ def test_missing_position_names_the_row() -> None:
     with pytest.raises(PositionError, match=r"position 3 does not exist in batch row 0, which has 3 real"):
         with hookscope.steer(model, {"mix": torch.ones(4)}, positions=3):
             model(IDS, attention_mask=RIGHT)
+
+
+def padded(lengths: list[int], seq: int, left: bool) -> torch.Tensor:
+    mask = torch.zeros(len(lengths), seq, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        if left:
+            mask[row, seq - n:] = 1
+        else:
+            mask[row, :n] = 1
+    return mask
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.data())
+def test_patch_maps_positions_between_differently_padded_runs(data: st.DataObject) -> None:
+    batch = data.draw(st.integers(1, 3))
+    src_lengths = data.draw(st.lists(st.integers(1, 5), min_size=batch, max_size=batch))
+    dst_lengths = data.draw(st.lists(st.integers(1, 5), min_size=batch, max_size=batch))
+    src_mask = padded(src_lengths, max(src_lengths) + data.draw(st.integers(0, 1)), data.draw(st.booleans()))
+    dst_mask = padded(dst_lengths, max(dst_lengths), data.draw(st.booleans()))
+    p = data.draw(st.integers(-min(dst_lengths), min(dst_lengths) - 1))
+    q = data.draw(st.integers(-min(src_lengths), min(src_lengths) - 1))
+    model = Tagger()
+    src_ids, dst_ids = torch.randint(1, 20, src_mask.shape), torch.randint(1, 20, dst_mask.shape)
+    with torch.no_grad():
+        with hookscope.capture(model, "mix") as clean:
+            model(src_ids, attention_mask=src_mask)
+        source = clean["mix"]
+
+        def by_hand(output: torch.Tensor) -> torch.Tensor:
+            for row in range(batch):
+                dst_real = dst_mask[row].nonzero().flatten().tolist()
+                src_real = src_mask[row].nonzero().flatten().tolist()
+                output[row, dst_real[p]] = source[row, src_real[q]]
+            return output
+
+        expected = with_hook(model, model.mix, by_hand, dst_ids, attention_mask=dst_mask)
+        with hookscope.patch(model, source=clean, layers="mix", positions={p: q},
+                             source_attention_mask=src_mask):
+            got = model(dst_ids, attention_mask=dst_mask)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
