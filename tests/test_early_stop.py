@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import hookscope
+from hookscope._early_stop import EarlyStop, StopForward
 from hookscope.cli.main import main
 
 
@@ -97,3 +98,37 @@ def test_cli_capture_early_stop(tmp_path: Path, capsys: pytest.CaptureFixture[st
     out = json.loads(capsys.readouterr().out)
     assert out["prediction"] == {"task": "none"}  # the head never ran: no classes to print
     assert [(r["path"], r["shape"]) for r in out["records"]] == [("_blocks.0", [1, 16, 112, 112])]
+
+
+def test_cli_stats_and_extract_early_stop_equal_the_full_run(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    stops: list[int] = []  # passes cut short, counted where the stop is raised
+    returned = EarlyStop._returned
+
+    def counting(self: EarlyStop, module: nn.Module, args: object, output: object) -> None:
+        try:
+            returned(self, module, args, output)
+        except StopForward:
+            stops.append(1)
+            raise
+    monkeypatch.setattr(EarlyStop, "_returned", counting)
+    common = ["tests.models:LeNet", "--layer", "conv1", "--input", "randn:3,3,32,32", "--json"]
+    torch.manual_seed(0)
+    assert main(["stats", *common]) == 0
+    full = json.loads(capsys.readouterr().out)
+    assert stops == []
+    torch.manual_seed(0)
+    assert main(["stats", *common, "--early-stop"]) == 0
+    assert json.loads(capsys.readouterr().out) == full
+    assert stops == [1]
+    data = tmp_path / "images.pt"
+    torch.save(torch.randn(4, 3, 32, 32), data)
+    for name, flags in (("whole", []), ("early", ["--early-stop"])):
+        torch.manual_seed(0)  # the same LeNet weights for both runs
+        assert main(["extract", "tests.models:LeNet", "--data", str(data), "--layer", "conv1",
+                     "--out", str(tmp_path / name), "--no-progress", *flags]) == 0
+    capsys.readouterr()
+    assert stops == [1, 1]  # one batch of 4 images, stopped once
+    whole, early = hookscope.open_store(tmp_path / "whole"), hookscope.open_store(tmp_path / "early")
+    torch.testing.assert_close(early["conv1"][:], whole["conv1"][:], rtol=0, atol=0)
