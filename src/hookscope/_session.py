@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any, Literal
 
@@ -19,7 +20,14 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hookscope import diagnose
-from hookscope._early_stop import SKIPPED_BY_STOP, EarlyStop, StopForward, stopped_by, stops
+from hookscope._early_stop import (
+    SKIPPED_BY_STOP,
+    EarlyStop,
+    StopForward,
+    forward_boundary,
+    stopped_by,
+    stops,
+)
 from hookscope.errors import HookNeverFiredError, HookNeverFiredWarning, HookscopeError
 from hookscope.select import Target, resolve, unwrap
 
@@ -104,6 +112,12 @@ class HookSession:
         """Add this session's hooks with ``self._add``; mark a selected module that runs by
         adding its path to ``self._ran``."""
         raise NotImplementedError
+
+    def forward_boundary(self) -> AbstractContextManager[None]:
+        """Wrap one forward pass of a loop that keeps this session open across passes
+        (``stats``, ``extract``): this session's early stop ends the pass there, and the loop
+        goes on; a block that runs one pass needs nothing (``__exit__`` catches the stop)."""
+        return forward_boundary(self._stopper)
 
     def _stop_early(self) -> None:
         """Cut each forward short once every selected module has returned (``early_stop``);

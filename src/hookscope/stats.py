@@ -23,7 +23,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope._early_stop import forward_boundary
 from hookscope._nested import get_part, iter_tensors
 from hookscope._session import HookSession
 from hookscope.errors import HookscopeError
@@ -218,7 +217,7 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
     with session, torch.no_grad():
         for batch in batches:
             session.mask = batch.get("attention_mask") if isinstance(batch, dict) else None
-            with forward_boundary(session._stopper):
+            with session.forward_boundary():
                 _call_model(model, batch)
             count += 1
         if count == 0:
