@@ -132,3 +132,15 @@ def test_cli_stats_and_extract_early_stop_equal_the_full_run(tmp_path: Path,
     assert stops == [1, 1]  # one batch of 4 images, stopped once
     whole, early = hookscope.open_store(tmp_path / "whole"), hookscope.open_store(tmp_path / "early")
     torch.testing.assert_close(early["conv1"][:], whole["conv1"][:], rtol=0, atol=0)
+
+
+def test_a_capture_open_across_passes_stops_each_one_at_its_boundary() -> None:
+    model, xs = Counted(), [torch.randn(2, 6) for _ in range(3)]
+    with hookscope.capture(model, "1", early_stop=True) as acts:
+        for x in xs:
+            with acts.forward_boundary():
+                model(x)
+    assert model.ran == [0, 1] * 3
+    assert acts.counts == {"1": 3} and acts.unfired == {}
+    for k, x in enumerate(xs):
+        torch.testing.assert_close(acts["1", k], model[1](model[0](x)), rtol=0, atol=0)
