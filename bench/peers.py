@@ -102,6 +102,25 @@ def plain_hooks(model: nn.Module, example: Sequence[Any], paths: Sequence[str], 
                 lambda kept: {p: [_first_tensor(c) for c in calls] for p, calls in kept.items()})
 
 
+def hookscope_extract(model: nn.Module, example: Sequence[Any], layer: str, *, name: str,
+                      **options: Any) -> Case:
+    """``hookscope.extract`` of ``layer`` (mean-pooled) over the example batch into a temporary
+    store, replaced on every run; keeps nothing (values are checked by the capture cases)."""
+    import tempfile
+
+    import hookscope
+
+    folder = tempfile.mkdtemp(prefix="bench-extract-")
+    data = torch.utils.data.TensorDataset(example[0])
+    batch = int(example[0].shape[0])
+
+    def run() -> None:
+        hookscope.extract(model, data, layer, f"{folder}/store", reduce="mean", batch_size=batch,
+                          overwrite=True, progress=False, **options)
+
+    return Case(name, "hookscope", run, lambda kept: ())
+
+
 def _detach_all(output: Any, *, copy: bool) -> Any:
     from hookscope._nested import map_tensors
 

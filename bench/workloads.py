@@ -25,6 +25,7 @@ WORKLOADS: dict[str, str] = {
     "efficientnet": "efficientnet-lite0 (real weights), scikit-image photos",
     "functional": "function-level addresses: the SDPA call of every attention module, GPT-2-sized "
                   "and MiniLM (real weights), tokens",
+    "early-stop": "efficientnet-lite0, one early block (_blocks.1), with and without early_stop",
 }
 
 
@@ -60,7 +61,8 @@ def build(name: str, size: models.Size, *, peers_wanted: bool = True) -> Workloa
     """
     return {"gpt2": _gpt2, "gpt2-torchlens": _gpt2_torchlens, "resnet": _resnet,
             "resnet-torchlens": _resnet_torchlens,
-            "efficientnet": _efficientnet, "functional": _functional}[name](size, peers_wanted)
+            "efficientnet": _efficientnet, "functional": _functional,
+            "early-stop": _early_stop}[name](size, peers_wanted)
 
 
 def _block_cases(cases: list[Case], model: torch.nn.Module, example: tuple[Any, ...],
@@ -245,3 +247,21 @@ def _reference(model: torch.nn.Module, example: tuple[Any, ...],
     case = peers.plain_hooks(model, example, list(dict.fromkeys(paths)), clone=True,
                              name="reference")
     return lambda: case.values(case.run())  # type: ignore[misc]
+
+
+def _early_stop(size: models.Size, peers_wanted: bool) -> Workload:
+    """Capture and extraction of ``_blocks.1`` (2 of 16 blocks, after the stem): the whole
+    forward, against ``early_stop=True``, which skips the 14 blocks and the head after it."""
+    model, example = models.efficientnet(), (models.photos(size),)
+    layer = "_blocks.1"
+    cases = [peers.bare(model, *example),
+             peers.plain_hooks(model, example, [layer], name=f"plain hook detach(), {layer}"),
+             peers.hookscope_capture(model, example, [layer], name=f"hookscope capture {layer}"),
+             peers.hookscope_capture(model, example, [layer], early_stop=True,
+                                     name=f"hookscope capture {layer}, early_stop=True"),
+             peers.hookscope_extract(model, example, layer, name=f"hookscope extract {layer} (mean)"),
+             peers.hookscope_extract(model, example, layer, early_stop=True,
+                                     name=f"hookscope extract {layer} (mean), early_stop=True")]
+    return Workload("early-stop", f"photos {tuple(example[0].shape)}", cases,
+                    _reference(model, example, [layer]), {},
+                    {"layer": layer, "blocks": len(model._blocks)})

@@ -19,6 +19,7 @@ from hookscope.errors import (
     HookNeverFiredWarning,
     HookscopeError,
     MissingExtraError,
+    PositionError,
     SelectorError,
     SpecError,
     StoreCorruptError,
@@ -26,6 +27,7 @@ from hookscope.errors import (
     StoreExistsError,
 )
 from hookscope.extract import extract
+from hookscope.generation import GenerationCapture, capture_generation
 from hookscope.gradcam import gradcam, save_gradcam_overlay
 from hookscope.grads import NoGrad
 from hookscope.hooks import HookInfo, hooks, remove_hooks
@@ -34,6 +36,7 @@ from hookscope.records import RecordKey, Records, load
 from hookscope.select import select
 from hookscope.stats import RunningStats, stats
 from hookscope.store import Store, open_store
+from hookscope.sweep import Sweep, patching_sweep
 from hookscope.tree import TreeRow, tree
 
 __version__ = "0.1.0"
@@ -48,6 +51,7 @@ __all__ = [
     "EditError",
     "ExtractError",
     "FusedModuleWarning",
+    "GenerationCapture",
     "GradcamError",
     "HookInfo",
     "HookNeverFiredError",
@@ -57,6 +61,7 @@ __all__ = [
     "MissingExtraError",
     "NoGrad",
     "NonFiniteOrigin",
+    "PositionError",
     "RecordKey",
     "Records",
     "RunningStats",
@@ -66,11 +71,13 @@ __all__ = [
     "StoreCorruptError",
     "StoreError",
     "StoreExistsError",
+    "Sweep",
     "TensorSummary",
     "TreeRow",
     "ablate",
     "attention",
     "capture",
+    "capture_generation",
     "compare",
     "edit",
     "extract",
@@ -79,6 +86,7 @@ __all__ = [
     "hooks",
     "load",
     "open_store",
+    "patching_sweep",
     "patch",
     "remove_hooks",
     "run",

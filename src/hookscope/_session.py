@@ -16,6 +16,7 @@ for the forward that activation checkpointing re-runs during backward (counted i
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any, Literal
 
@@ -23,11 +24,19 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hookscope import diagnose
+from hookscope._early_stop import (
+    SKIPPED_BY_STOP,
+    EarlyStop,
+    StopForward,
+    forward_boundary,
+    stopped_by,
+    stops,
+)
 from hookscope._function_names import refuse_uninterceptable
 from hookscope._functional import FunctionHooks
 from hookscope._ownership import OwnedHook, register
 from hookscope.errors import HookNeverFiredError, HookNeverFiredWarning, HookscopeError, warn
-from hookscope.select import Target, resolve
+from hookscope.select import Target, resolve, unwrap
 
 OnUnfired = Literal["warn", "error", "ignore"]
 
@@ -72,6 +81,8 @@ class HookSession:
         self._handles: list[RemovableHandle] = []
         self._owned: list[tuple[OwnedHook, bool]] = []  # (hook, is a forward hook)
         self._ran: set[str] = set()  # paths of selected modules and witnesses that ran
+        self._stopper: EarlyStop | None = None  # set by _register for early_stop=True
+        self._stops_before = 0  # forwards of this model cut short before the block began
         self._active = False
 
     def __enter__(self) -> Any:
@@ -79,6 +90,7 @@ class HookSession:
             raise HookscopeError(f"this {type(self).__name__} is already active: enter it once, "
                                  f"and build a new one for another block")
         self._active = True
+        self._stops_before = stops(unwrap(self.model)[0])
         try:
             self._register()
             for handle in self._functions.install():
@@ -92,14 +104,16 @@ class HookSession:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+                 tb: TracebackType | None) -> bool | None:
         self._remove()
         self._finish()
-        if exc is not None:
-            diagnose.locate_error(self.model, exc)
-            return
+        stopped = stopped_by(exc, self._stopper)  # our early stop: the block ends cleanly
+        if exc is not None and not stopped:
+            if not isinstance(exc, StopForward):  # another block's stop is no error
+                diagnose.locate_error(self.model, exc)
+            return None
         if not self._explain_unfired:
-            return
+            return True if stopped else None
         ran = self._ran_paths()
         called = self._functions.called
         # A wide address ('h.*::softmax', '**::relu') matches modules that make no such call;
@@ -107,6 +121,9 @@ class HookSession:
         made = {t.op for t in self.targets if t.op and t.wide and t.key in called}
         silent = [t for t in self.targets if (t.key not in called and not (t.wide and t.op in made)
                                               if t.op else t.path not in ran)]
+        if silent and stops(unwrap(self.model)[0]) > self._stops_before:
+            self.unfired = {t.key: SKIPPED_BY_STOP for t in silent}  # not their fault: no report
+            return True if stopped else None
         inside = {t.key: why for t in silent if t.op
                   and (why := self._functions.unfired(t.key, t.path)) is not None}
         self.unfired = diagnose.explain_unfired(self.model,
@@ -114,11 +131,25 @@ class HookSession:
         self.unfired.update(inside)
         self.unfired.update(self._other_threads(silent))
         self._report_unfired()
+        return True if stopped else None
 
     def _register(self) -> None:
         """Add this session's hooks with ``self._add``; mark a selected module that runs by
         adding its path to ``self._ran``."""
         raise NotImplementedError
+
+    def forward_boundary(self) -> AbstractContextManager[None]:
+        """Wrap one forward pass of a loop that keeps this session open across passes
+        (``stats``, ``extract``): this session's early stop ends the pass there, and the loop
+        goes on; a block that runs one pass needs nothing (``__exit__`` catches the stop)."""
+        return forward_boundary(self._stopper)
+
+    def _stop_early(self) -> None:
+        """Cut each forward short once every selected module has returned (``early_stop``);
+        call at the end of ``_register``, so the stop runs after this session's hooks."""
+        root, _ = unwrap(self.model)
+        self._stopper = EarlyStop(root, (t.module for t in self.targets))
+        self._stopper.register(self._add)
 
     def _finish(self) -> None:
         """Run after every hook is removed, before the unfired report."""

@@ -48,6 +48,7 @@ class CaptureOptions:
     dtype: torch.dtype | None = None
     reduce: Callable[[Tensor], Tensor] | None = None
     clone: bool | None = None
+    early_stop: bool = False
 
 
 class _Slot:
@@ -96,9 +97,9 @@ class Capture(HookSession):
         return entered
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+                 tb: TracebackType | None) -> bool | None:
         try:
-            super().__exit__(exc_type, exc, tb)
+            return super().__exit__(exc_type, exc, tb)  # True: this capture's early stop ended it
         finally:
             self.records.unfired = self.unfired  # so reading a silent module says why
 
@@ -118,6 +119,8 @@ class Capture(HookSession):
             if self._options.grad_inputs:
                 self._hook(module, watch_inputs([s.entry.grad_inputs for s in slots], self._grad_convert),
                            pre=True, with_kwargs=True)
+        if self._options.early_stop:
+            self._stop_early()
 
     def _finish(self) -> None:
         for key, function in self._functions.functions.items():
@@ -378,7 +381,7 @@ _is_transformed = torch._C._functorch.is_functorch_wrapped_tensor
 def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool = False,
             grad_inputs: bool = False, to: torch.device | str | None = None,
             dtype: torch.dtype | None = None, reduce: Reduce = None, clone: bool | None = None,
-            on_unfired: OnUnfired = "warn") -> Capture:
+            early_stop: bool = False, on_unfired: OnUnfired = "warn") -> Capture:
     """Record the output of every call of each module that ``patterns`` select.
 
     Use it as a context manager; hooks exist only inside the ``with`` block::
@@ -415,6 +418,12 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
             copies every tensor at once; ``False`` keeps plain references: values overwritten
             later raise on reading, except under ``torch.inference_mode()``, whose tensors have
             no version counter (a warning says so).
+        early_stop: stop the forward pass once every selected module has returned in it: the
+            rest of the model does not run (faster in proportion), the forward call does not
+            return, and the ``with`` block ends there, cleanly (hooks removed, model untouched,
+            records kept): make the forward the block's last statement, or use
+            ``run(..., options={"early_stop": True})``, which returns ``(None, acts)``. A module
+            called again later in the same pass (shared weights) keeps its first call only.
         on_unfired: what to do on exit about selected modules that never ran: ``"warn"``
             (``HookNeverFiredWarning``), ``"error"`` (``HookNeverFiredError``, raised after the
             forward finished, records still in ``err.capture``) or ``"ignore"``.
@@ -428,10 +437,14 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
         ReductionError: ``reduce`` is not a known name or a function (at once).
         HookscopeError: the model cannot be hooked (TorchScript), or an option is invalid.
     """
+    if early_stop and (grads or grad_inputs):
+        raise CaptureError("early_stop=True ends the forward before the model's output exists, so "
+                           "no loss and no backward pass can reach the captured modules: drop "
+                           "early_stop to record gradients (grads=True / grad_inputs=True)")
     reducer = reduction(reduce)
     options = CaptureOptions(inputs=inputs, grads=grads, grad_inputs=grad_inputs, to=to, dtype=dtype,
                              reduce=None if reducer is None else lambda t: reducer(t, None),
-                             clone=clone)
+                             clone=clone, early_stop=early_stop)
     return Capture(model, patterns, options, on_unfired)
 
 
@@ -446,14 +459,15 @@ def run(model: nn.Module, *args: Any, layers: str | Sequence[str],
             ``model(**mapping)``, when its keys are parameters of ``model.forward``.
         layers: one pattern or a list of patterns (see ``capture``).
         options: keyword options of ``capture`` (``inputs``, ``grads``, ``grad_inputs``, ``to``,
-            ``dtype``, ``reduce``, ``clone``, ``on_unfired``). They travel in one dict, not as
-            keywords, because ``**kwargs`` belong to the model: a forward that takes
-            ``inputs=``, ``to=`` or ``dtype=`` (Hugging Face models take ``inputs_embeds``,
-            ``output_attentions``, ...) must get them untouched, and a capture option spelled
-            as a keyword could silently shadow one of them.
+            ``dtype``, ``reduce``, ``clone``, ``early_stop``, ``on_unfired``). They travel in
+            one dict, not as keywords, because ``**kwargs`` belong to the model: a forward that
+            takes ``inputs=``, ``to=`` or ``dtype=`` (Hugging Face models take
+            ``inputs_embeds``, ``output_attentions``, ...) must get them untouched, and a capture
+            option spelled as a keyword could silently shadow one of them.
 
     Returns:
-        ``(output, acts)``: what the model returned, and the ``Capture``.
+        ``(output, acts)``: what the model returned (``None`` when ``early_stop`` cut it
+        short), and the ``Capture``.
 
     Raises:
         As ``capture``; an exception inside the forward pass propagates with a note naming the
@@ -461,6 +475,7 @@ def run(model: nn.Module, *args: Any, layers: str | Sequence[str],
     """
     patterns = as_patterns(layers)
     args, kwargs = _as_keywords(model, args, kwargs)
+    output = None
     with capture(model, *patterns, **(options or {})) as acts:
         output = model(*args, **kwargs)
     return output, acts

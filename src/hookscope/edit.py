@@ -7,6 +7,11 @@ Four context managers, each selecting modules with the same patterns as ``captur
 - ``patch(model, source=acts, layers=patterns)``: activation patching from another run;
 - ``steer(model, {pattern: vector}, scale=1.0, positions=None)``: add a direction.
 
+``ablate``, ``patch`` and ``steer`` take ``positions=``: token positions of dim 1, counted among the
+real tokens of each row whenever an attention mask is known (the ``attention_mask`` the model is
+called with, read by a pre-hook on the root, or the one given), so a padded batch never has a
+padding position edited; ``absolute=True`` indexes dim 1 as it is. See ``hookscope.positions``.
+
 Output edits are forward hooks that return the new output; input edits (``edit(...,
 inputs=True)``) are forward pre-hooks (``with_kwargs=True``) that return ``(args, kwargs)``. Every
 hook is removed when the block exits, also when the forward pass raises. Hooks of one module run
@@ -35,14 +40,14 @@ from hookscope._session import HookSession, OnUnfired, resolve_checked
 from hookscope._sources import Source, SourceReader
 from hookscope._values import requantize_like
 from hookscope.errors import EditError, warn
-from hookscope.select import Target, as_patterns
+from hookscope.positions import MaskWatcher, Positions, resolve_positions
+from hookscope.select import Target, as_patterns, resolve, unwrap
 
 __all__ = ["Edit", "edit", "ablate", "patch", "steer"]
 
 Tensor = torch.Tensor
 # (value of the selected output part, or (args, kwargs); its target; call index) -> new value | None
 Rule = Callable[[Any, Target, int], Any]
-Positions = int | Sequence[int] | slice | None
 
 
 class Edit(HookSession):
@@ -57,13 +62,15 @@ class Edit(HookSession):
     _allow_no_patterns = True
 
     def __init__(self, model: nn.Module, rules: Sequence[tuple[str, Rule]], *,
-                 inputs: bool = False, on_unfired: OnUnfired = "warn"):
+                 inputs: bool = False, on_unfired: OnUnfired = "warn",
+                 watcher: MaskWatcher | None = None):
         resolved = [(pattern, target, rule) for pattern, rule in rules
                     for target in resolve_checked(model, [pattern])]  # each pattern once
         self._rules = [(target, rule) for _, target, rule in resolved]
         self._patterns = [pattern for pattern, _, _ in resolved]  # named when an edit misfits
         targets = list({(t.path, t.parts, t.op): t for t, _ in self._rules}.values())
         super().__init__(model, (), on_unfired, targets=targets if targets else None)
+        self._watcher = watcher  # the attention mask of the running forward, for positions
         if inputs and any(t.parts for t, _ in self._rules):
             raise EditError("output parts such as 'lstm[0]' select pieces of an output; an input "
                             "edit gets (args, kwargs): drop the brackets and change them in fn")
@@ -81,6 +88,9 @@ class Edit(HookSession):
         return {target.key: calls for (target, _), calls in zip(self._rules, self._calls)}
 
     def _register(self) -> None:
+        if self._watcher is not None:
+            root, _ = unwrap(self.model)
+            self._add(root.register_forward_pre_hook(self._watcher.hook, with_kwargs=True))
         for index, (target, rule) in enumerate(self._rules):
             # in_recompute: activation checkpointing re-runs the forward during backward; the
             # edit must apply there too, or the recomputed values differ from the real ones
@@ -173,7 +183,8 @@ def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: b
 
 def ablate(model: nn.Module, patterns: str | Sequence[str], *,
            how: Literal["zero", "mean", "resample"] = "zero", reference: Source | None = None,
-           on_unfired: OnUnfired = "warn") -> Edit:
+           positions: Positions = None, attention_mask: Tensor | None = None,
+           absolute: bool = False, on_unfired: OnUnfired = "warn") -> Edit:
     """Knock out the outputs of selected modules (every tensor in them, or the selected part).
 
     Args:
@@ -185,6 +196,12 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
             torch RNG: seed it with ``torch.manual_seed`` for a repeatable draw).
         reference: for ``"mean"``/``"resample"``: a ``Capture`` of the same modules on
             reference inputs, a dict from ``hookscope.load``, or a file ``Capture.save`` wrote.
+        positions: only these positions of dim 1 (``(batch, seq, ...)`` outputs), counted among
+            real tokens when an attention mask is known (see ``hookscope.positions``);
+            ``None``: the whole output.
+        attention_mask: ``(batch, seq)`` mask to count positions by; ``None``: the one the model
+            is called with (keyword or positional ``attention_mask``), if any.
+        absolute: count positions on dim 1 as it is, padding included.
         on_unfired: as in ``edit``.
 
     Returns:
@@ -194,29 +211,38 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
         EditError: an unknown ``how``; no ``reference`` for ``"mean"``/``"resample"``; in the
             forward pass, a reference that lacks the module, or whose rows (shape past dim 0)
             differ from the output's.
+        PositionError: in the forward pass, a position that a row lacks (see ``positions``).
     """
     patterns = as_patterns(patterns)
     if how not in ("zero", "mean", "resample"):
         raise EditError(f"how={how!r} is not one of 'zero', 'mean', 'resample'")
-    if how == "zero":
-        return Edit(model, [(p, _zero) for p in patterns], on_unfired=on_unfired)
-    if reference is None:
-        raise EditError(f"how={how!r} needs reference=acts: a capture of the same modules on "
-                        f"reference inputs, e.g. with hookscope.capture(model, *patterns) as "
-                        f"acts: model(x_reference)")
-    rule = _reference_rule(SourceReader(reference, "reference"), how)
-    return Edit(model, [(p, rule) for p in patterns], on_unfired=on_unfired)
+    rule: Rule = _zero
+    if how != "zero":
+        if reference is None:
+            raise EditError(f"how={how!r} needs reference=acts: a capture of the same modules on "
+                            f"reference inputs, e.g. with hookscope.capture(model, *patterns) as "
+                            f"acts: model(x_reference)")
+        rule = _reference_rule(SourceReader(reference, "reference"), how)
+    if positions is None:
+        return Edit(model, [(p, rule) for p in patterns], on_unfired=on_unfired)
+    watcher = MaskWatcher(unwrap(model)[0], attention_mask)
+    return Edit(model, [(p, _at_positions(rule, positions, watcher, absolute)) for p in patterns],
+                on_unfired=on_unfired, watcher=watcher)
 
 
-def patch(model: nn.Module, *, source: Source, layers: str | Sequence[str] | None = None,
-          on_unfired: OnUnfired = "warn") -> Edit:
+def patch(model: nn.Module, *, source: Source,
+          layers: str | Sequence[str] | Mapping[str, str] | None = None,
+          source_layers: str | Sequence[str] | None = None,
+          positions: Positions | Mapping[int, int] = None,
+          attention_mask: Tensor | None = None, source_attention_mask: Tensor | None = None,
+          absolute: bool = False, on_unfired: OnUnfired = "warn") -> Edit:
     """Activation patching: give call ``k`` of each selected module call ``k``'s value in ``source``.
 
     ::
 
         with hookscope.capture(model, "blocks.*") as clean:
             model(x_clean)
-        with hookscope.patch(model, source=clean, layers="blocks.3"):
+        with hookscope.patch(model, source=clean, layers="blocks.3", positions=[-1]):
             y = model(x_corrupted)
 
     Values are cast to the live output's device and dtype; they carry no gradient.
@@ -224,35 +250,47 @@ def patch(model: nn.Module, *, source: Source, layers: str | Sequence[str] | Non
     Args:
         model: root module.
         source: a ``Capture`` of another run, a dict from ``hookscope.load``, or the file.
-        layers: patterns to patch; ``None``: every record in ``source``; ``[]``: none.
+        layers: patterns to patch; ``None``: every record in ``source``; ``[]``: none. A mapping
+            ``{pattern: source pattern}`` patches each from another layer of the source.
+        source_layers: the source layer of each of ``layers``, in the same order (each pattern
+            must select as many modules as its partner); ``None``: the same layers.
+        positions: patch only these positions of dim 1 (``(batch, seq, ...)`` outputs), counted
+            among real tokens when a mask is known (see ``hookscope.positions``); a mapping
+            ``{position: source position}`` takes each from another position of the source.
+            With positions, the source may have another sequence length (another prompt).
+        attention_mask: this run's ``(batch, seq)`` mask; ``None``: the one the model is called
+            with, if any.
+        source_attention_mask: the source run's mask, to count source positions by.
+        absolute: count positions on dim 1 as it is (both runs), padding included.
         on_unfired: as in ``edit``.
 
     Returns:
         An ``Edit`` context manager.
 
     Raises:
-        EditError: in the forward pass: ``source`` lacks a selected module or its call ``k``;
-            a value's shape differs from the live output's (the message names the module, the
-            call and both shapes).
+        EditError: ``layers`` and ``source_layers`` differ in length or in what they select; in
+            the forward pass: ``source`` lacks a selected module or its call ``k``; a value's
+            shape differs from the live output's (the message names the module, the call and
+            both shapes).
+        PositionError: in the forward pass, a position that a row of either run lacks.
     """
     records = SourceReader(source, "source")
-    patterns = records.keys() if layers is None else as_patterns(layers)
-
-    def rule(value: Any, target: Target, call: int) -> Any:
-        def replace(live: Tensor, keys: tuple[int | str, ...]) -> Tensor:
-            recorded = records.leaf(target, call, keys)
-            if recorded.shape != live.shape:
-                raise EditError(
-                    f"cannot patch call {call} of '{target.key}{_suffix(keys)}': the source value "
-                    f"has shape {tuple(recorded.shape)}, this run's output {tuple(live.shape)}; "
-                    f"patch between runs with the same input shape (batch, sequence length)")
-            return recorded.to(device=live.device, dtype=live.dtype)
-        return _map_with_keys(replace, value)
-    return Edit(model, [(p, rule) for p in patterns], on_unfired=on_unfired)
+    pairs = _layer_pairs(records, layers, source_layers)
+    source_of = _source_targets(model, pairs)
+    if positions is None:
+        rule = _patch_rule(records, source_of)
+        return Edit(model, [(p, rule) for p, _ in pairs], on_unfired=on_unfired)
+    destination, origin = ((list(positions), list(positions.values()))
+                           if isinstance(positions, Mapping) else (positions, positions))
+    watcher = MaskWatcher(unwrap(model)[0], attention_mask)
+    rule = _patch_positions_rule(records, source_of, destination, origin, watcher,
+                                 source_attention_mask, absolute)
+    return Edit(model, [(p, rule) for p, _ in pairs], on_unfired=on_unfired, watcher=watcher)
 
 
 def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0,
-          positions: Positions = None, on_unfired: OnUnfired = "warn") -> Edit:
+          positions: Positions = None, attention_mask: Tensor | None = None,
+          absolute: bool = False, on_unfired: OnUnfired = "warn") -> Edit:
     """Add ``scale * vector`` to the output of each selected module (a steering direction).
 
     The vector broadcasts over the leading dimensions: a ``(d_model,)`` vector is added to every
@@ -264,8 +302,13 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
         model: root module.
         vectors: ``{pattern: vector}``; each vector is cast to the output's device and dtype.
         scale: multiplier of every vector.
-        positions: only these indices of dim 1 (the sequence positions of ``(batch, seq, ...)``):
-            an int, a list of ints or a slice; ``None``: everywhere.
+        positions: only these positions of dim 1 (the sequence of ``(batch, seq, ...)``),
+            counted among real tokens when an attention mask is known: ``-1`` is the last real
+            token of each row, right- or left-padded (see ``hookscope.positions``); an int, a
+            list of ints, a slice or a boolean mask; ``None``: everywhere.
+        attention_mask: ``(batch, seq)`` mask to count positions by; ``None``: the one the model
+            is called with (keyword or positional ``attention_mask``), if any.
+        absolute: count positions on dim 1 as it is, padding included.
         on_unfired: as in ``edit``.
 
     Returns:
@@ -273,16 +316,21 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
 
     Raises:
         EditError: a vector is not a tensor; in the forward pass: the selected output is not a
-            tensor, the vector does not broadcast to it, or ``positions`` needs a dim 1 it lacks.
+            tensor or the vector does not broadcast to it.
+        PositionError: in the forward pass, the output has no dim 1 or a row lacks a position.
     """
+    watcher = None if positions is None else MaskWatcher(unwrap(model)[0], attention_mask)
     rules = []
     _check_mapping("vectors", vectors, "vector", "one vector per pattern")
     for pattern, vector in vectors.items():
         if not isinstance(vector, Tensor):
             raise EditError(f"the steering vector for '{pattern}' is a {type(vector).__name__}; "
                             f"give a tensor, e.g. torch.tensor(values) of shape (d_model,)")
-        rules.append((pattern, _steer_rule(vector.detach() * scale, positions)))
-    return Edit(model, rules, on_unfired=on_unfired)
+        rule = _steer_rule(vector.detach() * scale)
+        if watcher is not None:
+            rule = _at_positions(rule, positions, watcher, absolute)
+        rules.append((pattern, rule))
+    return Edit(model, rules, on_unfired=on_unfired, watcher=watcher)
 
 
 # ------------------------------------------------------------------------------- rules
@@ -363,7 +411,7 @@ def _pool(records: SourceReader, target: Target, keys: tuple[int | str, ...], ho
     return rows.float().mean(dim=0).to(rows.dtype) if how == "mean" else rows
 
 
-def _steer_rule(vector: Tensor, positions: Positions) -> Rule:
+def _steer_rule(vector: Tensor) -> Rule:
     def rule(value: Any, target: Target, call: int) -> Any:
         if not isinstance(value, Tensor):
             raise EditError(f"'{target.key}' returns a {type(value).__name__}; steer one tensor "
@@ -373,15 +421,101 @@ def _steer_rule(vector: Tensor, positions: Positions) -> Rule:
             raise EditError(f"cannot add a vector of shape {tuple(vector.shape)} to the output of "
                             f"'{target.key}', shape {tuple(value.shape)}: give a vector that "
                             f"broadcasts to its trailing dimensions, e.g. ({value.shape[-1]},)")
-        if positions is None:
-            return value + delta
-        if value.dim() < 2:
-            raise EditError(f"positions index dim 1 (the sequence), but '{target.key}' returns "
-                            f"shape {tuple(value.shape)}")
-        mask = torch.zeros_like(value)
-        mask[:, positions] = 1
-        return value + mask * delta
+        return value + delta
     return rule
+
+
+def _patch_rule(records: SourceReader, source_of: dict[str, Target]) -> Rule:
+    def rule(value: Any, target: Target, call: int) -> Any:
+        origin = source_of.get(target.key, target)
+
+        def replace(live: Tensor, keys: tuple[int | str, ...]) -> Tensor:
+            recorded = records.leaf(origin, call, keys)
+            if recorded.shape != live.shape:
+                raise EditError(
+                    f"cannot patch call {call} of '{target.key}{_suffix(keys)}': the source value "
+                    f"has shape {tuple(recorded.shape)}, this run's output {tuple(live.shape)}; "
+                    f"patch between runs with the same input shape (batch, sequence length), or "
+                    f"give positions=... to patch chosen positions between prompts of any length")
+            return recorded.to(device=live.device, dtype=live.dtype)
+        return _map_with_keys(replace, value)
+    return rule
+
+
+def _patch_positions_rule(records: SourceReader, source_of: dict[str, Target], destination: Positions,
+                          origin: Positions, watcher: MaskWatcher, source_mask: Tensor | None,
+                          absolute: bool) -> Rule:
+    """Patch rule that writes the source's ``origin`` positions into this run's ``destination``."""
+    def rule(value: Any, target: Target, call: int) -> Any:
+        def replace(live: Tensor, keys: tuple[int | str, ...]) -> Tensor:
+            recorded = records.leaf(source_of.get(target.key, target), call, keys)
+            rows, columns = resolve_positions(destination, live.shape, watcher.mask_for(live.shape),
+                                              absolute=absolute)
+            src_rows, src_columns = resolve_positions(origin, recorded.shape, source_mask,
+                                                      absolute=absolute)
+            if not torch.equal(rows.cpu(), src_rows.cpu()) or recorded.shape[2:] != live.shape[2:]:
+                raise EditError(
+                    f"cannot patch call {call} of '{target.key}{_suffix(keys)}' at positions: they "
+                    f"select {rows.numel()} tokens in this run (shape {tuple(live.shape)}) and "
+                    f"{src_rows.numel()} in the source (shape {tuple(recorded.shape)}); give "
+                    f"positions that pick the same number of tokens in each row of both runs, "
+                    f"with the same batch size and trailing shape")
+            new = live.clone()
+            new[rows.to(live.device), columns.to(live.device)] = recorded[
+                src_rows.to(recorded.device), src_columns.to(recorded.device)].to(
+                device=live.device, dtype=live.dtype)
+            return new
+        return _map_with_keys(replace, value)
+    return rule
+
+
+def _at_positions(rule: Rule, positions: Positions, watcher: MaskWatcher, absolute: bool) -> Rule:
+    """``rule`` applied at ``positions`` of dim 1 only; elsewhere the output is kept."""
+    def positioned(value: Any, target: Target, call: int) -> Any:
+        new = rule(value, target, call)
+
+        def keep_outside(live: Tensor, keys: tuple[int | str, ...]) -> Tensor:
+            rows, columns = resolve_positions(positions, live.shape, watcher.mask_for(live.shape),
+                                              absolute=absolute)
+            chosen = torch.zeros(live.shape[:2], dtype=torch.bool, device=live.device)
+            chosen[rows.to(live.device), columns.to(live.device)] = True
+            chosen = chosen.reshape(*chosen.shape, *[1] * (live.dim() - 2))  # (batch, seq, 1, ...)
+            return torch.where(chosen, get_part(new, keys) if keys else new, live)
+        return _map_with_keys(keep_outside, value)
+    return positioned
+
+
+def _layer_pairs(records: SourceReader, layers: str | Sequence[str] | Mapping[str, str] | None,
+                 source_layers: str | Sequence[str] | None) -> list[tuple[str, str | None]]:
+    """``[(pattern to patch, source pattern or None for the same)]``."""
+    if isinstance(layers, Mapping):
+        if source_layers is not None:
+            raise EditError("give the source layers once: either layers={pattern: source "
+                            "pattern} or source_layers=[...], not both")
+        return list(layers.items())
+    patterns = records.keys() if layers is None else as_patterns(layers)
+    if source_layers is None:
+        return [(p, None) for p in patterns]
+    sources = as_patterns(source_layers)
+    if len(sources) != len(patterns):
+        raise EditError(f"layers has {len(patterns)} patterns and source_layers {len(sources)}; "
+                        f"give one source pattern per pattern, in the same order")
+    return list(zip(patterns, sources))
+
+
+def _source_targets(model: nn.Module, pairs: list[tuple[str, str | None]]) -> dict[str, Target]:
+    """``{record name patched: source target}`` for the pairs whose source is another layer."""
+    mapped: dict[str, Target] = {}
+    for pattern, source_pattern in pairs:
+        if source_pattern is None:
+            continue
+        live, origin = resolve(model, [pattern]), resolve(model, [source_pattern])
+        if len(live) != len(origin):
+            raise EditError(f"'{pattern}' selects {len(live)} modules but its source "
+                            f"'{source_pattern}' selects {len(origin)}; map one to one, e.g. "
+                            f"layers={{'{live[0].key}': '{origin[0].key}'}}")
+        mapped.update((t.key, o) for t, o in zip(live, origin))
+    return mapped
 
 
 # ------------------------------------------------------------------------------- helpers

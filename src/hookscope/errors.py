@@ -89,6 +89,11 @@ class GradcamError(HookscopeError, ValueError):
     is not class scores, or a target class is out of range."""
 
 
+class PositionError(HookscopeError, IndexError):
+    """``positions=`` names a token position that does not exist, or marks padding (see
+    ``hookscope.positions``)."""
+
+
 def warn(message: str, category: type[Warning]) -> None:
     """Issue ``warnings.warn(message, category)`` attributed to the user's line.
 

@@ -67,7 +67,8 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
             *, reduce: Reduce = None, dtype: torch.dtype | None = None, batch_size: int = 32,
             shard_bytes: int = SHARD_BYTES, shard_seconds: float = SHARD_SECONDS,
             resume: bool = False, overwrite: bool = False, progress: bool = True,
-            model_spec: str | None = None) -> Store:
+            model_spec: str | None = None,
+            early_stop: bool = False) -> Store:
     """Run ``model`` over ``data`` and store the output of each selected layer, row by row.
 
     Args:
@@ -99,6 +100,8 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
             own temporary files; anything else there makes it refuse (``StoreExistsError``).
         progress: show a progress bar (rows/s, MB/s) on stderr (rank 0 only under torchrun).
         model_spec: how the model was made, kept in the manifest (the CLI's ``MODEL``).
+        early_stop: stop each forward once every selected layer has returned (the rest of the
+            model does not run; same rows, less time for early layers; see ``capture``).
 
     Returns:
         The finished store, opened (``hookscope.open_store(out)``).
@@ -126,7 +129,8 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
         config = {"layers": keys, "reduce": reduction_name(reduce), "batches": source.count,
                   "dtype": dtype_name(dtype) if dtype else None}
         header = {"model": {"spec": model_spec, "class": _class_name(model)}, "extract": config}
-        job = _Job(model, keys, reducer, dtype, source, ranks, progress, shard_bytes, shard_seconds)
+        job = _Job(model, keys, reducer, dtype, source, ranks, progress, shard_bytes, shard_seconds,
+                   early_stop)
         with torch.no_grad():
             _extract(job, folder, header, resume=resume, overwrite=overwrite)
     finally:
@@ -147,6 +151,7 @@ class _Job:
     progress: bool
     shard_bytes: int
     shard_seconds: float
+    early_stop: bool = False
     session: Capture | None = None  # the capture open across the batches after the first
 
 
@@ -202,7 +207,8 @@ def _write_all(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Rows]],
     """Store the rows of every remaining batch, handing full shards to a background writer."""
     staging = Staging(min(max(job.shard_bytes, 2**20), 16 * 2**20))
     try:
-        with capture(job.model, *job.keys, on_unfired="ignore") as job.session:
+        with capture(job.model, *job.keys, on_unfired="ignore",
+                     early_stop=job.early_stop) as job.session:
             _write_batches(job, writer, todo, start, staging)
     finally:
         staging.close()
@@ -281,12 +287,14 @@ def _rows(job: _Job, batch: Any) -> Rows:
     mask = kwargs.get("attention_mask")
     n = _batch_rows(args, kwargs)
     if job.session is None:  # the first batch: a capture of its own, which says why a module
-        with capture(job.model, *job.keys, on_unfired="error") as acts:  # did not run
+        with capture(job.model, *job.keys, on_unfired="error",  # did not run
+                     early_stop=job.early_stop) as acts:
             job.model(*args, **kwargs)
     else:
         acts = job.session
         acts.clear()
-        job.model(*args, **kwargs)
+        with acts.forward_boundary():
+            job.model(*args, **kwargs)
         acts.check_writes()
         _check_calls(acts, job.keys)
     return {key: _layer_rows(key, _one_tensor(key, acts[key]), n, mask, job) for key in job.keys}

@@ -178,7 +178,7 @@ class RunningStats:
 
 
 def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "**", *,
-          per_channel: PerChannel = False) -> dict[str, RunningStats]:
+          per_channel: PerChannel = False, early_stop: bool = False) -> dict[str, RunningStats]:
     """Run ``model`` over ``batches`` and return streaming statistics of each selected output.
 
     Each module's output updates its ``RunningStats`` inside the forward hook and is dropped, so
@@ -202,6 +202,8 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
             ``(batch, channels, height, width)``) and along the last dimension for 3-dim
             outputs (``(batch, seq, d_model)``, tokens). An ``int``: that dimension for every
             layer, e.g. ``1`` for Conv1d's ``(batch, channels, length)``.
+        early_stop: stop each forward once every selected module has returned (the rest of
+            the model does not run; see ``capture``).
 
     Returns:
         ``{path: RunningStats}`` in ``named_modules()`` order (keys keep output parts:
@@ -215,13 +217,14 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
             the channel dimension asked for, or is complex.
     """
     patterns = as_patterns(layers)
-    session = _StatsSession(model, patterns, per_channel)
+    session = _StatsSession(model, patterns, per_channel, early_stop)
     count = 0
     with session, torch.no_grad():
         for batch in batches:
             args, kwargs = model_inputs(batch)
             session.mask = kwargs.get("attention_mask")
-            model(*args, **kwargs)
+            with session.forward_boundary():
+                model(*args, **kwargs)
             count += 1
         if count == 0:
             raise HookscopeError("batches was empty: pass at least one batch (a tensor, a dict "
@@ -234,8 +237,10 @@ class _StatsSession(HookSession):
 
     _unfired_consequence = "their statistics are empty (count 0)"
 
-    def __init__(self, model: nn.Module, patterns: list[str], per_channel: PerChannel):
+    def __init__(self, model: nn.Module, patterns: list[str], per_channel: PerChannel,
+                 early_stop: bool):
         super().__init__(model, patterns, "warn")
+        self._early_stop = early_stop
         self.results = {t.key: RunningStats() for t in self.targets}
         self._per_channel = per_channel
         self.mask: Tensor | None = None  # (batch, seq) attention mask of the batch running now
@@ -243,6 +248,8 @@ class _StatsSession(HookSession):
     def _register(self) -> None:
         for target in self.targets:
             self._hook_output(target, self._updater(target))
+        if self._early_stop:
+            self._stop_early()
 
     def _updater(self, target: Target) -> Callable[[nn.Module, Any, Any], None]:
         running, parts, ran = self.results[target.key], target.parts, self._ran

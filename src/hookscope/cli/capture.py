@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "predicted class over each input, DIR/gradcam_<i>.png")
     parser.add_argument("--on-unfired", choices=("warn", "error", "ignore"), default="warn",
                         help="a selected module that never ran: warn (default), error, ignore")
+    parser.add_argument("--early-stop", action="store_true",
+                        help="stop the forward once every selected layer has returned (faster "
+                             "for early layers; no prediction is printed)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing --save file or PNGs")
     parser.add_argument("--json", action="store_true", help="print prediction and rows as JSON")
@@ -77,9 +80,12 @@ def run(args: argparse.Namespace) -> int:
                         "sample:NAME)")
     for line in inputs.descriptions:
         say(f"input {line}")
-    with hookscope.capture(loaded.module, *args.layer, on_unfired=args.on_unfired) as acts:
+    output = None
+    with hookscope.capture(loaded.module, *args.layer, on_unfired=args.on_unfired,
+                           early_stop=args.early_stop) as acts:
         output = inputs.call(loaded.module)
-    prediction = predict(loaded, output, attention_mask=inputs.kwargs.get("attention_mask"))
+    prediction = (Prediction("none") if output is None else
+                  predict(loaded, output, attention_mask=inputs.kwargs.get("attention_mask")))
     counts = acts.counts
     items = list(acts.items())
     records = [_record(key, tensor) for key, tensor in items]

@@ -55,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", help="continue an interrupted run")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing store")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--early-stop", action="store_true",
+                        help="stop each forward once every selected layer has returned")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
@@ -68,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
                     dtype=_DTYPES[args.dtype] if args.dtype else None, batch_size=args.batch_size,
                     shard_bytes=args.shard_bytes, shard_seconds=args.shard_seconds,
                     resume=args.resume, overwrite=args.overwrite,
-                    progress=not args.no_progress, model_spec=args.model)
+                    progress=not args.no_progress, model_spec=args.model,
+                    early_stop=args.early_stop)
     if int(os.environ.get("RANK", "0")) == 0:
         print_store(store, as_json=args.json)
     return 0

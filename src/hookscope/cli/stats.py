@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         type=dimension,
                         help="one row per channel: dimension 1 of feature maps, the last of "
                              "(batch, seq, d_model) tokens, or the DIM given")
+    parser.add_argument("--early-stop", action="store_true",
+                        help="stop each forward once every selected layer has returned")
     parser.add_argument("--json", action="store_true", help="print the statistics as JSON")
 
 
@@ -45,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
     batches = (_batch(load_inputs(chunk, loaded)) for chunk in chunks)
     per_channel: bool | int = (False if args.per_channel is None
                                else True if args.per_channel == "auto" else args.per_channel)
-    result = stats(loaded.module, batches, layers=args.layer or "**", per_channel=per_channel)
+    result = stats(loaded.module, batches, layers=args.layer or "**", per_channel=per_channel,
+                   early_stop=args.early_stop)
     say(f"{len(chunks)} batch{'es' if len(chunks) != 1 else ''} of up to {size} input(s)")
     if args.json:
         print_json({path: running.as_dict() for path, running in result.items()})

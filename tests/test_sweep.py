@@ -1,0 +1,171 @@
+"""patching_sweep equals hand-written patching loops (plain forward hooks), on a GPT-2-shaped model
+from a config (random weights) and on MiniLM; batching copies does not change the values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import hookscope
+from hookscope.errors import EditError, PositionError
+
+transformers = pytest.importorskip("transformers")
+
+
+def tiny_gpt2() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=4, vocab_size=60, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def logit_diff(output: Any) -> torch.Tensor:
+    return (output.logits[:, -1, 5] - output.logits[:, -1, 7]).mean()
+
+
+def hand_patched(model: nn.Module, module: nn.Module, clean_value: torch.Tensor, position: int,
+                 inputs: dict[str, torch.Tensor]) -> float:
+    """The textbook loop: a forward hook that writes the clean value at one absolute position."""
+    def hook(mod: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        output = output.clone()
+        output[:, position] = clean_value[:, position]
+        return output
+    handle = module.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            return float(logit_diff(model(**inputs)))
+    finally:
+        handle.remove()
+
+
+def clean_values(model: nn.Module, modules: list[nn.Module], inputs: dict[str, torch.Tensor]
+                 ) -> list[torch.Tensor]:
+    kept: list[torch.Tensor] = []
+    handles = [m.register_forward_hook(lambda mod, a, o: kept.append(o.detach())) for m in modules]
+    with torch.no_grad():
+        model(**inputs)
+    for h in handles:
+        h.remove()
+    return kept
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, None])
+def test_gpt2_sweep_equals_hand_written_loop(tmp_path: Path, batch_size: int | None) -> None:
+    model = tiny_gpt2()
+    clean = {"input_ids": torch.tensor([[3, 9, 14, 2, 8], [4, 1, 22, 7, 30]])}
+    corrupted = {"input_ids": torch.tensor([[3, 9, 40, 2, 8], [4, 1, 41, 7, 30]])}
+    sweep = hookscope.patching_sweep(model, clean, corrupted, layers="transformer.h.*",
+                                     metric=logit_diff, batch_size=batch_size,
+                                     plot=tmp_path / "sweep.png", progress=False)
+    blocks = list(model.transformer.h)
+    sources = clean_values(model, blocks, clean)
+    expected = torch.tensor([[hand_patched(model, block, source, p, corrupted) for p in range(5)]
+                             for block, source in zip(blocks, sources)], dtype=torch.float64)
+    assert sweep.layers == ["transformer.h.0", "transformer.h.1", "transformer.h.2"]
+    assert sweep.positions == [0, 1, 2, 3, 4]
+    assert sweep.values.shape == (3, 5)
+    torch.testing.assert_close(sweep.values, expected, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        assert sweep.clean == pytest.approx(float(logit_diff(model(**clean))), abs=1e-6)
+        assert sweep.corrupted == pytest.approx(float(logit_diff(model(**corrupted))), abs=1e-6)
+    # patching the last block at every position restores the clean metric
+    assert sweep.values[2, :].tolist() != [sweep.corrupted] * 5
+    assert sweep.values[2, 4] == pytest.approx(sweep.clean, abs=1e-5)
+    assert (tmp_path / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "transformer.h.2" in sweep.table()
+
+
+def test_positions_count_real_tokens_of_padded_batches() -> None:
+    model = tiny_gpt2()
+    # row 1 is left-padded by one token; position -1 is the last real token of each row
+    clean = {"input_ids": torch.tensor([[3, 9, 14, 2], [0, 4, 1, 22]]),
+             "attention_mask": torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])}
+    corrupted = {"input_ids": torch.tensor([[3, 9, 40, 2], [0, 4, 1, 41]]),
+                 "attention_mask": clean["attention_mask"]}
+    sweep = hookscope.patching_sweep(model, clean, corrupted, layers="transformer.h.0",
+                                     metric=logit_diff, positions=[-1, 0], progress=False)
+    block = model.transformer.h[0]
+    (source,) = clean_values(model, [block], clean)
+
+    def hook_rows(row_positions: list[int]) -> float:
+        def hook(mod: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+            output = output.clone()
+            for row, p in enumerate(row_positions):
+                output[row, p] = source[row, p]
+            return output
+        handle = block.register_forward_hook(hook)
+        with torch.no_grad():
+            value = float(logit_diff(model(**corrupted)))
+        handle.remove()
+        return value
+
+    expected = torch.tensor([[hook_rows([3, 3]), hook_rows([0, 1])]], dtype=torch.float64)
+    torch.testing.assert_close(sweep.values, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(PositionError, match=r"give positions=\[...\]"):
+        hookscope.patching_sweep(model, clean, corrupted, layers="transformer.h.0",
+                                 metric=logit_diff, progress=False)
+
+
+def test_metric_must_be_one_number() -> None:
+    model = tiny_gpt2()
+    ids = {"input_ids": torch.tensor([[3, 9, 14]])}
+    with pytest.raises(EditError, match=r"metric returned a tensor of shape \(1, 3, 60\)"):
+        hookscope.patching_sweep(model, ids, ids, layers="transformer.h.0",
+                                 metric=lambda out: out.logits, progress=False)
+
+
+def test_minilm_sweep_equals_hand_written_loop() -> None:
+    from hookscope.models import load_model
+    try:
+        loaded = load_model("minilm")
+    except hookscope.HookscopeError as err:
+        pytest.skip(str(err))
+    model, tokenizer = loaded.module, loaded.tokenizer
+    clean = dict(tokenizer(["the cat sat on the mat"], return_tensors="pt"))
+    corrupted = dict(tokenizer(["the dog sat on the mat"], return_tensors="pt"))
+    direction = torch.randn(384)
+
+    def metric(output: Any) -> torch.Tensor:
+        return (output.last_hidden_state[:, 0] @ direction).mean()
+
+    sweep = hookscope.patching_sweep(model, clean, corrupted, layers=["encoder.layer.1", "encoder.layer.4"],
+                                     metric=metric, positions=[1, 2, -1], progress=False)
+    seq = corrupted["input_ids"].shape[1]
+    expected = []
+    for index in (1, 4):
+        layer = model.encoder.layer[index]
+        (source,) = clean_values(model, [layer], clean)
+        expected.append([hand_patched_minilm(model, layer, source, p, corrupted, metric)
+                         for p in (1, 2, seq - 1)])
+    torch.testing.assert_close(sweep.values, torch.tensor(expected, dtype=torch.float64),
+                               rtol=1e-5, atol=1e-5)
+
+
+def hand_patched_minilm(model: nn.Module, layer: nn.Module, source: torch.Tensor, position: int,
+                        inputs: dict[str, torch.Tensor], metric: Any) -> float:
+    def hook(mod: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        output = output.clone()
+        output[:, position] = source[:, position]
+        return output
+    handle = layer.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            return float(metric(model(**inputs)))
+    finally:
+        handle.remove()
+
+
+def test_progress_bar_counts_forwards(capsys: pytest.CaptureFixture[str]) -> None:
+    model = tiny_gpt2()
+    ids = {"input_ids": torch.tensor([[3, 9, 14]])}
+    sweep = hookscope.patching_sweep(model, ids, ids, layers="transformer.h.*", metric=logit_diff,
+                                     batch_size=2)
+    err = capsys.readouterr().err
+    assert "patching sweep" in err and "6/6" in err  # 3 layers x ceil(3 positions / 2) forwards
+    # clean == corrupted: every patched run gives the clean metric
+    torch.testing.assert_close(sweep.values, torch.full((3, 3), sweep.clean, dtype=torch.float64),
+                               rtol=1e-6, atol=1e-6)
