@@ -269,9 +269,10 @@ class Capture(HookSession):
             slot.versions.clear()
 
     def check_writes(self) -> None:
-        """Check the outputs kept by reference so far, as leaving the ``with`` block does: one
-        written in place since its call is marked (reading it raises) and its module is copied
-        from then on. For loops that read records inside the block, before ``clear()``."""
+        """With ``clone=False``, check the outputs kept by reference so far, as leaving the
+        ``with`` block does: one written in place since its call is marked (reading it raises).
+        For loops that read records inside the block, before ``clear()``. (The default
+        copy-on-write records cannot be overwritten, so there is nothing to check.)"""
         self._check_versions()
 
     @property
