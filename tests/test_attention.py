@@ -105,3 +105,28 @@ class Unused(nn.Sequential):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self[0](x)
+
+
+class MhaBlock(nn.Module):
+    """nn.MultiheadAttention called with or without per-head weights."""
+
+    def __init__(self, per_head: bool) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(16, 4, batch_first=True)
+        self.per_head = per_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.mha(x, x, x, need_weights=self.per_head, average_attn_weights=False)
+        return out
+
+
+def test_multihead_attention_gives_its_per_head_weights_or_says_how() -> None:
+    x = torch.randn(2, 5, 16)
+    model = MhaBlock(per_head=True)
+    with torch.no_grad():
+        probs = hookscope.attention(model, x, layers="mha")
+        _, expected = model.mha(x, x, x, need_weights=True, average_attn_weights=False)
+    assert probs["mha"].shape == (2, 4, 5, 5)
+    assert torch.equal(probs["mha"], expected)
+    with pytest.raises(AttentionError, match=r"need_weights=True, average_attn_weights=False"):
+        hookscope.attention(MhaBlock(per_head=False), x, layers="mha")

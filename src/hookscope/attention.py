@@ -28,7 +28,8 @@ __all__ = ["attention", "sdpa_probabilities", "ATTENTION_FUNCTIONS"]
 
 Tensor = torch.Tensor
 SDPA = "scaled_dot_product_attention"
-ATTENTION_FUNCTIONS = frozenset({SDPA, "softmax"})
+MHA = "multi_head_attention_forward"  # nn.MultiheadAttention's function; its softmax is inside
+ATTENTION_FUNCTIONS = frozenset({SDPA, "softmax", MHA})
 
 
 def sdpa_probabilities(query: Tensor, key: Tensor, attn_mask: Tensor | None = None,
@@ -86,8 +87,10 @@ def attention(model: nn.Module, *args: Any, layers: str | Sequence[str], **kwarg
     Each selected module must compute exactly one attention per call, in its own forward or in
     its children's: an attention module (``encoder.layer.2.attention.self``) or a whole block
     (``encoder.layer.2``). Attention is either a ``softmax`` over the last dim of a 4-D tensor
-    (eager attention: its output is taken as is) or ``F.scaled_dot_product_attention`` (the
-    probabilities are recomputed, see ``sdpa_probabilities``). Only the selected modules' forward
+    (eager attention: its output is taken as is), ``F.scaled_dot_product_attention`` (the
+    probabilities are recomputed, see ``sdpa_probabilities``), or ``nn.MultiheadAttention``'s
+    ``F.multi_head_attention_forward`` called with ``need_weights=True,
+    average_attn_weights=False`` (the per-head weights it returns). Only the selected modules' forward
     passes are intercepted; the model's output is unchanged.
 
     Args:
@@ -173,11 +176,27 @@ def _probabilities(call: FunctionCall) -> Tensor | None:
                                       _detached(named.get("attn_mask")),
                                       bool(named.get("is_causal", False)), named.get("scale"),
                                       bool(named.get("enable_gqa", False)))
+        if call.name == MHA:
+            return _mha_weights(call.output, named)
         output = call.output
         dim = named.get("dim")
         if isinstance(output, Tensor) and output.dim() == 4 and dim in (-1, 3):
             return output.detach()
     return None
+
+
+def _mha_weights(output: Any, named: dict[str, Any]) -> Tensor:
+    """The per-head weights ``F.multi_head_attention_forward`` returned, ``(batch, heads, query,
+    key)``; it returns them only when asked (``need_weights=True, average_attn_weights=False``)."""
+    weights = output[1] if isinstance(output, tuple) and len(output) == 2 else None
+    if isinstance(weights, Tensor) and weights.dim() == 4:
+        return weights.detach()
+    raise AttentionError(
+        f"an nn.MultiheadAttention computed its attention inside F.multi_head_attention_forward "
+        f"and returned {'no weights' if weights is None else 'weights averaged over heads'} "
+        f"(need_weights={named.get('need_weights')}, average_attn_weights="
+        f"{named.get('average_attn_weights')}): call it with need_weights=True, "
+        f"average_attn_weights=False to get the (batch, heads, query, key) probabilities")
 
 
 def _detached(value: Any) -> Any:
