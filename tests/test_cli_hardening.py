@@ -182,6 +182,7 @@ def test_written_files_get_the_umask_permissions(models: Path, tmp_path: Path) -
 
 
 # -------------------------------------------------------------------------------------- Ctrl-C
+@pytest.mark.slow
 @pytest.mark.parametrize("delay_s", [0.0, 0.3, 1.5])
 def test_ctrl_c_at_any_moment_is_one_line_and_exit_130(models: Path, tmp_path: Path,
                                                        delay_s: float) -> None:
@@ -207,6 +208,7 @@ def test_ctrl_c_at_any_moment_is_one_line_and_exit_130(models: Path, tmp_path: P
 
 
 # ------------------------------------------------------------- code the user did not name
+@pytest.mark.slow
 def test_model_folder_with_custom_code_is_refused_without_asking(tmp_path: Path) -> None:
     folder = tmp_path / "model"
     folder.mkdir()
@@ -243,6 +245,7 @@ def test_pickled_input_is_refused_in_hookscopes_words(models: Path, tmp_path: Pa
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_manifest_model_class_is_the_same_in_every_process(models: Path, tmp_path: Path) -> None:
     code = ("from hookscope.models import load_model; from hookscope.extract import _class_name; "
             f"print(_class_name(load_model({f'{models}:own'!r}).module))")

@@ -233,6 +233,7 @@ _JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 2**40) | st.flo
                      st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=6)
 
 
+@pytest.mark.slow
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_fuzz_mutated_stores_read_the_original_rows_or_raise_store_corrupt(

@@ -364,6 +364,8 @@ class Store:
 
     def __getitem__(self, layer: str) -> LayerView:
         if layer not in self.layers:
+            if self._shards:  # a layer missing from a damaged manifest is still in the shards:
+                self._shards[0]._open()  # their header check raises StoreCorruptError
             raise StoreError(f"store {self.path} has no layer {layer!r}; it has "
                              f"{list(self.layers)}.")
         return LayerView(self, self.layers[layer])
