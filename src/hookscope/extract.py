@@ -52,7 +52,7 @@ from hookscope._store_writer import (
 from hookscope.capture import Capture, capture
 from hookscope.errors import ExtractError, HookscopeError
 from hookscope.reductions import Reduce, Reduction, reduction, reduction_name
-from hookscope.select import resolve
+from hookscope.select import as_patterns, resolve
 from hookscope.store import LayerInfo, Store, dtype_name, open_store
 
 __all__ = ["Reduce", "check_output", "extract", "load_data"]
@@ -114,7 +114,7 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
             shape changes between batches, shuffled data, or a resume with other arguments.
         StoreCorruptError: ``resume`` finds a damaged manifest.
     """
-    folder, keys = Path(out), [t.key for t in resolve(model, _patterns(layers))]
+    folder, keys = Path(out), [t.key for t in resolve(model, as_patterns(layers))]
     reducer, source = reduction(reduce), BatchSource(data, batch_size)
     if shard_bytes <= 0 or not shard_seconds > 0:
         raise ExtractError(f"shard_bytes={shard_bytes} and shard_seconds={shard_seconds} must be "
@@ -369,10 +369,6 @@ def _check_layers(rows: Rows, layers: dict[str, Any], index: int) -> None:
                 f"{tuple(shape)} {dtype_name(data.dtype)} in batch {index}; a layer's rows must "
                 f"keep one shape: pass reduce='mean' (or 'first'), pad to one length, or give an "
                 f"attention_mask so tokens are stored ragged")
-
-
-def _patterns(layers: str | Sequence[str]) -> list[str]:
-    return [layers] if isinstance(layers, str) else list(layers)
 
 
 def _class_name(model: nn.Module) -> str:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from hookscope.errors import ExtractError
+from hookscope.positions import take_positions
 
 __all__ = ["NAMES", "Reduce", "Reduction", "ReductionError", "reduction", "reduction_name"]
 
@@ -91,13 +92,8 @@ def _position(t: Tensor, mask: Tensor | None, last: bool) -> Tensor:
             f"reduce='{'last' if last else 'first'}' takes the {'last' if last else 'first'} "
             f"token of a (batch, seq, features) output, but this output is {tuple(t.shape)} "
             f"({kind}); use reduce='mean' (pixels of a feature map) or no reduction")
-    if mask is None or t.shape[:2] != mask.shape:
-        return t[:, -1 if last else 0]
-    real = mask.bool().flip(1) if last else mask.bool()
-    index = real.int().argmax(dim=1)  # first real token (of the flipped mask for last)
-    if last:
-        index = mask.shape[1] - 1 - index
-    return t[torch.arange(t.shape[0], device=t.device), index]
+    known = mask if mask is not None and t.shape[:2] == mask.shape else None
+    return take_positions(t, -1 if last else 0, known)  # counted among real tokens
 
 
 def _first(t: Tensor, mask: Tensor | None) -> Tensor:
