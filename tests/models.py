@@ -261,3 +261,15 @@ ZOO = {
     "UnusedBranch": (UnusedBranch, lambda: (torch.randn(2, 4),)),
     "DirectForwardCall": (DirectForwardCall, lambda: (torch.randn(1, 3, 8),)),
 }
+
+
+def padding_mask(lengths: list[int], seq: int, left: bool) -> torch.Tensor:
+    """An attention mask ``(len(lengths), seq)`` int64: row ``i`` has ``lengths[i]`` real tokens
+    (1), padded on the left or the right with 0."""
+    mask = torch.zeros(len(lengths), seq, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        if left:
+            mask[row, seq - n:] = 1
+        else:
+            mask[row, :n] = 1
+    return mask

@@ -19,8 +19,7 @@ from PIL import Image
 from safetensors import safe_open
 
 import hookscope
-from hookscope.cli import capture as cli_capture
-from hookscope.cli import tree as cli_tree
+from hookscope.cli import _common as cli_common
 from hookscope.cli.main import main
 from hookscope.inputs import load_inputs
 from hookscope.models import LoadedModel, load_model
@@ -44,8 +43,7 @@ def cached_load() -> Callable[[str], LoadedModel]:
 @pytest.fixture(autouse=True)
 def _load_each_model_once(monkeypatch: pytest.MonkeyPatch,
                           cached_load: Callable[[str], LoadedModel]) -> None:
-    monkeypatch.setattr(cli_capture, "load_model", cached_load)
-    monkeypatch.setattr(cli_tree, "load_model", cached_load)
+    monkeypatch.setattr(cli_common, "load_model", cached_load)  # every verb loads through it
 
 
 def _table(stdout: str, header: str = "path") -> list[list[str]]:

@@ -14,6 +14,7 @@ from torch import nn
 
 import hookscope
 from hookscope.errors import EditError, PositionError
+from tests.models import padding_mask
 
 
 class Tagger(nn.Module):
@@ -93,12 +94,7 @@ def test_ablate_zero_at_positions_never_touches_padding(lengths: list[int], left
                                                         data: st.DataObject) -> None:
     model = Tagger()
     seq = max(lengths)
-    mask = torch.zeros(len(lengths), seq, dtype=torch.long)
-    for row, n in enumerate(lengths):
-        if left:
-            mask[row, seq - n:] = 1
-        else:
-            mask[row, :n] = 1
+    mask = padding_mask(lengths, seq, left)
     ids = torch.randint(1, 20, mask.shape) * mask
     p = data.draw(st.integers(-min(lengths), min(lengths) - 1))
 
@@ -180,24 +176,15 @@ def test_missing_position_names_the_row() -> None:
             model(IDS, attention_mask=RIGHT)
 
 
-def padded(lengths: list[int], seq: int, left: bool) -> torch.Tensor:
-    mask = torch.zeros(len(lengths), seq, dtype=torch.long)
-    for row, n in enumerate(lengths):
-        if left:
-            mask[row, seq - n:] = 1
-        else:
-            mask[row, :n] = 1
-    return mask
-
-
 @settings(max_examples=20, deadline=None)
 @given(st.data())
 def test_patch_maps_positions_between_differently_padded_runs(data: st.DataObject) -> None:
     batch = data.draw(st.integers(1, 3))
     src_lengths = data.draw(st.lists(st.integers(1, 5), min_size=batch, max_size=batch))
     dst_lengths = data.draw(st.lists(st.integers(1, 5), min_size=batch, max_size=batch))
-    src_mask = padded(src_lengths, max(src_lengths) + data.draw(st.integers(0, 1)), data.draw(st.booleans()))
-    dst_mask = padded(dst_lengths, max(dst_lengths), data.draw(st.booleans()))
+    src_seq = max(src_lengths) + data.draw(st.integers(0, 1))
+    src_mask = padding_mask(src_lengths, src_seq, data.draw(st.booleans()))
+    dst_mask = padding_mask(dst_lengths, max(dst_lengths), data.draw(st.booleans()))
     p = data.draw(st.integers(-min(dst_lengths), min(dst_lengths) - 1))
     q = data.draw(st.integers(-min(src_lengths), min(src_lengths) - 1))
     model = Tagger()

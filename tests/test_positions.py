@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from hookscope.errors import PositionError
 from hookscope.positions import resolve_positions, take_positions
+from tests.models import padding_mask
 
 
 @st.composite
@@ -17,13 +18,7 @@ def padded_batches(draw: st.DrawFn) -> tuple[torch.Tensor, list[int], bool]:
     seq = draw(st.integers(1, 7))
     lengths = draw(st.lists(st.integers(1, seq), min_size=1, max_size=4))
     left = draw(st.booleans())
-    mask = torch.zeros(len(lengths), seq, dtype=torch.long)
-    for row, n in enumerate(lengths):
-        if left:
-            mask[row, seq - n:] = 1
-        else:
-            mask[row, :n] = 1
-    return mask, lengths, left
+    return padding_mask(lengths, seq, left), lengths, left
 
 
 @settings(max_examples=60, deadline=None)

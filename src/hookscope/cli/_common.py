@@ -7,8 +7,11 @@ import json
 import math
 import re
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from hookscope.models import LoadedModel, load_model
 
 MODEL_HELP = ("efficientnet-lite0, minilm, pkg.module:factory, file.py:factory, hf:DIR, timm:NAME; "
               "suffixes @bf16/@fp16/@fp32, @weights.safetensors")
@@ -89,6 +92,15 @@ def print_json(data: Any) -> None:
     """Print ``data`` as indented JSON with stable key order on stdout."""
     json.dump(data, sys.stdout, indent=2, default=str)
     sys.stdout.write("\n")
+
+
+def load_model_timed(spec: str) -> LoadedModel:
+    """``load_model(spec)``, saying on stderr what is loading and how long it took."""
+    started = time.perf_counter()
+    say(f"loading {spec} ...")
+    loaded = load_model(spec)
+    say(f"loaded {spec} in {time.perf_counter() - started:.1f} s")
+    return loaded
 
 
 def say(message: str) -> None:

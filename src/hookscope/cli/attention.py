@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import argparse
 import re
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 import hookscope
-from hookscope.cli._common import add_model_arguments, print_json, print_table, say
+from hookscope.cli._common import add_model_arguments, load_model_timed, print_json, print_table, say
 from hookscope.errors import SpecError
 from hookscope.inputs import Inputs, load_inputs
-from hookscope.models import LoadedModel, load_model
+from hookscope.models import LoadedModel
 from hookscope.viz import attention_grid
 
 HELP = "attention probabilities of selected modules (eager softmax or fused SDPA) as heat maps"
@@ -43,10 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Compute, summarise and draw the attention maps as ``args`` says; exit code 0."""
-    started = time.perf_counter()
-    say(f"loading {args.model} ...")
-    loaded = load_model(args.model)
-    say(f"loaded {args.model} in {time.perf_counter() - started:.1f} s")
+    loaded = load_model_timed(args.model)
     hookscope.select(loaded.module, *args.layer)  # a bad pattern fails here, before any work
     inputs = load_inputs(args.input, loaded)
     for line in inputs.descriptions:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +17,14 @@ import hookscope
 from hookscope.cli._common import (
     add_layer_argument,
     add_model_arguments,
+    load_model_timed,
     print_json,
     print_table,
     say,
 )
 from hookscope.errors import SpecError
 from hookscope.inputs import Inputs, load_inputs
-from hookscope.models import LoadedModel, load_model
+from hookscope.models import LoadedModel
 from hookscope.predictions import Prediction, predict
 from hookscope.records import RecordKey
 from hookscope.stats import RunningStats
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if args.save and Path(args.save).exists() and not args.overwrite:
         raise SpecError(f"'{args.save}' already exists; pass --overwrite to replace it, or "
                         "choose another --save file")
-    loaded = _load(args.model)
+    loaded = load_model_timed(args.model)
     hookscope.select(loaded.module, *args.layer)  # a bad pattern fails here, before any work
     if args.gradcam:
         hookscope.select(loaded.module, args.gradcam)
@@ -112,14 +112,6 @@ def run(args: argparse.Namespace) -> int:
     _print_prediction(prediction, inputs)
     print_table(records, COLUMNS)
     return 0
-
-
-def _load(spec: str) -> LoadedModel:
-    started = time.perf_counter()
-    say(f"loading {spec} ...")
-    loaded = load_model(spec)
-    say(f"loaded {spec} in {time.perf_counter() - started:.1f} s")
-    return loaded
 
 
 def _record(key: RecordKey, tensor: torch.Tensor) -> dict[str, Any]:

@@ -4,12 +4,10 @@ often each ran and what it returned. Containers and modules that never ran are m
 from __future__ import annotations
 
 import argparse
-import time
 
-from hookscope.cli._common import add_model_arguments, non_negative_int, print_json, say
+from hookscope.cli._common import add_model_arguments, load_model_timed, non_negative_int, print_json, say
 from hookscope.errors import SpecError
 from hookscope.inputs import load_inputs
-from hookscope.models import load_model
 from hookscope.tree import filter_rows, format_tree, tree, tree_of_call
 
 HELP = "list every module: path, class, parameters; with --input, calls and output shapes"
@@ -32,10 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the module tree of ``args.model``; exit code 0."""
-    started = time.perf_counter()
-    say(f"loading {args.model} ...")
-    loaded = load_model(args.model)
-    say(f"loaded {args.model} in {time.perf_counter() - started:.1f} s")
+    loaded = load_model_timed(args.model)
     if args.input:
         inputs = load_inputs(args.input, loaded)
         for line in inputs.descriptions:
