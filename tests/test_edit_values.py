@@ -180,6 +180,13 @@ def test_steering_rejects_vectors_that_do_not_fit() -> None:
             lstm(torch.randn(2, 5, 4))
 
 
+def test_steering_a_feature_map_suggests_a_vector_per_channel() -> None:
+    model = LeNet()  # conv1: (2, 6, 28, 28); a (28,) vector would add along the width
+    with pytest.raises(EditError, match=r"e\.g\. \(6, 1, 1\) for its channels"):
+        with hookscope.steer(model, {"conv1": torch.zeros(5)}):
+            model(torch.randn(2, 3, 32, 32))
+
+
 def test_edited_value_is_what_a_capture_inside_records() -> None:
     model, x = MlpStack(), torch.randn(3, 10)
     with hookscope.edit(model, {"fc1": lambda o: o * 2}), hookscope.capture(model, "fc1", "fc2") as acts:
