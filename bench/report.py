@@ -166,7 +166,7 @@ def markdown(results: dict[str, Any]) -> str:
             ""]
     for workload in results["workloads"]:
         out += [f"## {workload['title']}", "",
-                f"Input: {workload['shape']}. " + ", ".join(
+                f"Input: {workload.get('shape', '?')}. " + ", ".join(
                     f"{k}: {v}" for k, v in workload.get("info", {}).items()), ""]
         if "error" in workload:
             out += [f"Workload failed: `{workload['error']}`", ""]
