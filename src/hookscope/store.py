@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import json
 import mmap
 import os
+import stat
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -30,7 +30,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from hookscope._manifest import FORMAT, check_header, check_manifest, corrupt, inside
+from hookscope._manifest import (
+    FORMAT,
+    check_header,
+    check_manifest,
+    corrupt,
+    inside,
+    parse_json,
+    read_regular,
+)
 from hookscope.errors import StoreCorruptError, StoreError
 
 __all__ = ["FORMAT", "LayerInfo", "LayerView", "ShardInfo", "Store", "StoreDataset", "chunk_sums",
@@ -152,16 +160,21 @@ class _Shard:
     def check_size(self) -> None:
         """Raise ``StoreCorruptError`` unless the file exists with the manifest's byte size."""
         try:
-            size = self.path.stat().st_size
+            status = self.path.stat()
         except OSError as err:
             raise StoreCorruptError(f"shard {self.info.file} of {self.path.parent} is missing "
                                     f"({err.strerror}); {_REDO}") from err
+        if not stat.S_ISREG(status.st_mode):
+            raise StoreCorruptError(f"shard {self.info.file} of {self.path.parent} is not a regular "
+                                    f"file (a folder, FIFO or device); {_REDO}")
+        size = status.st_size
         if size != self.info.bytes:
             raise StoreCorruptError(f"shard {self.info.file} of {self.path.parent} has {size} bytes, "
                                     f"the manifest says {self.info.bytes}: it is truncated or was "
                                     f"replaced; {_REDO}")
 
-    def _open(self) -> mmap.mmap:
+    def open(self) -> mmap.mmap:
+        """Map the file and check its header against the manifest (once)."""
         if self._mm is None:
             self.check_size()
             with open(self.path, "rb") as f:
@@ -179,7 +192,7 @@ class _Shard:
                                                            f"{self.info.bytes}-byte file")
         self._check_range(mm, 0, 8 + length)
         try:
-            header = json.loads(mm[8:8 + length])
+            header = parse_json(mm[8:8 + length])
         except ValueError as err:
             raise StoreCorruptError(f"shard {self.info.file}: unreadable header; "
                                     f"{_REDO}") from err
@@ -206,7 +219,7 @@ class _Shard:
 
     def array(self, key: str, first: int, stop: int) -> np.ndarray:
         """Return a copy of rows ``first:stop`` (along dim 0) of tensor ``key``, checked."""
-        mm = self._open()
+        mm = self.open()
         entry = self._entries[key]
         shape, (begin, end) = entry["shape"], entry["data_offsets"]
         row_bytes = (end - begin) // shape[0] if shape[0] else 0
@@ -238,7 +251,7 @@ class _Shard:
         if sha.hexdigest() != self.info.sha256:
             raise StoreCorruptError(f"shard {self.info.file} of {self.path.parent} is corrupt: "
                                     f"its sha256 differs from the manifest's; {_REDO}")
-        mm = self._open()
+        mm = self.open()
         self._check_range(mm, 0, self.info.bytes, force=True)
         for path in self.layers:
             if f"{path}:offsets" in self._entries:
@@ -254,7 +267,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
     """
     inside(path.parent, path.name, path, "name")
     try:
-        data = json.loads(path.read_bytes())
+        data = parse_json(read_regular(path))
     except (OSError, ValueError) as err:
         raise StoreCorruptError(f"cannot read {path}: {err}. The file is damaged; extract the "
                                 f"store again (overwrite=True / --overwrite).") from err
@@ -364,6 +377,8 @@ class Store:
 
     def __getitem__(self, layer: str) -> LayerView:
         if layer not in self.layers:
+            if self._shards:  # a layer cut from the manifest: the shard header still holds it
+                self._shards[0].open()
             raise StoreError(f"store {self.path} has no layer {layer!r}; it has "
                              f"{list(self.layers)}.")
         return LayerView(self, self.layers[layer])
