@@ -152,3 +152,16 @@ def test_a_layer_cut_from_the_manifest_is_corrupt_not_missing(tmp_path: Path) ->
     _edit_manifest(out, lambda m: m["layers"].pop("0"))
     with pytest.raises(StoreCorruptError, match=r"shard-00000.*header.*'0'"):
         open_store(out)["0"]
+
+
+def test_a_second_extraction_into_a_folder_being_written_is_refused(tmp_path: Path) -> None:
+    from hookscope._store_folder import writing
+    out = tmp_path / "store"
+    with writing(out):  # what a running extraction holds (another open of the folder)
+        for options in ({}, {"resume": True}, {"overwrite": True}):
+            with pytest.raises(StoreExistsError, match="another process is extracting into"):
+                _store(out, **options)
+        assert os.listdir(out) == []
+    _store(out)  # released: a killed or finished run leaves no lock behind
+    assert len(open_store(out)) == 12 and sorted(os.listdir(out))[0] == "manifest.json"
+

@@ -11,10 +11,13 @@ and never a folder; any other file or folder in the output makes it refuse, nami
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 import struct
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 from hookscope._files import TEMPORARY
@@ -61,13 +64,38 @@ def prepare_output(folder: Path, *, resume: bool, overwrite: bool) -> None:
     check_output(folder, resume=resume, overwrite=overwrite)
     if resume and not (folder.is_dir() and any(_MANIFEST_NAME.fullmatch(n)
                                                for n in os.listdir(folder))):
-        warnings.warn(f"resume: {folder} {'holds no store' if folder.exists() else 'does not exist'}"
-                      f", so there is nothing to resume; starting afresh", UserWarning,
-                      stacklevel=3)
+        what = "holds no store" if folder.is_dir() and os.listdir(folder) else \
+            "is empty or does not exist"  # the run's lock has created it by now
+        warnings.warn(f"resume: {folder} {what}, so there is nothing to resume; starting afresh",
+                      UserWarning, stacklevel=3)
     folder.mkdir(parents=True, exist_ok=True)
     for name in sorted(owned_files(folder, "")):
         if overwrite or TEMPORARY.fullmatch(name):
             (folder / name).unlink()
+
+
+@contextlib.contextmanager
+def writing(folder: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``folder`` (created if missing) while one process writes a store
+    into it: an advisory ``flock`` on the folder itself, so no lock file is left behind and a
+    killed run releases it. A second extraction into the same folder meanwhile is refused.
+
+    Raises:
+        StoreExistsError: another process holds the lock (an extraction into ``folder`` runs).
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as err:
+            raise StoreExistsError(
+                f"another process is extracting into {folder} right now; two runs into one "
+                f"folder would mix their shards. Wait for it to end, or choose another output "
+                f"folder.") from err
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def owned_files(folder: Path, flag: str) -> set[str]:

@@ -23,6 +23,7 @@ an output folder may hold ``hookscope._store_folder``.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import sys
@@ -40,7 +41,7 @@ from hookscope._batch_inputs import model_inputs
 from hookscope._batches import BatchSource, load_data
 from hookscope._nested import describe_keys, iter_tensors, map_tensors
 from hookscope._ranks import Ranks
-from hookscope._store_folder import check_output, prepare_output
+from hookscope._store_folder import check_output, prepare_output, writing
 from hookscope._store_writer import (
     BackgroundWriter,
     ShardData,
@@ -174,6 +175,15 @@ def _extract(job: _Job, folder: Path, header: dict[str, Any], *,
     except Exception as err:  # noqa: BLE001  (shared with the other ranks, then re-raised)
         error = err
     ranks.agree(error)
+    with writing(folder) if ranks.world_size == 1 else contextlib.nullcontext():
+        _write_store(job, folder, header, prior, todo, start, resume=resume, overwrite=overwrite)
+
+
+def _write_store(job: _Job, folder: Path, header: dict[str, Any], prior: dict[str, Any] | None,
+                 todo: Iterator[tuple[int, Rows]], start: int, *, resume: bool,
+                 overwrite: bool) -> None:
+    """Make the folder ready (rank 0), write this rank's rows, join the ranks' parts."""
+    ranks = job.ranks
     if ranks.rank == 0:
         prepare_output(folder, resume=resume, overwrite=overwrite)
     ranks.barrier()
