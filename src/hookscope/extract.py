@@ -54,7 +54,7 @@ from hookscope.capture import Capture, capture
 from hookscope.errors import ExtractError, HookscopeError
 from hookscope.reductions import Reduce, Reduction, reduction, reduction_name
 from hookscope.select import resolve
-from hookscope.store import LayerInfo, Store, dtype_name, open_store
+from hookscope.store import _ST_DTYPES, LayerInfo, Store, dtype_name, open_store
 
 __all__ = ["Reduce", "check_output", "extract", "load_data"]
 
@@ -355,7 +355,24 @@ def _layer_rows(key: str, t: Tensor, n: int, mask: Tensor | None, job: _Job
         lengths, t = keep.sum(dim=1).to("cpu", torch.int64), t[keep]
     if job.dtype is not None and t.is_floating_point():
         t = t.to(job.dtype)
+    _check_storable(key, t)
     return t.detach(), lengths
+
+
+def _check_storable(key: str, t: Tensor) -> None:
+    """Raise unless a store can hold ``t``: real data (not a meta tensor) of a dtype safetensors
+    and the manifest know (not complex, float8, uint16..64 or quantized)."""
+    if t.is_meta:
+        raise ExtractError(f"'{key}' returned a meta tensor, which holds no values to store; run "
+                           f"the model on a real device (model.to_empty(device='cpu') then load "
+                           f"its weights)")
+    if t.dtype not in _ST_DTYPES:
+        fix = ("store its real and imaginary parts: a model wrapper returning "
+               "torch.view_as_real(output)" if t.is_complex() else
+               "convert it: dtype=torch.float32 if it is floating, or a wrapper returning "
+               "output.to(torch.int64)")
+        raise ExtractError(f"'{key}' returned {t.dtype}, which a store cannot hold (it holds "
+                           f"{', '.join(dtype_name(d) for d in _ST_DTYPES)}); {fix}")
 
 
 def _layer_infos(rows: Rows, prior: dict[str, Any] | None) -> dict[str, Any]:
