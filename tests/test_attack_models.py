@@ -54,3 +54,28 @@ def test_a_meta_output_is_refused_naming_the_fix(tmp_path: Path) -> None:
                                            r"to store; run the model on a real device"):
         extract(model, [torch.ones(2, 3)], "0", tmp_path / "s", progress=False)
     assert not (tmp_path / "s").exists() or os.listdir(tmp_path / "s") == []
+
+
+def test_stats_of_integer_and_bool_outputs_are_counted_not_skipped() -> None:
+    from hookscope.stats import stats
+    x = torch.tensor([[1.6, -0.2, 3.7], [0.1, 2.9, -1.0]])
+    model = nn.Sequential(_To(torch.int64), _To(torch.bool))
+    result = stats(model, [x], layers=["0", "1"])
+    ints = x.to(torch.int64)
+    ints, bools = ints.double(), ints.to(torch.bool).double()  # layer 1 gets layer 0's ints
+    assert int(result["0"].count) == 6 and int(result["1"].count) == 6
+    torch.testing.assert_close(result["0"].mean, ints.mean())
+    torch.testing.assert_close(result["1"].mean, bools.mean())
+    assert float(result["0"].max) == 3.0 and float(result["1"].min) == 0.0
+
+
+@pytest.mark.parametrize(("dtype", "message"), [
+    (torch.complex64, r"'0' returned torch.complex64: cannot take statistics of a complex tensor"),
+    (None, r"'0' returned a meta tensor, which holds no values")])
+def test_stats_of_complex_or_meta_outputs_are_refused(dtype: torch.dtype | None,
+                                                      message: str) -> None:
+    from hookscope.errors import HookscopeError
+    from hookscope.stats import stats
+    model = nn.Sequential(_To(dtype) if dtype else nn.Linear(3, 2, device="meta"))
+    with pytest.raises(HookscopeError, match=message):
+        stats(model, [torch.ones(2, 3, device="meta" if dtype is None else "cpu")], layers="0")
