@@ -321,7 +321,7 @@ class Records:
                 or a record is a meta tensor (no values).
         """
         file = os.fspath(file)
-        if os.path.exists(file) and not overwrite:
+        if os.path.lexists(file) and not overwrite:
             raise HookscopeError(f"{file} exists; pass overwrite=True (--overwrite) or pick another name")
         tensors: dict[str, Tensor] = {}
         seen: set[int] = set()
