@@ -165,3 +165,27 @@ def test_a_second_extraction_into_a_folder_being_written_is_refused(tmp_path: Pa
     _store(out)  # released: a killed or finished run leaves no lock behind
     assert len(open_store(out)) == 12 and sorted(os.listdir(out))[0] == "manifest.json"
 
+
+
+def _rows_view(tmp_path: Path) -> object:
+    return extract(nn.Sequential(nn.Identity()), TensorDataset(ROWS[:5]), "0", tmp_path / "s",
+                   batch_size=2, shard_bytes=32, progress=False)["0"]
+
+
+def test_a_bool_mask_selects_the_rows_where_it_is_true(tmp_path: Path) -> None:
+    import numpy as np
+    view = _rows_view(tmp_path)
+    mask = [True, False, True, False, True]
+    for index in (mask, np.array(mask), torch.tensor(mask)):
+        assert torch.equal(view[index], ROWS[:5][torch.tensor(mask)])  # type: ignore[index]
+    assert torch.equal(view[np.array([4, 0])], ROWS[[4, 0]])  # type: ignore[index]
+    assert torch.equal(view[torch.tensor(3)], ROWS[3])  # type: ignore[index]
+
+
+@pytest.mark.parametrize(("index", "message"), [
+    (1.7, "not float"), ("1", "not str"), (True, "not bool"), ([0.9], "must be integers"),
+    ([True, False], "needs 5 entries"), ([[0, 1]], "not 2-dim")])
+def test_indices_that_are_not_rows_are_refused(tmp_path: Path, index: object, message: str) -> None:
+    view = _rows_view(tmp_path)
+    with pytest.raises(IndexError, match=message):
+        view[index]  # type: ignore[index]

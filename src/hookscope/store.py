@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import mmap
+import operator
 import os
 import stat
 import struct
@@ -306,13 +307,34 @@ class LayerView:
             if step != 1:
                 return self[list(range(start, stop, step))]
             return self._rows(start, max(start, stop))
-        if isinstance(index, (Sequence, Tensor, np.ndarray)):
-            rows = [self._one(int(i), n) for i in index]
-            if self.info.ragged:
-                return [row for i in rows for row in self._ragged(i, i + 1)]
-            return torch.cat([self._fixed(i, i + 1) for i in rows]) if rows else self._fixed(0, 0)
-        i = self._one(int(index), n)
+        if isinstance(index, (Sequence, Tensor, np.ndarray)) and not isinstance(index, str):
+            found = np.asarray(index.cpu() if isinstance(index, Tensor) else index)
+            if found.ndim == 1:
+                rows = [self._one(i, n) for i in self._indices(found, n)]
+                if self.info.ragged:
+                    return [row for i in rows for row in self._ragged(i, i + 1)]
+                return torch.cat([self._fixed(i, i + 1) for i in rows]) if rows else \
+                    self._fixed(0, 0)
+            if found.ndim != 0:
+                raise IndexError(f"rows of layer {self.info.path!r} are indexed by an int, a "
+                                 f"slice, or a 1-dim list of ints or bool mask, not "
+                                 f"{found.ndim}-dim indices")
+            index = found.item()
+        i = self._one(_as_int(index, self.info.path), n)
         return self._ragged(i, i + 1)[0] if self.info.ragged else self._fixed(i, i + 1)[0]
+
+    def _indices(self, found: np.ndarray, n: int) -> list[int]:
+        """Row numbers of a 1-dim index: ints as given, a bool mask (length ``n``) as the rows
+        where it is True (as torch and numpy read a mask)."""
+        if found.dtype == np.bool_:
+            if len(found) != n:
+                raise IndexError(f"a bool mask over layer {self.info.path!r} needs {n} entries "
+                                 f"(one per row), not {len(found)}")
+            return np.flatnonzero(found).tolist()
+        if found.size and not np.issubdtype(found.dtype, np.integer):
+            raise IndexError(f"row indices of layer {self.info.path!r} must be integers or a "
+                             f"bool mask, not {found.dtype}")
+        return [int(i) for i in found]
 
     def _one(self, i: int, n: int) -> int:
         if not -n <= i < n:
@@ -341,6 +363,17 @@ class LayerView:
                               (last - first, *self._row_shape))
             rows += torch.split(flat, np.diff(offsets[a:b + 1]).tolist())
         return rows
+
+
+def _as_int(index: object, layer: str) -> int:
+    """``index`` as a row number; a float, str or other non-integer is an IndexError."""
+    try:
+        if isinstance(index, (bool, np.bool_)):
+            raise TypeError
+        return operator.index(index)  # type: ignore[arg-type]
+    except TypeError:
+        raise IndexError(f"a row of layer {layer!r} is indexed by an int, a slice, or a list of "
+                         f"ints or a bool mask, not {type(index).__name__} {index!r:.40}") from None
 
 
 class StoreDataset(torch.utils.data.Dataset[Tensor]):
