@@ -291,6 +291,9 @@ class LayerView:
 
     A fixed layer returns ``(rows, *shape)`` tensors; a ragged layer returns a ``(tokens, *rest)``
     tensor for one row and a list of them for several. Reads copy only the rows asked for.
+    ``view[mask]`` with a bool list, array or tensor of one entry per row takes the rows where
+    it is True, as torch does. Any other index (a float, a str, 2-dim indices) is an
+    ``IndexError``, as is a row out of range.
     """
 
     def __init__(self, store: Store, info: LayerInfo):
