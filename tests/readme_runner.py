@@ -96,12 +96,12 @@ def parse(readme: str) -> list[Block]:
     while i < len(lines):
         stripped = lines[i].strip()
         if stripped.startswith("<!--") and "readme-test:" in stripped:
-            end = _closing(lines, i, "-->", "the readme-test comment is never closed with -->")
+            end = _closing(lines, i, "-->", "the readme-test comment is never closed with -->", i + 1)
             body = _DIRECTIVE.search("\n".join(lines[i:end + 1]))
             assert body is not None
             pending += [(i + 1, d.strip()) for d in body.group(1).splitlines() if d.strip()]
         elif stripped.startswith("```"):
-            end = _closing(lines, i + 1, "```", "the block is never closed with ```")
+            end = _closing(lines, i + 1, "```", "the block is never closed with ```", i + 1)
             indent = len(lines[i]) - len(lines[i].lstrip())
             block = Block(stripped[3:].strip(), i + 2, [line[indent:] for line in lines[i + 1:end]])
             _check_language(block)
@@ -115,12 +115,13 @@ def parse(readme: str) -> list[Block]:
     return blocks
 
 
-def _closing(lines: list[str], start: int, marker: str, problem: str) -> int:
-    """The index of the first line from ``start`` that closes with ``marker``."""
+def _closing(lines: list[str], start: int, marker: str, problem: str, opener: int) -> int:
+    """The index of the first line from ``start`` that closes with ``marker``; the error names
+    the ``opener`` line (counted from 1)."""
     for end in range(start, len(lines)):
         if (marker in lines[end]) if marker == "-->" else lines[end].strip() == marker:
             return end
-    raise ReadmeError(f"README.md line {start}: {problem}")
+    raise ReadmeError(f"README.md line {opener}: {problem}")
 
 
 def _check_language(block: Block) -> None:
