@@ -133,7 +133,7 @@ def test_resume_refuses_a_folder_that_is_not_a_store(tmp_path: Path) -> None:
 
 
 def test_resume_of_a_missing_folder_says_it_starts_afresh(tmp_path: Path) -> None:
-    with pytest.warns(UserWarning, match=r"does not exist, so there is nothing to resume; "
+    with pytest.warns(UserWarning, match=r"is empty or does not exist, so there is nothing to resume; "
                                          r"starting afresh"):
         _store(tmp_path / "new", resume=True)
     assert torch.equal(open_store(tmp_path / "new")["0"][:], ROWS)

@@ -11,9 +11,12 @@ and the field, so a damaged or hostile manifest can neither crash a reader with 
 
 from __future__ import annotations
 
+import errno
+import json
 import math
 import os
 import re
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +29,7 @@ VERSION = 1
 DTYPES = {"float64": ("F64", 8), "float32": ("F32", 4), "float16": ("F16", 2),
           "bfloat16": ("BF16", 2), "int64": ("I64", 8), "int32": ("I32", 4), "int16": ("I16", 2),
           "int8": ("I8", 1), "uint8": ("U8", 1), "bool": ("BOOL", 1)}
-_PLAIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+SHARD_NAME = re.compile(r"shard-(r\d{4}-)?\d{5}\.safetensors")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _CHUNK_SUM = re.compile(r"[0-9a-f]{16}")
 _FIX = ("the manifest is damaged or was not written by hookscope; restore it from a copy or "
@@ -135,10 +138,34 @@ def _check_shard(file: Path, k: int, entry: Any, start: int, batch: int | None,
 
 
 def check_file_name(name: str, file: Path, field: str) -> None:
-    """Raise unless ``name`` is a plain file name (no folder, ``..``, absolute path, dot file)."""
-    if not _PLAIN_NAME.fullmatch(name):
+    """Raise unless ``name`` is a shard file name as hookscope writes them
+    (``shard-NNNNN.safetensors``, ``shard-rNNNN-NNNNN.safetensors``): no folder, ``..``, absolute
+    path, dot file, nor a user's file that happens to sit in the folder."""
+    if not SHARD_NAME.fullmatch(name):
         raise corrupt(file, f"{field}.file", f"must be a plain file name inside the store folder, "
-                                             f"not {name!r:.80}")
+                                             f"a shard's (shard-NNNNN.safetensors), not {name!r:.80}")
+
+
+def parse_json(data: bytes) -> Any:
+    """``json.loads`` whose every failure is ``ValueError``: JSON nested deeper than Python's
+    recursion limit raises ``RecursionError`` from the standard parser."""
+    try:
+        return json.loads(data)
+    except RecursionError as err:
+        raise ValueError("JSON nested too deeply to be a hookscope file") from err
+
+
+def read_regular(path: Path, limit: int = -1) -> bytes:
+    """Return the bytes of ``path`` (at most ``limit``) after checking it is a regular file:
+    a FIFO or device named like a store file would block or never end, a folder cannot be read.
+
+    Raises:
+        OSError: ``path`` is missing, unreadable, or not a regular file (``EINVAL``).
+    """
+    with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return f.read(limit)
 
 
 def inside(folder: Path, name: str, file: Path, field: str) -> Path:

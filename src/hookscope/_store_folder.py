@@ -2,29 +2,30 @@
 
 Nothing of the user's is ever deleted. A store owns exactly: its manifests (``manifest.json``, or
 the ``manifest-rNNNN.json`` parts of an unfinished torchrun run) when they parse and pass the
-schema; the shard files they list; a shard file the crash of a run left unlisted (its exact
-shard name, and a safetensors header whose metadata says ``hookscope.store``); and hookscope's
-own temporary files (``.NAME.tmp-PID...`` of one of those names). ``overwrite`` deletes those
-files one by one and never a folder; any other file or folder in the output makes it refuse,
-naming the file.
+schema; the shard files, listed or left unlisted by the crash of a run, that have a shard's exact
+name and are regular files whose safetensors metadata says ``hookscope.store`` (a user's file
+that a manifest lists is not the store's); and hookscope's own temporary files
+(``.NAME.tmp-PID...`` of one of those names). ``overwrite`` deletes those files one by one
+and never a folder; any other file or folder in the output makes it refuse, naming the file.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import fcntl
 import os
 import re
 import struct
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 from hookscope._files import TEMPORARY
-from hookscope._manifest import FORMAT, check_manifest
+from hookscope._manifest import FORMAT, SHARD_NAME, check_manifest, parse_json, read_regular
 from hookscope.errors import StoreCorruptError, StoreExistsError
 
 MANIFEST = "manifest.json"
 _MANIFEST_NAME = re.compile(r"manifest(-r\d{4})?\.json")
-_SHARD_NAME = re.compile(r"shard-(r\d{4}-)?\d{5}\.safetensors")
 
 
 def check_output(folder: Path, *, resume: bool, overwrite: bool) -> None:
@@ -63,13 +64,38 @@ def prepare_output(folder: Path, *, resume: bool, overwrite: bool) -> None:
     check_output(folder, resume=resume, overwrite=overwrite)
     if resume and not (folder.is_dir() and any(_MANIFEST_NAME.fullmatch(n)
                                                for n in os.listdir(folder))):
-        warnings.warn(f"resume: {folder} {'holds no store' if folder.exists() else 'does not exist'}"
-                      f", so there is nothing to resume; starting afresh", UserWarning,
-                      stacklevel=3)
+        what = "holds no store" if folder.is_dir() and os.listdir(folder) else \
+            "is empty or does not exist"  # the run's lock has created it by now
+        warnings.warn(f"resume: {folder} {what}, so there is nothing to resume; starting afresh",
+                      UserWarning, stacklevel=3)
     folder.mkdir(parents=True, exist_ok=True)
     for name in sorted(owned_files(folder, "")):
         if overwrite or TEMPORARY.fullmatch(name):
             (folder / name).unlink()
+
+
+@contextlib.contextmanager
+def writing(folder: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``folder`` (created if missing) while one process writes a store
+    into it: an advisory ``flock`` on the folder itself, so no lock file is left behind and a
+    killed run releases it. A second extraction into the same folder meanwhile is refused.
+
+    Raises:
+        StoreExistsError: another process holds the lock (an extraction into ``folder`` runs).
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as err:
+            raise StoreExistsError(
+                f"another process is extracting into {folder} right now; two runs into one "
+                f"folder would mix their shards. Wait for it to end, or choose another output "
+                f"folder.") from err
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def owned_files(folder: Path, flag: str) -> set[str]:
@@ -86,21 +112,20 @@ def owned_files(folder: Path, flag: str) -> set[str]:
         try:
             if (folder / name).is_symlink():
                 raise StoreCorruptError(f"{folder / name} is a symbolic link")
-            manifest = json.loads((folder / name).read_bytes())
+            manifest = parse_json(read_regular(folder / name))
             check_manifest(manifest, folder / name)
         except (OSError, ValueError) as err:
             raise StoreExistsError(
                 f"refusing {flag or 'to touch'} {folder}: {name} there is not a valid hookscope "
                 f"manifest ({str(err).split(';')[0]}), so which files are the store's is "
                 f"unknown. Move the folder away, or delete it yourself.") from err
-        owned.update(entry["file"] for entry in manifest["shards"])
     if names and not manifests and flag:
         files = sorted(names - {n for n in names if _is_temporary(n)})
         if files:
             raise StoreExistsError(
                 f"refusing {flag} on {folder}: it is not a hookscope store (no {MANIFEST}; it "
                 f"holds {_listing(files)}). Choose another output folder.")
-    owned.update(n for n in names if _SHARD_NAME.fullmatch(n) and _is_store_shard(folder / n))
+    owned.update(n for n in names if SHARD_NAME.fullmatch(n) and _is_store_shard(folder / n))
     owned.update(n for n in names if _is_temporary(n))
     return {n for n in owned if n in names and not (folder / n).is_symlink()
             and (folder / n).is_file()}
@@ -110,7 +135,7 @@ def _is_temporary(name: str) -> bool:
     match = TEMPORARY.fullmatch(name)
     if match is None:
         return False
-    return bool(_MANIFEST_NAME.fullmatch(match["target"]) or _SHARD_NAME.fullmatch(match["target"]))
+    return bool(_MANIFEST_NAME.fullmatch(match["target"]) or SHARD_NAME.fullmatch(match["target"]))
 
 
 def _is_store_shard(path: Path) -> bool:
@@ -120,7 +145,7 @@ def _is_store_shard(path: Path) -> bool:
     try:
         with open(path, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(min(length, 2**20)))
+            header = parse_json(f.read(min(length, 2**20)))
         return bool(header["__metadata__"]["format"] == FORMAT)
     except (OSError, ValueError, KeyError, TypeError, struct.error):
         return False

@@ -23,6 +23,7 @@ an output folder may hold ``hookscope._store_folder``.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import sys
@@ -40,7 +41,7 @@ from hookscope._batch_inputs import model_inputs
 from hookscope._batches import BatchSource, load_data
 from hookscope._nested import describe_keys, iter_tensors, map_tensors
 from hookscope._ranks import Ranks
-from hookscope._store_folder import check_output, prepare_output
+from hookscope._store_folder import check_output, prepare_output, writing
 from hookscope._store_writer import (
     BackgroundWriter,
     ShardData,
@@ -53,7 +54,7 @@ from hookscope.capture import Capture, capture
 from hookscope.errors import ExtractError, HookscopeError
 from hookscope.reductions import Reduce, Reduction, reduction, reduction_name
 from hookscope.select import as_patterns, resolve
-from hookscope.store import LayerInfo, Store, dtype_name, open_store
+from hookscope.store import _ST_DTYPES, LayerInfo, Store, dtype_name, open_store
 
 __all__ = ["Reduce", "check_output", "extract", "load_data"]
 
@@ -174,6 +175,15 @@ def _extract(job: _Job, folder: Path, header: dict[str, Any], *,
     except Exception as err:  # noqa: BLE001  (shared with the other ranks, then re-raised)
         error = err
     ranks.agree(error)
+    with writing(folder) if ranks.world_size == 1 else contextlib.nullcontext():
+        _write_store(job, folder, header, prior, todo, start, resume=resume, overwrite=overwrite)
+
+
+def _write_store(job: _Job, folder: Path, header: dict[str, Any], prior: dict[str, Any] | None,
+                 todo: Iterator[tuple[int, Rows]], start: int, *, resume: bool,
+                 overwrite: bool) -> None:
+    """Make the folder ready (rank 0), write this rank's rows, join the ranks' parts."""
+    ranks = job.ranks
     if ranks.rank == 0:
         prepare_output(folder, resume=resume, overwrite=overwrite)
     ranks.barrier()
@@ -345,7 +355,24 @@ def _layer_rows(key: str, t: Tensor, n: int, mask: Tensor | None, job: _Job
         lengths, t = keep.sum(dim=1).to("cpu", torch.int64), t[keep]
     if job.dtype is not None and t.is_floating_point():
         t = t.to(job.dtype)
+    _check_storable(key, t)
     return t.detach(), lengths
+
+
+def _check_storable(key: str, t: Tensor) -> None:
+    """Raise unless a store can hold ``t``: real data (not a meta tensor) of a dtype safetensors
+    and the manifest know (not complex, float8, uint16..64 or quantized)."""
+    if t.is_meta:
+        raise ExtractError(f"'{key}' returned a meta tensor, which holds no values to store; run "
+                           f"the model on a real device (model.to_empty(device='cpu') then load "
+                           f"its weights)")
+    if t.dtype not in _ST_DTYPES:
+        fix = ("store its real and imaginary parts: a model wrapper returning "
+               "torch.view_as_real(output)" if t.is_complex() else
+               "convert it: dtype=torch.float32 if it is floating, or a wrapper returning "
+               "output.to(torch.int64)")
+        raise ExtractError(f"'{key}' returned {t.dtype}, which a store cannot hold (it holds "
+                           f"{', '.join(dtype_name(d) for d in _ST_DTYPES)}); {fix}")
 
 
 def _layer_infos(rows: Rows, prior: dict[str, Any] | None) -> dict[str, Any]:

@@ -121,7 +121,7 @@ def save_gradcam_overlay(image: np.ndarray | Tensor, cam: np.ndarray | Tensor,
         SpecError: ``path`` exists and ``overwrite`` is False.
         MissingExtraError: matplotlib is not installed (``pip install 'hookscope[viz]'``).
     """
-    if not overwrite and Path(path).exists():
+    if not overwrite and os.path.lexists(path):
         raise SpecError(f"'{path}' exists; pass overwrite=True (--overwrite) to replace it, or "
                         f"choose another file")
     picture = _as_picture(image)

@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import io
 import json
 import os
@@ -310,6 +311,8 @@ def _factory(base: str) -> nn.Module:
             raise SpecError(f"'{where}' has no attribute '{attribute}'; it defines "
                             f"{', '.join(public) or 'nothing public'}")
         obj = getattr(obj, name)
+    if callable(obj) and not isinstance(obj, nn.Module):
+        _check_no_arguments(obj, base)
     module = obj() if callable(obj) and not isinstance(obj, nn.Module) else obj
     if not isinstance(module, nn.Module):
         raise SpecError(f"'{base}' gave a {type(module).__name__}, not a torch.nn.Module: point "
@@ -318,12 +321,28 @@ def _factory(base: str) -> nn.Module:
     return module
 
 
+def _check_no_arguments(factory: Any, base: str) -> None:
+    """Raise unless ``factory`` can be called without arguments (what a model spec does)."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin without a signature: let the call say
+        return
+    needed = [p.name for p in signature.parameters.values() if p.default is p.empty
+              and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if needed:
+        raise SpecError(f"'{base}' needs the argument{'s' if len(needed) > 1 else ''} "
+                        f"{', '.join(needed)}, but a model spec calls it with none: point at a "
+                        f"function that takes no arguments and returns the module (write one "
+                        f"in a file: 'file.py:make')")
+
+
 def _import_module(name: str) -> Any:
-    """Import ``name`` as ``python -m`` would: the current folder is searched too (the
-    ``hookscope`` script alone would not find ``mypkg`` in the folder it runs in)."""
+    """Import ``name``, searching the current folder too (the ``hookscope`` script alone would
+    not find ``mypkg`` in the folder it runs in), but last: a file in the current folder never
+    shadows an installed package the spec names or that package's own imports."""
     added = os.getcwd() not in sys.path
     if added:
-        sys.path.insert(0, os.getcwd())
+        sys.path.append(os.getcwd())
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as err:

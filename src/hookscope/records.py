@@ -317,14 +317,18 @@ class Records:
         Tensors are moved to CPU and made contiguous; tensors sharing memory are copied apart.
 
         Raises:
-            HookscopeError: ``file`` exists and ``overwrite`` is False, or nothing was recorded.
+            HookscopeError: ``file`` exists and ``overwrite`` is False, nothing was recorded,
+                or a record is a meta tensor (no values).
         """
         file = os.fspath(file)
-        if os.path.exists(file) and not overwrite:
+        if os.path.lexists(file) and not overwrite:
             raise HookscopeError(f"{file} exists; pass overwrite=True (--overwrite) or pick another name")
         tensors: dict[str, Tensor] = {}
         seen: set[int] = set()
         for key, tensor in self.items():
+            if tensor.is_meta:
+                raise HookscopeError(f"cannot save '{key}': it is a meta tensor, which holds no "
+                                     f"values; run the model on a real device")
             t = tensor.detach().cpu().contiguous()
             ptr = t.untyped_storage().data_ptr()
             tensors[str(key)] = t.clone() if ptr in seen else t
@@ -399,7 +403,7 @@ class Records:
         """Records from flat ``{key: tensor}`` as a file holds them; record names and call
         counts come from ``metadata["hookscope.calls"]`` when present, else from the keys."""
         metadata = dict(metadata or {})
-        names = list(json.loads(metadata.get("hookscope.calls", "{}")))
+        names = _call_names(metadata.get("hookscope.calls", "{}"))
         known = {RecordKey.parse(n) for n in names}
         calls: dict[str, dict[int, dict[tuple[Part, ...], Tensor]]] = {n: {} for n in names}
         for text, tensor in tensors.items():
@@ -471,3 +475,20 @@ def load(file: str | os.PathLike[str]) -> Records:
     except Exception as err:  # safetensors raises its own SafetensorError
         raise HookscopeError(f"{file} is not a readable safetensors file: {err}") from err
     return Records.from_tensors(tensors, metadata)
+
+
+def _call_names(text: str) -> list[str]:
+    """The record names of a saved file's ``hookscope.calls`` metadata (``{name: calls}``).
+
+    Raises:
+        HookscopeError: the metadata is not such a JSON object (a damaged or foreign file).
+    """
+    try:
+        calls = json.loads(text)
+    except (ValueError, RecursionError):
+        calls = None
+    if not (isinstance(calls, dict) and all(type(n) is int for n in calls.values())):
+        raise HookscopeError(f"the file's hookscope.calls metadata is not {{record name: calls}} "
+                             f"(got {text!r:.60}): it is damaged or was not written by hookscope; "
+                             f"read its tensors with safetensors.torch.load_file")
+    return list(calls)

@@ -258,8 +258,8 @@ class _StatsSession(HookSession):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             ran.add(target.path)
             part = get_part(output, parts) if parts else output
-            tensors = (keepable(t, target.key) for t in iter_tensors(part))  # quantized: dequantized
-            tensor = next((t for t in tensors if t.is_floating_point()), None)
+            tensors = [keepable(t, target.key) for t in iter_tensors(part)]  # quantized: dequantized
+            tensor = _summarised(tensors, target.key)
             if tensor is None:
                 return
             mask = self.mask
@@ -269,6 +269,26 @@ class _StatsSession(HookSession):
                 running.channel_dim = _channel_dim_for(tensor, per_channel)
             running.update(tensor)
         return hook
+
+
+def _summarised(tensors: list[Tensor], key: str) -> Tensor | None:
+    """The tensor of an output whose statistics are taken: its first floating tensor (the values
+    of a ``(values, indices)`` pair), else its first integer or bool tensor (ids, masks: counted,
+    not skipped); ``None`` when it holds no tensor.
+
+    Raises:
+        HookscopeError: the output's only values are complex, or it is a meta tensor (no data).
+    """
+    real = [t for t in tensors if not t.is_complex()]
+    tensor = next((t for t in real if t.is_floating_point()), real[0] if real else None)
+    if tensor is None and tensors:
+        raise HookscopeError(f"'{key}' returned {tensors[0].dtype}: cannot take statistics of a "
+                             f"complex tensor; select a module after it that returns its .real "
+                             f"or .abs(), or capture it (hookscope.capture) instead")
+    if tensor is not None and tensor.is_meta:
+        raise HookscopeError(f"'{key}' returned a meta tensor, which holds no values to take "
+                             f"statistics of; run the model on a real device")
+    return tensor
 
 
 def _channel_dim_for(tensor: Tensor, per_channel: PerChannel) -> int | None:

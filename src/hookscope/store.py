@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import json
 import mmap
+import operator
 import os
+import stat
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -30,7 +31,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from hookscope._manifest import FORMAT, check_header, check_manifest, corrupt, inside
+from hookscope._manifest import (
+    FORMAT,
+    check_header,
+    check_manifest,
+    corrupt,
+    inside,
+    parse_json,
+    read_regular,
+)
 from hookscope.errors import StoreCorruptError, StoreError
 
 __all__ = ["FORMAT", "LayerInfo", "LayerView", "ShardInfo", "Store", "StoreDataset", "chunk_sums",
@@ -152,16 +161,21 @@ class _Shard:
     def check_size(self) -> None:
         """Raise ``StoreCorruptError`` unless the file exists with the manifest's byte size."""
         try:
-            size = self.path.stat().st_size
+            status = self.path.stat()
         except OSError as err:
             raise StoreCorruptError(f"shard {self.info.file} of {self.path.parent} is missing "
                                     f"({err.strerror}); {_REDO}") from err
+        if not stat.S_ISREG(status.st_mode):
+            raise StoreCorruptError(f"shard {self.info.file} of {self.path.parent} is not a regular "
+                                    f"file (a folder, FIFO or device); {_REDO}")
+        size = status.st_size
         if size != self.info.bytes:
             raise StoreCorruptError(f"shard {self.info.file} of {self.path.parent} has {size} bytes, "
                                     f"the manifest says {self.info.bytes}: it is truncated or was "
                                     f"replaced; {_REDO}")
 
-    def _open(self) -> mmap.mmap:
+    def open(self) -> mmap.mmap:
+        """Map the file and check its header against the manifest (once)."""
         if self._mm is None:
             self.check_size()
             with open(self.path, "rb") as f:
@@ -179,7 +193,7 @@ class _Shard:
                                                            f"{self.info.bytes}-byte file")
         self._check_range(mm, 0, 8 + length)
         try:
-            header = json.loads(mm[8:8 + length])
+            header = parse_json(mm[8:8 + length])
         except ValueError as err:
             raise StoreCorruptError(f"shard {self.info.file}: unreadable header; "
                                     f"{_REDO}") from err
@@ -206,7 +220,7 @@ class _Shard:
 
     def array(self, key: str, first: int, stop: int) -> np.ndarray:
         """Return a copy of rows ``first:stop`` (along dim 0) of tensor ``key``, checked."""
-        mm = self._open()
+        mm = self.open()
         entry = self._entries[key]
         shape, (begin, end) = entry["shape"], entry["data_offsets"]
         row_bytes = (end - begin) // shape[0] if shape[0] else 0
@@ -238,7 +252,7 @@ class _Shard:
         if sha.hexdigest() != self.info.sha256:
             raise StoreCorruptError(f"shard {self.info.file} of {self.path.parent} is corrupt: "
                                     f"its sha256 differs from the manifest's; {_REDO}")
-        mm = self._open()
+        mm = self.open()
         self._check_range(mm, 0, self.info.bytes, force=True)
         for path in self.layers:
             if f"{path}:offsets" in self._entries:
@@ -254,7 +268,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
     """
     inside(path.parent, path.name, path, "name")
     try:
-        data = json.loads(path.read_bytes())
+        data = parse_json(read_regular(path))
     except (OSError, ValueError) as err:
         raise StoreCorruptError(f"cannot read {path}: {err}. The file is damaged; extract the "
                                 f"store again (overwrite=True / --overwrite).") from err
@@ -277,6 +291,9 @@ class LayerView:
 
     A fixed layer returns ``(rows, *shape)`` tensors; a ragged layer returns a ``(tokens, *rest)``
     tensor for one row and a list of them for several. Reads copy only the rows asked for.
+    ``view[mask]`` with a bool list, array or tensor of one entry per row takes the rows where
+    it is True, as torch does. Any other index (a float, a str, 2-dim indices) is an
+    ``IndexError``, as is a row out of range.
     """
 
     def __init__(self, store: Store, info: LayerInfo):
@@ -293,13 +310,34 @@ class LayerView:
             if step != 1:
                 return self[list(range(start, stop, step))]
             return self._rows(start, max(start, stop))
-        if isinstance(index, (Sequence, Tensor, np.ndarray)):
-            rows = [self._one(int(i), n) for i in index]
-            if self.info.ragged:
-                return [row for i in rows for row in self._ragged(i, i + 1)]
-            return torch.cat([self._fixed(i, i + 1) for i in rows]) if rows else self._fixed(0, 0)
-        i = self._one(int(index), n)
+        if isinstance(index, (Sequence, Tensor, np.ndarray)) and not isinstance(index, str):
+            found = np.asarray(index.cpu() if isinstance(index, Tensor) else index)
+            if found.ndim == 1:
+                rows = [self._one(i, n) for i in self._indices(found, n)]
+                if self.info.ragged:
+                    return [row for i in rows for row in self._ragged(i, i + 1)]
+                return torch.cat([self._fixed(i, i + 1) for i in rows]) if rows else \
+                    self._fixed(0, 0)
+            if found.ndim != 0:
+                raise IndexError(f"rows of layer {self.info.path!r} are indexed by an int, a "
+                                 f"slice, or a 1-dim list of ints or bool mask, not "
+                                 f"{found.ndim}-dim indices")
+            index = found.item()
+        i = self._one(_as_int(index, self.info.path), n)
         return self._ragged(i, i + 1)[0] if self.info.ragged else self._fixed(i, i + 1)[0]
+
+    def _indices(self, found: np.ndarray, n: int) -> list[int]:
+        """Row numbers of a 1-dim index: ints as given, a bool mask (length ``n``) as the rows
+        where it is True (as torch and numpy read a mask)."""
+        if found.dtype == np.bool_:
+            if len(found) != n:
+                raise IndexError(f"a bool mask over layer {self.info.path!r} needs {n} entries "
+                                 f"(one per row), not {len(found)}")
+            return np.flatnonzero(found).tolist()
+        if found.size and not np.issubdtype(found.dtype, np.integer):
+            raise IndexError(f"row indices of layer {self.info.path!r} must be integers or a "
+                             f"bool mask, not {found.dtype}")
+        return [int(i) for i in found]
 
     def _one(self, i: int, n: int) -> int:
         if not -n <= i < n:
@@ -328,6 +366,17 @@ class LayerView:
                               (last - first, *self._row_shape))
             rows += torch.split(flat, np.diff(offsets[a:b + 1]).tolist())
         return rows
+
+
+def _as_int(index: object, layer: str) -> int:
+    """``index`` as a row number; a float, str or other non-integer is an IndexError."""
+    try:
+        if isinstance(index, (bool, np.bool_)):
+            raise TypeError
+        return operator.index(index)  # type: ignore[arg-type]
+    except TypeError:
+        raise IndexError(f"a row of layer {layer!r} is indexed by an int, a slice, or a list of "
+                         f"ints or a bool mask, not {type(index).__name__} {index!r:.40}") from None
 
 
 class StoreDataset(torch.utils.data.Dataset[Tensor]):
@@ -364,8 +413,8 @@ class Store:
 
     def __getitem__(self, layer: str) -> LayerView:
         if layer not in self.layers:
-            if self._shards:  # a layer missing from a damaged manifest is still in the shards:
-                self._shards[0]._open()  # their header check raises StoreCorruptError
+            if self._shards:  # a layer cut from the manifest: the shard header still holds it
+                self._shards[0].open()
             raise StoreError(f"store {self.path} has no layer {layer!r}; it has "
                              f"{list(self.layers)}.")
         return LayerView(self, self.layers[layer])

@@ -8,8 +8,9 @@ in the target folder and renamed into place, so a reader never sees half a pictu
 from __future__ import annotations
 
 import math
+import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -78,14 +79,31 @@ def plot_activations(activations: Mapping[str, torch.Tensor], folder: str | Path
     target = Path(folder)
     if target.exists() and not target.is_dir():
         raise SpecError(f"plot folder '{target}' is a file; give a folder, e.g. --plot out/")
-    files = {name: target / f"{_UNSAFE.sub('_', name)}.png" for name in activations}
-    existing = [str(f) for f in files.values() if f.exists()]
+    files = png_files(target, activations, _UNSAFE)
+    existing = [str(f) for f in files.values() if os.path.lexists(f)]
     if existing and not overwrite:
         raise SpecError(f"{len(existing)} PNG(s) already exist in '{target}' (e.g. {existing[0]}); "
                         "pass --overwrite to replace them, or choose another folder")
     target.mkdir(parents=True, exist_ok=True)
     return [plot_activation(activations[name], file, title=name, image=image, sample=sample)
             for name, file in files.items()]
+
+
+def png_files(folder: Path, names: Iterable[str], unsafe: re.Pattern[str]) -> dict[str, Path]:
+    """``{name: folder/<name>.png}`` with the characters ``unsafe`` matches turned into ``_``;
+    names that become the same file (``a/b`` and ``a_b``) get ``-2``, ``-3``... so no plot of a
+    run overwrites another, and the root module (``""``) is ``root.png``, not a hidden file."""
+    files: dict[str, Path] = {}
+    taken: set[str] = set()
+    for name in names:
+        stem = unsafe.sub("_", name) or "root"
+        unique, k = stem, 1
+        while unique.lower() in taken:  # lower: a case-insensitive disk would merge them too
+            k += 1
+            unique = f"{stem}-{k}"
+        taken.add(unique.lower())
+        files[name] = folder / f"{unique}.png"
+    return files
 
 
 def feature_grid(maps: torch.Tensor, file: str | Path, *, title: str,

@@ -6,6 +6,7 @@ one PNG per module (heads in a grid, tokens on both axes).
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from hookscope.cli._common import add_model_arguments, load_model_timed, print_j
 from hookscope.errors import SpecError
 from hookscope.inputs import Inputs, load_inputs
 from hookscope.models import LoadedModel
-from hookscope.viz import attention_grid
+from hookscope.viz import attention_grid, png_files
 
 HELP = "attention probabilities of selected modules (eager softmax or fused SDPA) as heat maps"
 
@@ -85,8 +86,8 @@ def _files(probabilities: dict[str, torch.Tensor], folder: Path, overwrite: bool
            ) -> dict[str, Path]:
     if folder.exists() and not folder.is_dir():
         raise SpecError(f"--out '{folder}' is a file; give a folder")
-    files = {path: folder / f"{_UNSAFE.sub('_', path)}.png" for path in probabilities}
-    existing = [str(f) for f in files.values() if f.exists()]
+    files = png_files(folder, probabilities, _UNSAFE)
+    existing = [str(f) for f in files.values() if os.path.lexists(f)]
     if existing and not overwrite:
         raise SpecError(f"{len(existing)} PNG(s) already exist in '{folder}' (e.g. "
                         f"{existing[0]}); pass --overwrite to replace them, or choose another --out")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
                         f"'{args.save}'): hookscope.load() or safetensors reads it back")
     if args.gradcam and not args.plot:
         raise SpecError("--gradcam draws over the input images: give --plot DIR too")
-    if args.save and Path(args.save).exists() and not args.overwrite:
+    if args.save and os.path.lexists(args.save) and not args.overwrite:
         raise SpecError(f"'{args.save}' already exists; pass --overwrite to replace it, or "
                         "choose another --save file")
     loaded = load_model_timed(args.model)

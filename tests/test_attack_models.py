@@ -1,0 +1,81 @@
+"""Attacks with odd models (round 3): outputs a store cannot hold (complex, float8, uint32,
+meta tensors) end in an ExtractError naming the dtype and the fix, with nothing written."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from hookscope.errors import ExtractError
+from hookscope.extract import extract
+from hookscope.store import open_store
+
+
+class _To(nn.Module):
+    """Returns its input converted to ``dtype`` (a layer whose output dtype a store lacks)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype)
+
+
+@pytest.mark.parametrize(("dtype", "fix"), [
+    (torch.complex64, r"torch.view_as_real\(output\)"),
+    (torch.complex128, r"torch.view_as_real\(output\)"),
+    (torch.float8_e4m3fn, r"dtype=torch.float32"),
+    (torch.uint32, r"output.to\(torch.int64\)"),
+    (torch.uint16, r"output.to\(torch.int64\)")])
+def test_an_output_dtype_a_store_cannot_hold_is_named_with_the_fix(
+        tmp_path: Path, dtype: torch.dtype, fix: str) -> None:
+    model = nn.Sequential(_To(dtype))
+    with pytest.raises(ExtractError, match=rf"'0' returned {dtype}, which a store cannot hold "
+                                           rf"\(it holds float64, .*bool\); .*{fix}"):
+        extract(model, [torch.ones(2, 3)], "0", tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists() or os.listdir(tmp_path / "s") == []
+
+
+def test_a_floating_dtype_a_store_lacks_is_stored_when_converted(tmp_path: Path) -> None:
+    x = torch.tensor([[0.5, -2.0, 448.0]])
+    extract(nn.Sequential(_To(torch.float8_e4m3fn)), [x], "0", tmp_path / "s", progress=False,
+            dtype=torch.float32)
+    assert torch.equal(open_store(tmp_path / "s")["0"][:], x.to(torch.float8_e4m3fn).float())
+
+
+def test_a_meta_output_is_refused_naming_the_fix(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(3, 2, device="meta"))
+    with pytest.raises(ExtractError, match=r"'0' returned a meta tensor, which holds no values "
+                                           r"to store; run the model on a real device"):
+        extract(model, [torch.ones(2, 3)], "0", tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists() or os.listdir(tmp_path / "s") == []
+
+
+def test_stats_of_integer_and_bool_outputs_are_counted_not_skipped() -> None:
+    from hookscope.stats import stats
+    x = torch.tensor([[1.6, -0.2, 3.7], [0.1, 2.9, -1.0]])
+    model = nn.Sequential(_To(torch.int64), _To(torch.bool))
+    result = stats(model, [x], layers=["0", "1"])
+    ints = x.to(torch.int64)
+    ints, bools = ints.double(), ints.to(torch.bool).double()  # layer 1 gets layer 0's ints
+    assert int(result["0"].count) == 6 and int(result["1"].count) == 6
+    torch.testing.assert_close(result["0"].mean, ints.mean())
+    torch.testing.assert_close(result["1"].mean, bools.mean())
+    assert float(result["0"].max) == 3.0 and float(result["1"].min) == 0.0
+
+
+@pytest.mark.parametrize(("dtype", "message"), [
+    (torch.complex64, r"'0' returned torch.complex64: cannot take statistics of a complex tensor"),
+    (None, r"'0' returned a meta tensor, which holds no values")])
+def test_stats_of_complex_or_meta_outputs_are_refused(dtype: torch.dtype | None,
+                                                      message: str) -> None:
+    from hookscope.errors import HookscopeError
+    from hookscope.stats import stats
+    model = nn.Sequential(_To(dtype) if dtype else nn.Linear(3, 2, device="meta"))
+    with pytest.raises(HookscopeError, match=message):
+        stats(model, [torch.ones(2, 3, device="meta" if dtype is None else "cpu")], layers="0")
