@@ -273,3 +273,14 @@ def padding_mask(lengths: list[int], seq: int, left: bool) -> torch.Tensor:
         else:
             mask[row, :n] = 1
     return mask
+
+
+class Residual(nn.Module):
+    """``x + inner(x)``: wraps any module in a residual connection (generated trees)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.inner(x)

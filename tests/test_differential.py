@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import hookscope
-from tests.models import ZOO
+from tests.models import ZOO, Residual
 from tests.reference import assert_same, plain_capture
 
 
@@ -33,15 +33,6 @@ def test_zoo_every_module_equals_plain_hooks(name: str) -> None:
         assert len(acts.calls(path)) == len(reference[path])
         for got, want in zip(acts.calls(path), reference[path]):
             assert_same(got, want)
-
-
-class Residual(nn.Module):
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.inner(x)
 
 
 class Repeat(nn.Module):

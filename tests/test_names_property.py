@@ -13,6 +13,7 @@ from torch.nn.utils import parametrizations
 import hookscope
 from hookscope.names import index
 from hookscope.select import resolve
+from tests.models import Residual
 
 WIDTH = 4
 
@@ -38,15 +39,6 @@ class Twice(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.second(self.first(x))
-
-
-class Residual(nn.Module):
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.inner(x)
 
 
 def _leaf(kind: str) -> nn.Module:

@@ -76,17 +76,29 @@ def plot_activations(activations: Mapping[str, torch.Tensor], folder: str | Path
         MissingExtraError: matplotlib is not installed.
     """
     require("matplotlib", "--plot")
-    target = Path(folder)
-    if target.exists() and not target.is_dir():
-        raise SpecError(f"plot folder '{target}' is a file; give a folder, e.g. --plot out/")
-    files = png_files(target, activations, _UNSAFE)
-    existing = [str(f) for f in files.values() if os.path.lexists(f)]
-    if existing and not overwrite:
-        raise SpecError(f"{len(existing)} PNG(s) already exist in '{target}' (e.g. {existing[0]}); "
-                        "pass --overwrite to replace them, or choose another folder")
-    target.mkdir(parents=True, exist_ok=True)
+    files = plan_png_files(Path(folder), activations, overwrite, "--plot")
     return [plot_activation(activations[name], file, title=name, image=image, sample=sample)
             for name, file in files.items()]
+
+
+def plan_png_files(folder: Path, names: Iterable[str], overwrite: bool, flag: str) -> dict[str, Path]:
+    """``png_files`` for ``names`` in ``folder``, checked before anything is drawn: ``folder``
+    is created; an existing PNG (or a link where one goes) needs ``overwrite``.
+
+    Raises:
+        SpecError: ``folder`` is a file, or a PNG exists and ``overwrite`` is false (the message
+            names ``flag``, the option that chose the folder).
+    """
+    if folder.exists() and not folder.is_dir():
+        raise SpecError(f"{flag.lstrip('-')} folder '{folder}' is a file; give a folder, e.g. "
+                        f"{flag} out/")
+    files = png_files(folder, names, _UNSAFE)
+    existing = [str(f) for f in files.values() if os.path.lexists(f)]
+    if existing and not overwrite:
+        raise SpecError(f"{len(existing)} PNG(s) already exist in '{folder}' (e.g. {existing[0]}); "
+                        f"pass --overwrite to replace them, or choose another {flag}")
+    folder.mkdir(parents=True, exist_ok=True)
+    return files
 
 
 def png_files(folder: Path, names: Iterable[str], unsafe: re.Pattern[str]) -> dict[str, Path]:

@@ -6,7 +6,6 @@ one PNG per module (heads in a grid, tokens on both axes).
 from __future__ import annotations
 
 import argparse
-import os
 import re
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from hookscope.cli._common import add_model_arguments, load_model_timed, print_j
 from hookscope.errors import SpecError
 from hookscope.inputs import Inputs, load_inputs
 from hookscope.models import LoadedModel
-from hookscope.viz import attention_grid, png_files
+from hookscope.viz import attention_grid, plan_png_files
 
 HELP = "attention probabilities of selected modules (eager softmax or fused SDPA) as heat maps"
 
@@ -56,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         probabilities = hookscope.attention(loaded.module, *inputs.args, layers=args.layer,
                                             **inputs.kwargs)
     tokens = _tokens(loaded, inputs, args.sample)
-    files = {} if args.no_plot else _files(probabilities, Path(args.out), args.overwrite)
+    files = {} if args.no_plot else plan_png_files(Path(args.out), probabilities, args.overwrite, "--out")
     rows = [_summary(path, value[args.sample], tokens, files.get(path))
             for path, value in probabilities.items()]
     for path, file in files.items():
@@ -82,17 +81,6 @@ def _tokens(loaded: LoadedModel, inputs: Inputs, sample: int) -> list[str] | Non
     return [str(t) for t in loaded.tokenizer.convert_ids_to_tokens(ids[sample, :length].tolist())]
 
 
-def _files(probabilities: dict[str, torch.Tensor], folder: Path, overwrite: bool
-           ) -> dict[str, Path]:
-    if folder.exists() and not folder.is_dir():
-        raise SpecError(f"--out '{folder}' is a file; give a folder")
-    files = png_files(folder, probabilities, _UNSAFE)
-    existing = [str(f) for f in files.values() if os.path.lexists(f)]
-    if existing and not overwrite:
-        raise SpecError(f"{len(existing)} PNG(s) already exist in '{folder}' (e.g. "
-                        f"{existing[0]}); pass --overwrite to replace them, or choose another --out")
-    folder.mkdir(parents=True, exist_ok=True)
-    return files
 
 
 def _summary(path: str, value: torch.Tensor, tokens: list[str] | None, file: Path | None
