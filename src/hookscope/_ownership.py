@@ -28,11 +28,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["OwnedHook", "DetachedHook", "register", "in_recompute"]
+__all__ = ["OwnedHook", "DetachedHook", "register", "in_recompute", "owns_call"]
 
 _TABLES = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
            "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
 _graph_task_id = torch._C._current_graph_task_id
+_get_ident = threading.get_ident
+_compiling = torch.compiler.is_compiling
 
 
 class OwnedHook:
@@ -107,6 +109,15 @@ def register(module: nn.Module, hook: OwnedHook, *, pre: bool = False, with_kwar
         handle = module.register_forward_hook(hook, with_kwargs=with_kwargs, prepend=prepend)
     hook.handle_id = handle.id
     return handle
+
+
+def owns_call(hook: OwnedHook, module: nn.Module) -> bool:
+    """True for a call ``hook`` takes as it is, without ``OwnedHook.__call__``'s other branches:
+    not traced by torch.compile, its own module, its own thread, not a recompute. Subclasses
+    with an inlined hot path test this first and hand every other call to
+    ``OwnedHook.__call__``."""
+    return (not _compiling() and module is hook.module and _get_ident() == hook.thread
+            and _graph_task_id() == -1)  # compiling first: dynamo must not trace the rest
 
 
 def in_recompute() -> bool:

@@ -166,8 +166,13 @@ class HookSession:
         """Register ``function`` on ``module`` as this session's forward (``pre``: forward-pre)
         hook, wrapped in an ``OwnedHook``; ``in_recompute`` also runs it when activation
         checkpointing re-runs the forward during backward (edits)."""
-        owned = OwnedHook(function, module, in_recompute=in_recompute)
-        self._add(register(module, owned, pre=pre, with_kwargs=with_kwargs))
+        self._own(OwnedHook(function, module, in_recompute=in_recompute), pre=pre,
+                  with_kwargs=with_kwargs)
+
+    def _own(self, owned: OwnedHook, *, pre: bool = False, with_kwargs: bool = False) -> None:
+        """Register ``owned`` (an ``OwnedHook``, or a subclass with its own fast ``__call__``)
+        on its module as this session's hook."""
+        self._add(register(owned.module, owned, pre=pre, with_kwargs=with_kwargs))
         self._owned.append((owned, not pre))
 
     @property

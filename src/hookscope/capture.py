@@ -23,7 +23,7 @@ from torch import nn
 
 from hookscope import _inplace as inplace
 from hookscope._nested import get_part, iter_tensors, map_tensors
-from hookscope._ownership import in_recompute
+from hookscope._ownership import OwnedHook, in_recompute, owns_call
 from hookscope._session import HookSession, OnUnfired, by_module
 from hookscope._values import keepable, quantized_note
 from hookscope.errors import CaptureError, warn
@@ -113,9 +113,11 @@ class Capture(HookSession):
             slots = [self._slots[t.key] for t in targets]
             if self._options.inputs:  # before the call: a module may write its input in place
                 self._hook(module, _inputs_hook(slots, self._options.clone), pre=True, with_kwargs=True)
-            # with grads, a checkpoint recompute reaches the hook: under reentrant checkpointing
-            # the gradient flows only through the recomputed output (see _regrad)
-            self._hook(module, self._make_hook(slots), in_recompute=self._options.grads)
+            if self._plain(slots):
+                self._own(_PlainHook(module, slots[0], self._snapshot))
+            else:  # with grads, a checkpoint recompute reaches the hook: under reentrant
+                # checkpointing the gradient flows only through the recomputed output (_regrad)
+                self._hook(module, self._make_hook(slots), in_recompute=self._options.grads)
             if self._options.grad_inputs:
                 self._hook(module, watch_inputs([s.entry.grad_inputs for s in slots], self._grad_convert),
                            pre=True, with_kwargs=True)
@@ -134,15 +136,17 @@ class Capture(HookSession):
         return self._ran | {s.target.path for s in self._slots.values() if s.entry.outputs}
 
     # ----------------------------------------------------------------- hooks
-    def _make_hook(self, slots: list[_Slot]) -> Callable[..., None]:
+    def _plain(self, slots: list[_Slot]) -> bool:
+        """True when one record of the whole output, with no option, is all the module needs:
+        the hot path (``_PlainHook``)."""
         options = self._options
-        single = slots[0] if len(slots) == 1 and not slots[0].target.parts else None
-        if single is not None and options.clone is None and not (
-                options.grads or options.to is not None
-                or options.dtype is not None or options.reduce is not None):
-            return self._plain_hook(single)
+        return (len(slots) == 1 and not slots[0].target.parts and options.clone is None
+                and not (options.grads or options.to is not None or options.dtype is not None
+                         or options.reduce is not None))
+
+    def _make_hook(self, slots: list[_Slot]) -> Callable[..., None]:
         snapshot = self._snapshot
-        with_grads, convert = options.grads, self._grad_convert
+        with_grads, convert = self._options.grads, self._grad_convert
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if in_recompute():
@@ -174,24 +178,6 @@ class Capture(HookSession):
                 entry.inputs.append((map_tensors(keep_input, args), map_tensors(keep_input, rest[0])))
             if options.grads:
                 entry.grads.append(watch_output(output, convert))
-        return hook
-
-    def _plain_hook(self, slot: _Slot) -> Callable[..., None]:
-        """The hot path: one record of the whole output, no options, copy-on-write
-        (``inplace.keep`` inlined). Per call this costs about what a bare hook appending
-        ``detach()`` costs."""
-        outputs, snapshot, lazy_clone = slot.entry.outputs, self._snapshot, inplace.lazy_clone
-        compiling = inplace.compiling
-
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if (type(output) is Tensor and not output.requires_grad and not compiling()
-                    and not _special(output)):
-                try:
-                    outputs.append(lazy_clone(output))
-                    return
-                except (NotImplementedError, RuntimeError):  # no copy-on-write storage
-                    pass
-            outputs.append(snapshot(output, slot))
         return hook
 
     def _snapshot_fn(self) -> Callable[[Any, _Slot], Any]:
@@ -329,6 +315,39 @@ class Capture(HookSession):
         self.records.save(file, overwrite=overwrite, metadata=metadata)
 
 
+class _PlainHook(OwnedHook):
+    """The hot path of a capture: one record of a module's whole output, no options.
+
+    ``OwnedHook``'s checks (own module, own thread, not a recompute, not traced) and the
+    copy-on-write keep (``_inplace.keep``) are inlined in one ``__call__``: per call this costs
+    about what a bare hook appending ``detach()`` costs. Every other call (a copy of the module,
+    another thread, a recompute, a torch.compile trace) goes through ``OwnedHook.__call__``.
+    """
+
+    __slots__ = ("outputs", "slot", "snapshot")
+
+    def __init__(self, module: nn.Module, slot: _Slot, snapshot: Callable[[Any, _Slot], Any]):
+        super().__init__(self._record, module)
+        self.outputs, self.slot, self.snapshot = slot.entry.outputs, slot, snapshot
+
+    def __call__(self, module: nn.Module, *args: Any) -> Any:
+        if not owns_call(self, module):
+            return OwnedHook.__call__(self, module, *args)
+        output = args[-1]
+        if (type(output) is Tensor and not output.requires_grad and not output.is_quantized
+                and not _is_transformed(output)):
+            try:
+                self.outputs.append(_lazy_clone(output))
+                return None
+            except (NotImplementedError, RuntimeError):  # no copy-on-write storage
+                pass
+        self.outputs.append(self.snapshot(output, self.slot))
+        return None
+
+    def _record(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.outputs.append(self.snapshot(output, self.slot))
+
+
 def _part(output: Any, slot: _Slot) -> Any:
     parts = slot.target.parts
     if not parts:
@@ -377,6 +396,7 @@ def _special(t: Tensor) -> bool:
 
 
 _is_transformed = torch._C._functorch.is_functorch_wrapped_tensor
+_lazy_clone = torch._lazy_clone
 
 
 def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool = False,
