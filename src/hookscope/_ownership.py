@@ -66,19 +66,18 @@ class OwnedHook:
         self.foreign_calls = 0
 
     def __call__(self, module: nn.Module, *args: Any) -> Any:
-        if torch.compiler.is_compiling():  # traced into a compiled graph: calls are the model's
+        if owns_call(self, module):
+            return self.function(module, *args)
+        if _compiling():  # traced into a compiled graph: calls are the model's
             return self.function(module, *args)
         if module is not self.module:  # a copy made while the session was active
             _forget(module, self.handle_id)
             return None
-        if threading.get_ident() != self.thread:
+        if _get_ident() != self.thread:
             self.foreign_calls += 1
             return None
-        if _graph_task_id() != -1:  # a forward inside backward: a checkpoint recompute
-            self.recomputes += 1
-            if not self.in_recompute:
-                return None
-        return self.function(module, *args)
+        self.recomputes += 1  # a forward inside backward: a checkpoint recompute
+        return self.function(module, *args) if self.in_recompute else None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> DetachedHook:
         return DetachedHook(self.handle_id)
@@ -122,7 +121,7 @@ def owns_call(hook: OwnedHook, module: nn.Module) -> bool:
 
 def in_recompute() -> bool:
     """True while autograd runs a backward pass: a forward now is a checkpoint recompute."""
-    return not torch.compiler.is_compiling() and _graph_task_id() != -1
+    return not _compiling() and _graph_task_id() != -1
 
 
 def _forget(module: nn.Module, handle_id: int) -> None:

@@ -95,7 +95,7 @@ class HookSession:
             self._register()
             for handle in self._functions.install():
                 self._add(handle)
-            if self._on_unfired != "ignore" or self._explain_unfired:
+            if self._explain_unfired:  # witnesses serve only the explanation on exit
                 for path, module in diagnose.witnesses(self.model, self.targets).items():
                     self._hook(module, self._witness(path), pre=True)
         except BaseException:

@@ -331,7 +331,7 @@ class _PlainHook(OwnedHook):
         self.outputs, self.slot, self.snapshot = slot.entry.outputs, slot, snapshot
 
     def __call__(self, module: nn.Module, *args: Any) -> Any:
-        if not owns_call(self, module):
+        if not owns_call(self, module):  # compiling, a copy, another thread, a recompute
             return OwnedHook.__call__(self, module, *args)
         output = args[-1]
         if (type(output) is Tensor and not output.requires_grad and not output.is_quantized
