@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from hookscope.extract import extract
+from hookscope.store.extract import extract
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,8 +32,8 @@ def _photos(n: int) -> torch.Tensor:
     """``n`` real photos (scikit-image's, repeated), preprocessed for efficientnet-lite0."""
     from skimage import data
 
-    from hookscope.inputs import preprocess_image
-    from hookscope.models import ImagePreprocess
+    from hookscope.zoo.inputs import preprocess_image
+    from hookscope.zoo.models import ImagePreprocess
 
     pictures = [data.chelsea(), data.astronaut(), data.coffee(), data.rocket()]
     rows = [preprocess_image(pictures[i % 4], ImagePreprocess(size=(224, 224)))[0] for i in range(4)]
@@ -74,7 +74,7 @@ def _compare(name: str, model: torch.nn.Module, loader: DataLoader, layers: list
 
 
 def throughput(n: int, repeats: int) -> None:
-    from hookscope.models import load_model
+    from hookscope.zoo.models import load_model
     from tests.models import LeNet
 
     model = load_model("efficientnet-lite0").module

@@ -98,7 +98,7 @@ def hooked_transformer(size: Size) -> nn.Module:
 
 def minilm() -> nn.Module:
     """Return all-MiniLM-L6-v2 with its shipped weights (the ``minilm`` model spec), eval mode."""
-    from hookscope.models import load_model
+    from hookscope.zoo.models import load_model
 
     return load_model("minilm").module
 

@@ -54,13 +54,13 @@ class Case:
 
 
 def _first_tensor(obj: Any) -> Tensor:
-    from hookscope._nested import iter_tensors
+    from hookscope.util.nested import iter_tensors
 
     return next(iter(iter_tensors(obj)))
 
 
 def _all_tensors(obj: Any) -> Iterator[Tensor]:
-    from hookscope._nested import iter_tensors
+    from hookscope.util.nested import iter_tensors
 
     yield from iter_tensors(obj)
 
@@ -122,7 +122,7 @@ def hookscope_extract(model: nn.Module, example: Sequence[Any], layer: str, *, n
 
 
 def _detach_all(output: Any, *, copy: bool) -> Any:
-    from hookscope._nested import map_tensors
+    from hookscope.util.nested import map_tensors
 
     return map_tensors((lambda t: t.detach().clone()) if copy else (lambda t: t.detach()), output)
 

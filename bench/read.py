@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hookscope._store_folder import prepare_output
-from hookscope._store_writer import ShardData, StoreWriter
 from hookscope.store import open_store
+from hookscope.store.folder import prepare_output
+from hookscope.store.writer import ShardData, StoreWriter
 
 
 def _build(folder: Path, rows: int, width: int, shard_rows: int) -> None:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from hookscope.hooks import _GLOBAL_DICTS, _HOOK_DICTS, _is_internal, _registered_by
+from hookscope.diagnostics.inventory import _GLOBAL_DICTS, _HOOK_DICTS, _is_internal, _registered_by
 
 
 def _live_hooks() -> set[tuple[int, str, int]]:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope._nested import map_tensors
+from hookscope.util.nested import map_tensors
 
 
 def plain_capture(model: nn.Module, paths: list[str], *args: Any, grad_enabled: bool,

@@ -10,7 +10,7 @@ import pytest
 from torch import nn
 
 from hookscope.errors import SpecError
-from hookscope.models import load_model
+from hookscope.zoo.models import load_model
 
 
 def test_a_file_in_the_current_folder_never_shadows_the_module_a_spec_names(

@@ -14,7 +14,7 @@ from torch import nn
 
 import hookscope
 from hookscope.errors import HookscopeError, SpecError
-from hookscope.viz import plot_activations, png_files
+from hookscope.zoo.viz import plot_activations, png_files
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._\-\[\]]")
 

@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from hookscope.errors import StoreCorruptError, StoreExistsError
-from hookscope.extract import extract
-from hookscope.store import open_store
+from hookscope.store.extract import extract
+from hookscope.store.reader import open_store
 
 ROWS = torch.arange(24, dtype=torch.float32).reshape(12, 2)
 
@@ -87,7 +87,7 @@ def test_a_fifo_named_like_a_manifest_is_refused_without_hanging(
 
 
 def test_a_fifo_manifest_is_refused_by_readers_without_hanging(tmp_path: Path) -> None:
-    from hookscope.store import read_manifest
+    from hookscope.store.reader import read_manifest
     os.mkfifo(tmp_path / "manifest.json")
     err = _deadline(lambda: read_manifest(tmp_path / "manifest.json"))
     assert isinstance(err, StoreCorruptError) and "regular file" in str(err)
@@ -129,7 +129,7 @@ def test_a_shard_header_nested_past_the_recursion_limit_is_corrupt(tmp_path: Pat
     shard = out / "shard-00000.safetensors"
     header = _deep(50_000)
     shard.write_bytes(len(header).to_bytes(8, "little") + header)
-    from hookscope.store import chunk_sums
+    from hookscope.store.reader import chunk_sums
     data = shard.read_bytes()
     import hashlib
 
@@ -155,7 +155,7 @@ def test_a_layer_cut_from_the_manifest_is_corrupt_not_missing(tmp_path: Path) ->
 
 
 def test_a_second_extraction_into_a_folder_being_written_is_refused(tmp_path: Path) -> None:
-    from hookscope._store_folder import writing
+    from hookscope.store.folder import writing
     out = tmp_path / "store"
     with writing(out):  # what a running extraction holds (another open of the folder)
         for options in ({}, {"resume": True}, {"overwrite": True}):

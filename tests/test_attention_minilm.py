@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hookscope
-from hookscope.models import LoadedModel, load_model
+from hookscope.zoo.models import LoadedModel, load_model
 
 transformers = pytest.importorskip("transformers")
 SENTENCES = ["The cat sat on the mat.", "A dog barked."]

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import hookscope
-from hookscope.nonfinite import find_nonfinite
+from hookscope.diagnostics.nonfinite import find_nonfinite
 
 
 class DenseReluDense(nn.Module):  # the T5 feed-forward block of transformers#5651

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import hookscope
-from hookscope._files import advice, write_atomic
 from hookscope.cli.main import main
+from hookscope.util.files import advice, write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = textwrap.dedent('''
@@ -152,7 +152,7 @@ def test_save_under_a_file_is_one_line_naming_the_path(models: Path, tmp_path: P
 def test_disk_full_during_extract_leaves_no_temporary_file(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         models: Path) -> None:
-    from hookscope import _store_writer
+    from hookscope.store import writer as _store_writer
 
     def full(self: object, data: memoryview) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -247,7 +247,7 @@ def test_pickled_input_is_refused_in_hookscopes_words(models: Path, tmp_path: Pa
 
 @pytest.mark.slow
 def test_manifest_model_class_is_the_same_in_every_process(models: Path, tmp_path: Path) -> None:
-    code = ("from hookscope.models import load_model; from hookscope.extract import _class_name; "
+    code = ("from hookscope.zoo.models import load_model; from hookscope.store.extract import _class_name; "
             f"print(_class_name(load_model({f'{models}:own'!r}).module))")
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}"}
     seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -21,9 +21,9 @@ from safetensors import safe_open
 import hookscope
 from hookscope.cli import _common as cli_common
 from hookscope.cli.main import main
-from hookscope.inputs import load_inputs
-from hookscope.models import LoadedModel, load_model
-from hookscope.viz import FIGURE_SIZE_PX
+from hookscope.zoo.inputs import load_inputs
+from hookscope.zoo.models import LoadedModel, load_model
+from hookscope.zoo.viz import FIGURE_SIZE_PX
 
 ROOT = Path(__file__).resolve().parents[1]
 SENTENCES = ["A cat sits on the mat.", "A kitten rests on a rug.", "Stock markets fell sharply."]

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import hookscope
-from hookscope._early_stop import EarlyStop, StopForward
 from hookscope.cli.main import main
+from hookscope.engine.early_stop import EarlyStop, StopForward
 
 
 class Counted(nn.Sequential):

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import hookscope
 from hookscope.errors import ExtractError, SelectorError, StoreExistsError
-from hookscope.extract import extract
+from hookscope.store.extract import extract
 from tests.models import LeNet, ModuleListBlocks, TupleOutput
 
 

@@ -11,9 +11,10 @@ import torch
 
 import hookscope
 from hookscope.cli.main import main
-from hookscope.extract import extract, load_data
-from hookscope.models import load_model
-from hookscope.store import open_store
+from hookscope.store.extract import extract
+from hookscope.store.reader import open_store
+from hookscope.zoo.data import load_data
+from hookscope.zoo.models import load_model
 
 PHOTOS = ("chelsea", "astronaut", "coffee", "rocket", "camera")  # camera: grayscale
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from hookscope.store import open_store
+from hookscope.store.reader import open_store
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ import sys, time
 import torch
 from torch import nn
 from torch.utils.data import Dataset
-from hookscope.extract import extract
+from hookscope.store.extract import extract
 
 class Tokens(Dataset):
     def __init__(self, delay_s):

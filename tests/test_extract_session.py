@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from hookscope.extract import extract
+from hookscope.store.extract import extract
 from tests.models import LeNet
 
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from hookscope.cli.main import main
-from hookscope.store import open_store
+from hookscope.store.reader import open_store
 from tests.models import MlpStack
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import hookscope
-from hookscope.models import load_model
+from hookscope.zoo.models import load_model
 
 
 @pytest.mark.slow

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from hookscope._function_names import function_name
-from hookscope._functional import FunctionCall, FunctionWatcher
+from hookscope.engine.function_mode import FunctionCall, FunctionWatcher
+from hookscope.engine.function_names import function_name
 from tests.functional_models import FusedSelfAttention, SeedLeNet
 
 

@@ -28,8 +28,8 @@ def _region(cam: torch.Tensor, box: tuple[tuple[float, float], tuple[float, floa
 def test_gradcam_on_chelsea_looks_at_the_cat(tmp_path: Path) -> None:
     import skimage.data
 
-    from hookscope.inputs import preprocess_image
-    from hookscope.models import load_model
+    from hookscope.zoo.inputs import preprocess_image
+    from hookscope.zoo.models import load_model
 
     loaded = load_model("efficientnet-lite0")
     x, picture = preprocess_image(skimage.data.chelsea(), loaded.preprocess)

@@ -12,13 +12,13 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook
 
 import hookscope
-from hookscope import diagnose
-from hookscope.compare import compare
+from hookscope.diagnostics.compare import compare
+from hookscope.diagnostics.inventory import hooks
+from hookscope.diagnostics.nonfinite import find_nonfinite
+from hookscope.diagnostics.stats import stats
+from hookscope.engine import diagnose
+from hookscope.engine.select import resolve
 from hookscope.errors import HookNeverFiredWarning, HookscopeError, SelectorError
-from hookscope.hooks import hooks
-from hookscope.nonfinite import find_nonfinite
-from hookscope.select import resolve
-from hookscope.stats import stats
 from tests.models import DirectForwardCall, LeNet
 
 LOAD_EAGER = r"Load or build the eager nn\.Module instead"

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 import hookscope
-from hookscope.compare import compare
+from hookscope.diagnostics.compare import compare
+from hookscope.diagnostics.nonfinite import find_nonfinite
+from hookscope.diagnostics.stats import stats
 from hookscope.errors import HookNeverFiredWarning, HookscopeError
-from hookscope.nonfinite import find_nonfinite
-from hookscope.stats import stats
 
 
 def _compiled_mlp() -> tuple[nn.Sequential, nn.Module]:

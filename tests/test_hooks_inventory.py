@@ -13,7 +13,7 @@ from torch.nn.utils import weight_norm
 from torch.nn.utils.weight_norm import WeightNorm
 
 import hookscope
-from hookscope.hooks import _GLOBAL_DICTS, _HOOK_DICTS, _SIDE_DICTS
+from hookscope.diagnostics.inventory import _GLOBAL_DICTS, _HOOK_DICTS, _SIDE_DICTS
 from tests.models import MlpStack
 
 

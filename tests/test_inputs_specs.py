@@ -12,8 +12,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hookscope.errors import SpecError
-from hookscope.inputs import SAMPLES, load_inputs, preprocess_image
-from hookscope.models import ImagePreprocess, LoadedModel
+from hookscope.zoo.inputs import SAMPLES, load_inputs, preprocess_image
+from hookscope.zoo.models import ImagePreprocess, LoadedModel
 from tests.models import MlpStack
 
 PREPROCESS = ImagePreprocess(size=(16, 24))  # (height, width)

@@ -1,4 +1,5 @@
-"""The import layers: core never imports the application layer; ``import hookscope`` stays light."""
+"""The layers: each file's layer is read from its path, imports run one way, no file reaches
+into another package's private names, and only ``engine/hooks.py`` calls torch's hook API."""
 
 from __future__ import annotations
 
@@ -10,40 +11,114 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "hookscope"
-CORE = ["select", "_session", "capture", "records", "edit", "grads", "hooks", "diagnose", "_nested",
-        "_inplace", "_sources", "_files", "errors", "compare", "tree", "nonfinite", "stats",
-        "_functional", "_function_names", "attention"]
-APPLICATION = {"models", "inputs", "predictions", "viz", "gradcam", "cli"}
+FILES = sorted(p for p in SRC.rglob("*.py"))
+#: the order of the layers: a file may import its own package and lower ranks only
+RANK = {"errors": -1, "util": 0, "engine": 1, "record": 2, "editing": 3, "diagnostics": 3,
+        "store": 3, "zoo": 4, "cli": 5, "hookscope": 6}
+#: torch's hook registration, for modules, tensors, autograd nodes and the global tables
+TORCH_HOOK_API = {
+    "register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook",
+    "register_full_backward_pre_hook", "register_backward_hook", "register_hook", "register_prehook",
+    "register_module_forward_hook", "register_module_forward_pre_hook",
+    "register_module_full_backward_hook", "register_module_full_backward_pre_hook",
+    "register_module_backward_hook", "register_multi_grad_hook",
+}
+DOOR = SRC / "engine" / "hooks.py"
 
 
-def _imported(module: str) -> set[str]:
-    """Every hookscope module that ``module`` imports, at top level or inside a function."""
-    tree = ast.parse((SRC / f"{module}.py").read_text(encoding="utf-8"))
-    found = set()
-    for node in ast.walk(tree):
+def layer(path: Path) -> str:
+    """``engine`` for ``src/hookscope/engine/select.py``; ``errors``; ``hookscope`` for the
+    package's own ``__init__``/``__main__``."""
+    parts = path.relative_to(SRC).parts
+    if len(parts) > 1:
+        return parts[0]
+    return "errors" if parts[0] == "errors.py" else "hookscope"
+
+
+def imports(source: str) -> list[tuple[str, list[str]]]:
+    """``(module, names)`` for each hookscope import, at top level or inside a function."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hookscope"):
-            found.add(node.module)
-            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+            found.append((node.module, [alias.name for alias in node.names]))
         elif isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names if alias.name.startswith("hookscope"))
-    return {name.split(".")[1] for name in found if name.count(".") >= 1}
+            found += [(a.name, []) for a in node.names if a.name.startswith("hookscope")]
+    return found
 
 
-@pytest.mark.parametrize("module", CORE)
-def test_core_imports_nothing_of_the_application_layer(module: str) -> None:
-    assert _imported(module) & APPLICATION == set()
+def violations(path: Path, source: str) -> list[str]:
+    """What ``source`` (the text of ``path``) imports against the layer rules."""
+    own = layer(path)
+    found = []
+    for module, names in imports(source):
+        parts = module.split(".")
+        if len(parts) == 1:  # from hookscope import x: the public API, only for the top layers
+            if RANK[own] < RANK["zoo"]:
+                found.append(f"{module} imports the public API from inside the library")
+            continue
+        other = parts[1] if parts[1] in RANK else "errors"
+        if other != own and RANK[other] >= RANK[own]:
+            found.append(f"{own} imports {module} (layer {other})")
+        if other != own and any(p.startswith("_") for p in parts[2:]):
+            found.append(f"{own} imports private module {module}")
+        if other != own and any(n.startswith("_") for n in names):
+            found.append(f"{own} imports private names {names} of {module}")
+    return found
 
 
-def test_the_check_sees_an_application_import() -> None:
-    assert _imported("inputs") & APPLICATION == {"models"}  # the check can fail
+def hook_api_calls(source: str) -> list[int]:
+    """Lines of ``source`` that call one of torch's hook registrations."""
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Attribute) and node.attr in TORCH_HOOK_API]
 
 
-def test_import_hookscope_loads_no_model_spec_machinery() -> None:
+@pytest.mark.parametrize("path", FILES, ids=lambda p: str(p.relative_to(SRC)))
+def test_imports_run_one_way(path: Path) -> None:
+    assert violations(path, path.read_text(encoding="utf-8")) == []
+
+
+@pytest.mark.parametrize("path", [p for p in FILES if p != DOOR], ids=lambda p: str(p.relative_to(SRC)))
+def test_only_the_door_calls_torchs_hook_api(path: Path) -> None:
+    assert hook_api_calls(path.read_text(encoding="utf-8")) == []
+
+
+def test_the_checks_can_fail() -> None:
+    engine = SRC / "engine" / "select.py"
+    assert violations(engine, "from hookscope.record.capture import capture") == [
+        "engine imports hookscope.record.capture (layer record)"]
+    assert violations(SRC / "store" / "x.py", "from hookscope.editing.edit import edit") == [
+        "store imports hookscope.editing.edit (layer editing)"]
+    assert violations(SRC / "cli" / "x.py", "from hookscope.engine.session import _witness") == [
+        "cli imports private names ['_witness'] of hookscope.engine.session"]
+    assert violations(engine, "def f():\n    import hookscope.zoo.viz") == [
+        "engine imports hookscope.zoo.viz (layer zoo)"]
+    assert hook_api_calls("def f(m):\n    m.register_forward_hook(print)") == [2]
+    assert layer(SRC / "store" / "new_file.py") == "store" and layer(SRC / "errors.py") == "errors"
+
+
+def test_every_package_has_a_layer() -> None:
+    packages = {p.parent.name for p in FILES if p.parent != SRC}
+    assert packages <= set(RANK) and {"engine", "record", "store", "zoo", "cli"} <= packages
+
+
+def test_import_hookscope_loads_no_model_spec_or_picture_machinery() -> None:
     code = ("import sys, hookscope; print(sorted(m for m in sys.modules if m.split('.')[0] in "
             "('hookscope', 'transformers', 'matplotlib', 'PIL')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             env={"PYTHONPATH": str(SRC.parent)}).stdout
-    assert "hookscope'" in loaded and "hookscope.capture'" in loaded
-    for heavy in ("hookscope.models", "hookscope.inputs", "hookscope.predictions", "transformers",
-                  "matplotlib", "PIL"):
+    assert "'hookscope'" in loaded and "'hookscope.record.capture'" in loaded
+    for heavy in ("hookscope.zoo", "hookscope.zoo.models", "hookscope.zoo.inputs", "hookscope.zoo.viz",
+                  "transformers", "matplotlib", "PIL"):
         assert f"'{heavy}'" not in loaded
+
+
+def test_earlier_import_paths_still_work() -> None:
+    code = ("import hookscope; from hookscope.models import load_model; "
+            "from hookscope.inputs import load_inputs; from hookscope.tree import format_tree; "
+            "from hookscope.stats import RunningStats; from hookscope.store import Store; "
+            "import hookscope.zoo.models as z; "
+            "print(callable(hookscope.tree), callable(hookscope.stats), z.load_model is load_model, "
+            "z.__spec__.name)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": str(SRC.parent)}).stdout.split()
+    assert out == ["True", "True", "True", "hookscope.zoo.models"]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hookscope.inputs import load_inputs
-from hookscope.models import LoadedModel, load_model
-from hookscope.predictions import predict, sentence_similarity
+from hookscope.zoo.inputs import load_inputs
+from hookscope.zoo.models import LoadedModel, load_model
+from hookscope.zoo.predictions import predict, sentence_similarity
 
 
 @pytest.fixture(scope="module")

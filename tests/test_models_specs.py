@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from hookscope._extras import require
 from hookscope.errors import MissingExtraError, SpecError
-from hookscope.models import imagenet_classes, load_checkpoint, load_model
-from hookscope.predictions import predict, sentence_similarity, top_classes
+from hookscope.util.extras import require
+from hookscope.zoo.models import imagenet_classes, load_checkpoint, load_model
+from hookscope.zoo.predictions import predict, sentence_similarity, top_classes
 from tests.models import LeNet, MlpStack
 
 FACTORY_FILE = """

@@ -14,10 +14,10 @@ from torch import nn
 from torch.nn.utils import parametrizations
 
 import hookscope
+from hookscope.engine.names import index
+from hookscope.engine.select import resolve, select
+from hookscope.engine.wrappers import wrapped_attribute
 from hookscope.errors import SelectorError
-from hookscope.names import index
-from hookscope.select import resolve, select
-from hookscope.wrappers import wrapped_attribute
 
 
 # ------------------------------------------------------------------ case 27: one module, 3 names

@@ -11,8 +11,8 @@ from torch import nn
 from torch.nn.utils import parametrizations
 
 import hookscope
-from hookscope.names import index
-from hookscope.select import resolve
+from hookscope.engine.names import index
+from hookscope.engine.select import resolve
 from tests.models import Residual
 
 WIDTH = 4

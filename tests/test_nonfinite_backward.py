@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from hookscope.diagnostics.nonfinite import find_nonfinite
 from hookscope.errors import HookscopeError
-from hookscope.nonfinite import find_nonfinite
 
 
 class Sqrt(nn.Module):

@@ -50,9 +50,9 @@ def test_nan_clean_model_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.slow
 def test_nan_on_efficientnet_with_a_corrupt_batchnorm(tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    from hookscope.inputs import load_inputs
-    from hookscope.models import load_model
-    from hookscope.nonfinite import find_nonfinite
+    from hookscope.diagnostics.nonfinite import find_nonfinite
+    from hookscope.zoo.inputs import load_inputs
+    from hookscope.zoo.models import load_model
 
     loaded = load_model("efficientnet-lite0")
     assert find_nonfinite(loaded.module, *load_inputs(["sample:chelsea"], loaded).args) is None

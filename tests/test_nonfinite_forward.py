@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from hookscope.nonfinite import NonFiniteOrigin, find_nonfinite
+from hookscope.diagnostics.nonfinite import NonFiniteOrigin, find_nonfinite
 from tests.models import LeNet, SharedLinear
 
 

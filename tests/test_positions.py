@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hookscope.errors import PositionError
-from hookscope.positions import resolve_positions, take_positions
+from hookscope.record.positions import resolve_positions, take_positions
 from tests.models import padding_mask
 
 

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import hookscope
-from hookscope.records import RecordKey
+from hookscope.record.records import RecordKey
 from tests.models import ReusedRelu, SharedLinear, TupleOutput
 
 NAMES = st.from_regex(r"[a-z_][a-z0-9_]{0,6}(\.[a-z0-9_]{1,6}){0,3}", fullmatch=True)

@@ -12,8 +12,8 @@ from torch.utils.data import TensorDataset
 
 from hookscope.cli.main import main
 from hookscope.errors import ExtractError
-from hookscope.extract import extract
-from hookscope.reductions import ReductionError, reduction
+from hookscope.record.reductions import ReductionError, reduction
+from hookscope.store.extract import extract
 from tests.models import LeNet
 
 

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import hookscope
-from hookscope._session import Observer
-from hookscope.select import Target, as_patterns, resolve
-from hookscope.tree import tree
+from hookscope.diagnostics.tree import tree
+from hookscope.engine.select import Target, as_patterns, resolve
+from hookscope.engine.session import Observer
 from tests.models import MlpStack, SharedLinear, UnusedBranch
 
 
@@ -71,7 +71,7 @@ def test_edit_resolves_each_pattern_once(monkeypatch: pytest.MonkeyPatch) -> Non
         calls.append(list(patterns))
         return real(model, patterns)
 
-    monkeypatch.setattr("hookscope._session.resolve", counting)
+    monkeypatch.setattr("hookscope.engine.session.resolve", counting)
     model = MlpStack()
     with hookscope.edit(model, {"fc1": lambda o: o * 0, "fc2": lambda o: o + 1}) as edits:
         out = model(torch.randn(2, 10))

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from hookscope.cli.main import main
-from hookscope.inputs import load_inputs
-from hookscope.models import load_model
-from hookscope.stats import stats
+from hookscope.diagnostics.stats import stats
+from hookscope.zoo.inputs import load_inputs
+from hookscope.zoo.models import load_model
 
 
 def test_stats_json_equals_library_over_the_same_batches(capsys: pytest.CaptureFixture[str]) -> None:

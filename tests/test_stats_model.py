@@ -13,8 +13,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import hookscope
+from hookscope.diagnostics.stats import RunningStats, stats
 from hookscope.errors import HookNeverFiredWarning, HookscopeError
-from hookscope.stats import RunningStats, stats
 from tests.models import InplaceRelu, LeNet, MlpStack, TupleOutput, UnusedBranch
 from tests.reference import plain_capture
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from hookscope.diagnostics.stats import RunningStats
 from hookscope.errors import HookscopeError
-from hookscope.stats import RunningStats
 
 
 def _batches(seed: int = 0, n: int = 6) -> list[torch.Tensor]:
@@ -116,9 +116,9 @@ def test_complex_tensor_is_refused_with_fix() -> None:
 
 def test_public_names() -> None:
     import hookscope
-    from hookscope.compare import compare
-    from hookscope.nonfinite import find_nonfinite
-    from hookscope.stats import stats
+    from hookscope.diagnostics.compare import compare
+    from hookscope.diagnostics.nonfinite import find_nonfinite
+    from hookscope.diagnostics.stats import stats
 
     assert (hookscope.stats, hookscope.compare, hookscope.find_nonfinite) == (stats, compare,
                                                                               find_nonfinite)

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hookscope._store_folder import prepare_output
-from hookscope._store_writer import ShardData, StoreWriter
 from hookscope.errors import StoreCorruptError
-from hookscope.store import MANIFEST, open_store
+from hookscope.store.folder import prepare_output
+from hookscope.store.reader import MANIFEST, open_store
+from hookscope.store.writer import ShardData, StoreWriter
 
 HEADER = {"model": {"spec": None, "class": "x.Y"}, "extract": {},
           "layers": {"a": {"shape": [256], "dtype": "float32", "ragged": False}}}

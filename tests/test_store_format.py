@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hookscope._store_folder import prepare_output
-from hookscope._store_writer import ShardData, StoreWriter, join_parts
 from hookscope.errors import StoreCorruptError, StoreError, StoreExistsError
-from hookscope.store import MANIFEST, chunk_sums, open_store
+from hookscope.store.folder import prepare_output
+from hookscope.store.reader import MANIFEST, chunk_sums, open_store
+from hookscope.store.writer import ShardData, StoreWriter, join_parts
 
 HEADER = {"model": {"spec": "test", "class": "x.Y"}, "extract": {},
           "layers": {"a": {"shape": [3], "dtype": "float32", "ragged": False},

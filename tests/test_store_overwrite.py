@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from hookscope._store_folder import owned_files
 from hookscope.errors import StoreError, StoreExistsError
-from hookscope.extract import extract
-from hookscope.store import open_store
+from hookscope.store.extract import extract
+from hookscope.store.folder import owned_files
+from hookscope.store.reader import open_store
 
 ROWS = torch.arange(24, dtype=torch.float32).reshape(12, 2)
 

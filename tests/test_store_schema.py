@@ -17,11 +17,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hookscope._store_folder import prepare_output
-from hookscope._store_writer import ShardData, StoreWriter
 from hookscope.cli.main import main
 from hookscope.errors import StoreCorruptError
-from hookscope.store import MANIFEST, open_store
+from hookscope.store.folder import prepare_output
+from hookscope.store.reader import MANIFEST, open_store
+from hookscope.store.writer import ShardData, StoreWriter
 
 HEADER = {"model": {"spec": None, "class": "x.Y"}, "extract": {},
           "layers": {"a": {"shape": [3], "dtype": "float32", "ragged": False},

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hookscope.cli.main import main
-from hookscope.extract import extract
+from hookscope.store.extract import extract
 from tests.models import LeNet
 
 

@@ -119,7 +119,7 @@ def test_metric_must_be_one_number() -> None:
 
 
 def test_minilm_sweep_equals_hand_written_loop() -> None:
-    from hookscope.models import load_model
+    from hookscope.zoo.models import load_model
     try:
         loaded = load_model("minilm")
     except hookscope.HookscopeError as err:

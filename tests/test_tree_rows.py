@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from hookscope.diagnostics.tree import describe_output, filter_rows, format_count, format_tree, tree
 from hookscope.errors import SelectorError
-from hookscope.tree import describe_output, filter_rows, format_count, format_tree, tree
 from tests.models import (
     ZOO,
     DictOutput,

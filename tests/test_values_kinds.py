@@ -12,8 +12,8 @@ import torch.ao.quantization as tq
 from torch import nn
 
 import hookscope
+from hookscope.diagnostics.tree import format_tree
 from hookscope.errors import CaptureError, FusedModuleWarning
-from hookscope.tree import format_tree
 
 
 # ------------------------------------------------------------------ case 32: quantized modules

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from hookscope.errors import MissingExtraError, SpecError
-from hookscope.viz import FIGURE_SIZE_PX, MAX_CHANNELS, _varied_channels, plot_activations
+from hookscope.zoo.viz import FIGURE_SIZE_PX, MAX_CHANNELS, _varied_channels, plot_activations
 
 
 def _pixels(file: Path) -> np.ndarray:

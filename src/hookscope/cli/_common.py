@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hookscope.models import LoadedModel, load_model
+from hookscope.zoo.models import LoadedModel, load_model
 
 MODEL_HELP = ("efficientnet-lite0, minilm, pkg.module:factory, file.py:factory, hf:DIR, timm:NAME; "
               "suffixes @bf16/@fp16/@fp32, @weights.safetensors")

@@ -15,9 +15,9 @@ import torch
 import hookscope
 from hookscope.cli._common import add_model_arguments, load_model_timed, print_json, print_table, say
 from hookscope.errors import SpecError
-from hookscope.inputs import Inputs, load_inputs
-from hookscope.models import LoadedModel
-from hookscope.viz import attention_grid, plan_png_files
+from hookscope.zoo.inputs import Inputs, load_inputs
+from hookscope.zoo.models import LoadedModel
+from hookscope.zoo.viz import attention_grid, plan_png_files
 
 HELP = "attention probabilities of selected modules (eager softmax or fused SDPA) as heat maps"
 

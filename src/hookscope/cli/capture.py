@@ -23,12 +23,12 @@ from hookscope.cli._common import (
     print_table,
     say,
 )
+from hookscope.diagnostics.stats import RunningStats
 from hookscope.errors import SpecError
-from hookscope.inputs import Inputs, load_inputs
-from hookscope.models import LoadedModel
-from hookscope.predictions import Prediction, predict
-from hookscope.records import RecordKey
-from hookscope.stats import RunningStats
+from hookscope.record.records import RecordKey
+from hookscope.zoo.inputs import Inputs, load_inputs
+from hookscope.zoo.models import LoadedModel
+from hookscope.zoo.predictions import Prediction, predict
 
 HELP = "run a model once and show every call of the selected modules: prediction, stats, PNGs"
 
@@ -139,7 +139,7 @@ def _metadata(args: argparse.Namespace, loaded: LoadedModel,
 
 
 def _plot(args: argparse.Namespace, acts: hookscope.Capture, inputs: Inputs) -> list[Path]:
-    from hookscope.viz import plot_activations  # matplotlib only when asked
+    from hookscope.zoo.viz import plot_activations  # matplotlib only when asked
     tensors = {str(key).replace(":", ".call"): tensor for key, tensor in acts.items()}
     image = inputs.images[0] if inputs.images else None
     files = plot_activations(tensors, args.plot, image=image, overwrite=args.overwrite)

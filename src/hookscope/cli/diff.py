@@ -14,10 +14,10 @@ from hookscope.cli._common import (
     print_table,
     say,
 )
-from hookscope.compare import OUTPUT, LayerDiff, compare
+from hookscope.diagnostics.compare import OUTPUT, LayerDiff, compare
 from hookscope.errors import SpecError
-from hookscope.inputs import load_inputs
-from hookscope.models import load_model
+from hookscope.zoo.inputs import load_inputs
+from hookscope.zoo.models import load_model
 
 HELP = ("compare two models (or one model in two dtypes: MODEL and MODEL@bf16) layer by layer "
         "on the same input; exit 1 when a layer differs beyond the tolerance")

@@ -19,8 +19,9 @@ from hookscope.cli._common import (
     positive_int,
 )
 from hookscope.cli.show import print_store
-from hookscope.extract import SHARD_BYTES, SHARD_SECONDS, check_output, extract, load_data
-from hookscope.models import load_model
+from hookscope.store.extract import SHARD_BYTES, SHARD_SECONDS, check_output, extract
+from hookscope.zoo.data import load_data
+from hookscope.zoo.models import load_model
 
 HELP = "run a model over a data set and store chosen layers' activations (resumable, torchrun)"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -23,8 +23,8 @@ from types import ModuleType
 from typing import NoReturn, TextIO
 
 import hookscope
-from hookscope._files import advice
 from hookscope.errors import HookNeverFiredWarning, HookscopeError
+from hookscope.util.files import advice
 
 # Verbs appear in --help in this order; any verb not listed follows alphabetically.
 ORDER = ("tree", "capture", "attention", "nan", "diff", "stats", "extract", "show")

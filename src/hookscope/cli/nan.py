@@ -6,9 +6,9 @@ import argparse
 import dataclasses
 
 from hookscope.cli._common import add_model_arguments, print_json, say
-from hookscope.inputs import load_inputs
-from hookscope.models import load_model
-from hookscope.nonfinite import find_nonfinite
+from hookscope.diagnostics.nonfinite import find_nonfinite
+from hookscope.zoo.inputs import load_inputs
+from hookscope.zoo.models import load_model
 
 HELP = ("find the first module whose output (or, with --backward, gradient) holds NaN or Inf "
         "from finite inputs; exit 1 when there is one")

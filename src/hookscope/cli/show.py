@@ -6,7 +6,7 @@ import argparse
 from typing import Any
 
 from hookscope.cli._common import print_json, print_table, say
-from hookscope.store import Store, dtype_name, open_store
+from hookscope.store.reader import Store, dtype_name, open_store
 
 HELP = "describe an activation store: layers, shapes, dtypes, rows, shards, bytes, completeness"
 

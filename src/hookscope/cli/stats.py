@@ -14,9 +14,9 @@ from hookscope.cli._common import (
     print_table,
     say,
 )
-from hookscope.inputs import Inputs, load_inputs
-from hookscope.models import load_model
-from hookscope.stats import RunningStats, stats
+from hookscope.diagnostics.stats import RunningStats, stats
+from hookscope.zoo.inputs import Inputs, load_inputs
+from hookscope.zoo.models import load_model
 
 HELP = ("count, mean, std, min, max, fraction of zeros and of NaN/Inf of each module's output, "
         "streamed over the inputs without keeping activations")

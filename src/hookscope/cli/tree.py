@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 
 from hookscope.cli._common import add_model_arguments, load_model_timed, non_negative_int, print_json, say
+from hookscope.diagnostics.tree import filter_rows, format_tree, tree, tree_of_call
 from hookscope.errors import SpecError
-from hookscope.inputs import load_inputs
-from hookscope.tree import filter_rows, format_tree, tree, tree_of_call
+from hookscope.zoo.inputs import load_inputs
 
 HELP = "list every module: path, class, parameters; with --input, calls and output shapes"
 

@@ -1,0 +1,221 @@
+"""Compare two runs layer by layer and find the first layer where they diverge.
+
+Two models (or one model under two settings: a copy in bfloat16, another checkpoint, train vs
+eval) run on the same input. Model A's selected outputs are kept (cloned when returned, so a
+later in-place operation cannot change them); model B's are compared inside its hooks as they
+are returned and dropped, so memory holds one run's activations, not two.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookscope.engine import diagnose
+from hookscope.engine.select import Target, as_patterns
+from hookscope.engine.session import Observer, resolve_checked
+from hookscope.engine.values import dequantized
+from hookscope.errors import HookscopeError
+from hookscope.util.nested import get_part, iter_tensors, map_tensors
+
+Tensor = torch.Tensor
+Key = tuple[str, int]
+OUTPUT = ""  # the path under which the models' own return values are compared
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerDiff:
+    """How one call of one module differs between run A (the reference) and run B.
+
+    All figures are over every floating-point tensor in the output, in float64.
+
+    Attributes:
+        path: qualified name (with output parts if the pattern had them, ``"lstm[0]"``);
+            ``""`` for the models' return values.
+        call_index: which call of the module (0 for the first).
+        shape: shape of its (first) output tensor in run A.
+        max_abs: largest ``|a - b|``; ``inf`` where shapes differ or only one side is NaN/Inf.
+        rel: ``||a - b|| / ||a||`` (Euclidean norms over all elements).
+        cosine: cosine similarity of ``a`` and ``b`` flattened (1.0 when both are all zeros).
+        close: every element satisfies ``|a - b| <= atol + rtol * |a|`` (NaN equals NaN).
+        shape_b: shapes of the output tensors in run B when they differ from run A's (then
+            ``max_abs`` and ``rel`` are ``inf`` and ``cosine`` NaN); ``None`` when they agree.
+    """
+
+    path: str
+    call_index: int
+    shape: tuple[int, ...]
+    max_abs: float
+    rel: float
+    cosine: float
+    close: bool
+    shape_b: tuple[tuple[int, ...], ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """The result of ``compare``: one ``LayerDiff`` per module call, in the order the calls
+    returned in run A (children before their parents), the models' outputs last.
+
+    Attributes:
+        diffs: the comparisons.
+        unmatched: ``"path:k"`` for calls that ran in only one of the two runs.
+        atol, rtol: the tolerances used for ``LayerDiff.close``.
+        unfired: ``{path: why it never ran}`` for selected modules that ran in neither run
+            (an unused branch, a module called through ``.forward``), run A's cause first.
+    """
+
+    diffs: tuple[LayerDiff, ...]
+    unmatched: tuple[str, ...]
+    atol: float
+    rtol: float
+    unfired: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def first_divergent(self) -> LayerDiff | None:
+        """The first call, in completion order, that is not within tolerance; None if all are."""
+        return next((d for d in self.diffs if not d.close), None)
+
+    def __getitem__(self, path: str) -> LayerDiff:
+        """The first call of ``path`` (``comparison[path]``); raises KeyError if not compared."""
+        for diff in self.diffs:
+            if diff.path == path:
+                return diff
+        raise KeyError(f"'{path}' was not compared; compared paths: "
+                       f"{sorted({d.path for d in self.diffs})[:10]} ...")
+
+
+def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | list[str] = "**",
+            atol: float = 1e-5, rtol: float = 1e-4, **kwargs: Any) -> Comparison:
+    """Run both models on the same input and compare the outputs of the same modules.
+
+    Floating-point tensors in ``args``/``kwargs`` are cast to the dtype and device of each
+    model's first floating-point parameter, so ``compare(model, copy.deepcopy(model).to(
+    torch.bfloat16), x)`` compares float32 with bfloat16. Both forwards run under
+    ``torch.no_grad()`` in each model's current train/eval mode; hooks are removed on return.
+
+    Args:
+        model_a: Reference model.
+        model_b: Model to compare: a copy of ``model_a`` in another dtype, device or mode,
+            another checkpoint; ``model_a`` itself checks that two runs are deterministic.
+        *args, **kwargs: Inputs of one forward call.
+        layers: Pattern or list of patterns for ``hookscope.select`` (default every module;
+            output parts such as ``"lstm[0]"`` allowed), resolved in each model; paths selected
+            in only one model are not compared.
+        atol, rtol: Absolute and relative tolerance (relative to run A) of ``LayerDiff.close``.
+
+    Returns:
+        A ``Comparison``; ``.first_divergent`` is the first call outside tolerance.
+
+    Raises:
+        SelectorError: a pattern matches no module in one of the models.
+        HookscopeError: a model is TorchScript, or none of its selected modules' hooks fired
+            (a ``torch.compile``'d model compiled earlier: the message gives the fix).
+    """
+    patterns = as_patterns(layers)
+    targets_a, targets_b = _targets(model_a, patterns), _targets(model_b, patterns)
+    common = [key for key in targets_a if key in targets_b]
+    reference: dict[Key, list[Tensor]] = {}
+    order: list[Key] = []
+
+    def keep(key: Key, output: Any) -> None:
+        reference[key] = [t.detach().clone() for t in _floats(output)]
+        order.append(key)
+
+    diffs: dict[Key, LayerDiff] = {}
+    unmatched: list[str] = []
+
+    def check(key: Key, output: Any) -> None:
+        if key not in reference:
+            unmatched.append(f"{key[0]}:{key[1]}")
+            return
+        diffs[key] = _diff(key, reference.pop(key), _floats(output), atol, rtol)
+
+    with torch.no_grad():
+        with _watching(model_a, [targets_a[key] for key in common], keep) as session_a:
+            keep((OUTPUT, 0), model_a(*_cast_inputs(model_a, args), **_cast_inputs(model_a, kwargs)))
+        with _watching(model_b, [targets_b[key] for key in common], check) as session_b:
+            check((OUTPUT, 0), model_b(*_cast_inputs(model_b, args), **_cast_inputs(model_b, kwargs)))
+    _require_hooks_fired(model_a, not common or len(order) > 1)  # order always holds OUTPUT
+    _require_hooks_fired(model_b, not common or len(diffs) + len(unmatched) > 1)
+    unmatched += [f"{path}:{k}" for path, k in reference]
+    return Comparison(diffs=tuple(diffs[key] for key in order if key in diffs),
+                      unmatched=tuple(unmatched), atol=atol, rtol=rtol,
+                      unfired={k: v for k, v in session_a.unfired.items() if k in session_b.unfired})
+
+
+def _require_hooks_fired(model: nn.Module, fired: bool) -> None:
+    why = diagnose.explain_no_hooks(model)
+    if not fired and why is not None:
+        raise HookscopeError(f"cannot compare: {why}")
+
+
+def _targets(model: nn.Module, patterns: list[str]) -> dict[str, Target]:
+    return {t.key: t for t in resolve_checked(model, patterns)}
+
+
+def _watching(model: nn.Module, targets: list[Target], sink: Callable[[Key, Any], None]) -> Observer:
+    """A session calling ``sink((key, k), output)`` as call ``k`` of each target's module returns."""
+    counts = {t.key: 0 for t in targets}
+
+    def hook_for(target: Target) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            counts[target.key] += 1
+            part = get_part(output, target.parts) if target.parts else output
+            sink((target.key, counts[target.key] - 1), part)
+        return hook
+
+    return Observer(model, targets, forward=hook_for)
+
+
+def _floats(output: Any) -> list[Tensor]:
+    """The floating tensors of an output; quantized ones as their dequantized values."""
+    return [dequantized(t) for t in iter_tensors(output) if t.is_floating_point() or t.is_quantized]
+
+
+def _cast_inputs(model: nn.Module, inputs: Any) -> Any:
+    parameter = next((p for p in model.parameters() if p.is_floating_point()), None)
+    if parameter is None:
+        return inputs
+    return map_tensors(lambda t: t.to(parameter.device, parameter.dtype)
+                       if t.is_floating_point() else t.to(parameter.device), inputs)
+
+
+def _diff(key: Key, a_parts: list[Tensor], b_parts: list[Tensor], atol: float,
+          rtol: float) -> LayerDiff:
+    shape = tuple(a_parts[0].shape) if a_parts else ()
+    if [t.shape for t in a_parts] != [t.shape for t in b_parts]:
+        return LayerDiff(key[0], key[1], shape, math.inf, math.inf, math.nan, False,
+                         tuple(tuple(t.shape) for t in b_parts))
+    device = a_parts[0].device if a_parts and a_parts[0].device.type != "mps" else torch.device("cpu")
+    a = torch.cat([t.reshape(-1).to(device, torch.float64) for t in a_parts]) if a_parts else \
+        torch.zeros(0, dtype=torch.float64)
+    b = torch.cat([t.reshape(-1).to(device, torch.float64) for t in b_parts]) if b_parts else \
+        torch.zeros(0, dtype=torch.float64)
+    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
+    error = torch.where(same, torch.zeros_like(a), (a - b).abs()).nan_to_num(nan=math.inf)
+    max_abs = float(error.max()) if error.numel() else 0.0
+    close = bool(torch.isclose(b, a, rtol=rtol, atol=atol, equal_nan=True).all())
+    return LayerDiff(key[0], key[1], shape, max_abs, _ratio(float(error.norm()), float(a.norm())),
+                     _cosine(a, b), close)
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    if denominator == 0.0:
+        return 0.0 if numerator == 0.0 else math.inf
+    return numerator / denominator
+
+
+def _cosine(a: Tensor, b: Tensor) -> float:
+    norm_a, norm_b = float(a.norm()), float(b.norm())
+    if norm_a == 0.0 and norm_b == 0.0:
+        return 1.0
+    if norm_a == 0.0 or norm_b == 0.0:
+        return 0.0
+    cosine = float(torch.dot(a, b)) / (norm_a * norm_b)
+    return cosine if math.isnan(cosine) else max(-1.0, min(1.0, cosine))  # NaN stays NaN

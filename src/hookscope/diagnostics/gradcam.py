@@ -1,0 +1,205 @@
+"""Grad-CAM: where in the picture a convolutional network looks for a class.
+
+Selvaraju, Cogswell, Das, Vedantam, Parikh and Batra, "Grad-CAM: Visual Explanations from Deep
+Networks via Gradient-based Localization", ICCV 2017 (arXiv:1610.02391). For a layer with
+feature maps ``A^k`` (``channels`` of them, each ``height x width``) and the score ``y^c`` of
+class ``c`` (the logit, before softmax):
+
+    alpha_k^c = mean over (i, j) of d y^c / d A^k_ij     (global-average-pooled gradients)
+    L^c       = ReLU(sum_k alpha_k^c A^k)                (a height x width map)
+
+``L^c`` is upsampled (bilinear) to the input's size and scaled to [0, 1] per image here. The
+feature maps and their gradients come from ``capture(..., grads=True)``: tensor hooks, so an
+in-place activation after the layer (pytorch/pytorch#61519) does not break it, and the backward pass
+is ``torch.autograd.grad`` with respect to the input, so no parameter's ``.grad`` changes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hookscope.engine.select import resolve
+from hookscope.errors import GradcamError, SpecError
+from hookscope.record.capture import capture
+from hookscope.util.extras import require
+from hookscope.util.figures import DPI, save_figure
+
+__all__ = ["gradcam", "save_gradcam_overlay"]
+
+Tensor = torch.Tensor
+
+
+def gradcam(model: nn.Module, x: Tensor, layer: str,
+            target: int | Sequence[int] | Tensor | None = None, *, call: int | None = None) -> Tensor:
+    """Class activation map of ``layer`` for class ``target`` (Selvaraju et al., 2017).
+
+    ::
+
+        cam = hookscope.gradcam(model.eval(), x, "_conv_head")   # (batch, 224, 224) in [0, 1]
+
+    Call ``model.eval()`` first: in training mode BatchNorm updates its running statistics and
+    dropout makes the map random.
+
+    Args:
+        model: a classifier returning logits ``(batch, classes)`` (or an object with ``.logits``).
+        x: input images, ``(batch, channels, height, width)``, preprocessed for the model.
+        layer: a pattern selecting one module whose output is a feature map ``(batch, channels,
+            h, w)``, usually the last convolutional layer (``"layer4"`` in a ResNet); a part of a
+            structured output as ``"block[0]"``.
+        target: class index per image: ``None`` (default) the predicted class, an int for every
+            image, or one int per image.
+        call: which call of ``layer``, if the model runs it more than once per forward pass.
+
+    Returns:
+        ``(batch, height, width)`` float32, the input's height and width, in [0, 1] per image
+        (all zeros where no feature has a positive weighted sum).
+
+    Raises:
+        SelectorError: ``layer`` matches no module.
+        GradcamError: ``x`` is not 4-D; ``layer`` matches several modules, runs several times
+            and ``call`` is not given, or does not give a 4-D map; the model's output is not
+            ``(batch, classes)`` scores; a target class is out of range.
+        HookNeverFiredError: ``layer`` never ran in the forward pass.
+    """
+    if x.dim() != 4:
+        raise GradcamError(f"x must be images (batch, channels, height, width); got shape "
+                           f"{tuple(x.shape)}: add the batch dimension with x[None]")
+    key = _one_target(model, layer)
+    x = x.detach().requires_grad_(True)  # gradients reach the layer even if the weights are frozen
+    with torch.enable_grad():
+        with capture(model, key, grads=True, on_unfired="error") as acts:
+            logits = _logits(model(x))
+        classes = _classes(target, logits)
+        torch.autograd.grad(logits.gather(1, classes[:, None]).sum(), x)
+    calls = acts.counts[key]
+    if call is None and calls > 1:
+        raise GradcamError(f"'{key}' ran {calls} times in one forward pass; choose one with "
+                           f"call=k (0 … {calls - 1}, -1 for the last)")
+    k = 0 if call is None else call
+    features, grads = acts[key, k], acts.grad(key, k)
+    if not isinstance(features, Tensor) or features.dim() != 4:
+        shape = tuple(features.shape) if isinstance(features, Tensor) else type(features).__name__
+        raise GradcamError(f"'{key}' gives {shape}, not a feature map (batch, channels, h, w): "
+                           f"choose a convolutional layer, or a tensor part of its output")
+    weights = grads.float().mean(dim=(2, 3), keepdim=True)  # (batch, channels, 1, 1): alpha_k^c
+    cam = F.relu((weights * features.float()).sum(dim=1, keepdim=True))  # (batch, 1, h, w)
+    cam = F.interpolate(cam, size=tuple(x.shape[-2:]), mode="bilinear", align_corners=False)[:, 0]
+    return _unit_range(cam)
+
+
+def save_gradcam_overlay(image: np.ndarray | Tensor, cam: np.ndarray | Tensor,
+                         path: str | os.PathLike[str], *, title: str | None = None,
+                         overwrite: bool = True) -> Path:
+    """Draw ``cam`` over ``image`` and write the PNG atomically (temporary file, then rename).
+
+    Two panels: the photo, and the photo under the map (jet colours, half transparent) with a
+    colour bar. Uses matplotlib's Agg canvas (no display, no pyplot state).
+
+    Args:
+        image: ``(height, width, 3)`` RGB, uint8 or float in [0, 1], as the model saw it (e.g.
+            ``Inputs.images[0]``: resized, before normalisation).
+        cam: ``(height, width)`` in [0, 1], e.g. ``gradcam(...)[0]``; resized to the image if
+            its size differs.
+        path: the PNG to write; its folder is created if missing.
+        title: drawn above the panels.
+        overwrite: replace an existing file; if False, an existing file is an error.
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        GradcamError: ``image`` is not ``(height, width, 3)`` or ``cam`` is not 2-D.
+        SpecError: ``path`` exists and ``overwrite`` is False.
+        MissingExtraError: matplotlib is not installed (``pip install 'hookscope[viz]'``).
+    """
+    if not overwrite and os.path.lexists(path):
+        raise SpecError(f"'{path}' exists; pass overwrite=True (--overwrite) to replace it, or "
+                        f"choose another file")
+    picture = _as_picture(image)
+    heat = _as_map(cam, picture.shape[:2])
+    figure_module = require("matplotlib.figure", "save_gradcam_overlay")
+    figure = figure_module.Figure(figsize=(10, 4.6), dpi=DPI, layout="constrained")
+    left, right = figure.subplots(1, 2)
+    left.imshow(picture)
+    left.set_title("input")
+    right.imshow(picture)
+    shown = right.imshow(heat, cmap="jet", alpha=0.5, vmin=0.0, vmax=1.0)
+    right.set_title("Grad-CAM")
+    figure.colorbar(shown, ax=right, fraction=0.046, pad=0.04)
+    for axes in (left, right):
+        axes.set_axis_off()
+    if title:
+        figure.suptitle(title)
+    return save_figure(figure, Path(path))
+
+
+# ------------------------------------------------------------------------------- internals
+def _one_target(model: nn.Module, layer: str) -> str:
+    targets = resolve(model, [layer])
+    if len(targets) != 1:
+        names = ", ".join(t.key for t in targets[:6]) + (" …" if len(targets) > 6 else "")
+        raise GradcamError(f"layer '{layer}' matches {len(targets)} modules ({names}); Grad-CAM "
+                           f"needs one: give its exact path")
+    return targets[0].key
+
+
+def _logits(output: Any) -> Tensor:
+    logits = output if isinstance(output, Tensor) else getattr(output, "logits", None)
+    if not isinstance(logits, Tensor) or logits.dim() != 2:
+        what = tuple(logits.shape) if isinstance(logits, Tensor) else type(output).__name__
+        raise GradcamError(f"the model returned {what}; Grad-CAM needs class scores (batch, "
+                           f"classes), as a tensor or an output with .logits")
+    return logits
+
+
+def _classes(target: int | Sequence[int] | Tensor | None, logits: Tensor) -> Tensor:
+    batch, count = logits.shape
+    if target is None:
+        return logits.detach().argmax(dim=1)
+    classes = torch.as_tensor(target, dtype=torch.long, device=logits.device).reshape(-1)
+    if classes.numel() == 1:
+        classes = classes.expand(batch)
+    if classes.numel() != batch:
+        raise GradcamError(f"target gives {classes.numel()} classes for a batch of {batch}: give "
+                           f"one int, or one per image")
+    if bool(((classes < 0) | (classes >= count)).any()):
+        raise GradcamError(f"target {classes.tolist()} is out of range: the model has {count} "
+                           f"classes (0 … {count - 1})")
+    return classes
+
+
+def _unit_range(cam: Tensor) -> Tensor:
+    """Scale each ``(height, width)`` map to [0, 1]; a constant map becomes zeros."""
+    low = cam.amin(dim=(1, 2), keepdim=True)
+    span = cam.amax(dim=(1, 2), keepdim=True) - low
+    return torch.where(span > 0, (cam - low) / span.clamp_min(torch.finfo(cam.dtype).tiny),
+                       torch.zeros_like(cam))
+
+
+def _as_picture(image: np.ndarray | Tensor) -> np.ndarray:
+    picture = image.detach().cpu().numpy() if isinstance(image, Tensor) else np.asarray(image)
+    if picture.ndim != 3 or picture.shape[2] != 3:
+        raise GradcamError(f"image must be (height, width, 3) RGB; got shape {picture.shape} "
+                           f"(a (3, height, width) tensor: use image.permute(1, 2, 0))")
+    if picture.dtype != np.uint8:
+        picture = np.clip(picture.astype(np.float32), 0.0, 1.0)
+    return picture
+
+
+def _as_map(cam: np.ndarray | Tensor, size: tuple[int, ...]) -> np.ndarray:
+    heat = torch.as_tensor(cam.detach().cpu() if isinstance(cam, Tensor) else np.asarray(cam))
+    if heat.dim() != 2:
+        raise GradcamError(f"cam must be one (height, width) map; got shape {tuple(heat.shape)} "
+                           f"(take one image of the batch: cam[0])")
+    if tuple(heat.shape) != tuple(size):
+        heat = F.interpolate(heat[None, None].float(), size=tuple(size), mode="bilinear",
+                             align_corners=False)[0, 0]
+    return heat.float().numpy()

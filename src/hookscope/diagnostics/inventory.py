@@ -1,0 +1,158 @@
+"""Inventory of every hook on a model, whoever registered it, and removal of leaked ones.
+
+Some hooks are part of how a model computes, and removing them silently changes its results:
+``weight_norm``/``spectral_norm`` recompute the weight in a forward pre-hook, lazy modules
+(``LazyLinear``) create their parameters in one, and DDP/FSDP, quantization observers,
+accelerate, peft and transformers register their own. ``hooks(model)`` says who registered each
+hook (the package its function comes from) and marks those as **internal**; ``remove_hooks``
+leaves internal hooks in place unless ``include_internal=True`` (see pytorch#70455, #2847 for the
+'clear every hook dictionary' recipe that breaks them).
+
+Reading torch's private hook dictionaries is confined to ``_HOOK_DICTS`` and ``_GLOBAL_DICTS``;
+``tests/test_hooks_inventory.py`` fails loudly if torch renames them.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torch.nn.modules import module as torch_module
+
+from hookscope.engine.hooks import OwnedHook
+from hookscope.engine.names import index
+
+__all__ = ["HookInfo", "hooks", "remove_hooks", "INTERNAL_PACKAGES"]
+
+# Packages whose hooks implement model behaviour (their functions' top-level package).
+INTERNAL_PACKAGES = frozenset({"torch", "accelerate", "peft", "transformers", "deepspeed",
+                               "fairscale", "torchao", "bitsandbytes", "apex"})
+
+# kind -> attribute of nn.Module holding {handle id: hook}
+_HOOK_DICTS = {
+    "forward_pre": "_forward_pre_hooks",
+    "forward": "_forward_hooks",
+    "backward_pre": "_backward_pre_hooks",
+    "backward": "_backward_hooks",
+}
+# Side tables keyed by the same handle ids, cleared together with their hook.
+_SIDE_DICTS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+_GLOBAL_DICTS = {
+    "global_forward_pre": "_global_forward_pre_hooks",
+    "global_forward": "_global_forward_hooks",
+    "global_backward_pre": "_global_backward_pre_hooks",
+    "global_backward": "_global_backward_hooks",
+}
+
+
+@dataclass(frozen=True)
+class HookInfo:
+    """One registered hook.
+
+    Attributes:
+        path: qualified name of the module it is on (``""`` root; ``"*"`` for global hooks,
+            which apply to every module of every model).
+        kind: ``forward_pre``, ``forward``, ``backward_pre``, ``backward`` or ``global_*``.
+        function: the hook's qualified name, e.g. ``"Capture._make_hook.<locals>.hook"``.
+        source: ``"file.py:LINE"`` where it is defined, or ``"?"`` for builtins.
+        handle_id: the id torch keys it by (what ``RemovableHandle.id`` holds).
+        registered_by: the top-level package the hook's function comes from (``"torch"`` for
+            ``WeightNorm`` or a lazy module's ``_infer_parameters``, ``"peft"``, ``"hookscope"``),
+            or ``"user code (MODULE)"`` for anything else (a notebook's ``__main__``).
+        internal: True when ``registered_by`` is in ``INTERNAL_PACKAGES``: the hook is part of
+            how the model computes, and ``remove_hooks`` keeps it unless asked.
+    """
+
+    path: str
+    kind: str
+    function: str
+    source: str
+    handle_id: int
+    registered_by: str = "?"
+    internal: bool = False
+
+
+def hooks(model: nn.Module) -> list[HookInfo]:
+    """List every forward, forward-pre and backward hook on ``model`` and its submodules, and the
+    global module hooks, in ``named_modules()`` order, then globals; each says who registered it
+    and whether it is internal (module docstring)."""
+    found = [_info(path, kind, hid, fn)
+             for path, module in _all_modules(model)
+             for kind, attr in _HOOK_DICTS.items()
+             for hid, fn in getattr(module, attr).items()]
+    found += [_info("*", kind, hid, fn) for kind, attr in _GLOBAL_DICTS.items()
+              for hid, fn in getattr(torch_module, attr).items()]
+    return found
+
+
+def remove_hooks(model: nn.Module, *, include_global: bool = False,
+                 include_internal: bool = False) -> int:
+    """Remove leaked hooks from ``model`` and its submodules (hooks whose handles are lost).
+
+    Args:
+        include_global: also remove global module hooks (they affect every model).
+        include_internal: also remove internal hooks (``WeightNorm``, lazy initialisation,
+            DDP/FSDP, observers, accelerate/peft...). Without it they stay, so a weight-normed
+            layer keeps following ``weight_g`` and a lazy layer still initialises on first call.
+
+    Returns:
+        The number of hooks removed.
+    """
+    removed = 0
+    tables: list[tuple[nn.Module | None, dict[int, Any]]] = [
+        (module, getattr(module, attr)) for _, module in _all_modules(model) for attr in _HOOK_DICTS.values()]
+    if include_global:
+        tables += [(None, getattr(torch_module, attr)) for attr in _GLOBAL_DICTS.values()]
+    for module, table in tables:
+        for hid, fn in list(table.items()):
+            if include_internal or not _is_internal(_registered_by(fn)):
+                del table[hid]
+                for side in _SIDE_DICTS:
+                    getattr(module, side, {}).pop(hid, None)
+                removed += 1
+    return removed
+
+
+def _all_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Every module once, wrappers and parametrizations included: a module's path, or for a
+    wrapper or a parametrization module its raw ``named_modules()`` name."""
+    names = index(model)
+    return [(raw if raw in names.wrappers or raw in names.parametrizations
+             else names.canonical.get(raw, raw), module) for raw, module in model.named_modules()]
+
+
+def _info(path: str, kind: str, handle_id: int, fn: Any) -> HookInfo:
+    target = _function(fn)
+    name = getattr(target, "__qualname__", type(target).__name__)
+    try:
+        source = f"{inspect.getsourcefile(target)}:{inspect.getsourcelines(target)[1]}"
+    except (TypeError, OSError):
+        source = "?"
+    owner = _registered_by(fn)
+    return HookInfo(path, kind, name, source, handle_id, owner, _is_internal(owner))
+
+
+def _function(fn: Any) -> Any:
+    """The code behind a hook: through ``functools.partial``, hookscope's ``OwnedHook`` and
+    bound methods."""
+    while isinstance(fn, (functools.partial, OwnedHook)):
+        fn = fn.func if isinstance(fn, functools.partial) else fn.function
+    return getattr(fn, "__func__", fn)
+
+
+def _registered_by(fn: Any) -> str:
+    target = _function(fn)
+    module = getattr(target, "__module__", None)
+    if not isinstance(module, str) or (not inspect.isfunction(target) and not inspect.isclass(target)):
+        module = type(target).__module__  # a callable object (WeightNorm): its class decides
+    package = module.partition(".")[0]
+    if package in INTERNAL_PACKAGES or package == "hookscope":
+        return package
+    return f"user code ({module})"
+
+
+def _is_internal(owner: str) -> bool:
+    return owner in INTERNAL_PACKAGES

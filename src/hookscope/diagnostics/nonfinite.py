@@ -1,0 +1,358 @@
+"""Find the module where NaN or Inf first appears, in the forward pass or in the gradients.
+
+Forward: a pre-hook on every module checks that module's inputs *before* it runs (a later
+in-place operation could change them), and a forward hook checks its output when it returns.
+Forward hooks fire in post-order (a child returns before its parent), so the first module that
+returns a non-finite output from finite inputs is the innermost one that made it: a parent whose
+child produced the NaN receives finite inputs and returns a non-finite output too, but returns
+later. A parent is reported only when the NaN comes from its own code between child calls
+(``torch.log`` in its ``forward``), which is where it was made.
+
+Backward: full backward hooks would break on in-place operations (pytorch/pytorch#61519), so the
+gradients are watched on the autograd graph itself: while the forward runs, a
+``TorchFunctionMode`` notes which module call created each autograd node; during the backward,
+a hook on every node sees the gradients coming in and going out. The first node whose incoming
+gradients are finite and whose outgoing ones are not made the non-finite gradient; its module
+is reported. The same mode names the first operation that turned finite inputs into a
+non-finite output in the forward pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from hookscope.engine import diagnose
+from hookscope.engine.names import index
+from hookscope.engine.select import Target, unwrap
+from hookscope.engine.session import Observer
+from hookscope.errors import HookscopeError
+from hookscope.util.nested import iter_tensors
+
+Tensor = torch.Tensor
+MAX_POSITIONS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSummary:
+    """One tensor's shape, dtype, count of non-finite values, and range of the finite ones.
+
+    Attributes:
+        label: which tensor: ``"args[0]"``, ``"kwargs['mask']"``, ``"output[1]"``, or for
+            gradients ``"grad of output 0"`` / ``"grad of input 1"`` of an autograd node.
+        min, max, mean: over the finite elements; NaN when there are none.
+    """
+
+    label: str
+    shape: tuple[int, ...]
+    dtype: str
+    nan: int
+    posinf: int
+    neginf: int
+    min: float
+    max: float
+    mean: float
+
+    @property
+    def nonfinite(self) -> int:
+        """Number of NaN and +-Inf elements."""
+        return self.nan + self.posinf + self.neginf
+
+    @classmethod
+    def of(cls, label: str, tensor: Tensor) -> TensorSummary:
+        """Summarise ``tensor`` (any shape and dtype; integers are always finite)."""
+        values = tensor.detach()
+        if not values.is_floating_point():
+            values = values.double()
+        finite = torch.isfinite(values)
+        kept = values[finite].double()
+        has_any = kept.numel() > 0
+        return cls(
+            label=label, shape=tuple(tensor.shape), dtype=str(tensor.dtype).replace("torch.", ""),
+            nan=int(torch.isnan(values).sum()), posinf=int((values == math.inf).sum()),
+            neginf=int((values == -math.inf).sum()),
+            min=float(kept.min()) if has_any else math.nan,
+            max=float(kept.max()) if has_any else math.nan,
+            mean=float(kept.mean()) if has_any else math.nan)
+
+    def __str__(self) -> str:
+        bad = f", {self.nan} NaN, {self.posinf} +Inf, {self.neginf} -Inf" if self.nonfinite else ""
+        finite = (f"finite range [{self.min:.4g}, {self.max:.4g}], mean {self.mean:.4g}"
+                  if not math.isnan(self.min) else "no finite value")
+        return f"{self.label}: {list(self.shape)} {self.dtype}, {finite}{bad}"
+
+
+@dataclasses.dataclass(frozen=True)
+class NonFiniteOrigin:
+    """The module call where a NaN or Inf first appeared.
+
+    Attributes:
+        path: qualified name of the module (``""`` for the root, ``"<loss>"`` for ``loss_fn``).
+        class_name: its class, e.g. ``"Linear"``.
+        call_index: which call of that module (0 for the first; a reused module runs several
+            times per forward).
+        phase: ``"forward"`` (its output) or ``"backward"`` (a gradient it computed).
+        op: the operation inside it that made the first non-finite value from finite inputs,
+            e.g. ``"log"`` or ``"LogBackward0"``; ``None`` when not known (fused kernels).
+        inputs: forward: its tensor arguments, checked before it ran; backward: the gradients
+            coming into ``op`` (all finite).
+        outputs: forward: its output tensors; backward: the gradients ``op`` produced.
+        bad_count: number of NaN/Inf elements in ``outputs``.
+        bad_label: label of the first output tensor that holds them.
+        first_bad: indices of up to 8 non-finite elements in that tensor, in row-major order.
+    """
+
+    path: str
+    class_name: str
+    call_index: int
+    phase: str
+    op: str | None
+    inputs: tuple[TensorSummary, ...]
+    outputs: tuple[TensorSummary, ...]
+    bad_count: int
+    bad_label: str
+    first_bad: tuple[tuple[int, ...], ...]
+
+    def __str__(self) -> str:
+        where = f"'{self.path}'" if self.path else "the root module"
+        op = f" (first in op {self.op})" if self.op else ""
+        what = "output" if self.phase == "forward" else "gradient"
+        lines = [f"first non-finite {what}: {where} ({self.class_name}), call {self.call_index}, "
+                 f"{self.phase}{op}: {self.bad_count} NaN/Inf in {self.bad_label}, first at "
+                 f"{', '.join(str(list(p)) for p in self.first_bad)}"]
+        lines += [f"  in  {s}" for s in self.inputs] + [f"  out {s}" for s in self.outputs]
+        return "\n".join(lines)
+
+
+def find_nonfinite(model: nn.Module, *args: Any, backward: bool = False,
+                   loss_fn: Callable[[Any], Tensor] | None = None,
+                   **kwargs: Any) -> NonFiniteOrigin | None:
+    """Run ``model(*args, **kwargs)`` once and return where NaN/Inf first appeared, or None.
+
+    The model runs eagerly in its current train/eval mode: a ``torch.compile``'d model runs its
+    original module (compiled code would skip or trace the hooks), a ``DataParallel`` one its
+    wrapped module. Hooks are removed on return, also on an error. With ``backward=True`` and
+    a finite forward, the gradients of ``loss_fn(output)`` (default: the sum of every
+    floating-point output tensor) with respect to the parameters and to inputs that require
+    grad are computed with ``torch.autograd.grad``, so no ``.grad`` is changed.
+
+    Args:
+        model: Root module (``DataParallel`` and ``torch.compile`` wrappers are looked through).
+        *args, **kwargs: Inputs of one forward call.
+        backward: Also look for the first non-finite gradient.
+        loss_fn: ``output -> scalar tensor`` for the backward pass.
+
+    Returns:
+        A ``NonFiniteOrigin``: in the forward pass, the first module to return (post-order)
+        whose inputs were finite and whose output is not; else, in the backward pass, the module
+        whose operation first produced a non-finite gradient from finite ones. ``None`` when
+        everything is finite.
+
+    Raises:
+        HookscopeError: the model is TorchScript; or ``backward=True`` but the output does
+            not require grad (the forward ran under ``torch.no_grad()``/``inference_mode`` or
+            nothing requires grad).
+    """
+    diagnose.preflight(model)
+    root, _ = unwrap(model)
+    tracker = _Tracker(root, record_nodes=backward)
+    with tracker.installed():
+        output = root(*args, **kwargs)
+        if tracker.found is not None or not backward:
+            return tracker.found
+        loss = loss_fn(output) if loss_fn is not None else _sum_floats(output)
+    loss_origin = tracker.loss_origin(loss)
+    if loss_origin is not None:
+        return loss_origin
+    leaves: list[Tensor] = [p for p in root.parameters() if p.requires_grad]
+    leaves += [t for t in iter_tensors((args, kwargs)) if t.requires_grad and t.is_leaf]
+    if loss.grad_fn is None or not leaves:
+        raise HookscopeError(
+            "backward=True needs a loss that requires grad, but it has no autograd graph: run "
+            "find_nonfinite outside torch.no_grad()/torch.inference_mode(), with parameters or "
+            "inputs that require grad (model.requires_grad_(True))")
+    with tracker.node_hooks():
+        torch.autograd.grad(loss, leaves, allow_unused=True)
+    return tracker.found
+
+
+@dataclasses.dataclass
+class _Call:
+    module: nn.Module
+    index: int
+    inputs: list[tuple[str, Tensor, int]] | None  # (label, tensor, version); None: not finite
+    op: str | None = None
+
+    def input_summaries(self) -> tuple[TensorSummary, ...]:
+        """Summaries of the inputs, noting those the module changed in place since its start."""
+        return tuple(TensorSummary.of(label if tensor._version == version
+                                      else f"{label} (as changed in place by this module)", tensor)
+                     for label, tensor, version in self.inputs or ())
+
+
+class _Tracker:
+    """Hooks on every module of ``root`` and a function mode; holds the first finding."""
+
+    def __init__(self, root: nn.Module, record_nodes: bool) -> None:
+        self.root = root
+        # canonical paths: wrappers at any depth (FSDP blocks) are looked through, not hooked
+        self.paths = {module: path for path, module in index(root).modules.items()}
+        self.record_nodes = record_nodes
+        self.counts: dict[nn.Module, int] = {}
+        self.active: list[_Call] = []
+        self.owners: dict[Any, _Call | None] = {}  # autograd node -> module call that made it
+        self.found: NonFiniteOrigin | None = None
+        self.busy = False  # True while our own hooks run torch functions: the mode ignores them
+
+    @contextmanager
+    def installed(self) -> Iterator[None]:
+        targets = [Target(path, module) for module, path in self.paths.items()]
+        with Observer(self.root, targets, pre=lambda t: self._pre_hook,
+                      forward=lambda t: self._post_hook, with_kwargs=True, explain_unfired=False):
+            with _OpWatcher(self):
+                yield
+
+    @contextmanager
+    def node_hooks(self) -> Iterator[None]:
+        handles: list[RemovableHandle] = []
+        try:  # registered inside the try: a failure half-way removes those already added
+            for node in self.owners:
+                handles.append(node.register_hook(self._node_hook(node)))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def loss_origin(self, loss: Tensor) -> NonFiniteOrigin | None:
+        """Report ``loss_fn`` itself when it turned a finite output into a non-finite loss."""
+        if bool(torch.isfinite(loss.detach()).all()):
+            return None
+        return _origin("<loss>", "loss_fn", 0, "forward", None, (),
+                       (TensorSummary.of("loss", loss),), [loss])
+
+    def _pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        index = self.counts.get(module, 0)
+        self.counts[module] = index + 1
+        inputs = None
+        if self.found is None:
+            self.busy = True
+            labelled = list(_labelled(args, "args")) + list(_labelled(kwargs, "kwargs"))
+            if all(_is_finite(t) for _, t in labelled):
+                inputs = [(label, t, t._version) for label, t in labelled]
+            self.busy = False
+        self.active.append(_Call(module, index, inputs))
+
+    def _post_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        call = self.active.pop()
+        if self.found is not None or call.inputs is None:
+            return
+        self.busy = True
+        labelled = list(_labelled(output, "output"))
+        if not all(_is_finite(t) for _, t in labelled):
+            outputs = tuple(TensorSummary.of(label, t) for label, t in labelled)
+            self.found = _origin(self.paths[module], type(module).__name__, call.index, "forward",
+                                 call.op, call.input_summaries(), outputs, [t for _, t in labelled])
+        self.busy = False
+
+    def note_op(self, name: str, args: Any, output: Any) -> None:
+        """Called by ``_OpWatcher`` after each torch function inside the model."""
+        call = self.active[-1] if self.active else None
+        if self.record_nodes:
+            for tensor in iter_tensors(output):
+                if tensor.grad_fn is not None and tensor.grad_fn not in self.owners:
+                    self.owners[tensor.grad_fn] = call
+        if call is None or call.inputs is None or call.op is not None or self.found is not None:
+            return
+        if not all(_is_finite(t) for t in iter_tensors(output)):
+            # parameters do not count as inputs, as for modules: an Inf weight is the op's doing
+            if all(_is_finite(t) for t in iter_tensors(args) if not isinstance(t, nn.Parameter)):
+                call.op = name
+
+    def _node_hook(self, node: Any) -> Callable[[tuple[Any, ...], tuple[Any, ...]], None]:
+        def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
+            if self.found is not None:
+                return
+            incoming = [(f"grad of output {i}", g) for i, g in enumerate(grad_outputs)
+                        if isinstance(g, Tensor)]
+            produced = [(f"grad of input {i}", g) for i, g in enumerate(grad_inputs)
+                        if isinstance(g, Tensor)]
+            if all(_is_finite(g) for _, g in produced) or not all(_is_finite(g) for _, g in incoming):
+                return
+            call = self.owners[node]
+            module = call.module if call is not None else None
+            self.found = _origin(
+                self.paths[module] if module is not None else "<loss>",
+                type(module).__name__ if module is not None else "loss_fn",
+                call.index if call is not None else 0, "backward", node.name(),
+                tuple(TensorSummary.of(label, g) for label, g in incoming),
+                tuple(TensorSummary.of(label, g) for label, g in produced),
+                [g for _, g in produced])
+        return hook
+
+
+class _OpWatcher(TorchFunctionMode):
+    """Passes every torch function through, then tells the tracker what it produced."""
+
+    def __init__(self, tracker: _Tracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        output = func(*args, **(kwargs or {}))
+        if not self.tracker.busy and isinstance(output, (Tensor, tuple, list)):
+            self.tracker.note_op(getattr(func, "__name__", str(func)), (args, kwargs), output)
+        return output
+
+
+def _origin(path: str, class_name: str, index: int, phase: str, op: str | None,
+            inputs: tuple[TensorSummary, ...], outputs: tuple[TensorSummary, ...],
+            tensors: list[Tensor]) -> NonFiniteOrigin:
+    first = next(i for i, t in enumerate(tensors) if not _is_finite(t))
+    bad = ~torch.isfinite(tensors[first].detach())
+    positions = torch.nonzero(bad)[:MAX_POSITIONS].tolist()
+    return NonFiniteOrigin(
+        path=path, class_name=class_name, call_index=index, phase=phase, op=op, inputs=inputs,
+        outputs=outputs, bad_count=sum(s.nonfinite for s in outputs),
+        bad_label=outputs[first].label, first_bad=tuple(tuple(p) for p in positions))
+
+
+def _labelled(obj: Any, name: str) -> Iterator[tuple[str, Tensor]]:
+    """Yield ``(label, tensor)`` for the tensors in ``obj``: ``args[0]``, ``output[1]``, ..."""
+    if isinstance(obj, Tensor):
+        yield name, obj
+    elif isinstance(obj, (tuple, list)):
+        for i, value in enumerate(obj):
+            yield from _labelled(value, f"{name}[{i}]")
+    elif isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from _labelled(value, f"{name}[{key!r}]")
+    else:
+        for i, tensor in enumerate(iter_tensors(obj)):  # dataclasses, ModelOutput
+            yield f"{name}.{i}", tensor
+
+
+def _is_finite(tensor: Tensor) -> bool:
+    """True when no element is NaN or +-Inf. One sum decides in the common case: a finite sum
+    means every element is finite; only an infinite or NaN sum (or an overflow) needs a full
+    ``isfinite`` pass."""
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return True
+    values = tensor.detach()
+    return bool(torch.isfinite(values.sum())) or bool(torch.isfinite(values).all())
+
+
+def _sum_floats(output: Any) -> Tensor:
+    floats = [t for t in iter_tensors(output) if t.is_floating_point()]
+    if not floats:
+        raise HookscopeError("backward=True needs a floating-point output to differentiate; "
+                             "pass loss_fn=lambda output: <a scalar tensor>")
+    return torch.stack([t.sum().float() for t in floats]).sum()

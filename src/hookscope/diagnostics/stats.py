@@ -1,0 +1,304 @@
+"""Streaming statistics of module outputs over many batches, without keeping activations.
+
+Each selected module's output updates a ``RunningStats`` inside its forward hook and is then
+dropped, so memory stays flat however many batches run. The statistics are combined batch by
+batch with the parallel form of Welford's algorithm (Chan, Golub and LeVeque, "Updating
+formulae and a pairwise algorithm for computing sample variances", Stanford CS tech. report
+STAN-CS-79-773, 1979): for two parts with counts ``n_a, n_b``, means ``m_a, m_b`` and sums of
+squared deviations ``M_a, M_b``,
+
+    n = n_a + n_b,  delta = m_b - m_a,
+    m = m_a + delta * n_b / n,
+    M = M_a + M_b + delta**2 * n_a * n_b / n.
+
+Each batch's own mean and ``M`` come from a two-pass sum in float64, so no accumulated sum of
+squares ever cancels catastrophically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookscope.engine.run import model_inputs
+from hookscope.engine.select import Target, as_patterns
+from hookscope.engine.session import HookSession
+from hookscope.engine.values import keepable
+from hookscope.errors import HookscopeError
+from hookscope.util.nested import get_part, iter_tensors
+
+Tensor = torch.Tensor
+
+PerChannel = bool | int
+
+
+class RunningStats:
+    """Count, mean, std, min, max, zeros and non-finite values of a stream of tensors.
+
+    Accumulators are float64 (int64 for counts) on the CPU. NaN and +-Inf elements are counted
+    in ``count`` and ``nonfinite`` but left out of mean, std, min and max. The standard
+    deviation is the population one (``ddof=0``, as ``numpy.std``) of the finite elements.
+
+    Per channel (``channel_dim`` set), every statistic is a float64 tensor of shape
+    ``(channels,)`` over all other dimensions; otherwise each is a 0-d tensor.
+
+    Args:
+        channel_dim: Dimension of the updates that holds channels, e.g. 1 for
+            ``(batch, channels, height, width)`` or -1 for ``(batch, seq, d_model)``;
+            ``None`` for one statistic over all elements.
+    """
+
+    def __init__(self, channel_dim: int | None = None) -> None:
+        self.channel_dim = channel_dim
+        self.count = torch.zeros((), dtype=torch.int64)
+        self.finite = torch.zeros((), dtype=torch.int64)
+        self.zeros = torch.zeros((), dtype=torch.int64)
+        self.mean = torch.zeros((), dtype=torch.float64)
+        self.m2 = torch.zeros((), dtype=torch.float64)
+        self.min = torch.full((), float("inf"), dtype=torch.float64)
+        self.max = torch.full((), float("-inf"), dtype=torch.float64)
+
+    @property
+    def nonfinite(self) -> Tensor:
+        """Number of NaN and +-Inf elements seen, int64."""
+        return self.count - self.finite
+
+    def update(self, tensor: Tensor) -> None:
+        """Add every element of ``tensor`` (any shape, real dtype) to the statistics.
+
+        Raises:
+            HookscopeError: ``tensor`` is complex, lacks ``channel_dim``, or has a different
+                number of channels than earlier updates.
+        """
+        if tensor.is_complex():
+            raise HookscopeError(f"cannot take statistics of a complex tensor ({tensor.dtype}); "
+                                 "pass its .real or .abs()")
+        batch = RunningStats(self.channel_dim)
+        batch._fill_from(self._rows(tensor))
+        self.merge(batch)
+
+    def merge(self, other: RunningStats) -> RunningStats:
+        """Fold ``other`` into these statistics (Chan et al. 1979) and return ``self``.
+
+        The result equals one pass over both streams, up to float64 rounding.
+
+        Raises:
+            HookscopeError: the two hold different numbers of channels.
+        """
+        if self.count.dim() == 0 and int(self.count) == 0:  # nothing seen yet: take other's shape
+            self._copy_from(other)
+            return self
+        if other.count.shape != self.count.shape:
+            raise HookscopeError(f"cannot merge statistics over {_describe(other.count)} into "
+                                 f"statistics over {_describe(self.count)}")
+        n_a, n_b = self.finite.double(), other.finite.double()
+        n = n_a + n_b
+        safe_n = n.clamp(min=1.0)
+        delta = other.mean - self.mean
+        self.mean = self.mean + delta * n_b / safe_n
+        self.m2 = self.m2 + other.m2 + delta * delta * n_a * n_b / safe_n
+        self.count = self.count + other.count
+        self.finite = self.finite + other.finite
+        self.zeros = self.zeros + other.zeros
+        self.min = torch.minimum(self.min, other.min)
+        self.max = torch.maximum(self.max, other.max)
+        return self
+
+    def std(self) -> Tensor:
+        """Population standard deviation of the finite elements, float64 (NaN when none)."""
+        return (self.m2 / self.finite.double()).sqrt()
+
+    def as_dict(self) -> dict[str, Any]:
+        """Return plain numbers: a float or int per statistic, or a list of them per channel.
+
+        Keys: ``count`` (elements seen), ``mean``, ``std``, ``min``, ``max`` (of the finite
+        elements; NaN when none), ``frac_zeros`` and ``frac_nonfinite`` (fractions of ``count``).
+        """
+        count = self.count.double()
+        empty = self.finite == 0
+        nan = torch.tensor(float("nan"), dtype=torch.float64)
+        values = {
+            "count": self.count,
+            "mean": torch.where(empty, nan, self.mean),
+            "std": self.std(),
+            "min": torch.where(empty, nan, self.min),
+            "max": torch.where(empty, nan, self.max),
+            "frac_zeros": self.zeros.double() / count,
+            "frac_nonfinite": self.nonfinite.double() / count,
+        }
+        return {key: value.tolist() for key, value in values.items()}
+
+    def __repr__(self) -> str:
+        d = self.as_dict()
+        if self.channel_dim is not None:
+            return f"RunningStats(channel_dim={self.channel_dim}, channels={len(d['count'])})"
+        return ("RunningStats(" + ", ".join(f"{k}={v:.6g}" for k, v in d.items()) + ")")
+
+    def _rows(self, tensor: Tensor) -> Tensor:
+        """Return ``tensor`` as float64 on a device that has it: ``(elements,)`` or
+        ``(channels, elements)``."""
+        device = tensor.device if tensor.device.type in ("cpu", "cuda") else torch.device("cpu")
+        values = tensor.detach().to(device=device, dtype=torch.float64)
+        if self.channel_dim is None:
+            return values.reshape(-1)
+        if values.dim() == 0 or not -values.dim() <= self.channel_dim < values.dim():
+            raise HookscopeError(
+                f"per-channel statistics need dimension {self.channel_dim}, but the output has "
+                f"shape {tuple(tensor.shape)}; pass per_channel=<the channel dimension> "
+                "(1 for (batch, channels, ...), -1 for (batch, seq, d_model))")
+        return values.movedim(self.channel_dim, 0).reshape(values.shape[self.channel_dim], -1)
+
+    def _fill_from(self, rows: Tensor) -> None:
+        """Set the statistics of one batch (two-pass, float64): ``rows`` as from ``_rows``."""
+        finite = torch.isfinite(rows)
+        n = finite.sum(dim=-1)
+        zero = torch.zeros((), dtype=torch.float64, device=rows.device)
+        kept = torch.where(finite, rows, zero)
+        mean = kept.sum(dim=-1) / n.clamp(min=1)
+        deviation = torch.where(finite, rows - mean.unsqueeze(-1), zero)
+        inf = torch.tensor(float("inf"), dtype=torch.float64, device=rows.device)
+        has_any = rows.shape[-1] > 0
+        self.count = torch.full_like(n, rows.shape[-1]).cpu()
+        self.finite = n.cpu()
+        self.zeros = (rows == 0).sum(dim=-1).cpu()
+        self.mean = mean.cpu()
+        self.m2 = (deviation * deviation).sum(dim=-1).cpu()
+        if has_any:
+            self.min = torch.where(finite, rows, inf).amin(dim=-1).cpu()
+            self.max = torch.where(finite, rows, -inf).amax(dim=-1).cpu()
+        else:  # no elements: the identities of min and max
+            self.min, self.max = inf.expand_as(mean).cpu(), -inf.expand_as(mean).cpu()
+
+    def _copy_from(self, other: RunningStats) -> None:
+        for name in ("count", "finite", "zeros", "mean", "m2", "min", "max"):
+            setattr(self, name, getattr(other, name).clone())
+
+
+def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "**", *,
+          per_channel: PerChannel = False, early_stop: bool = False) -> dict[str, RunningStats]:
+    """Run ``model`` over ``batches`` and return streaming statistics of each selected output.
+
+    Each module's output updates its ``RunningStats`` inside the forward hook and is dropped, so
+    memory does not grow with the number of batches. Forwards run under ``torch.no_grad()`` in
+    the model's current train/eval mode; hooks are removed on return, also on an error. A module
+    returning a structure (tuple, dict, ...) contributes its first floating-point tensor (e.g.
+    ``attn_output`` of MultiheadAttention); a module called several times per forward (a shared
+    activation) adds every call. For a dict batch with an ``attention_mask`` ``(batch, seq)``, an
+    output whose first two dimensions are ``(batch, seq)`` counts only the real tokens, so the
+    numbers do not depend on how sentences were batched and padded.
+
+    Args:
+        model: Root module.
+        batches: Iterable of batches as a DataLoader yields them: a tensor is called as
+            ``model(batch)``, a dict as ``model(**batch)``, a tuple or list as
+            ``(inputs, labels, ...)`` whose first item is the inputs (a tensor, a dict, or a
+            tuple of positional inputs); the same meaning as in ``hookscope.extract``.
+        layers: Pattern or list of patterns for ``hookscope.select`` (default every module).
+        per_channel: ``False``: one statistic per layer over all elements. ``True``: per
+            channel, along dimension 1 for outputs of 2, 4 or 5 dims (``(batch, features)``,
+            ``(batch, channels, height, width)``) and along the last dimension for 3-dim
+            outputs (``(batch, seq, d_model)``, tokens). An ``int``: that dimension for every
+            layer, e.g. ``1`` for Conv1d's ``(batch, channels, length)``.
+        early_stop: stop each forward once every selected module has returned (the rest of
+            the model does not run; see ``capture``).
+
+    Returns:
+        ``{path: RunningStats}`` in ``named_modules()`` order (keys keep output parts:
+        ``"lstm[1][0]"``); ``.as_dict()`` gives plain numbers. A module that never ran keeps
+        ``count == 0`` and is named, with the likely cause, in a ``HookNeverFiredWarning``.
+        Quantized outputs (``torch.quint8``...) are summarised dequantized (float32).
+
+    Raises:
+        SelectorError: a pattern matches no module.
+        HookscopeError: the model is TorchScript, ``batches`` is empty, or an output lacks
+            the channel dimension asked for, or is complex.
+    """
+    patterns = as_patterns(layers)
+    session = _StatsSession(model, patterns, per_channel, early_stop)
+    count = 0
+    with session, torch.no_grad():
+        for batch in batches:
+            args, kwargs = model_inputs(batch)
+            session.mask = kwargs.get("attention_mask")
+            with session.forward_boundary():
+                model(*args, **kwargs)
+            count += 1
+        if count == 0:
+            raise HookscopeError("batches was empty: pass at least one batch (a tensor, a dict "
+                                 "of keyword inputs, or a tuple (inputs, labels))")
+    return session.results
+
+
+class _StatsSession(HookSession):
+    """Hooks that fold each selected output into its ``RunningStats`` and keep nothing else."""
+
+    _unfired_consequence = "their statistics are empty (count 0)"
+
+    def __init__(self, model: nn.Module, patterns: list[str], per_channel: PerChannel,
+                 early_stop: bool):
+        super().__init__(model, patterns, "warn")
+        self._early_stop = early_stop
+        self.results = {t.key: RunningStats() for t in self.targets}
+        self._per_channel = per_channel
+        self.mask: Tensor | None = None  # (batch, seq) attention mask of the batch running now
+
+    def _register(self) -> None:
+        for target in self.targets:
+            self._hook_output(target, self._updater(target))
+        if self._early_stop:
+            self._stop_early()
+
+    def _updater(self, target: Target) -> Callable[[nn.Module, Any, Any], None]:
+        running, parts, ran = self.results[target.key], target.parts, self._ran
+        per_channel = self._per_channel
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            ran.add(target.path)
+            part = get_part(output, parts) if parts else output
+            tensors = [keepable(t, target.key) for t in iter_tensors(part)]  # quantized: dequantized
+            tensor = _summarised(tensors, target.key)
+            if tensor is None:
+                return
+            mask = self.mask
+            if mask is not None and tensor.dim() >= 2 and tensor.shape[:2] == mask.shape:
+                tensor = tensor[mask.to(tensor.device).bool()]  # (tokens, ...): padding dropped
+            if int(running.count.sum()) == 0:
+                running.channel_dim = _channel_dim_for(tensor, per_channel)
+            running.update(tensor)
+        return hook
+
+
+def _summarised(tensors: list[Tensor], key: str) -> Tensor | None:
+    """The tensor of an output whose statistics are taken: its first floating tensor (the values
+    of a ``(values, indices)`` pair), else its first integer or bool tensor (ids, masks: counted,
+    not skipped); ``None`` when it holds no tensor.
+
+    Raises:
+        HookscopeError: the output's only values are complex, or it is a meta tensor (no data).
+    """
+    real = [t for t in tensors if not t.is_complex()]
+    tensor = next((t for t in real if t.is_floating_point()), real[0] if real else None)
+    if tensor is None and tensors:
+        raise HookscopeError(f"'{key}' returned {tensors[0].dtype}: cannot take statistics of a "
+                             f"complex tensor; select a module after it that returns its .real "
+                             f"or .abs(), or capture it (hookscope.capture) instead")
+    if tensor is not None and tensor.is_meta:
+        raise HookscopeError(f"'{key}' returned a meta tensor, which holds no values to take "
+                             f"statistics of; run the model on a real device")
+    return tensor
+
+
+def _channel_dim_for(tensor: Tensor, per_channel: PerChannel) -> int | None:
+    """Return the channel dimension that ``per_channel`` means for ``tensor`` (see ``stats``)."""
+    if per_channel is False:
+        return None
+    if per_channel is True:
+        return -1 if tensor.dim() == 3 else 1
+    return int(per_channel)
+
+
+def _describe(count: Tensor) -> str:
+    return "all elements" if count.dim() == 0 else f"{count.shape[0]} channels"

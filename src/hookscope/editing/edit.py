@@ -1,0 +1,388 @@
+"""Edits: change what selected modules return (or receive) while a ``with`` block runs.
+
+Four context managers, each selecting modules with the same patterns as ``capture``:
+
+- ``edit(model, {pattern: fn})``: any change, ``fn(output) -> new output``;
+- ``ablate(model, patterns, how="zero" | "mean" | "resample", reference=acts)``;
+- ``patch(model, source=acts, layers=patterns)``: activation patching from another run;
+- ``steer(model, {pattern: vector}, scale=1.0, positions=None)``: add a direction.
+
+``ablate``, ``patch`` and ``steer`` take ``positions=``: token positions of dim 1, counted among the
+real tokens of each row whenever an attention mask is known (the ``attention_mask`` the model is
+called with, read by a pre-hook on the root, or the one given), so a padded batch never has a
+padding position edited; ``absolute=True`` indexes dim 1 as it is. See ``hookscope.positions``.
+
+Output edits are forward hooks that return the new output; input edits (``edit(...,
+inputs=True)``) are forward pre-hooks (``with_kwargs=True``) that return ``(args, kwargs)``. Every
+hook is removed when the block exits, also when the forward pass raises. Hooks of one module run
+in the order they were added: to record the edited value of a module, enter ``capture`` inside
+the edit (``with edit(...), capture(...)``); a capture of *other* modules sees the edit's effect
+whatever the order. A pattern with output parts (``"lstm[0]"``) edits only that part.
+
+Calls are counted per block, as ``capture`` counts them: call ``k`` of a module is its ``k``-th
+call since the block was entered, and ``patch`` gives it call ``k`` of the same module in the
+source. On exit, a selected module that never ran is reported like in ``capture``
+(``on_unfired``), because an edit that never applied is a silent wrong result.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from hookscope.editing import rules as _edit_rules
+from hookscope.editing.sources import Source, SourceReader
+from hookscope.engine.hooks import in_recompute
+from hookscope.engine.select import Target, as_patterns, unwrap
+from hookscope.engine.session import HookSession, OnUnfired, resolve_checked
+from hookscope.engine.values import requantize_like
+from hookscope.errors import EditError, warn
+from hookscope.record.positions import MaskWatcher, Positions
+from hookscope.util.nested import get_part, iter_tensors, set_part
+
+__all__ = ["Edit", "edit", "ablate", "patch", "steer"]
+
+Tensor = torch.Tensor
+Rule = _edit_rules.Rule  # (value, target, call) -> new value | None
+
+
+class Edit(HookSession):
+    """An active set of edits; build it with ``edit``, ``ablate``, ``patch`` or ``steer``.
+
+    Attributes:
+        counts: ``{record name: number of calls edited}``, e.g. ``{"fc1": 1, "lstm[0]": 2}``.
+        unfired: ``{record name: reason}`` for selected modules that never ran (set on exit).
+    """
+
+    _unfired_consequence = "their edit was never applied"
+    _allow_no_patterns = True
+
+    def __init__(self, model: nn.Module, rules: Sequence[tuple[str, Rule]], *,
+                 inputs: bool = False, on_unfired: OnUnfired = "warn",
+                 watcher: MaskWatcher | None = None):
+        resolved = [(pattern, target, rule) for pattern, rule in rules
+                    for target in resolve_checked(model, [pattern])]  # each pattern once
+        self._rules = [(target, rule) for _, target, rule in resolved]
+        self._patterns = [pattern for pattern, _, _ in resolved]  # named when an edit misfits
+        targets = list({(t.path, t.parts, t.op): t for t, _ in self._rules}.values())
+        super().__init__(model, (), on_unfired, targets=targets if targets else None)
+        self._watcher = watcher  # the attention mask of the running forward, for positions
+        if inputs and any(t.parts for t, _ in self._rules):
+            raise EditError("output parts such as 'lstm[0]' select pieces of an output; an input "
+                            "edit gets (args, kwargs): drop the brackets and change them in fn")
+        if inputs and any(t.op for t, _ in self._rules):
+            raise EditError("inputs=True edits what a module receives; a function-level address "
+                            "('path::name') selects a value computed inside forward: edit that "
+                            "value (inputs=False), or the inputs of the module that makes the call")
+        self._inputs = inputs
+        self._calls = [0] * len(self._rules)
+        self._recomputed = [0] * len(self._rules)  # checkpoint recomputes seen, per rule
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """``{record name: calls edited}`` in this block so far."""
+        return {target.key: calls for (target, _), calls in zip(self._rules, self._calls)}
+
+    def _register(self) -> None:
+        if self._watcher is not None:
+            root, _ = unwrap(self.model)
+            self._add(root.register_forward_pre_hook(self._watcher.hook, with_kwargs=True))
+        for index, (target, rule) in enumerate(self._rules):
+            # in_recompute: activation checkpointing re-runs the forward during backward; the
+            # edit must apply there too, or the recomputed values differ from the real ones
+            if self._inputs:
+                self._hook(target.module, self._input_hook(index, target, rule), pre=True,
+                           with_kwargs=True, in_recompute=True)
+            else:
+                self._hook_output(target, self._output_hook(index, target, rule), in_recompute=True)
+
+    def _output_hook(self, index: int, target: Target, rule: Rule) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            call = self._next_call(index, target)
+            old = _part(output, target)
+            if isinstance(old, torch.Tensor) and old.is_quantized:  # edit the real numbers
+                new = rule(old.dequantize(), target, call)
+                new = None if new is None else requantize_like(new, old)
+            else:
+                _refuse_quantized(old, target)
+                new = rule(old, target, call)
+            if new is None:
+                return None
+            _edit_rules.check_fits(self._patterns[index], target, call, old, new)
+            return set_part(output, target.parts, new) if target.parts else new
+        return hook
+
+    def _input_hook(self, index: int, target: Target, rule: Rule) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            call = self._next_call(index, target)
+            new = rule((args, kwargs), target, call)
+            if new is not None and not (isinstance(new, tuple) and len(new) == 2
+                                        and isinstance(new[0], tuple) and isinstance(new[1], dict)):
+                raise EditError(f"the input edit of '{target.path}' returned a "
+                                f"{type(new).__name__}; it must return (args, kwargs) with args "
+                                f"a tuple and kwargs a dict, or None to keep the inputs")
+            return new
+        return hook
+
+    def _next_call(self, index: int, target: Target) -> int:
+        if in_recompute():  # the same calls again, in order (not new calls): call k gets rule k
+            self._recomputed[index] += 1
+            return (self._recomputed[index] - 1) % max(self._calls[index], 1)
+        self._ran.add(target.path)
+        call = self._calls[index]
+        self._calls[index] += 1
+        return call
+
+
+def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: bool = False,
+         context: bool = False, on_unfired: OnUnfired = "warn") -> Edit:
+    """Replace what selected modules return (or receive) with what ``fn`` makes of it.
+
+    ::
+
+        with hookscope.edit(model, {"fc1": lambda output: output * 2}):
+            y = model(x)        # exactly as with a forward hook returning output * 2
+
+    Args:
+        model: root module (wrappers looked through, as in ``capture``).
+        edits: ``{pattern: fn}``. For outputs, ``fn(output)`` returns the new output (any
+            structure: tensor, tuple, dict, dataclass), or ``None`` to keep it; with a part
+            (``"lstm[0]"``) ``fn`` gets and returns only that part. With ``inputs=True``,
+            ``fn(args, kwargs)`` returns ``(args, kwargs)`` or ``None``. A function-level
+            address (``"::relu#3"``, ``"h.*.attn::scaled_dot_product_attention"``) edits the
+            value that call returned, before the rest of forward uses it.
+        inputs: edit the inputs (forward pre-hooks) instead of the outputs.
+        context: call ``fn(output, path, call)`` (``fn(args, kwargs, path, call)`` for inputs):
+            also the module path and the call index, counted from 0 per module. A ``fn`` that
+            cannot take the short form but takes this one is called so too, with a
+            ``DeprecationWarning`` (the form was once guessed from the signature).
+        on_unfired: a selected module that never ran: ``"warn"``, ``"error"`` or ``"ignore"``.
+
+    Returns:
+        An ``Edit`` context manager; the hooks exist only inside its ``with`` block.
+
+    Raises:
+        SelectorError: a pattern matches no module (before anything is registered).
+        EditError: ``edits`` is not a dict; output parts or a function-level address with
+            ``inputs=True``; during the
+            forward pass, an input edit
+            returned something other than ``(args, kwargs)`` or ``None``, or an output edit
+            returned another structure, tensor shape or dtype than the module (or part) did:
+            the message names the pattern, the module and call, and both.
+        HookNeverFiredError: on exit, with ``on_unfired="error"``, a selected module never ran.
+    """
+    _check_mapping("edits", edits, "fn", "to zero modules instead, use hookscope.ablate(model, "
+                   "patterns)")
+    rules = [(pattern, _adapt(pattern, fn, inputs, context)) for pattern, fn in edits.items()]
+    return Edit(model, rules, inputs=inputs, on_unfired=on_unfired)
+
+
+def ablate(model: nn.Module, patterns: str | Sequence[str], *,
+           how: Literal["zero", "mean", "resample"] = "zero", reference: Source | None = None,
+           positions: Positions = None, attention_mask: Tensor | None = None,
+           absolute: bool = False, on_unfired: OnUnfired = "warn") -> Edit:
+    """Knock out the outputs of selected modules (every tensor in them, or the selected part).
+
+    Args:
+        model: root module.
+        patterns: one pattern or a list.
+        how: ``"zero"``: zeros of the same shape and dtype. ``"mean"``: the reference's mean over
+            the batch (dim 0, pooled over all its recorded calls), the same for every row.
+            ``"resample"``: each row replaced by a reference row drawn at random (the global
+            torch RNG: seed it with ``torch.manual_seed`` for a repeatable draw).
+        reference: for ``"mean"``/``"resample"``: a ``Capture`` of the same modules on
+            reference inputs, a dict from ``hookscope.load``, or a file ``Capture.save`` wrote.
+        positions: only these positions of dim 1 (``(batch, seq, ...)`` outputs), counted among
+            real tokens when an attention mask is known (see ``hookscope.positions``);
+            ``None``: the whole output.
+        attention_mask: ``(batch, seq)`` mask to count positions by; ``None``: the one the model
+            is called with (keyword or positional ``attention_mask``), if any.
+        absolute: count positions on dim 1 as it is, padding included.
+        on_unfired: as in ``edit``.
+
+    Returns:
+        An ``Edit`` context manager.
+
+    Raises:
+        EditError: an unknown ``how``; no ``reference`` for ``"mean"``/``"resample"``; in the
+            forward pass, a reference that lacks the module, or whose rows (shape past dim 0)
+            differ from the output's.
+        PositionError: in the forward pass, a position that a row lacks (see ``positions``).
+    """
+    patterns = as_patterns(patterns)
+    if how not in ("zero", "mean", "resample"):
+        raise EditError(f"how={how!r} is not one of 'zero', 'mean', 'resample'")
+    rule: Rule = _edit_rules.zero
+    if how != "zero":
+        if reference is None:
+            raise EditError(f"how={how!r} needs reference=acts: a capture of the same modules on "
+                            f"reference inputs, e.g. with hookscope.capture(model, *patterns) as "
+                            f"acts: model(x_reference)")
+        rule = _edit_rules.reference_rule(SourceReader(reference, "reference"), how)
+    if positions is None:
+        return Edit(model, [(p, rule) for p in patterns], on_unfired=on_unfired)
+    watcher = MaskWatcher(unwrap(model)[0], attention_mask)
+    return Edit(model, [(p, _edit_rules.at_positions(rule, positions, watcher, absolute)) for p in patterns],
+                on_unfired=on_unfired, watcher=watcher)
+
+
+def patch(model: nn.Module, *, source: Source,
+          layers: str | Sequence[str] | Mapping[str, str] | None = None,
+          source_layers: str | Sequence[str] | None = None,
+          positions: Positions | Mapping[int, int] = None,
+          attention_mask: Tensor | None = None, source_attention_mask: Tensor | None = None,
+          absolute: bool = False, on_unfired: OnUnfired = "warn") -> Edit:
+    """Activation patching: give call ``k`` of each selected module call ``k``'s value in ``source``.
+
+    ::
+
+        with hookscope.capture(model, "blocks.*") as clean:
+            model(x_clean)
+        with hookscope.patch(model, source=clean, layers="blocks.3", positions=[-1]):
+            y = model(x_corrupted)
+
+    Values are cast to the live output's device and dtype; they carry no gradient.
+
+    Args:
+        model: root module.
+        source: a ``Capture`` of another run, a dict from ``hookscope.load``, or the file.
+        layers: patterns to patch; ``None``: every record in ``source``; ``[]``: none. A mapping
+            ``{pattern: source pattern}`` patches each from another layer of the source.
+        source_layers: the source layer of each of ``layers``, in the same order (each pattern
+            must select as many modules as its partner); ``None``: the same layers.
+        positions: patch only these positions of dim 1 (``(batch, seq, ...)`` outputs), counted
+            among real tokens when a mask is known (see ``hookscope.positions``); a mapping
+            ``{position: source position}`` takes each from another position of the source.
+            With positions, the source may have another sequence length (another prompt).
+        attention_mask: this run's ``(batch, seq)`` mask; ``None``: the one the model is called
+            with, if any.
+        source_attention_mask: the source run's mask, to count source positions by.
+        absolute: count positions on dim 1 as it is (both runs), padding included.
+        on_unfired: as in ``edit``.
+
+    Returns:
+        An ``Edit`` context manager.
+
+    Raises:
+        EditError: ``layers`` and ``source_layers`` differ in length or in what they select; in
+            the forward pass: ``source`` lacks a selected module or its call ``k``; a value's
+            shape differs from the live output's (the message names the module, the call and
+            both shapes).
+        PositionError: in the forward pass, a position that a row of either run lacks.
+    """
+    records = SourceReader(source, "source")
+    pairs = _edit_rules.layer_pairs(records, layers, source_layers)
+    source_of = _edit_rules.source_targets(model, pairs)
+    if positions is None:
+        rule = _edit_rules.patch_rule(records, source_of)
+        return Edit(model, [(p, rule) for p, _ in pairs], on_unfired=on_unfired)
+    destination, origin = ((list(positions), list(positions.values()))
+                           if isinstance(positions, Mapping) else (positions, positions))
+    watcher = MaskWatcher(unwrap(model)[0], attention_mask)
+    rule = _edit_rules.patch_positions_rule(records, source_of, destination, origin, watcher,
+                                 source_attention_mask, absolute)
+    return Edit(model, [(p, rule) for p, _ in pairs], on_unfired=on_unfired, watcher=watcher)
+
+
+def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0,
+          positions: Positions = None, attention_mask: Tensor | None = None,
+          absolute: bool = False, on_unfired: OnUnfired = "warn") -> Edit:
+    """Add ``scale * vector`` to the output of each selected module (a steering direction).
+
+    The vector broadcasts over the leading dimensions: a ``(d_model,)`` vector is added to every
+    batch row and token of a ``(batch, seq, d_model)`` output; for a ``(batch, channels, height,
+    width)`` map give ``(channels, 1, 1)``. For a tuple output select the tensor, e.g.
+    ``"layers.6[0]"``.
+
+    Args:
+        model: root module.
+        vectors: ``{pattern: vector}``; each vector is cast to the output's device and dtype.
+        scale: multiplier of every vector.
+        positions: only these positions of dim 1 (the sequence of ``(batch, seq, ...)``),
+            counted among real tokens when an attention mask is known: ``-1`` is the last real
+            token of each row, right- or left-padded (see ``hookscope.positions``); an int, a
+            list of ints, a slice or a boolean mask; ``None``: everywhere.
+        attention_mask: ``(batch, seq)`` mask to count positions by; ``None``: the one the model
+            is called with (keyword or positional ``attention_mask``), if any.
+        absolute: count positions on dim 1 as it is, padding included.
+        on_unfired: as in ``edit``.
+
+    Returns:
+        An ``Edit`` context manager.
+
+    Raises:
+        EditError: a vector is not a tensor; in the forward pass: the selected output is not a
+            tensor or the vector does not broadcast to it.
+        PositionError: in the forward pass, the output has no dim 1 or a row lacks a position.
+    """
+    watcher = None if positions is None else MaskWatcher(unwrap(model)[0], attention_mask)
+    rules = []
+    _check_mapping("vectors", vectors, "vector", "one vector per pattern")
+    for pattern, vector in vectors.items():
+        if not isinstance(vector, Tensor):
+            raise EditError(f"the steering vector for '{pattern}' is a {type(vector).__name__}; "
+                            f"give a tensor, e.g. torch.tensor(values) of shape (d_model,)")
+        rule = _edit_rules.steer_rule(vector.detach() * scale)
+        if watcher is not None:
+            rule = _edit_rules.at_positions(rule, positions, watcher, absolute)
+        rules.append((pattern, rule))
+    return Edit(model, rules, on_unfired=on_unfired, watcher=watcher)
+
+
+# ------------------------------------------------------------------------------- rules
+def _adapt(pattern: str, fn: Callable[..., Any], inputs: bool, context: bool) -> Rule:
+    """The rule calling ``fn`` in the form asked for: (value) or (value, path, call), where for
+    inputs the value is (args, kwargs)."""
+    short = 2 if inputs else 1
+    if not context and not _accepts(fn, short) and _accepts(fn, short + 2):
+        warn(f"the edit of '{pattern}' takes (path, call) too: pass context=True to "
+             f"hookscope.edit to say so", DeprecationWarning)
+        context = True
+    if inputs:
+        if context:
+            return lambda value, target, call: fn(*value, target.path, call)
+        return lambda value, target, call: fn(*value)
+    if context:
+        return lambda value, target, call: fn(value, target.path, call)
+    return lambda value, target, call: fn(value)
+
+
+def _accepts(fn: Callable[..., Any], count: int) -> bool:
+    try:
+        inspect.signature(fn).bind(*([None] * count))
+    except TypeError:
+        return False
+    except ValueError:  # no signature (some builtins): assume the short form
+        return count in (1, 2)
+    return True
+
+
+def _refuse_quantized(value: Any, target: Target) -> None:
+    quantized = [t.dtype for t in iter_tensors(value) if t.is_quantized]
+    if quantized:
+        raise EditError(
+            f"cannot edit '{target.key}': its output holds quantized tensors ({quantized[0]}) "
+            f"inside a structure, which hookscope cannot write back. Select the quantized "
+            f"tensor itself ('{target.key}[0]' ...), or edit the float model before "
+            f"torch.ao.quantization.convert")
+
+
+# ------------------------------------------------------------------------------- helpers
+def _check_mapping(name: str, value: object, item: str, hint: str) -> None:
+    if not isinstance(value, Mapping):
+        raise EditError(f"{name} must be a dict {{pattern: {item}}}, e.g. {{'layers.3': ...}}; got "
+                        f"a {type(value).__name__} ({hint})")
+
+
+def _part(output: Any, target: Target) -> Any:
+    if not target.parts:
+        return output
+    try:
+        return get_part(output, target.parts)
+    except KeyError as err:
+        raise EditError(f"cannot edit '{target.key}': {err.args[0]}") from None
+

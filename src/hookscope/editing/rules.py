@@ -1,0 +1,242 @@
+"""Private: the rules that edits apply inside their hooks, and the check that an edit fits.
+
+A rule maps ``(value, target, call)`` to the new value (or ``None`` to keep it): ``value`` is the
+selected output part of one call of ``target``. ``edit.py`` builds the sessions; the rules of
+``ablate``, ``patch`` and ``steer`` live here, each a small closure over what it needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookscope.editing.sources import SourceReader
+from hookscope.engine.select import Target, as_patterns, resolve
+from hookscope.errors import EditError
+from hookscope.record.positions import MaskWatcher, Positions, resolve_positions
+from hookscope.util.nested import get_part, iter_tensors_with_keys, map_tensors
+
+Tensor = torch.Tensor
+# (value of the selected output part, or (args, kwargs); its target; call index) -> new value | None
+Rule = Callable[[Any, Target, int], Any]
+
+
+def zero(value: Any, target: Target, call: int) -> Any:
+    return map_tensors(torch.zeros_like, value)
+
+
+def reference_rule(records: SourceReader, how: str) -> Rule:
+    pooled: dict[tuple[str, tuple[int | str, ...]], Tensor] = {}  # (record, keys) -> rows
+
+    def rule(value: Any, target: Target, call: int) -> Any:
+        def replace(live: Tensor, keys: tuple[int | str, ...]) -> Tensor:
+            cached = pooled.get((target.key, keys))
+            if cached is None:
+                cached = pooled[(target.key, keys)] = _pool(records, target, keys, how)
+            rows = cached.to(device=live.device, dtype=live.dtype)
+            if tuple(rows.shape[int(how == "resample"):]) != tuple(live.shape[1:]):
+                raise EditError(
+                    f"cannot ablate '{target.key}{_suffix(keys)}' with the reference {how}: "
+                    f"reference rows have shape {tuple(cached.shape[int(how == 'resample'):])}, "
+                    f"this run's rows {tuple(live.shape[1:])} (output {tuple(live.shape)}); "
+                    f"use a reference run with the same shape past the batch dimension")
+            if how == "mean":
+                return rows.expand(live.shape).contiguous()
+            return rows[torch.randint(rows.shape[0], (live.shape[0],), device=rows.device)]
+        return _map_with_keys(replace, value)
+    return rule
+
+
+def _pool(records: SourceReader, target: Target, keys: tuple[int | str, ...], how: str) -> Tensor:
+    """All reference rows of one tensor position, ``(rows, ...)``, or their mean over rows."""
+    calls = records.calls(target, keys)
+    if not calls:
+        records.leaf(target, 0, keys)  # raises: the reference holds no record of the module
+    try:
+        rows = torch.cat([c.detach() for c in calls])  # (rows, ...) over batches and calls
+    except RuntimeError as err:
+        raise EditError(f"the reference calls of '{target.key}' differ in shape past the batch "
+                        f"dimension ({', '.join(str(tuple(c.shape)) for c in calls)}), so they "
+                        f"cannot be pooled: {err}") from None
+    return rows.float().mean(dim=0).to(rows.dtype) if how == "mean" else rows
+
+
+def steer_rule(vector: Tensor) -> Rule:
+    def rule(value: Any, target: Target, call: int) -> Any:
+        if not isinstance(value, Tensor):
+            raise EditError(f"'{target.key}' returns a {type(value).__name__}; steer one tensor "
+                            f"in it, e.g. '{target.key}[0]'")
+        delta = vector.to(device=value.device, dtype=value.dtype)
+        if not _broadcasts(delta.shape, value.shape):
+            raise EditError(f"cannot add a vector of shape {tuple(vector.shape)} to the output of "
+                            f"'{target.key}', shape {tuple(value.shape)}: give a vector that "
+                            f"broadcasts to its trailing dimensions, e.g. {_example_shape(value)}")
+        return value + delta
+    return rule
+
+
+def _example_shape(value: Tensor) -> str:
+    """A vector shape that broadcasts to ``value``: per channel for a feature map
+    ``(batch, channels, height, width)``, else per feature of the last dimension."""
+    if value.dim() == 4:
+        return f"({value.shape[1]}, 1, 1) for its channels"
+    return f"({value.shape[-1]},)"
+
+
+def patch_rule(records: SourceReader, source_of: dict[str, Target]) -> Rule:
+    def rule(value: Any, target: Target, call: int) -> Any:
+        origin = source_of.get(target.key, target)
+
+        def replace(live: Tensor, keys: tuple[int | str, ...]) -> Tensor:
+            recorded = records.leaf(origin, call, keys)
+            if recorded.shape != live.shape:
+                raise EditError(
+                    f"cannot patch call {call} of '{target.key}{_suffix(keys)}': the source value "
+                    f"has shape {tuple(recorded.shape)}, this run's output {tuple(live.shape)}; "
+                    f"patch between runs with the same input shape (batch, sequence length), or "
+                    f"give positions=... to patch chosen positions between prompts of any length")
+            return recorded.to(device=live.device, dtype=live.dtype)
+        return _map_with_keys(replace, value)
+    return rule
+
+
+def patch_positions_rule(records: SourceReader, source_of: dict[str, Target], destination: Positions,
+                          origin: Positions, watcher: MaskWatcher, source_mask: Tensor | None,
+                          absolute: bool) -> Rule:
+    """Patch rule that writes the source's ``origin`` positions into this run's ``destination``."""
+    def rule(value: Any, target: Target, call: int) -> Any:
+        def replace(live: Tensor, keys: tuple[int | str, ...]) -> Tensor:
+            recorded = records.leaf(source_of.get(target.key, target), call, keys)
+            rows, columns = resolve_positions(destination, live.shape, watcher.mask_for(live.shape),
+                                              absolute=absolute)
+            src_rows, src_columns = resolve_positions(origin, recorded.shape, source_mask,
+                                                      absolute=absolute)
+            if not torch.equal(rows.cpu(), src_rows.cpu()) or recorded.shape[2:] != live.shape[2:]:
+                raise EditError(
+                    f"cannot patch call {call} of '{target.key}{_suffix(keys)}' at positions: they "
+                    f"select {rows.numel()} tokens in this run (shape {tuple(live.shape)}) and "
+                    f"{src_rows.numel()} in the source (shape {tuple(recorded.shape)}); give "
+                    f"positions that pick the same number of tokens in each row of both runs, "
+                    f"with the same batch size and trailing shape")
+            new = live.clone()
+            new[rows.to(live.device), columns.to(live.device)] = recorded[
+                src_rows.to(recorded.device), src_columns.to(recorded.device)].to(
+                device=live.device, dtype=live.dtype)
+            return new
+        return _map_with_keys(replace, value)
+    return rule
+
+
+def at_positions(rule: Rule, positions: Positions, watcher: MaskWatcher, absolute: bool) -> Rule:
+    """``rule`` applied at ``positions`` of dim 1 only; elsewhere the output is kept."""
+    def positioned(value: Any, target: Target, call: int) -> Any:
+        new = rule(value, target, call)
+
+        def keep_outside(live: Tensor, keys: tuple[int | str, ...]) -> Tensor:
+            rows, columns = resolve_positions(positions, live.shape, watcher.mask_for(live.shape),
+                                              absolute=absolute)
+            chosen = torch.zeros(live.shape[:2], dtype=torch.bool, device=live.device)
+            chosen[rows.to(live.device), columns.to(live.device)] = True
+            chosen = chosen.reshape(*chosen.shape, *[1] * (live.dim() - 2))  # (batch, seq, 1, ...)
+            return torch.where(chosen, get_part(new, keys) if keys else new, live)
+        return _map_with_keys(keep_outside, value)
+    return positioned
+
+
+def layer_pairs(records: SourceReader, layers: str | Sequence[str] | Mapping[str, str] | None,
+                 source_layers: str | Sequence[str] | None) -> list[tuple[str, str | None]]:
+    """``[(pattern to patch, source pattern or None for the same)]``."""
+    if isinstance(layers, Mapping):
+        if source_layers is not None:
+            raise EditError("give the source layers once: either layers={pattern: source "
+                            "pattern} or source_layers=[...], not both")
+        return list(layers.items())
+    patterns = records.keys() if layers is None else as_patterns(layers)
+    if source_layers is None:
+        return [(p, None) for p in patterns]
+    sources = as_patterns(source_layers)
+    if len(sources) != len(patterns):
+        raise EditError(f"layers has {len(patterns)} patterns and source_layers {len(sources)}; "
+                        f"give one source pattern per pattern, in the same order")
+    return list(zip(patterns, sources))
+
+
+def source_targets(model: nn.Module, pairs: list[tuple[str, str | None]]) -> dict[str, Target]:
+    """``{record name patched: source target}`` for the pairs whose source is another layer."""
+    mapped: dict[str, Target] = {}
+    for pattern, source_pattern in pairs:
+        if source_pattern is None:
+            continue
+        live, origin = resolve(model, [pattern]), resolve(model, [source_pattern])
+        if len(live) != len(origin):
+            raise EditError(f"'{pattern}' selects {len(live)} modules but its source "
+                            f"'{source_pattern}' selects {len(origin)}; map one to one, e.g. "
+                            f"layers={{'{live[0].key}': '{origin[0].key}'}}")
+        mapped.update((t.key, o) for t, o in zip(live, origin))
+    return mapped
+
+
+def check_fits(pattern: str, target: Target, call: int, old: Any, new: Any) -> None:
+    """Raise ``EditError`` unless ``new`` has the structure, shapes and dtypes of ``old``: the
+    next module expects what this one returns, and would fail far from the edit otherwise."""
+    where = f"the edit of '{pattern}' does not fit call {call} of '{target.key}' " \
+            f"({type(target.module).__name__}): the module returned"
+    fix = ("An edit must return what the module returns (same structure, shapes and dtypes), "
+           "or None to keep it.")
+    if _kind(old) != _kind(new):
+        raise EditError(f"{where} {_describe(old)}, but the edit returned {_describe(new)}. {fix}")
+    old_leaves, new_leaves = dict(iter_tensors_with_keys(old)), dict(iter_tensors_with_keys(new))
+    if list(old_leaves) != list(new_leaves):
+        raise EditError(f"{where} tensors at {_keys(old_leaves)}, but the edit returned tensors "
+                        f"at {_keys(new_leaves)}. {fix}")
+    for keys, tensor in old_leaves.items():
+        edited = new_leaves[keys]
+        if edited.shape != tensor.shape or edited.dtype != tensor.dtype:
+            at = f" at {_suffix(keys)}" if keys else ""
+            raise EditError(f"{where}{at} {_describe(tensor)}, but the edit returned "
+                            f"{_describe(edited)}. {fix}")
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return "Tensor"
+    if isinstance(value, (tuple, list)):
+        return f"sequence of {len(value)}"
+    if isinstance(value, Mapping):
+        return f"mapping of {sorted(map(str, value))}"
+    return type(value).__qualname__
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        return f"a Tensor of shape {tuple(value.shape)}, dtype {value.dtype}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    if isinstance(value, Mapping):
+        return f"a {type(value).__name__} with keys {list(value)}"
+    return f"a {type(value).__name__}"
+
+
+def _keys(leaves: Mapping[tuple[int | str, ...], Tensor]) -> str:
+    return ", ".join(_suffix(keys) or "the top" for keys in leaves) or "none"
+
+
+def _broadcasts(shape: torch.Size, onto: torch.Size) -> bool:
+    """True if a tensor of ``shape`` adds to one of shape ``onto`` without changing its shape."""
+    try:
+        return bool(torch.broadcast_shapes(shape, onto) == onto)  # type: ignore[no-untyped-call]
+    except RuntimeError:
+        return False
+
+
+def _map_with_keys(fn: Callable[[Tensor, tuple[int | str, ...]], Tensor], value: Any) -> Any:
+    """``map_tensors`` whose function also gets each tensor's position (keys for ``get_part``)."""
+    keys = iter([k for k, _ in iter_tensors_with_keys(value)])
+    return map_tensors(lambda t: fn(t, next(keys)), value)
+
+
+def _suffix(keys: tuple[int | str, ...]) -> str:
+    return "".join(f"[{k}]" for k in keys)

@@ -1,0 +1,275 @@
+"""Why a hook cannot fire or did not fire, and where a forward pass broke.
+
+Three moments, three functions:
+
+- ``preflight(model)`` and ``check_targets(model, targets)``, before any hook exists: refuse
+  models and modules whose hooks cannot work.
+- ``explain_unfired(model, targets, ran)``, after the forward: for each selected module whose
+  hook never fired, the likely cause and the fix. ``ran`` holds the paths of selected modules
+  and of their *witnesses* (parents, siblings and children, see ``witnesses``) that ran.
+- ``locate_error(model, exc)``, when the forward raised: a note on the exception naming the
+  innermost module that was running (path, class, input shapes), found from the traceback.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Sequence
+from types import FrameType
+
+import torch
+from torch import nn
+
+from hookscope.engine.function_names import functional_hint
+from hookscope.engine.names import index
+from hookscope.engine.select import Target
+from hookscope.engine.wrappers import wrapped_attribute
+from hookscope.errors import FusedModuleWarning, HookscopeError
+
+__all__ = ["preflight", "check_targets", "witnesses", "explain_unfired", "explain_no_hooks",
+           "locate_error", "COMPILED"]
+
+COMPILED = "<torch.compile wrapper>"  # witness key of an OptimizedModule around the model
+
+
+def preflight(model: nn.Module) -> None:
+    """Raise before anything is resolved or registered when ``model`` cannot run Python hooks.
+
+    Raises:
+        HookscopeError: ``model`` is TorchScript (``torch.jit.script``/``trace``/``load``).
+    """
+    _refuse_script("", model)
+
+
+def check_targets(model: nn.Module, targets: Sequence[Target]) -> None:
+    """Raise before registering when a selected module's hook could not fire; warn when its
+    output is not what its name says.
+
+    Raises:
+        HookscopeError: a selected module is TorchScript.
+
+    Warns:
+        FusedModuleWarning: a selected ``nn.Identity`` is a placeholder that
+            ``torch.ao.quantization.fuse_modules`` left where a fused module (``bn``, ``relu``)
+            was: it returns its input, the fused module's output (shared/cases/32).
+    """
+    modules = index(model).modules if targets else {}
+    for target in targets:
+        _refuse_script(target.path, target.module)
+        fused = _fused_into(target.path, modules)
+        if fused is not None:
+            warnings.warn(
+                f"'{target.path}' is an nn.Identity left by fuse_modules: '{fused}' "
+                f"({type(modules[fused]).__name__}) now computes it, so '{target.path}' returns "
+                f"its input unchanged, the fused module's output. Select '{fused}' for the fused "
+                f"result, or capture the float model before fusion for '{target.path}' alone",
+                FusedModuleWarning, stacklevel=4)
+
+
+def _fused_into(path: str, modules: dict[str, nn.Module]) -> str | None:
+    """The sibling fused module (``torch.ao.nn.intrinsic``) that an ``Identity`` stands in for."""
+    if type(modules[path]) is not nn.Identity:
+        return None
+    parent, _, _ = path.rpartition(".")
+    siblings = [p for p in modules if p and p.rpartition(".")[0] == parent and p != path]
+    before = [p for p in siblings if list(modules).index(p) < list(modules).index(path)]
+    fused = [p for p in before if type(modules[p]).__module__.startswith("torch.ao.nn.intrinsic")]
+    return fused[-1] if fused else None
+
+
+def _refuse_script(path: str, module: nn.Module) -> None:
+    if isinstance(module, torch.jit.ScriptModule):
+        where = f"'{path}'" if path else "the model"
+        raise HookscopeError(
+            f"cannot hook TorchScript module {where} ({module.original_name}): TorchScript "
+            f"runs compiled code that never calls Python hooks. Load or build the eager "
+            f"nn.Module instead (the Python class with its state_dict).")
+
+
+def witnesses(model: nn.Module, targets: Sequence[Target]) -> dict[str, nn.Module]:
+    """Modules around the selected ones whose running tells why a selected one did not:
+    each selected module's parent, the parent's other children, and its own children.
+
+    Returns:
+        ``{path: module}`` of modules that are not themselves selected (root is ``""``), and
+        for a ``torch.compile``'d model its wrapper under the key ``COMPILED``.
+    """
+    modules = index(model).modules
+    children = _child_index(modules)
+    selected = {t.path for t in targets}
+    found: dict[str, nn.Module] = {}
+    parents = {path.rpartition(".")[0] for path in selected}
+    for near in itertools.chain(parents, *(children.get(p, ()) for p in parents | selected)):
+        if near not in selected and near in modules:
+            found[near] = modules[near]
+    wrapper = _compile_wrapper(model)
+    if wrapper is not None:
+        found[COMPILED] = wrapper
+    return found
+
+
+def _compile_wrapper(model: nn.Module) -> nn.Module | None:
+    """The ``torch.compile`` wrapper (``OptimizedModule``) around the model, if any. Its own
+    hooks run on every call, outside the compiled code, even when those inside do not."""
+    while (attribute := wrapped_attribute(model)) is not None:
+        if attribute == "_orig_mod":
+            return model
+        model = model._modules[attribute]  # type: ignore[assignment]
+    return None
+
+
+def explain_unfired(model: nn.Module, targets: Sequence[Target], ran: set[str]) -> dict[str, str]:
+    """Return ``{record key: reason}`` for ``targets`` (selected modules that recorded nothing).
+
+    Args:
+        model: the captured model.
+        targets: the selected targets that never ran.
+        ran: paths of every hooked module (selected or witness) that ran.
+    """
+    if not targets:
+        return {}
+    modules = index(model).modules
+    children = _child_index(modules)
+    return {t.key: _reason(t.path, modules, children, ran) for t in targets}
+
+
+def _reason(path: str, modules: dict[str, nn.Module], children: dict[str, list[str]],
+            ran: set[str]) -> str:
+    module = modules[path]
+    kind = type(module).__name__
+    parent = path.rpartition(".")[0]
+    parent_name = f"'{parent}'" if parent else "the model's forward"
+    special = (_compiled_reason(path, kind, ran) or _out_proj_reason(path, modules, ran)
+               or _fast_path_reason(path, kind, modules, ran))
+    if special:
+        return special
+    if not ran:
+        return (f"{path} ({kind}) was hooked but no forward pass ran inside the with block: "
+                f"call the model inside it ('with hookscope.capture(...): model(x)')")
+    ran_children = [c for c in children.get(path, ()) if c in ran]
+    if ran_children:
+        return (f"{path} ({kind}) never ran through its hooks although its child "
+                f"{ran_children[0]} ran: its parent probably calls {path.rsplit('.', 1)[-1]}"
+                f".forward(...) directly, which bypasses hooks. Call the module itself "
+                f"(module(x)), or capture its children ('{path}.*')")
+    if parent in ran:
+        siblings = [c for c in children.get(parent, ()) if c in ran and c != path]
+        seen = f" (modules that did run there: {', '.join(siblings[:6])})" if siblings else ""
+        address = functional_hint(parent, module)
+        reach = (f"the address {address} reaches that value (every such call of the parent's "
+                 f"own forward, in order; 'hookscope tree MODEL --input X --ops' lists them)"
+                 if address else f"capture a module next to it that runs"
+                 f"{' (' + siblings[0] + ')' if siblings else ''} or the parent")
+        return (f"{path} ({kind}) was registered but never called: {parent_name} ran without "
+                f"calling it{seen}. Either the parent applies the functional form instead "
+                f"(torch.nn.functional, e.g. F.relu), which module hooks cannot see: {reach}; "
+                f"or this input takes a branch that does not use it")
+    return (f"{path} ({kind}) never ran, and neither did its parent {parent_name}: this input "
+            f"takes a branch of the model that does not reach it")
+
+
+_COMPILED_WHY = ("its compiled code was built before these hooks existed and does not check for "
+                 "new ones. Call torch._dynamo.reset() first (the next call recompiles with the "
+                 "hooks), register hooks before the first call of the compiled model, or use the "
+                 "eager model (model._orig_mod)")
+
+
+def _compiled_reason(path: str, kind: str, ran: set[str]) -> str | None:
+    """pytorch/pytorch#117758: the compiled model ran, but none of the hooks inside it did."""
+    if ran != {COMPILED}:
+        return None
+    return (f"{path} ({kind}) never ran through its hooks although the torch.compile'd model was "
+            f"called: {_COMPILED_WHY}")
+
+
+def explain_no_hooks(model: nn.Module) -> str | None:
+    """Why ``model`` ran without firing any hook inside it, when the cause is known: a
+    ``torch.compile`` wrapper whose code was compiled earlier (pytorch/pytorch#117758); else None."""
+    if _compile_wrapper(model) is None:
+        return None
+    return f"the torch.compile'd model ran but none of its modules' hooks fired: {_COMPILED_WHY}"
+
+
+def _fast_path_reason(path: str, kind: str, modules: dict[str, nn.Module],
+                      ran: set[str]) -> str | None:
+    """pytorch/pytorch#128413: a TransformerEncoderLayer that ran its fused kernel skips its children."""
+    ancestors = [path.rsplit(".", n)[0] for n in range(1, path.count(".") + 1)] + [""]
+    layer = next((a for a in ancestors if isinstance(modules[a], nn.TransformerEncoderLayer)), None)
+    if layer is None or layer not in ran:
+        return None
+    where = f"'{layer}'" if layer else "the model"
+    return (f"{path} ({kind}) was skipped: {where} (TransformerEncoderLayer) ran its fused fast "
+            f"path (eval mode without grad), one native kernel that never calls its submodules. "
+            f"Turn the fast path off for the run with torch.backends.mha.set_fastpath_enabled("
+            f"False) (and back on afterwards), or run with gradients enabled")
+
+
+def _out_proj_reason(path: str, modules: dict[str, nn.Module], ran: set[str]) -> str | None:
+    """MultiheadAttention reads out_proj's weights inside F.multi_head_attention_forward."""
+    parent, _, name = path.rpartition(".")
+    if name != "out_proj" or not isinstance(modules.get(parent), nn.MultiheadAttention):
+        return None
+    if parent not in ran:
+        return None
+    return (f"{path} is never called: MultiheadAttention '{parent}' passes out_proj.weight and "
+            f".bias to F.multi_head_attention_forward instead of calling the module. Capture "
+            f"'{parent}[0]' (the attention output, after out_proj) instead")
+
+
+def locate_error(model: nn.Module, exc: BaseException) -> None:
+    """Add a note to ``exc`` naming the innermost module of ``model`` that was running.
+
+    The note reads ``hookscope: raised inside 'blocks.3.mlp.fc1' (Linear) called with input
+    shapes [(2, 7)]``. Python 3.11+ prints notes with the traceback; the exception's type and
+    message are unchanged.
+    """
+    names = {id(m): p for p, m in index(model).modules.items()}
+    frame = _innermost_module_frame(exc, names)
+    if frame is None:
+        return
+    module = frame.f_locals["self"]
+    path = names[id(module)] or "(the root module)"
+    shapes = _tensor_shapes(frame)
+    note = (f"hookscope: raised inside '{path}' ({type(module).__name__})"
+            f"{' called with input shapes ' + shapes if shapes else ''}")
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # Python 3.10: keep it where tools look for notes
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]
+
+
+def _innermost_module_frame(exc: BaseException, names: dict[int, str]) -> FrameType | None:
+    """The ``forward`` frame of the innermost model module in the traceback (its inputs are what
+    the module was called with), else that module's last frame (e.g. a helper method)."""
+    frames: list[FrameType] = []
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    if not frames:
+        return None
+    innermost = frames[-1].f_locals["self"]
+    own = [f for f in frames if f.f_locals["self"] is innermost]
+    return next((f for f in reversed(own) if f.f_code.co_name == "forward"), own[-1])
+
+
+def _tensor_shapes(frame: FrameType) -> str:
+    code = frame.f_code
+    arg_names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+    values = [frame.f_locals.get(n) for n in arg_names if n != "self"]
+    if code.co_flags & 0x04:  # *args
+        values.extend(frame.f_locals.get(code.co_varnames[len(arg_names)], ()) or ())
+    shapes = [tuple(v.shape) for v in values if isinstance(v, torch.Tensor)]
+    return str(shapes) if shapes else ""
+
+
+def _child_index(modules: dict[str, nn.Module]) -> dict[str, list[str]]:
+    """``{path: [paths of its direct children]}``, in ``named_modules()`` order."""
+    index: dict[str, list[str]] = {}
+    for path in modules:
+        if path:
+            index.setdefault(path.rpartition(".")[0], []).append(path)
+    return index

@@ -1,0 +1,304 @@
+"""Private: see the torch function calls that one module's own ``forward`` makes.
+
+Module hooks see what a module returns, never the values computed *inside* its ``forward`` by
+functions (``F.relu``, ``torch.softmax``, ``F.scaled_dot_product_attention``). A
+``torch.overrides.TorchFunctionMode`` sees every such call, so ``FunctionWatcher`` enters one
+only while a watched module's forward runs: its forward pre-hook (registered last, so it runs
+just before ``forward``) enters the mode, its forward hook (``prepend=True``, ``always_call=True``:
+right after ``forward``, also when it raises) leaves it. Calls made while one of the module's
+direct children runs are not the module's own: a pre-hook on each child suspends the watch and
+leaves the mode until the child returns, so the child runs at full speed. Nothing is intercepted
+anywhere else: no global patching, no global hooks, and modules that are not watched (or children
+of watched ones) carry no hook.
+
+Inside the mode's handler torch pops the mode, so the handler's own work (detach, clone) and the
+body of a Python function it forwards to (``F.softmax`` calling ``Tensor.softmax``) are not seen:
+each call the module's code makes is seen exactly once, under the name its author wrote
+(``function_name``).
+
+Each watcher enters its mode once however deeply watched modules nest (a stack of frames says
+whose forward is running), and the torch calls an ``on_call`` makes are never reported.
+
+A call is passed to ``on_call(call)`` as a ``FunctionCall`` once the function has returned;
+whatever ``on_call`` returns other than ``None`` replaces the function's return value, so edits
+reach everything the forward computes after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from hookscope.engine.function_names import bind_arguments, function_name, parse_op
+
+__all__ = ["FunctionCall", "FunctionWatcher", "FunctionHooks", "Watch"]
+
+OnCall = Callable[["FunctionCall"], Any]
+
+
+@dataclass
+class FunctionCall:
+    """One call of a torch function made by a watched module's own forward.
+
+    Attributes:
+        module: the watched module whose forward made the call.
+        name: the function's name as written in code: ``"relu"`` for ``F.relu``, ``torch.relu``
+            and ``Tensor.relu`` alike; ``"add"`` for ``x + y``; ``"getitem"`` for ``x[0]``.
+        func: the function object torch dispatched (``torch.nn.functional.relu``, ...).
+        args, kwargs: the arguments as passed (references, not copies).
+        output: what the function returned.
+        module_call: index of the module's forward call this happened in (0, 1, ... per watch).
+        occurrence: index of this call among the calls of ``name`` in that forward call.
+    """
+
+    module: nn.Module
+    name: str
+    func: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    output: Any
+    module_call: int
+    occurrence: int
+
+    def named_arguments(self) -> dict[str, Any]:
+        """The arguments bound to the function's parameter names (see ``bind_arguments``)."""
+        return bind_arguments(self.func, self.args, self.kwargs)
+
+
+@dataclass
+class Watch:
+    """What to intercept in one module's forward.
+
+    Attributes:
+        module: the module watched.
+        on_call: called with each ``FunctionCall`` whose name is in ``names``.
+        names: function names to report; ``None`` for every call.
+        deep: also report calls made inside its children (used to find the one attention
+            computation of a whole block); by default only the module's own calls.
+    """
+
+    module: nn.Module
+    on_call: OnCall
+    names: frozenset[str] | None = None
+    deep: bool = False
+    module_calls: int = field(default=0, init=False)
+
+
+class FunctionWatcher:
+    """Intercept torch function calls made by the forward of watched modules.
+
+    Use ``watch`` for each module, then ``install()`` (returns the hook handles, which the
+    caller removes) and, once the forward passes are over, ``close()``, which leaves a mode that
+    an interrupted forward (``KeyboardInterrupt``) left entered.
+    """
+
+    def __init__(self) -> None:
+        self._watches: dict[nn.Module, list[Watch]] = {}
+        self._frames: list[_Frame] = []  # one per running watched forward, innermost last
+        self._mode = _Mode(self)
+        self._entered = False  # whether self._mode is on torch's mode stack (entered once)
+
+    def watch(self, module: nn.Module, on_call: OnCall, *, names: Iterable[str] | None = None,
+              deep: bool = False) -> Watch:
+        """Report the calls of ``names`` (every call when ``None``) in ``module``'s forward."""
+        entry = Watch(module, on_call, None if names is None else frozenset(names), deep)
+        self._watches.setdefault(module, []).append(entry)
+        return entry
+
+    def install(self) -> list[RemovableHandle]:
+        """Add the forward pre-hooks and hooks on watched modules and their direct children."""
+        handles: list[RemovableHandle] = []
+        # On a child that is watched too, the parent's frame is suspended before the child's
+        # frame is pushed (prepend) and resumed after it is popped (appended).
+        suspending = {child: None for module, watches in self._watches.items()
+                      if not all(w.deep for w in watches) for child in module.children()}
+        for child in suspending:  # first in, last out: the child's other hooks are not ours
+            handles.append(child.register_forward_pre_hook(self._suspend_hook, prepend=True))
+            handles.append(child.register_forward_hook(self._resume_hook, always_call=True))
+        for module, watches in self._watches.items():
+            handles.append(module.register_forward_pre_hook(self._enter_hook(watches)))
+            handles.append(module.register_forward_hook(self._leave_hook(), prepend=True,
+                                                        always_call=True))
+        return handles
+
+    def close(self) -> None:
+        """Leave the mode if a forward was interrupted inside a watched module."""
+        self._frames.clear()
+        if self._entered:
+            self._leave()
+
+    # ---------------------------------------------------------------- hooks
+    def _enter_hook(self, watches: list[Watch]) -> Callable[[nn.Module, Any], None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            calls = []
+            for watch in watches:
+                calls.append(watch.module_calls)
+                watch.module_calls += 1
+            self._frames.append(_Frame(watches, calls))
+            self._sync()
+        return hook
+
+    def _leave_hook(self) -> Callable[[nn.Module, Any, Any], None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._frames:
+                self._frames.pop()
+            self._sync()
+        return hook
+
+    def _suspend_hook(self, module: nn.Module, args: Any) -> None:
+        if self._frames:
+            self._frames[-1].suspended += 1
+            self._sync()
+
+    def _resume_hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._frames and self._frames[-1].suspended:
+            self._frames[-1].suspended -= 1
+            self._sync()
+
+    def _sync(self) -> None:
+        """Have the mode entered exactly while the innermost watched forward wants calls: not
+        while one of its children runs (unless a watch is deep), so children run at full speed.
+        Leaving needs the mode on top of torch's stack; if another mode is above it (one that
+        the model entered), it stays, and ``dispatch`` passes the children's calls through."""
+        frame = self._frames[-1] if self._frames else None
+        wanted = frame is not None and (not frame.suspended or frame.deep)
+        if wanted and not self._entered:
+            self._mode.__enter__()  # type: ignore[no-untyped-call]
+            self._entered = True
+        elif not wanted and self._entered and _on_top(self._mode):
+            self._leave()
+
+    def _leave(self) -> None:
+        self._entered = False
+        self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+
+    # ---------------------------------------------------------------- dispatch
+    def dispatch(self, func: Callable[..., Any], args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> Any:
+        """Run ``func`` and report it to the innermost running watched forward."""
+        output = func(*args, **kwargs)
+        if not self._frames or _REPORTING[0]:
+            return output
+        _REPORTING[0] = True  # torch calls made by on_call are hookscope's, not the module's
+        try:
+            return self._report(self._frames[-1], func, args, kwargs, output)
+        finally:
+            _REPORTING[0] = False
+
+    def _report(self, frame: _Frame, func: Callable[..., Any], args: tuple[Any, ...],
+                kwargs: dict[str, Any], output: Any) -> Any:
+        name = function_name(func)
+        for watch, module_call in zip(frame.watches, frame.module_calls):
+            if (frame.suspended and not watch.deep) or (watch.names is not None
+                                                        and name not in watch.names):
+                continue
+            occurrence = frame.count(watch, name)
+            call = FunctionCall(watch.module, name, func, args, kwargs, output, module_call,
+                                occurrence)
+            new = watch.on_call(call)
+            if new is not None:
+                output = new
+        return output
+
+
+# True while some watcher's on_call runs: the torch calls it makes are seen by the modes of other
+# watchers still on the stack (two sessions watching one forward), which must pass them through.
+_REPORTING = [False]
+
+
+class FunctionHooks:
+    """Forward hooks on function calls: how sessions serve targets that address a call.
+
+    ``add(module, op, hook)`` makes ``hook(module, args, output)`` (or ``hook(module, args,
+    kwargs, output)``) run after each call of ``op`` in ``module``'s own forward, exactly as a
+    forward hook runs after the module: ``args``/``kwargs`` are the function's, ``output`` its
+    return value, and a non-``None`` return replaces it.
+    """
+
+    def __init__(self) -> None:
+        self._watcher = FunctionWatcher()
+        self._watches: dict[str, tuple[Watch, str]] = {}
+        self.called: set[str] = set()  # record names whose function was called
+        self.functions: dict[str, Callable[..., Any]] = {}  # record name -> function called
+
+    def add(self, key: str, module: nn.Module, op: str, hook: Callable[..., Any], *,
+            with_kwargs: bool = False) -> None:
+        """Call ``hook`` for the calls ``op`` (``"relu"``, ``"relu#1"``) selects in ``module``;
+        ``key`` is the record name (``"conv_stack::relu"``)."""
+        name, occurrence = parse_op(op)
+        called, functions = self.called, self.functions
+
+        def on_call(call: FunctionCall) -> Any:
+            if occurrence is not None and call.occurrence != occurrence:
+                return None
+            called.add(key)
+            functions[key] = call.func
+            if with_kwargs:
+                return hook(call.module, call.args, call.kwargs, call.output)
+            return hook(call.module, call.args, call.output)
+        self._watches[key] = (self._watcher.watch(module, on_call, names={name}), op)
+
+    def install(self) -> list[RemovableHandle]:
+        """Add the hooks (see ``FunctionWatcher.install``); the caller removes the handles."""
+        return self._watcher.install() if self._watches else []
+
+    def close(self) -> None:
+        """Leave the mode if a forward was interrupted (see ``FunctionWatcher.close``)."""
+        self._watcher.close()
+
+    def unfired(self, key: str, path: str) -> str | None:
+        """Why the calls of record ``key`` were never seen although its module ran, or ``None``
+        when they were seen or the module itself never ran (a module-level reason then)."""
+        watch, op = self._watches[key]
+        if key in self.called or not watch.module_calls:
+            return None
+        name, occurrence = parse_op(op)
+        what = f"call {occurrence} of {name}" if occurrence is not None else f"any {name}"
+        where = f"'{path}'" if path else "the model"
+        return (f"{where} ran {watch.module_calls} time{'s' if watch.module_calls > 1 else ''} "
+                f"but its own forward never made {what} (calls made inside its children are "
+                f"theirs: address the child that makes it). 'hookscope tree MODEL --input X "
+                f"--ops' lists the calls of every module's own forward")
+
+
+class _Frame:
+    """One running forward of a watched module."""
+
+    __slots__ = ("watches", "module_calls", "suspended", "counts", "deep")
+
+    def __init__(self, watches: list[Watch], module_calls: list[int]):
+        self.watches = watches
+        self.deep = any(w.deep for w in watches)
+        self.module_calls = module_calls
+        self.suspended = 0  # > 0 while a direct child runs
+        self.counts: dict[tuple[int, str], int] = {}
+
+    def count(self, watch: Watch, name: str) -> int:
+        key = (id(watch), name)
+        seen = self.counts.get(key, 0)
+        self.counts[key] = seen + 1
+        return seen
+
+
+def _on_top(mode: TorchFunctionMode) -> bool:
+    """Whether ``mode`` is the innermost torch function mode (so that leaving it pops it)."""
+    depth = torch._C._len_torch_function_stack()
+    return bool(depth) and torch._C._get_function_stack_at(depth - 1) is mode
+
+
+class _Mode(TorchFunctionMode):
+    """The mode entered while a watched forward runs; it hands every call to the watcher."""
+
+    def __init__(self, watcher: FunctionWatcher):
+        super().__init__()
+        self._watcher = watcher
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
+                           kwargs: Mapping[str, Any] | None = None) -> Any:
+        return self._watcher.dispatch(func, args, dict(kwargs or {}))

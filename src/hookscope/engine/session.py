@@ -1,0 +1,303 @@
+"""Private: the life cycle that every hookscope block adding hooks shares.
+
+``capture``, the edits and ``stats`` all: resolve patterns before anything is registered, add
+their hooks plus *witness* pre-hooks (which tell, afterwards, why a selected module did not run),
+remove every hook on exit whatever happened, add a note naming the module where a forward pass
+broke, and report selected modules whose hooks never fired. ``HookSession`` does this once;
+subclasses only add their own hooks (``_register``, through ``_hook``) and say what a silent
+module costs (``_unfired_consequence``).
+
+Every hook is an ``OwnedHook`` (``_ownership.py``): it acts only for this session's module
+objects (not a ``deepcopy`` made inside the block), in the thread that entered the block, and not
+for the forward that activation checkpointing re-runs during backward (counted in
+``recomputes``; edits apply to it too, so the recompute equals the real forward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from types import TracebackType
+from typing import Any, Literal
+
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from hookscope.engine import diagnose
+from hookscope.engine.early_stop import (
+    SKIPPED_BY_STOP,
+    EarlyStop,
+    StopForward,
+    forward_boundary,
+    stopped_by,
+    stops,
+)
+from hookscope.engine.function_mode import FunctionHooks
+from hookscope.engine.function_names import refuse_uninterceptable
+from hookscope.engine.hooks import OwnedHook, register
+from hookscope.engine.select import Target, resolve, unwrap
+from hookscope.errors import HookNeverFiredError, HookNeverFiredWarning, HookscopeError, warn
+
+OnUnfired = Literal["warn", "error", "ignore"]
+
+
+class HookSession:
+    """A ``with`` block that owns hooks on selected modules of ``model``.
+
+    Attributes:
+        model: the root module given.
+        targets: the selected targets, ``named_modules()`` order.
+        unfired: ``{record name: reason}`` for selected modules that never ran (set on exit).
+
+    Raises:
+        SelectorError: at construction, when a pattern matches nothing or names a container.
+        HookscopeError: at construction, for TorchScript or a bad ``on_unfired``; on entering
+            twice.
+        HookNeverFiredError: on exit with ``on_unfired="error"`` when a selected module never ran.
+    """
+
+    _unfired_consequence = "nothing was recorded"
+    _allow_no_patterns = False  # an edit of nothing is a valid no-op; a capture of nothing is not
+    _explain_unfired = True  # find out why silent modules did not run, even when not reporting it
+
+    def __init__(self, model: nn.Module, patterns: Sequence[str], on_unfired: OnUnfired, *,
+                 targets: Sequence[Target] | None = None):
+        if on_unfired not in ("warn", "error", "ignore"):
+            raise HookscopeError(f"on_unfired={on_unfired!r} is not one of 'warn', 'error', 'ignore'")
+        self.model = model
+        if targets is None and not patterns and self._allow_no_patterns:
+            diagnose.preflight(model)  # a no-op edit still refuses what could never be hooked
+            targets = []
+        elif targets is None:  # else resolved by the caller with resolve_checked
+            targets = resolve_checked(model, patterns)
+        self.targets = list(targets)
+        for target in self.targets:
+            if target.op is not None:  # before anything runs: calls there cannot be seen
+                refuse_uninterceptable(model, target.key)
+                refuse_uninterceptable(target.module, target.key)
+        self._functions = FunctionHooks()  # serves targets that address a function call
+        self.unfired: dict[str, str] = {}
+        self._on_unfired = on_unfired
+        self._handles: list[RemovableHandle] = []
+        self._owned: list[tuple[OwnedHook, bool]] = []  # (hook, is a forward hook)
+        self._ran: set[str] = set()  # paths of selected modules and witnesses that ran
+        self._stopper: EarlyStop | None = None  # set by _register for early_stop=True
+        self._stops_before = 0  # forwards of this model cut short before the block began
+        self._active = False
+
+    def __enter__(self) -> Any:
+        if self._active:
+            raise HookscopeError(f"this {type(self).__name__} is already active: enter it once, "
+                                 f"and build a new one for another block")
+        self._active = True
+        self._stops_before = stops(unwrap(self.model)[0])
+        try:
+            self._register()
+            for handle in self._functions.install():
+                self._add(handle)
+            if self._explain_unfired:  # witnesses serve only the explanation on exit
+                for path, module in diagnose.witnesses(self.model, self.targets).items():
+                    self._hook(module, self._witness(path), pre=True)
+        except BaseException:
+            self._remove()
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool | None:
+        self._remove()
+        self._finish()
+        stopped = stopped_by(exc, self._stopper)  # our early stop: the block ends cleanly
+        if exc is not None and not stopped:
+            if not isinstance(exc, StopForward):  # another block's stop is no error
+                diagnose.locate_error(self.model, exc)
+            return None
+        if not self._explain_unfired:
+            return True if stopped else None
+        ran = self._ran_paths()
+        called = self._functions.called
+        # A wide address ('h.*::softmax', '**::relu') matches modules that make no such call;
+        # they are not reported as long as one module it matched made it.
+        made = {t.op for t in self.targets if t.op and t.wide and t.key in called}
+        silent = [t for t in self.targets if (t.key not in called and not (t.wide and t.op in made)
+                                              if t.op else t.path not in ran)]
+        if silent and stops(unwrap(self.model)[0]) > self._stops_before:
+            self.unfired = {t.key: SKIPPED_BY_STOP for t in silent}  # not their fault: no report
+            return True if stopped else None
+        inside = {t.key: why for t in silent if t.op
+                  and (why := self._functions.unfired(t.key, t.path)) is not None}
+        self.unfired = diagnose.explain_unfired(self.model,
+                                                [t for t in silent if t.key not in inside], ran)
+        self.unfired.update(inside)
+        self.unfired.update(self._other_threads(silent))
+        self._report_unfired()
+        return True if stopped else None
+
+    def _register(self) -> None:
+        """Add this session's hooks with ``self._add``; mark a selected module that runs by
+        adding its path to ``self._ran``."""
+        raise NotImplementedError
+
+    def forward_boundary(self) -> AbstractContextManager[None]:
+        """Wrap one forward pass of a loop that keeps this session open across passes
+        (``stats``, ``extract``): this session's early stop ends the pass there, and the loop
+        goes on; a block that runs one pass needs nothing (``__exit__`` catches the stop)."""
+        return forward_boundary(self._stopper)
+
+    def _stop_early(self) -> None:
+        """Cut each forward short once every selected module has returned (``early_stop``);
+        call at the end of ``_register``, so the stop runs after this session's hooks."""
+        root, _ = unwrap(self.model)
+        self._stopper = EarlyStop(root, (t.module for t in self.targets))
+        self._stopper.register(self._add)
+
+    def _finish(self) -> None:
+        """Run after every hook is removed, before the unfired report."""
+
+    def _ran_paths(self) -> set[str]:
+        """Paths of the selected modules and witnesses that ran."""
+        return self._ran
+
+    def _add(self, handle: RemovableHandle) -> None:
+        self._handles.append(handle)
+
+    def _hook(self, module: nn.Module, function: Hook, *, pre: bool = False, with_kwargs: bool = False,
+              in_recompute: bool = False) -> None:
+        """Register ``function`` on ``module`` as this session's forward (``pre``: forward-pre)
+        hook, wrapped in an ``OwnedHook``; ``in_recompute`` also runs it when activation
+        checkpointing re-runs the forward during backward (edits)."""
+        self._own(OwnedHook(function, module, in_recompute=in_recompute), pre=pre,
+                  with_kwargs=with_kwargs)
+
+    def _own(self, owned: OwnedHook, *, pre: bool = False, with_kwargs: bool = False) -> None:
+        """Register ``owned`` (an ``OwnedHook``, or a subclass with its own fast ``__call__``)
+        on its module as this session's hook."""
+        self._add(register(owned.module, owned, pre=pre, with_kwargs=with_kwargs))
+        self._owned.append((owned, not pre))
+
+    @property
+    def recomputes(self) -> dict[str, int]:
+        """``{record name: forwards re-run during backward}`` (activation checkpointing); these
+        are never counted as calls."""
+        return {t.key: max((h.recomputes for h, forward in self._owned
+                            if forward and h.module is t.module), default=0) for t in self.targets}
+
+    def _other_threads(self, silent: Sequence[Target]) -> dict[str, str]:
+        """Reasons for silent targets that ran only in threads other than this block's."""
+        found = {}
+        for target in silent:
+            calls = max((h.foreign_calls for h, _ in self._owned if h.module is target.module), default=0)
+            if calls:
+                found[target.key] = (
+                    f"{target.path or 'the model'} ran {calls} time{'s' if calls > 1 else ''}, all in "
+                    f"other threads: a hookscope block records only the calls made by the thread "
+                    f"that entered it (so concurrent requests never mix). Enter the block in the "
+                    f"thread that calls the model")
+        return found
+
+    def _hook_output(self, target: Target, hook: Hook, *, with_kwargs: bool = False,
+                     in_recompute: bool = False) -> None:
+        """Run ``hook(module, args, [kwargs,] output)`` after each call of ``target``: a forward
+        hook on its module, or, for a function-level target (``target.op``), after each call of
+        that function in the module's own forward, with the function's arguments and output.
+        Either way a non-``None`` return replaces the output."""
+        if target.op is None:
+            self._hook(target.module, hook, with_kwargs=with_kwargs, in_recompute=in_recompute)
+        else:
+            self._functions.add(target.key, target.module, target.op, hook, with_kwargs=with_kwargs)
+
+    def _remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._functions.close()
+        self._active = False
+
+    def _witness(self, path: str) -> Callable[..., None]:
+        ran = self._ran
+
+        def hook(module: nn.Module, args: Any) -> None:
+            ran.add(path)
+        return hook
+
+    def _report_unfired(self) -> None:
+        if not self.unfired or self._on_unfired == "ignore":
+            return
+        lines = "\n".join(f"  - {key}: {why}" for key, why in self.unfired.items())
+        n = len(self.unfired)
+        message = (f"{n} selected module{'s' if n > 1 else ''} never ran, so no hook fired and "
+                   f"{self._unfired_consequence}:\n{lines}")
+        if self._on_unfired == "error":
+            raise HookNeverFiredError(message + "\n(what the modules that ran did is in err.capture)",
+                                      capture=self, unfired=self.unfired)
+        warn(message + "\n(pass on_unfired='error' (--on-unfired error) to make this an "
+                      "error, 'ignore' to silence it)", HookNeverFiredWarning)
+
+
+Hook = Callable[..., Any]
+
+
+def resolve_checked(model: nn.Module, patterns: Sequence[str]) -> list[Target]:
+    """``select.resolve`` after refusing models that cannot be hooked (TorchScript), then the
+    checks on what was selected (``diagnose.check_targets``)."""
+    diagnose.preflight(model)
+    targets = resolve(model, list(patterns))
+    diagnose.check_targets(model, targets)
+    return targets
+
+
+class Observer(HookSession):
+    """An observe-only session: hooks that read what runs and record nothing of their own
+    (``compare``, ``tree``, ``find_nonfinite``), with the same life cycle as a capture.
+
+    Args:
+        model: the root module (wrappers are the caller's business: pass the module to hook).
+        targets: resolved targets (``select.resolve``), or modules straight from
+            ``named_modules()`` wrapped as ``Target(path, module)``.
+        forward: ``forward(target) -> hook(module, args, [kwargs,] output)``, or None.
+        pre: ``pre(target) -> hook(module, args, [kwargs])``, or None.
+        with_kwargs: the hooks also take the call's keyword arguments.
+        on_unfired: as ``capture``; default ``"ignore"``: ``unfired`` is still filled in on exit
+            (with each cause) for the caller to report.
+        explain_unfired: False skips the witness hooks and leaves ``unfired`` empty (``tree``
+            and ``find_nonfinite`` hook every module and report silent ones themselves).
+    """
+
+    _unfired_consequence = "nothing was observed there"
+
+    def __init__(self, model: nn.Module, targets: Sequence[Target], *,
+                 forward: Callable[[Target], Hook] | None = None,
+                 pre: Callable[[Target], Hook] | None = None, with_kwargs: bool = False,
+                 on_unfired: OnUnfired = "ignore", explain_unfired: bool = True):
+        super().__init__(model, (), on_unfired, targets=targets)
+        self._forward, self._pre, self._with_kwargs = forward, pre, with_kwargs
+        self._explain_unfired = explain_unfired
+
+    def _register(self) -> None:
+        for target in self.targets:
+            module = target.module
+            if self._pre is not None and target.op is None:
+                self._hook(module, self._marked(target, self._pre(target)), pre=True,
+                           with_kwargs=self._with_kwargs)
+            if self._forward is not None:
+                self._hook_output(target, self._marked(target, self._forward(target)),
+                                  with_kwargs=self._with_kwargs)
+
+    def _marked(self, target: Target, hook: Hook) -> Hook:
+        """``hook``, also noting that the target ran when unfired modules are explained."""
+        if not self._explain_unfired:
+            return hook
+        ran, path = self._ran, target.path
+
+        def marked(*args: Any) -> Any:
+            ran.add(path)
+            return hook(*args)
+        return marked
+
+
+def by_module(targets: Sequence[Target]) -> dict[nn.Module, list[Target]]:
+    """Group targets by module, keeping order: one hook per module serves all its targets."""
+    grouped: dict[nn.Module, list[Target]] = {}
+    for target in targets:
+        grouped.setdefault(target.module, []).append(target)
+    return grouped

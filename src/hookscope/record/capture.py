@@ -1,0 +1,516 @@
+"""Capture: record what selected modules return (and take, and receive as gradient) on every call.
+
+``capture(model, *patterns)`` is a context manager (a ``HookSession``, see ``_session.py``). On
+entry it resolves the patterns (errors come before anything is registered), then adds one forward
+hook per selected module; on exit it removes every hook it added, also on an exception or
+``KeyboardInterrupt``, and reports each selected module whose hook never fired.
+
+Captured values stay equal to what the module returned at that moment, even when a later in-place
+op writes over its memory, without copying every output: each is kept copy-on-write, and only a
+tensor really written later is copied, when the write happens (``_inplace.py``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookscope.engine import copy_on_write as inplace
+from hookscope.engine.hooks import OwnedHook, in_recompute, owns_call
+from hookscope.engine.select import Target, as_patterns
+from hookscope.engine.session import HookSession, OnUnfired, by_module
+from hookscope.engine.values import keepable, quantized_note
+from hookscope.errors import CaptureError, warn
+from hookscope.record.grads import converter, watch_inputs, watch_output
+from hookscope.record.records import CallInputs, Entry, RecordKey, Records
+from hookscope.record.reductions import Reduce, reduction
+from hookscope.util.nested import get_part, iter_tensors, map_tensors
+
+__all__ = ["Capture", "CaptureOptions", "CallInputs", "capture", "run"]  # CallInputs: records.py
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class CaptureOptions:
+    """What a capture keeps besides each call's output; see ``capture`` for each field."""
+
+    inputs: bool = False
+    grads: bool = False
+    grad_inputs: bool = False
+    to: torch.device | str | None = None
+    dtype: torch.dtype | None = None
+    reduce: Callable[[Tensor], Tensor] | None = None
+    clone: bool | None = None
+    early_stop: bool = False
+
+
+class _Slot:
+    """One target's record entry, plus the references kept with their versions (session state)."""
+
+    __slots__ = ("target", "entry", "versions", "recomputed")
+
+    def __init__(self, target: Target, entry: Entry):
+        self.target = target
+        self.entry = entry
+        self.versions: list[tuple[int, Tensor, int]] = []  # (call, tensor kept by reference, version)
+        self.recomputed = 0  # checkpoint recomputes seen (with grads=True)
+
+
+# Why a capture built but never entered holds nothing (``acts = capture(...)`` without ``with``).
+NOT_ENTERED = ("this capture was never entered, so no hook was registered: run the model inside "
+               "`with hookscope.capture(model, ...) as acts:`, or use "
+               "`output, acts = hookscope.run(model, x, layers=...)`")
+
+
+class Capture(HookSession):
+    """One capture session: the hooks and the in-place policy; build it with ``hookscope.capture``.
+
+    What it recorded is ``self.records`` (a ``hookscope.Records``); the session reads through to
+    it, so ``acts[path]``, ``acts[path, k]``, ``acts.calls(path)``, ``acts.save(file)`` and the
+    rest work on the session itself, inside the ``with`` block and after it.
+
+    Raises (on reading): as ``Records``.
+    """
+
+    def __init__(self, model: nn.Module, patterns: Sequence[str], options: CaptureOptions,
+                 on_unfired: OnUnfired = "warn"):
+        super().__init__(model, patterns, on_unfired)
+        kept = [name for name in ("inputs", "grads", "grad_inputs") if getattr(options, name)]
+        self.records = Records((Entry(t.key, t.module) for t in self.targets), kept)
+        self._slots = {t.key: _Slot(t, self.records.entry(t.key)) for t in self.targets}
+        self.records.aliases = {alias + t.key[len(t.path or "(root)"):]: t.key
+                                for t in self.targets for alias in t.aliases}
+        self._options = options
+        self._grad_convert = converter(options.to, options.dtype)  # applied to each arriving gradient
+        self.records.unfired = {t.key: NOT_ENTERED for t in self.targets}
+
+    def __enter__(self) -> Capture:
+        self.records.unfired = {}
+        entered: Capture = super().__enter__()
+        return entered
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool | None:
+        try:
+            return super().__exit__(exc_type, exc, tb)  # True: this capture's early stop ended it
+        finally:
+            self.records.unfired = self.unfired  # so reading a silent module says why
+
+    def _register(self) -> None:
+        self._snapshot = self._snapshot_fn()  # one per session, shared by every hook
+        for target in self.targets:
+            if target.op is not None:
+                self._hook_output(target, self._function_hook(self._slots[target.key]),
+                                  with_kwargs=self._options.inputs)
+        for module, targets in by_module([t for t in self.targets if t.op is None]).items():
+            slots = [self._slots[t.key] for t in targets]
+            if self._options.inputs:  # before the call: a module may write its input in place
+                self._hook(module, _inputs_hook(slots, self._options.clone), pre=True, with_kwargs=True)
+            if self._plain(slots):
+                self._own(_PlainHook(module, slots[0], self._snapshot))
+            else:  # with grads, a checkpoint recompute reaches the hook: under reentrant
+                # checkpointing the gradient flows only through the recomputed output (_regrad)
+                self._hook(module, self._make_hook(slots), in_recompute=self._options.grads)
+            if self._options.grad_inputs:
+                self._hook(module, watch_inputs([s.entry.grad_inputs for s in slots], self._grad_convert),
+                           pre=True, with_kwargs=True)
+        if self._options.early_stop:
+            self._stop_early()
+
+    def _finish(self) -> None:
+        for key, function in self._functions.functions.items():
+            self._slots[key].entry.function = function
+        if self._options.clone is False:
+            self._check_versions()
+            self._warn_unverifiable()
+
+    def _ran_paths(self) -> set[str]:
+        # selected modules are known to have run by their records: their hooks skip ran.add()
+        return self._ran | {s.target.path for s in self._slots.values() if s.entry.outputs}
+
+    # ----------------------------------------------------------------- hooks
+    def _plain(self, slots: list[_Slot]) -> bool:
+        """True when one record of the whole output, with no option, is all the module needs:
+        the hot path (``_PlainHook``)."""
+        options = self._options
+        return (len(slots) == 1 and not slots[0].target.parts and options.clone is None
+                and not (options.grads or options.to is not None or options.dtype is not None
+                         or options.reduce is not None))
+
+    def _make_hook(self, slots: list[_Slot]) -> Callable[..., None]:
+        snapshot = self._snapshot
+        with_grads, convert = self._options.grads, self._grad_convert
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if in_recompute():
+                _regrad(slots, output, convert)
+                return
+            for slot in slots:
+                slot.entry.outputs.append(snapshot(_part(output, slot), slot))
+            if with_grads:
+                for slot in slots:
+                    slot.entry.grads.append(watch_output(_part(output, slot), convert))
+        return hook
+
+    def _function_hook(self, slot: _Slot) -> Callable[..., None]:
+        """Record each call of a function-level target: its output (the selected part), kept as
+        ``snapshot`` keeps module outputs (copy-on-write unless ``clone`` says otherwise; values
+        made inside a forward are often written in place by the code that follows,
+        ``x += ...``); with ``inputs=True`` the function's arguments; with ``grads=True`` a
+        gradient watch."""
+        options, convert, entry, snapshot = self._options, self._grad_convert, slot.entry, self._snapshot
+        clone = options.clone
+
+        def keep_input(t: Tensor) -> Tensor:
+            return _keep_input(t, clone)
+
+        def hook(module: nn.Module, args: Any, *rest: Any) -> None:
+            output = _part(rest[-1], slot)
+            entry.outputs.append(snapshot(output, slot))
+            if options.inputs:
+                entry.inputs.append((map_tensors(keep_input, args), map_tensors(keep_input, rest[0])))
+            if options.grads:
+                entry.grads.append(watch_output(output, convert))
+        return hook
+
+    def _snapshot_fn(self) -> Callable[[Any, _Slot], Any]:
+        """Return ``snapshot(output, slot)``: the output with each tensor detached, converted,
+        reduced, and kept safe from later in-place writes as ``clone`` asks (``_inplace.py``)."""
+        to, dtype, reduce = self._options.to, self._options.dtype, self._options.reduce
+        converts = to is not None or dtype is not None or reduce is not None
+        clone = self._options.clone
+
+        def one(t: Tensor, slot: _Slot) -> Tensor:
+            if _special(t):  # quantized: dequantized; inside a functorch transform: refused
+                t = self._keepable(t, slot)
+            kept = t.detach()
+            if converts:
+                if to is not None or dtype is not None:
+                    kept = kept.to(device=to, dtype=dtype)
+                if reduce is not None:
+                    kept = reduce(kept)
+                if not inplace.shares_memory(kept, t):
+                    return kept
+            if clone is None:
+                return inplace.keep(kept)
+            if clone:
+                return kept.clone()
+            counter = inplace.version(kept)
+            if counter is not None:  # inference tensors have no version counter
+                slot.versions.append((len(slot.entry.outputs), kept, counter))
+            return kept
+
+        def snapshot(output: Any, slot: _Slot) -> Any:
+            if isinstance(output, Tensor):
+                return one(output, slot)
+            return map_tensors(lambda t: one(t, slot), output)
+        return snapshot
+
+    def _keepable(self, t: Tensor, slot: _Slot) -> Tensor:
+        if t.is_quantized:
+            self.records.notes.setdefault(slot.target.key, quantized_note(t))
+        return keepable(t, slot.target.key)
+
+    def _warn_unverifiable(self) -> None:
+        """clone=False under torch.inference_mode(): nothing can tell whether the references kept
+        were written in place later, so say so rather than return them as if checked."""
+        unchecked = [k for k, s in self._slots.items()
+                     if any(t.is_inference() for o in s.entry.outputs for t in iter_tensors(o))]
+        if unchecked:
+            warn(
+                f"clone=False under torch.inference_mode(): the outputs of {', '.join(unchecked[:5])}"
+                f"{' …' if len(unchecked) > 5 else ''} are kept by reference and inference tensors "
+                f"have no version counter, so an in-place write after capture (ReLU(inplace=True), "
+                f"'+=') would go unnoticed. Use clone=None (the default) or clone=True, or run "
+                f"under torch.no_grad()", RuntimeWarning)
+
+    def _check_versions(self) -> None:
+        """clone=False: mark each reference whose version counter moved since capture."""
+        for slot in self._slots.values():
+            for call, tensor, counter in slot.versions:
+                if tensor._version != counter:
+                    slot.entry.broken.add(call)
+            slot.versions.clear()
+        broken = [f"{k} (calls {sorted(s.entry.broken)})" for k, s in self._slots.items()
+                  if s.entry.broken]
+        if broken:
+            warn(
+                f"captured outputs were overwritten in place after capture: {', '.join(broken)}. "
+                f"Their values are wrong and reading them raises. Capture again with clone=None "
+                f"(the default: copy-on-write) or clone=True.", RuntimeWarning)
+
+    # ----------------------------------------------------------------- live records
+    def clear(self) -> None:
+        """Drop every record so far and keep the hooks: one capture can serve many batches
+        (``with capture(...) as acts: for x in batches: model(x); use(acts); acts.clear()``)."""
+        self.records.clear()
+        for slot in self._slots.values():
+            slot.versions.clear()
+
+    def check_writes(self) -> None:
+        """With ``clone=False``, check the outputs kept by reference so far, as leaving the
+        ``with`` block does: one written in place since its call is marked (reading it raises).
+        For loops that read records inside the block, before ``clear()``. (The default
+        copy-on-write records cannot be overwritten, so there is nothing to check.)"""
+        self._check_versions()
+
+    @property
+    def paths(self) -> list[str]:
+        """See ``Records.paths``."""
+        return self.records.paths
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """See ``Records.counts``."""
+        return self.records.counts
+
+    def items(self) -> Iterator[tuple[RecordKey, Tensor]]:
+        """See ``Records.items``."""
+        return self.records.items()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.records
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def __getitem__(self, key: str | tuple[str, int] | RecordKey) -> Any:
+        return self.records[key]
+
+    def __repr__(self) -> str:
+        return repr(self.records).replace("hookscope.Records", "hookscope.Capture", 1)
+
+    def calls(self, path: str) -> list[Any]:
+        """See ``Records.calls``."""
+        return self.records.calls(path)
+
+    def inputs(self, path: str, call: int = 0) -> CallInputs:
+        """See ``Records.inputs``."""
+        return self.records.inputs(path, call)
+
+    def grad(self, path: str, call: int = 0) -> Any:
+        """See ``Records.grad``."""
+        return self.records.grad(path, call)
+
+    def grad_calls(self, path: str) -> list[Any]:
+        """See ``Records.grad_calls``."""
+        return self.records.grad_calls(path)
+
+    def grad_input(self, path: str, call: int = 0) -> CallInputs:
+        """See ``Records.grad_input``."""
+        return self.records.grad_input(path, call)
+
+    def save(self, file: str, *, overwrite: bool = True, metadata: dict[str, str] | None = None) -> None:
+        """See ``Records.save``."""
+        self.records.save(file, overwrite=overwrite, metadata=metadata)
+
+
+class _PlainHook(OwnedHook):
+    """The hot path of a capture: one record of a module's whole output, no options.
+
+    ``OwnedHook``'s checks (own module, own thread, not a recompute, not traced) and the
+    copy-on-write keep (``_inplace.keep``) are inlined in one ``__call__``: per call this costs
+    about what a bare hook appending ``detach()`` costs. Every other call (a copy of the module,
+    another thread, a recompute, a torch.compile trace) goes through ``OwnedHook.__call__``.
+    """
+
+    __slots__ = ("outputs", "slot", "snapshot")
+
+    def __init__(self, module: nn.Module, slot: _Slot, snapshot: Callable[[Any, _Slot], Any]):
+        super().__init__(self._record, module)
+        self.outputs, self.slot, self.snapshot = slot.entry.outputs, slot, snapshot
+
+    def __call__(self, module: nn.Module, *args: Any) -> Any:
+        if not owns_call(self, module):  # compiling, a copy, another thread, a recompute
+            return OwnedHook.__call__(self, module, *args)
+        output = args[-1]
+        if (type(output) is Tensor and not output.requires_grad and not output.is_quantized
+                and not _is_transformed(output)):
+            try:
+                self.outputs.append(_lazy_clone(output))
+                return None
+            except (NotImplementedError, RuntimeError):  # no copy-on-write storage
+                pass
+        self.outputs.append(self.snapshot(output, self.slot))
+        return None
+
+    def _record(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.outputs.append(self.snapshot(output, self.slot))
+
+
+def _part(output: Any, slot: _Slot) -> Any:
+    parts = slot.target.parts
+    if not parts:
+        return output
+    try:
+        return get_part(output, parts)
+    except KeyError as err:
+        raise CaptureError(f"cannot take {slot.target.key!r}: {err.args[0]}") from None
+
+
+def _keep_input(t: Tensor, clone: bool | None) -> Tensor:
+    """An input as the module received it, safe from later in-place writes (``_inplace.py``)."""
+    t = keepable(t, "an input")
+    return inplace.copy(t) if clone else inplace.keep(t)
+
+
+def _regrad(slots: list[_Slot], output: Any, convert: Callable[[Tensor], Tensor]) -> None:
+    """A checkpoint recompute of a call whose output could not take a gradient (reentrant
+    checkpointing runs the first forward under no_grad): watch the recomputed output instead,
+    which is what the gradient flows through. Recomputes come in call order within a segment."""
+    for slot in slots:
+        grads = slot.entry.grads
+        if not grads:
+            continue
+        call = slot.recomputed % len(grads)
+        slot.recomputed += 1
+        if grads[call].watched == 0:
+            grads[call] = watch_output(_part(output, slot), convert)
+
+
+def _inputs_hook(slots: list[_Slot], clone: bool | None) -> Callable[..., None]:
+    """A forward pre-hook keeping each call's inputs as the module receives them."""
+    def keep(t: Tensor) -> Tensor:
+        return _keep_input(t, clone)
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        for slot in slots:
+            slot.entry.inputs.append((map_tensors(keep, args), map_tensors(keep, kwargs)))
+    return hook
+
+
+def _special(t: Tensor) -> bool:
+    """A quantized tensor, or one wrapped by a functorch transform: not kept as it is. (While
+    dynamo traces the hook there is no transform, and the C check would break the graph.)"""
+    return t.is_quantized or (not torch.compiler.is_compiling() and _is_transformed(t))
+
+
+_is_transformed = torch._C._functorch.is_functorch_wrapped_tensor
+_lazy_clone = torch._lazy_clone
+
+
+def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool = False,
+            grad_inputs: bool = False, to: torch.device | str | None = None,
+            dtype: torch.dtype | None = None, reduce: Reduce = None, clone: bool | None = None,
+            early_stop: bool = False, on_unfired: OnUnfired = "warn") -> Capture:
+    """Record the output of every call of each module that ``patterns`` select.
+
+    Use it as a context manager; hooks exist only inside the ``with`` block::
+
+        with hookscope.capture(model, "conv2", "pos_block.*.proj.0") as acts:
+            model(x)
+        acts["conv2"]          # (batch, 16, 10, 10) float32 for LeNet on (batch, 3, 32, 32)
+
+    Args:
+        model: root module; ``DataParallel``/``DDP``/``torch.compile`` wrappers are looked through.
+        *patterns: paths, ``state_dict()`` keys, globs, ``re:``/``type:`` patterns, optionally
+            with output parts (``"lstm[0]"``); see ``hookscope.select``. A function-level
+            address ``PATTERN::NAME`` records every call of function ``NAME`` made by the own
+            forward of the modules selected (``"::relu"``, ``"h.*.attn::softmax"``;
+            ``"::relu#1"`` for call 1 of each forward), each value copied unless ``clone=False``.
+        inputs: also keep each call's positional and keyword inputs (``acts.inputs(path, k)``);
+            for a function-level address, its arguments bound to the function's parameters.
+        grads: also keep d(loss)/d(output) of each call, filled in when ``backward()`` runs
+            through it (``acts.grad(path, k)``); uses tensor hooks, so in-place ops after the
+            module, tuple outputs and modules with a legacy backward hook work (``grads.py``).
+        grad_inputs: also keep d(loss)/d(input) of each call, the gradient through the module
+            only (``acts.grad_input(path, k)``); inputs that do not require grad are marked
+            ``NoGrad(reason)``. Each input that requires grad reaches the module as an alias
+            (same values and memory) that carries the tensor hook.
+        to: device to move captured tensors to (``"cpu"`` frees accelerator memory).
+        dtype: dtype to cast captured floating tensors to (e.g. ``torch.float16`` halves memory).
+        reduce: applied to each captured tensor at capture time: a named reduction as
+            ``extract`` takes (``"mean"``, ``"first"``, ``"last"``; ``hookscope.reductions`` says
+            which axis each uses; no attention mask is known here, so padding counts) or a
+            function, e.g. ``lambda t: t.mean(dim=(2, 3))`` keeps ``(batch, channels)``.
+        clone: ``None`` (default) keeps each tensor copy-on-write: nothing is copied unless a
+            later in-place op writes it, and then only that tensor, just before the write (the
+            writer gets the copy; exact in every grad mode, see ``_inplace.py``); ``True``
+            copies every tensor at once; ``False`` keeps plain references: values overwritten
+            later raise on reading, except under ``torch.inference_mode()``, whose tensors have
+            no version counter (a warning says so).
+        early_stop: stop the forward pass once every selected module has returned in it: the
+            rest of the model does not run (faster in proportion), the forward call does not
+            return, and the ``with`` block ends there, cleanly (hooks removed, model untouched,
+            records kept): make the forward the block's last statement, or use
+            ``run(..., options={"early_stop": True})``, which returns ``(None, acts)``. A module
+            called again later in the same pass (shared weights) keeps its first call only.
+        on_unfired: what to do on exit about selected modules that never ran: ``"warn"``
+            (``HookNeverFiredWarning``), ``"error"`` (``HookNeverFiredError``, raised after the
+            forward finished, records still in ``err.capture``) or ``"ignore"``.
+
+    Returns:
+        A ``Capture`` (not yet active: hooks are added by ``with``).
+
+    Raises:
+        SelectorError: at once, before any hook exists, when a pattern matches nothing or names a
+            container (``ModuleList``) whose hook could never fire.
+        ReductionError: ``reduce`` is not a known name or a function (at once).
+        HookscopeError: the model cannot be hooked (TorchScript), or an option is invalid.
+    """
+    if early_stop and (grads or grad_inputs):
+        raise CaptureError("early_stop=True ends the forward before the model's output exists, so "
+                           "no loss and no backward pass can reach the captured modules: drop "
+                           "early_stop to record gradients (grads=True / grad_inputs=True)")
+    reducer = reduction(reduce)
+    options = CaptureOptions(inputs=inputs, grads=grads, grad_inputs=grad_inputs, to=to, dtype=dtype,
+                             reduce=None if reducer is None else lambda t: reducer(t, None),
+                             clone=clone, early_stop=early_stop)
+    return Capture(model, patterns, options, on_unfired)
+
+
+def run(model: nn.Module, *args: Any, layers: str | Sequence[str],
+        options: dict[str, Any] | None = None, **kwargs: Any) -> tuple[Any, Capture]:
+    """Run ``model(*args, **kwargs)`` once while capturing ``layers``; return (output, records).
+
+    Args:
+        model: the model to run.
+        *args, **kwargs: passed to ``model``. A mapping given as the only input (a dict, the
+            ``BatchEncoding`` a Hugging Face tokenizer returns) is passed as keyword arguments,
+            ``model(**mapping)``, when its keys are parameters of ``model.forward``.
+        layers: one pattern or a list of patterns (see ``capture``).
+        options: keyword options of ``capture`` (``inputs``, ``grads``, ``grad_inputs``, ``to``,
+            ``dtype``, ``reduce``, ``clone``, ``early_stop``, ``on_unfired``). They travel in
+            one dict, not as keywords, because ``**kwargs`` belong to the model: a forward that
+            takes ``inputs=``, ``to=`` or ``dtype=`` (Hugging Face models take
+            ``inputs_embeds``, ``output_attentions``, ...) must get them untouched, and a capture
+            option spelled as a keyword could silently shadow one of them.
+
+    Returns:
+        ``(output, acts)``: what the model returned (``None`` when ``early_stop`` cut it
+        short), and the ``Capture``.
+
+    Raises:
+        As ``capture``; an exception inside the forward pass propagates with a note naming the
+        innermost module where it happened.
+    """
+    patterns = as_patterns(layers)
+    args, kwargs = _as_keywords(model, args, kwargs)
+    output = None
+    with capture(model, *patterns, **(options or {})) as acts:
+        output = model(*args, **kwargs)
+    return output, acts
+
+
+def _as_keywords(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A mapping given as the one input (a dict, a tokenizer's ``BatchEncoding``) becomes keyword
+    arguments, as ``extract`` passes a dict batch, when its keys name ``forward``'s parameters;
+    a model whose ``forward`` takes the mapping itself gets it unchanged."""
+    if len(args) != 1 or kwargs or not isinstance(args[0], Mapping):
+        return args, kwargs
+    try:
+        inspect.signature(model.forward).bind(**args[0])
+    except (TypeError, ValueError):
+        return args, kwargs
+    return (), dict(args[0])

@@ -1,0 +1,244 @@
+"""Capture around ``model.generate()``: every record labelled with its generation step and the
+token positions it covers, and one layer's activations aligned with the generated sequence.
+
+``generate()`` calls the model once per new token. With a KV cache, step 0 runs the prompt
+(positions ``0 … prompt-1``) and each later step runs only the newest token; without a cache,
+every step runs the whole sequence so far again. Each forward of the root module is one step;
+its positions are read from the root's inputs: the columns ``[stop - length, stop)`` where
+``length`` is the number of tokens fed (``input_ids`` or ``inputs_embeds``, dim 1) and ``stop``
+the width of the ``attention_mask`` given (the sequence so far); without a mask, a step feeding
+more tokens than were seen starts again at 0 (no cache), else it continues after them.
+
+The aligned view keeps, for each position, the value of the first step that computed it, so a
+cache gives no duplicates and a run without a cache gives the same rows. The last generated token
+is returned by ``generate()`` but never fed to the model, so ``len(sequence) - 1`` positions have
+activations. This is the per-token view asked for in TransformerLens #697/#889 and vLLM #5406.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from hookscope.engine.select import unwrap
+from hookscope.engine.session import OnUnfired
+from hookscope.errors import CaptureError, HookscopeError
+from hookscope.record.capture import Capture, capture
+from hookscope.util.files import write_atomic
+
+__all__ = ["Step", "GenerationRecord", "GenerationCapture", "capture_generation"]
+
+Tensor = torch.Tensor
+
+
+@dataclass(frozen=True)
+class Step:
+    """One forward of the root during generation: it fed positions ``start … stop-1``.
+
+    Attributes:
+        index: the step, from 0 (the prompt) in call order.
+        start, stop: the columns of the generated sequence that this forward computed.
+        token_ids: ``(batch, stop - start)`` int64, the tokens fed (``None`` for embeddings).
+    """
+
+    index: int
+    start: int
+    stop: int
+    token_ids: Tensor | None
+
+
+@dataclass(frozen=True)
+class GenerationRecord:
+    """One call of a selected module: its step, the positions it covers, and its output."""
+
+    step: int
+    start: int
+    stop: int
+    value: Any
+
+
+class GenerationCapture:
+    """A ``Capture`` whose calls are labelled with generation steps; see ``capture_generation``.
+
+    Attributes:
+        capture: the underlying ``Capture`` (every call, as ``hookscope.capture`` keeps them).
+        steps: one ``Step`` per forward of the root, in order.
+    """
+
+    def __init__(self, model: nn.Module, patterns: tuple[str, ...], on_unfired: OnUnfired,
+                 options: dict[str, Any]):
+        self.capture: Capture = capture(model, *patterns, on_unfired=on_unfired, **options)
+        self.steps: list[Step] = []
+        self._root, _ = unwrap(model)
+        self._step_of_call: dict[str, list[int]] = {t.key: [] for t in self.capture.targets}
+        self._handles: list[RemovableHandle] = []
+        self._seen = 0
+
+    def __enter__(self) -> GenerationCapture:
+        self.capture.__enter__()
+        try:
+            self._handles.append(self._root.register_forward_pre_hook(self._on_step, with_kwargs=True))
+            for target in self.capture.targets:
+                calls = self._step_of_call[target.key]
+                self._handles.append(target.module.register_forward_hook(
+                    lambda module, args, output, calls=calls: calls.append(len(self.steps) - 1)))
+        except BaseException:
+            self._remove()
+            self.capture.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._remove()
+        self.capture.__exit__(exc_type, exc, tb)
+
+    def _remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _on_step(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        fed = kwargs.get("input_ids", args[0] if args else None)
+        if not isinstance(fed, Tensor):
+            fed = kwargs.get("inputs_embeds")
+        if not isinstance(fed, Tensor) or fed.dim() < 2:
+            raise CaptureError("capture_generation needs the root called with input_ids or "
+                               "inputs_embeds of shape (batch, seq, ...), as generate() does")
+        length = int(fed.shape[1])
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, Tensor) and mask.dim() == 2:
+            stop = int(mask.shape[1])
+        else:
+            stop = length if length > self._seen else self._seen + length
+        self._seen = max(self._seen, stop)
+        ids = fed.detach().clone() if not fed.is_floating_point() else None
+        self.steps.append(Step(len(self.steps), stop - length, stop, ids))
+
+    def records(self, path: str) -> list[GenerationRecord]:
+        """Every call of ``path`` with its step and positions, in call order.
+
+        Raises:
+            CaptureError: as ``Capture.calls``.
+        """
+        values = self.capture.calls(path)
+        return [GenerationRecord(step, self.steps[step].start, self.steps[step].stop, value)
+                for step, value in zip(self._step_of_call[path], values)]
+
+    def aligned(self, path: str) -> Tensor:
+        """``path``'s output at every position of the sequence: ``(batch, positions, ...)``.
+
+        Row ``t`` (dim 1) is the output at the ``t``-th token of the sequence ``generate()``
+        returned (prompt tokens first, then one per generated token, except the last generated
+        token, never fed); ``positions = len(sequence) - 1`` for a prompt without padding. Each
+        position comes from the first step that computed it (no duplicates from the cache).
+
+        Raises:
+            CaptureError: ``path`` never ran; its output is not a ``(batch, seq, ...)`` tensor
+                whose dim 1 is the tokens fed (select a tensor part, e.g. ``"layer[0]"``); the
+                batch changed between steps (beam search).
+        """
+        records = self.records(path)
+        if not records:
+            raise CaptureError(f"'{path}' recorded nothing during generation")
+        first = records[0].value
+        width = max(r.stop for r in records)
+        out: Tensor | None = None
+        filled = 0
+        for record in records:
+            value = _fed_tokens(path, record)
+            if out is None:
+                out = first.new_zeros((value.shape[0], width, *value.shape[2:]))
+            if value.shape[0] != out.shape[0] or value.shape[2:] != out.shape[2:]:
+                raise CaptureError(f"'{path}' changed shape between steps ({tuple(out.shape)} "
+                                   f"vs {tuple(value.shape)}); beam search reorders the batch, "
+                                   f"so align greedy or sampled generation only")
+            if record.stop > filled:  # positions first computed in this step
+                new = max(filled, record.start)
+                out[:, new:record.stop] = value[:, new - record.start:]
+                filled = record.stop
+        assert out is not None
+        return out
+
+    def token_ids(self) -> Tensor:
+        """The tokens fed at every position, ``(batch, positions)`` int64, aligned as ``aligned``.
+
+        Raises:
+            CaptureError: the model was fed embeddings, not token ids.
+        """
+        if not self.steps or any(s.token_ids is None for s in self.steps):
+            raise CaptureError("the model was fed inputs_embeds, so there are no token ids")
+        width = max(s.stop for s in self.steps)
+        ids = torch.zeros(self.steps[0].token_ids.shape[0], width, dtype=torch.long)  # type: ignore[union-attr]
+        filled = 0
+        for step in self.steps:
+            if step.stop > filled and step.token_ids is not None:
+                new = max(filled, step.start)
+                ids[:, new:step.stop] = step.token_ids[:, new - step.start:].cpu()
+                filled = step.stop
+        return ids
+
+    def save(self, file: str | os.PathLike[str], *, overwrite: bool = False) -> None:
+        """Write every selected path's ``aligned`` activations and ``token_ids`` to one
+        safetensors file, atomically; the steps go in the metadata (``hookscope.steps``: JSON
+        ``[[index, start, stop], ...]``). Read it back with ``safetensors.torch.load_file``.
+
+        Raises:
+            HookscopeError: ``file`` exists and ``overwrite`` is False.
+            CaptureError: as ``aligned`` and ``token_ids``.
+        """
+        if os.path.exists(file) and not overwrite:
+            raise HookscopeError(f"{os.fspath(file)} exists; pass overwrite=True or pick another name")
+        tensors = {t.key: self.aligned(t.key).detach().cpu().contiguous() for t in self.capture.targets}
+        tensors["token_ids"] = self.token_ids()
+        steps = json.dumps([[s.index, s.start, s.stop] for s in self.steps])
+        write_atomic(file, lambda tmp: save_file(tensors, tmp, metadata={"hookscope.steps": steps}))
+
+
+def _fed_tokens(path: str, record: GenerationRecord) -> Tensor:
+    value = record.value
+    if not isinstance(value, Tensor) or value.dim() < 2 or value.shape[1] != record.stop - record.start:
+        shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+        raise CaptureError(f"'{path}' returned {shape} at step {record.step}, which fed "
+                           f"{record.stop - record.start} tokens: align a (batch, seq, ...) tensor "
+                           f"output (select a tuple's tensor with a part, e.g. '{path}[0]')")
+    return value
+
+
+def capture_generation(model: nn.Module, *patterns: str, on_unfired: OnUnfired = "warn",
+                       **options: Any) -> GenerationCapture:
+    """Capture selected modules across ``model.generate()``, labelled by step and positions.
+
+    ::
+
+        with hookscope.capture_generation(model, "transformer.h.1") as gen:
+            sequences = model.generate(ids, max_new_tokens=5)
+        gen.aligned("transformer.h.1")   # (batch, len(sequence) - 1, d_model)
+        gen.token_ids()                  # (batch, len(sequence) - 1): the tokens at those rows
+        gen.save("generated.safetensors")  # both, for every selected path
+
+    Enter it around one ``generate()`` call (steps count the root's forwards since entry).
+
+    Args:
+        model: a causal LM whose ``forward`` takes ``input_ids`` (or ``inputs_embeds``) and an
+            ``attention_mask``, as transformers' ``generate()`` calls it, with or without cache.
+        *patterns: modules to capture (see ``hookscope.capture``).
+        on_unfired: as in ``capture``.
+        **options: keyword options of ``capture`` (``to``, ``dtype``, ``clone``, ...).
+
+    Returns:
+        A ``GenerationCapture``.
+
+    Raises:
+        SelectorError: a pattern matches no module (at once).
+        CaptureError: during generation, the root was called without token inputs.
+    """
+    return GenerationCapture(model, patterns, on_unfired, options)

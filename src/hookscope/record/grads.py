@@ -1,0 +1,178 @@
+"""Gradients at module outputs and inputs, recorded with tensor hooks (never module backward hooks).
+
+``capture(..., grads=True)`` and ``grad_inputs=True`` use this module. Why tensor hooks:
+
+- ``register_full_backward_hook`` wraps a module's outputs in a custom autograd Function that
+  returns views; an in-place op right after the module (``ReLU(inplace=True)``) then makes the
+  *forward* pass fail (pytorch/pytorch#61519). A tensor hook registered on the output from a forward
+  hook changes nothing in the forward and, registered before an in-place write, receives
+  d(loss)/d(output) as the module returned it.
+- The legacy ``register_backward_hook`` reports the gradients of the module's last autograd node,
+  and once used it leaves ``module._is_full_backward_hook = False`` behind, which blocks full
+  hooks (case 22). Tensor hooks do not look at that flag at all.
+- Full backward hooks on a first layer fire with ``grad_input == (None,)`` and a UserWarning on
+  every batch (case 11). Here an input that does not require grad is marked ``NoGrad(reason)``,
+  silently and once per call, never a bare ``None``.
+
+d(loss)/d(input) is the gradient through the module only (what a full backward hook reports as
+``grad_input``), also when the same tensor feeds other modules too (a residual ``x + f(x)``): a
+forward pre-hook hands the module an alias (``t.view_as(t)``: same values, same memory) of each
+input that requires grad, and a tensor hook on the alias receives only what flows back through
+the module.
+
+Each tensor hook keeps the gradient of the latest backward pass through it; it returns ``None``,
+so it never changes the gradient that flows on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hookscope.util.nested import iter_tensors, map_tensors
+
+__all__ = ["NoGrad", "GradRecord", "converter", "watch_output", "watch_inputs", "why_no_grad"]
+
+Tensor = torch.Tensor
+Convert = Callable[[Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class NoGrad:
+    """Stands where a gradient cannot be, with the reason; falsy, so ``if g:`` skips it.
+
+    Attributes:
+        reason: why there is no gradient, e.g. ``"it does not require grad: ..."``.
+    """
+
+    reason: str
+
+    def __bool__(self) -> bool:
+        return False
+
+
+class GradRecord:
+    """Gradients of the tensors of one call (an output, or ``(args, kwargs)``), by position.
+
+    Keeps a skeleton of the structure (``meta`` tensors: shapes, no memory, no autograd graph),
+    so recording gradients never keeps a forward pass's graph alive.
+    """
+
+    __slots__ = ("skeleton", "reasons", "grads")
+
+    def __init__(self, value: Any):
+        self.skeleton = map_tensors(_meta, value)
+        self.reasons: dict[int, str] = {}  # position -> why that tensor cannot get a gradient
+        self.grads: dict[int, Tensor] = {}  # position -> gradient of the latest backward pass
+
+    @property
+    def watched(self) -> int:
+        """How many tensors of the call require grad (and so are watched)."""
+        return sum(1 for _ in iter_tensors(self.skeleton)) - len(self.reasons)
+
+    def value(self) -> Any:
+        """The structure with each tensor replaced by its gradient or a ``NoGrad``."""
+        positions = iter(range(1 << 62))
+
+        def fill(_: Tensor) -> Tensor | NoGrad:
+            i = next(positions)
+            if i in self.grads:
+                return self.grads[i]
+            return NoGrad(self.reasons.get(i, NO_GRADIENT_YET))
+        return map_tensors(fill, self.skeleton)
+
+    def first_reason(self) -> str:
+        """The reason of the first tensor that cannot get a gradient (or that got none yet)."""
+        return next(iter(self.reasons.values()), NO_GRADIENT_YET)
+
+    def _hook(self, position: int, convert: Convert) -> Callable[[Tensor], None]:
+        def hook(grad: Tensor) -> None:  # returning None: the gradient flows on unchanged
+            self.grads[position] = convert(grad.detach())
+        return hook
+
+
+NO_GRADIENT_YET = ("no gradient has reached it: call loss.backward() (or torch.autograd.grad) "
+                   "on a loss computed from the model's output, inside or after the capture "
+                   "block; if you did, the loss does not depend on this tensor")
+
+
+def watch_output(output: Any, convert: Convert) -> GradRecord:
+    """Record d(loss)/d(t) for every tensor ``t`` of a module's output, as it was returned.
+
+    Args:
+        output: what the module returned (any structure); called from a forward hook.
+        convert: applied to each gradient when it arrives (device/dtype of the capture).
+
+    Returns:
+        The ``GradRecord`` that backward fills in.
+    """
+    record = GradRecord(output)
+    positions = iter(range(1 << 62))
+
+    def watch(t: Tensor) -> Tensor:
+        i = next(positions)
+        if t.requires_grad:
+            t.register_hook(record._hook(i, convert))  # type: ignore[no-untyped-call]
+        else:
+            record.reasons[i] = why_no_grad(t)
+        return t
+    map_tensors(watch, output)
+    return record
+
+
+def watch_inputs(records: list[list[GradRecord]], convert: Convert) -> Callable[..., Any]:
+    """Return a forward pre-hook (``with_kwargs=True``) recording d(loss)/d(input) per call.
+
+    Each input tensor that requires grad is handed to the module as an alias with a tensor hook,
+    see the module docstring; the hook appends one ``GradRecord`` of ``(args, kwargs)`` to each
+    list in ``records`` (one list per record key of the module).
+    """
+    def hook(module: torch.nn.Module, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        record = GradRecord((args, kwargs))
+        for calls in records:
+            calls.append(record)
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in iter_tensors((args, kwargs)))):
+            record.reasons.update(enumerate(why_no_grad(t) for t in iter_tensors((args, kwargs))))
+            return None
+        positions = iter(range(1 << 62))
+
+        def alias(t: Tensor) -> Tensor:
+            i = next(positions)
+            if not t.requires_grad:
+                record.reasons[i] = why_no_grad(t)
+                return t
+            view = t.view_as(t)
+            view.register_hook(record._hook(i, convert))  # type: ignore[no-untyped-call]
+            return view
+        new_args, new_kwargs = map_tensors(alias, (args, kwargs))
+        return new_args, new_kwargs
+    return hook
+
+
+def converter(to: torch.device | str | None, dtype: torch.dtype | None) -> Convert:
+    """Return the function applied to each gradient as it arrives: a move to ``to`` and a cast
+    to ``dtype`` (the capture's options), or nothing when both are ``None``."""
+    if to is None and dtype is None:
+        return lambda grad: grad
+    return lambda grad: grad.to(device=to, dtype=dtype)
+
+
+def why_no_grad(t: Tensor) -> str:
+    """Say why ``t`` does not require grad, and what to do if its gradient is wanted."""
+    if not (t.is_floating_point() or t.is_complex()):
+        return (f"it does not require grad: it is a {t.dtype} tensor, and only floating "
+                f"tensors have gradients")
+    if not torch.is_grad_enabled():
+        return ("it does not require grad: the forward pass ran with gradients disabled "
+                "(torch.no_grad() or torch.inference_mode()); run it with gradients enabled")
+    return ("it does not require grad: nothing it is computed from does (input data, frozen "
+            "parameters), so no gradient is computed for it. For the input of the first layer "
+            "call x.requires_grad_() before the forward pass to get d(loss)/d(x)")
+
+
+def _meta(t: Tensor) -> Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")

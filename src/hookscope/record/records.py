@@ -1,0 +1,494 @@
+"""Records: what a capture recorded, read the same way live, saved, or loaded back from a file.
+
+A record is addressed by a ``RecordKey``: the module ``path``, optionally a function-level ``op``
+inside that module's forward, the ``call`` (0, 1, ... in call order) and the ``parts`` of a
+structured output. Its one text form, used for file keys, messages and the CLI, is
+``path[::op][:call][part]...``:
+
+- ``fc1`` (a module that ran once), ``relu:2`` (call 2), ``lstm[1][0]`` (part ``[1][0]`` of the
+  output), ``lstm:1[0]`` (part ``[0]`` of call 1);
+- ``h.0.attn::softmax`` (``softmax`` called inside ``h.0.attn``'s forward), ``::relu:1`` (call 1
+  of ``relu`` in the root module's own forward).
+
+Older files wrote the parts of a selected name before the call (``lstm[0]:1``); ``parse`` reads
+both. A saved file (safetensors, no pickle) holds one tensor per key, the key without ``:call``
+when the record has one call, and the metadata ``hookscope.calls``: a JSON object
+``{record name: number of calls}``, plus any caller-given strings; ``load`` reads both back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from hookscope.engine.function_names import bind_arguments
+from hookscope.errors import CaptureError, HookscopeError
+from hookscope.record.grads import NO_GRADIENT_YET, GradRecord
+from hookscope.util.files import write_atomic
+from hookscope.util.nested import get_part, iter_tensors_with_keys
+
+__all__ = ["CallInputs", "RecordKey", "Records", "load"]
+
+Tensor = torch.Tensor
+Part = int | str
+
+_KEY = re.compile(r"(?P<path>[^:\[\]]*)(?:::(?P<op>[^:\[\]]+))?(?P<early>(?:\[[^\]]*\])*)"
+                  r"(?::(?P<call>\d+))?(?P<parts>(?:\[[^\]]*\])*)")
+_PART = re.compile(r"\[([^\]]*)\]")
+
+
+@dataclass(frozen=True)
+class RecordKey:
+    """The address of one recorded value; ``str(key)`` is its text form (module docstring).
+
+    Attributes:
+        path: module path as in ``named_modules()`` (``""`` is the root module).
+        call: call index, or None for "the one call" (a record with a single call).
+        parts: keys into a structured output, e.g. ``(1, 0)`` for ``lstm[1][0]``.
+        op: name of a function called inside the module's forward (``"softmax"``), or None for
+            the module's own output.
+    """
+
+    path: str
+    call: int | None = None
+    parts: tuple[Part, ...] = ()
+    op: str | None = None
+
+    def __str__(self) -> str:
+        call = "" if self.call is None else f":{self.call}"
+        return self.name_of(self.path, self.op) + call + _brackets(self.parts)
+
+    @property
+    def name(self) -> str:
+        """The record name: the text form without the call (``lstm[1][0]``, ``h.0::softmax``)."""
+        return self.name_of(self.path, self.op) + _brackets(self.parts)
+
+    @staticmethod
+    def name_of(path: str, op: str | None) -> str:
+        return path if op is None else f"{path}::{op}"
+
+    @classmethod
+    def parse(cls, text: str) -> RecordKey:
+        """Read the text form back (also the older ``name[parts]:call[parts]`` order).
+
+        Raises:
+            HookscopeError: ``text`` is not a record key (empty, a stray ``:`` or bracket).
+        """
+        match = _KEY.fullmatch(text)
+        if match is None or not (match["path"] or match["op"]):
+            raise HookscopeError(f"{text!r} is not a record key: write path[:call][part]..., e.g. "
+                                 f"'fc1', 'relu:2', 'lstm[1][0]', 'h.0.attn::softmax:1'")
+        parts = tuple(_part(p) for p in _PART.findall(match["early"] + match["parts"]))
+        call = None if match["call"] is None else int(match["call"])
+        return cls(match["path"], call, parts, match["op"])
+
+
+def _part(text: str) -> Part:
+    return int(text) if text.isdigit() else text
+
+
+def _brackets(parts: Iterable[Part]) -> str:
+    return "".join(f"[{p}]" for p in parts)
+
+
+@dataclass(frozen=True)
+class CallInputs:
+    """The inputs of one call: ``args`` and ``kwargs`` as passed, ``named`` bound to the
+    signature of ``forward`` (``{'hidden_states': Tensor, 'attention_mask': Tensor, ...}``).
+
+    ``inputs[0]`` is the first argument and ``inputs["attention_mask"]`` the named one, whether
+    the caller passed it by position or by keyword.
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    named: dict[str, Any]
+
+    def __getitem__(self, key: int | str) -> Any:
+        if isinstance(key, int):
+            return list(self.named.values())[key]
+        return self.named[key]
+
+
+class Entry:
+    """Everything recorded under one record name; the capture session appends to the lists."""
+
+    __slots__ = ("name", "module", "function", "outputs", "inputs", "grads", "grad_inputs",
+                 "broken")
+
+    def __init__(self, name: str, module: nn.Module | None = None):
+        self.name = name
+        self.module = module
+        self.function: Callable[..., Any] | None = None  # for a function-level record
+        self.outputs: list[Any] = []
+        self.inputs: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        self.grads: list[GradRecord] = []
+        self.grad_inputs: list[GradRecord] = []
+        self.broken: set[int] = set()  # calls whose value was overwritten in place
+
+    def clear(self) -> None:
+        for kept in (self.outputs, self.inputs, self.grads, self.grad_inputs):
+            kept.clear()
+        self.broken.clear()
+
+
+class Records:
+    """What was recorded, by record name; returned by ``with hookscope.capture(...) as acts``
+    (through the live ``Capture``) and by ``hookscope.load``.
+
+    Reading: ``acts[path]`` is the output of the module's one call; ``acts[path, k]`` the output
+    of call ``k`` (negative counts from the end); ``acts.calls(path)`` every call in order; any
+    ``RecordKey`` or its text works too (``acts["relu:2"]``, ``acts["lstm[1][0]"]``). Outputs keep
+    their structure (tensor, tuple, dict, dataclass, ``ModelOutput``), each tensor detached, e.g.
+    ``(batch, channels, height, width)`` float32 for a ``Conv2d``; loaded records rebuild
+    structured outputs as tuples (integer parts) and dicts (named parts).
+
+    As a collection, records hold one tensor per saved key: ``list(acts)`` gives the keys a file
+    would hold (``fc1``, ``relu:0``, ``lstm[1][0]``) and ``len(acts)`` their number.
+
+    Attributes:
+        metadata: strings saved with the file (``load``), else empty.
+        unfired: ``{record name: reason}`` for selected modules that never ran.
+        notes: ``{record name: note}`` where a value was kept in another form, e.g.
+            ``"torch.quint8 (scale 0.02, zero point 0), kept dequantized as torch.float32"``.
+        aliases: ``{other name: record name}`` for modules registered under several names
+            (``"encoder.embed_tokens": "shared"``); reading by an alias reads the record.
+
+    Raises (on reading):
+        CaptureError: the name was not recorded, never ran, ran more than once (for
+            ``acts[path]``), or its value was overwritten in place after capture.
+    """
+
+    def __init__(self, entries: Iterable[Entry], kept: Iterable[str] = (),
+                 metadata: Mapping[str, str] | None = None):
+        self._entries = {e.name: e for e in entries}
+        self._kept = frozenset(kept)  # of "inputs", "grads", "grad_inputs"
+        self.metadata = dict(metadata or {})
+        self.unfired: dict[str, str] = {}
+        self.notes: dict[str, str] = {}  # record name -> how a value was kept (dequantized)
+        self.aliases: dict[str, str] = {}  # other name of a recorded module -> its record name
+
+    def entry(self, name: str) -> Entry:
+        """The entry of record ``name`` (live capture sessions append to it)."""
+        return self._entries[name]
+
+    def clear(self) -> None:
+        """Drop every recorded value, keep the record names (for reuse across batches)."""
+        for entry in self._entries.values():
+            entry.clear()
+        self.unfired = {}
+
+    # ----------------------------------------------------------------- names and counts
+    @property
+    def paths(self) -> list[str]:
+        """Record names (paths, with output parts if asked), ``named_modules()`` order."""
+        return list(self._entries)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """``{record name: number of calls recorded}``; 0 for modules that never ran."""
+        return {name: len(e.outputs) for name, e in self._entries.items()}
+
+    def items(self) -> Iterator[tuple[RecordKey, Tensor]]:
+        """``(key, tensor)`` for every tensor of every call, keys as a saved file holds them."""
+        for name, entry in self._entries.items():
+            base = RecordKey.parse(name)
+            count = len(entry.outputs)
+            for call in range(count):
+                at = None if count == 1 else call
+                for keys, tensor in iter_tensors_with_keys(self._value(name, call)):
+                    yield dataclasses.replace(base, call=at, parts=(*base.parts, *keys)), tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return (str(key) for key, _ in self.items())
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self.items())
+
+    def __contains__(self, key: object) -> bool:
+        """True when something was recorded at ``key`` (a record name that ran, with any
+        number of calls, or a ``RecordKey``/its text naming an existing call and part)."""
+        if isinstance(key, str) and key in self._entries:
+            return bool(self._entries[key].outputs)
+        try:
+            address = RecordKey.parse(key) if isinstance(key, str) else key
+            if not isinstance(address, RecordKey):
+                return False
+            name, parts = self._name_for(address)
+            outputs = self._entries[name].outputs
+            call = 0 if address.call is None else address.call
+            get_part(outputs[call], parts)
+        except (HookscopeError, KeyError, IndexError):
+            return False
+        return True
+
+    def __repr__(self) -> str:
+        shown = [f"{name}: {_shapes(e.outputs)}" for name, e in list(self._entries.items())[:6]]
+        more = f", … {len(self._entries) - 6} more" if len(self._entries) > 6 else ""
+        return f"<hookscope.Records {', '.join(shown)}{more}>"
+
+    # ----------------------------------------------------------------- values
+    def __getitem__(self, key: str | tuple[str, int] | RecordKey) -> Any:
+        if isinstance(key, tuple):
+            return self._value(*key)
+        if isinstance(key, str) and (key in self._entries or key in self.aliases):
+            return self._only(key)
+        address = RecordKey.parse(key) if isinstance(key, str) else key
+        name, parts = self._name_for(address)
+        value = self._only(name) if address.call is None else self._value(name, address.call)
+        try:
+            return get_part(value, parts)
+        except KeyError as err:
+            raise CaptureError(f"cannot take {str(address)!r}: {err.args[0]}") from None
+
+    def calls(self, path: str) -> list[Any]:
+        """Every call's output for ``path``, in call order (never empty: a record that never
+        ran raises)."""
+        entry = self._entry(path)
+        return [self._value(path, k) for k in range(len(entry.outputs))]
+
+    def inputs(self, path: str, call: int = 0) -> CallInputs:
+        """The inputs of call ``call`` of ``path``; needs ``capture(..., inputs=True)``."""
+        entry = self._entry(path)
+        if "inputs" not in self._kept:
+            raise CaptureError(f"inputs were not recorded: use hookscope.capture(model, "
+                               f"'{path}', inputs=True) to keep them")
+        args, kwargs = entry.inputs[self._index(path, entry, call)]
+        return CallInputs(args, kwargs, _bind(entry, args, kwargs))
+
+    def grad(self, path: str, call: int = 0) -> Any:
+        """d(loss)/d(output) of call ``call`` of ``path``; same structure and shapes as the output.
+
+        Needs ``capture(..., grads=True)`` and a backward pass (``loss.backward()`` or
+        ``torch.autograd.grad``) through that output, inside or after the ``with`` block; each
+        backward pass replaces the gradients of the one before. It is the gradient of the value
+        the module returned, also when an in-place op (``ReLU(inplace=True)``) rewrites it later.
+        In a structured output, a tensor without a gradient is a ``hookscope.NoGrad`` with the
+        reason (an integer tensor, a part the loss does not use).
+
+        Raises:
+            CaptureError: gradients were not recorded; no tensor of this output requires grad
+                (the forward ran under ``torch.no_grad()``, or nothing before it requires
+                grad); or no gradient has reached it yet (no backward pass ran through it).
+        """
+        record = self._grad_record(path, call, "grads")
+        if record.watched == 0:
+            raise CaptureError(f"call {call} of '{path}' has no gradient because its output "
+                               f"cannot have one: {record.first_reason()}")
+        if not record.grads:
+            raise CaptureError(f"call {call} of '{path}': {NO_GRADIENT_YET}")
+        return record.value()
+
+    def grad_calls(self, path: str) -> list[Any]:
+        """d(loss)/d(output) for every call of ``path``, in call order (see ``grad``)."""
+        return [self.grad(path, k) for k in range(len(self._entry(path).outputs))]
+
+    def grad_input(self, path: str, call: int = 0) -> CallInputs:
+        """d(loss)/d(input) of call ``call`` of ``path``: the gradient through this module only.
+
+        Needs ``capture(..., grad_inputs=True)`` and a backward pass. Laid out as ``inputs``:
+        ``g[0]`` is the gradient of the first input, ``g["attention_mask"]`` of a named one,
+        ``g.args``/``g.kwargs`` as passed. An input that does not require grad (the data fed
+        to the first layer, an integer mask), or that got no gradient, is a
+        ``hookscope.NoGrad`` whose ``reason`` says so; never a bare ``None``.
+
+        Raises:
+            CaptureError: input gradients were not recorded, or ``path``/``call`` does not exist.
+        """
+        record = self._grad_record(path, call, "grad_inputs")
+        args, kwargs = record.value()
+        return CallInputs(args, kwargs, _bind(self._entry(path), args, kwargs))
+
+    def save(self, file: str | os.PathLike[str], *, overwrite: bool = True,
+             metadata: Mapping[str, str] | None = None) -> None:
+        """Write every recorded tensor to the safetensors ``file``, atomically; keys as ``items``.
+
+        Tensors are moved to CPU and made contiguous; tensors sharing memory are copied apart.
+
+        Raises:
+            HookscopeError: ``file`` exists and ``overwrite`` is False, nothing was recorded,
+                or a record is a meta tensor (no values).
+        """
+        file = os.fspath(file)
+        if os.path.lexists(file) and not overwrite:
+            raise HookscopeError(f"{file} exists; pass overwrite=True (--overwrite) or pick another name")
+        tensors: dict[str, Tensor] = {}
+        seen: set[int] = set()
+        for key, tensor in self.items():
+            if tensor.is_meta:
+                raise HookscopeError(f"cannot save '{key}': it is a meta tensor, which holds no "
+                                     f"values; run the model on a real device")
+            t = tensor.detach().cpu().contiguous()
+            ptr = t.untyped_storage().data_ptr()
+            tensors[str(key)] = t.clone() if ptr in seen else t
+            seen.add(ptr)
+        if not tensors:
+            raise HookscopeError("nothing to save: no selected module ran inside the capture block")
+        meta = {"hookscope.calls": json.dumps({p: n for p, n in self.counts.items() if n})}
+        meta.update(metadata or {})
+        write_atomic(file, lambda tmp: save_file(tensors, tmp, metadata=meta))
+
+    # ----------------------------------------------------------------- lookups
+    def _name_for(self, key: RecordKey) -> tuple[str, tuple[Part, ...]]:
+        """The record name holding ``key`` (the longest recorded prefix of its parts) and the
+        parts left to take inside that record's value."""
+        for n in range(len(key.parts), -1, -1):
+            name = RecordKey(key.path, None, key.parts[:n], key.op).name
+            if name in self._entries:
+                return name, key.parts[n:]
+        self._entry(key.name)  # raises, naming what was recorded
+        raise AssertionError  # pragma: no cover
+
+    def _entry(self, name: str) -> Entry:
+        name = self.aliases.get(name, name)
+        entry = self._entries.get(name)
+        if entry is None:
+            raise CaptureError(f"'{name}' was not selected in this capture; selected: "
+                               f"{', '.join(repr(k) for k in list(self._entries)[:8])}"
+                               f"{' …' if len(self._entries) > 8 else ''}")
+        if not entry.outputs:
+            why = self.unfired.get(name, "no forward pass has run yet")
+            raise CaptureError(f"'{name}' never ran, so nothing was recorded: {why}")
+        return entry
+
+    def _only(self, name: str) -> Any:
+        entry = self._entry(name)
+        if len(entry.outputs) != 1:
+            raise CaptureError(
+                f"'{name}' ran {len(entry.outputs)} times in this capture, so acts['{name}'] is "
+                f"ambiguous: ask for one call with acts['{name}', k] (k = 0 … "
+                f"{len(entry.outputs) - 1}, or -1 for the last) or for all with acts.calls('{name}')")
+        return self._value(name, 0)
+
+    def _index(self, name: str, entry: Entry, call: int) -> int:
+        n = len(entry.outputs)
+        if not -n <= call < n:
+            raise CaptureError(f"'{name}' ran {n} time{'s' if n != 1 else ''}; call {call} does "
+                               f"not exist (use 0 … {n - 1}, or -1 for the last)")
+        return call % n
+
+    def _value(self, name: str, call: int) -> Any:
+        entry = self._entry(name)
+        k = self._index(name, entry, call)
+        if k in entry.broken:
+            raise CaptureError(
+                f"call {k} of '{name}' was overwritten in place after it was captured (an in-place "
+                f"op such as ReLU(inplace=True) or '+=' in the code that uses it), so the kept "
+                f"value is wrong. Capture again or pass clone=True")
+        return entry.outputs[k]
+
+    def _grad_record(self, path: str, call: int, option: str) -> GradRecord:
+        entry = self._entry(path)
+        if option not in self._kept:
+            raise CaptureError(f"{'input ' if option == 'grad_inputs' else ''}gradients were not "
+                               f"recorded: use hookscope.capture(model, '{path}', {option}=True), "
+                               f"then call loss.backward()")
+        kept = entry.grads if option == "grads" else entry.grad_inputs
+        return kept[self._index(path, entry, call)]
+
+    @classmethod
+    def from_tensors(cls, tensors: Mapping[str, Tensor],
+                     metadata: Mapping[str, str] | None = None) -> Records:
+        """Records from flat ``{key: tensor}`` as a file holds them; record names and call
+        counts come from ``metadata["hookscope.calls"]`` when present, else from the keys."""
+        metadata = dict(metadata or {})
+        names = _call_names(metadata.get("hookscope.calls", "{}"))
+        known = {RecordKey.parse(n) for n in names}
+        calls: dict[str, dict[int, dict[tuple[Part, ...], Tensor]]] = {n: {} for n in names}
+        for text, tensor in tensors.items():
+            key = RecordKey.parse(text)
+            cut = max((len(k.parts) for k in known if (k.path, k.op) == (key.path, key.op)
+                       and key.parts[:len(k.parts)] == k.parts), default=0)
+            name = dataclasses.replace(key, call=None, parts=key.parts[:cut]).name
+            calls.setdefault(name, {}).setdefault(key.call or 0, {})[key.parts[cut:]] = tensor
+        entries = []
+        for name, by_call in calls.items():
+            entry = Entry(name)
+            entry.outputs.extend(_rebuild(by_call[k]) for k in sorted(by_call))
+            entries.append(entry)
+        return cls(entries, metadata=metadata)
+
+
+def _rebuild(leaves: dict[tuple[Part, ...], Tensor]) -> Any:
+    """The structure that ``leaves`` (``{parts: tensor}``) came from: a tensor, or tuples for
+    integer parts (missing positions None) and dicts for named parts."""
+    if () in leaves:
+        return leaves[()]
+    children: dict[Part, dict[tuple[Part, ...], Tensor]] = {}
+    for parts, tensor in leaves.items():
+        children.setdefault(parts[0], {})[parts[1:]] = tensor
+    built = {k: _rebuild(v) for k, v in children.items()}
+    positions = [k for k in built if isinstance(k, int)]
+    if len(positions) == len(built):
+        return tuple(built.get(i) for i in range(max(positions) + 1))
+    return built
+
+
+def _shapes(outputs: list[Any]) -> str:
+    if not outputs:
+        return "never ran"
+    first = outputs[0]
+    shape = "x".join(map(str, first.shape)) if isinstance(first, Tensor) else type(first).__name__
+    return shape if len(outputs) == 1 else f"{len(outputs)} calls, first {shape}"
+
+
+def _bind(entry: Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Bind inputs to the parameter names of the module's forward, or of the function called
+    for a function-level record (``query``, ``key``, ``value``, ... of SDPA)."""
+    if entry.function is not None:
+        return bind_arguments(entry.function, args, kwargs)
+    try:
+        if entry.module is None:
+            raise TypeError
+        bound = inspect.signature(entry.module.forward).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return {**{str(i): a for i, a in enumerate(args)}, **kwargs}
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def load(file: str | os.PathLike[str]) -> Records:
+    """Read a file written by ``save``: ``Records`` on CPU, with the file's metadata
+    (``records.metadata``) and its call counts (``records.counts``).
+
+    Raises:
+        HookscopeError: the file is missing or is not a safetensors file.
+    """
+    file = os.fspath(file)
+    if not os.path.exists(file):
+        raise HookscopeError(f"no such file: {file}")
+    try:
+        tensors = load_file(file)
+        with safe_open(file, "pt") as handle:
+            metadata = handle.metadata() or {}
+    except Exception as err:  # safetensors raises its own SafetensorError
+        raise HookscopeError(f"{file} is not a readable safetensors file: {err}") from err
+    return Records.from_tensors(tensors, metadata)
+
+
+def _call_names(text: str) -> list[str]:
+    """The record names of a saved file's ``hookscope.calls`` metadata (``{name: calls}``).
+
+    Raises:
+        HookscopeError: the metadata is not such a JSON object (a damaged or foreign file).
+    """
+    try:
+        calls = json.loads(text)
+    except (ValueError, RecursionError):
+        calls = None
+    if not (isinstance(calls, dict) and all(type(n) is int for n in calls.values())):
+        raise HookscopeError(f"the file's hookscope.calls metadata is not {{record name: calls}} "
+                             f"(got {text!r:.60}): it is damaged or was not written by hookscope; "
+                             f"read its tensors with safetensors.torch.load_file")
+    return list(calls)

@@ -1,0 +1,23 @@
+"""Activations of whole data sets on disk: ``extract`` (the loop), ``data`` (what a data
+argument means), ``ranks`` (torchrun), ``writer`` (shards and manifests), ``folder`` (which
+files of an output folder belong to a store), ``manifest`` (the schema) and ``reader``
+(``Store``). The format is in the README.
+
+Imports ``record``, the engine, ``errors`` and ``util``.
+"""
+
+from hookscope.store.reader import (
+    FORMAT,
+    LayerInfo,
+    LayerView,
+    ShardInfo,
+    Store,
+    StoreDataset,
+    chunk_sums,
+    dtype_name,
+    open_store,
+    read_manifest,
+)
+
+__all__ = ["FORMAT", "LayerInfo", "LayerView", "ShardInfo", "Store", "StoreDataset", "chunk_sums",
+           "dtype_name", "open_store", "read_manifest"]

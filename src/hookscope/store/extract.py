@@ -1,0 +1,423 @@
+"""Extraction: run a model over a data set and stream chosen activations into a store.
+
+``extract(model, data, layers, out)`` runs one forward pass per batch under one
+``hookscope.capture`` session kept open across the batches (``clear()`` between them; the first
+batch runs in a capture of its own, which checks that model, data and layers fit and says why a
+module did not run), turns each selected output into rows (reduced, cast, padding dropped), and
+hands full shards to a background thread that writes them (``hookscope.store``), so compute and
+disk overlap. At most
+three shards are in memory (one filling, one queued, one being written): about
+``3 * shard_bytes``, however large the data set. ``load_data`` makes the data of the CLI's
+``--data PATH`` (``hookscope.store.batches``).
+
+A shard is closed when it holds ``shard_bytes`` of rows or when ``shard_seconds`` have passed
+since it was started, whichever comes first, so a killed run loses at most about
+``shard_seconds`` of work however small the data set is.
+
+Resume and torchrun both rest on one rule: batch ``k`` of the data is always the same batch. A
+resumed run starts at the first batch of the shard that was in progress; under torchrun each
+rank takes a contiguous block of batches (``hookscope.store.ranks``). Reductions are
+``hookscope.reductions``; writing, staging and the writer thread ``hookscope.store.writer``; what
+an output folder may hold ``hookscope.store.folder``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from hookscope.engine.run import model_inputs
+from hookscope.engine.select import as_patterns, resolve
+from hookscope.errors import ExtractError, HookscopeError
+from hookscope.record.capture import Capture, capture
+from hookscope.record.reductions import Reduce, Reduction, reduction, reduction_name
+from hookscope.store.batches import BatchSource
+from hookscope.store.folder import check_output, prepare_output, writing
+from hookscope.store.ranks import Ranks
+from hookscope.store.reader import _ST_DTYPES, LayerInfo, Store, dtype_name, open_store
+from hookscope.store.writer import (
+    BackgroundWriter,
+    ShardData,
+    Staging,
+    StoreWriter,
+    join_parts,
+    read_part,
+)
+from hookscope.util.nested import describe_keys, iter_tensors, map_tensors
+
+__all__ = ["Reduce", "check_output", "extract"]
+
+Tensor = torch.Tensor
+SHARD_BYTES = 256 * 2**20
+SHARD_SECONDS = 60.0
+Rows = dict[str, tuple[Tensor, Tensor | None]]  # key -> (rows or flat tokens, token counts)
+
+
+def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str | os.PathLike[str],
+            *, reduce: Reduce = None, dtype: torch.dtype | None = None, batch_size: int = 32,
+            shard_bytes: int = SHARD_BYTES, shard_seconds: float = SHARD_SECONDS,
+            resume: bool = False, overwrite: bool = False, progress: bool = True,
+            model_spec: str | None = None,
+            early_stop: bool = False) -> Store:
+    """Run ``model`` over ``data`` and store the output of each selected layer, row by row.
+
+    Args:
+        model: any ``nn.Module``; it runs in eval mode without grad (its mode is restored).
+        data: a ``DataLoader`` (not shuffled), a map-style ``Dataset`` (batched here by
+            ``batch_size``), or any iterable of batches. A batch is a tensor (``model(batch)``),
+            a dict such as a tokenizer's output (``model(**batch)``; its ``attention_mask``
+            marks real tokens), or a tuple/list ``(inputs, labels, ...)`` whose first item is
+            the inputs: a tensor, a dict, or a tuple of positional inputs (labels ignored).
+        layers: patterns as in ``hookscope.select``; each selected module (or output part,
+            ``"lstm[0]"``) becomes one store layer. Its output must hold one tensor whose dim 0
+            is the batch.
+        out: the store folder to create.
+        reduce: ``None`` keeps each row whole: with an attention mask, a ``(batch, seq, ...)``
+            output keeps only real tokens (a ragged layer). ``"mean"`` averages over tokens
+            (honouring the mask) for ``(batch, seq, d)``, over pixels for ``(batch, c, h, w)``
+            and leaves ``(batch, d)`` alone; ``"first"``/``"last"`` take the first/last real
+            token of a ``(batch, seq, d)`` output (CLS / last token) and refuse outputs without
+            a token axis; a callable maps ``(batch, ...)`` to ``(batch, ...)``
+            (``hookscope.reductions``).
+        dtype: cast floating rows to this dtype before storing (``torch.float16`` halves disk).
+        batch_size: batch size when ``data`` is a ``Dataset``; a DataLoader keeps its own.
+        shard_bytes: bytes of rows per shard file at most (the last shard may be smaller).
+        shard_seconds: a shard is also closed once this many seconds have passed since it was
+            started, so a killed run loses at most about this much work (default 60).
+        resume: continue an interrupted run into ``out`` (same arguments and data); a missing
+            or empty ``out`` starts afresh (with a warning).
+        overwrite: delete the store at ``out`` first: only the files its manifest lists and its
+            own temporary files; anything else there makes it refuse (``StoreExistsError``).
+        progress: show a progress bar (rows/s, MB/s) on stderr (rank 0 only under torchrun).
+        model_spec: how the model was made, kept in the manifest (the CLI's ``MODEL``).
+        early_stop: stop each forward once every selected layer has returned (the rest of the
+            model does not run; same rows, less time for early layers; see ``capture``).
+
+    Returns:
+        The finished store, opened (``hookscope.open_store(out)``).
+
+    Raises:
+        SelectorError: a pattern matches no module or names a container (before any file).
+        StoreExistsError: ``out`` exists and neither ``resume`` nor ``overwrite`` was passed,
+            or ``out`` holds a file that is not the store's (named), with either.
+        ExtractError: a bad argument, an output that is not one batch-first tensor, rows whose
+            shape changes between batches, shuffled data, or a resume with other arguments.
+        StoreCorruptError: ``resume`` finds a damaged manifest.
+    """
+    folder, keys = Path(out), [t.key for t in resolve(model, as_patterns(layers))]
+    reducer, source = reduction(reduce), BatchSource(data, batch_size)
+    if shard_bytes <= 0 or not shard_seconds > 0:
+        raise ExtractError(f"shard_bytes={shard_bytes} and shard_seconds={shard_seconds} must be "
+                           f"positive, e.g. {SHARD_BYTES} and {SHARD_SECONDS}")
+    if resume and overwrite:
+        raise ExtractError("resume=True continues the store in place and overwrite=True deletes "
+                           "it: pass one of them")
+    ranks = Ranks.start()
+    training = model.training
+    try:
+        model.eval()
+        config = {"layers": keys, "reduce": reduction_name(reduce), "batches": source.count,
+                  "dtype": dtype_name(dtype) if dtype else None}
+        header = {"model": {"spec": model_spec, "class": _class_name(model)}, "extract": config}
+        job = _Job(model, keys, reducer, dtype, source, ranks, progress, shard_bytes, shard_seconds,
+                   early_stop)
+        with torch.no_grad():
+            _extract(job, folder, header, resume=resume, overwrite=overwrite)
+    finally:
+        model.train(training)
+        ranks.stop()
+    return open_store(folder)
+
+
+# ------------------------------------------------------------------------------- the run
+@dataclass
+class _Job:
+    model: nn.Module
+    keys: list[str]
+    reducer: Reduction | None
+    dtype: torch.dtype | None
+    source: BatchSource
+    ranks: Ranks
+    progress: bool
+    shard_bytes: int
+    shard_seconds: float
+    early_stop: bool = False
+    session: Capture | None = None  # the capture open across the batches after the first
+
+
+def _extract(job: _Job, folder: Path, header: dict[str, Any], *,
+             resume: bool, overwrite: bool) -> None:
+    ranks = job.ranks
+    prior: dict[str, Any] | None = None
+    todo: Iterator[tuple[int, Rows]] = iter(())
+    start = 0
+    try:  # everything that can fail on bad input fails here, before any file is written
+        check_output(folder, resume=resume, overwrite=overwrite)
+        if resume and folder.is_dir():
+            prior = read_part(folder, ranks.rank, ranks.world_size)
+        _check_resume(prior, header)
+        if not (prior and prior["complete"]):
+            start, stop = ranks.batch_range(job.source.count)
+            start = _resume_batch(prior, start)
+            todo, header["layers"] = _first_batch(job, start, stop, prior)
+        error = None
+    except Exception as err:  # noqa: BLE001  (shared with the other ranks, then re-raised)
+        error = err
+    ranks.agree(error)
+    with writing(folder) if ranks.world_size == 1 else contextlib.nullcontext():
+        _write_store(job, folder, header, prior, todo, start, resume=resume, overwrite=overwrite)
+
+
+def _write_store(job: _Job, folder: Path, header: dict[str, Any], prior: dict[str, Any] | None,
+                 todo: Iterator[tuple[int, Rows]], start: int, *, resume: bool,
+                 overwrite: bool) -> None:
+    """Make the folder ready (rank 0), write this rank's rows, join the ranks' parts."""
+    ranks = job.ranks
+    if ranks.rank == 0:
+        prepare_output(folder, resume=resume, overwrite=overwrite)
+    ranks.barrier()
+    if not (prior and prior["complete"]):
+        writer = StoreWriter(folder, header, rank=ranks.rank, world_size=ranks.world_size,
+                             resume_from=prior)
+        _write_all(job, writer, todo, start)
+    ranks.barrier()
+    if ranks.rank == 0 and ranks.world_size > 1:
+        join_parts(folder, ranks.world_size)
+    ranks.barrier()
+
+
+def _first_batch(job: _Job, start: int, stop: int | None, prior: dict[str, Any] | None
+                 ) -> tuple[Iterator[tuple[int, Rows]], dict[str, Any]]:
+    """Run the first batch (the check that model, data and layers fit) and return an iterator
+    over the rows of every batch from ``start`` on, with the layers' row specs."""
+    batches = job.source.batches(start, stop)
+    first = next(batches, None)
+    if first is None:
+        if job.ranks.world_size == 1 and prior is None:
+            raise ExtractError("data yielded no batch: there is nothing to extract")
+        return iter(()), prior["layers"] if prior else {}
+    rows = _rows(job, first[1])
+    rest = ((i, _rows(job, b)) for i, b in batches)
+    return itertools.chain([(first[0], rows)], rest), _layer_infos(rows, prior)
+
+
+def _write_all(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Rows]],
+               start: int) -> None:
+    """Store the rows of every remaining batch, handing full shards to a background writer."""
+    staging = Staging(min(max(job.shard_bytes, 2**20), 16 * 2**20))
+    try:
+        with capture(job.model, *job.keys, on_unfired="ignore",
+                     early_stop=job.early_stop) as job.session:
+            _write_batches(job, writer, todo, start, staging)
+    finally:
+        staging.close()
+
+
+def _write_batches(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Rows]], start: int,
+                   staging: Staging) -> None:
+    background = BackgroundWriter(writer, staging)
+    bar = _Progress(job, start)
+    layers = writer.manifest["layers"]
+    shard, started = ShardData(batches=(start, start)), time.monotonic()
+    try:
+        for index, rows in todo:
+            _check_layers(rows, layers, index)
+            _append(shard, index, rows, staging)
+            bar.update(rows)
+            if shard.nbytes >= job.shard_bytes or \
+                    time.monotonic() - started >= job.shard_seconds:
+                background.put(shard)
+                shard, started = ShardData(batches=(index + 1, index + 1)), time.monotonic()
+                staging.start_shard()
+        if shard.rows:
+            background.put(shard)
+        background.close()
+        writer.finish()
+    finally:
+        background.close()
+        bar.close()
+
+
+def _append(shard: ShardData, index: int, rows: Rows, staging: Staging) -> None:
+    data, lengths = next(iter(rows.values()))
+    n = len(lengths) if lengths is not None else int(data.shape[0])
+    shard.append({k: staging.keep(d, shard) for k, (d, _) in rows.items()},
+                 {k: c for k, (_, c) in rows.items() if c is not None}, n)
+    shard.batches = (shard.batches[0], index + 1)
+
+
+class _Progress:
+    """tqdm bar over rows with the MB/s of rows produced; a no-op when disabled.
+
+    The first batch was computed before the bar existed (as a check), so the MB/s clock starts
+    at the first update and counts the bytes of the batches after it.
+    """
+
+    def __init__(self, job: _Job, start: int):
+        shown = job.progress and job.ranks.rank == 0
+        total = job.source.rows(start, job.ranks.batch_range(job.source.count)[1])
+        self.bar = tqdm(total=total, unit="row", desc="extract", file=sys.stderr, disable=not shown,
+                        dynamic_ncols=True)
+        self.bytes, self.since = 0, 0.0
+
+    def update(self, rows: Rows) -> None:
+        data, lengths = next(iter(rows.values()))
+        self.bar.update(len(lengths) if lengths is not None else int(data.shape[0]))
+        if not self.since:
+            self.since = time.perf_counter()
+            return
+        self.bytes += sum(d.numel() * d.element_size() for d, _ in rows.values())
+        rate = self.bytes / max(time.perf_counter() - self.since, 1e-9) / 2**20
+        self.bar.set_postfix_str(f"{rate:.1f} MB/s", refresh=False)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+# ------------------------------------------------------------------------- batch -> rows
+def _rows(job: _Job, batch: Any) -> Rows:
+    """Run one batch; return ``{key: (rows, None)}`` or ``{key: (flat tokens, counts)}``."""
+    try:
+        args, kwargs = model_inputs(batch)
+    except HookscopeError as err:
+        raise ExtractError(str(err)) from None
+    device = next(job.model.parameters(), torch.empty(0)).device
+    args, kwargs = map_tensors(lambda t: t.to(device, non_blocking=True), (args, kwargs))
+    mask = kwargs.get("attention_mask")
+    n = _batch_rows(args, kwargs)
+    if job.session is None:  # the first batch: a capture of its own, which says why a module
+        with capture(job.model, *job.keys, on_unfired="error",  # did not run
+                     early_stop=job.early_stop) as acts:
+            job.model(*args, **kwargs)
+    else:
+        acts = job.session
+        acts.clear()
+        with acts.forward_boundary():
+            job.model(*args, **kwargs)
+        acts.check_writes()
+        _check_calls(acts, job.keys)
+    return {key: _layer_rows(key, _one_tensor(key, acts[key]), n, mask, job) for key in job.keys}
+
+
+def _check_calls(acts: Capture, keys: list[str]) -> None:
+    """Each selected module runs once per batch (a store keeps one row per input)."""
+    counts = acts.counts
+    for key in keys:
+        if counts.get(key, 1) != 1:
+            raise ExtractError(f"'{key}' ran {counts[key]} times on this batch and once on the "
+                               f"first; a store layer takes one call per batch: select a module "
+                               f"that runs once per forward pass")
+
+
+def _batch_rows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    tensors = list(iter_tensors((args, kwargs)))
+    if not tensors or tensors[0].dim() == 0:
+        raise ExtractError("a batch holds no tensor with a batch dimension; each batch needs "
+                           "one, e.g. (batch, 3, 224, 224) images or (batch, seq) token ids")
+    return int(tensors[0].shape[0])
+
+
+def _one_tensor(key: str, output: Any) -> Tensor:
+    tensors = list(iter_tensors(output))
+    if isinstance(output, Tensor) or len(tensors) == 1:
+        return tensors[0]
+    raise ExtractError(
+        f"'{key}' returns a {type(output).__name__} holding {len(tensors)} tensors; a store "
+        f"layer is one tensor, so name the part to keep, e.g. '{key}[0]' (its parts: "
+        f"{describe_keys(output)})")
+
+
+def _layer_rows(key: str, t: Tensor, n: int, mask: Tensor | None, job: _Job
+                ) -> tuple[Tensor, Tensor | None]:
+    if t.dim() == 0 or t.shape[0] != n:
+        raise ExtractError(f"'{key}' returned shape {tuple(t.shape)}, whose first dimension is "
+                           f"not the batch size {n}; a store keeps one row per input, so select "
+                           f"a module whose output is batch-first")
+    lengths = None
+    if job.reducer is not None:
+        t = job.reducer(t, mask)
+        if t.dim() == 0 or t.shape[0] != n:
+            raise ExtractError(f"reduce turned the output of '{key}' into shape "
+                               f"{tuple(t.shape)}; it must keep dim 0 (the batch, {n})")
+    elif mask is not None and t.dim() >= 2 and t.shape[:2] == mask.shape:
+        keep = mask.bool()  # (batch, seq): real tokens only, padding is not stored
+        lengths, t = keep.sum(dim=1).to("cpu", torch.int64), t[keep]
+    if job.dtype is not None and t.is_floating_point():
+        t = t.to(job.dtype)
+    _check_storable(key, t)
+    return t.detach(), lengths
+
+
+def _check_storable(key: str, t: Tensor) -> None:
+    """Raise unless a store can hold ``t``: real data (not a meta tensor) of a dtype safetensors
+    and the manifest know (not complex, float8, uint16..64 or quantized)."""
+    if t.is_meta:
+        raise ExtractError(f"'{key}' returned a meta tensor, which holds no values to store; run "
+                           f"the model on a real device (model.to_empty(device='cpu') then load "
+                           f"its weights)")
+    if t.dtype not in _ST_DTYPES:
+        fix = ("store its real and imaginary parts: a model wrapper returning "
+               "torch.view_as_real(output)" if t.is_complex() else
+               "convert it: dtype=torch.float32 if it is floating, or a wrapper returning "
+               "output.to(torch.int64)")
+        raise ExtractError(f"'{key}' returned {t.dtype}, which a store cannot hold (it holds "
+                           f"{', '.join(dtype_name(d) for d in _ST_DTYPES)}); {fix}")
+
+
+def _layer_infos(rows: Rows, prior: dict[str, Any] | None) -> dict[str, Any]:
+    infos = {key: LayerInfo(key, ((None,) if lengths is not None else ()) +
+                            tuple(data.shape[1:]), data.dtype).to_json()
+             for key, (data, lengths) in rows.items()}
+    if prior is not None and prior["layers"] and prior["layers"] != infos:
+        raise ExtractError(f"the layers now give rows {infos}, the interrupted run stored "
+                           f"{prior['layers']}: resume with the same model, data and options, or "
+                           f"start over with overwrite=True")
+    return infos
+
+
+def _check_layers(rows: Rows, layers: dict[str, Any], index: int) -> None:
+    for key, (data, lengths) in rows.items():
+        shape = ([None] if lengths is not None else []) + list(data.shape[1:])
+        spec = layers[key]
+        if shape != spec["shape"] or dtype_name(data.dtype) != spec["dtype"]:
+            raise ExtractError(
+                f"rows of '{key}' were {tuple(spec['shape'])} {spec['dtype']} and are "
+                f"{tuple(shape)} {dtype_name(data.dtype)} in batch {index}; a layer's rows must "
+                f"keep one shape: pass reduce='mean' (or 'first'), pad to one length, or give an "
+                f"attention_mask so tokens are stored ragged")
+
+
+def _class_name(model: nn.Module) -> str:
+    """``module.qualname`` of the model's class (the same in every run: no object ids)."""
+    return f"{type(model).__module__}.{type(model).__qualname__}"
+
+
+def _check_resume(prior: dict[str, Any] | None, header: dict[str, Any]) -> None:
+    if prior is None:
+        return
+    changed = {k: (prior["extract"].get(k), v) for k, v in header["extract"].items()
+               if prior["extract"].get(k) != v}
+    if changed:
+        listing = "; ".join(f"{k}: was {a!r}, now {b!r}" for k, (a, b) in changed.items())
+        raise ExtractError(f"cannot resume: the arguments differ from the interrupted run's "
+                           f"({listing}). Resume with the same arguments and data, or start "
+                           f"over with overwrite=True (--overwrite).")
+
+
+def _resume_batch(prior: dict[str, Any] | None, start: int) -> int:
+    if prior is None or not prior["shards"]:
+        return start
+    return int(prior["shards"][-1]["batches"][1])
+
+

@@ -1,0 +1,494 @@
+"""Activation store: a folder of safetensors shards joined by a JSON manifest; its reader.
+
+A store holds, per layer, one row per input: a fixed-shape tensor, or for a ragged layer (token
+sequences of different lengths) the tokens of all rows stored flat with offsets, padding left
+out. ``manifest.json`` lists the shards in row order with their row ranges, byte sizes, sha256,
+and a checksum of every ``CHUNK_BYTES`` of file (``chunk_sum``); the README documents the format
+field by field. Writing lives in ``hookscope.store.writer``.
+
+Reading is memory-mapped and checked, so nothing reads damaged data silently: a shard whose size
+differs from the manifest fails when the store is opened, and each chunk is compared with its
+checksum the first time any byte of it is read (``StoreCorruptError`` names the shard);
+``Store.verify()`` also checks every shard's sha256. The chunk checksum (``chunk_sums``) is a
+page-weighted sum of 64-bit words: it runs at memory speed (about 7x zlib's crc32 here), so a
+first read stays near memmap speed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import mmap
+import operator
+import os
+import stat
+import struct
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hookscope.errors import StoreCorruptError, StoreError
+from hookscope.store.manifest import (
+    FORMAT,
+    check_header,
+    check_manifest,
+    corrupt,
+    inside,
+    parse_json,
+    read_regular,
+)
+
+__all__ = ["FORMAT", "LayerInfo", "LayerView", "ShardInfo", "Store", "StoreDataset", "chunk_sums",
+           "open_store", "read_manifest"]
+
+MANIFEST = "manifest.json"
+CHUNK_BYTES = 4 * 2**20  # granularity of the read-time checksums
+PAGE_BYTES = 4096  # a chunk checksum weighs each page of the chunk by its position
+Tensor = torch.Tensor
+
+# torch dtype <-> safetensors dtype name (the manifest uses torch's name without "torch.")
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+              torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """Return the manifest name of ``dtype`` (``torch.float16`` -> ``"float16"``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or dtype not in _ST_DTYPES:
+        raise StoreCorruptError(f"unknown dtype {name!r} in the manifest; known: "
+                                f"{sorted(dtype_name(d) for d in _ST_DTYPES)}")
+    return dtype
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """What one row of a layer is: ``shape`` (``None`` first for ragged rows), ``dtype``."""
+
+    path: str
+    shape: tuple[int | None, ...]
+    dtype: torch.dtype
+
+    @property
+    def ragged(self) -> bool:
+        """True when rows have different lengths (first dimension ``None``): tokens, flat."""
+        return bool(self.shape) and self.shape[0] is None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "dtype": dtype_name(self.dtype), "ragged": self.ragged}
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard as the manifest lists it: global row range ``[start, stop)``, size, checksums."""
+
+    file: str
+    rows: tuple[int, int]
+    batches: tuple[int, int]
+    bytes: int
+    sha256: str
+    chunk_sums: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "rows": list(self.rows), "batches": list(self.batches),
+                "bytes": self.bytes, "sha256": self.sha256, "chunk_sum": list(self.chunk_sums)}
+
+    @staticmethod
+    def from_json(entry: dict[str, Any]) -> ShardInfo:
+        return ShardInfo(str(entry["file"]), (int(entry["rows"][0]), int(entry["rows"][1])),
+                         (int(entry["batches"][0]), int(entry["batches"][1])), int(entry["bytes"]),
+                         str(entry["sha256"]), tuple(str(c) for c in entry["chunk_sum"]))
+
+
+def chunk_sums(data: bytes | mmap.mmap, size: int, chunk_bytes: int = CHUNK_BYTES,
+               chunks: Iterable[int] | None = None) -> list[str]:
+    """Checksum each ``chunk_bytes`` of ``data[:size]`` (every chunk, or those in ``chunks``).
+
+    A chunk is cut into 4096-byte pages (the last one zero-padded); page ``p`` is read as 512
+    little-endian uint64 words whose sum mod 2**64 is ``s_p``; the chunk's checksum is
+    ``sum((2p + 1) * s_p) mod 2**64``, as 16 hex digits. Odd weights are invertible mod 2**64,
+    so a change to any one word, a zeroed or foreign page, or two pages that trade places are
+    caught; it runs at memory speed. ``Store.verify()`` checks the full sha256.
+
+    Returns:
+        One 16-hex-digit string per chunk.
+    """
+    sums = []
+    for k in chunks if chunks is not None else range(-(-size // chunk_bytes)):
+        begin, end = k * chunk_bytes, min((k + 1) * chunk_bytes, size)
+        pages = (end - begin) // PAGE_BYTES
+        words = np.frombuffer(data, "<u8", pages * PAGE_BYTES // 8, begin)
+        words = words.reshape(pages, PAGE_BYTES // 8)  # (pages, 512) uint64
+        total = int(np.dot(np.add.reduce(words, axis=1), _odd(pages)))
+        tail = bytes(data[begin + pages * PAGE_BYTES:end])
+        if tail:
+            last = np.frombuffer(tail.ljust(-(-len(tail) // 8) * 8, b"\0"), "<u8")
+            total += (2 * pages + 1) * int(np.add.reduce(last))
+        sums.append(f"{total % 2**64:016x}")
+    return sums
+
+
+def _odd(n: int) -> np.ndarray:
+    return np.arange(n, dtype=np.uint64) * np.uint64(2) + np.uint64(1)  # 1, 3, 5, ...
+
+
+# ---------------------------------------------------------------------------------------- reading
+class _Shard:
+    """One shard file, memory-mapped on first use; each chunk checked once, when first read."""
+
+    def __init__(self, folder: Path, info: ShardInfo, chunk_bytes: int, verify_reads: bool,
+                 layers: dict[str, Any]):
+        self.path = inside(folder, info.file, folder / MANIFEST, f"shards[{info.file!r}].file")
+        self.info, self.chunk_bytes, self.layers = info, chunk_bytes, layers
+        self.verify_reads = verify_reads
+        self._mm: mmap.mmap | None = None
+        self._entries: dict[str, dict[str, Any]] = {}
+        self._data_start = 0
+        self._checked = bytearray(len(info.chunk_sums))
+        self._offsets: dict[str, np.ndarray] = {}
+
+    def __getstate__(self) -> dict[str, Any]:  # a DataLoader worker reopens the file itself
+        return {**self.__dict__, "_mm": None, "_offsets": {}}
+
+    def check_size(self) -> None:
+        """Raise ``StoreCorruptError`` unless the file exists with the manifest's byte size."""
+        try:
+            status = self.path.stat()
+        except OSError as err:
+            raise StoreCorruptError(f"shard {self.info.file} of {self.path.parent} is missing "
+                                    f"({err.strerror}); {_REDO}") from err
+        if not stat.S_ISREG(status.st_mode):
+            raise StoreCorruptError(f"shard {self.info.file} of {self.path.parent} is not a regular "
+                                    f"file (a folder, FIFO or device); {_REDO}")
+        size = status.st_size
+        if size != self.info.bytes:
+            raise StoreCorruptError(f"shard {self.info.file} of {self.path.parent} has {size} bytes, "
+                                    f"the manifest says {self.info.bytes}: it is truncated or was "
+                                    f"replaced; {_REDO}")
+
+    def open(self) -> mmap.mmap:
+        """Map the file and check its header against the manifest (once)."""
+        if self._mm is None:
+            self.check_size()
+            with open(self.path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._entries, self._data_start = self._header(mm)
+            self._mm = mm
+        return self._mm
+
+    def _header(self, mm: mmap.mmap) -> tuple[dict[str, Any], int]:
+        """Read, check (chunk sums, then against the manifest) and return the safetensors header
+        and where the tensor data starts."""
+        (length,) = struct.unpack("<Q", mm[:8])
+        if length > self.info.bytes - 8:
+            raise corrupt(self.info.file, "header length", f"is {length}, past the end of the "
+                                                           f"{self.info.bytes}-byte file")
+        self._check_range(mm, 0, 8 + length)
+        try:
+            header = parse_json(mm[8:8 + length])
+        except ValueError as err:
+            raise StoreCorruptError(f"shard {self.info.file}: unreadable header; "
+                                    f"{_REDO}") from err
+        if isinstance(header, dict):
+            header.pop("__metadata__", None)
+        rows = self.info.rows[1] - self.info.rows[0]
+        check_header(header, layers=self.layers, rows=rows, size=self.info.bytes,
+                     data_start=8 + length, name=self.info.file)
+        return header, 8 + length
+
+    def _check_range(self, mm: mmap.mmap, begin: int, end: int, force: bool = False) -> None:
+        if not (self.verify_reads or force):
+            return
+        size = self.chunk_bytes
+        for k in range(begin // size, -(-end // size)):
+            if self._checked[k]:
+                continue
+            if chunk_sums(mm, self.info.bytes, size, range(k, k + 1))[0] != self.info.chunk_sums[k]:
+                raise StoreCorruptError(
+                    f"shard {self.info.file} of {self.path.parent} is corrupt: bytes "
+                    f"{k * size}..{min((k + 1) * size, self.info.bytes)} fail their checksum; "
+                    f"{_REDO}")
+            self._checked[k] = 1
+
+    def array(self, key: str, first: int, stop: int) -> np.ndarray:
+        """Return a copy of rows ``first:stop`` (along dim 0) of tensor ``key``, checked."""
+        mm = self.open()
+        entry = self._entries[key]
+        shape, (begin, end) = entry["shape"], entry["data_offsets"]
+        row_bytes = (end - begin) // shape[0] if shape[0] else 0
+        lo = self._data_start + begin + first * row_bytes
+        hi = self._data_start + begin + stop * row_bytes
+        self._check_range(mm, lo, hi)
+        return np.frombuffer(mm, np.uint8, hi - lo, lo).copy()
+
+    def offsets(self, path: str) -> np.ndarray:
+        """Return the ``(rows + 1,)`` int64 token offsets of ragged layer ``path``."""
+        if path not in self._offsets:
+            offsets = self.array(f"{path}:offsets", 0, self.info.rows[1] -
+                                 self.info.rows[0] + 1).view(np.int64)
+            tokens = self._entries[path]["shape"][0]
+            if offsets[0] != 0 or offsets[-1] != tokens or (np.diff(offsets) < 0).any():
+                raise corrupt(self.info.file, f"{path}:offsets", f"must rise from 0 to the "
+                                                                 f"{tokens} tokens of the shard")
+            self._offsets[path] = offsets
+        return self._offsets[path]
+
+    def verify(self) -> None:
+        """Check size and sha256 (reads the whole file), then everything reading checks:
+        header against the manifest, every chunk sum, ragged offsets."""
+        self.check_size()
+        sha = hashlib.sha256()
+        with open(self.path, "rb") as f:
+            while block := f.read(16 * 2**20):
+                sha.update(block)
+        if sha.hexdigest() != self.info.sha256:
+            raise StoreCorruptError(f"shard {self.info.file} of {self.path.parent} is corrupt: "
+                                    f"its sha256 differs from the manifest's; {_REDO}")
+        mm = self.open()
+        self._check_range(mm, 0, self.info.bytes, force=True)
+        for path in self.layers:
+            if f"{path}:offsets" in self._entries:
+                self.offsets(path)
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """Parse a manifest and check it against the schema (``hookscope.store.manifest``).
+
+    Raises:
+        StoreCorruptError: the file cannot be read or parsed, is a link leading outside its
+            folder, or breaks the schema (naming the file and the field).
+    """
+    inside(path.parent, path.name, path, "name")
+    try:
+        data = parse_json(read_regular(path))
+    except (OSError, ValueError) as err:
+        raise StoreCorruptError(f"cannot read {path}: {err}. The file is damaged; extract the "
+                                f"store again (overwrite=True / --overwrite).") from err
+    check_manifest(data, path)
+    return data  # type: ignore[no-any-return]
+
+
+_REDO = ("its rows cannot be trusted. Restore the file from a copy, or extract the store again "
+         "(overwrite=True / --overwrite).")
+
+
+def _as_tensor(data: np.ndarray, dtype: torch.dtype, shape: Sequence[int]) -> Tensor:
+    if data.size == 0:
+        return torch.empty(*shape, dtype=dtype)
+    return torch.from_numpy(data).view(dtype).reshape(*shape)
+
+
+class LayerView:
+    """Rows of one layer: ``view[i]``, ``view[i:j]`` (one tensor), ``view[[i, j, ...]]``.
+
+    A fixed layer returns ``(rows, *shape)`` tensors; a ragged layer returns a ``(tokens, *rest)``
+    tensor for one row and a list of them for several. Reads copy only the rows asked for.
+    ``view[mask]`` with a bool list, array or tensor of one entry per row takes the rows where
+    it is True, as torch does. Any other index (a float, a str, 2-dim indices) is an
+    ``IndexError``, as is a row out of range.
+    """
+
+    def __init__(self, store: Store, info: LayerInfo):
+        self.store, self.info = store, info
+        self._row_shape = tuple(int(n or 0) for n in info.shape[info.ragged:])  # known dims
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def __getitem__(self, index: int | slice | Sequence[int] | Tensor) -> Tensor | list[Tensor]:
+        n = len(self)
+        if isinstance(index, slice):
+            start, stop, step = index.indices(n)
+            if step != 1:
+                return self[list(range(start, stop, step))]
+            return self._rows(start, max(start, stop))
+        if isinstance(index, (Sequence, Tensor, np.ndarray)) and not isinstance(index, str):
+            found = np.asarray(index.cpu() if isinstance(index, Tensor) else index)
+            if found.ndim == 1:
+                rows = [self._one(i, n) for i in self._indices(found, n)]
+                if self.info.ragged:
+                    return [row for i in rows for row in self._ragged(i, i + 1)]
+                return torch.cat([self._fixed(i, i + 1) for i in rows]) if rows else \
+                    self._fixed(0, 0)
+            if found.ndim != 0:
+                raise IndexError(f"rows of layer {self.info.path!r} are indexed by an int, a "
+                                 f"slice, or a 1-dim list of ints or bool mask, not "
+                                 f"{found.ndim}-dim indices")
+            index = found.item()
+        i = self._one(_as_int(index, self.info.path), n)
+        return self._ragged(i, i + 1)[0] if self.info.ragged else self._fixed(i, i + 1)[0]
+
+    def _indices(self, found: np.ndarray, n: int) -> list[int]:
+        """Row numbers of a 1-dim index: ints as given, a bool mask (length ``n``) as the rows
+        where it is True (as torch and numpy read a mask)."""
+        if found.dtype == np.bool_:
+            if len(found) != n:
+                raise IndexError(f"a bool mask over layer {self.info.path!r} needs {n} entries "
+                                 f"(one per row), not {len(found)}")
+            return np.flatnonzero(found).tolist()
+        if found.size and not np.issubdtype(found.dtype, np.integer):
+            raise IndexError(f"row indices of layer {self.info.path!r} must be integers or a "
+                             f"bool mask, not {found.dtype}")
+        return [int(i) for i in found]
+
+    def _one(self, i: int, n: int) -> int:
+        if not -n <= i < n:
+            raise IndexError(f"row {i} out of range for layer {self.info.path!r} of {n} rows")
+        return i % n
+
+    def _rows(self, start: int, stop: int) -> Tensor | list[Tensor]:
+        return self._ragged(start, stop) if self.info.ragged else self._fixed(start, stop)
+
+    def _fixed(self, start: int, stop: int) -> Tensor:
+        """Rows ``start:stop`` as one ``(rows, *shape)`` tensor."""
+        info = self.info
+        pieces = [_as_tensor(shard.array(info.path, a, b), info.dtype, (b - a, *self._row_shape))
+                  for shard, a, b in self.store._locate(start, stop)]
+        if len(pieces) == 1:
+            return pieces[0]
+        return torch.cat(pieces) if pieces else torch.empty(0, *self._row_shape, dtype=info.dtype)
+
+    def _ragged(self, start: int, stop: int) -> list[Tensor]:
+        """Rows ``start:stop`` as a list of ``(tokens, *shape[1:])`` tensors."""
+        rows: list[Tensor] = []
+        for shard, a, b in self.store._locate(start, stop):
+            offsets = shard.offsets(self.info.path)
+            first, last = int(offsets[a]), int(offsets[b])
+            flat = _as_tensor(shard.array(self.info.path, first, last), self.info.dtype,
+                              (last - first, *self._row_shape))
+            rows += torch.split(flat, np.diff(offsets[a:b + 1]).tolist())
+        return rows
+
+
+def _as_int(index: object, layer: str) -> int:
+    """``index`` as a row number; a float, str or other non-integer is an IndexError."""
+    try:
+        if isinstance(index, (bool, np.bool_)):
+            raise TypeError
+        return operator.index(index)  # type: ignore[arg-type]
+    except TypeError:
+        raise IndexError(f"a row of layer {layer!r} is indexed by an int, a slice, or a list of "
+                         f"ints or a bool mask, not {type(index).__name__} {index!r:.40}") from None
+
+
+class StoreDataset(torch.utils.data.Dataset[Tensor]):
+    """``store.dataset(layer)``: item ``i`` is row ``i`` of the layer; safe in DataLoader workers."""
+
+    def __init__(self, view: LayerView):
+        self.view = view
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+    def __getitem__(self, i: int) -> Tensor:
+        return self.view[i]  # type: ignore[return-value]
+
+
+class Store:
+    """A store opened for reading (``hookscope.open_store``); see ``LayerView`` for row access."""
+
+    def __init__(self, path: Path, manifest: dict[str, Any], verify_reads: bool):
+        self.path, self.manifest = path, manifest
+        self.complete: bool = bool(manifest["complete"])
+        self.layers: dict[str, LayerInfo] = {
+            name: LayerInfo(name, tuple(spec["shape"]), _dtype(spec["dtype"]))
+            for name, spec in manifest["layers"].items()}
+        self.shards = [ShardInfo.from_json(e) for e in manifest["shards"]]
+        chunk = int(manifest["chunk_bytes"])
+        self._shards = [_Shard(path, info, chunk, verify_reads, manifest["layers"])
+                        for info in self.shards]
+        self._starts = [s.rows[0] for s in self.shards]
+        self._rows = self.shards[-1].rows[1] if self.shards else 0
+
+    def __len__(self) -> int:
+        return self._rows
+
+    def __getitem__(self, layer: str) -> LayerView:
+        if layer not in self.layers:
+            if self._shards:  # a layer cut from the manifest: the shard header still holds it
+                self._shards[0].open()
+            raise StoreError(f"store {self.path} has no layer {layer!r}; it has "
+                             f"{list(self.layers)}.")
+        return LayerView(self, self.layers[layer])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.layers)
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes of the shard files."""
+        return sum(s.bytes for s in self.shards)
+
+    def dataset(self, layer: str) -> StoreDataset:
+        """Return a ``torch.utils.data.Dataset`` whose item ``i`` is row ``i`` of ``layer``."""
+        return StoreDataset(self[layer])
+
+    def verify(self) -> None:
+        """Check every shard as reading does (size, header against the manifest, every chunk
+        sum, ragged offsets), then its sha256 (reads every byte).
+
+        Raises:
+            StoreCorruptError: naming the first shard that is missing, truncated or damaged.
+        """
+        for shard in self._shards:
+            shard.verify()
+
+    def _locate(self, start: int, stop: int) -> Iterator[tuple[_Shard, int, int]]:
+        """Yield ``(shard, local start, local stop)`` covering global rows ``[start, stop)``."""
+        k = bisect.bisect_right(self._starts, start) - 1
+        while start < stop and k < len(self._shards):
+            first, last = self.shards[k].rows
+            if last > start:
+                yield self._shards[k], start - first, min(stop, last) - first
+                start = min(stop, last)
+            k += 1
+
+
+def open_store(path: str | os.PathLike[str], *, allow_incomplete: bool = False,
+               verify_reads: bool = True) -> Store:
+    """Open the store in folder ``path`` for reading; rows are memory-mapped, not loaded.
+
+    Args:
+        path: the folder ``hookscope.extract`` wrote.
+        allow_incomplete: read the rows of an interrupted single-process run written so far.
+        verify_reads: check each chunk (``CHUNK_BYTES``) against its checksum the first time it
+            is read. Off, a damaged shard is only found by ``verify()``.
+
+    Returns:
+        A ``Store``: ``store.layers`` (``{path: LayerInfo}``), ``len(store)`` rows,
+        ``store[layer][i:j]`` tensors, ``store.dataset(layer)``, ``store.verify()``.
+
+    Raises:
+        StoreError: ``path`` is not a store, or its extraction did not finish.
+        StoreCorruptError: the manifest is damaged, or a shard is missing or has the wrong size.
+    """
+    folder = Path(path)
+    if not folder.exists():
+        raise StoreError(f"{folder} does not exist: give the folder that hookscope.extract / "
+                         f"`hookscope extract --out` wrote")
+    if not (folder / MANIFEST).is_file():
+        parts = sorted(folder.glob("manifest-r*.json")) if folder.is_dir() else []
+        empty = folder.is_dir() and not any(folder.iterdir())
+        detail = (f"it holds the part manifests of an interrupted run over {len(parts)}+ "
+                  f"processes; rerun the same torchrun command with --resume" if parts else
+                  "it is empty: an extraction stopped before it began writing; run it again "
+                  "(--resume starts afresh)" if empty else
+                  "point to the folder hookscope.extract / `hookscope extract --out` wrote")
+        raise StoreError(f"{folder} is not a hookscope store (no {MANIFEST}): {detail}.")
+    manifest = read_manifest(folder / MANIFEST)
+    if not manifest["complete"] and not allow_incomplete:
+        raise StoreError(f"{folder} is incomplete: its extraction stopped after "
+                         f"{manifest['rows']} rows. Resume it (resume=True / --resume), or pass "
+                         f"allow_incomplete=True to read the rows written so far.")
+    store = Store(folder, manifest, verify_reads)
+    for shard in store._shards:
+        shard.check_size()
+    return store

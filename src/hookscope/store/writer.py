@@ -1,0 +1,358 @@
+"""Writing stores (private; ``hookscope.extract`` is the public way): shards, manifests, joins,
+the memory rows wait in (``Staging``) and the thread that writes shards (``BackgroundWriter``).
+
+Crash safety: every file goes to a temporary name in the store folder, is fsync'ed, then renamed
+over its final name and the folder fsync'ed (``hookscope.util.files``); the manifest is written when
+the run starts and replaced the same way after each shard. A crash therefore loses at most the
+shard in progress, and a reader never sees a half-written file under a final name. What an
+output folder may hold and what ``overwrite`` deletes is ``hookscope.store.folder``'s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import queue
+import struct
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hookscope.errors import StoreCorruptError, StoreError
+from hookscope.store.manifest import FORMAT, VERSION
+from hookscope.store.reader import _ST_DTYPES, CHUNK_BYTES, MANIFEST, ShardInfo, chunk_sums, read_manifest
+from hookscope.util.files import write_atomic
+
+__all__ = ["BackgroundWriter", "ShardData", "Staging", "StoreWriter", "join_parts", "read_part"]
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class ShardData:
+    """Rows of one shard held in memory, not yet written.
+
+    ``tensors[path]`` lists one CPU tensor per batch: ``(rows_b, *shape)`` for a fixed layer,
+    ``(tokens_b, *shape[1:])`` for a ragged one, whose ``lengths[path]`` lists ``(rows_b,)`` int64
+    token counts per batch. ``batches`` is the global batch range ``[start, stop)``.
+    """
+
+    batches: tuple[int, int]
+    rows: int = 0
+    nbytes: int = 0
+    tensors: dict[str, list[Tensor]] = field(default_factory=dict)
+    lengths: dict[str, list[Tensor]] = field(default_factory=dict)
+    buffers: list[Tensor] = field(default_factory=list)  # memory the tensors live in, for reuse
+
+    def append(self, tensors: dict[str, Tensor], lengths: dict[str, Tensor], rows: int) -> None:
+        """Add one batch: ``rows`` rows, ``tensors[path]`` each, ``lengths`` for ragged paths."""
+        for key, tensor in tensors.items():
+            self.tensors.setdefault(key, []).append(tensor)
+            self.nbytes += tensor.numel() * tensor.element_size()
+        for key, counts in lengths.items():
+            self.lengths.setdefault(key, []).append(counts)
+            self.nbytes += counts.numel() * counts.element_size()
+        self.rows += rows
+
+
+# ---------------------------------------------------------------------------------------- writing
+class _HashingFile:
+    """A file being written that keeps the sha256 and count of all bytes written."""
+
+    def __init__(self, f: Any):
+        self.f, self.size, self.sha = f, 0, hashlib.sha256()
+
+    def write(self, data: memoryview) -> None:
+        self.f.write(data)
+        self.sha.update(data)
+        self.size += len(data)
+
+
+def _bytes_of(t: Tensor) -> memoryview:
+    return memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+
+def _shard_tensors(shard: ShardData) -> list[tuple[str, tuple[int, ...], torch.dtype, list[Tensor]]]:
+    """Return ``(key, shape, dtype, chunks)`` per safetensors tensor, in file order."""
+    out = []
+    for path, chunks in shard.tensors.items():
+        first = chunks[0]
+        shape = (sum(int(c.shape[0]) for c in chunks), *first.shape[1:])
+        out.append((path, shape, first.dtype, chunks))
+        if path in shard.lengths:
+            lengths = torch.cat(shard.lengths[path])
+            offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+            out.append((f"{path}:offsets", (shard.rows + 1,), torch.int64, [offsets]))
+    return out
+
+
+def _write_shard(path: Path, shard: ShardData) -> tuple[int, str, tuple[str, ...]]:
+    """Write ``shard`` as one safetensors file at ``path`` (atomically); return its size, sha256
+    and chunk checksums (computed from the written file, read back from the page cache)."""
+    header: dict[str, Any] = {"__metadata__": {"format": FORMAT, "version": str(VERSION)}}
+    begin, tensors = 0, _shard_tensors(shard)
+    for key, shape, dtype, _ in tensors:
+        end = begin + int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+        header[key] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [begin, end]}
+        begin = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors pads the header to 8 bytes
+    written: list[Any] = []
+
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            out = _HashingFile(f)
+            out.write(memoryview(struct.pack("<Q", len(text)) + text))
+            for _, _, _, chunks in tensors:
+                for chunk in chunks:
+                    out.write(_bytes_of(chunk))
+        with open(tmp, "rb") as f:  # the mapping closes when collected (numpy views outlive it)
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            written.extend([out.size, out.sha.hexdigest(), tuple(chunk_sums(mapped, out.size))])
+
+    write_atomic(path, write)
+    return written[0], written[1], written[2]
+
+
+# ------------------------------------------------------------------- staging and background writing
+class Staging:
+    """Recycled CPU memory ("slabs") that rows wait in until their shard is written.
+
+    Keeping each batch's output tensors instead would take fresh memory every batch, which
+    glibc hands back to the OS when a written shard is freed and faults in again: about 20% of
+    a small model's forward pass. A shard's slabs return to the pool once it is written, so at
+    most the slabs of three shards exist, plus one: a thread of its own prepares the next slab
+    (its pages touched) whenever the pool is empty, so the forward pass's thread does not pay
+    the page faults of fresh memory. ``close()`` stops that thread.
+    """
+
+    def __init__(self, slab_bytes: int):
+        self.slab_bytes, self.used = slab_bytes, 0
+        self.free: queue.SimpleQueue[Tensor] = queue.SimpleQueue()
+        self.slab: Tensor | None = None
+        self._wanted, self._closed = threading.Semaphore(1), False  # one slab ready at the start
+        self._thread = threading.Thread(target=self._prepare, name="hookscope-slabs", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the thread that prepares slabs."""
+        self._closed = True
+        self._wanted.release()
+        self._thread.join()
+
+    def keep(self, t: Tensor, shard: ShardData) -> Tensor:
+        """Return a CPU copy of ``t`` in a slab that ``shard`` owns (or alone, if too big)."""
+        size = t.numel() * t.element_size()
+        if size == 0 or size > self.slab_bytes:
+            return torch.empty(t.shape, dtype=t.dtype).copy_(t)  # compact, on the CPU
+        if self.slab is None or self.used + size > self.slab_bytes:
+            self.slab, self.used = self._take(), 0
+            shard.buffers.append(self.slab)
+        kept = self.slab[self.used:self.used + size].view(t.dtype).view(t.shape)
+        kept.copy_(t)
+        self.used += -(-size // 64) * 64  # keep every tensor 64-byte aligned
+        return kept
+
+    def start_shard(self) -> None:
+        """Give the next shard slabs of its own (a shard's slabs are recycled together)."""
+        self.slab = None
+
+    def recycle(self, shard: ShardData) -> None:
+        """Return the slabs of ``shard``, now written, to the pool (called by the writer)."""
+        shard.tensors.clear()
+        for slab in shard.buffers:
+            self.free.put(slab)
+        shard.buffers.clear()
+
+    def _take(self) -> Tensor:
+        try:
+            slab = self.free.get_nowait()
+        except queue.Empty:
+            slab = torch.empty(self.slab_bytes, dtype=torch.uint8)
+        self._wanted.release()  # prepare the next one meanwhile, if none is free by then
+        return slab
+
+    def _prepare(self) -> None:
+        while True:
+            self._wanted.acquire()
+            if self._closed:
+                return
+            if self.free.empty():
+                self.free.put(torch.zeros(self.slab_bytes, dtype=torch.uint8))
+
+
+class BackgroundWriter:
+    """Writes shards on one thread; ``put`` blocks while a shard is written and another waits."""
+
+    def __init__(self, writer: StoreWriter, staging: Staging):
+        self.writer, self.staging = writer, staging
+        self.queue: queue.Queue[ShardData | None] = queue.Queue(maxsize=1)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._loop, name="hookscope-writer", daemon=True)
+        self.thread.start()
+
+    def put(self, shard: ShardData | None) -> None:
+        while self.thread.is_alive():
+            try:
+                self.queue.put(shard, timeout=0.1)
+                break
+            except queue.Full:
+                continue
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        """Write what is queued, stop the thread, and raise its error if it had one."""
+        if self.thread.is_alive():
+            self.put(None)
+            self.thread.join()
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def _loop(self) -> None:
+        while (shard := self.queue.get()) is not None:
+            try:
+                self.writer.write(shard)
+                self.staging.recycle(shard)
+            except BaseException as err:  # noqa: BLE001  (re-raised on the main thread)
+                self.error = err
+                return
+
+
+
+def _part_name(rank: int, world_size: int) -> str:
+    return MANIFEST if world_size == 1 else f"manifest-r{rank:04d}.json"
+
+
+def _shard_name(rank: int, world_size: int, index: int) -> str:
+    return f"shard-{index:05d}.safetensors" if world_size == 1 else \
+        f"shard-r{rank:04d}-{index:05d}.safetensors"
+
+
+class StoreWriter:
+    """Append the shards of one process to a store folder, replacing its manifest after each.
+
+    With ``world_size == 1`` the process writes ``manifest.json``; rank ``r`` of a multi-process
+    run writes ``manifest-rNNNN.json`` (rows counted from 0 on that rank), which ``join_parts``
+    merges into ``manifest.json`` once every rank has finished.
+    """
+
+    def __init__(self, folder: Path, header: dict[str, Any], *, rank: int = 0, world_size: int = 1,
+                 resume_from: dict[str, Any] | None = None):
+        """Args:
+            folder: the store folder; it must exist (``prepare_output``).
+            header: manifest fields other than ``complete``, ``rows`` and ``shards``: ``model``,
+                ``extract`` (the arguments a resume must repeat) and ``layers``.
+            rank, world_size: this process in a torchrun group (0, 1 alone).
+            resume_from: this process's part manifest from an interrupted run, to append to.
+        """
+        self.folder, self.rank, self.world_size = folder, rank, world_size
+        self.manifest: dict[str, Any] = {"format": FORMAT, "version": VERSION, **header,
+                                         "complete": False, "rows": 0, "chunk_bytes": CHUNK_BYTES,
+                                         "world_size": world_size, "shards": []}
+        if world_size > 1:
+            self.manifest["rank"] = rank
+        if resume_from is not None:
+            self.manifest.update(rows=resume_from["rows"], shards=resume_from["shards"])
+        else:  # a run killed before its first shard leaves a store that says it is unfinished
+            self._save()
+
+    def write(self, shard: ShardData) -> None:
+        """Write ``shard`` as the next shard file, then the manifest that lists it."""
+        name = _shard_name(self.rank, self.world_size, len(self.manifest["shards"]))
+        size, sha, sums = _write_shard(self.folder / name, shard)
+        start = self.manifest["rows"]
+        info = ShardInfo(name, (start, start + shard.rows), shard.batches, size, sha, sums)
+        self.manifest["shards"].append(info.to_json())
+        self.manifest["rows"] = start + shard.rows
+        self._save()
+
+    def finish(self) -> None:
+        """Mark this process's rows complete."""
+        self.manifest["complete"] = True
+        self._save()
+
+    def _save(self) -> None:
+        text = _manifest_text(self.manifest)
+        write_atomic(self.folder / _part_name(self.rank, self.world_size),
+                     lambda tmp: Path(tmp).write_bytes(text))
+
+
+def _manifest_text(manifest: dict[str, Any]) -> bytes:
+    """JSON with one line per top-level field, per layer and per shard (diff- and grep-friendly)."""
+    def field_text(value: Any) -> str:
+        if isinstance(value, dict) and value:
+            inner = ",\n".join(f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in value.items())
+            return "{\n" + inner + "\n }"
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            return "[\n" + ",\n".join(f"  {json.dumps(v)}" for v in value) + "\n ]"
+        return json.dumps(value)
+    lines = [f" {json.dumps(k)}: {field_text(v)}" for k, v in manifest.items()]
+    return ("{\n" + ",\n".join(lines) + "\n}\n").encode()
+
+
+def read_part(folder: Path, rank: int, world_size: int) -> dict[str, Any] | None:
+    """Return what an earlier run in ``folder`` wrote for this process, or ``None``.
+
+    That is ``manifest.json`` once the store is joined (or for a single process), else this
+    rank's ``manifest-rNNNN.json``.
+
+    Raises:
+        StoreError: the folder was written by a run with another number of processes.
+        StoreCorruptError: a manifest cannot be parsed.
+    """
+    for path in sorted(folder.glob("manifest*.json")):
+        wrote = read_manifest(path).get("world_size", 1)
+        if wrote != world_size:
+            raise StoreError(
+                f"{folder} was written by {wrote} process(es) and this run has {world_size}; "
+                f"resume with the same number of processes (torchrun --nproc_per_node={wrote}), "
+                f"or start over with overwrite=True (--overwrite).")
+    for name in (MANIFEST, _part_name(rank, world_size)):
+        if (folder / name).exists():
+            return read_manifest(folder / name)
+    return None
+
+
+def join_parts(folder: Path, world_size: int) -> None:
+    """Merge the part manifests of all ranks into ``manifest.json`` (global row order).
+
+    Rank ``r`` holds a contiguous range of batches that follows rank ``r - 1``'s, so the global
+    order is rank 0's rows, then rank 1's, and so on.
+
+    Raises:
+        StoreCorruptError: a part is missing, incomplete, or its batches do not follow the last.
+    """
+    if (folder / MANIFEST).exists():
+        return  # joined by an earlier run
+    parts = [read_manifest(folder / _part_name(r, world_size)) for r in range(world_size)]
+    joined = {k: v for k, v in parts[0].items() if k != "rank"}
+    joined["layers"] = next((p["layers"] for p in parts if p["rows"]), joined["layers"])
+    shards: list[dict[str, Any]] = []
+    rows, next_batch = 0, None
+    for rank, part in enumerate(parts):
+        if not part["complete"]:
+            raise StoreCorruptError(f"rank {rank} did not finish ({_part_name(rank, world_size)} "
+                                    f"is incomplete); resume the run with resume=True.")
+        if part["layers"] != joined["layers"] and part["rows"]:
+            raise StoreCorruptError(f"rank {rank} wrote layers {part['layers']}, rank 0 wrote "
+                                    f"{joined['layers']}; the ranks saw different data.")
+        for entry in part["shards"]:
+            if next_batch is not None and entry["batches"][0] != next_batch:
+                raise StoreCorruptError(f"{entry['file']} starts at batch {entry['batches'][0]}, "
+                                        f"but the shard before it ends at batch {next_batch}; "
+                                        f"the parts do not join. Extract again (overwrite=True).")
+            next_batch = entry["batches"][1]
+            shards.append({**entry, "rows": [entry["rows"][0] + rows, entry["rows"][1] + rows]})
+        rows += part["rows"]
+    joined.update(rows=rows, shards=shards, complete=True)
+    text = _manifest_text(joined)
+    write_atomic(folder / MANIFEST, lambda tmp: Path(tmp).write_bytes(text))
+    for rank in range(world_size):
+        (folder / _part_name(rank, world_size)).unlink()
