@@ -22,6 +22,8 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from hookscope.engine.hooks import register
+
 #: why a module selected by another block did not run when a forward was cut short
 SKIPPED_BY_STOP = ("skipped: the forward pass was stopped early (early_stop=True) once the "
                    "early-stop block's modules had returned, before this module's turn")
@@ -59,10 +61,12 @@ class EarlyStop:
 
     def register(self, add: Callable[[RemovableHandle], None]) -> None:
         """Add a pre-hook on the root (a new pass starts) and a forward hook on each module, after
-        the hooks already there (so a capture's record is taken before the stop)."""
-        add(self._root.register_forward_pre_hook(lambda module, args: self._reset()))
+        the hooks already there (so a capture's record is taken before the stop). Both are owned
+        (``hooks.register``): another thread's forward, a copy of the model or a checkpoint
+        recompute neither resets the pass nor is ever stopped."""
+        add(register(self._root, lambda module, args: self._reset(), pre=True))
         for module in self._modules:
-            add(module.register_forward_hook(self._returned))
+            add(register(module, self._returned))
 
     def _reset(self) -> None:
         self._pending = set(map(id, self._modules))

@@ -36,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from hookscope.engine.function_names import bind_arguments, function_name, parse_op
+from hookscope.engine.hooks import in_recompute, register
 
 __all__ = ["FunctionCall", "FunctionWatcher", "FunctionHooks", "Watch"]
 
@@ -81,12 +82,17 @@ class Watch:
         names: function names to report; ``None`` for every call.
         deep: also report calls made inside its children (used to find the one attention
             computation of a whole block); by default only the module's own calls.
+        in_recompute: also report the calls of a forward that activation checkpointing re-runs
+            during backward (edits, so the recompute equals the real forward); such a forward
+            is never counted in ``module_calls``.
+        module_calls: the module's forward calls seen so far (its own thread's, not recomputes).
     """
 
     module: nn.Module
     on_call: OnCall
     names: frozenset[str] | None = None
     deep: bool = False
+    in_recompute: bool = False
     module_calls: int = field(default=0, init=False)
 
 
@@ -95,7 +101,9 @@ class FunctionWatcher:
 
     Use ``watch`` for each module, then ``install()`` (returns the hook handles, which the
     caller removes) and, once the forward passes are over, ``close()``, which leaves a mode that
-    an interrupted forward (``KeyboardInterrupt``) left entered.
+    an interrupted forward (``KeyboardInterrupt``) left entered. Sessions do all three
+    (``FunctionHooks``); the hooks are owned (``hooks.register``), so a forward run by another
+    thread, or by a copy of a watched module, never enters the mode and is never reported.
     """
 
     def __init__(self) -> None:
@@ -105,9 +113,11 @@ class FunctionWatcher:
         self._entered = False  # whether self._mode is on torch's mode stack (entered once)
 
     def watch(self, module: nn.Module, on_call: OnCall, *, names: Iterable[str] | None = None,
-              deep: bool = False) -> Watch:
-        """Report the calls of ``names`` (every call when ``None``) in ``module``'s forward."""
-        entry = Watch(module, on_call, None if names is None else frozenset(names), deep)
+              deep: bool = False, in_recompute: bool = False) -> Watch:
+        """Report the calls of ``names`` (every call when ``None``) in ``module``'s forward; see
+        ``Watch`` for ``deep`` and ``in_recompute``."""
+        entry = Watch(module, on_call, None if names is None else frozenset(names), deep,
+                      in_recompute)
         self._watches.setdefault(module, []).append(entry)
         return entry
 
@@ -118,13 +128,16 @@ class FunctionWatcher:
         # frame is pushed (prepend) and resumed after it is popped (appended).
         suspending = {child: None for module, watches in self._watches.items()
                       if not all(w.deep for w in watches) for child in module.children()}
+        again = any(w.in_recompute for watches in self._watches.values() for w in watches)
         for child in suspending:  # first in, last out: the child's other hooks are not ours
-            handles.append(child.register_forward_pre_hook(self._suspend_hook, prepend=True))
-            handles.append(child.register_forward_hook(self._resume_hook, always_call=True))
+            handles.append(register(child, self._suspend_hook, pre=True, prepend=True,
+                                    in_recompute=again))
+            handles.append(register(child, self._resume_hook, always_call=True, in_recompute=again))
         for module, watches in self._watches.items():
-            handles.append(module.register_forward_pre_hook(self._enter_hook(watches)))
-            handles.append(module.register_forward_hook(self._leave_hook(), prepend=True,
-                                                        always_call=True))
+            again = any(w.in_recompute for w in watches)
+            handles.append(register(module, self._enter_hook(watches), pre=True, in_recompute=again))
+            handles.append(register(module, self._leave_hook(), prepend=True, always_call=True,
+                                    in_recompute=again))
         return handles
 
     def close(self) -> None:
@@ -136,6 +149,11 @@ class FunctionWatcher:
     # ---------------------------------------------------------------- hooks
     def _enter_hook(self, watches: list[Watch]) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
+            if in_recompute():  # the same call again: reported only to the watches that ask
+                again = [w for w in watches if w.in_recompute]
+                self._frames.append(_Frame(again, [max(w.module_calls - 1, 0) for w in again]))
+                self._sync()
+                return
             calls = []
             for watch in watches:
                 calls.append(watch.module_calls)
@@ -228,9 +246,10 @@ class FunctionHooks:
         self.functions: dict[str, Callable[..., Any]] = {}  # record name -> function called
 
     def add(self, key: str, module: nn.Module, op: str, hook: Callable[..., Any], *,
-            with_kwargs: bool = False) -> None:
+            with_kwargs: bool = False, in_recompute: bool = False) -> None:
         """Call ``hook`` for the calls ``op`` (``"relu"``, ``"relu#1"``) selects in ``module``;
-        ``key`` is the record name (``"conv_stack::relu"``)."""
+        ``key`` is the record name (``"conv_stack::relu"``); ``in_recompute`` also for the
+        forward that activation checkpointing re-runs during backward (see ``Watch``)."""
         name, occurrence = parse_op(op)
         called, functions = self.called, self.functions
 
@@ -242,11 +261,19 @@ class FunctionHooks:
             if with_kwargs:
                 return hook(call.module, call.args, call.kwargs, call.output)
             return hook(call.module, call.args, call.output)
-        self._watches[key] = (self._watcher.watch(module, on_call, names={name}), op)
+        self._watches[key] = (self._watcher.watch(module, on_call, names={name},
+                                                  in_recompute=in_recompute), op)
+
+    def watch(self, module: nn.Module, on_call: OnCall, *, names: Iterable[str] | None = None,
+              deep: bool = False) -> Watch:
+        """Have ``on_call(call)`` see the calls of ``names`` (every call when ``None``) in
+        ``module``'s forward, as ``FunctionWatcher.watch`` (``tree --ops``, ``attention``);
+        enter the session afterwards, which installs the hooks and removes them on exit."""
+        return self._watcher.watch(module, on_call, names=names, deep=deep)
 
     def install(self) -> list[RemovableHandle]:
         """Add the hooks (see ``FunctionWatcher.install``); the caller removes the handles."""
-        return self._watcher.install() if self._watches else []
+        return self._watcher.install()
 
     def close(self) -> None:
         """Leave the mode if a forward was interrupted (see ``FunctionWatcher.close``)."""

@@ -10,6 +10,11 @@ A hook on a module is run by more than the calls its ``with`` block means:
   ``gradient_checkpointing_enable()``) runs the forward of the checkpointed part again during
   backward. That is not a new call of the module.
 
+This file is the only one that calls torch's hook registration (``tests/test_layers.py``):
+``register`` for module forward (pre-)hooks, ``on_tensor_grad`` for tensor gradient hooks and
+``on_node`` for autograd node hooks, so every hook hookscope adds, for every verb, gets the same
+guarantees.
+
 ``OwnedHook`` wraps a session's hook function and calls it only for the session's own module
 object, in the thread that entered the session, outside a backward pass (a forward that runs
 while autograd executes a graph task is a recomputation; ``torch._C._current_graph_task_id()``
@@ -27,8 +32,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-__all__ = ["OwnedHook", "DetachedHook", "register", "in_recompute", "owns_call"]
+__all__ = ["OwnedHook", "DetachedHook", "register", "on_tensor_grad", "on_node", "in_recompute",
+           "owns_call"]
 
 _TABLES = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
            "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
@@ -99,14 +106,52 @@ class DetachedHook:
         _forget(module, self.handle_id)
 
 
-def register(module: nn.Module, hook: OwnedHook, *, pre: bool = False, with_kwargs: bool = False,
-             prepend: bool = False) -> torch.utils.hooks.RemovableHandle:
-    """Register ``hook`` on ``module`` as a forward (or forward-pre) hook; return the handle."""
+def register(module: nn.Module, hook: OwnedHook | Callable[..., Any], *, pre: bool = False,
+             with_kwargs: bool = False, prepend: bool = False, always_call: bool = False,
+             in_recompute: bool = False) -> RemovableHandle:
+    """Register ``hook`` on ``module`` as a forward (``pre``: forward-pre) hook; return the handle.
+
+    Args:
+        module: the module object the hook acts for (a copy of it never runs ``hook``).
+        hook: an ``OwnedHook`` made for ``module`` (with its own ``in_recompute``; a session
+            keeps it to read its counts), or a plain hook function, wrapped in one here.
+        pre, with_kwargs, prepend: as torch's ``register_forward_pre_hook`` and
+            ``register_forward_hook``.
+        always_call: forward hooks only: run also when the forward raises.
+        in_recompute: for a plain function, also run it during an activation-checkpointing
+            recompute (see ``OwnedHook``).
+    """
+    owned = hook if isinstance(hook, OwnedHook) else OwnedHook(hook, module, in_recompute=in_recompute)
     if pre:
-        handle = module.register_forward_pre_hook(hook, with_kwargs=with_kwargs, prepend=prepend)
+        handle = module.register_forward_pre_hook(owned, with_kwargs=with_kwargs, prepend=prepend)
     else:
-        handle = module.register_forward_hook(hook, with_kwargs=with_kwargs, prepend=prepend)
-    hook.handle_id = handle.id
+        handle = module.register_forward_hook(owned, with_kwargs=with_kwargs, prepend=prepend,
+                                              always_call=always_call)
+    owned.handle_id = handle.id
+    return handle
+
+
+def on_tensor_grad(tensor: torch.Tensor, function: Callable[[torch.Tensor], Any]) -> RemovableHandle:
+    """Run ``function(grad)`` when autograd computes d(loss)/d(``tensor``); return the handle.
+
+    Call it only from code that already acts for a session (an ``OwnedHook``'s function, or the
+    thread that entered the block): ``tensor`` is then a value of that session's own forward,
+    so only a backward pass through that forward reaches ``function``. Its thread is not
+    checked when it fires: the autograd engine runs a CUDA graph's hooks on its own device
+    threads, not in the thread that called ``backward``.
+
+    Raises:
+        RuntimeError: (torch) ``tensor`` does not require grad.
+    """
+    handle: RemovableHandle = tensor.register_hook(function)  # type: ignore[no-untyped-call]
+    return handle
+
+
+def on_node(node: Any, function: Callable[[tuple[Any, ...], tuple[Any, ...]], Any]) -> RemovableHandle:
+    """Run ``function(grad_inputs, grad_outputs)`` after autograd node ``node`` (a
+    ``tensor.grad_fn``) has computed its gradients; return the handle. As ``on_tensor_grad``:
+    call it from code acting for a session, on a node its own forward made."""
+    handle: RemovableHandle = node.register_hook(function)
     return handle
 
 

@@ -34,7 +34,7 @@ from hookscope.engine.early_stop import (
 )
 from hookscope.engine.function_mode import FunctionHooks
 from hookscope.engine.function_names import refuse_uninterceptable
-from hookscope.engine.hooks import OwnedHook, register
+from hookscope.engine.hooks import OwnedHook, on_node, register
 from hookscope.engine.select import Target, resolve, unwrap
 from hookscope.errors import HookNeverFiredError, HookNeverFiredWarning, HookscopeError, warn
 
@@ -161,6 +161,26 @@ class HookSession:
     def _add(self, handle: RemovableHandle) -> None:
         self._handles.append(handle)
 
+    @property
+    def functions(self) -> FunctionHooks:
+        """The function-call hooks this session installs on entry and removes on exit: watch
+        more calls with ``functions.watch(module, on_call, ...)`` before entering."""
+        return self._functions
+
+    def hook_grad_node(self, node: Any, function: Callable[[tuple[Any, ...], tuple[Any, ...]], Any]
+                       ) -> None:
+        """Run ``function(grad_inputs, grad_outputs)`` after autograd node ``node`` (a
+        ``grad_fn`` made by this block's forward) computes its gradients, until the block exits
+        (``hooks.on_node``). Call it inside the block, in the thread that entered it.
+
+        Raises:
+            HookscopeError: the session is not active (the hook would never be removed).
+        """
+        if not self._active:
+            raise HookscopeError("hook_grad_node adds a hook until the block exits: call it "
+                                 "inside the `with` block of this session")
+        self._add(on_node(node, function))
+
     def _hook(self, module: nn.Module, function: Hook, *, pre: bool = False, with_kwargs: bool = False,
               in_recompute: bool = False) -> None:
         """Register ``function`` on ``module`` as this session's forward (``pre``: forward-pre)
@@ -204,7 +224,8 @@ class HookSession:
         if target.op is None:
             self._hook(target.module, hook, with_kwargs=with_kwargs, in_recompute=in_recompute)
         else:
-            self._functions.add(target.key, target.module, target.op, hook, with_kwargs=with_kwargs)
+            self._functions.add(target.key, target.module, target.op, hook, with_kwargs=with_kwargs,
+                                in_recompute=in_recompute)
 
     def _remove(self) -> None:
         for handle in self._handles:
