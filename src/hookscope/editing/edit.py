@@ -90,7 +90,7 @@ class Edit(HookSession):
     def _register(self) -> None:
         if self._watcher is not None:
             root, _ = unwrap(self.model)
-            self._add(root.register_forward_pre_hook(self._watcher.hook, with_kwargs=True))
+            self._hook(root, self._watcher.hook, pre=True, with_kwargs=True, in_recompute=True)
         for index, (target, rule) in enumerate(self._rules):
             # in_recompute: activation checkpointing re-runs the forward during backward; the
             # edit must apply there too, or the recomputed values differ from the real ones

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from hookscope.engine.hooks import on_tensor_grad
 from hookscope.util.nested import iter_tensors, map_tensors
 
 __all__ = ["NoGrad", "GradRecord", "converter", "watch_output", "watch_inputs", "why_no_grad"]
@@ -115,7 +116,7 @@ def watch_output(output: Any, convert: Convert) -> GradRecord:
     def watch(t: Tensor) -> Tensor:
         i = next(positions)
         if t.requires_grad:
-            t.register_hook(record._hook(i, convert))  # type: ignore[no-untyped-call]
+            on_tensor_grad(t, record._hook(i, convert))
         else:
             record.reasons[i] = why_no_grad(t)
         return t
@@ -146,7 +147,7 @@ def watch_inputs(records: list[list[GradRecord]], convert: Convert) -> Callable[
                 record.reasons[i] = why_no_grad(t)
                 return t
             view = t.view_as(t)
-            view.register_hook(record._hook(i, convert))  # type: ignore[no-untyped-call]
+            on_tensor_grad(view, record._hook(i, convert))
             return view
         new_args, new_kwargs = map_tensors(alias, (args, kwargs))
         return new_args, new_kwargs
