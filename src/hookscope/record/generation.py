@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -26,10 +28,9 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
-from hookscope.engine.select import unwrap
-from hookscope.engine.session import OnUnfired
+from hookscope.engine.select import Target, unwrap
+from hookscope.engine.session import Observer, OnUnfired
 from hookscope.errors import CaptureError, HookscopeError
 from hookscope.record.capture import Capture, capture
 from hookscope.util.files import write_atomic
@@ -77,34 +78,29 @@ class GenerationCapture:
                  options: dict[str, Any]):
         self.capture: Capture = capture(model, *patterns, on_unfired=on_unfired, **options)
         self.steps: list[Step] = []
-        self._root, _ = unwrap(model)
         self._step_of_call: dict[str, list[int]] = {t.key: [] for t in self.capture.targets}
-        self._handles: list[RemovableHandle] = []
+        self._labels = _StepLabels(self, self.capture.targets)
         self._seen = 0
+        self._stack = ExitStack()
 
     def __enter__(self) -> GenerationCapture:
-        self.capture.__enter__()
-        try:
-            self._handles.append(self._root.register_forward_pre_hook(self._on_step, with_kwargs=True))
-            for target in self.capture.targets:
-                calls = self._step_of_call[target.key]
-                self._handles.append(target.module.register_forward_hook(
-                    lambda module, args, output, calls=calls: calls.append(len(self.steps) - 1)))
-        except BaseException:
-            self._remove()
-            self.capture.__exit__(None, None, None)
-            raise
+        # the labels first: their hooks run before the capture's, so before an early stop
+        with ExitStack() as stack:
+            stack.enter_context(self._labels)
+            stack.enter_context(self.capture)
+            self._stack = stack.pop_all()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self._remove()
-        self.capture.__exit__(exc_type, exc, tb)
+                 tb: TracebackType | None) -> bool | None:
+        return self._stack.__exit__(exc_type, exc, tb)
 
-    def _remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+    def _label(self, target: Target) -> Callable[..., None]:
+        calls, steps = self._step_of_call[target.key], self.steps
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            calls.append(len(steps) - 1)
+        return hook
 
     def _on_step(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         fed = kwargs.get("input_ids", args[0] if args else None)
@@ -201,6 +197,21 @@ class GenerationCapture:
         tensors["token_ids"] = self.token_ids()
         steps = json.dumps([[s.index, s.start, s.stop] for s in self.steps])
         write_atomic(file, lambda tmp: save_file(tensors, tmp, metadata={"hookscope.steps": steps}))
+
+
+class _StepLabels(Observer):
+    """The step-labelling hooks of a ``GenerationCapture``, with a session's life cycle: a
+    forward pre-hook on the root starts a step, a hook after each call of a selected module
+    (or function call, for a ``path::fn`` target) notes its step."""
+
+    def __init__(self, generation: GenerationCapture, targets: list[Target]):
+        super().__init__(generation.capture.model, targets, forward=generation._label,
+                         explain_unfired=False)
+        self._on_step = generation._on_step
+
+    def _register(self) -> None:
+        self._hook(unwrap(self.model)[0], self._on_step, pre=True, with_kwargs=True)
+        super()._register()
 
 
 def _fed_tokens(path: str, record: GenerationRecord) -> Tensor:
