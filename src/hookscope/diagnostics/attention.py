@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.engine.function_mode import FunctionCall, FunctionWatcher, Watch
+from hookscope.engine.function_mode import FunctionCall, Watch
 from hookscope.engine.function_names import refuse_uninterceptable
 from hookscope.engine.select import resolve
+from hookscope.engine.session import Observer
 from hookscope.errors import AttentionError
 
 __all__ = ["attention", "sdpa_probabilities", "ATTENTION_FUNCTIONS"]
@@ -111,21 +112,17 @@ def attention(model: nn.Module, *args: Any, layers: str | Sequence[str], **kwarg
     """
     patterns = [layers] if isinstance(layers, str) else list(layers)
     refuse_uninterceptable(model, patterns[0])
-    watcher = FunctionWatcher()
+    targets = resolve(model, patterns)
+    session = Observer(model, targets, explain_unfired=False)  # installs and removes the watch
     found: dict[str, dict[int, list[Tensor]]] = {}  # path -> module call -> probabilities
     watches: dict[str, Watch] = {}
-    for target in resolve(model, patterns):
+    for target in targets:
         refuse_uninterceptable(target.module, target.path)
         found[target.path] = {}
-        watches[target.path] = watcher.watch(target.module, _collector(found[target.path]),
-                                             names=ATTENTION_FUNCTIONS, deep=True)
-    handles = watcher.install()
-    try:
+        watches[target.path] = session.functions.watch(target.module, _collector(found[target.path]),
+                                                       names=ATTENTION_FUNCTIONS, deep=True)
+    with session:
         model(*args, **kwargs)
-    finally:
-        for handle in handles:
-            handle.remove()
-        watcher.close()
     result: dict[str, Tensor] = {}
     for path, watch in watches.items():
         result.update(_per_call(path, [found[path].get(call, [])

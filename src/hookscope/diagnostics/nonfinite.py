@@ -28,7 +28,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils.hooks import RemovableHandle
 
 from hookscope.engine import diagnose
 from hookscope.engine.names import index
@@ -164,22 +163,24 @@ def find_nonfinite(model: nn.Module, *args: Any, backward: bool = False,
     diagnose.preflight(model)
     root, _ = unwrap(model)
     tracker = _Tracker(root, record_nodes=backward)
-    with tracker.installed():
-        output = root(*args, **kwargs)
-        if tracker.found is not None or not backward:
-            return tracker.found
-        loss = loss_fn(output) if loss_fn is not None else _sum_floats(output)
-    loss_origin = tracker.loss_origin(loss)
-    if loss_origin is not None:
-        return loss_origin
-    leaves: list[Tensor] = [p for p in root.parameters() if p.requires_grad]
-    leaves += [t for t in iter_tensors((args, kwargs)) if t.requires_grad and t.is_leaf]
-    if loss.grad_fn is None or not leaves:
-        raise HookscopeError(
-            "backward=True needs a loss that requires grad, but it has no autograd graph: run "
-            "find_nonfinite outside torch.no_grad()/torch.inference_mode(), with parameters or "
-            "inputs that require grad (model.requires_grad_(True))")
-    with tracker.node_hooks():
+    with tracker.observing() as session:  # one session: forward hooks, then the node hooks
+        with _OpWatcher(tracker):
+            output = root(*args, **kwargs)
+            if tracker.found is not None or not backward:
+                return tracker.found
+            loss = loss_fn(output) if loss_fn is not None else _sum_floats(output)
+        loss_origin = tracker.loss_origin(loss)
+        if loss_origin is not None:
+            return loss_origin
+        leaves: list[Tensor] = [p for p in root.parameters() if p.requires_grad]
+        leaves += [t for t in iter_tensors((args, kwargs)) if t.requires_grad and t.is_leaf]
+        if loss.grad_fn is None or not leaves:
+            raise HookscopeError(
+                "backward=True needs a loss that requires grad, but it has no autograd graph: run "
+                "find_nonfinite outside torch.no_grad()/torch.inference_mode(), with parameters or "
+                "inputs that require grad (model.requires_grad_(True))")
+        for node in tracker.owners:
+            session.hook_grad_node(node, tracker.node_hook(node))
         torch.autograd.grad(loss, leaves, allow_unused=True)
     return tracker.found
 
@@ -213,23 +214,14 @@ class _Tracker:
         self.busy = False  # True while our own hooks run torch functions: the mode ignores them
 
     @contextmanager
-    def installed(self) -> Iterator[None]:
+    def observing(self) -> Iterator[Observer]:
+        """The session of the hooks on every module (each call's inputs and output), open
+        for the forward and the backward (``hook_grad_node``); every hook is removed on exit."""
         targets = [Target(path, module) for module, path in self.paths.items()]
         with Observer(self.root, targets, pre=lambda t: self._pre_hook,
-                      forward=lambda t: self._post_hook, with_kwargs=True, explain_unfired=False):
-            with _OpWatcher(self):
-                yield
-
-    @contextmanager
-    def node_hooks(self) -> Iterator[None]:
-        handles: list[RemovableHandle] = []
-        try:  # registered inside the try: a failure half-way removes those already added
-            for node in self.owners:
-                handles.append(node.register_hook(self._node_hook(node)))
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
+                      forward=lambda t: self._post_hook, with_kwargs=True,
+                      explain_unfired=False) as session:
+            yield session
 
     def loss_origin(self, loss: Tensor) -> NonFiniteOrigin | None:
         """Report ``loss_fn`` itself when it turned a finite output into a non-finite loss."""
@@ -276,7 +268,9 @@ class _Tracker:
             if all(_is_finite(t) for t in iter_tensors(args) if not isinstance(t, nn.Parameter)):
                 call.op = name
 
-    def _node_hook(self, node: Any) -> Callable[[tuple[Any, ...], tuple[Any, ...]], None]:
+    def node_hook(self, node: Any) -> Callable[[tuple[Any, ...], tuple[Any, ...]], None]:
+        """The hook on autograd node ``node``: notes the first non-finite gradient it makes
+        from finite incoming ones."""
         def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
             if self.found is not None:
                 return

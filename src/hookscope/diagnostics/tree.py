@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.engine.function_mode import FunctionCall, FunctionWatcher
+from hookscope.engine.function_mode import FunctionCall
 from hookscope.engine.function_names import functional_hint
 from hookscope.engine.names import ModuleIndex, index
 from hookscope.engine.select import Target, is_container, select
@@ -192,12 +192,6 @@ def _run_example(root: nn.Module, modules: dict[str, nn.Module], call: Callable[
     ``ops``, ``{path: {function name: [output description of each call]}}``."""
     ran: dict[str, list[str]] = {path: [] for path in modules}
     functions: dict[str, dict[str, list[str]]] = {}
-    watcher = FunctionWatcher()
-    if ops:
-        for path, module in modules.items():
-            if not is_container(module):
-                functions[path] = {}
-                watcher.watch(module, _op_recorder(functions[path]))
 
     def recorder(target: Target) -> Any:
         descriptions = ran[target.path]
@@ -207,14 +201,14 @@ def _run_example(root: nn.Module, modules: dict[str, nn.Module], call: Callable[
         return hook
 
     targets = [Target(path, module) for path, module in modules.items() if not is_container(module)]
-    handles = watcher.install()
-    try:
-        with Observer(root, targets, forward=recorder, explain_unfired=False), torch.no_grad():
-            call()
-    finally:
-        for handle in handles:
-            handle.remove()
-        watcher.close()
+    session = Observer(root, targets, forward=recorder, explain_unfired=False)
+    if ops:
+        for path, module in modules.items():
+            if not is_container(module):
+                functions[path] = {}
+                session.functions.watch(module, _op_recorder(functions[path]))
+    with session, torch.no_grad():
+        call()
     return ran, functions
 
 
