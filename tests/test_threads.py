@@ -29,10 +29,11 @@ B, T, D, N = 2, 5, 8, 3  # batch, sequence, width, forwards of the block's own t
 
 
 class Meeting:
-    """Runs one forward of ``model`` in a second thread each time the block's thread meets it."""
+    """Runs ``forward()`` (one forward of the model) in a second thread each time the block's
+    thread meets it, and checks it returns ``expected``."""
 
-    def __init__(self, model: nn.Module, x: torch.Tensor, expected: torch.Tensor):
-        self.model, self.x, self.expected = model, x, expected
+    def __init__(self, forward: Callable[[], torch.Tensor], expected: torch.Tensor):
+        self.forward, self.expected = forward, expected
         self.owner = threading.get_ident()
         self.requests: queue.Queue[bool] = queue.Queue()
         self.done = threading.Semaphore(0)
@@ -55,7 +56,7 @@ class Meeting:
             try:
                 depth = torch._C._len_torch_function_stack()
                 with torch.no_grad():
-                    out = self.model(self.x, attention_mask=torch.ones(B, T))
+                    out = self.forward()
                 if depth or torch._C._len_torch_function_stack():
                     self.problems.append(f"a torch function mode was entered: depth {depth}")
                 if not torch.equal(out, self.expected):
@@ -250,7 +251,7 @@ def test_another_thread_is_never_seen_nor_changed(verb: str, tmp_path: Path) -> 
         expected = model(other, attention_mask=torch.ones(B, T))
     alone = VERBS[verb](model, x, tmp_path)  # the verb's result without a second thread
 
-    meeting = Meeting(model, other, expected)
+    meeting = Meeting(lambda: model(other, attention_mask=torch.ones(B, T)), expected)
     meets = [0]
 
     def meet() -> None:
@@ -265,4 +266,32 @@ def test_another_thread_is_never_seen_nor_changed(verb: str, tmp_path: Path) -> 
         meeting.close()
     assert meeting.problems == []
     assert meeting.calls == meets[0] > 0  # every meeting ran one forward in the other thread
+    assert same(together, alone)
+
+
+def test_generation_in_another_thread_is_never_labelled() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=16,
+                                     bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids, other = torch.tensor([[3, 4, 5]]), torch.tensor([[7, 8, 9, 10]])
+    with torch.no_grad():
+        expected = model(other).logits
+
+    def generate() -> tuple[torch.Tensor, torch.Tensor]:
+        with hookscope.capture_generation(model, "transformer.h.1") as gen:
+            sequence = model.generate(ids, max_new_tokens=3, do_sample=False)
+        assert [s.start for s in gen.steps] == [0, 3, 4]  # the block's own three steps only
+        return sequence, gen.aligned("transformer.h.1")
+
+    alone = generate()
+    meeting = Meeting(lambda: model(other).logits, expected)
+    handle = model.transformer.h[0].register_forward_pre_hook(lambda module, args: meeting())
+    try:
+        together = generate()
+    finally:
+        handle.remove()
+        meeting.close()
+    assert meeting.problems == [] and meeting.calls == 3  # one forward inside each step
     assert same(together, alone)

@@ -233,6 +233,8 @@ def locate_error(model: nn.Module, exc: BaseException) -> None:
     shapes = _tensor_shapes(frame)
     note = (f"hookscope: raised inside '{path}' ({type(module).__name__})"
             f"{' called with input shapes ' + shapes if shapes else ''}")
+    if note in getattr(exc, "__notes__", ()):  # nested blocks: the outer one says it again
+        return
     if hasattr(exc, "add_note"):
         exc.add_note(note)
     else:  # Python 3.10: keep it where tools look for notes
