@@ -22,13 +22,14 @@ from torch import nn
 
 from hookscope.engine import copy_on_write as inplace
 from hookscope.engine.hooks import OwnedHook, in_recompute, owns_call
-from hookscope.engine.select import Target, as_patterns
+from hookscope.engine.select import Target, as_patterns, unwrap
 from hookscope.engine.session import HookSession, OnUnfired, by_module
 from hookscope.engine.values import keepable, quantized_note
 from hookscope.errors import CaptureError, warn
 from hookscope.record.grads import converter, watch_inputs, watch_output
+from hookscope.record.positions import MaskWatcher
 from hookscope.record.records import CallInputs, Entry, RecordKey, Records
-from hookscope.record.reductions import Reduce, reduction
+from hookscope.record.reductions import Reduce, Reduction, reduction
 from hookscope.util.nested import get_part, iter_tensors, map_tensors
 
 __all__ = ["Capture", "CaptureOptions", "CallInputs", "capture", "run"]  # CallInputs: records.py
@@ -45,7 +46,7 @@ class CaptureOptions:
     grad_inputs: bool = False
     to: torch.device | str | None = None
     dtype: torch.dtype | None = None
-    reduce: Callable[[Tensor], Tensor] | None = None
+    reduce: Reduction | None = None
     clone: bool | None = None
     early_stop: bool = False
 
@@ -87,6 +88,8 @@ class Capture(HookSession, Records):
         self.aliases = {alias + t.key[len(t.path):]: t.key for t in self.targets for alias in t.aliases}
         self._options = options
         self._grad_convert = converter(options.to, options.dtype)  # applied to each arriving gradient
+        # a reduction reads the attention mask of the running forward, as extract gives it
+        self._mask = None if options.reduce is None else MaskWatcher(unwrap(model)[0])
         self.unfired = {t.key: NOT_ENTERED for t in self.targets}
 
     def __enter__(self) -> Capture:
@@ -103,6 +106,8 @@ class Capture(HookSession, Records):
 
     def _register(self) -> None:
         self._snapshot = self._snapshot_fn()  # one per session, shared by every hook
+        if self._mask is not None:
+            self._hook(unwrap(self.model)[0], self._mask.hook, pre=True, with_kwargs=True)
         for target in self.targets:
             if target.op is not None:
                 self._hook_output(target, self._function_hook(self._slots[target.key]),
@@ -183,7 +188,7 @@ class Capture(HookSession, Records):
         reduced, and kept safe from later in-place writes as ``clone`` asks (``_inplace.py``)."""
         to, dtype, reduce = self._options.to, self._options.dtype, self._options.reduce
         converts = to is not None or dtype is not None or reduce is not None
-        clone = self._options.clone
+        clone, watcher = self._options.clone, self._mask
 
         def one(t: Tensor, slot: _Slot) -> Tensor:
             if _special(t):  # quantized: dequantized; inside a functorch transform: refused
@@ -192,8 +197,8 @@ class Capture(HookSession, Records):
             if converts:
                 if to is not None or dtype is not None:
                     kept = kept.to(device=to, dtype=dtype)
-                if reduce is not None:
-                    kept = reduce(kept)
+                if reduce is not None and watcher is not None:
+                    kept = reduce(kept, _mask_of(watcher, kept))
                 if not inplace.shares_memory(kept, t):
                     return kept
             if clone is None:
@@ -293,6 +298,13 @@ class _PlainHook(OwnedHook):
         self.outputs.append(self.snapshot(output, self.slot))
 
 
+def _mask_of(watcher: MaskWatcher, t: Tensor) -> Tensor | None:
+    """The attention mask ``(batch, seq)`` of the running forward for output ``t``, on ``t``'s
+    device, or None when the model was called without one."""
+    mask = watcher.mask_for(t.shape)
+    return None if mask is None else mask.to(t.device)
+
+
 def _record_key(target: Target) -> RecordKey:
     """The record key of ``target``'s values (no call); its ``name`` is ``target.key``."""
     return RecordKey(target.path, None, target.parts, target.op)
@@ -381,8 +393,10 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
         dtype: dtype to cast captured floating tensors to (e.g. ``torch.float16`` halves memory).
         reduce: applied to each captured tensor at capture time: a named reduction as
             ``extract`` takes (``"mean"``, ``"first"``, ``"last"``; ``hookscope.reductions`` says
-            which axis each uses; no attention mask is known here, so padding counts) or a
-            function, e.g. ``lambda t: t.mean(dim=(2, 3))`` keeps ``(batch, channels)``.
+            which axis each uses), which counts only the real tokens of the ``attention_mask``
+            the model is called with (by keyword or position), so its rows equal ``extract``'s;
+            or a function of the output, e.g. ``lambda t: t.mean(dim=(2, 3))`` keeps
+            ``(batch, channels)``.
         clone: ``None`` (default) keeps each tensor copy-on-write: nothing is copied unless a
             later in-place op writes it, and then only that tensor, just before the write (the
             writer gets the copy; exact in every grad mode, see ``_inplace.py``); ``True``
@@ -414,7 +428,7 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
                            "early_stop to record gradients (grads=True / grad_inputs=True)")
     reducer = reduction(reduce)
     options = CaptureOptions(inputs=inputs, grads=grads, grad_inputs=grad_inputs, to=to, dtype=dtype,
-                             reduce=None if reducer is None else lambda t: reducer(t, None),
+                             reduce=reducer,
                              clone=clone, early_stop=early_stop)
     return Capture(model, patterns, options, on_unfired)
 
