@@ -17,6 +17,7 @@ from hookscope.diagnostics.inventory import hooks
 from hookscope.diagnostics.nonfinite import find_nonfinite
 from hookscope.diagnostics.stats import stats
 from hookscope.engine import diagnose
+from hookscope.engine.names import index
 from hookscope.engine.select import resolve
 from hookscope.errors import HookNeverFiredWarning, HookscopeError, SelectorError
 from tests.models import DirectForwardCall, LeNet
@@ -125,7 +126,7 @@ def test_fast_path_seen_by_a_global_hook_is_explained_with_the_switch() -> None:
         handle.remove()
     assert seen == {""}  # the fused kernel ran; none of the 8 submodules did
     targets = resolve(layer, ["linear1", "self_attn"])
-    reasons = diagnose.explain_unfired(layer, targets, seen)
+    reasons = diagnose.explain_unfired(index(layer), targets, seen)
     assert set(reasons) == {"linear1", "self_attn"}
     for reason in reasons.values():
         assert "ran its fused fast path" in reason

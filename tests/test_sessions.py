@@ -11,6 +11,7 @@ from torch import nn
 
 import hookscope
 from hookscope.diagnostics.tree import tree
+from hookscope.engine.names import ModuleIndex
 from hookscope.engine.select import Target, as_patterns, resolve
 from hookscope.engine.session import Observer
 from tests.models import MlpStack, SharedLinear, UnusedBranch
@@ -67,9 +68,9 @@ def test_edit_resolves_each_pattern_once(monkeypatch: pytest.MonkeyPatch) -> Non
     calls: list[list[str]] = []
     real = resolve
 
-    def counting(model: nn.Module, patterns: list[str]) -> list[Target]:
+    def counting(model: nn.Module, patterns: list[str], *, names: ModuleIndex) -> list[Target]:
         calls.append(list(patterns))
-        return real(model, patterns)
+        return real(model, patterns, names=names)
 
     monkeypatch.setattr("hookscope.engine.session.resolve", counting)
     model = MlpStack()

@@ -19,6 +19,7 @@ from hookscope.cli._common import (
     positive_int,
 )
 from hookscope.cli.show import print_store
+from hookscope.record.reductions import NAMES
 from hookscope.store.extract import SHARD_BYTES, SHARD_SECONDS, check_output, extract
 from hookscope.zoo.data import load_data
 from hookscope.zoo.models import load_model
@@ -36,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_layer_argument(parser, required=True,
                        help="module paths or patterns, one or more; each becomes a store layer")
     parser.add_argument("--out", required=True, metavar="DIR", help="store folder to create")
-    parser.add_argument("--reduce", choices=("none", "mean", "first", "last"), default="none",
+    parser.add_argument("--reduce", choices=("none", *NAMES), default="none",
                         help="none: whole rows (tokens without padding); mean: over dim 1 of "
                              "(batch, seq, d) tokens, over dims 2.. (pixels) of (batch, c, h, w) "
                              "maps, (batch, d) kept; first/last: first (CLS) / last real token, "

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from hookscope.engine import diagnose
+from hookscope.engine.names import ModuleIndex
 from hookscope.engine.select import Target, as_patterns
 from hookscope.engine.session import Observer, resolve_checked
 from hookscope.engine.values import dequantized
@@ -118,7 +119,7 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
             (a ``torch.compile``'d model compiled earlier: the message gives the fix).
     """
     patterns = as_patterns(layers)
-    targets_a, targets_b = _targets(model_a, patterns), _targets(model_b, patterns)
+    (targets_a, names_a), (targets_b, names_b) = _targets(model_a, patterns), _targets(model_b, patterns)
     common = [key for key in targets_a if key in targets_b]
     reference: dict[Key, list[Tensor]] = {}
     order: list[Key] = []
@@ -137,9 +138,9 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
         diffs[key] = _diff(key, reference.pop(key), _floats(output), atol, rtol)
 
     with torch.no_grad():
-        with _watching(model_a, [targets_a[key] for key in common], keep) as session_a:
+        with _watching(model_a, names_a, [targets_a[key] for key in common], keep) as session_a:
             keep((OUTPUT, 0), model_a(*_cast_inputs(model_a, args), **_cast_inputs(model_a, kwargs)))
-        with _watching(model_b, [targets_b[key] for key in common], check) as session_b:
+        with _watching(model_b, names_b, [targets_b[key] for key in common], check) as session_b:
             check((OUTPUT, 0), model_b(*_cast_inputs(model_b, args), **_cast_inputs(model_b, kwargs)))
     _require_hooks_fired(model_a, not common or len(order) > 1)  # order always holds OUTPUT
     _require_hooks_fired(model_b, not common or len(diffs) + len(unmatched) > 1)
@@ -155,11 +156,14 @@ def _require_hooks_fired(model: nn.Module, fired: bool) -> None:
         raise HookscopeError(f"cannot compare: {why}")
 
 
-def _targets(model: nn.Module, patterns: list[str]) -> dict[str, Target]:
-    return {t.key: t for t in resolve_checked(model, patterns)}
+def _targets(model: nn.Module, patterns: list[str]) -> tuple[dict[str, Target], ModuleIndex]:
+    """``({record name: target}, the index they were resolved on)``."""
+    targets, names = resolve_checked(model, patterns)
+    return {t.key: t for t in targets}, names
 
 
-def _watching(model: nn.Module, targets: list[Target], sink: Callable[[Key, Any], None]) -> Observer:
+def _watching(model: nn.Module, names: ModuleIndex, targets: list[Target],
+              sink: Callable[[Key, Any], None]) -> Observer:
     """A session calling ``sink((key, k), output)`` as call ``k`` of each target's module returns."""
     counts = {t.key: 0 for t in targets}
 
@@ -170,7 +174,7 @@ def _watching(model: nn.Module, targets: list[Target], sink: Callable[[Key, Any]
             sink((target.key, counts[target.key] - 1), part)
         return hook
 
-    return Observer(model, targets, forward=hook_for)
+    return Observer(model, targets, forward=hook_for, names=names)
 
 
 def _floats(output: Any) -> list[Tensor]:

@@ -37,8 +37,10 @@ from torch import nn
 from hookscope.editing import rules as _edit_rules
 from hookscope.editing.sources import Source, SourceReader
 from hookscope.engine.hooks import in_recompute
+from hookscope.engine.names import ModuleIndex
+from hookscope.engine.names import index as module_index
 from hookscope.engine.select import Target, as_patterns, unwrap
-from hookscope.engine.session import HookSession, OnUnfired, resolve_checked
+from hookscope.engine.session import HookSession, OnUnfired, resolve_each
 from hookscope.engine.values import requantize_like
 from hookscope.errors import EditError, warn
 from hookscope.record.positions import MaskWatcher, Positions
@@ -59,17 +61,17 @@ class Edit(HookSession):
     """
 
     _unfired_consequence = "their edit was never applied"
-    _allow_no_patterns = True
 
     def __init__(self, model: nn.Module, rules: Sequence[tuple[str, Rule]], *,
                  inputs: bool = False, on_unfired: OnUnfired = "warn",
-                 watcher: MaskWatcher | None = None):
-        resolved = [(pattern, target, rule) for pattern, rule in rules
-                    for target in resolve_checked(model, [pattern])]  # each pattern once
+                 watcher: MaskWatcher | None = None, names: ModuleIndex | None = None):
+        each, names = resolve_each(model, [[pattern] for pattern, _ in rules], names)  # one index
+        resolved = [(pattern, target, rule) for (pattern, rule), targets in zip(rules, each)
+                    for target in targets]
         self._rules = [(target, rule) for _, target, rule in resolved]
         self._patterns = [pattern for pattern, _, _ in resolved]  # named when an edit misfits
         targets = list({(t.path, t.parts, t.op): t for t, _ in self._rules}.values())
-        super().__init__(model, (), on_unfired, targets=targets if targets else None)
+        super().__init__(model, (), on_unfired, targets=targets, names=names)
         self._watcher = watcher  # the attention mask of the running forward, for positions
         if inputs and any(t.parts for t, _ in self._rules):
             raise EditError("output parts such as 'lstm[0]' select pieces of an output; an input "
@@ -276,16 +278,18 @@ def patch(model: nn.Module, *, source: Source,
     """
     records = SourceReader(source, "source")
     pairs = _edit_rules.layer_pairs(records, layers, source_layers)
-    source_of = _edit_rules.source_targets(model, pairs)
+    names = module_index(model)  # one index for the source pairs and the session
+    source_of = _edit_rules.source_targets(model, pairs, names)
     if positions is None:
         rule = _edit_rules.patch_rule(records, source_of)
-        return Edit(model, [(p, rule) for p, _ in pairs], on_unfired=on_unfired)
+        return Edit(model, [(p, rule) for p, _ in pairs], on_unfired=on_unfired, names=names)
     destination, origin = ((list(positions), list(positions.values()))
                            if isinstance(positions, Mapping) else (positions, positions))
     watcher = MaskWatcher(unwrap(model)[0], attention_mask)
     rule = _edit_rules.patch_positions_rule(records, source_of, destination, origin, watcher,
                                  source_attention_mask, absolute)
-    return Edit(model, [(p, rule) for p, _ in pairs], on_unfired=on_unfired, watcher=watcher)
+    return Edit(model, [(p, rule) for p, _ in pairs], on_unfired=on_unfired, watcher=watcher,
+                names=names)
 
 
 def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0,

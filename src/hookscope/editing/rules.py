@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from hookscope.editing.sources import SourceReader
+from hookscope.engine.names import ModuleIndex
 from hookscope.engine.select import Target, as_patterns, resolve
 from hookscope.errors import EditError
 from hookscope.record.positions import MaskWatcher, Positions, resolve_positions
@@ -164,13 +165,15 @@ def layer_pairs(records: SourceReader, layers: str | Sequence[str] | Mapping[str
     return list(zip(patterns, sources))
 
 
-def source_targets(model: nn.Module, pairs: list[tuple[str, str | None]]) -> dict[str, Target]:
-    """``{record name patched: source target}`` for the pairs whose source is another layer."""
+def source_targets(model: nn.Module, pairs: list[tuple[str, str | None]],
+                   names: ModuleIndex) -> dict[str, Target]:
+    """``{record name patched: source target}`` for the pairs whose source is another layer;
+    ``names`` is ``index(model)``, built once by the caller."""
     mapped: dict[str, Target] = {}
     for pattern, source_pattern in pairs:
         if source_pattern is None:
             continue
-        live, origin = resolve(model, [pattern]), resolve(model, [source_pattern])
+        live, origin = resolve(model, [pattern], names=names), resolve(model, [source_pattern], names=names)
         if len(live) != len(origin):
             raise EditError(f"'{pattern}' selects {len(live)} modules but its source "
                             f"'{source_pattern}' selects {len(origin)}; map one to one, e.g. "

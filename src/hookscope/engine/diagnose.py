@@ -2,13 +2,16 @@
 
 Three moments, three functions:
 
-- ``preflight(model)`` and ``check_targets(model, targets)``, before any hook exists: refuse
+- ``preflight(model)`` and ``check_targets(names, targets)``, before any hook exists: refuse
   models and modules whose hooks cannot work.
-- ``explain_unfired(model, targets, ran)``, after the forward: for each selected module whose
+- ``explain_unfired(names, targets, ran)``, after the forward: for each selected module whose
   hook never fired, the likely cause and the fix. ``ran`` holds the paths of selected modules
   and of their *witnesses* (parents, siblings and children, see ``witnesses``) that ran.
-- ``locate_error(model, exc)``, when the forward raised: a note on the exception naming the
+- ``locate_error(names, exc)``, when the forward raised: a note on the exception naming the
   innermost module that was running (path, class, input shapes), found from the traceback.
+
+``names`` is the model's ``ModuleIndex`` (``hookscope.names.index``): a session builds it once
+and hands the same one to every function here.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 from torch import nn
 
 from hookscope.engine.function_names import functional_hint
-from hookscope.engine.names import index
+from hookscope.engine.names import ModuleIndex
 from hookscope.engine.select import Target
 from hookscope.engine.wrappers import wrapped_attribute
 from hookscope.errors import FusedModuleWarning, HookscopeError
@@ -42,7 +45,7 @@ def preflight(model: nn.Module) -> None:
     _refuse_script("", model)
 
 
-def check_targets(model: nn.Module, targets: Sequence[Target]) -> None:
+def check_targets(names: ModuleIndex, targets: Sequence[Target]) -> None:
     """Raise before registering when a selected module's hook could not fire; warn when its
     output is not what its name says.
 
@@ -54,7 +57,7 @@ def check_targets(model: nn.Module, targets: Sequence[Target]) -> None:
             ``torch.ao.quantization.fuse_modules`` left where a fused module (``bn``, ``relu``)
             was: it returns its input, the fused module's output (shared/cases/32).
     """
-    modules = index(model).modules if targets else {}
+    modules = names.modules
     for target in targets:
         _refuse_script(target.path, target.module)
         fused = _fused_into(target.path, modules)
@@ -87,15 +90,20 @@ def _refuse_script(path: str, module: nn.Module) -> None:
             f"nn.Module instead (the Python class with its state_dict).")
 
 
-def witnesses(model: nn.Module, targets: Sequence[Target]) -> dict[str, nn.Module]:
+def witnesses(model: nn.Module, names: ModuleIndex, targets: Sequence[Target]) -> dict[str, nn.Module]:
     """Modules around the selected ones whose running tells why a selected one did not:
     each selected module's parent, the parent's other children, and its own children.
+
+    Args:
+        model: the root module as given (its ``torch.compile`` wrapper, if any, is a witness).
+        names: ``index(model)``.
+        targets: the selected targets.
 
     Returns:
         ``{path: module}`` of modules that are not themselves selected (root is ``""``), and
         for a ``torch.compile``'d model its wrapper under the key ``COMPILED``.
     """
-    modules = index(model).modules
+    modules = names.modules
     children = _child_index(modules)
     selected = {t.path for t in targets}
     found: dict[str, nn.Module] = {}
@@ -119,17 +127,17 @@ def _compile_wrapper(model: nn.Module) -> nn.Module | None:
     return None
 
 
-def explain_unfired(model: nn.Module, targets: Sequence[Target], ran: set[str]) -> dict[str, str]:
+def explain_unfired(names: ModuleIndex, targets: Sequence[Target], ran: set[str]) -> dict[str, str]:
     """Return ``{record key: reason}`` for ``targets`` (selected modules that recorded nothing).
 
     Args:
-        model: the captured model.
+        names: the captured model's ``ModuleIndex``.
         targets: the selected targets that never ran.
         ran: paths of every hooked module (selected or witness) that ran.
     """
     if not targets:
         return {}
-    modules = index(model).modules
+    modules = names.modules
     children = _child_index(modules)
     return {t.key: _reason(t.path, modules, children, ran) for t in targets}
 
@@ -217,19 +225,20 @@ def _out_proj_reason(path: str, modules: dict[str, nn.Module], ran: set[str]) ->
             f"'{parent}[0]' (the attention output, after out_proj) instead")
 
 
-def locate_error(model: nn.Module, exc: BaseException) -> None:
-    """Add a note to ``exc`` naming the innermost module of ``model`` that was running.
+def locate_error(names: ModuleIndex, exc: BaseException) -> None:
+    """Add a note to ``exc`` naming the innermost module of the model ``names`` indexes that
+    was running.
 
     The note reads ``hookscope: raised inside 'blocks.3.mlp.fc1' (Linear) called with input
     shapes [(2, 7)]``. Python 3.11+ prints notes with the traceback; the exception's type and
     message are unchanged.
     """
-    names = {id(m): p for p, m in index(model).modules.items()}
-    frame = _innermost_module_frame(exc, names)
+    paths = {id(m): p for p, m in names.modules.items()}
+    frame = _innermost_module_frame(exc, paths)
     if frame is None:
         return
     module = frame.f_locals["self"]
-    path = names[id(module)] or "(the root module)"
+    path = paths[id(module)] or "(the root module)"
     shapes = _tensor_shapes(frame)
     note = (f"hookscope: raised inside '{path}' ({type(module).__name__})"
             f"{' called with input shapes ' + shapes if shapes else ''}")

@@ -113,15 +113,17 @@ def select(model: nn.Module, *patterns: str) -> dict[str, nn.Module]:
     return {t.path: t.module for t in resolve(model, patterns)}
 
 
-def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str]) -> list[Target]:
+def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str], *,
+            names: ModuleIndex | None = None) -> list[Target]:
     """Resolve ``patterns`` to ``Target`` s: modules in ``named_modules()`` order, one per
-    distinct (path, parts). Raises ``SelectorError`` as ``select`` does."""
+    distinct (path, parts). ``names`` is ``index(model)`` when the caller already has it (a
+    session builds it once); else it is built here. Raises ``SelectorError`` as ``select`` does."""
     if isinstance(patterns, str):
         patterns = [patterns]
     if not patterns:
         raise SelectorError("no pattern given: name at least one module, e.g. 'conv2', "
                             "'blocks.*', 'type:Linear' or '**' for every module")
-    names = index(model)
+    names = index(model) if names is None else names
     order = {path: i for i, path in enumerate(names.modules)}
     chosen: dict[tuple[str, tuple[int | str, ...], str | None], Target] = {}
     for pattern in patterns:

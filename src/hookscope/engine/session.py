@@ -35,6 +35,7 @@ from hookscope.engine.early_stop import (
 from hookscope.engine.function_mode import FunctionHooks
 from hookscope.engine.function_names import refuse_uninterceptable
 from hookscope.engine.hooks import OwnedHook, on_node, register
+from hookscope.engine.names import ModuleIndex, index
 from hookscope.engine.select import Target, resolve, unwrap
 from hookscope.errors import HookNeverFiredError, HookNeverFiredWarning, HookscopeError, warn
 
@@ -57,20 +58,20 @@ class HookSession:
     """
 
     _unfired_consequence = "nothing was recorded"
-    _allow_no_patterns = False  # an edit of nothing is a valid no-op; a capture of nothing is not
     _explain_unfired = True  # find out why silent modules did not run, even when not reporting it
 
     def __init__(self, model: nn.Module, patterns: Sequence[str], on_unfired: OnUnfired, *,
-                 targets: Sequence[Target] | None = None):
+                 targets: Sequence[Target] | None = None, names: ModuleIndex | None = None):
+        """``patterns`` are resolved here unless the caller passes ``targets`` it resolved
+        itself (``resolve_checked``), with the ``names`` index it resolved them on; the session
+        hands that one index to the witnesses, the unfired report and the error note."""
         if on_unfired not in ("warn", "error", "ignore"):
             raise HookscopeError(f"on_unfired={on_unfired!r} is not one of 'warn', 'error', 'ignore'")
         self.model = model
-        if targets is None and not patterns and self._allow_no_patterns:
-            diagnose.preflight(model)  # a no-op edit still refuses what could never be hooked
-            targets = []
-        elif targets is None:  # else resolved by the caller with resolve_checked
-            targets = resolve_checked(model, patterns)
+        if targets is None:
+            targets, names = resolve_checked(model, patterns)
         self.targets = list(targets)
+        self._names = names  # built on first use when the caller resolved without one
         for target in self.targets:
             if target.op is not None:  # before anything runs: calls there cannot be seen
                 refuse_uninterceptable(model, target.key)
@@ -96,7 +97,8 @@ class HookSession:
             for handle in self._functions.install():
                 self._add(handle)
             if self._explain_unfired:  # witnesses serve only the explanation on exit
-                for path, module in diagnose.witnesses(self.model, self.targets).items():
+                near = diagnose.witnesses(self.model, self._module_index(), self.targets)
+                for path, module in near.items():
                     self._hook(module, self._witness(path), pre=True)
         except BaseException:
             self._remove()
@@ -110,7 +112,7 @@ class HookSession:
         stopped = stopped_by(exc, self._stopper)  # our early stop: the block ends cleanly
         if exc is not None and not stopped:
             if not isinstance(exc, StopForward):  # another block's stop is no error
-                diagnose.locate_error(self.model, exc)
+                diagnose.locate_error(self._module_index(), exc)
             return None
         if not self._explain_unfired:
             return True if stopped else None
@@ -126,7 +128,7 @@ class HookSession:
             return True if stopped else None
         inside = {t.key: why for t in silent if t.op
                   and (why := self._functions.unfired(t.key, t.path)) is not None}
-        self.unfired = diagnose.explain_unfired(self.model,
+        self.unfired = diagnose.explain_unfired(self._module_index(),
                                                 [t for t in silent if t.key not in inside], ran)
         self.unfired.update(inside)
         self.unfired.update(self._other_threads(silent))
@@ -157,6 +159,12 @@ class HookSession:
     def _ran_paths(self) -> set[str]:
         """Paths of the selected modules and witnesses that ran."""
         return self._ran
+
+    def _module_index(self) -> ModuleIndex:
+        """The model's ``ModuleIndex``: the one the targets were resolved on, else built once."""
+        if self._names is None:
+            self._names = index(self.model)
+        return self._names
 
     def _add(self, handle: RemovableHandle) -> None:
         self._handles.append(handle)
@@ -258,13 +266,32 @@ class HookSession:
 Hook = Callable[..., Any]
 
 
-def resolve_checked(model: nn.Module, patterns: Sequence[str]) -> list[Target]:
+def resolve_checked(model: nn.Module, patterns: Sequence[str],
+                    names: ModuleIndex | None = None) -> tuple[list[Target], ModuleIndex]:
     """``select.resolve`` after refusing models that cannot be hooked (TorchScript), then the
-    checks on what was selected (``diagnose.check_targets``)."""
+    checks on what was selected (``diagnose.check_targets``).
+
+    Returns:
+        ``(targets, names)``: the targets (as ``resolve``) and the ``ModuleIndex`` they were
+        resolved on (``names`` when given, else built once here), for the session.
+
+    Raises:
+        SelectorError, HookscopeError: as ``resolve`` and ``diagnose.check_targets``.
+    """
+    each, names = resolve_each(model, [list(patterns)], names)
+    return each[0], names
+
+
+def resolve_each(model: nn.Module, groups: Sequence[Sequence[str]],
+                 names: ModuleIndex | None = None) -> tuple[list[list[Target]], ModuleIndex]:
+    """``resolve_checked`` for several groups of patterns on one index (an ``Edit`` resolves
+    each pattern on its own): ``([targets of group 0, ...], names)``. No group is fine (a no-op
+    edit): the model is still refused when it cannot be hooked."""
     diagnose.preflight(model)
-    targets = resolve(model, list(patterns))
-    diagnose.check_targets(model, targets)
-    return targets
+    names = index(model) if names is None else names
+    resolved = [resolve(model, list(group), names=names) for group in groups]
+    diagnose.check_targets(names, [t for targets in resolved for t in targets])
+    return resolved, names
 
 
 class Observer(HookSession):
@@ -282,6 +309,8 @@ class Observer(HookSession):
             (with each cause) for the caller to report.
         explain_unfired: False skips the witness hooks and leaves ``unfired`` empty (``tree``
             and ``find_nonfinite`` hook every module and report silent ones themselves).
+        names: the ``ModuleIndex`` the targets were resolved on (``resolve_checked``); None:
+            built when first needed.
     """
 
     _unfired_consequence = "nothing was observed there"
@@ -289,8 +318,9 @@ class Observer(HookSession):
     def __init__(self, model: nn.Module, targets: Sequence[Target], *,
                  forward: Callable[[Target], Hook] | None = None,
                  pre: Callable[[Target], Hook] | None = None, with_kwargs: bool = False,
-                 on_unfired: OnUnfired = "ignore", explain_unfired: bool = True):
-        super().__init__(model, (), on_unfired, targets=targets)
+                 on_unfired: OnUnfired = "ignore", explain_unfired: bool = True,
+                 names: ModuleIndex | None = None):
+        super().__init__(model, (), on_unfired, targets=targets, names=names)
         self._forward, self._pre, self._with_kwargs = forward, pre, with_kwargs
         self._explain_unfired = explain_unfired
 

@@ -13,9 +13,8 @@ tensor really written later is copied, when the write happens (``_inplace.py``).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -23,13 +22,14 @@ from torch import nn
 
 from hookscope.engine import copy_on_write as inplace
 from hookscope.engine.hooks import OwnedHook, in_recompute, owns_call
-from hookscope.engine.select import Target, as_patterns
+from hookscope.engine.select import Target, as_patterns, unwrap
 from hookscope.engine.session import HookSession, OnUnfired, by_module
 from hookscope.engine.values import keepable, quantized_note
 from hookscope.errors import CaptureError, warn
 from hookscope.record.grads import converter, watch_inputs, watch_output
+from hookscope.record.positions import MaskWatcher
 from hookscope.record.records import CallInputs, Entry, RecordKey, Records
-from hookscope.record.reductions import Reduce, reduction
+from hookscope.record.reductions import Reduce, Reduction, reduction
 from hookscope.util.nested import get_part, iter_tensors, map_tensors
 
 __all__ = ["Capture", "CaptureOptions", "CallInputs", "capture", "run"]  # CallInputs: records.py
@@ -46,7 +46,7 @@ class CaptureOptions:
     grad_inputs: bool = False
     to: torch.device | str | None = None
     dtype: torch.dtype | None = None
-    reduce: Callable[[Tensor], Tensor] | None = None
+    reduce: Reduction | None = None
     clone: bool | None = None
     early_stop: bool = False
 
@@ -69,42 +69,45 @@ NOT_ENTERED = ("this capture was never entered, so no hook was registered: run t
                "`output, acts = hookscope.run(model, x, layers=...)`")
 
 
-class Capture(HookSession):
+class Capture(HookSession, Records):
     """One capture session: the hooks and the in-place policy; build it with ``hookscope.capture``.
 
-    What it recorded is ``self.records`` (a ``hookscope.Records``); the session reads through to
-    it, so ``acts[path]``, ``acts[path, k]``, ``acts.calls(path)``, ``acts.save(file)`` and the
-    rest work on the session itself, inside the ``with`` block and after it.
+    A capture is the ``hookscope.Records`` it fills: ``acts[path]``, ``acts[path, k]``,
+    ``acts.calls(path)``, ``acts.save(file)`` and the rest read it, inside the ``with`` block and
+    after it; ``unfired`` says why a selected module has no record (also why reading it raises).
 
     Raises (on reading): as ``Records``.
     """
 
     def __init__(self, model: nn.Module, patterns: Sequence[str], options: CaptureOptions,
                  on_unfired: OnUnfired = "warn"):
-        super().__init__(model, patterns, on_unfired)
+        HookSession.__init__(self, model, patterns, on_unfired)
         kept = [name for name in ("inputs", "grads", "grad_inputs") if getattr(options, name)]
-        self.records = Records((Entry(t.key, t.module) for t in self.targets), kept)
-        self._slots = {t.key: _Slot(t, self.records.entry(t.key)) for t in self.targets}
-        self.records.aliases = {alias + t.key[len(t.path or "(root)"):]: t.key
-                                for t in self.targets for alias in t.aliases}
+        Records.__init__(self, (Entry(_record_key(t), t.module) for t in self.targets), kept)
+        self._slots = {t.key: _Slot(t, self.entry(t.key)) for t in self.targets}
+        self.aliases = {alias + t.key[len(t.path):]: t.key for t in self.targets for alias in t.aliases}
         self._options = options
         self._grad_convert = converter(options.to, options.dtype)  # applied to each arriving gradient
-        self.records.unfired = {t.key: NOT_ENTERED for t in self.targets}
+        # a reduction reads the attention mask of the running forward, as extract gives it
+        self._mask = None if options.reduce is None else MaskWatcher(unwrap(model)[0])
+        self.unfired = {t.key: NOT_ENTERED for t in self.targets}
 
     def __enter__(self) -> Capture:
-        self.records.unfired = {}
+        self.unfired = {}
         entered: Capture = super().__enter__()
         return entered
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> bool | None:
-        try:
-            return super().__exit__(exc_type, exc, tb)  # True: this capture's early stop ended it
-        finally:
-            self.records.unfired = self.unfired  # so reading a silent module says why
+    @property
+    def records(self) -> Records:
+        """A plain ``Records`` over this capture's values (the same entries, no session)."""
+        view = Records(self._entries.values(), self._kept)
+        view.unfired, view.notes, view.aliases = self.unfired, self.notes, self.aliases
+        return view
 
     def _register(self) -> None:
         self._snapshot = self._snapshot_fn()  # one per session, shared by every hook
+        if self._mask is not None:
+            self._hook(unwrap(self.model)[0], self._mask.hook, pre=True, with_kwargs=True)
         for target in self.targets:
             if target.op is not None:
                 self._hook_output(target, self._function_hook(self._slots[target.key]),
@@ -185,7 +188,7 @@ class Capture(HookSession):
         reduced, and kept safe from later in-place writes as ``clone`` asks (``_inplace.py``)."""
         to, dtype, reduce = self._options.to, self._options.dtype, self._options.reduce
         converts = to is not None or dtype is not None or reduce is not None
-        clone = self._options.clone
+        clone, watcher = self._options.clone, self._mask
 
         def one(t: Tensor, slot: _Slot) -> Tensor:
             if _special(t):  # quantized: dequantized; inside a functorch transform: refused
@@ -194,8 +197,8 @@ class Capture(HookSession):
             if converts:
                 if to is not None or dtype is not None:
                     kept = kept.to(device=to, dtype=dtype)
-                if reduce is not None:
-                    kept = reduce(kept)
+                if reduce is not None and watcher is not None:
+                    kept = reduce(kept, _mask_of(watcher, kept))
                 if not inplace.shares_memory(kept, t):
                     return kept
             if clone is None:
@@ -215,7 +218,7 @@ class Capture(HookSession):
 
     def _keepable(self, t: Tensor, slot: _Slot) -> Tensor:
         if t.is_quantized:
-            self.records.notes.setdefault(slot.target.key, quantized_note(t))
+            self.notes.setdefault(slot.target.key, quantized_note(t))
         return keepable(t, slot.target.key)
 
     def _warn_unverifiable(self) -> None:
@@ -250,7 +253,7 @@ class Capture(HookSession):
     def clear(self) -> None:
         """Drop every record so far and keep the hooks: one capture can serve many batches
         (``with capture(...) as acts: for x in batches: model(x); use(acts); acts.clear()``)."""
-        self.records.clear()
+        super().clear()
         for slot in self._slots.values():
             slot.versions.clear()
 
@@ -260,59 +263,6 @@ class Capture(HookSession):
         For loops that read records inside the block, before ``clear()``. (The default
         copy-on-write records cannot be overwritten, so there is nothing to check.)"""
         self._check_versions()
-
-    @property
-    def paths(self) -> list[str]:
-        """See ``Records.paths``."""
-        return self.records.paths
-
-    @property
-    def counts(self) -> dict[str, int]:
-        """See ``Records.counts``."""
-        return self.records.counts
-
-    def items(self) -> Iterator[tuple[RecordKey, Tensor]]:
-        """See ``Records.items``."""
-        return self.records.items()
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.records
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.records)
-
-    def __len__(self) -> int:
-        return len(self.records)
-
-    def __getitem__(self, key: str | tuple[str, int] | RecordKey) -> Any:
-        return self.records[key]
-
-    def __repr__(self) -> str:
-        return repr(self.records).replace("hookscope.Records", "hookscope.Capture", 1)
-
-    def calls(self, path: str) -> list[Any]:
-        """See ``Records.calls``."""
-        return self.records.calls(path)
-
-    def inputs(self, path: str, call: int = 0) -> CallInputs:
-        """See ``Records.inputs``."""
-        return self.records.inputs(path, call)
-
-    def grad(self, path: str, call: int = 0) -> Any:
-        """See ``Records.grad``."""
-        return self.records.grad(path, call)
-
-    def grad_calls(self, path: str) -> list[Any]:
-        """See ``Records.grad_calls``."""
-        return self.records.grad_calls(path)
-
-    def grad_input(self, path: str, call: int = 0) -> CallInputs:
-        """See ``Records.grad_input``."""
-        return self.records.grad_input(path, call)
-
-    def save(self, file: str, *, overwrite: bool = True, metadata: dict[str, str] | None = None) -> None:
-        """See ``Records.save``."""
-        self.records.save(file, overwrite=overwrite, metadata=metadata)
 
 
 class _PlainHook(OwnedHook):
@@ -346,6 +296,18 @@ class _PlainHook(OwnedHook):
 
     def _record(self, module: nn.Module, args: Any, output: Any) -> None:
         self.outputs.append(self.snapshot(output, self.slot))
+
+
+def _mask_of(watcher: MaskWatcher, t: Tensor) -> Tensor | None:
+    """The attention mask ``(batch, seq)`` of the running forward for output ``t``, on ``t``'s
+    device, or None when the model was called without one."""
+    mask = watcher.mask_for(t.shape)
+    return None if mask is None else mask.to(t.device)
+
+
+def _record_key(target: Target) -> RecordKey:
+    """The record key of ``target``'s values (no call); its ``name`` is ``target.key``."""
+    return RecordKey(target.path, None, target.parts, target.op)
 
 
 def _part(output: Any, slot: _Slot) -> Any:
@@ -431,8 +393,10 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
         dtype: dtype to cast captured floating tensors to (e.g. ``torch.float16`` halves memory).
         reduce: applied to each captured tensor at capture time: a named reduction as
             ``extract`` takes (``"mean"``, ``"first"``, ``"last"``; ``hookscope.reductions`` says
-            which axis each uses; no attention mask is known here, so padding counts) or a
-            function, e.g. ``lambda t: t.mean(dim=(2, 3))`` keeps ``(batch, channels)``.
+            which axis each uses), which counts only the real tokens of the ``attention_mask``
+            the model is called with (by keyword or position), so its rows equal ``extract``'s;
+            or a function of the output, e.g. ``lambda t: t.mean(dim=(2, 3))`` keeps
+            ``(batch, channels)``.
         clone: ``None`` (default) keeps each tensor copy-on-write: nothing is copied unless a
             later in-place op writes it, and then only that tensor, just before the write (the
             writer gets the copy; exact in every grad mode, see ``_inplace.py``); ``True``
@@ -464,7 +428,7 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
                            "early_stop to record gradients (grads=True / grad_inputs=True)")
     reducer = reduction(reduce)
     options = CaptureOptions(inputs=inputs, grads=grads, grad_inputs=grad_inputs, to=to, dtype=dtype,
-                             reduce=None if reducer is None else lambda t: reducer(t, None),
+                             reduce=reducer,
                              clone=clone, early_stop=early_stop)
     return Capture(model, patterns, options, on_unfired)
 

@@ -8,7 +8,10 @@ structured output. Its one text form, used for file keys, messages and the CLI, 
 - ``fc1`` (a module that ran once), ``relu:2`` (call 2), ``lstm[1][0]`` (part ``[1][0]`` of the
   output), ``lstm:1[0]`` (part ``[0]`` of call 1);
 - ``h.0.attn::softmax`` (``softmax`` called inside ``h.0.attn``'s forward), ``::relu:1`` (call 1
-  of ``relu`` in the root module's own forward).
+  of ``relu`` in the root module's own forward);
+- ``(root)``, ``(root)[0]``: the root module's own output. A ``RecordKey`` spells the root's path
+  ``""`` (as ``named_modules()`` does); its text form writes ``(root)`` where the path would be
+  empty, and ``parse`` reads ``(root)`` back as path ``""``.
 
 Older files wrote the parts of a selected name before the call (``lstm[0]:1``); ``parse`` reads
 both. A saved file (safetensors, no pickle) holds one tensor per key, the key without ``:call``
@@ -33,6 +36,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from hookscope.engine.function_names import bind_arguments
+from hookscope.engine.select import ROOT
 from hookscope.errors import CaptureError, HookscopeError
 from hookscope.record.grads import NO_GRADIENT_YET, GradRecord
 from hookscope.util.files import write_atomic
@@ -76,11 +80,13 @@ class RecordKey:
 
     @staticmethod
     def name_of(path: str, op: str | None) -> str:
-        return path if op is None else f"{path}::{op}"
+        """``"fc1"``, ``"h.0::softmax"``, ``"::relu"``; ``"(root)"`` for the root's output."""
+        return (path or ROOT) if op is None else f"{path}::{op}"
 
     @classmethod
     def parse(cls, text: str) -> RecordKey:
-        """Read the text form back (also the older ``name[parts]:call[parts]`` order).
+        """Read the text form back (also the older ``name[parts]:call[parts]`` order);
+        ``"(root)"`` (with a call or parts after it) is the root's output, path ``""``.
 
         Raises:
             HookscopeError: ``text`` is not a record key (empty, a stray ``:`` or bracket).
@@ -91,7 +97,8 @@ class RecordKey:
                                  f"'fc1', 'relu:2', 'lstm[1][0]', 'h.0.attn::softmax:1'")
         parts = tuple(_part(p) for p in _PART.findall(match["early"] + match["parts"]))
         call = None if match["call"] is None else int(match["call"])
-        return cls(match["path"], call, parts, match["op"])
+        path = "" if match["path"] == ROOT and match["op"] is None else match["path"]
+        return cls(path, call, parts, match["op"])
 
 
 def _part(text: str) -> Part:
@@ -122,13 +129,15 @@ class CallInputs:
 
 
 class Entry:
-    """Everything recorded under one record name; the capture session appends to the lists."""
+    """Everything recorded under one record name (``key.name``, ``key`` a ``RecordKey``
+    without a call); the capture session appends to the lists."""
 
-    __slots__ = ("name", "module", "function", "outputs", "inputs", "grads", "grad_inputs",
+    __slots__ = ("key", "name", "module", "function", "outputs", "inputs", "grads", "grad_inputs",
                  "broken")
 
-    def __init__(self, name: str, module: nn.Module | None = None):
-        self.name = name
+    def __init__(self, key: RecordKey, module: nn.Module | None = None):
+        self.key = key
+        self.name = key.name
         self.module = module
         self.function: Callable[..., Any] | None = None  # for a function-level record
         self.outputs: list[Any] = []
@@ -144,8 +153,9 @@ class Entry:
 
 
 class Records:
-    """What was recorded, by record name; returned by ``with hookscope.capture(...) as acts``
-    (through the live ``Capture``) and by ``hookscope.load``.
+    """What was recorded, by record name; ``with hookscope.capture(...) as acts`` gives a
+    ``Capture``, which is a ``Records`` (read live, inside the block and after it), and
+    ``hookscope.load`` gives one.
 
     Reading: ``acts[path]`` is the output of the module's one call; ``acts[path, k]`` the output
     of call ``k`` (negative counts from the end); ``acts.calls(path)`` every call in order; any
@@ -203,7 +213,7 @@ class Records:
     def items(self) -> Iterator[tuple[RecordKey, Tensor]]:
         """``(key, tensor)`` for every tensor of every call, keys as a saved file holds them."""
         for name, entry in self._entries.items():
-            base = RecordKey.parse(name)
+            base = entry.key
             count = len(entry.outputs)
             for call in range(count):
                 at = None if count == 1 else call
@@ -236,7 +246,7 @@ class Records:
     def __repr__(self) -> str:
         shown = [f"{name}: {_shapes(e.outputs)}" for name, e in list(self._entries.items())[:6]]
         more = f", … {len(self._entries) - 6} more" if len(self._entries) > 6 else ""
-        return f"<hookscope.Records {', '.join(shown)}{more}>"
+        return f"<hookscope.{type(self).__name__} {', '.join(shown)}{more}>"
 
     # ----------------------------------------------------------------- values
     def __getitem__(self, key: str | tuple[str, int] | RecordKey) -> Any:
@@ -403,21 +413,20 @@ class Records:
         """Records from flat ``{key: tensor}`` as a file holds them; record names and call
         counts come from ``metadata["hookscope.calls"]`` when present, else from the keys."""
         metadata = dict(metadata or {})
-        names = _call_names(metadata.get("hookscope.calls", "{}"))
-        known = {RecordKey.parse(n) for n in names}
-        calls: dict[str, dict[int, dict[tuple[Part, ...], Tensor]]] = {n: {} for n in names}
+        known = [RecordKey.parse(n) for n in _call_names(metadata.get("hookscope.calls", "{}"))]
+        calls: dict[RecordKey, dict[int, dict[tuple[Part, ...], Tensor]]] = {k: {} for k in known}
         for text, tensor in tensors.items():
             key = RecordKey.parse(text)
             cut = max((len(k.parts) for k in known if (k.path, k.op) == (key.path, key.op)
                        and key.parts[:len(k.parts)] == k.parts), default=0)
-            name = dataclasses.replace(key, call=None, parts=key.parts[:cut]).name
-            calls.setdefault(name, {}).setdefault(key.call or 0, {})[key.parts[cut:]] = tensor
+            record = dataclasses.replace(key, call=None, parts=key.parts[:cut])
+            calls.setdefault(record, {}).setdefault(key.call or 0, {})[key.parts[cut:]] = tensor
         entries = []
-        for name, by_call in calls.items():
-            entry = Entry(name)
+        for record, by_call in calls.items():
+            entry = Entry(record)
             entry.outputs.extend(_rebuild(by_call[k]) for k in sorted(by_call))
             entries.append(entry)
-        return cls(entries, metadata=metadata)
+        return Records(entries, metadata=metadata)
 
 
 def _rebuild(leaves: dict[tuple[Part, ...], Tensor]) -> Any:

@@ -1,7 +1,8 @@
 """Named reductions of a batch-first output to one row per input: ``"mean"``, ``"first"``, ``"last"``.
 
-Used by ``hookscope.extract`` (``reduce=``, the CLI's ``--reduce``) and ``hookscope.capture``
-(``reduce=``), so one name means one thing everywhere. Which axis each one uses:
+``REDUCTIONS`` is the one table of names: ``hookscope.extract`` (``reduce=``), the CLI's
+``--reduce`` and ``hookscope.capture`` (``reduce=``) read it, and both pass the attention mask the
+model is called with, so one name gives the same rows everywhere. Which axis each one uses:
 
 - ``"mean"``: ``(batch, seq, features)`` tokens -> mean over dim 1 (the tokens; with an attention
   mask only the real ones); ``(batch, channels, height, width, ...)`` feature maps -> mean over
@@ -24,12 +25,12 @@ import torch
 from hookscope.errors import ExtractError
 from hookscope.record.positions import take_positions
 
-__all__ = ["NAMES", "Reduce", "Reduction", "ReductionError", "reduction", "reduction_name"]
+__all__ = ["NAMES", "REDUCTIONS", "Reduce", "Reduction", "ReductionError", "reduction",
+           "reduction_name"]
 
 Tensor = torch.Tensor
 Reduce = str | Callable[[Tensor], Tensor] | None
 Reduction = Callable[[Tensor, Tensor | None], Tensor]
-NAMES = ("mean", "first", "last")
 
 
 class ReductionError(ExtractError):
@@ -50,12 +51,11 @@ def reduction(reduce: Reduce) -> Reduction | None:
     if reduce is None:
         return None
     if isinstance(reduce, str):
-        named = {"mean": _mean, "first": _first, "last": _last}
-        if reduce not in named:
+        if reduce not in REDUCTIONS:
             raise ReductionError(f"reduce={reduce!r} is not a reduction: use one of "
                                  f"{', '.join(repr(n) for n in NAMES)}, None, or a function of "
                                  f"the (batch, ...) output")
-        return named[reduce]
+        return REDUCTIONS[reduce]
     if not callable(reduce):
         raise ReductionError(f"reduce={reduce!r} is a {type(reduce).__name__}: use one of "
                              f"{', '.join(repr(n) for n in NAMES)}, None, or a function")
@@ -102,3 +102,7 @@ def _first(t: Tensor, mask: Tensor | None) -> Tensor:
 
 def _last(t: Tensor, mask: Tensor | None) -> Tensor:
     return _position(t, mask, last=True)
+
+
+REDUCTIONS: dict[str, Reduction] = {"mean": _mean, "first": _first, "last": _last}
+NAMES = tuple(REDUCTIONS)  # the names, in the order messages and --reduce list them

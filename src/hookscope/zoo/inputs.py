@@ -28,6 +28,7 @@ import torch
 from tqdm import tqdm
 
 from hookscope.engine.diagnose import locate_error
+from hookscope.engine.names import index
 from hookscope.errors import HookscopeError, SpecError
 from hookscope.util.extras import require
 from hookscope.zoo.models import IMAGENET_MEAN, IMAGENET_STD, ImagePreprocess, LoadedModel
@@ -90,7 +91,7 @@ class Inputs:
         except HookscopeError:
             raise
         except Exception as err:  # any failure inside user or library model code
-            locate_error(module, err)
+            locate_error(index(module), err)
             where = "; ".join(dict.fromkeys(getattr(err, "__notes__", [])))
             first = str(err).strip().splitlines()[0] if str(err).strip() else ""
             raise SpecError(f"the model failed on input {', '.join(self.specs)}: "

@@ -1,0 +1,43 @@
+"""One read API (issue 19): a capture is the ``Records`` it fills, record keys are built once,
+and the root has one internal spelling (path ``""``, written ``(root)``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import hookscope
+from hookscope.record.records import Entry, RecordKey, Records
+from tests.models import TupleOutput
+
+
+def test_a_capture_is_its_records() -> None:
+    model, x = nn.Linear(3, 2), torch.randn(4, 3)
+    with hookscope.capture(model, "(root)") as acts:
+        out = model(x)
+    assert isinstance(acts, Records)
+    assert [str(k) for k, _ in acts.items()] == ["(root)"] and list(acts) == ["(root)"]
+    torch.testing.assert_close(acts["(root)"], out.detach())
+    torch.testing.assert_close(acts.records["(root)"], out.detach())
+
+
+def test_the_root_is_path_empty_written_root() -> None:
+    assert RecordKey.parse("(root)") == RecordKey("")
+    assert RecordKey.parse("(root):1[0]") == RecordKey("", 1, (0,))
+    assert str(RecordKey("", 1, (0,))) == "(root):1[0]" and RecordKey("").name == "(root)"
+    assert str(RecordKey("", None, (), "relu")) == "::relu"
+
+
+def test_items_keep_the_entry_key_without_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, x = TupleOutput(), torch.randn(2, 5, 4)
+    with hookscope.capture(model, "lstm[0]") as acts:
+        model(x)
+
+    def refuse(text: str) -> RecordKey:
+        raise AssertionError(f"parsed {text!r}")
+
+    monkeypatch.setattr(RecordKey, "parse", staticmethod(refuse))
+    keys = [k for k, _ in acts.items()]
+    assert keys == [RecordKey("lstm", None, (0,))]
+    assert isinstance(acts.entry("lstm[0]"), Entry) and acts.entry("lstm[0]").key == keys[0]
