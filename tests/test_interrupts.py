@@ -205,3 +205,28 @@ def test_a_copy_made_inside_an_edit_of_a_function_call_is_not_edited() -> None:
     assert not torch.equal(edited, plain(x))
     assert torch.equal(twin(x), plain(x))
     assert torch.equal(model(x), plain(x))
+
+
+def test_a_users_sigint_handler_gets_the_signal_and_is_back_after_the_block() -> None:
+    model = Net()
+    x = torch.randn(2, 5, 8)
+    got: list[int] = []
+
+    def users(signum: int, frame: Any) -> None:  # records, raises nothing
+        got.append(signum)
+
+    previous = signal.signal(signal.SIGINT, users)
+    try:
+        with hookscope.edit(model, {"blocks.0::relu": lambda o: o * 2}) as edit:
+            signal.raise_signal(signal.SIGINT)  # in the body: delivered at once
+            model(x)
+        assert got == [signal.SIGINT]
+        assert edit.counts == {"blocks.0::relu": 1}  # the block went on, hooks in place
+        assert signal.getsignal(signal.SIGINT) is users
+        assert _leaks_on(model) == []
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _leaks_on(model: nn.Module) -> list[str]:
+    return [h.path for h in hookscope.hooks(model) if h.source == "hookscope"]

@@ -10,9 +10,10 @@ So while a block is open in the main thread (``guard`` in its ``__enter__``, ``u
 its hooks are removed) hookscope's handler stands in for the SIGINT handler:
 
 - inside a ``deferred`` section (adding or removing hooks) it only notes the signal; the end
-  of the section runs its ``undo`` and then delivers the signal;
+  of the section delivers it (and runs its ``undo`` when that raises);
 - elsewhere in a guarded block's ``__enter__`` or ``__exit__`` (found on the interrupted stack)
-  it first removes that block's hooks (the ``cleanup`` given to ``guard``), then delivers;
+  it delivers the signal and, when that raises, removes the block's hooks (the ``cleanup``
+  given to ``guard``) before the exception leaves;
 - anywhere else (the body of the block, the model's forward) it delivers at once.
 
 Delivering means calling the handler that was there before (``KeyboardInterrupt`` by default),
@@ -42,12 +43,13 @@ _pending: list[int] = []  # signals noted during a deferred section
 def guard(block: object, cleanup: Callable[[], None]) -> None:
     """From now until ``unguard(block)``, an interrupt of ``block``'s ``__enter__`` or
     ``__exit__`` calls ``cleanup()`` (which removes its hooks) before the KeyboardInterrupt.
-    Does nothing outside the main thread, or when the SIGINT handler was not set from Python."""
+    Does nothing outside the main thread, when SIGINT is ignored, or when its handler was not
+    set from Python (it could not be put back)."""
     global _previous
     if not _in_main_thread():
         return
     current = signal.getsignal(signal.SIGINT)
-    if current is None:  # set outside Python: it could not be put back
+    if current is None or current == signal.SIG_IGN:  # set outside Python, or nothing to do
         return
     _guarded[id(block)] = cleanup
     try:
@@ -72,9 +74,9 @@ def unguard(block: object) -> None:
 
 @contextmanager
 def deferred(undo: Callable[[], None] | None = None) -> Iterator[None]:
-    """Hold back SIGINT until the section ends (in a guarded main thread); if one came, call
-    ``undo()`` and then deliver it (a ``KeyboardInterrupt`` by default; when the section raised,
-    the interrupt replaces that exception). Sections nest: the outermost one delivers."""
+    """Hold back SIGINT until the section ends (in a guarded main thread), then deliver it; if
+    that raises (a ``KeyboardInterrupt`` by default; it replaces an exception of the section),
+    ``undo()`` runs before the exception leaves. Sections nest: the outermost one delivers."""
     global _busy
     if not _guarded or not _in_main_thread():
         yield
@@ -88,20 +90,24 @@ def deferred(undo: Callable[[], None] | None = None) -> Iterator[None]:
             signum = _pending[0]
             _pending.clear()
             try:
+                _deliver(signum, sys._getframe())
+            except BaseException:
                 if undo is not None:
                     undo()
-            finally:
-                _deliver(signum, sys._getframe())
+                raise
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
     if _busy:
         _pending.append(signum)
         return
-    cleanup = _interrupted_block(frame)
-    if cleanup is not None:
-        cleanup()
-    _deliver(signum, frame)
+    try:
+        _deliver(signum, frame)
+    except BaseException:  # the KeyboardInterrupt: it must not leave a half-entered block
+        cleanup = _interrupted_block(frame)
+        if cleanup is not None:
+            cleanup()
+        raise
 
 
 def _interrupted_block(frame: FrameType | None) -> Callable[[], None] | None:
