@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import hookscope
 from hookscope.engine.hooks import OwnedHook
@@ -230,3 +231,36 @@ def test_a_users_sigint_handler_gets_the_signal_and_is_back_after_the_block() ->
 
 def _leaks_on(model: nn.Module) -> list[str]:
     return [h.path for h in hookscope.hooks(model) if h.source == "hookscope"]
+
+
+class _UsersMode(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+class _EntersAModeAndIsInterrupted(nn.Module):
+    """Calls F.relu, enters the user's own function mode and is interrupted inside it."""
+
+    def __init__(self, mode: TorchFunctionMode) -> None:
+        super().__init__()
+        self.mode = mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        F.relu(x)
+        self.mode.__enter__()  # type: ignore[no-untyped-call]
+        raise KeyboardInterrupt
+
+
+def test_the_blocks_mode_is_taken_off_from_under_a_mode_entered_after_it() -> None:
+    users = _UsersMode()
+    model = nn.Sequential(_EntersAModeAndIsInterrupted(users))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with hookscope.capture(model, "0::relu"):
+                model(torch.randn(2, 3))
+        assert torch._C._len_torch_function_stack() == 1
+        assert torch._C._get_function_stack_at(0) is users  # the user's mode stays, alone
+    finally:
+        while torch._C._len_torch_function_stack():
+            torch._C._pop_torch_function_stack()
+    assert _leaks_on(model) == []

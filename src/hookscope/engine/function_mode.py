@@ -138,7 +138,7 @@ class FunctionWatcher:
         watched module leaves it entered, maybe under modes entered after it, which stay in
         their order); nothing is popped when it is not there."""
         self._frames.clear()
-        if self._entered:  # an interrupted forward: torch may hold the mode aside (_stashes)
+        if self._entered and _depth(self._mode) is None:  # interrupted: torch holds it aside
             for stash in _stashes(self._mode):
                 stash.close()  # puts it back on the stack now, not when garbage-collected
         self._entered = False
@@ -307,20 +307,29 @@ def _stashes(mode: TorchFunctionMode) -> list[Generator[Any, None, None]]:
     ``__torch_function__`` in such a generator; an interrupt inside its ``__enter__`` or
     ``__exit__`` leaves it suspended, and it pushes the mode back whenever it is
     garbage-collected: long after the block took the mode away for good."""
+    if _STASH_CODE is None:
+        return []
     return [holder for holder in gc.get_referrers(mode)
             if isinstance(holder, GeneratorType) and holder.gi_code is _STASH_CODE
             and holder.gi_frame is not None and not holder.gi_running]
 
 
-_STASH_CODE = torch.overrides._pop_mode_temporarily.__wrapped__.__code__  # type: ignore[attr-defined]
+_STASH_CODE = getattr(getattr(getattr(torch.overrides, "_pop_mode_temporarily", None),
+                              "__wrapped__", None), "__code__", None)
+
+
+def _depth(mode: TorchFunctionMode) -> int | None:
+    """Where ``mode`` is on torch's function-mode stack (0: outermost), or None."""
+    return next((i for i in range(torch._C._len_torch_function_stack())
+                 if torch._C._get_function_stack_at(i) is mode), None)
 
 
 def _take_off(mode: TorchFunctionMode) -> None:
     """Remove ``mode`` from torch's function-mode stack, if there, keeping the others in order."""
-    depth = torch._C._len_torch_function_stack()
-    at = next((i for i in range(depth) if torch._C._get_function_stack_at(i) is mode), None)
+    at = _depth(mode)
     if at is None:
         return
+    depth = torch._C._len_torch_function_stack()
     above = [torch._C._pop_torch_function_stack() for _ in range(depth - at)][::-1]
     for other in above:
         if other is not mode:
