@@ -84,7 +84,8 @@ class HookSession:
         self._stopper: EarlyStop | None = None  # set by _register for early_stop=True
         self._stops_before = 0  # forwards of this model cut short before the block began
         self._active = False
-        self._copies_open = False  # whether this block counts in copies.open_block
+        self._kept = copies.KeptOut()  # this block's hooks, left out of copies
+        self._copies_open = False  # whether copies.open_block(self._kept) is in force
 
     def __enter__(self) -> Any:
         if self._active:
@@ -95,7 +96,7 @@ class HookSession:
         self._stops_before = stops(unwrap(self.model)[0])
         try:
             with interrupts.deferred(undo=self._remove):  # an interrupt: nothing stays registered
-                copies.open_block()
+                copies.open_block(self._kept)
                 self._copies_open = True
                 self._register()
                 for handle in self._functions.install():
@@ -166,7 +167,7 @@ class HookSession:
     def _add(self, handle: RemovableHandle) -> None:
         """Own ``handle``, just registered: removed on exit, left out of copies until then."""
         self._handles.append(handle)
-        copies.keep_out(handle)
+        self._kept.add(handle)
 
     def _hook(self, module: nn.Module, function: Hook, *, pre: bool = False, with_kwargs: bool = False,
               in_recompute: bool = False) -> None:
@@ -217,12 +218,11 @@ class HookSession:
         with interrupts.deferred():
             for handle in self._handles:
                 handle.remove()
-                copies.let_in(handle)
             self._handles.clear()
             self._functions.close()
             if self._copies_open:
                 self._copies_open = False
-                copies.close_block()
+                copies.close_block(self._kept)
             self._active = False
             interrupts.unguard(self)
 
