@@ -143,7 +143,7 @@ def test_deepcopy_inside_a_block_does_not_carry_hooks_into_the_copy() -> None:
     assert acts.counts == {"0": 1}
     assert torch.equal(acts["0"], model[0](x).detach())  # the original's call, not the copy's
     assert torch.equal(copied_out, ema[1](ema[0](x)))
-    assert not ema[0]._forward_hooks and not ema[0]._forward_pre_hooks  # gone after its first call
+    assert not ema[0]._forward_hooks and not ema[0]._forward_pre_hooks  # never copied
     assert not model[0]._forward_hooks
 
 

@@ -26,8 +26,10 @@ reach everything the forward computes after it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import gc
+from collections.abc import Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
+from types import GeneratorType
 from typing import Any
 
 import torch
@@ -101,16 +103,20 @@ class FunctionWatcher:
 
     Use ``watch`` for each module, then ``install()`` (returns the hook handles, which the
     caller removes) and, once the forward passes are over, ``close()``, which leaves a mode that
-    an interrupted forward (``KeyboardInterrupt``) left entered. Sessions do all three
-    (``FunctionHooks``); the hooks are owned (``hooks.register``), so a forward run by another
-    thread, or by a copy of a watched module, never enters the mode and is never reported.
+    an interrupted forward (``KeyboardInterrupt``) left entered; the caller holds interrupts
+    back around it (``interrupts.deferred``). Sessions do all three (``FunctionHooks``); the
+    hooks are owned (``hooks.register``), so a forward run by another thread, or by a copy of a
+    watched module, never enters the mode and is never reported.
     """
 
     def __init__(self) -> None:
         self._watches: dict[nn.Module, list[Watch]] = {}
         self._frames: list[_Frame] = []  # one per running watched forward, innermost last
         self._mode = _Mode(self)
-        self._entered = False  # whether self._mode is on torch's mode stack (entered once)
+        # Whether self._mode is entered (once). Set before the push and cleared after the pop:
+        # an interrupt in between makes it claim the mode, never lose it; close() goes by
+        # torch's stack itself.
+        self._entered = False
 
     def watch(self, module: nn.Module, on_call: OnCall, *, names: Iterable[str] | None = None,
               deep: bool = False, in_recompute: bool = False) -> Watch:
@@ -141,10 +147,15 @@ class FunctionWatcher:
         return handles
 
     def close(self) -> None:
-        """Leave the mode if a forward was interrupted inside a watched module."""
+        """Take the mode off torch's mode stack wherever it is (a forward interrupted inside a
+        watched module leaves it entered, maybe under modes entered after it, which stay in
+        their order); nothing is popped when it is not there."""
         self._frames.clear()
-        if self._entered:
-            self._leave()
+        if self._entered and _depth(self._mode) is None:  # interrupted: torch holds it aside
+            for stash in _stashes(self._mode):
+                stash.close()  # puts it back on the stack now, not when garbage-collected
+        self._entered = False
+        _take_off(self._mode)
 
     # ---------------------------------------------------------------- hooks
     def _enter_hook(self, watches: list[Watch]) -> Callable[[nn.Module, Any], None]:
@@ -187,14 +198,11 @@ class FunctionWatcher:
         frame = self._frames[-1] if self._frames else None
         wanted = frame is not None and (not frame.suspended or frame.deep)
         if wanted and not self._entered:
-            self._mode.__enter__()  # type: ignore[no-untyped-call]
             self._entered = True
+            torch._C._push_on_torch_function_stack(self._mode)
         elif not wanted and self._entered and _on_top(self._mode):
-            self._leave()
-
-    def _leave(self) -> None:
-        self._entered = False
-        self._mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            torch._C._pop_torch_function_stack()
+            self._entered = False
 
     # ---------------------------------------------------------------- dispatch
     def dispatch(self, func: Callable[..., Any], args: tuple[Any, ...],
@@ -317,6 +325,42 @@ def _on_top(mode: TorchFunctionMode) -> bool:
     """Whether ``mode`` is the innermost torch function mode (so that leaving it pops it)."""
     depth = torch._C._len_torch_function_stack()
     return bool(depth) and torch._C._get_function_stack_at(depth - 1) is mode
+
+
+def _stashes(mode: TorchFunctionMode) -> list[Generator[Any, None, None]]:
+    """The suspended ``torch.overrides._pop_mode_temporarily`` generators holding ``mode``.
+
+    ``handle_torch_function`` takes the innermost mode off the stack around its
+    ``__torch_function__`` in such a generator; an interrupt inside its ``__enter__`` or
+    ``__exit__`` leaves it suspended, and it pushes the mode back whenever it is
+    garbage-collected: long after the block took the mode away for good."""
+    if _STASH_CODE is None:
+        return []
+    return [holder for holder in gc.get_referrers(mode)
+            if isinstance(holder, GeneratorType) and holder.gi_code is _STASH_CODE
+            and holder.gi_frame is not None and not holder.gi_running]
+
+
+_STASH_CODE = getattr(getattr(getattr(torch.overrides, "_pop_mode_temporarily", None),
+                              "__wrapped__", None), "__code__", None)
+
+
+def _depth(mode: TorchFunctionMode) -> int | None:
+    """Where ``mode`` is on torch's function-mode stack (0: outermost), or None."""
+    return next((i for i in range(torch._C._len_torch_function_stack())
+                 if torch._C._get_function_stack_at(i) is mode), None)
+
+
+def _take_off(mode: TorchFunctionMode) -> None:
+    """Remove ``mode`` from torch's function-mode stack, if there, keeping the others in order."""
+    at = _depth(mode)
+    if at is None:
+        return
+    depth = torch._C._len_torch_function_stack()
+    above = [torch._C._pop_torch_function_stack() for _ in range(depth - at)][::-1]
+    for other in above:
+        if other is not mode:
+            torch._C._push_on_torch_function_stack(other)
 
 
 class _Mode(TorchFunctionMode):

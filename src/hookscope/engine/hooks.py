@@ -2,8 +2,8 @@
 
 A hook on a module is run by more than the calls its ``with`` block means:
 
-- **copies**: ``copy.deepcopy(model)`` (EMA, teacher/student) copies the module's hook
-  dictionaries, hooks included, and pickling (``torch.save(model)``) tries to pickle them;
+- **copies**: ``copy.copy(model)`` shares the module's hook dictionaries, hooks included (a
+  ``deepcopy`` or pickle made inside a block leaves them out: ``copies.py``);
 - **threads**: another thread calling the same model (a server running requests in parallel)
   runs the same hooks;
 - **recomputation**: activation checkpointing (``torch.utils.checkpoint``, reentrant or not, HF
@@ -19,9 +19,8 @@ guarantees.
 object, in the thread that entered the session, outside a backward pass (a forward that runs
 while autograd executes a graph task is a recomputation; ``torch._C._current_graph_task_id()``
 is -1 outside backward). Other calls are counted (``foreign_calls``, ``recomputes``) so reports
-can say why a module looked silent. A copy of the hook (``deepcopy``, pickle) is a
-``DetachedHook`` that removes itself from the copied module on its first call and does nothing:
-the copy computes exactly what the original computes without hookscope.
+can say why a module looked silent; a call for another module object (a shallow copy sharing
+the tables) does nothing.
 """
 
 from __future__ import annotations
@@ -34,11 +33,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["OwnedHook", "DetachedHook", "register", "on_tensor_grad", "on_node", "in_recompute",
-           "owns_call"]
+__all__ = ["OwnedHook", "register", "on_tensor_grad", "on_node", "in_recompute", "owns_call"]
 
-_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
-           "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
 _graph_task_id = torch._C._current_graph_task_id
 _get_ident = threading.get_ident
 _compiling = torch.compiler.is_compiling
@@ -55,12 +51,11 @@ class OwnedHook:
             ``recomputes`` and never as a new call by ``function``'s session.
 
     Attributes:
-        handle_id: the id of the handle it was registered under (set by ``register``).
         recomputes: forwards re-run during backward that reached this hook.
         foreign_calls: calls from threads other than the session's.
     """
 
-    __slots__ = ("function", "module", "thread", "in_recompute", "handle_id", "recomputes",
+    __slots__ = ("function", "module", "thread", "in_recompute", "recomputes",
                  "foreign_calls")
 
     def __init__(self, function: Callable[..., Any], module: nn.Module, *, in_recompute: bool = False):
@@ -68,7 +63,6 @@ class OwnedHook:
         self.module = module
         self.thread = threading.get_ident()
         self.in_recompute = in_recompute
-        self.handle_id = -1
         self.recomputes = 0
         self.foreign_calls = 0
 
@@ -77,33 +71,13 @@ class OwnedHook:
             return self.function(module, *args)
         if _compiling():  # traced into a compiled graph: calls are the model's
             return self.function(module, *args)
-        if module is not self.module:  # a copy made while the session was active
-            _forget(module, self.handle_id)
+        if module is not self.module:  # a shallow copy sharing the hook tables
             return None
         if _get_ident() != self.thread:
             self.foreign_calls += 1
             return None
         self.recomputes += 1  # a forward inside backward: a checkpoint recompute
         return self.function(module, *args) if self.in_recompute else None
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> DetachedHook:
-        return DetachedHook(self.handle_id)
-
-    def __reduce__(self) -> tuple[type[DetachedHook], tuple[int]]:
-        return DetachedHook, (self.handle_id,)
-
-
-class DetachedHook:
-    """What a copied or unpickled module holds instead of a session's hook: on its first call it
-    removes itself from that module and returns None (the module's result is unchanged)."""
-
-    __slots__ = ("handle_id",)
-
-    def __init__(self, handle_id: int):
-        self.handle_id = handle_id
-
-    def __call__(self, module: nn.Module, *args: Any) -> None:
-        _forget(module, self.handle_id)
 
 
 def register(module: nn.Module, hook: OwnedHook | Callable[..., Any], *, pre: bool = False,
@@ -127,7 +101,6 @@ def register(module: nn.Module, hook: OwnedHook | Callable[..., Any], *, pre: bo
     else:
         handle = module.register_forward_hook(owned, with_kwargs=with_kwargs, prepend=prepend,
                                               always_call=always_call)
-    owned.handle_id = handle.id
     return handle
 
 
@@ -168,7 +141,3 @@ def in_recompute() -> bool:
     """True while autograd runs a backward pass: a forward now is a checkpoint recompute."""
     return not _compiling() and _graph_task_id() != -1
 
-
-def _forget(module: nn.Module, handle_id: int) -> None:
-    for table in _TABLES:
-        getattr(module, table, {}).pop(handle_id, None)

@@ -23,7 +23,7 @@ from typing import Any, Literal
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from hookscope.engine import diagnose
+from hookscope.engine import copies, diagnose, interrupts
 from hookscope.engine.early_stop import (
     SKIPPED_BY_STOP,
     EarlyStop,
@@ -85,21 +85,27 @@ class HookSession:
         self._stopper: EarlyStop | None = None  # set by _register for early_stop=True
         self._stops_before = 0  # forwards of this model cut short before the block began
         self._active = False
+        self._left_out = copies.KeptOut()  # this block's hooks, left out of copies
+        self._copies_open = False  # whether copies.open_block(self._left_out) is in force
 
     def __enter__(self) -> Any:
         if self._active:
             raise HookscopeError(f"this {type(self).__name__} is already active: enter it once, "
                                  f"and build a new one for another block")
+        interrupts.guard(self, self._remove)  # an interrupt from here on removes our hooks first
         self._active = True
         self._stops_before = stops(unwrap(self.model)[0])
         try:
-            self._register()
-            for handle in self._functions.install():
-                self._add(handle)
-            if self._explain_unfired:  # witnesses serve only the explanation on exit
-                near = diagnose.witnesses(self.model, self._module_index(), self.targets)
-                for path, module in near.items():
-                    self._hook(module, self._witness(path), pre=True)
+            with interrupts.deferred(undo=self._remove):  # an interrupt: nothing stays registered
+                copies.open_block(self._left_out)
+                self._copies_open = True
+                self._register()
+                for handle in self._functions.install():
+                    self._add(handle)
+                if self._explain_unfired:  # witnesses serve only the explanation on exit
+                    near = diagnose.witnesses(self.model, self._module_index(), self.targets)
+                    for path, module in near.items():
+                        self._hook(module, self._witness(path), pre=True)
         except BaseException:
             self._remove()
             raise
@@ -167,7 +173,9 @@ class HookSession:
         return self._names
 
     def _add(self, handle: RemovableHandle) -> None:
+        """Own ``handle``, just registered: removed on exit, left out of copies until then."""
         self._handles.append(handle)
+        self._left_out.add(handle)
 
     @property
     def functions(self) -> FunctionHooks:
@@ -236,11 +244,16 @@ class HookSession:
                                 in_recompute=in_recompute)
 
     def _remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        self._functions.close()
-        self._active = False
+        with interrupts.deferred():
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            self._functions.close()
+            if self._copies_open:
+                self._copies_open = False
+                copies.close_block(self._left_out)
+            self._active = False
+            interrupts.unguard(self)
 
     def _witness(self, path: str) -> Callable[..., None]:
         ran = self._ran

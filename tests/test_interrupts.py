@@ -1,0 +1,266 @@
+"""A KeyboardInterrupt delivered as a signal (Jupyter's interrupt button) at any moment of
+entering, running or leaving a block leaves no hook and no function mode behind, and reaches the
+user as a KeyboardInterrupt (issue 19 "interrupts")."""
+
+from __future__ import annotations
+
+import copy
+import copyreg
+import random
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+import hookscope
+from hookscope.engine.hooks import OwnedHook
+
+pytestmark = pytest.mark.skipif(
+    not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread(),
+    reason="needs signal.setitimer in the main thread")
+
+_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+           "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_hooks",
+           "_backward_pre_hooks")
+
+
+class Mlp(nn.Module):
+    """A module whose own forward calls ``F.relu`` (for ``::relu`` addresses)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.relu(self.up(x)))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(Mlp() for _ in range(3))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+def _blocks(model: Net, other: Net, x: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    """One callable per block kind, each entering, running and leaving one block."""
+    def run(block: Any) -> Callable[[], Any]:
+        def go() -> Any:
+            with block() as session:
+                model(x)
+            return session
+        return go
+    vector = torch.ones(8)
+    return {
+        "capture": run(lambda: hookscope.capture(model, "blocks.*", "head")),
+        "capture early_stop": run(lambda: hookscope.capture(model, "blocks.1", early_stop=True)),
+        "capture ::relu": run(lambda: hookscope.capture(model, "blocks.*::relu")),
+        "edit ::relu": run(lambda: hookscope.edit(model, {"blocks.*::relu": lambda o: o * 2})),
+        "steer positions": run(lambda: hookscope.steer(model, {"blocks.*": vector}, positions=-1)),
+        "stats": lambda: hookscope.stats(model, [x, x], ["blocks.*", "blocks.0::relu"]),
+        "compare": lambda: hookscope.compare(model, other, x, layers=["blocks.*", "blocks.*::relu"]),
+    }
+
+
+_MODE = "a function mode"
+
+
+def _leaks(model: nn.Module) -> list[str]:
+    """What hookscope left behind on ``model``, on torch's function-mode stack, in ``copyreg``
+    or as the SIGINT handler."""
+    found = [f"{h.path}: {h.kind} ({h.source})" for h in hookscope.hooks(model)
+             if h.source == "hookscope"]
+    found += [f"{path}.{table}" for path, module in model.named_modules() for table in _TABLES
+              if any(isinstance(v, OwnedHook) for v in getattr(module, table).values())]
+    found += [_MODE] * torch._C._len_torch_function_stack()
+    if OrderedDict in copyreg.dispatch_table:
+        found.append("the copyreg entry for OrderedDict")
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        found.append("hookscope's SIGINT handler")
+    return found
+
+
+def interrupt_runs(runs_per_kind: int, seed: int = 0) -> dict[str, dict[str, int]]:
+    """Run each block kind ``runs_per_kind`` times with SIGINT fired after a random delay; count
+    completed and interrupted runs, other exceptions and runs that left something behind."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    model, other = Net(), Net()
+    x = torch.randn(2, 5, 8)
+    with torch.no_grad():
+        reference = model(x)
+    blocks = _blocks(model, other, x)
+    durations = {}
+    for kind, block in blocks.items():  # how long a block takes: the delays span it
+        block()
+        start = time.perf_counter()
+        for _ in range(5):
+            block()
+        durations[kind] = (time.perf_counter() - start) / 5
+    counts: dict[str, dict[str, int]] = {}
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    previous_alarm = signal.signal(signal.SIGALRM, _interrupt)
+    try:
+        for kind, block in blocks.items():
+            tally = counts.setdefault(kind, dict.fromkeys(
+                ("runs", "completed", "enter", "forward", "exit", "other error", "leaked hooks",
+                 "leaked modes", "changed output"), 0))
+            for _ in range(runs_per_kind):
+                tally["runs"] += 1
+                delay = rng.uniform(0.0, durations[kind] * 1.2)
+                try:
+                    try:
+                        signal.setitimer(signal.ITIMER_REAL, max(delay, 1e-6))
+                        block()
+                    finally:
+                        signal.setitimer(signal.ITIMER_REAL, 0)
+                    tally["completed"] += 1
+                except KeyboardInterrupt as err:
+                    tally[_phase(err)] += 1
+                except BaseException as err:  # noqa: BLE001 - counted and reported
+                    tally["other error"] += 1
+                    print(f"{kind}: {type(err).__name__}: {err}", file=sys.stderr)
+                leaks = _leaks(model)
+                tally["leaked hooks"] += any(leak != _MODE for leak in leaks)
+                tally["leaked modes"] += _MODE in leaks
+                tally["changed output"] += not _computes(model, x, reference)
+                if leaks:  # start the next run clean
+                    while torch._C._len_torch_function_stack():
+                        torch._C._pop_torch_function_stack()
+                    hookscope.remove_hooks(model)
+                    copyreg.dispatch_table.pop(OrderedDict, None)
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGINT, previous)
+        signal.signal(signal.SIGALRM, previous_alarm)
+    return counts
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """The timer's SIGALRM becomes a SIGINT, handled as Jupyter's interrupt button is."""
+    signal.raise_signal(signal.SIGINT)
+
+
+def _computes(model: nn.Module, x: torch.Tensor, reference: torch.Tensor) -> bool:
+    """Whether a plain forward of ``model`` returns ``reference`` (a leaked early stop raises)."""
+    try:
+        with torch.no_grad():
+            return torch.equal(model(x), reference)
+    except BaseException:  # noqa: BLE001 - a leaked hook's error is a changed forward
+        return False
+
+
+def _phase(err: BaseException) -> str:
+    """Where a KeyboardInterrupt was raised: entering a block, leaving one, or in between."""
+    names = {frame.name for frame in traceback.extract_tb(err.__traceback__)}
+    return "exit" if "__exit__" in names else "enter" if "__enter__" in names else "forward"
+
+
+def _check(counts: dict[str, dict[str, int]]) -> None:
+    for kind, tally in counts.items():
+        print(f"{kind:20} {tally}")
+    for kind, tally in counts.items():
+        assert tally["other error"] == 0, kind
+        assert tally["leaked hooks"] == tally["leaked modes"] == 0, kind
+        assert tally["changed output"] == 0, kind
+        assert tally["forward"] > 0, kind  # the delays do reach inside the blocks
+
+
+def test_interrupts_at_random_moments_leave_nothing_behind() -> None:
+    _check(interrupt_runs(300))
+
+
+@pytest.mark.slow
+def test_interrupts_at_random_moments_leave_nothing_behind_many_runs() -> None:
+    _check(interrupt_runs(1000, seed=1))
+
+
+def test_a_copy_made_inside_an_edit_of_a_function_call_is_not_edited() -> None:
+    model = Net()
+    x = torch.randn(2, 5, 8)
+    with hookscope.edit(model, {"blocks.*::relu": lambda o: o * 2}):
+        edited = model(x)
+        twin = copy.deepcopy(model)
+        assert torch.equal(model(x), edited)
+    plain = Net()
+    plain.load_state_dict(model.state_dict())
+    assert not torch.equal(edited, plain(x))
+    assert torch.equal(twin(x), plain(x))
+    assert torch.equal(model(x), plain(x))
+
+
+def test_a_users_sigint_handler_gets_the_signal_and_is_back_after_the_block() -> None:
+    model = Net()
+    x = torch.randn(2, 5, 8)
+    got: list[int] = []
+
+    def users(signum: int, frame: Any) -> None:  # records, raises nothing
+        got.append(signum)
+
+    previous = signal.signal(signal.SIGINT, users)
+    try:
+        with hookscope.edit(model, {"blocks.0::relu": lambda o: o * 2}) as edit:
+            signal.raise_signal(signal.SIGINT)  # in the body: delivered at once
+            model(x)
+        assert got == [signal.SIGINT]
+        assert edit.counts == {"blocks.0::relu": 1}  # the block went on, hooks in place
+        assert signal.getsignal(signal.SIGINT) is users
+        assert _leaks_on(model) == []
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _leaks_on(model: nn.Module) -> list[str]:
+    return [h.path for h in hookscope.hooks(model) if h.source == "hookscope"]
+
+
+class _UsersMode(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+class _EntersAModeAndIsInterrupted(nn.Module):
+    """Calls F.relu, enters the user's own function mode and is interrupted inside it."""
+
+    def __init__(self, mode: TorchFunctionMode) -> None:
+        super().__init__()
+        self.mode = mode
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        F.relu(x)
+        self.mode.__enter__()  # type: ignore[no-untyped-call]
+        raise KeyboardInterrupt
+
+
+def test_the_blocks_mode_is_taken_off_from_under_a_mode_entered_after_it() -> None:
+    users = _UsersMode()
+    model = nn.Sequential(_EntersAModeAndIsInterrupted(users))
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with hookscope.capture(model, "0::relu"):
+                model(torch.randn(2, 3))
+        assert torch._C._len_torch_function_stack() == 1
+        assert torch._C._get_function_stack_at(0) is users  # the user's mode stays, alone
+    finally:
+        while torch._C._len_torch_function_stack():
+            torch._C._pop_torch_function_stack()
+    assert _leaks_on(model) == []
