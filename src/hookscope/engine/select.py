@@ -45,12 +45,12 @@ from torch import nn
 
 from hookscope.engine.function_names import split_address
 from hookscope.engine.names import ModuleIndex, index
+from hookscope.engine.record_key import ROOT, RecordKey
 from hookscope.engine.wrappers import unwrap
 from hookscope.errors import SelectorError
 
 __all__ = ["Target", "select", "resolve", "unwrap", "is_container", "ROOT"]
 
-ROOT = "(root)"  # the pattern, and the record name, of the model itself
 _PART = re.compile(r"\[([^\[\]]+)\]$")
 _INNER_INDEX = re.compile(r"\[\s*(['\"]?)([^\[\]'\"]+)\1\s*\](?=[.\[]|$)")
 
@@ -66,6 +66,7 @@ class Target:
         aliases: the module's other names (a module registered under several attribute paths).
         op: a function called by the module's own forward, ``"relu"`` (every call) or
             ``"relu#1"`` (its call 1 in each forward); ``None`` for the module's output.
+        record_key: the ``RecordKey`` of its records (no call); ``key`` is its name.
         key: the record name, the path, ``::op`` and parts: ``"lstm[1][0]"``,
             ``"h.0.attn::softmax"``, ``"::relu#1"``; ``"(root)"`` for the root's output.
         wide: selected by a glob, ``re:`` or ``type:`` pattern (not by its exact name); a
@@ -79,11 +80,13 @@ class Target:
     op: str | None = None
     wide: bool = False
 
-    key: str = field(init=False, repr=False)  # record name: path, op and parts
+    record_key: RecordKey = field(init=False, repr=False)  # path, op and parts; no call
+    key: str = field(init=False, repr=False)  # its record name
 
     def __post_init__(self) -> None:
-        name = (self.path or ROOT) if self.op is None else f"{self.path}::{self.op}"
-        object.__setattr__(self, "key", name + "".join(f"[{p}]" for p in self.parts))
+        record_key = RecordKey(self.path, None, self.parts, self.op)
+        object.__setattr__(self, "record_key", record_key)
+        object.__setattr__(self, "key", record_key.name)
 
 
 def is_container(module: nn.Module) -> bool:

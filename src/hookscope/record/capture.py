@@ -28,7 +28,7 @@ from hookscope.engine.values import keepable, quantized_note
 from hookscope.errors import CaptureError, warn
 from hookscope.record.grads import converter, watch_inputs, watch_output
 from hookscope.record.positions import MaskWatcher
-from hookscope.record.records import CallInputs, Entry, RecordKey, Records
+from hookscope.record.records import CallInputs, Entry, Records
 from hookscope.record.reductions import Reduce, Reduction, reduction
 from hookscope.util.nested import get_part, iter_tensors, map_tensors
 
@@ -83,7 +83,7 @@ class Capture(HookSession, Records):
                  on_unfired: OnUnfired = "warn"):
         HookSession.__init__(self, model, patterns, on_unfired)
         kept = [name for name in ("inputs", "grads", "grad_inputs") if getattr(options, name)]
-        Records.__init__(self, (Entry(_record_key(t), t.module) for t in self.targets), kept)
+        Records.__init__(self, (Entry(t.record_key, t.module) for t in self.targets), kept)
         self._slots = {t.key: _Slot(t, self.entry(t.key)) for t in self.targets}
         self.aliases = {alias + t.key[len(t.path):]: t.key for t in self.targets for alias in t.aliases}
         self._options = options
@@ -303,11 +303,6 @@ def _mask_of(watcher: MaskWatcher, t: Tensor) -> Tensor | None:
     device, or None when the model was called without one."""
     mask = watcher.mask_for(t.shape)
     return None if mask is None else mask.to(t.device)
-
-
-def _record_key(target: Target) -> RecordKey:
-    """The record key of ``target``'s values (no call); its ``name`` is ``target.key``."""
-    return RecordKey(target.path, None, target.parts, target.op)
 
 
 def _part(output: Any, slot: _Slot) -> Any:
