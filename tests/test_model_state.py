@@ -259,3 +259,16 @@ def test_user_blocks_keep_their_effects() -> None:
     with hookscope.edit(model, {"feat": lambda out: out * 2}):
         model(torch.randn(3, 3, 6, 6))
     assert int(model.stem[1].num_batches_tracked) == int(before.state["stem.1.num_batches_tracked"]) + 2
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_gradcam_under_a_grad_mode_still_restores(mode: Callable[[], Any]) -> None:
+    """Its own pass runs with gradients (and outside inference mode); the snapshot is taken in the
+    caller's mode and restored into the ordinary buffers."""
+    model, x = _build(Spec(4, True, True, True, True, 0.5, 3, (), (0,), (1,))), torch.randn(3, 3, 6, 6)
+    before = Snapshot.of(model)
+    with mode():
+        cam = hookscope.gradcam(model, x.clone(), "feat")
+    assert cam.shape == (3, 6, 6)
+    before.assert_same(model)
+    assert not any(t.is_inference() for t in model.state_dict().values())
