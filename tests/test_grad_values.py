@@ -122,8 +122,8 @@ def test_errors_say_why_there_is_no_gradient() -> None:
         plain.grad("fc1")
     with pytest.raises(CaptureError, match=r"grad_inputs=True\)"):
         plain.grad_input("fc1")
-    with torch.no_grad(), hookscope.capture(model, "fc1", grads=True) as no_grad:
-        model(x)
+    with hookscope.capture(model, "fc1", grads=True) as no_grad, torch.no_grad():
+        model(x)  # gradients switched off inside the block: found when the gradient is read
     with pytest.raises(CaptureError, match=r"gradients disabled \(torch\.no_grad\(\)"):
         no_grad.grad("fc1")
     with hookscope.capture(model, "fc1", grads=True) as waiting:
@@ -153,6 +153,6 @@ def test_gradients_follow_to_and_dtype() -> None:
 
 def test_input_that_requires_grad_under_no_grad_is_marked() -> None:
     model, x = MlpStack(), torch.randn(3, 10, requires_grad=True)
-    with torch.no_grad(), hookscope.capture(model, "fc1", grad_inputs=True) as acts:
+    with hookscope.capture(model, "fc1", grad_inputs=True) as acts, torch.no_grad():
         model(x)
     assert "gradients disabled" in acts.grad_input("fc1")[0].reason

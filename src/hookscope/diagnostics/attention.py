@@ -21,6 +21,7 @@ from torch import nn
 
 from hookscope.engine.function_mode import FunctionCall, Watch
 from hookscope.engine.function_names import refuse_uninterceptable
+from hookscope.engine.run import untouched
 from hookscope.engine.select import resolve
 from hookscope.engine.session import Observer
 from hookscope.errors import AttentionError
@@ -92,7 +93,9 @@ def attention(model: nn.Module, *args: Any, layers: str | Sequence[str], **kwarg
     probabilities are recomputed, see ``sdpa_probabilities``), or ``nn.MultiheadAttention``'s
     ``F.multi_head_attention_forward`` called with ``need_weights=True,
     average_attn_weights=False`` (the per-head weights it returns). Only the selected modules' forward
-    passes are intercepted; the model's output is unchanged.
+    passes are intercepted; the model's output is unchanged. It runs in the model's current
+    mode and is left as it was found (BatchNorm statistics, spectral norm, train/eval flags,
+    ``requires_grad``, ``.grad``, the RNG state: ``engine.run.untouched``).
 
     Args:
         model: root module (wrappers looked through, as in ``capture``).
@@ -121,7 +124,7 @@ def attention(model: nn.Module, *args: Any, layers: str | Sequence[str], **kwarg
         found[target.path] = {}
         watches[target.path] = session.functions.watch(target.module, _collector(found[target.path]),
                                                        names=ATTENTION_FUNCTIONS, deep=True)
-    with session:
+    with untouched(model), session:
         model(*args, **kwargs)
     result: dict[str, Tensor] = {}
     for path, watch in watches.items():

@@ -18,6 +18,7 @@ from torch import nn
 
 from hookscope.engine import diagnose
 from hookscope.engine.names import ModuleIndex
+from hookscope.engine.run import untouched
 from hookscope.engine.select import Target, as_patterns
 from hookscope.engine.session import Observer, resolve_checked
 from hookscope.engine.values import dequantized
@@ -99,6 +100,11 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
     model's first floating-point parameter, so ``compare(model, copy.deepcopy(model).to(
     torch.bfloat16), x)`` compares float32 with bfloat16. Both forwards run under
     ``torch.no_grad()`` in each model's current train/eval mode; hooks are removed on return.
+    Each run leaves its model as it was found, also on an error (BatchNorm statistics,
+    spectral norm, train/eval flags, ``requires_grad``, ``.grad``, the RNG state:
+    ``engine.run.untouched``), so run B starts from the state run A started from: the same
+    RNG state (the same dropout masks for the same architecture), and ``compare(model, model,
+    x)`` of a model in training mode sees the same BatchNorm and spectral-norm state twice.
 
     Args:
         model_a: Reference model.
@@ -138,9 +144,11 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
         diffs[key] = _diff(key, reference.pop(key), _floats(output), atol, rtol)
 
     with torch.no_grad():
-        with _watching(model_a, names_a, [targets_a[key] for key in common], keep) as session_a:
+        with untouched(model_a), \
+                _watching(model_a, names_a, [targets_a[key] for key in common], keep) as session_a:
             keep((OUTPUT, 0), model_a(*_cast_inputs(model_a, args), **_cast_inputs(model_a, kwargs)))
-        with _watching(model_b, names_b, [targets_b[key] for key in common], check) as session_b:
+        with untouched(model_b), \
+                _watching(model_b, names_b, [targets_b[key] for key in common], check) as session_b:
             check((OUTPUT, 0), model_b(*_cast_inputs(model_b, args), **_cast_inputs(model_b, kwargs)))
     _require_hooks_fired(model_a, not common or len(order) > 1)  # order always holds OUTPUT
     _require_hooks_fired(model_b, not common or len(diffs) + len(unmatched) > 1)

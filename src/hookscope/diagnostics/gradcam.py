@@ -26,9 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hookscope.engine.run import untouched
 from hookscope.engine.select import resolve
 from hookscope.errors import GradcamError, SpecError
 from hookscope.record.capture import capture
+from hookscope.record.grads import grad_leaf, gradient_pass
 from hookscope.util.extras import require
 from hookscope.util.figures import DPI, save_figure
 
@@ -45,8 +47,15 @@ def gradcam(model: nn.Module, x: Tensor, layer: str,
 
         cam = hookscope.gradcam(model.eval(), x, "_conv_head")   # (batch, 224, 224) in [0, 1]
 
-    Call ``model.eval()`` first: in training mode BatchNorm updates its running statistics and
-    dropout makes the map random.
+    Call ``model.eval()`` first: in training mode dropout makes the map random (the pass runs in
+    the model's current mode). The model is left as it was found (BatchNorm statistics,
+    spectral norm, train/eval flags, ``requires_grad`` and ``.grad`` of every weight, the RNG
+    state: ``engine.run.untouched``).
+
+    Works with frozen weights (the gradient flows from the input, not the weights), under
+    ``torch.no_grad()`` (gradients are switched on for its own pass) and under
+    ``torch.inference_mode()`` (switched off for its own pass, which runs on an ordinary copy
+    of ``x``; the returned map is an ordinary tensor).
 
     Args:
         model: a classifier returning logits ``(batch, classes)`` (or an object with ``.logits``).
@@ -68,13 +77,15 @@ def gradcam(model: nn.Module, x: Tensor, layer: str,
             and ``call`` is not given, or does not give a 4-D map; the model's output is not
             ``(batch, classes)`` scores; a target class is out of range.
         HookNeverFiredError: ``layer`` never ran in the forward pass.
+        GradcamError: a parameter or buffer is an inference tensor (the model was built or
+            loaded under ``torch.inference_mode()``): no gradient can pass through it.
     """
     if x.dim() != 4:
         raise GradcamError(f"x must be images (batch, channels, height, width); got shape "
                            f"{tuple(x.shape)}: add the batch dimension with x[None]")
     key = _one_target(model, layer)
-    x = x.detach().requires_grad_(True)  # gradients reach the layer even if the weights are frozen
-    with torch.enable_grad():
+    with untouched(model), gradient_pass(model, GradcamError):
+        x = grad_leaf(x)  # gradients reach the layer even if the weights are frozen
         with capture(model, key, grads=True, on_unfired="error") as acts:
             logits = _logits(model(x))
         classes = _classes(target, logits)

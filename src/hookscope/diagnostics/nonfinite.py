@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from hookscope.engine import diagnose
 from hookscope.engine.names import index
+from hookscope.engine.run import untouched
 from hookscope.engine.select import Target, unwrap
 from hookscope.engine.session import Observer
 from hookscope.errors import HookscopeError
@@ -136,12 +137,14 @@ def find_nonfinite(model: nn.Module, *args: Any, backward: bool = False,
                    **kwargs: Any) -> NonFiniteOrigin | None:
     """Run ``model(*args, **kwargs)`` once and return where NaN/Inf first appeared, or None.
 
-    The model runs eagerly in its current train/eval mode: a ``torch.compile``'d model runs its
-    original module (compiled code would skip or trace the hooks), a ``DataParallel`` one its
-    wrapped module. Hooks are removed on return, also on an error. With ``backward=True`` and
-    a finite forward, the gradients of ``loss_fn(output)`` (default: the sum of every
-    floating-point output tensor) with respect to the parameters and to inputs that require
-    grad are computed with ``torch.autograd.grad``, so no ``.grad`` is changed.
+    The model runs eagerly in its current train/eval mode (so dropout is what training sees): a
+    ``torch.compile``'d model runs its original module (compiled code would skip or trace the
+    hooks), a ``DataParallel`` one its wrapped module. Hooks are removed on return, also on an
+    error, and the model is left as it was found (BatchNorm statistics, spectral norm,
+    train/eval flags, ``requires_grad``, ``.grad``, the RNG state: ``engine.run.untouched``).
+    With ``backward=True`` and a finite forward, the gradients of ``loss_fn(output)``
+    (default: the sum of every floating-point output tensor) with respect to the parameters and
+    to inputs that require grad are computed with ``torch.autograd.grad``, so no ``.grad`` is changed.
 
     Args:
         model: Root module (``DataParallel`` and ``torch.compile`` wrappers are looked through).
@@ -163,7 +166,7 @@ def find_nonfinite(model: nn.Module, *args: Any, backward: bool = False,
     diagnose.preflight(model)
     root, _ = unwrap(model)
     tracker = _Tracker(root, record_nodes=backward)
-    with tracker.observing() as session:  # one session: forward hooks, then the node hooks
+    with untouched(root), tracker.observing() as session:  # one session: forward hooks, then the node hooks
         with _OpWatcher(tracker):
             output = root(*args, **kwargs)
             if tracker.found is not None or not backward:

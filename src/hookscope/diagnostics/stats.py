@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.engine.run import model_inputs
+from hookscope.engine.run import model_inputs, untouched
 from hookscope.engine.select import Target, as_patterns
 from hookscope.engine.session import HookSession
 from hookscope.engine.values import keepable
@@ -183,7 +183,10 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
 
     Each module's output updates its ``RunningStats`` inside the forward hook and is dropped, so
     memory does not grow with the number of batches. Forwards run under ``torch.no_grad()`` in
-    the model's current train/eval mode; hooks are removed on return, also on an error. A module
+    the model's current train/eval mode; hooks are removed on return, also on an error, and the
+    model is left as it was found, once around all batches (BatchNorm statistics, spectral
+    norm, train/eval flags, ``requires_grad``, ``.grad``, the RNG state:
+    ``engine.run.untouched``). A module
     returning a structure (tuple, dict, ...) contributes its first floating-point tensor (e.g.
     ``attn_output`` of MultiheadAttention); a module called several times per forward (a shared
     activation) adds every call. For a dict batch with an ``attention_mask`` ``(batch, seq)``, an
@@ -219,7 +222,7 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
     patterns = as_patterns(layers)
     session = _StatsSession(model, patterns, per_channel, early_stop)
     count = 0
-    with session, torch.no_grad():
+    with untouched(model), session, torch.no_grad():
         for batch in batches:
             args, kwargs = model_inputs(batch)
             session.mask = kwargs.get("attention_mask")

@@ -22,6 +22,7 @@ from torch import nn
 from hookscope.engine.function_mode import FunctionCall
 from hookscope.engine.function_names import functional_hint
 from hookscope.engine.names import ModuleIndex, index
+from hookscope.engine.run import untouched
 from hookscope.engine.select import Target, is_container, select
 from hookscope.engine.session import Observer
 from hookscope.errors import SelectorError
@@ -90,8 +91,10 @@ def tree(model: nn.Module, *args: Any, ops: bool = False, **kwargs: Any) -> list
         model: root module; ``DataParallel``/``DDP``/``torch.compile`` wrappers are looked
             through, and paths are those of the wrapped model.
         *args, **kwargs: an example input; when given, ``model(*args, **kwargs)`` runs once
-            under ``torch.no_grad()`` with a counting hook on every module (all removed on
-            return, also when the forward raises).
+            under ``torch.no_grad()`` in the model's current mode with a counting hook on every
+            module (all removed on return, also when the forward raises); the model is then
+            left as it was found (BatchNorm statistics, spectral norm's ``_u``/``_v``, train/eval
+            flags, ``requires_grad``, ``.grad``, the RNG state: ``engine.run.untouched``).
         ops: with an example input, also list each module's own torch function calls
             (``TreeRow.ops``): what a ``path::function`` address can reach. The example pass
             is then slower (every call goes through a ``TorchFunctionMode``).
@@ -112,7 +115,8 @@ def tree_of_call(model: nn.Module, call: Callable[[], Any], *, ops: bool = False
     """As ``tree``, with the example pass given as a function, e.g. ``lambda: inputs.call(model)``.
 
     ``call()`` runs once under ``torch.no_grad()`` while every module of ``model`` has a
-    counting hook; hooks are removed on return, also when ``call`` raises.
+    counting hook; hooks are removed and the model is restored on return, also when ``call``
+    raises.
     """
     names = index(model)
     # running the example materialises lazy modules, as a forward does
@@ -207,7 +211,7 @@ def _run_example(root: nn.Module, modules: dict[str, nn.Module], call: Callable[
             if not is_container(module):
                 functions[path] = {}
                 session.functions.watch(module, _op_recorder(functions[path]))
-    with session, torch.no_grad():
+    with untouched(root), session, torch.no_grad():
         call()
     return ran, functions
 

@@ -165,7 +165,9 @@ def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: b
         on_unfired: a selected module that never ran: ``"warn"``, ``"error"`` or ``"ignore"``.
 
     Returns:
-        An ``Edit`` context manager; the hooks exist only inside its ``with`` block.
+        An ``Edit`` context manager; the hooks exist only inside its ``with`` block. The
+        forwards in the block are the user's own: their effects on the model (BatchNorm
+        statistics in training mode, spectral norm, the RNG) stay, as without the edit.
 
     Raises:
         SelectorError: a pattern matches no module (before anything is registered).

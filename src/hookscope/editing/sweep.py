@@ -21,6 +21,7 @@ from torch import nn
 from tqdm import tqdm
 
 from hookscope.editing.edit import edit
+from hookscope.engine.run import untouched
 from hookscope.engine.select import resolve
 from hookscope.errors import EditError, PositionError
 from hookscope.record.capture import capture
@@ -93,7 +94,11 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
 
     For each selected layer and each position ``p``, the corrupted input runs with that layer's
     output at ``p`` (in every batch row) replaced by the clean run's value at ``p``, and
-    ``metric(output)`` is recorded. Forwards run under ``torch.no_grad()``; ``batch_size``
+    ``metric(output)`` is recorded. Forwards run under ``torch.no_grad()`` in the model's
+    current mode (call ``model.eval()`` first: in training mode dropout makes every forward
+    differ), and the model is left as it was found afterwards (BatchNorm statistics, spectral
+    norm, train/eval flags, ``requires_grad``, ``.grad``, the RNG state:
+    ``engine.run.untouched``); ``batch_size``
     patched runs share one forward (the corrupted batch repeated along dim 0, each copy patched
     at its own position), so ``metric`` sees each copy's output alone.
 
@@ -132,7 +137,7 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
     keys = list(dict.fromkeys(t.key for t in targets))
     clean_mask, corrupted_mask = _mask(clean), _mask(corrupted)
     rows = _rows(corrupted)
-    with torch.no_grad():
+    with untouched(model), torch.no_grad():
         with capture(model, *keys, on_unfired="error") as acts:
             clean_metric = _number(metric(_forward(model, clean)))
         corrupted_metric = _number(metric(_forward(model, corrupted)))

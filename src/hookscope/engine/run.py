@@ -5,18 +5,23 @@ a tokenizer's output, holds keyword inputs (``model(**batch)``). A tuple or list
 ``(inputs, labels, ...)``, as a DataLoader over a labelled data set yields it (torchvision's
 ``ImageFolder``, ``TensorDataset(x, y)``): its first item is the inputs (a tensor, a dict, or a
 tuple/list of positional arguments, ``model(*inputs)``) and the rest is ignored.
+
+``untouched(model)`` is what a verb that runs forwards of its own (``tree``, ``stats``,
+``compare``, ``gradcam``, ``extract`` ...) promises: the model is left as it was found.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+from torch import nn
 
 from hookscope.errors import HookscopeError
 
-__all__ = ["model_inputs"]
+__all__ = ["model_inputs", "untouched"]
 
 
 def model_inputs(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -47,3 +52,70 @@ def _first_item(batch: Any) -> str:
     if isinstance(batch, (tuple, list)) and batch:
         return f" whose first item is a {type(batch[0]).__name__}"
     return ""
+
+
+@contextmanager
+def untouched(*models: nn.Module) -> Iterator[None]:
+    """Leave each model as it was found when the block ends: returned, raised or interrupted.
+
+    A forward in training mode is not read-only: BatchNorm updates ``running_mean``,
+    ``running_var`` and ``num_batches_tracked``, spectral norm advances its power iteration
+    (``_u``, ``_v``), dropout draws from the global RNG. On exit every buffer holds its old
+    values again (the same tensor object, refilled in place, so references to it stay valid),
+    every module its ``training`` flag, every parameter its ``requires_grad`` and ``.grad``
+    (the same tensor object), and the CPU and CUDA RNGs their states. The model's mode is not
+    changed on entry: the block sees train-mode behaviour (dropout) if the model is in it.
+
+    Cost: one clone of every buffer (parameters are not copied). Buffers of lazy modules that
+    are not yet materialised are left alone (the forward materialises them, as any forward).
+    """
+    kept = [_State(model) for model in models]
+    rng = _RngState()
+    try:
+        yield
+    finally:
+        for state in kept:
+            state.restore()
+        rng.restore()
+
+
+class _State:
+    """Buffers (object and a clone), training flags, ``requires_grad`` and ``.grad``.
+
+    Every buffer is copied back, changed or not: BatchNorm's kernel updates its running
+    statistics without bumping their version counter, so versions cannot tell."""
+
+    def __init__(self, model: nn.Module):
+        modules = list(model.modules())
+        self.flags = [(m, m.training) for m in modules]
+        self.buffers = [(m, name, b, b.detach().clone()) for m in modules
+                        for name, b in m._buffers.items()
+                        if b is not None and not isinstance(b, nn.parameter.UninitializedBuffer)]
+        self.params = [(p, p.requires_grad, p.grad) for p in model.parameters()]
+
+    def restore(self) -> None:
+        for module, training in self.flags:
+            module.training = training
+        with torch.inference_mode():  # writes a normal buffer, and one made in inference mode
+            for module, name, buffer, values in self.buffers:
+                module._buffers[name] = buffer
+                buffer.copy_(values)
+        for param, requires_grad, grad in self.params:
+            if param.requires_grad != requires_grad:
+                param.requires_grad_(requires_grad)
+            if param.grad is not grad:
+                param.grad = grad
+
+
+class _RngState:
+    """The CPU RNG state, and each CUDA device's when CUDA is initialised."""
+
+    def __init__(self) -> None:
+        self.cpu = torch.get_rng_state()
+        cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+        self.cuda = torch.cuda.get_rng_state_all() if cuda else None
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)

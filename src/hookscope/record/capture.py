@@ -26,7 +26,7 @@ from hookscope.engine.select import Target, as_patterns, unwrap
 from hookscope.engine.session import HookSession, OnUnfired, by_module
 from hookscope.engine.values import keepable, quantized_note
 from hookscope.errors import CaptureError, warn
-from hookscope.record.grads import converter, watch_inputs, watch_output
+from hookscope.record.grads import converter, require_grad_mode, watch_inputs, watch_output
 from hookscope.record.positions import MaskWatcher
 from hookscope.record.records import CallInputs, Entry, Records
 from hookscope.record.reductions import Reduce, Reduction, reduction
@@ -93,6 +93,9 @@ class Capture(HookSession, Records):
         self.unfired = {t.key: NOT_ENTERED for t in self.targets}
 
     def __enter__(self) -> Capture:
+        for option in ("grads", "grad_inputs"):
+            if getattr(self._options, option):
+                require_grad_mode(f"{option}=True")
         self.unfired = {}
         entered: Capture = super().__enter__()
         return entered
@@ -411,9 +414,18 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
     Returns:
         A ``Capture`` (not yet active: hooks are added by ``with``).
 
+    The forwards in the block are the user's own: their effects stay (a model in training mode
+    updates its BatchNorm statistics, advances spectral norm, draws dropout masks), as without
+    the capture. The verbs that run forwards of their own (``tree``, ``stats``, ``gradcam`` ...)
+    restore the model afterwards instead.
+
     Raises:
         SelectorError: at once, before any hook exists, when a pattern matches nothing or names a
             container (``ModuleList``) whose hook could never fire.
+        CaptureError: on entering the block, with ``grads``/``grad_inputs``, under
+            ``torch.no_grad()`` or ``torch.inference_mode()``: no gradient could be recorded
+            there (the message gives the fix: ``torch.enable_grad()``, or leave inference
+            mode; switching gradients off inside the block is allowed and marks ``NoGrad``).
         ReductionError: ``reduce`` is not a known name or a function (at once).
         HookscopeError: the model cannot be hooked (TorchScript), or an option is invalid.
     """

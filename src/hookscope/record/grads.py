@@ -26,16 +26,21 @@ so it never changes the gradient that flows on.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import torch
+from torch import nn
 
 from hookscope.engine.hooks import on_tensor_grad
+from hookscope.errors import CaptureError, HookscopeError
 from hookscope.util.nested import iter_tensors, map_tensors
 
-__all__ = ["NoGrad", "GradRecord", "converter", "watch_output", "watch_inputs", "why_no_grad"]
+__all__ = ["NoGrad", "GradRecord", "converter", "watch_output", "watch_inputs", "why_no_grad",
+           "require_grad_mode", "gradient_pass", "grad_leaf"]
 
 Tensor = torch.Tensor
 Convert = Callable[[Tensor], Tensor]
@@ -173,6 +178,61 @@ def why_no_grad(t: Tensor) -> str:
     return ("it does not require grad: nothing it is computed from does (input data, frozen "
             "parameters), so no gradient is computed for it. For the input of the first layer "
             "call x.requires_grad_() before the forward pass to get d(loss)/d(x)")
+
+
+def require_grad_mode(option: str) -> None:
+    """Refuse to open a capture recording gradients (``option``: ``"grads=True"``) where its
+    forward could build no autograd graph, so no gradient could ever arrive.
+
+    Raises:
+        CaptureError: under ``torch.inference_mode()`` (which ``torch.enable_grad()`` cannot
+            lift) or with gradients disabled (``torch.no_grad()``); the message gives the fix.
+    """
+    if torch.is_inference_mode_enabled():
+        raise CaptureError(
+            f"capture(..., {option}) was entered under torch.inference_mode(): nothing inside "
+            f"builds an autograd graph, and torch.enable_grad() cannot lift inference mode "
+            f"(a Lightning test/predict step runs under it), so no gradient could be recorded. "
+            f"Open the block outside inference mode (Lightning: Trainer(inference_mode=False)), "
+            f"or inside `with torch.inference_mode(False), torch.enable_grad():` with inputs "
+            f"made outside inference mode")
+    if not torch.is_grad_enabled():
+        raise CaptureError(
+            f"capture(..., {option}) was entered with gradients disabled (torch.no_grad()): "
+            f"the forward inside builds no autograd graph, so no gradient could be recorded. "
+            f"Open the block with gradients on: `with torch.enable_grad(), "
+            f"hookscope.capture(...):`")
+
+
+@contextmanager
+def gradient_pass(model: nn.Module, error: type[HookscopeError]) -> Iterator[None]:
+    """Gradients on for a verb's own forward and backward (Grad-CAM), wherever it is called:
+    under ``torch.no_grad()`` and under ``torch.inference_mode()`` too (switched off for the
+    pass; give the pass ``grad_leaf(x)``, an ordinary tensor even when ``x`` is an inference
+    tensor). Frozen weights need nothing: the gradient flows from the input.
+
+    Raises:
+        error: a parameter or buffer of ``model`` is an inference tensor (the model was built or
+            loaded under ``torch.inference_mode()``): autograd cannot save it for backward.
+    """
+    made = [name for name, t in chain(model.named_parameters(), model.named_buffers())
+            if t.is_inference()]
+    if made:
+        raise error(
+            f"{len(made)} parameters/buffers of the model ({', '.join(made[:3])}"
+            f"{' …' if len(made) > 3 else ''}) are inference tensors: the model was built or "
+            f"loaded under torch.inference_mode(), and autograd cannot use them for gradients. "
+            f"Build/load the model outside inference mode (Lightning: Trainer(inference_mode="
+            f"False)), or call this outside it")
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
+
+
+def grad_leaf(x: Tensor) -> Tensor:
+    """``x`` as a new leaf that requires grad (an ordinary copy if ``x`` is an inference
+    tensor), for ``gradient_pass``: the gradient reaches every activation computed from it,
+    whatever the weights' ``requires_grad``."""
+    return (x.clone() if x.is_inference() else x).detach().requires_grad_(True)
 
 
 def _meta(t: Tensor) -> Tensor:

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from hookscope.engine.run import model_inputs
+from hookscope.engine.run import model_inputs, untouched
 from hookscope.engine.select import as_patterns, resolve
 from hookscope.errors import ExtractError, HookscopeError
 from hookscope.record.capture import Capture, capture
@@ -73,7 +73,8 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
     """Run ``model`` over ``data`` and store the output of each selected layer, row by row.
 
     Args:
-        model: any ``nn.Module``; it runs in eval mode without grad (its mode is restored).
+        model: any ``nn.Module``; it runs in eval mode without grad, and is left as it was
+            found (mode, buffers, ``requires_grad``, ``.grad``, RNG; ``engine.run.untouched``).
         data: a ``DataLoader`` (not shuffled), a map-style ``Dataset`` (batched here by
             ``batch_size``), or any iterable of batches. A batch is a tensor (``model(batch)``),
             a dict such as a tokenizer's output (``model(**batch)``; its ``attention_mask``
@@ -124,18 +125,16 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
         raise ExtractError("resume=True continues the store in place and overwrite=True deletes "
                            "it: pass one of them")
     ranks = Ranks.start()
-    training = model.training
     try:
-        model.eval()
         config = {"layers": keys, "reduce": reduction_name(reduce), "batches": source.count,
                   "dtype": dtype_name(dtype) if dtype else None}
         header = {"model": {"spec": model_spec, "class": _class_name(model)}, "extract": config}
         job = _Job(model, keys, reducer, dtype, source, ranks, progress, shard_bytes, shard_seconds,
                    early_stop)
-        with torch.no_grad():
+        with untouched(model), torch.no_grad():  # once around the loop; restores the mode too
+            model.eval()
             _extract(job, folder, header, resume=resume, overwrite=overwrite)
     finally:
-        model.train(training)
         ranks.stop()
     return open_store(folder)
 
