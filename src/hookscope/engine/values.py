@@ -103,7 +103,7 @@ def kept_note(t: Tensor) -> str | None:
     if t.is_quantized:
         return quantized_note(t)
     if type(t) is not Tensor and is_dtensor(t):
-        placements = ", ".join(map(str, t.placements))  # type: ignore[attr-defined]
+        placements = ", ".join(map(repr, t.placements))  # type: ignore[attr-defined]
         devices = t.device_mesh.size()  # type: ignore[attr-defined]
         local = tuple(t.to_local().shape)  # type: ignore[attr-defined]
         return (f"DTensor ({placements} on a mesh of {devices} device(s), local shape {local}), "
