@@ -21,7 +21,7 @@ from hookscope.engine.names import ModuleIndex
 from hookscope.engine.run import untouched
 from hookscope.engine.select import Target, as_patterns
 from hookscope.engine.session import Observer, resolve_checked
-from hookscope.engine.values import dequantized
+from hookscope.engine.values import comparable
 from hookscope.errors import HookscopeError
 from hookscope.util.nested import get_part, iter_tensors, map_tensors
 
@@ -105,6 +105,10 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
     ``engine.run.untouched``), so run B starts from the state run A started from: the same
     RNG state (the same dropout masks for the same architecture), and ``compare(model, model,
     x)`` of a model in training mode sees the same BatchNorm and spectral-norm state twice.
+    Every tensor of an output is compared as float64 values: integer and bool ones exactly
+    (up to 2**53), quantized ones dequantized, complex ones by real and imaginary parts, a
+    ``DTensor`` (tensor parallelism) as its global tensor, so a sharded model compares with
+    the unsharded one.
 
     Args:
         model_a: Reference model.
@@ -122,7 +126,8 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
     Raises:
         SelectorError: a pattern matches no module in one of the models.
         HookscopeError: a model is TorchScript, or none of its selected modules' hooks fired
-            (a ``torch.compile``'d model compiled earlier: the message gives the fix).
+            (a ``torch.compile``'d model compiled earlier: the message gives the fix), or a
+            selected output is a meta tensor or FakeTensor (no values).
     """
     patterns = as_patterns(layers)
     (targets_a, names_a), (targets_b, names_b) = _targets(model_a, patterns), _targets(model_b, patterns)
@@ -131,7 +136,7 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
     order: list[Key] = []
 
     def keep(key: Key, output: Any) -> None:
-        reference[key] = [t.detach().clone() for t in _floats(output)]
+        reference[key] = [t.detach().clone() for t in _values(key[0], output)]
         order.append(key)
 
     diffs: dict[Key, LayerDiff] = {}
@@ -141,7 +146,7 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
         if key not in reference:
             unmatched.append(f"{key[0]}:{key[1]}")
             return
-        diffs[key] = _diff(key, reference.pop(key), _floats(output), atol, rtol)
+        diffs[key] = _diff(key, reference.pop(key), _values(key[0], output), atol, rtol)
 
     with torch.no_grad():
         with untouched(model_a), \
@@ -185,9 +190,14 @@ def _watching(model: nn.Module, names: ModuleIndex, targets: list[Target],
     return Observer(model, targets, forward=hook_for, names=names)
 
 
-def _floats(output: Any) -> list[Tensor]:
-    """The floating tensors of an output; quantized ones as their dequantized values."""
-    return [dequantized(t) for t in iter_tensors(output) if t.is_floating_point() or t.is_quantized]
+def _values(key: str, output: Any) -> list[Tensor]:
+    """The tensors of an output as real values (``comparable``: quantized dequantized, a DTensor
+    as its global tensor, complex as real and imaginary parts); integer and bool ones too.
+
+    Raises:
+        HookscopeError: a tensor is a meta tensor or a FakeTensor (no values to compare).
+    """
+    return [comparable(t, key) for t in iter_tensors(output)]
 
 
 def _cast_inputs(model: nn.Module, inputs: Any) -> Any:

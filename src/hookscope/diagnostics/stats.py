@@ -26,7 +26,7 @@ from torch import nn
 from hookscope.engine.run import model_inputs, untouched
 from hookscope.engine.select import Target, as_patterns
 from hookscope.engine.session import HookSession
-from hookscope.engine.values import keepable
+from hookscope.engine.values import check_has_values, keepable
 from hookscope.errors import HookscopeError
 from hookscope.util.nested import get_part, iter_tensors
 
@@ -280,7 +280,8 @@ def _summarised(tensors: list[Tensor], key: str) -> Tensor | None:
     not skipped); ``None`` when it holds no tensor.
 
     Raises:
-        HookscopeError: the output's only values are complex, or it is a meta tensor (no data).
+        HookscopeError: the output's only values are complex, or it is a meta tensor or a
+            FakeTensor (no data).
     """
     real = [t for t in tensors if not t.is_complex()]
     tensor = next((t for t in real if t.is_floating_point()), real[0] if real else None)
@@ -288,9 +289,8 @@ def _summarised(tensors: list[Tensor], key: str) -> Tensor | None:
         raise HookscopeError(f"'{key}' returned {tensors[0].dtype}: cannot take statistics of a "
                              f"complex tensor; select a module after it that returns its .real "
                              f"or .abs(), or capture it (hookscope.capture) instead")
-    if tensor is not None and tensor.is_meta:
-        raise HookscopeError(f"'{key}' returned a meta tensor, which holds no values to take "
-                             f"statistics of; run the model on a real device")
+    if tensor is not None:
+        check_has_values(tensor, key, "take statistics of")
     return tensor
 
 

@@ -41,7 +41,7 @@ from hookscope.engine.names import ModuleIndex
 from hookscope.engine.names import index as module_index
 from hookscope.engine.select import Target, as_patterns, unwrap
 from hookscope.engine.session import HookSession, OnUnfired, resolve_each
-from hookscope.engine.values import requantize_like
+from hookscope.engine.values import plain, restore_like, special
 from hookscope.errors import EditError, warn
 from hookscope.record.positions import MaskWatcher, Positions
 from hookscope.util.nested import get_part, iter_tensors, set_part
@@ -106,9 +106,9 @@ class Edit(HookSession):
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             call = self._next_call(index, target)
             old = _part(output, target)
-            if isinstance(old, torch.Tensor) and old.is_quantized:  # edit the real numbers
-                new = rule(old.dequantize(), target, call)
-                new = None if new is None else requantize_like(new, old)
+            if isinstance(old, torch.Tensor) and special(old):  # quantized, DTensor: edit the
+                new = rule(plain(old), target, call)  # real (global) numbers, return old's form
+                new = None if new is None else restore_like(new, old)
             else:
                 _refuse_quantized(old, target)
                 new = rule(old, target, call)

@@ -70,13 +70,25 @@ def steer_rule(vector: Tensor) -> Rule:
         if not isinstance(value, Tensor):
             raise EditError(f"'{target.key}' returns a {type(value).__name__}; steer one tensor "
                             f"in it, e.g. '{target.key}[0]'")
-        delta = vector.to(device=value.device, dtype=value.dtype)
-        if not _broadcasts(delta.shape, value.shape):
+        if not (value.is_floating_point() or value.is_complex()):
+            raise EditError(f"cannot steer '{target.key}': it returns {value.dtype}, and a "
+                            f"steering vector is added to floating activations (added to "
+                            f"integers or bools it would be truncated); select a module that "
+                            f"returns floating values (e.g. the embedding after token ids)")
+        if not _broadcasts(vector.shape, value.shape):
             raise EditError(f"cannot add a vector of shape {tuple(vector.shape)} to the output of "
                             f"'{target.key}', shape {tuple(value.shape)}: give a vector that "
                             f"broadcasts to its trailing dimensions, e.g. {_example_shape(value)}")
-        return value + delta
+        if value.dtype in _NO_ARITHMETIC:  # float8: added in float32, rounded back to float8
+            return (value.float() + vector.to(value.device, torch.float32)).to(value.dtype)
+        return value + vector.to(device=value.device, dtype=value.dtype)
     return rule
+
+
+# dtypes torch stores but has no addition kernel for
+_NO_ARITHMETIC = frozenset(getattr(torch, name) for name in (
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, name))
 
 
 def _example_shape(value: Tensor) -> str:

@@ -24,7 +24,14 @@ from hookscope.engine import copy_on_write as inplace
 from hookscope.engine.hooks import OwnedHook, in_recompute, owns_call
 from hookscope.engine.select import Target, as_patterns, unwrap
 from hookscope.engine.session import HookSession, OnUnfired, by_module
-from hookscope.engine.values import keepable, quantized_note
+from hookscope.engine.values import (
+    NO_VALUES_FIX,
+    holds_no_values,
+    keepable,
+    kept_note,
+    no_values_reason,
+    special,
+)
 from hookscope.errors import CaptureError, warn
 from hookscope.record.grads import converter, require_grad_mode, watch_inputs, watch_output
 from hookscope.record.positions import MaskWatcher
@@ -133,6 +140,7 @@ class Capture(HookSession, Records):
     def _finish(self) -> None:
         for key, function in self._functions.functions.items():
             self._slots[key].entry.function = function
+        self._note_valueless()
         if self._options.clone is False:
             self._check_versions()
             self._warn_unverifiable()
@@ -194,7 +202,7 @@ class Capture(HookSession, Records):
         clone, watcher = self._options.clone, self._mask
 
         def one(t: Tensor, slot: _Slot) -> Tensor:
-            if _special(t):  # quantized: dequantized; inside a functorch transform: refused
+            if special(t):  # quantized: dequantized; DTensor: global; in a functorch transform: refused
                 t = self._keepable(t, slot)
             kept = t.detach()
             if converts:
@@ -220,9 +228,24 @@ class Capture(HookSession, Records):
         return snapshot
 
     def _keepable(self, t: Tensor, slot: _Slot) -> Tensor:
-        if t.is_quantized:
-            self.notes.setdefault(slot.target.key, quantized_note(t))
+        note = kept_note(t)
+        if note is not None:
+            self.notes.setdefault(slot.target.key, note)
         return keepable(t, slot.target.key)
+
+    def _note_valueless(self) -> None:
+        """Records of meta tensors or FakeTensors (a traced or meta-device model) hold shapes
+        only: note each (``acts.notes``) and warn once, so none passes for a value. Each record's
+        first call is checked, on exit (nothing is checked per call)."""
+        empty = {}
+        for key, slot in self._slots.items():
+            first = next(iter_tensors(slot.entry.outputs[:1]), None)
+            if first is not None and holds_no_values(first):
+                empty[key] = self.notes[key] = f"{no_values_reason(first)}: shapes, no values"
+        if empty:
+            warn(f"the records of {', '.join(list(empty)[:5])}{' …' if len(empty) > 5 else ''} "
+                 f"hold {next(iter(empty.values()))}; saving them, stats and extract refuse "
+                 f"them. To get values, {NO_VALUES_FIX}", RuntimeWarning)
 
     def _warn_unverifiable(self) -> None:
         """clone=False under torch.inference_mode(): nothing can tell whether the references kept
@@ -347,12 +370,6 @@ def _inputs_hook(slots: list[_Slot], clone: bool | None) -> Callable[..., None]:
         for slot in slots:
             slot.entry.inputs.append((map_tensors(keep, args), map_tensors(keep, kwargs)))
     return hook
-
-
-def _special(t: Tensor) -> bool:
-    """A quantized tensor, or one wrapped by a functorch transform: not kept as it is. (While
-    dynamo traces the hook there is no transform, and the C check would break the graph.)"""
-    return t.is_quantized or (not torch.compiler.is_compiling() and _is_transformed(t))
 
 
 _is_transformed = torch._C._functorch.is_functorch_wrapped_tensor

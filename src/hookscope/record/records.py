@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import safetensors.torch
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -25,6 +26,7 @@ from torch import nn
 
 from hookscope.engine.function_names import bind_arguments
 from hookscope.engine.record_key import Part, RecordKey
+from hookscope.engine.values import check_has_values, outside_inference
 from hookscope.errors import CaptureError, HookscopeError
 from hookscope.record.grads import NO_GRADIENT_YET, GradRecord
 from hookscope.util.files import write_atomic
@@ -200,7 +202,8 @@ class Records:
         if "inputs" not in self._kept:
             raise CaptureError(f"inputs were not recorded: use hookscope.capture(model, "
                                f"'{path}', inputs=True) to keep them")
-        args, kwargs = entry.inputs[self._index(path, entry, call)]
+        k = self._index(path, entry, call)
+        args, kwargs = entry.inputs[k] = outside_inference(entry.inputs[k])  # once: kept converted
         return CallInputs(args, kwargs, _bind(entry, args, kwargs))
 
     def grad(self, path: str, call: int = 0) -> Any:
@@ -252,9 +255,13 @@ class Records:
 
         Tensors are moved to CPU and made contiguous; tensors sharing memory are copied apart.
 
+        Every dtype a module returns is written as it is (float8, uint16..64, bool, complex64
+        included) except ``torch.complex128``, which safetensors has no type for.
+
         Raises:
             HookscopeError: ``file`` exists and ``overwrite`` is False, nothing was recorded,
-                or a record is a meta tensor (no values).
+                a record is a meta tensor or FakeTensor (no values), or a record's dtype is one
+                safetensors cannot hold (``torch.complex128``); before anything is written.
         """
         file = os.fspath(file)
         if os.path.lexists(file) and not overwrite:
@@ -262,9 +269,7 @@ class Records:
         tensors: dict[str, Tensor] = {}
         seen: set[int] = set()
         for key, tensor in self.items():
-            if tensor.is_meta:
-                raise HookscopeError(f"cannot save '{key}': it is a meta tensor, which holds no "
-                                     f"values; run the model on a real device")
+            _check_savable(str(key), tensor)
             t = tensor.detach().cpu().contiguous()
             ptr = t.untyped_storage().data_ptr()
             tensors[str(key)] = t.clone() if ptr in seen else t
@@ -322,7 +327,8 @@ class Records:
                 f"call {k} of '{name}' was overwritten in place after it was captured (an in-place "
                 f"op such as ReLU(inplace=True) or '+=' in the code that uses it), so the kept "
                 f"value is wrong. Capture again or pass clone=True")
-        return entry.outputs[k]
+        value = entry.outputs[k] = outside_inference(entry.outputs[k])  # once: kept converted
+        return value
 
     def _grad_record(self, path: str, call: int, option: str) -> GradRecord:
         entry = self._entry(path)
@@ -353,6 +359,22 @@ class Records:
             entry.outputs.extend(_rebuild(by_call[k]) for k in sorted(by_call))
             entries.append(entry)
         return Records(entries, metadata=metadata)
+
+
+def _check_savable(key: str, t: Tensor) -> None:
+    """Raise unless safetensors can write ``t``: it has values and a dtype it knows."""
+    check_has_values(t, key, "save")
+    if t.dtype not in _SAVABLE:
+        fix = ("capture with dtype=torch.complex64, or save torch.view_as_real of it yourself"
+               if t.is_complex() else "capture with dtype=torch.float32")
+        raise HookscopeError(f"cannot save '{key}': it is {t.dtype}, which safetensors files "
+                             f"cannot hold; {fix}")
+
+
+# the dtypes a safetensors file holds (its torch adapter's table; complex128 is not among them)
+_SAVABLE = frozenset(getattr(safetensors.torch, "_TYPES", {}).values()) or frozenset(
+    {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+     torch.int16, torch.int8, torch.uint8, torch.bool})
 
 
 def _rebuild(leaves: dict[tuple[Part, ...], Tensor]) -> Any:

@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from hookscope.engine.run import model_inputs, untouched
 from hookscope.engine.select import as_patterns, resolve
+from hookscope.engine.values import check_has_values
 from hookscope.errors import ExtractError, HookscopeError
 from hookscope.record.capture import Capture, capture
 from hookscope.record.reductions import Reduce, Reduction, reduction, reduction_name
@@ -359,12 +360,9 @@ def _layer_rows(key: str, t: Tensor, n: int, mask: Tensor | None, job: _Job
 
 
 def _check_storable(key: str, t: Tensor) -> None:
-    """Raise unless a store can hold ``t``: real data (not a meta tensor) of a dtype safetensors
+    """Raise unless a store can hold ``t``: real data (not a meta tensor or FakeTensor) of a dtype safetensors
     and the manifest know (not complex, float8, uint16..64 or quantized)."""
-    if t.is_meta:
-        raise ExtractError(f"'{key}' returned a meta tensor, which holds no values to store; run "
-                           f"the model on a real device (model.to_empty(device='cpu') then load "
-                           f"its weights)")
+    check_has_values(t, key, "store", ExtractError)
     if t.dtype not in _ST_DTYPES:
         fix = ("store its real and imaginary parts: a model wrapper returning "
                "torch.view_as_real(output)" if t.is_complex() else
