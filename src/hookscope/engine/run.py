@@ -5,6 +5,11 @@ a tokenizer's output, holds keyword inputs (``model(**batch)``). A tuple or list
 ``(inputs, labels, ...)``, as a DataLoader over a labelled data set yields it (torchvision's
 ``ImageFolder``, ``TensorDataset(x, y)``): its first item is the inputs (a tensor, a dict, or a
 tuple/list of positional arguments, ``model(*inputs)``) and the rest is ignored.
+
+Where the batch goes (``input_device``) is where the model's first computation runs, which is not
+always where its first parameter is: accelerate's ``cpu_offload``/``disk_offload``/
+``dispatch_model`` keep parameters on ``meta`` (or spread over devices) and load them in their own
+pre-forward hooks onto an execution device.
 """
 
 from __future__ import annotations
@@ -13,10 +18,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from hookscope.errors import HookscopeError
 
-__all__ = ["model_inputs"]
+__all__ = ["model_inputs", "input_device"]
 
 
 def model_inputs(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -47,3 +53,24 @@ def _first_item(batch: Any) -> str:
     if isinstance(batch, (tuple, list)) and batch:
         return f" whose first item is a {type(batch[0]).__name__}"
     return ""
+
+
+def input_device(model: nn.Module) -> torch.device:
+    """The device ``model``'s inputs belong on: the execution device of the first module that
+    accelerate placed (``module._hf_hook.execution_device``, in ``named_modules()`` order), else
+    the device of its first parameter or buffer that is not on ``meta``, else the CPU."""
+    for module in model.modules():
+        device = _execution_device(getattr(module, "_hf_hook", None))
+        if device is not None:
+            return device
+    tensors = (t for ts in (model.parameters(), model.buffers()) for t in ts)
+    return next((t.device for t in tensors if not t.is_meta), torch.device("cpu"))
+
+
+def _execution_device(hook: Any) -> torch.device | None:
+    """The execution device of an accelerate hook (a ``SequentialHook``'s first that has one)."""
+    for inner in (hook, *getattr(hook, "hooks", ())):
+        device = getattr(inner, "execution_device", None)
+        if device is not None:
+            return torch.device(device)
+    return None
