@@ -96,15 +96,19 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
             atol: float = 1e-5, rtol: float = 1e-4, **kwargs: Any) -> Comparison:
     """Run both models on the same input and compare the outputs of the same modules.
 
-    Floating-point tensors in ``args``/``kwargs`` are cast to the dtype and device of each
-    model's first floating-point parameter, so ``compare(model, copy.deepcopy(model).to(
-    torch.bfloat16), x)`` compares float32 with bfloat16. Both forwards run under
-    ``torch.no_grad()`` in each model's current train/eval mode; hooks are removed on return.
+    Floating-point tensors in ``args``/``kwargs`` are cast to the dtype of each model's first
+    floating-point parameter and moved to where its first computation runs
+    (``engine.run.input_device``: accelerate's execution device for an offloaded model), so
+    ``compare(model, copy.deepcopy(model).to(torch.bfloat16), x)`` compares float32 with
+    bfloat16. Both forwards run under ``torch.no_grad()`` in each model's current train/eval
+    mode; hooks are removed on return.
 
     Args:
         model_a: Reference model.
         model_b: Model to compare: a copy of ``model_a`` in another dtype, device or mode,
-            another checkpoint; ``model_a`` itself checks that two runs are deterministic.
+            another checkpoint, its peft/LoRA version (modules pair by their names without
+            wrapper and adapter prefixes); ``model_a`` itself checks that two runs are
+            deterministic.
         *args, **kwargs: Inputs of one forward call.
         layers: Pattern or list of patterns for ``hookscope.select`` (default every module;
             output parts such as ``"lstm[0]"`` allowed), resolved in each model; paths selected
