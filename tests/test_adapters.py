@@ -93,6 +93,9 @@ def test_case_40_raw_peft_names_still_resolve_and_near_misses_name_the_path() ->
         "layers.0.q_proj": lora_layer}
     with pytest.raises(SelectorError, match=r"'layers\.0\.q_proj'"):
         hookscope.select(adapted, "layers.0.q_prj")
+    base, _, _ = _case()  # code written for the adapted model, run on the base: the exact name
+    with pytest.raises(SelectorError, match=r"did you mean 'layers\.0\.q_proj'"):
+        hookscope.select(base, "base_model.model.layers.0.q_proj")
 
 
 def test_case_40_compare_reports_the_adapted_layer_first() -> None:
@@ -181,13 +184,15 @@ def test_every_verb_sees_the_lora_layers_under_base_names(
     assert result.first_divergent.path == first_adapted
 
 
-def test_gpt2_from_config_with_lora_on_c_attn() -> None:
+@pytest.mark.parametrize("task_type", [None, "CAUSAL_LM"])  # PeftModel, PeftModelForCausalLM
+def test_gpt2_from_config_with_lora_on_c_attn(task_type: str | None) -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50)
     base = transformers.GPT2LMHeadModel(config).eval()
     adapted = peft.get_peft_model(copy.deepcopy(base), peft.LoraConfig(
-        r=4, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True)).eval()
+        r=4, target_modules=["c_attn"], init_lora_weights=False, fan_in_fan_out=True,
+        task_type=task_type)).eval()
     ids = torch.randint(0, 50, (2, 6))
     raw = "base_model.model.transformer.h.1.attn.c_attn"
     reference = plain_capture(adapted, [raw], ids, grad_enabled=False)[raw][0]
