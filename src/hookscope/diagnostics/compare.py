@@ -18,7 +18,7 @@ from torch import nn
 
 from hookscope.engine import diagnose
 from hookscope.engine.names import ModuleIndex
-from hookscope.engine.run import untouched
+from hookscope.engine.run import input_device, untouched
 from hookscope.engine.select import Target, as_patterns
 from hookscope.engine.session import Observer, resolve_checked
 from hookscope.engine.values import comparable
@@ -96,10 +96,12 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
             atol: float = 1e-5, rtol: float = 1e-4, **kwargs: Any) -> Comparison:
     """Run both models on the same input and compare the outputs of the same modules.
 
-    Floating-point tensors in ``args``/``kwargs`` are cast to the dtype and device of each
-    model's first floating-point parameter, so ``compare(model, copy.deepcopy(model).to(
-    torch.bfloat16), x)`` compares float32 with bfloat16. Both forwards run under
-    ``torch.no_grad()`` in each model's current train/eval mode; hooks are removed on return.
+    Floating-point tensors in ``args``/``kwargs`` are cast to the dtype of each model's first
+    floating-point parameter and moved to where its first computation runs
+    (``engine.run.input_device``: accelerate's execution device for an offloaded model), so
+    ``compare(model, copy.deepcopy(model).to(torch.bfloat16), x)`` compares float32 with
+    bfloat16. Both forwards run under ``torch.no_grad()`` in each model's current train/eval
+    mode; hooks are removed on return.
     Each run leaves its model as it was found, also on an error (BatchNorm statistics,
     spectral norm, train/eval flags, ``requires_grad``, ``.grad``, the RNG state:
     ``engine.run.untouched``), so run B starts from the state run A started from: the same
@@ -113,7 +115,9 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
     Args:
         model_a: Reference model.
         model_b: Model to compare: a copy of ``model_a`` in another dtype, device or mode,
-            another checkpoint; ``model_a`` itself checks that two runs are deterministic.
+            another checkpoint, its peft/LoRA version (modules pair by their names without
+            wrapper and adapter prefixes); ``model_a`` itself checks that two runs are
+            deterministic.
         *args, **kwargs: Inputs of one forward call.
         layers: Pattern or list of patterns for ``hookscope.select`` (default every module;
             output parts such as ``"lstm[0]"`` allowed), resolved in each model; paths selected
@@ -126,12 +130,16 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
     Raises:
         SelectorError: a pattern matches no module in one of the models.
         HookscopeError: a model is TorchScript, or none of its selected modules' hooks fired
-            (a ``torch.compile``'d model compiled earlier: the message gives the fix), or a
-            selected output is a meta tensor or FakeTensor (no values).
+            (a ``torch.compile``'d model compiled earlier: the message gives the fix), or fewer
+            than half of the smaller model's selected modules have a counterpart of the same
+            name in the other model (two unrelated models; the message lists names of each
+            side that found no partner), or a selected output is a meta tensor or FakeTensor
+            (no values).
     """
     patterns = as_patterns(layers)
     (targets_a, names_a), (targets_b, names_b) = _targets(model_a, patterns), _targets(model_b, patterns)
     common = [key for key in targets_a if key in targets_b]
+    _require_pairs(targets_a, targets_b, common)
     reference: dict[Key, list[Tensor]] = {}
     order: list[Key] = []
 
@@ -161,6 +169,24 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
     return Comparison(diffs=tuple(diffs[key] for key in order if key in diffs),
                       unmatched=tuple(unmatched), atol=atol, rtol=rtol,
                       unfired={k: v for k, v in session_a.unfired.items() if k in session_b.unfired})
+
+
+def _require_pairs(targets_a: dict[str, Target], targets_b: dict[str, Target],
+                   common: list[str]) -> None:
+    """Raise unless at least half of the smaller side's selected modules pair by name (wrapper
+    and adapter prefixes are not part of names, so a model and its DDP/compiled/PEFT version
+    pair fully; an adapter's own modules, ``lora_A`` and the like, are simply unpaired)."""
+    if 2 * len(common) >= min(len(targets_a), len(targets_b)):
+        return
+    only_a = [key for key in targets_a if key not in targets_b][:4]
+    only_b = [key for key in targets_b if key not in targets_a][:4]
+    raise HookscopeError(
+        f"cannot compare: only {len(common)} of {len(targets_a)} selected modules of model A "
+        f"and {len(targets_b)} of model B have the same name in both, so no layer-by-layer "
+        f"comparison is possible (only A: {only_a}; only B: {only_b}). Compare models that share "
+        f"a module tree (the same architecture, a copy, a wrapped or adapted version), or pass "
+        f"the submodules that correspond, compare(model_a.encoder, model_b.backbone, x), or "
+        f"select names both have with layers=[...]")
 
 
 def _require_hooks_fired(model: nn.Module, fired: bool) -> None:
@@ -204,8 +230,9 @@ def _cast_inputs(model: nn.Module, inputs: Any) -> Any:
     parameter = next((p for p in model.parameters() if p.is_floating_point()), None)
     if parameter is None:
         return inputs
-    return map_tensors(lambda t: t.to(parameter.device, parameter.dtype)
-                       if t.is_floating_point() else t.to(parameter.device), inputs)
+    device = input_device(model)  # not the parameter's: it is on meta under accelerate's offload
+    return map_tensors(lambda t: t.to(device, parameter.dtype)
+                       if t.is_floating_point() else t.to(device), inputs)
 
 
 def _diff(key: Key, a_parts: list[Tensor], b_parts: list[Tensor], atol: float,

@@ -8,6 +8,11 @@ tuple/list of positional arguments, ``model(*inputs)``) and the rest is ignored.
 
 ``untouched(model)`` is what a verb that runs forwards of its own (``tree``, ``stats``,
 ``compare``, ``gradcam``, ``extract`` ...) promises: the model is left as it was found.
+
+Where the batch goes (``input_device``) is where the model's first computation runs, which is not
+always where its first parameter is: accelerate's ``cpu_offload``/``disk_offload``/
+``dispatch_model`` keep parameters on ``meta`` (or spread over devices) and load them in their own
+pre-forward hooks onto an execution device.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from torch import nn
 
 from hookscope.errors import HookscopeError
 
-__all__ = ["model_inputs", "untouched"]
+__all__ = ["input_device", "model_inputs", "untouched"]
 
 
 def model_inputs(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -119,3 +124,24 @@ class _RngState:
         torch.set_rng_state(self.cpu)
         if self.cuda is not None:
             torch.cuda.set_rng_state_all(self.cuda)
+
+
+def input_device(model: nn.Module) -> torch.device:
+    """The device ``model``'s inputs belong on: the execution device of the first module that
+    accelerate placed (``module._hf_hook.execution_device``, in ``named_modules()`` order), else
+    the device of its first parameter or buffer that is not on ``meta``, else the CPU."""
+    for module in model.modules():
+        device = _execution_device(getattr(module, "_hf_hook", None))
+        if device is not None:
+            return device
+    tensors = (t for ts in (model.parameters(), model.buffers()) for t in ts)
+    return next((t.device for t in tensors if not t.is_meta), torch.device("cpu"))
+
+
+def _execution_device(hook: Any) -> torch.device | None:
+    """The execution device of an accelerate hook (a ``SequentialHook``'s first that has one)."""
+    for inner in (hook, *getattr(hook, "hooks", ())):
+        device = getattr(inner, "execution_device", None)
+        if device is not None:
+            return torch.device(device)
+    return None

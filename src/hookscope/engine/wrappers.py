@@ -6,13 +6,17 @@ Frameworks insert them between a model and the names its code uses: ``DataParall
 block), ``checkpoint_wrapper``/``offload_wrapper`` (``_checkpoint_wrapped_module``), fairscale's
 ``FlattenParamsWrapper`` (``_fpw_module``), DeepSpeed's engine (``module``). hookscope looks
 through every one of them, so names are the model's own (``layers.0.fc``, not
-``_fsdp_wrapped_module.layers.0._fsdp_wrapped_module.fc``).
+``_fsdp_wrapped_module.layers.0._fsdp_wrapped_module.fc``). Adapter libraries wrap the same
+way: peft's ``PeftModel`` holds its tuner as ``base_model`` and the tuner (``LoraModel``) holds the
+user's model as ``model``, so ``base_model.model.layers.0.q_proj`` is ``layers.0.q_proj``.
 
-A module is a wrapper when its only child sits under a wrapper attribute (``module``,
-``_orig_mod`` or ``_<anything>_module``, e.g. ``_fsdp_wrapped_module``) and either its class is
-a known wrapper kind (by class name, so no framework is imported) or its ``forward`` returns
-``self.<attribute>(...)``, read from the source without running it. A module that changes its
-child's result (``return self.module(x) * 2``) is not a wrapper: its output is its own.
+A module is a wrapper when its only child sits under a wrapper attribute (``module``, ``model``,
+``base_model``, ``_orig_mod`` or ``_<anything>_module``, e.g. ``_fsdp_wrapped_module``) and either
+its class is a known wrapper kind (by class name, so no framework is imported) or its
+``forward`` returns ``self.<attribute>(...)``, or returns ``self.<getter>()(...)`` where the getter
+(peft's ``get_base_model``) gives back the child or a module the child wraps; the source is read
+without running the forward. A module that changes its child's result
+(``return self.module(x) * 2``) is not a wrapper: its output is its own.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from torch import nn
 
 __all__ = ["wrapped_attribute", "unwrap"]
 
-_ATTRIBUTE = re.compile(r"module|_orig_mod|_\w+_module")
+_ATTRIBUTE = re.compile(r"module|model|base_model|_orig_mod|_\w+_module")
 # Class names of wrappers whose forward does more than return self.<attr>(...) (gathering,
 # sharding, compiled frames) but whose result is the wrapped module's.
 _KNOWN = frozenset({
@@ -42,11 +46,12 @@ def wrapped_attribute(module: nn.Module) -> str | None:
     children = module._modules
     if len(children) != 1:
         return None
-    attribute = next(iter(children))
-    if children[attribute] is None or not _ATTRIBUTE.fullmatch(attribute):
+    attribute, child = next(iter(children.items()))
+    if child is None or not _ATTRIBUTE.fullmatch(attribute):
         return None
     cls = type(module)
-    if any(c.__name__ in _KNOWN for c in cls.__mro__) or _delegates(cls, attribute):
+    if (any(c.__name__ in _KNOWN for c in cls.__mro__) or _delegates(cls, attribute)
+            or _getter_returns_wrapped(module, child)):
         return attribute
     return None
 
@@ -66,6 +71,25 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, tuple[str, ...]]:
 
 
 _DELEGATES: dict[tuple[type[nn.Module], str], bool] = {}  # classes do not change: read once
+_GETTERS: dict[type[nn.Module], str | None] = {}
+
+
+def _getter_returns_wrapped(module: nn.Module, child: nn.Module) -> bool:
+    """True when ``module.forward`` returns ``self.<getter>()(...)`` and the getter gives back
+    ``child`` or a module that ``child`` wraps (peft's ``PeftModel.get_base_model()``)."""
+    cls = type(module)
+    if cls not in _GETTERS:
+        _GETTERS[cls] = _called_getter(getattr(cls, "forward", None))
+    getter = _GETTERS[cls]
+    if getter is None:
+        return False
+    try:
+        inner = getattr(module, getter)()
+    except Exception:  # a getter that needs state the module lacks: not a plain wrapper
+        return False
+    while inner is not child and (attribute := wrapped_attribute(child)) is not None:
+        child = child._modules[attribute]  # type: ignore[assignment]
+    return inner is child
 
 
 def _delegates(cls: type[nn.Module], attribute: str) -> bool:
@@ -76,14 +100,33 @@ def _delegates(cls: type[nn.Module], attribute: str) -> bool:
 
 
 def _returns_call_of(forward: object, attribute: str) -> bool:
+    return any(_calls_attribute(value, attribute) for value in _returned(forward))
+
+
+def _called_getter(forward: object) -> str | None:
+    """``name`` when ``forward`` returns ``self.<name>()(...)``, else None."""
+    for value in _returned(forward):
+        if (isinstance(value, ast.Call) and isinstance(value.func, ast.Call)
+                and not value.func.args and not value.func.keywords
+                and _is_self_attribute(value.func.func)):
+            return value.func.func.attr  # type: ignore[attr-defined,no-any-return]
+    return None
+
+
+def _returned(forward: object) -> list[ast.expr | None]:
+    """The expressions that ``forward``'s return statements return, read from its source."""
     if forward is None or forward is nn.Module.forward:
-        return False
+        return []
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))  # type: ignore[arg-type]
     except (OSError, TypeError, SyntaxError):
-        return False
-    return any(isinstance(node, ast.Return) and _calls_attribute(node.value, attribute)
-               for node in ast.walk(tree))
+        return []
+    return [node.value for node in ast.walk(tree) if isinstance(node, ast.Return)]
+
+
+def _is_self_attribute(node: ast.expr) -> bool:
+    return (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id == "self")
 
 
 def _calls_attribute(value: ast.expr | None, attribute: str) -> bool:
@@ -92,5 +135,4 @@ def _calls_attribute(value: ast.expr | None, attribute: str) -> bool:
     func = value.func
     if isinstance(func, ast.Attribute) and func.attr == "forward":
         func = func.value
-    return (isinstance(func, ast.Attribute) and func.attr == attribute
-            and isinstance(func.value, ast.Name) and func.value.id == "self")
+    return _is_self_attribute(func) and func.attr == attribute  # type: ignore[attr-defined]

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from hookscope.engine.run import model_inputs, untouched
+from hookscope.engine.run import input_device, model_inputs, untouched
 from hookscope.engine.select import as_patterns, resolve
 from hookscope.engine.values import check_has_values
 from hookscope.errors import ExtractError, HookscopeError
@@ -292,7 +292,7 @@ def _rows(job: _Job, batch: Any) -> Rows:
         args, kwargs = model_inputs(batch)
     except HookscopeError as err:
         raise ExtractError(str(err)) from None
-    device = next(job.model.parameters(), torch.empty(0)).device
+    device = input_device(job.model)
     args, kwargs = map_tensors(lambda t: t.to(device, non_blocking=True), (args, kwargs))
     mask = kwargs.get("attention_mask")
     n = _batch_rows(args, kwargs)
