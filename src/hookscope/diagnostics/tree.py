@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope.engine import diagnose
 from hookscope.engine.function_mode import FunctionCall
 from hookscope.engine.function_names import functional_hint
 from hookscope.engine.names import ModuleIndex, index
@@ -100,8 +101,11 @@ def tree(model: nn.Module, *args: Any, ops: bool = False, **kwargs: Any) -> list
         One ``TreeRow`` per module in ``named_modules()`` order, the root first.
 
     Raises:
+        HookscopeError: ``model`` cannot run module hooks (``diagnose.preflight``: TorchScript,
+            an exported program's flattened module).
         Whatever the forward pass raises on a bad example input.
     """
+    diagnose.preflight(model)
     if not (args or kwargs):
         names = index(model)
         return [_row(path, names, None) for path in names.modules]
@@ -113,7 +117,11 @@ def tree_of_call(model: nn.Module, call: Callable[[], Any], *, ops: bool = False
 
     ``call()`` runs once under ``torch.no_grad()`` while every module of ``model`` has a
     counting hook; hooks are removed on return, also when ``call`` raises.
+
+    Raises:
+        HookscopeError: as ``tree``.
     """
+    diagnose.preflight(model)
     names = index(model)
     # running the example materialises lazy modules, as a forward does
     ran, calls = _run_example(names.root, names.modules, call, ops)
