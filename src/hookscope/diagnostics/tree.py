@@ -25,7 +25,7 @@ from hookscope.engine.function_names import functional_hint
 from hookscope.engine.names import ModuleIndex, index
 from hookscope.engine.select import Target, is_container, select
 from hookscope.engine.session import Observer
-from hookscope.errors import SelectorError
+from hookscope.errors import HookscopeError, SelectorError
 from hookscope.util.nested import iter_tensors
 
 __all__ = ["OpRow", "TreeRow", "tree", "tree_of_call", "format_tree", "filter_rows", "describe_output",
@@ -102,7 +102,8 @@ def tree(model: nn.Module, *args: Any, ops: bool = False, **kwargs: Any) -> list
 
     Raises:
         HookscopeError: ``model`` cannot run module hooks (``diagnose.preflight``: TorchScript,
-            an exported program's flattened module).
+            an exported program's flattened module); or, with an example, a ``torch.compile``'d
+            model ran code compiled before the hooks existed (the message gives the fix).
         Whatever the forward pass raises on a bad example input.
     """
     diagnose.preflight(model)
@@ -119,12 +120,16 @@ def tree_of_call(model: nn.Module, call: Callable[[], Any], *, ops: bool = False
     counting hook; hooks are removed on return, also when ``call`` raises.
 
     Raises:
-        HookscopeError: as ``tree``.
+        HookscopeError: as ``tree``; or ``model`` is a ``torch.compile``'d model whose compiled
+            code predates the hooks, so no call could be counted (the message gives the fix).
     """
     diagnose.preflight(model)
     names = index(model)
     # running the example materialises lazy modules, as a forward does
     ran, calls = _run_example(names.root, names.modules, call, ops)
+    why = diagnose.explain_no_hooks(model, {path for path, seen in ran.items() if seen})
+    if why is not None and len(names.modules) > 1:
+        raise HookscopeError(f"cannot count calls: {why}")
     return [_row(path, names, ran, calls.get(path)) for path in names.modules]
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from types import FrameType
 
 import torch
@@ -211,17 +211,24 @@ _COMPILED_WHY = ("its compiled code was built before these hooks existed and doe
 
 
 def _compiled_reason(path: str, kind: str, ran: set[str]) -> str | None:
-    """pytorch/pytorch#117758: the compiled model ran, but none of the hooks inside it did."""
-    if ran != {COMPILED}:
+    """pytorch/pytorch#117758: the compiled model ran, but none of the hooks inside it did
+    (the root's own hooks may: dynamo runs some roots' ``__call__`` outside the compiled code)."""
+    if COMPILED not in ran or ran - {COMPILED, ""}:
         return None
     return (f"{path} ({kind}) never ran through its hooks although the torch.compile'd model was "
             f"called: {_COMPILED_WHY}")
 
 
-def explain_no_hooks(model: nn.Module) -> str | None:
+def explain_no_hooks(model: nn.Module, ran: Collection[str] = ()) -> str | None:
     """Why ``model`` ran without firing any hook inside it, when the cause is known: a
-    ``torch.compile`` wrapper whose code was compiled earlier (pytorch/pytorch#117758); else None."""
-    if _compile_wrapper(model) is None:
+    ``torch.compile`` wrapper whose code was compiled earlier (pytorch/pytorch#117758); else None.
+
+    Args:
+        model: the model as called (its ``torch.compile`` wrapper included).
+        ran: paths of the hooked modules that did run; None is known when any but the root
+            (``""``) did, whose hooks dynamo may run outside the compiled code.
+    """
+    if _compile_wrapper(model) is None or set(ran) - {""}:
         return None
     return f"the torch.compile'd model ran but none of its modules' hooks fired: {_COMPILED_WHY}"
 
