@@ -19,13 +19,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope.engine import diagnose
 from hookscope.engine.function_mode import FunctionCall
 from hookscope.engine.function_names import functional_hint
 from hookscope.engine.names import ModuleIndex, index
 from hookscope.engine.run import untouched
 from hookscope.engine.select import Target, is_container, select
 from hookscope.engine.session import Observer
-from hookscope.errors import SelectorError
+from hookscope.errors import HookscopeError, SelectorError
 from hookscope.util.nested import iter_tensors
 
 __all__ = ["OpRow", "TreeRow", "tree", "tree_of_call", "format_tree", "filter_rows", "describe_output",
@@ -103,8 +104,12 @@ def tree(model: nn.Module, *args: Any, ops: bool = False, **kwargs: Any) -> list
         One ``TreeRow`` per module in ``named_modules()`` order, the root first.
 
     Raises:
+        HookscopeError: ``model`` cannot run module hooks (``diagnose.preflight``: TorchScript,
+            an exported program's flattened module); or, with an example, a ``torch.compile``'d
+            model ran code compiled before the hooks existed (the message gives the fix).
         Whatever the forward pass raises on a bad example input.
     """
+    diagnose.preflight(model)
     if not (args or kwargs):
         names = index(model)
         return [_row(path, names, None) for path in names.modules]
@@ -117,10 +122,18 @@ def tree_of_call(model: nn.Module, call: Callable[[], Any], *, ops: bool = False
     ``call()`` runs once under ``torch.no_grad()`` while every module of ``model`` has a
     counting hook; hooks are removed and the model is restored on return, also when ``call``
     raises.
+
+    Raises:
+        HookscopeError: as ``tree``; or ``model`` is a ``torch.compile``'d model whose compiled
+            code predates the hooks, so no call could be counted (the message gives the fix).
     """
+    diagnose.preflight(model)
     names = index(model)
     # running the example materialises lazy modules, as a forward does
     ran, calls = _run_example(names.root, names.modules, call, ops)
+    why = diagnose.explain_no_hooks(model, {path for path, seen in ran.items() if seen})
+    if why is not None and len(names.modules) > 1:
+        raise HookscopeError(f"cannot count calls: {why}")
     return [_row(path, names, ran, calls.get(path)) for path in names.modules]
 
 

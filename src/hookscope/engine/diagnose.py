@@ -17,8 +17,9 @@ and hands the same one to every function here.
 from __future__ import annotations
 
 import itertools
+import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from types import FrameType
 
 import torch
@@ -31,7 +32,7 @@ from hookscope.engine.wrappers import wrapped_attribute
 from hookscope.errors import FusedModuleWarning, HookscopeError
 
 __all__ = ["preflight", "check_targets", "witnesses", "explain_unfired", "explain_no_hooks",
-           "locate_error", "COMPILED"]
+           "locate_error", "refuse_export_trace", "COMPILED"]
 
 COMPILED = "<torch.compile wrapper>"  # witness key of an OptimizedModule around the model
 
@@ -40,9 +41,35 @@ def preflight(model: nn.Module) -> None:
     """Raise before anything is resolved or registered when ``model`` cannot run Python hooks.
 
     Raises:
-        HookscopeError: ``model`` is TorchScript (``torch.jit.script``/``trace``/``load``).
+        HookscopeError: ``model`` is TorchScript (``torch.jit.script``/``trace``/``load``), or
+            the flattened module of a ``torch.export`` program (``ep.module()``).
     """
     _refuse_script("", model)
+    _refuse_flat_export(model)
+
+
+def _refuse_flat_export(model: nn.Module) -> None:
+    # ep.module()'s class has no public name (torch 2.1-2.13: torch.export._unlift); until
+    # that module is loaded no model can be one
+    unlift = sys.modules.get("torch.export._unlift")
+    if not isinstance(model, getattr(unlift, "_StatefulGraphModule", ())):
+        return
+    raise HookscopeError(
+        "cannot hook the model: it is an exported program's flattened module "
+        "(torch.export.export(...).module()). Export inlined every submodule's forward into one "
+        "graph of aten ops, so its submodule names only hold parameters: those modules are never "
+        "called and their hooks never fire. Hook the module tree that "
+        "torch.export.unflatten(ep) rebuilds (same names, same values), or the eager model")
+
+
+def refuse_export_trace() -> HookscopeError:
+    """The error a hook raises when ``torch.export.export`` traces the model inside a block:
+    the hook would see ``FakeTensor``s (shapes without values), so nothing it records is real."""
+    return HookscopeError(
+        "torch.export.export traced the model while a hookscope block was open on it: the "
+        "hooks see FakeTensors (shapes, no values) during export tracing, so a capture would "
+        "record no value and an edit would be baked into the exported graph. Export outside the "
+        "with block, then hook torch.export.unflatten(ep) or the eager model")
 
 
 def check_targets(names: ModuleIndex, targets: Sequence[Target]) -> None:
@@ -184,17 +211,24 @@ _COMPILED_WHY = ("its compiled code was built before these hooks existed and doe
 
 
 def _compiled_reason(path: str, kind: str, ran: set[str]) -> str | None:
-    """pytorch/pytorch#117758: the compiled model ran, but none of the hooks inside it did."""
-    if ran != {COMPILED}:
+    """pytorch/pytorch#117758: the compiled model ran, but none of the hooks inside it did
+    (the root's own hooks may: dynamo runs some roots' ``__call__`` outside the compiled code)."""
+    if COMPILED not in ran or ran - {COMPILED, ""}:
         return None
     return (f"{path} ({kind}) never ran through its hooks although the torch.compile'd model was "
             f"called: {_COMPILED_WHY}")
 
 
-def explain_no_hooks(model: nn.Module) -> str | None:
+def explain_no_hooks(model: nn.Module, ran: Collection[str] = ()) -> str | None:
     """Why ``model`` ran without firing any hook inside it, when the cause is known: a
-    ``torch.compile`` wrapper whose code was compiled earlier (pytorch/pytorch#117758); else None."""
-    if _compile_wrapper(model) is None:
+    ``torch.compile`` wrapper whose code was compiled earlier (pytorch/pytorch#117758); else None.
+
+    Args:
+        model: the model as called (its ``torch.compile`` wrapper included).
+        ran: paths of the hooked modules that did run; None is known when any but the root
+            (``""``) did, whose hooks dynamo may run outside the compiled code.
+    """
+    if _compile_wrapper(model) is None or set(ran) - {""}:
         return None
     return f"the torch.compile'd model ran but none of its modules' hooks fired: {_COMPILED_WHY}"
 

@@ -6,6 +6,8 @@ A hook on a module is run by more than the calls its ``with`` block means:
   ``deepcopy`` or pickle made inside a block leaves them out: ``copies.py``);
 - **threads**: another thread calling the same model (a server running requests in parallel)
   runs the same hooks;
+- **export tracing**: ``torch.export.export`` runs (or dynamo-traces) hooks on FakeTensors,
+  which hold no values: a hook refuses then (``diagnose.refuse_export_trace``);
 - **recomputation**: activation checkpointing (``torch.utils.checkpoint``, reentrant or not, HF
   ``gradient_checkpointing_enable()``) runs the forward of the checkpointed part again during
   backward. That is not a new call of the module.
@@ -33,11 +35,14 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from hookscope.engine.diagnose import refuse_export_trace
+
 __all__ = ["OwnedHook", "register", "on_tensor_grad", "on_node", "in_recompute", "owns_call"]
 
 _graph_task_id = torch._C._current_graph_task_id
 _get_ident = threading.get_ident
 _compiling = torch.compiler.is_compiling
+_exporting = torch.compiler.is_exporting
 
 
 class OwnedHook:
@@ -70,6 +75,8 @@ class OwnedHook:
         if owns_call(self, module):
             return self.function(module, *args)
         if _compiling():  # traced into a compiled graph: calls are the model's
+            if _exporting():  # torch.export: FakeTensors, no values to record
+                raise refuse_export_trace()
             return self.function(module, *args)
         if module is not self.module:  # a shallow copy sharing the hook tables
             return None

@@ -400,6 +400,7 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
         grads: also keep d(loss)/d(output) of each call, filled in when ``backward()`` runs
             through it (``acts.grad(path, k)``); uses tensor hooks, so in-place ops after the
             module, tuple outputs and modules with a legacy backward hook work (``grads.py``).
+            Several backward passes through one forward accumulate, as ``.grad`` does.
         grad_inputs: also keep d(loss)/d(input) of each call, the gradient through the module
             only (``acts.grad_input(path, k)``); inputs that do not require grad are marked
             ``NoGrad(reason)``. Each input that requires grad reaches the module as an alias

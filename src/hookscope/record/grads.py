@@ -20,8 +20,12 @@ forward pre-hook hands the module an alias (``t.view_as(t)``: same values, same 
 input that requires grad, and a tensor hook on the alias receives only what flows back through
 the module.
 
-Each tensor hook keeps the gradient of the latest backward pass through it; it returns ``None``,
-so it never changes the gradient that flows on.
+Several backward passes through one forward (``backward(retain_graph=True)`` then another
+``backward``, several losses from one output, ``torch.autograd.grad`` on a part of the output then
+``backward`` on the rest) **accumulate**, as ``.grad`` does: each tensor's recorded gradient is the
+sum of what every pass delivered to it, in the capture's dtype. A part of the output that no pass
+reached stays a ``NoGrad``. Each tensor hook returns ``None``, so it never changes the gradient
+that flows on.
 """
 
 from __future__ import annotations
@@ -64,15 +68,18 @@ class GradRecord:
     """Gradients of the tensors of one call (an output, or ``(args, kwargs)``), by position.
 
     Keeps a skeleton of the structure (``meta`` tensors: shapes, no memory, no autograd graph),
-    so recording gradients never keeps a forward pass's graph alive.
+    so recording gradients never keeps a forward pass's graph alive. Gradients of several
+    backward passes through the call are summed, as ``.grad`` accumulates (module docstring);
+    ``passes`` counts, per position, the passes that reached it.
     """
 
-    __slots__ = ("skeleton", "reasons", "grads")
+    __slots__ = ("skeleton", "reasons", "grads", "passes")
 
     def __init__(self, value: Any):
         self.skeleton = map_tensors(_meta, value)
         self.reasons: dict[int, str] = {}  # position -> why that tensor cannot get a gradient
-        self.grads: dict[int, Tensor] = {}  # position -> gradient of the latest backward pass
+        self.grads: dict[int, Tensor] = {}  # position -> sum of the gradients of every backward pass
+        self.passes: dict[int, int] = {}  # position -> how many backward passes reached it
 
     @property
     def watched(self) -> int:
@@ -96,7 +103,10 @@ class GradRecord:
 
     def _hook(self, position: int, convert: Convert) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:  # returning None: the gradient flows on unchanged
-            self.grads[position] = convert(grad.detach())
+            arrived = convert(grad.detach())
+            earlier = self.grads.get(position)
+            self.grads[position] = arrived if earlier is None else earlier + arrived
+            self.passes[position] = self.passes.get(position, 0) + 1
         return hook
 
 

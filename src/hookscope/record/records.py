@@ -210,8 +210,10 @@ class Records:
         """d(loss)/d(output) of call ``call`` of ``path``; same structure and shapes as the output.
 
         Needs ``capture(..., grads=True)`` and a backward pass (``loss.backward()`` or
-        ``torch.autograd.grad``) through that output, inside or after the ``with`` block; each
-        backward pass replaces the gradients of the one before. It is the gradient of the value
+        ``torch.autograd.grad``) through that output, inside or after the ``with`` block. Several
+        backward passes through the same forward (``retain_graph=True``, several losses, an
+        ``autograd.grad`` on part of the output) accumulate as ``.grad`` does: the result is the
+        sum of every pass's gradient (``grad_passes`` says how many). It is the gradient of the value
         the module returned, also when an in-place op (``ReLU(inplace=True)``) rewrites it later.
         In a structured output, a tensor without a gradient is a ``hookscope.NoGrad`` with the
         reason (an integer tensor, a part the loss does not use).
@@ -228,6 +230,15 @@ class Records:
         if not record.grads:
             raise CaptureError(f"call {call} of '{path}': {NO_GRADIENT_YET}")
         return record.value()
+
+    def grad_passes(self, path: str, call: int = 0) -> int:
+        """How many backward passes reached call ``call`` of ``path``'s output (``grad`` is
+        their sum); 0 before any. Needs ``capture(..., grads=True)``.
+
+        Raises:
+            CaptureError: gradients were not recorded, or ``path``/``call`` does not exist.
+        """
+        return max(self._grad_record(path, call, "grads").passes.values(), default=0)
 
     def grad_calls(self, path: str) -> list[Any]:
         """d(loss)/d(output) for every call of ``path``, in call order (see ``grad``)."""
