@@ -36,3 +36,20 @@ def no_hooks_left_behind() -> Iterator[None]:
     yield
     left = _live_hooks() - before
     assert not left, f"test left {len(left)} hooks behind: {sorted(left)[:5]}"
+
+
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A gloo group of one process (FSDP, DDP and DTensor need one; a file, not a port,
+    rendezvous), torn down after the module's tests; an existing group is left alone."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -4,11 +4,9 @@ index syntax, the root, functional calls (issue 10 "Names"; shared/cases/27, 30)
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrizations
@@ -174,20 +172,6 @@ def test_checkpoint_wrapper_and_dataparallel_nested_are_transparent() -> None:
         plain.layers[i] = checkpoint_wrapper(block)
     wrapped = nn.DataParallel(plain)
     _check_plain_names(wrapped, first_fc, "module.layers.0._checkpoint_wrapped_module.fc")
-
-
-@pytest.fixture(scope="module")
-def process_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """A gloo group of one process (FSDP and DDP need one; a file, not a port, rendezvous)."""
-    if dist.is_initialized():
-        yield
-        return
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_30_real_fsdp_names_are_the_models_own(process_group: None) -> None:

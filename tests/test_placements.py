@@ -131,8 +131,9 @@ def test_input_device_is_the_execution_device_not_meta(kind: str, tmp_path: Path
 
 def test_input_device_without_accelerate() -> None:
     assert input_device(_net()) == torch.device("cpu")
-    on_meta = _net().to("meta")  # no execution device anywhere: the CPU
-    assert input_device(on_meta) == torch.device("cpu")
+    on_meta = _net().to("meta")  # nothing loads its weights: it runs on meta inputs only
+    assert input_device(on_meta) == torch.device("meta")
+    assert input_device(nn.Sequential()) == torch.device("cpu")  # no tensors at all
     buffers_only = nn.BatchNorm1d(4, affine=False).to(torch.float64)
     assert input_device(buffers_only) == torch.device("cpu")
 

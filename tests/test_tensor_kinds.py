@@ -4,12 +4,10 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -78,20 +76,6 @@ def test_42_stats_extract_compare_under_inference_mode(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------- case 48: DTensor outputs
-@pytest.fixture(scope="module")
-def process_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """A gloo group of one process (file rendezvous), torn down after the module's tests."""
-    if dist.is_initialized():
-        yield
-        return
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _tp_pair(local_output: bool = False) -> tuple[MLP, MLP]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module

@@ -129,12 +129,16 @@ class _RngState:
 def input_device(model: nn.Module) -> torch.device:
     """The device ``model``'s inputs belong on: the execution device of the first module that
     accelerate placed (``module._hf_hook.execution_device``, in ``named_modules()`` order), else
-    the device of its first parameter or buffer that is not on ``meta``, else the CPU."""
+    the device of its first parameter or buffer that is not on ``meta``; ``meta`` when every one
+    is on ``meta`` and no hook loads them (the model runs on meta inputs only, and what it
+    returns holds no values: verbs refuse that by name); the CPU for a model without tensors."""
     for module in model.modules():
         device = _execution_device(getattr(module, "_hf_hook", None))
         if device is not None:
             return device
-    tensors = (t for ts in (model.parameters(), model.buffers()) for t in ts)
+    tensors = [t for ts in (model.parameters(), model.buffers()) for t in ts]
+    if tensors and all(t.is_meta for t in tensors):  # nothing loads it: it runs on meta only
+        return torch.device("meta")
     return next((t.device for t in tensors if not t.is_meta), torch.device("cpu"))
 
 
