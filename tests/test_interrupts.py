@@ -91,6 +91,8 @@ def _leaks(model: nn.Module) -> list[str]:
     found += [f"{path}.{table}" for path, module in model.named_modules() for table in _TABLES
               if any(isinstance(v, OwnedHook) for v in getattr(module, table).values())]
     found += [_MODE] * torch._C._len_torch_function_stack()
+    if not torch.is_grad_enabled():  # a verb's torch.no_grad() left on by the interrupt
+        found.append("gradients left disabled")
     if OrderedDict in copyreg.dispatch_table:
         found.append("the copyreg entry for OrderedDict")
     if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:

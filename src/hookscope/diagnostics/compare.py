@@ -156,13 +156,12 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
             return
         diffs[key] = _diff(key, reference.pop(key), _values(key[0], output), atol, rtol)
 
-    with torch.no_grad():
-        with untouched(model_a), \
-                _watching(model_a, names_a, [targets_a[key] for key in common], keep) as session_a:
-            keep((OUTPUT, 0), model_a(*_cast_inputs(model_a, args), **_cast_inputs(model_a, kwargs)))
-        with untouched(model_b), \
-                _watching(model_b, names_b, [targets_b[key] for key in common], check) as session_b:
-            check((OUTPUT, 0), model_b(*_cast_inputs(model_b, args), **_cast_inputs(model_b, kwargs)))
+    with untouched(model_a), torch.no_grad(), \
+            _watching(model_a, names_a, [targets_a[key] for key in common], keep) as session_a:
+        keep((OUTPUT, 0), model_a(*_cast_inputs(model_a, args), **_cast_inputs(model_a, kwargs)))
+    with untouched(model_b), torch.no_grad(), \
+            _watching(model_b, names_b, [targets_b[key] for key in common], check) as session_b:
+        check((OUTPUT, 0), model_b(*_cast_inputs(model_b, args), **_cast_inputs(model_b, kwargs)))
     _require_hooks_fired(model_a, not common or len(order) > 1)  # order always holds OUTPUT
     _require_hooks_fired(model_b, not common or len(diffs) + len(unmatched) > 1)
     unmatched += [f"{path}:{k}" for path, k in reference]

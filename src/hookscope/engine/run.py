@@ -17,13 +17,13 @@ pre-forward hooks onto an execution device.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from hookscope.engine import interrupts
 from hookscope.errors import HookscopeError
 
 __all__ = ["input_device", "model_inputs", "untouched"]
@@ -59,8 +59,7 @@ def _first_item(batch: Any) -> str:
     return ""
 
 
-@contextmanager
-def untouched(*models: nn.Module) -> Iterator[None]:
+class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
     """Leave each model as it was found when the block ends: returned, raised or interrupted.
 
     A forward in training mode is not read-only: BatchNorm updates ``running_mean``,
@@ -68,20 +67,45 @@ def untouched(*models: nn.Module) -> Iterator[None]:
     (``_u``, ``_v``), dropout draws from the global RNG. On exit every buffer holds its old
     values again (the same tensor object, refilled in place, so references to it stay valid),
     every module its ``training`` flag, every parameter its ``requires_grad`` and ``.grad``
-    (the same tensor object), and the CPU and CUDA RNGs their states. The model's mode is not
-    changed on entry: the block sees train-mode behaviour (dropout) if the model is in it.
+    (the same tensor object), the CPU and CUDA RNGs their states, and autograd its grad mode
+    (a KeyboardInterrupt inside a verb's ``torch.no_grad()`` exit would leave gradients off).
+    The model's mode is not changed on entry: the block sees train-mode behaviour (dropout) if
+    the model is in it. A KeyboardInterrupt (SIGINT) arriving while the state is restored is
+    held back until the restore is done (``engine.interrupts``).
 
     Cost: one clone of every buffer (parameters are not copied). Buffers of lazy modules that
     are not yet materialised are left alone (the forward materialises them, as any forward).
     """
-    kept = [_State(model) for model in models]
-    rng = _RngState()
-    try:
-        yield
-    finally:
-        for state in kept:
+
+    def __init__(self, *models: nn.Module):
+        self._models = models
+        self._kept: list[_State] = []
+        self._rng: _RngState | None = None
+        self._grad = True
+
+    def __enter__(self) -> None:
+        with interrupts.deferred(undo=self._finish):  # interrupted: as if never entered
+            self._grad = torch.is_grad_enabled()
+            self._kept = [_State(model) for model in self._models]
+            self._rng = _RngState()
+            interrupts.guard(self, self._finish)
+
+    def __exit__(self, *exc: object) -> None:
+        with interrupts.deferred():
+            self._finish()
+
+    def _finish(self) -> None:
+        """Restore the state (idempotent) and stop guarding: also what an interrupt of
+        ``__exit__`` runs before its KeyboardInterrupt leaves."""
+        self._restore()
+        interrupts.unguard(self)
+
+    def _restore(self) -> None:
+        for state in self._kept:
             state.restore()
-        rng.restore()
+        if self._rng is not None:
+            self._rng.restore()
+        torch.set_grad_enabled(self._grad)
 
 
 class _State:
