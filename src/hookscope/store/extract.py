@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import secrets
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -175,6 +176,7 @@ def _extract(job: _Job, folder: Path, header: dict[str, Any], *,
     except Exception as err:  # noqa: BLE001  (shared with the other ranks, then re-raised)
         error = err
     ranks.agree(error)
+    header["run"] = ranks.share(prior.get("run") if prior else None, secrets.token_hex(16))
     with writing(folder) if ranks.world_size == 1 else contextlib.nullcontext():
         _write_store(job, folder, header, prior, todo, start, resume=resume, overwrite=overwrite)
 
