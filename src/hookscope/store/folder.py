@@ -139,11 +139,11 @@ def owned_files(folder: Path, flag: str, *, deleting: bool = False) -> set[str]:
             raise StoreExistsError(
                 f"refusing {flag} on {folder}: it is not a hookscope store (no {MANIFEST}; it "
                 f"holds {_listing(files)}). Choose another output folder.")
-    owned = {n for n in names if _regular(folder / n) and (
+    listed = {entry["file"]: entry for m in manifests.values() for entry in m["shards"]}
+    owned = {n for n in names - set(listed) if _regular(folder / n) and (
         n in manifests or _is_temporary(folder, n, run) or _is_unlisted_shard(folder / n, run))}
-    for manifest in manifests.values():
-        owned.update(entry["file"] for entry in manifest["shards"]
-                     if _is_listed_shard(folder / entry["file"], entry, deleting))
+    owned.update(n for n, entry in listed.items()
+                 if _is_listed_shard(folder / n, entry, deleting))
     return owned
 
 
