@@ -81,7 +81,8 @@ def test_shards_are_plain_safetensors_files(folder: Path) -> None:
     fixed, ragged = _write(folder, 2)
     with safe_open(str(folder / "shard-00001.safetensors"), "pt") as f:
         assert sorted(f.keys()) == ["a", "t", "t:offsets"]
-        assert f.metadata() == {"format": "hookscope.store", "version": "1"}
+        run = json.loads((folder / MANIFEST).read_text())["run"]
+        assert f.metadata() == {"format": "hookscope.store", "version": "1", "run": run}
         assert torch.equal(f.get_tensor("a"), fixed[8:16])
         offsets = f.get_tensor("t:offsets")
         assert offsets.tolist() == [0, 0, 3, 4, 9, 9, 12, 13, 18]
@@ -156,9 +157,10 @@ def test_overwrite_refuses_a_folder_that_is_not_a_store(tmp_path: Path) -> None:
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
-def test_leftover_temporary_files_are_removed_on_resume(folder: Path) -> None:
+def test_leftover_temporary_files_of_this_run_are_removed_on_resume(folder: Path) -> None:
     _write(folder, 1, finish=False)
-    (folder / ".shard-00001.safetensors.tmp-123").write_bytes(b"half a shard")
+    run = json.loads((folder / MANIFEST).read_text())["run"]
+    (folder / f".shard-00001.safetensors.tmp-{run}-123-0a1b2c3d").write_bytes(b"half a shard")
     prepare_output(folder, resume=True, overwrite=False)
     assert not list(folder.glob(".*"))
 

@@ -3,6 +3,7 @@ folders that are not stores, and a run killed before its first shard leaves a st
 
 from __future__ import annotations
 
+import json
 import os
 import string
 import tempfile
@@ -93,7 +94,8 @@ def test_overwrite_refuses_a_link_named_like_a_shard(store: Path) -> None:
 
 def test_overwrite_replaces_exactly_the_store_and_keeps_the_folder(store: Path) -> None:
     inode = store.stat().st_ino
-    (store / ".shard-00003.safetensors.tmp-77-0a1b2c3d").write_bytes(b"half")  # a crash's
+    run = json.loads((store / "manifest.json").read_text())["run"]
+    (store / f".shard-00003.safetensors.tmp-{run}-77-0a1b2c3d").write_bytes(b"half")  # a crash's
     _store(store, overwrite=True, shard_bytes=1 << 20)
     assert store.stat().st_ino == inode
     assert sorted(os.listdir(store)) == ["manifest.json", "shard-00000.safetensors"]

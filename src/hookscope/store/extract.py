@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import secrets
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -113,15 +114,19 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
         SelectorError: a pattern matches no module or names a container (before any file).
         StoreExistsError: ``out`` exists and neither ``resume`` nor ``overwrite`` was passed,
             or ``out`` holds a file that is not the store's (named), with either.
-        ExtractError: a bad argument, an output that is not one batch-first tensor, rows whose
-            shape changes between batches, shuffled data, or a resume with other arguments.
+        ExtractError: an argument of the wrong kind (named, before anything runs: a model that
+            is not an ``nn.Module``, ``out`` that is not a path, ``dtype`` that is not a
+            floating ``torch.dtype``, a ``batch_size``/``shard_bytes`` that is not a positive
+            int, a flag that is not a bool), a reduce that returns no tensor, an output that is
+            not one batch-first tensor, rows whose shape changes between batches, shuffled
+            data, or a resume with other arguments.
         StoreCorruptError: ``resume`` finds a damaged manifest.
     """
+    _check_arguments(model, out, dtype, batch_size, shard_bytes, shard_seconds, model_spec,
+                     {"resume": resume, "overwrite": overwrite, "progress": progress,
+                      "early_stop": early_stop})
     folder, keys = Path(out), [t.key for t in resolve(model, as_patterns(layers))]
     reducer, source = reduction(reduce), BatchSource(data, batch_size)
-    if shard_bytes <= 0 or not shard_seconds > 0:
-        raise ExtractError(f"shard_bytes={shard_bytes} and shard_seconds={shard_seconds} must be "
-                           f"positive, e.g. {SHARD_BYTES} and {SHARD_SECONDS}")
     if resume and overwrite:
         raise ExtractError("resume=True continues the store in place and overwrite=True deletes "
                            "it: pass one of them")
@@ -138,6 +143,31 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
     finally:
         ranks.stop()
     return open_store(folder)
+
+
+def _check_arguments(model: Any, out: Any, dtype: Any, batch_size: Any, shard_bytes: Any,
+                     shard_seconds: Any, model_spec: Any, flags: dict[str, Any]) -> None:
+    """Raise ``ExtractError`` naming the first argument of the wrong kind (before any run)."""
+    floats = sorted(dtype_name(d) for d in _ST_DTYPES if d.is_floating_point)
+    checks = [
+        ("model", model, isinstance(model, nn.Module), "an nn.Module, e.g. resnet18()"),
+        ("out", out, isinstance(out, (str, os.PathLike)), "a folder path, e.g. 'features/'"),
+        ("dtype", dtype, dtype is None or (isinstance(dtype, torch.dtype) and dtype in _ST_DTYPES
+                                    and dtype.is_floating_point),
+         f"None or a floating torch.dtype a store holds ({', '.join(floats)}), e.g. "
+         f"torch.float16"),
+        ("batch_size", batch_size, type(batch_size) is int and batch_size > 0, "a positive int, e.g. 32"),
+        ("shard_bytes", shard_bytes, type(shard_bytes) is int and shard_bytes > 0,
+         f"a positive int, e.g. {SHARD_BYTES}"),
+        ("shard_seconds", shard_seconds, type(shard_seconds) in (int, float) and shard_seconds > 0,
+         f"a positive number of seconds, e.g. {SHARD_SECONDS}"),
+        ("model_spec", model_spec, model_spec is None or isinstance(model_spec, str), "None or a str"),
+        *((name, value, type(value) is bool, "True or False") for name, value in flags.items()),
+    ]
+    for name, value, ok, want in checks:
+        if not ok:
+            raise ExtractError(f"extract({name}={value!r:.60}): {name} must be {want}; got "
+                               f"{type(value).__name__}")
 
 
 # ------------------------------------------------------------------------------- the run
@@ -175,6 +205,7 @@ def _extract(job: _Job, folder: Path, header: dict[str, Any], *,
     except Exception as err:  # noqa: BLE001  (shared with the other ranks, then re-raised)
         error = err
     ranks.agree(error)
+    header["run"] = ranks.share(prior.get("run") if prior else None, secrets.token_hex(16))
     with writing(folder) if ranks.world_size == 1 else contextlib.nullcontext():
         _write_store(job, folder, header, prior, todo, start, resume=resume, overwrite=overwrite)
 
@@ -347,6 +378,9 @@ def _layer_rows(key: str, t: Tensor, n: int, mask: Tensor | None, job: _Job
     lengths = None
     if job.reducer is not None:
         t = job.reducer(t, mask)
+        if not isinstance(t, Tensor):
+            raise ExtractError(f"reduce returned a {type(t).__name__} for '{key}'; it must "
+                               f"return a tensor whose dim 0 is the batch ({n})")
         if t.dim() == 0 or t.shape[0] != n:
             raise ExtractError(f"reduce turned the output of '{key}' into shape "
                                f"{tuple(t.shape)}; it must keep dim 0 (the batch, {n})")

@@ -1,31 +1,49 @@
 """Private: which files of an output folder belong to a store, and making the folder ready.
 
-Nothing of the user's is ever deleted. A store owns exactly: its manifests (``manifest.json``, or
-the ``manifest-rNNNN.json`` parts of an unfinished torchrun run) when they parse and pass the
-schema; the shard files, listed or left unlisted by the crash of a run, that have a shard's exact
-name and are regular files whose safetensors metadata says ``hookscope.store`` (a user's file
-that a manifest lists is not the store's); and hookscope's own temporary files
-(``.NAME.tmp-PID...`` of one of those names). ``overwrite`` deletes those files one by one
-and never a folder; any other file or folder in the output makes it refuse, naming the file.
+Nothing of the user's is ever deleted, and no file is taken for the store's from its name
+alone. A store owns exactly:
+
+- its manifests (``manifest.json``, or the ``manifest-rNNNN.json`` parts of an unfinished
+  torchrun run) when they parse, pass the schema and carry one run id (``"run"``, 32 hex digits
+  the writer draws when a store is started and keeps on resume);
+- the shards a manifest lists, when the file there is a regular file whose size agrees with the
+  manifest and, before anything is deleted, whose sha256 agrees too;
+- shards that a crash left unlisted, when their safetensors metadata carries the manifest's run
+  id (the writer writes it into every shard);
+- its temporary files ``.NAME.tmp-RUN-PID-RANDOM`` (``NAME`` a manifest's or a shard's), when
+  ``RUN`` is the manifests' run id, or, for a manifest's temporary file in a folder whose first
+  manifest was never renamed into place, when the file is a complete manifest of that run id.
+
+``overwrite`` deletes those files one by one and never a folder; ``resume`` deletes only the
+temporary files. Any other file or folder in the output makes either refuse, naming the file.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
+import hashlib
 import os
 import re
 import struct
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from hookscope.errors import StoreCorruptError, StoreExistsError
-from hookscope.store.manifest import FORMAT, SHARD_NAME, check_manifest, parse_json, read_regular
-from hookscope.util.files import TEMPORARY
+from hookscope.store.manifest import (
+    FORMAT,
+    SHARD_NAME,
+    check_manifest,
+    parse_json,
+    read_regular,
+)
 
 MANIFEST = "manifest.json"
 _MANIFEST_NAME = re.compile(r"manifest(-r\d{4})?\.json")
+TEMPORARY = re.compile(r"\.(?P<target>.+)\.tmp-(?P<run>[0-9a-f]{32})-\d+-[0-9a-f]{8}")
 
 
 def check_output(folder: Path, *, resume: bool, overwrite: bool) -> None:
@@ -48,7 +66,7 @@ def check_output(folder: Path, *, resume: bool, overwrite: bool) -> None:
             f"continue an interrupted run pass resume=True (--resume); to replace the store in "
             f"it pass overwrite=True (--overwrite); or choose another output folder.")
     flag = "resume=True (--resume)" if resume else "overwrite=True (--overwrite)"
-    owned = owned_files(folder, flag)
+    owned = owned_files(folder, flag, deleting=overwrite)
     foreign = [n for n in names if n not in owned]
     if foreign:
         raise StoreExistsError(
@@ -69,7 +87,7 @@ def prepare_output(folder: Path, *, resume: bool, overwrite: bool) -> None:
         warnings.warn(f"resume: {folder} {what}, so there is nothing to resume; starting afresh",
                       UserWarning, stacklevel=3)
     folder.mkdir(parents=True, exist_ok=True)
-    for name in sorted(owned_files(folder, "")):
+    for name in sorted(owned_files(folder, "", deleting=overwrite)):
         if overwrite or TEMPORARY.fullmatch(name):
             (folder / name).unlink()
 
@@ -98,55 +116,118 @@ def writing(folder: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def owned_files(folder: Path, flag: str) -> set[str]:
+def owned_files(folder: Path, flag: str, *, deleting: bool = False) -> set[str]:
     """Return the names in ``folder`` that its store owns (see the module docstring).
 
+    Args:
+        flag: the option asking (for the error); ``""`` when the folder was checked already.
+        deleting: the files are to be deleted: a listed shard is the store's only when its
+            sha256 agrees with the manifest too (reads it; the digest is kept while the file's
+            inode, size and mtime stay the same).
+
     Raises:
-        StoreExistsError: ``folder`` holds files but no manifest, or a manifest that is not a
-            valid hookscope manifest (the store's own files cannot then be known).
+        StoreExistsError: ``folder`` holds files but no manifest, a manifest that is not a valid
+            hookscope manifest, or manifests of different runs (the store's own files cannot
+            then be known).
     """
     names = set(os.listdir(folder))
-    manifests = sorted(n for n in names if _MANIFEST_NAME.fullmatch(n))
-    owned = set(manifests)
-    for name in manifests:
-        try:
-            if (folder / name).is_symlink():
-                raise StoreCorruptError(f"{folder / name} is a symbolic link")
-            manifest = parse_json(read_regular(folder / name))
-            check_manifest(manifest, folder / name)
-        except (OSError, ValueError) as err:
-            raise StoreExistsError(
-                f"refusing {flag or 'to touch'} {folder}: {name} there is not a valid hookscope "
-                f"manifest ({str(err).split(';')[0]}), so which files are the store's is "
-                f"unknown. Move the folder away, or delete it yourself.") from err
+    manifests = {n: _manifest(folder, n, flag) for n in sorted(names) if _MANIFEST_NAME.fullmatch(n)}
+    run = _run_id(folder, manifests, flag)
     if names and not manifests and flag:
-        files = sorted(names - {n for n in names if _is_temporary(n)})
+        files = sorted(n for n in names if not _is_temporary(folder, n, None))
         if files:
             raise StoreExistsError(
                 f"refusing {flag} on {folder}: it is not a hookscope store (no {MANIFEST}; it "
                 f"holds {_listing(files)}). Choose another output folder.")
-    owned.update(n for n in names if SHARD_NAME.fullmatch(n) and _is_store_shard(folder / n))
-    owned.update(n for n in names if _is_temporary(n))
-    return {n for n in owned if n in names and not (folder / n).is_symlink()
-            and (folder / n).is_file()}
+    listed = {entry["file"]: entry for m in manifests.values() for entry in m["shards"]}
+    owned = {n for n in names - set(listed) if _regular(folder / n) and (
+        n in manifests or _is_temporary(folder, n, run) or _is_unlisted_shard(folder / n, run))}
+    owned.update(n for n, entry in listed.items()
+                 if _is_listed_shard(folder / n, entry, deleting))
+    return owned
 
 
-def _is_temporary(name: str) -> bool:
-    match = TEMPORARY.fullmatch(name)
-    if match is None:
+def _manifest(folder: Path, name: str, flag: str) -> dict[str, Any]:
+    try:
+        if (folder / name).is_symlink():
+            raise StoreCorruptError(f"{folder / name} is a symbolic link")
+        manifest = parse_json(read_regular(folder / name))
+        check_manifest(manifest, folder / name)
+    except (OSError, ValueError) as err:
+        raise StoreExistsError(
+            f"refusing {flag or 'to touch'} {folder}: {name} there is not a valid hookscope "
+            f"manifest ({str(err).split(';')[0]}), so which files are the store's is "
+            f"unknown. Move the folder away, or delete it yourself.") from err
+    return manifest  # type: ignore[no-any-return]
+
+
+def _run_id(folder: Path, manifests: dict[str, dict[str, Any]], flag: str) -> str | None:
+    """The run id all ``manifests`` carry (``None``: none, or written before run ids)."""
+    runs = {name: m.get("run") for name, m in manifests.items()}
+    if len(set(runs.values())) > 1:
+        raise StoreExistsError(
+            f"refusing {flag or 'to touch'} {folder}: its manifests come from different runs "
+            f"({', '.join(f'{n}: {r}' for n, r in runs.items())}), so one of them is a copy from "
+            f"another store and which files are this store's is unknown. Move the copy away, or "
+            f"choose another output folder.")
+    return next(iter(runs.values()), None)
+
+
+def _regular(path: Path) -> bool:
+    return not path.is_symlink() and path.is_file()
+
+
+def _is_listed_shard(path: Path, entry: dict[str, Any], deleting: bool) -> bool:
+    """True when ``path`` is the shard the manifest ``entry`` lists: size (and sha256 when
+    ``deleting``) agree."""
+    if not _regular(path):
         return False
-    return bool(_MANIFEST_NAME.fullmatch(match["target"]) or SHARD_NAME.fullmatch(match["target"]))
+    status = path.stat()
+    if status.st_size != entry["bytes"]:
+        return False
+    return not deleting or _sha256(str(path), status.st_ino, status.st_size,
+                                   status.st_mtime_ns) == entry["sha256"]
 
 
-def _is_store_shard(path: Path) -> bool:
-    """True for a regular file whose safetensors metadata says it is a hookscope shard."""
-    if path.is_symlink() or not path.is_file():
+@functools.lru_cache(maxsize=256)
+def _sha256(path: str, inode: int, size: int, mtime_ns: int) -> str:
+    """sha256 of the file at ``path`` (cached while its inode, size and mtime stay the same)."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(16 * 2**20):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def _is_temporary(folder: Path, name: str, run: str | None) -> bool:
+    """True for a temporary file this store's writer made (see the module docstring)."""
+    match = TEMPORARY.fullmatch(name)
+    if match is None or not (_MANIFEST_NAME.fullmatch(match["target"])
+                             or SHARD_NAME.fullmatch(match["target"])):
+        return False
+    if run is not None:
+        return match["run"] == run
+    if not _MANIFEST_NAME.fullmatch(match["target"]) or not _regular(folder / name):
+        return False
+    try:  # the first manifest, written but not yet renamed: its content proves it
+        manifest = parse_json(read_regular(folder / name))
+        check_manifest(manifest, folder / name)
+    except (OSError, ValueError):
+        return False
+    return bool(manifest.get("run") == match["run"])
+
+
+def _is_unlisted_shard(path: Path, run: str | None) -> bool:
+    """True for a shard a crash left unlisted: a regular file named as a shard whose safetensors
+    metadata says it is a hookscope shard of run ``run``."""
+    if run is None or not SHARD_NAME.fullmatch(path.name) or not _regular(path):
         return False
     try:
         with open(path, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
             header = parse_json(f.read(min(length, 2**20)))
-        return bool(header["__metadata__"]["format"] == FORMAT)
+        metadata = header["__metadata__"]
+        return bool(metadata["format"] == FORMAT and metadata["run"] == run)
     except (OSError, ValueError, KeyError, TypeError, struct.error):
         return False
 

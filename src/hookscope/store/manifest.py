@@ -1,10 +1,13 @@
 """Private: the store manifest's schema, and the shard headers checked against it.
 
 Nothing of a manifest is used before ``check_manifest`` has checked it: field types, required
-fields, row ranges (contiguous from 0, none empty), byte sizes, checksum counts, layer specs, and
-that every shard ``file`` is a plain file name inside the store folder. ``check_header`` then
-checks a shard's safetensors header against the manifest: the tensors it holds, their dtypes,
-shapes (rows x row shape) and byte ranges. Every failure is ``StoreCorruptError`` naming the file
+fields, every number within ``0..MAX_COUNT`` (2**53, the largest integer every JSON reader keeps
+exact, RFC 7493), row ranges (contiguous from 0, none empty), byte sizes, checksum counts, layer
+specs, the run id, and that every shard ``file`` is a plain file name inside the store folder.
+``check_header`` then checks a shard's safetensors header against the manifest: the tensors it
+holds, their dtypes, shapes (rows x row shape) and byte ranges, which must be what safetensors'
+own parser demands (sorted by offset they start at 0, each where the one before ends, and end
+where the file ends: no overlap, no gap). Every failure is ``StoreCorruptError`` naming the file
 and the field, so a damaged or hostile manifest can neither crash a reader with ``KeyError`` /
 ``IndexError`` nor make it read outside the folder.
 """
@@ -32,6 +35,8 @@ DTYPES = {"float64": ("F64", 8), "float32": ("F32", 4), "float16": ("F16", 2),
 SHARD_NAME = re.compile(r"shard-(r\d{4}-)?\d{5}\.safetensors")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _CHUNK_SUM = re.compile(r"[0-9a-f]{16}")
+RUN_ID = re.compile(r"[0-9a-f]{32}")
+MAX_COUNT = 2**53  # every count and size of a manifest: exact in any JSON reader (RFC 7493)
 _FIX = ("the manifest is damaged or was not written by hookscope; restore it from a copy or "
         "extract the store again (overwrite=True / --overwrite)")
 
@@ -42,7 +47,8 @@ def corrupt(file: Path | str, field: str, problem: str) -> StoreCorruptError:
 
 
 def _is_int(value: Any) -> bool:
-    return type(value) is int  # JSON true/false are bool, not counts
+    """True for a count or size: an int (JSON true/false are bool) in ``0..MAX_COUNT``."""
+    return type(value) is int and 0 <= value <= MAX_COUNT
 
 
 def _want(file: Path, data: dict[str, Any], field: str, check: Callable[[Any], bool],
@@ -75,12 +81,16 @@ def check_manifest(data: Any, file: Path) -> None:
     for field in ("model", "extract"):
         _want(file, data, field, lambda v: isinstance(v, dict), "an object")
     _want(file, data, "complete", lambda v: isinstance(v, bool), "true or false")
-    _want(file, data, "world_size", lambda v: _is_int(v) and v >= 1, "a positive integer")
+    if "run" in data:  # stores written before the run id was recorded have none
+        _want(file, data, "run", lambda v: isinstance(v, str) and RUN_ID.fullmatch(v) is not None,
+              "32 hex digits")
+    _want(file, data, "world_size", lambda v: _is_int(v) and v >= 1,
+          f"a positive integer up to {MAX_COUNT}")
     chunk = _want(file, data, "chunk_bytes", lambda v: _is_int(v) and v > 0 and v % 8 == 0,
-                  "a positive multiple of 8")
+                  f"a positive multiple of 8 up to {MAX_COUNT}")
     _check_layers(file, _want(file, data, "layers", lambda v: isinstance(v, dict), "an object"))
     shards = _want(file, data, "shards", lambda v: isinstance(v, list), "a list")
-    rows = _want(file, data, "rows", lambda v: _is_int(v) and v >= 0, "a row count")
+    rows = _want(file, data, "rows", _is_int, f"a row count (0..{MAX_COUNT})")
     stop, batch, names = 0, None, set()
     for k, entry in enumerate(shards):
         stop, batch = _check_shard(file, k, entry, stop, batch, chunk)
@@ -98,9 +108,11 @@ def _check_layers(file: Path, layers: dict[str, Any]) -> None:
             raise corrupt(file, field, "must be a layer path with {shape, dtype, ragged}")
         shape = _want(file, spec, "shape", lambda v: isinstance(v, list), "a list", f"{field}.")
         ragged = bool(shape) and shape[0] is None
-        if not all(_is_int(n) and n >= 0 for n in shape[ragged:]):
-            raise corrupt(file, f"{field}.shape", f"must hold sizes (null first when ragged), "
-                                                  f"not {shape!r:.80}")
+        sizes = shape[ragged:]
+        if not all(_is_int(n) for n in sizes) or math.prod(n for n in sizes if n) > MAX_COUNT:
+            raise corrupt(file, f"{field}.shape", f"must hold sizes (null first when ragged) of "
+                                                  f"at most {MAX_COUNT} elements, not "
+                                                  f"{shape!r:.80}")
         _want(file, spec, "dtype", lambda v: isinstance(v, str) and v in DTYPES,
               f"one of {sorted(DTYPES)}", f"{field}.")
         _want(file, spec, "ragged", lambda v, r=ragged: v is r,  # type: ignore[misc]
@@ -118,15 +130,15 @@ def _check_shard(file: Path, k: int, entry: Any, start: int, batch: int | None,
         return _want(file, entry, name, check, what, prefix=f"{field}.")
 
     check_file_name(want("file", lambda v: isinstance(v, str), "a file name"), file, field)
-    rows = want("rows", _pair, "[start, stop) with start < stop")
+    rows = want("rows", _pair, f"[start, stop) with start < stop <= {MAX_COUNT}")
     if rows[0] != start:
         raise corrupt(file, f"{field}.rows", f"starts at {rows[0]}, but the shard before it ends "
                                              f"at row {start}")
-    batches = want("batches", _pair, "[start, stop) with start < stop")
+    batches = want("batches", _pair, f"[start, stop) with start < stop <= {MAX_COUNT}")
     if batch is not None and batches[0] != batch:
         raise corrupt(file, f"{field}.batches", f"starts at {batches[0]}, but the shard before "
                                                 f"it ends at batch {batch}")
-    size = want("bytes", lambda v: _is_int(v) and v > 8, "a file size in bytes")
+    size = want("bytes", lambda v: _is_int(v) and v > 8, f"a file size in bytes (9..{MAX_COUNT})")
     want("sha256", lambda v: isinstance(v, str) and _SHA256.fullmatch(v) is not None,
          "64 hex digits")
     sums = want("chunk_sum", lambda v: isinstance(v, list) and all(
@@ -201,13 +213,13 @@ def check_header(header: Any, *, layers: dict[str, Any], rows: int, size: int, d
         found = sorted(header) if isinstance(header, dict) else header
         raise corrupt(name, "header", f"holds tensors {found!r:.200}, the manifest's layers need "
                                       f"{sorted(expected)}")
-    end = 0
+    spans = []
     for key, (st_name, itemsize, shape) in expected.items():
         entry = header[key]
         if not isinstance(entry, dict) or entry.get("dtype") != st_name:
             raise corrupt(name, f"header[{key!r}].dtype", f"must be {st_name} as the manifest says")
         found_shape, offsets = entry.get("shape"), entry.get("data_offsets")
-        if not (isinstance(found_shape, list) and all(_is_int(n) and n >= 0 for n in found_shape)):
+        if not (isinstance(found_shape, list) and all(_is_int(n) for n in found_shape)):
             raise corrupt(name, f"header[{key!r}].shape", "must be a list of sizes")
         if shape is None:  # ragged: (tokens, *shape[1:])
             shape = [found_shape[0] if found_shape else -1, *layers[key]["shape"][1:]]
@@ -216,10 +228,24 @@ def check_header(header: Any, *, layers: dict[str, Any], rows: int, size: int, d
                                                           f"gives {shape}")
         nbytes = math.prod(shape) * itemsize
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
-                and 0 <= offsets[0] and offsets[1] - offsets[0] == nbytes
-                and data_start + offsets[1] <= size):
+                and offsets[1] - offsets[0] == nbytes):
             raise corrupt(name, f"header[{key!r}].data_offsets", f"must span the {nbytes} bytes "
-                                                                 f"of {shape} inside the file")
-        end = max(end, offsets[1])
-    if data_start + end != size:
-        raise corrupt(name, "header", f"describes {data_start + end} bytes, the file has {size}")
+                                                                 f"of {shape}")
+        spans.append((offsets[0], offsets[1], key))
+    _check_spans(spans, size - data_start, name)
+
+
+def _check_spans(spans: list[tuple[int, int, str]], data_bytes: int, name: str) -> None:
+    """Raise unless the byte ranges ``(begin, end, tensor)``, sorted as safetensors sorts them,
+    tile ``[0, data_bytes)``: each starts where the one before ends (no overlap, no gap)."""
+    at, before = 0, "the data area"
+    for begin, end, key in sorted(spans):
+        if begin != at:
+            raise corrupt(name, f"header[{key!r}].data_offsets",
+                          f"starts at byte {begin} of the data, but {before} ends at byte {at}: "
+                          f"tensors must follow each other without overlap or gap (as "
+                          f"safetensors requires)")
+        at, before = end, f"tensor {key!r}"
+    if at != data_bytes:
+        raise corrupt(name, "header", f"describes {at} bytes of tensor data, the file holds "
+                                      f"{data_bytes}")

@@ -58,6 +58,17 @@ class Ranks:
         if error is not None:
             raise error
 
+    def share(self, found: str | None, fresh: str) -> str:
+        """Return one value for every rank: the first rank's ``found`` that is not ``None``
+        (what an earlier run left), else rank 0's ``fresh``."""
+        if self.world_size == 1:
+            return found or fresh
+        gathered: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(gathered, found)
+        shared: list[str | None] = [next((g for g in gathered if g), fresh)]
+        dist.broadcast_object_list(shared, src=0)
+        return str(shared[0])
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()

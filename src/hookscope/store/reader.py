@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import safetensors
 import torch
 
 from hookscope.errors import StoreCorruptError, StoreError
@@ -243,7 +244,8 @@ class _Shard:
 
     def verify(self) -> None:
         """Check size and sha256 (reads the whole file), then everything reading checks:
-        header against the manifest, every chunk sum, ragged offsets."""
+        header against the manifest, every chunk sum, ragged offsets; and that safetensors'
+        own parser accepts the file."""
         self.check_size()
         sha = hashlib.sha256()
         with open(self.path, "rb") as f:
@@ -254,9 +256,20 @@ class _Shard:
                                     f"its sha256 differs from the manifest's; {_REDO}")
         mm = self.open()
         self._check_range(mm, 0, self.info.bytes, force=True)
+        self._check_with_safetensors()
         for path in self.layers:
             if f"{path}:offsets" in self._entries:
                 self.offsets(path)
+
+
+    def _check_with_safetensors(self) -> None:
+        """Parse the file with safetensors' own parser too: what it refuses is not a store."""
+        try:
+            with safetensors.safe_open(str(self.path), framework="pt"):
+                pass
+        except (safetensors.SafetensorError, OSError, ValueError) as err:
+            raise StoreCorruptError(f"shard {self.info.file} of {self.path.parent} is not a valid "
+                                    f"safetensors file ({err}); {_REDO}") from err
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -432,8 +445,9 @@ class Store:
         return StoreDataset(self[layer])
 
     def verify(self) -> None:
-        """Check every shard as reading does (size, header against the manifest, every chunk
-        sum, ragged offsets), then its sha256 (reads every byte).
+        """Check every shard as reading does (size, header against the manifest with byte
+        ranges that follow each other without overlap or gap, every chunk sum, ragged offsets),
+        its sha256 (reads every byte), and that safetensors' own parser accepts it.
 
         Raises:
             StoreCorruptError: naming the first shard that is missing, truncated or damaged.

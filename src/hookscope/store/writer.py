@@ -14,6 +14,7 @@ import hashlib
 import json
 import mmap
 import queue
+import secrets
 import struct
 import threading
 from dataclasses import dataclass, field
@@ -91,10 +92,12 @@ def _shard_tensors(shard: ShardData) -> list[tuple[str, tuple[int, ...], torch.d
     return out
 
 
-def _write_shard(path: Path, shard: ShardData) -> tuple[int, str, tuple[str, ...]]:
-    """Write ``shard`` as one safetensors file at ``path`` (atomically); return its size, sha256
-    and chunk checksums (computed from the written file, read back from the page cache)."""
-    header: dict[str, Any] = {"__metadata__": {"format": FORMAT, "version": str(VERSION)}}
+def _write_shard(path: Path, shard: ShardData, run: str) -> tuple[int, str, tuple[str, ...]]:
+    """Write ``shard`` as one safetensors file at ``path`` (atomically; its metadata and its
+    temporary name carry the ``run`` id); return its size, sha256 and chunk checksums (computed
+    from the written file, read back from the page cache)."""
+    header: dict[str, Any] = {"__metadata__": {"format": FORMAT, "version": str(VERSION),
+                                               "run": run}}
     begin, tensors = 0, _shard_tensors(shard)
     for key, shape, dtype, _ in tensors:
         end = begin + int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
@@ -115,7 +118,7 @@ def _write_shard(path: Path, shard: ShardData) -> tuple[int, str, tuple[str, ...
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             written.extend([out.size, out.sha.hexdigest(), tuple(chunk_sums(mapped, out.size))])
 
-    write_atomic(path, write)
+    write_atomic(path, write, tag=run)
     return written[0], written[1], written[2]
 
 
@@ -248,12 +251,17 @@ class StoreWriter:
         """Args:
             folder: the store folder; it must exist (``prepare_output``).
             header: manifest fields other than ``complete``, ``rows`` and ``shards``: ``model``,
-                ``extract`` (the arguments a resume must repeat) and ``layers``.
+                ``extract`` (the arguments a resume must repeat), ``layers``, and ``run``, the
+                store's run id (32 hex digits; drawn here when missing). It goes into every
+                shard's metadata and every temporary name, so that ``hookscope.store.folder``
+                can prove those files the store's.
             rank, world_size: this process in a torchrun group (0, 1 alone).
             resume_from: this process's part manifest from an interrupted run, to append to.
         """
         self.folder, self.rank, self.world_size = folder, rank, world_size
+        self.run = str(header.get("run") or secrets.token_hex(16))
         self.manifest: dict[str, Any] = {"format": FORMAT, "version": VERSION, **header,
+                                         "run": self.run,
                                          "complete": False, "rows": 0, "chunk_bytes": CHUNK_BYTES,
                                          "world_size": world_size, "shards": []}
         if world_size > 1:
@@ -266,7 +274,7 @@ class StoreWriter:
     def write(self, shard: ShardData) -> None:
         """Write ``shard`` as the next shard file, then the manifest that lists it."""
         name = _shard_name(self.rank, self.world_size, len(self.manifest["shards"]))
-        size, sha, sums = _write_shard(self.folder / name, shard)
+        size, sha, sums = _write_shard(self.folder / name, shard, self.run)
         start = self.manifest["rows"]
         info = ShardInfo(name, (start, start + shard.rows), shard.batches, size, sha, sums)
         self.manifest["shards"].append(info.to_json())
@@ -281,7 +289,7 @@ class StoreWriter:
     def _save(self) -> None:
         text = _manifest_text(self.manifest)
         write_atomic(self.folder / _part_name(self.rank, self.world_size),
-                     lambda tmp: Path(tmp).write_bytes(text))
+                     lambda tmp: Path(tmp).write_bytes(text), tag=self.run)
 
 
 def _manifest_text(manifest: dict[str, Any]) -> bytes:
@@ -353,6 +361,7 @@ def join_parts(folder: Path, world_size: int) -> None:
         rows += part["rows"]
     joined.update(rows=rows, shards=shards, complete=True)
     text = _manifest_text(joined)
-    write_atomic(folder / MANIFEST, lambda tmp: Path(tmp).write_bytes(text))
+    write_atomic(folder / MANIFEST, lambda tmp: Path(tmp).write_bytes(text),
+                 tag=joined.get("run", ""))
     for rank in range(world_size):
         (folder / _part_name(rank, world_size)).unlink()

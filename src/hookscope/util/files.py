@@ -1,7 +1,8 @@
 """Private: files appear whole or not at all (write to a temporary name, fsync, rename).
 
-The temporary file is ``.NAME.tmp-PID-RANDOM`` beside ``NAME``, so a leftover says what it was
-for; it is created with mode 0o666 less the umask, as ``open()`` creates files, so the renamed
+The temporary file is ``.NAME.tmp-PID-RANDOM`` beside ``NAME`` (``.NAME.tmp-TAG-PID-RANDOM`` when
+the caller tags it, so that it can later prove the file is its own), so a leftover says what it
+was for; it is created with mode 0o666 less the umask, as ``open()`` creates files, so the renamed
 file gets the permissions any other program's file would. A failed write (disk full, permission
 denied, ...) removes it and raises ``OSError`` naming the target, not the temporary name.
 """
@@ -10,12 +11,10 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import secrets
 from collections.abc import Callable
 from typing import Any
 
-TEMPORARY = re.compile(r"\.(?P<target>.+)\.tmp-\d+(-[0-9a-f]{8})?")
 _ADVICE = {
     errno.ENOSPC: "the disk is full: free space, or write to another disk",
     errno.EDQUOT: "the disk quota is used up: free space, or write elsewhere",
@@ -35,9 +34,11 @@ def advice(err: OSError) -> str:
     return f"cannot use {err.filename}: {what}" if err.filename else f"{err.strerror}: {what}"
 
 
-def write_atomic(file: str | os.PathLike[str], write: Callable[[str], Any]) -> None:
+def write_atomic(file: str | os.PathLike[str], write: Callable[[str], Any], *,
+                 tag: str = "") -> None:
     """Call ``write(tmp)`` for a temporary path beside ``file``, fsync it, rename it to ``file``,
-    fsync the folder.
+    fsync the folder. ``tag`` (letters and digits) goes into the temporary name
+    (``.NAME.tmp-TAG-PID-RANDOM``): a store puts its run id there.
 
     A crash leaves either the old file or the new one, never half of one.
 
@@ -47,8 +48,8 @@ def write_atomic(file: str | os.PathLike[str], write: Callable[[str], Any]) -> N
     """
     file = os.fspath(file)
     folder = os.path.dirname(os.path.abspath(file))
-    tmp = os.path.join(folder, f".{os.path.basename(file)}.tmp-{os.getpid()}-"
-                               f"{secrets.token_hex(4)}")
+    tmp = os.path.join(folder, f".{os.path.basename(file)}.tmp-{tag + '-' if tag else ''}"
+                               f"{os.getpid()}-{secrets.token_hex(4)}")
     try:
         os.makedirs(folder, exist_ok=True)
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))  # umask applies
