@@ -19,6 +19,7 @@ from hookscope.diagnostics.attention import attention
 from hookscope.diagnostics.compare import Comparison, LayerDiff, compare
 from hookscope.diagnostics.gradcam import gradcam, save_gradcam_overlay
 from hookscope.diagnostics.inventory import HookInfo, hooks, remove_hooks
+from hookscope.diagnostics.lens import LogitLens, logit_lens
 from hookscope.diagnostics.nonfinite import NonFiniteOrigin, TensorSummary, find_nonfinite
 from hookscope.diagnostics.stats import RunningStats, stats
 from hookscope.diagnostics.tree import TreeRow, tree
@@ -69,6 +70,7 @@ __all__ = [
     "HookNeverFiredWarning",
     "HookscopeError",
     "LayerDiff",
+    "LogitLens",
     "MissingExtraError",
     "NoGrad",
     "NonFiniteOrigin",
@@ -96,6 +98,7 @@ __all__ = [
     "gradcam",
     "hooks",
     "load",
+    "logit_lens",
     "open_store",
     "patching_sweep",
     "patch",
