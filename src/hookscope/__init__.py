@@ -23,6 +23,7 @@ from hookscope.diagnostics.lens import LogitLens, logit_lens
 from hookscope.diagnostics.nonfinite import NonFiniteOrigin, TensorSummary, find_nonfinite
 from hookscope.diagnostics.stats import RunningStats, stats
 from hookscope.diagnostics.tree import TreeRow, tree
+from hookscope.editing.attribution import attribution_patching
 from hookscope.editing.edit import Edit, ablate, edit, patch, steer
 from hookscope.editing.sweep import Sweep, patching_sweep
 from hookscope.engine.select import select
@@ -89,6 +90,7 @@ __all__ = [
     "TreeRow",
     "ablate",
     "attention",
+    "attribution_patching",
     "capture",
     "capture_generation",
     "compare",
