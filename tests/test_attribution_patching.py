@@ -90,7 +90,8 @@ class _Linear(nn.Module):
 
 def test_linear_model_estimate_is_the_exact_sweep() -> None:
     model = _Linear().requires_grad_(False)  # frozen weights and integer inputs: nothing needed
-    clean, corrupted = {"input_ids": torch.tensor([[1, 2, 3, 4]])}, {"input_ids": torch.tensor([[5, 6, 7, 8]])}
+    clean = {"input_ids": torch.tensor([[1, 2, 3, 4]])}
+    corrupted = {"input_ids": torch.tensor([[5, 6, 7, 8]])}
     def metric(output: torch.Tensor) -> torch.Tensor:
         return (output[:, 0] - 2 * output[:, 2]).mean()
     atp = hookscope.attribution_patching(model, clean, corrupted, metric,
