@@ -21,6 +21,7 @@ from hookscope.diagnostics.gradcam import gradcam, save_gradcam_overlay
 from hookscope.diagnostics.inventory import HookInfo, hooks, remove_hooks
 from hookscope.diagnostics.lens import LogitLens, logit_lens
 from hookscope.diagnostics.nonfinite import NonFiniteOrigin, TensorSummary, find_nonfinite
+from hookscope.diagnostics.rollout import rollout
 from hookscope.diagnostics.stats import RunningStats, stats
 from hookscope.diagnostics.tree import TreeRow, tree
 from hookscope.editing.attribution import attribution_patching
@@ -105,6 +106,7 @@ __all__ = [
     "patching_sweep",
     "patch",
     "remove_hooks",
+    "rollout",
     "run",
     "save_gradcam_overlay",
     "select",
