@@ -127,7 +127,7 @@ def test_minilm_ranks_agree_with_the_exact_sweep() -> None:
 def test_errors_say_what_to_do() -> None:
     model = tiny_gpt2()
     with pytest.raises(EditError, match=r"metric returned float.*no \.item\(\)"):
-        hookscope.attribution_patching(model, CLEAN, CORRUPTED, lambda out: float(logit_diff(out)),
+        hookscope.attribution_patching(model, CLEAN, CORRUPTED, lambda out: logit_diff(out).item(),
                                        layers="transformer.h.0")
     with pytest.raises(EditError, match=r"a tensor of shape \(2, 5, 60\)"):
         hookscope.attribution_patching(model, CLEAN, CORRUPTED, lambda out: out.logits,
