@@ -19,9 +19,12 @@ from hookscope.diagnostics.attention import attention
 from hookscope.diagnostics.compare import Comparison, LayerDiff, compare
 from hookscope.diagnostics.gradcam import gradcam, save_gradcam_overlay
 from hookscope.diagnostics.inventory import HookInfo, hooks, remove_hooks
+from hookscope.diagnostics.lens import LogitLens, logit_lens
 from hookscope.diagnostics.nonfinite import NonFiniteOrigin, TensorSummary, find_nonfinite
+from hookscope.diagnostics.rollout import rollout
 from hookscope.diagnostics.stats import RunningStats, stats
 from hookscope.diagnostics.tree import TreeRow, tree
+from hookscope.editing.attribution import attribution_patching
 from hookscope.editing.edit import Edit, ablate, edit, patch, steer
 from hookscope.editing.sweep import Sweep, patching_sweep
 from hookscope.engine.select import select
@@ -69,6 +72,7 @@ __all__ = [
     "HookNeverFiredWarning",
     "HookscopeError",
     "LayerDiff",
+    "LogitLens",
     "MissingExtraError",
     "NoGrad",
     "NonFiniteOrigin",
@@ -87,6 +91,7 @@ __all__ = [
     "TreeRow",
     "ablate",
     "attention",
+    "attribution_patching",
     "capture",
     "capture_generation",
     "compare",
@@ -96,10 +101,12 @@ __all__ = [
     "gradcam",
     "hooks",
     "load",
+    "logit_lens",
     "open_store",
     "patching_sweep",
     "patch",
     "remove_hooks",
+    "rollout",
     "run",
     "save_gradcam_overlay",
     "select",

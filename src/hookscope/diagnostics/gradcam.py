@@ -1,4 +1,4 @@
-"""Grad-CAM: where in the picture a convolutional network looks for a class.
+"""Grad-CAM, Grad-CAM++ and LayerCAM: where in the picture a network looks for a class.
 
 Selvaraju, Cogswell, Das, Vedantam, Parikh and Batra, "Grad-CAM: Visual Explanations from Deep
 Networks via Gradient-based Localization", ICCV 2017 (arXiv:1610.02391). For a layer with
@@ -12,6 +12,24 @@ class ``c`` (the logit, before softmax):
 feature maps and their gradients come from ``capture(..., grads=True)``: tensor hooks, so an
 in-place activation after the layer (pytorch/pytorch#61519) does not break it, and the backward pass
 is ``torch.autograd.grad`` with respect to the input, so no parameter's ``.grad`` changes.
+
+With ``g = d y^c / d A^k_ij`` the two variants replace the weights:
+
+- Grad-CAM++ (Chattopadhay, Sarkar, Howlader and Balasubramanian, "Grad-CAM++: Generalized
+  Gradient-based Visual Explanations for Deep Convolutional Networks", WACV 2018,
+  arXiv:1710.11063, eq. 19 with the exponential score of section 3.3)::
+
+      a_ij^kc = g^2 / (2 g^2 + sum_ab A^k_ab g^3)     (0 where the denominator is 0)
+      w_k^c   = sum_ij a_ij^kc ReLU(g)                 L^c = ReLU(sum_k w_k^c A^k)
+
+- LayerCAM (Jiang, Zhang, Hou, Cheng and Wei, "LayerCAM: Exploring Hierarchical Class
+  Activation Maps for Localization", IEEE TIP 30, 2021, eq. 4-5)::
+
+      L^c_ij = ReLU(sum_k ReLU(g_ij) A^k_ij)           (a weight per location, not per channel)
+
+Token models (a vision transformer) give ``(batch, tokens, channels)``: the leading class and
+register tokens are dropped and the patch tokens laid out on their grid, ``(batch, channels, h,
+w)``, before the same formulas (as pytorch-grad-cam's ``reshape_transform`` does by hand).
 """
 
 from __future__ import annotations
@@ -19,7 +37,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -37,15 +55,20 @@ from hookscope.util.figures import DPI, save_figure
 __all__ = ["gradcam", "save_gradcam_overlay"]
 
 Tensor = torch.Tensor
+Method = Literal["gradcam", "gradcam++", "layercam"]
+#: class, distillation and register tokens tried before the patch tokens when no grid is known
+MAX_PREFIX_TOKENS = 8
 
 
 def gradcam(model: nn.Module, x: Tensor, layer: str,
-            target: int | Sequence[int] | Tensor | None = None, *, call: int | None = None) -> Tensor:
+            target: int | Sequence[int] | Tensor | None = None, *, call: int | None = None,
+            method: Method = "gradcam", grid: tuple[int, int] | None = None) -> Tensor:
     """Class activation map of ``layer`` for class ``target`` (Selvaraju et al., 2017).
 
     ::
 
         cam = hookscope.gradcam(model.eval(), x, "_conv_head")   # (batch, 224, 224) in [0, 1]
+        cam = hookscope.gradcam(vit.eval(), x, "vit.layers.11.layernorm_before")  # a ViT
 
     Call ``model.eval()`` first: in training mode dropout makes the map random (the pass runs in
     the model's current mode). The model is left as it was found (BatchNorm statistics,
@@ -61,11 +84,19 @@ def gradcam(model: nn.Module, x: Tensor, layer: str,
         model: a classifier returning logits ``(batch, classes)`` (or an object with ``.logits``).
         x: input images, ``(batch, channels, height, width)``, preprocessed for the model.
         layer: a pattern selecting one module whose output is a feature map ``(batch, channels,
-            h, w)``, usually the last convolutional layer (``"layer4"`` in a ResNet); a part of a
-            structured output as ``"block[0]"``.
+            h, w)``, usually the last convolutional layer (``"layer4"`` in a ResNet), or tokens
+            ``(batch, tokens, channels)`` (a ViT: the last block's ``layernorm_before``, since
+            the classifier reads only the class token of the last block's output, so the patch
+            tokens there have zero gradient); a part of a structured output as ``"block[0]"``.
         target: class index per image: ``None`` (default) the predicted class, an int for every
             image, or one int per image.
         call: which call of ``layer``, if the model runs it more than once per forward pass.
+        method: ``"gradcam"``, ``"gradcam++"`` (Chattopadhay et al., 2018) or ``"layercam"``
+            (Jiang et al., 2021): the formulas are in this module's docstring.
+        grid: ``(h, w)`` patch grid of a token output; ``None``: ``x``'s size over the config's
+            ``patch_size`` (``model.config``) when that many tokens are there, else the grid
+            of ``x``'s aspect ratio that the tokens fill after 0 … 8 leading tokens (a Swin
+            stage). The tokens before the last ``h * w`` (class, register) are left out.
 
     Returns:
         ``(batch, height, width)`` float32, the input's height and width, in [0, 1] per image
@@ -74,7 +105,8 @@ def gradcam(model: nn.Module, x: Tensor, layer: str,
     Raises:
         SelectorError: ``layer`` matches no module.
         GradcamError: ``x`` is not 4-D; ``layer`` matches several modules, runs several times
-            and ``call`` is not given, or does not give a 4-D map; the model's output is not
+            and ``call`` is not given, or does not give a 4-D map or 3-D tokens; the tokens fit
+            no grid (give ``grid=(h, w)``); ``method`` is unknown; the model's output is not
             ``(batch, classes)`` scores; a target class is out of range.
         HookNeverFiredError: ``layer`` never ran in the forward pass.
         GradcamError: a parameter or buffer is an inference tensor (the model was built or
@@ -83,6 +115,8 @@ def gradcam(model: nn.Module, x: Tensor, layer: str,
     if x.dim() != 4:
         raise GradcamError(f"x must be images (batch, channels, height, width); got shape "
                            f"{tuple(x.shape)}: add the batch dimension with x[None]")
+    if method not in _WEIGHTINGS:
+        raise GradcamError(f"method={method!r} is not one of {sorted(_WEIGHTINGS)}")
     key = _one_target(model, layer)
     with untouched(model), gradient_pass(model, GradcamError):
         x = grad_leaf(x)  # gradients reach the layer even if the weights are frozen
@@ -96,14 +130,66 @@ def gradcam(model: nn.Module, x: Tensor, layer: str,
                            f"call=k (0 … {calls - 1}, -1 for the last)")
     k = 0 if call is None else call
     features, grads = acts[key, k], acts.grad(key, k)
+    if isinstance(features, Tensor) and features.dim() == 3:
+        patches = grid or _token_grid(model, features.shape[1], tuple(x.shape[-2:]), key)
+        features, grads = _on_grid(features, patches, key), _on_grid(grads, patches, key)
     if not isinstance(features, Tensor) or features.dim() != 4:
         shape = tuple(features.shape) if isinstance(features, Tensor) else type(features).__name__
-        raise GradcamError(f"'{key}' gives {shape}, not a feature map (batch, channels, h, w): "
-                           f"choose a convolutional layer, or a tensor part of its output")
-    weights = grads.float().mean(dim=(2, 3), keepdim=True)  # (batch, channels, 1, 1): alpha_k^c
-    cam = F.relu((weights * features.float()).sum(dim=1, keepdim=True))  # (batch, 1, h, w)
+        raise GradcamError(f"'{key}' gives {shape}, not a feature map (batch, channels, h, w) "
+                           f"nor tokens (batch, tokens, channels): choose a convolutional layer "
+                           f"or a transformer block's part, or a tensor part of its output")
+    cam = _WEIGHTINGS[method](features.float(), grads.float())[:, None]  # (batch, 1, h, w)
     cam = F.interpolate(cam, size=tuple(x.shape[-2:]), mode="bilinear", align_corners=False)[:, 0]
     return _unit_range(cam)
+
+
+def _gradcam(features: Tensor, grads: Tensor) -> Tensor:
+    weights = grads.mean(dim=(2, 3), keepdim=True)  # (batch, channels, 1, 1): alpha_k^c
+    return F.relu((weights * features).sum(dim=1))
+
+
+def _gradcam_plus_plus(features: Tensor, grads: Tensor) -> Tensor:
+    squared = grads.pow(2)
+    denominator = 2 * squared + features.sum(dim=(2, 3), keepdim=True) * grads.pow(3)
+    alpha = torch.where(denominator != 0, squared / torch.where(denominator != 0, denominator, 1),
+                        torch.zeros_like(squared))
+    weights = (alpha * F.relu(grads)).sum(dim=(2, 3), keepdim=True)  # (batch, channels, 1, 1)
+    return F.relu((weights * features).sum(dim=1))
+
+
+def _layercam(features: Tensor, grads: Tensor) -> Tensor:
+    return F.relu((F.relu(grads) * features).sum(dim=1))
+
+
+_WEIGHTINGS = {"gradcam": _gradcam, "gradcam++": _gradcam_plus_plus, "layercam": _layercam}
+
+
+def _token_grid(model: nn.Module, tokens: int, size: tuple[int, ...], key: str
+                ) -> tuple[int, int]:
+    """The ``(h, w)`` patch grid of ``tokens``: the config's patch grid, else the grid of the
+    image's aspect ratio left after 0 … ``MAX_PREFIX_TOKENS`` leading tokens."""
+    patch = getattr(getattr(model, "config", None), "patch_size", None)
+    if isinstance(patch, int) and patch > 0:
+        h, w = size[0] // patch, size[1] // patch
+        if 0 < h * w <= tokens:
+            return h, w
+    for prefix in range(min(MAX_PREFIX_TOKENS, tokens - 1) + 1):
+        h = round(((tokens - prefix) * size[0] / size[1]) ** 0.5)
+        if h > 0 and (tokens - prefix) % h == 0 and h * size[1] == (tokens - prefix) // h * size[0]:
+            return h, (tokens - prefix) // h
+    raise GradcamError(f"'{key}' gives {tokens} tokens, which fill no patch grid of the "
+                       f"{size[0]}x{size[1]} image's aspect ratio after 0 … {MAX_PREFIX_TOKENS} "
+                       f"class/register tokens: give the grid, gradcam(..., grid=(h, w))")
+
+
+def _on_grid(tokens: Tensor, grid: tuple[int, int], key: str) -> Tensor:
+    """``(batch, tokens, channels)`` -> ``(batch, channels, h, w)``, the last ``h * w`` tokens."""
+    h, w = grid
+    if not 0 < h * w <= tokens.shape[1]:
+        raise GradcamError(f"grid={grid} needs {h * w} patch tokens, but '{key}' gives "
+                           f"{tokens.shape[1]}: give a grid of at most that many")
+    patches = tokens[:, tokens.shape[1] - h * w:]
+    return patches.reshape(tokens.shape[0], h, w, tokens.shape[2]).permute(0, 3, 1, 2)
 
 
 def save_gradcam_overlay(image: np.ndarray | Tensor, cam: np.ndarray | Tensor,

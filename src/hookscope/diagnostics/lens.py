@@ -1,0 +1,188 @@
+"""The logit lens: what a decoder language model would predict from each layer's residual stream.
+
+nostalgebraist, "interpreting GPT: the logit lens" (LessWrong, 2020): the residual stream after
+block ``l`` is read out as if it were the last one, through the model's own final norm and
+unembedding, ``log_softmax(unembed(final_norm(h_l)))``. The last block's reading is the model's
+own output; the earlier ones show how the prediction forms layer by layer.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from hookscope.engine.run import untouched
+from hookscope.engine.select import resolve
+from hookscope.errors import CaptureError
+from hookscope.record.capture import capture
+from hookscope.util.figures import new_figure, save_figure
+
+__all__ = ["LogitLens", "logit_lens"]
+
+Tensor = torch.Tensor
+#: the attribute of a Hugging Face decoder's base model that holds its final norm
+FINAL_NORMS = ("ln_f", "norm", "final_layer_norm", "final_layernorm")
+#: the names of the ``nn.ModuleList`` that holds a decoder's blocks
+BLOCK_LISTS = ("h", "layers", "blocks")
+
+
+@dataclass(frozen=True)
+class LogitLens:
+    """The result of ``logit_lens``.
+
+    Attributes:
+        log_probs: ``(len(layers), batch, seq, vocab)`` float32 log-probabilities of the next
+            token read from each layer's residual stream.
+        layers: record names of the blocks read, ``named_modules()`` order.
+    """
+
+    log_probs: Tensor
+    layers: list[str]
+
+    def top(self, k: int = 5) -> tuple[Tensor, Tensor]:
+        """The ``k`` most likely tokens: ``(probabilities, token ids)``, each ``(layers, batch,
+        seq, k)``, most likely first."""
+        values, ids = self.log_probs.topk(k, dim=-1)
+        return values.exp(), ids
+
+    def table(self, k: int = 3, *, row: int = 0, position: int = -1,
+              decode: Callable[[int], str] | None = None) -> str:
+        """The top ``k`` tokens at one ``position`` of batch ``row``, one line per layer, as
+        ``token (probability)``; ``decode`` turns an id into text (``tokenizer.decode``)."""
+        probabilities, ids = self.top(k)
+        width = max(len(layer) for layer in self.layers)
+        show = decode or str
+        lines = [f"{layer:<{width}}  " + "  ".join(f"{show(int(i))!s:>6} ({p:.3f})" for p, i in
+                                                   zip(probs[row, position].tolist(),
+                                                       token_ids[row, position].tolist()))
+                 for layer, probs, token_ids in zip(self.layers, probabilities, ids)]
+        return "\n".join(lines)
+
+    def plot(self, file: str | os.PathLike[str], *, row: int = 0,
+             decode: Callable[[int], str] | None = None, title: str = "logit lens") -> Path:
+        """Write the heat map of batch ``row`` (layers down, positions across, colour = the top
+        token's probability, each cell labelled with that token) as a PNG, atomically.
+
+        Raises:
+            MissingExtraError: matplotlib is not installed (extra ``[viz]``).
+        """
+        probabilities, ids = self.top(1)
+        heat, tokens = probabilities[:, row, :, 0].numpy(), ids[:, row, :, 0].tolist()
+        figure = new_figure("LogitLens.plot")
+        axes = figure.add_axes((0.22, 0.12, 0.68, 0.78))
+        image = axes.imshow(heat, cmap="viridis", aspect="auto", vmin=0.0, vmax=1.0)
+        for (layer, position), token in np.ndenumerate(np.array(tokens, dtype=object)):
+            axes.text(position, layer, (decode or str)(int(token)), ha="center", va="center",
+                      color="white", fontsize=8)
+        axes.set_yticks(np.arange(len(self.layers)), self.layers)
+        axes.set_xlabel("position")
+        figure.colorbar(image, ax=axes, label="probability of the top token")
+        axes.set_title(title)
+        return save_figure(figure, Path(file))
+
+
+def logit_lens(model: nn.Module, input_ids: Tensor, *, layers: str | Sequence[str] | None = None,
+               attention_mask: Tensor | None = None, plot: str | os.PathLike[str] | None = None
+               ) -> LogitLens:
+    """Read each selected block's residual stream through the model's final norm and unembedding.
+
+    ::
+
+        lens = hookscope.logit_lens(gpt2, ids)          # every block of transformer.h
+        print(lens.table(k=3, decode=tokenizer.decode)) # the top 3 at the last position
+
+    One forward under ``torch.no_grad()`` in the model's current mode; the model is left as it
+    was found (``engine.run.untouched``). The last block's reading equals
+    ``log_softmax(model(input_ids).logits)`` (GPT-2, Llama, Mistral, Qwen: their final norm and
+    ``lm_head`` are all that follows the last block; a model that scales or caps its logits
+    after ``lm_head``, as Gemma 2, differs there).
+
+    Args:
+        model: a Hugging Face causal LM (``GPT2LMHeadModel``, ``LlamaForCausalLM`` …): its
+            ``base_model`` has the final norm (``ln_f``, ``norm``, ``final_layer_norm``) and
+            ``get_output_embeddings()`` the unembedding.
+        input_ids: ``(batch, seq)`` token ids.
+        layers: patterns of the blocks to read (their output, or its first element, is the
+            ``(batch, seq, hidden)`` residual stream); ``None``: every block of the decoder's
+            ``h`` / ``layers`` list.
+        attention_mask: passed to the model.
+        plot: write ``LogitLens.plot``'s PNG there.
+
+    Returns:
+        A ``LogitLens``: ``log_probs`` ``(layers, batch, seq, vocab)`` float32.
+
+    Raises:
+        SelectorError: a pattern matches no module.
+        CaptureError: the model has no final norm or unembedding where a Hugging Face decoder
+            keeps them, no block list (give ``layers=``), or a selected block ran other than
+            once or gave no ``(batch, seq, hidden)`` tensor.
+    """
+    norm, unembed = _readout(model)
+    keys = list(dict.fromkeys(t.key for t in resolve(model, _patterns(model, layers))))
+    with untouched(model), torch.no_grad():
+        with capture(model, *keys, on_unfired="error") as acts:
+            model(input_ids=input_ids, attention_mask=attention_mask)
+        hidden = _width(unembed)
+        log_probs = torch.stack([torch.log_softmax(unembed(norm(_residual(acts, key, hidden))).float(),
+                                                   dim=-1) for key in keys])
+    lens = LogitLens(log_probs, keys)
+    if plot is not None:
+        lens.plot(plot)
+    return lens
+
+
+def _readout(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    base = getattr(model, "base_model", model)
+    norm = next((getattr(base, name) for name in FINAL_NORMS
+                 if isinstance(getattr(base, name, None), nn.Module)), None)
+    get_unembed = getattr(model, "get_output_embeddings", None)
+    unembed = get_unembed() if callable(get_unembed) else None
+    if norm is None or not isinstance(unembed, nn.Module):
+        raise CaptureError(
+            f"{type(model).__name__} has no {_missing(norm)} where a Hugging Face causal LM "
+            f"keeps it: the logit lens needs the model's own "
+            f"read-out; load the model with its LM head (AutoModelForCausalLM)")
+    return norm, unembed
+
+
+def _missing(norm: nn.Module | None) -> str:
+    return f"final norm ({', '.join(FINAL_NORMS)})" if norm is None else \
+        "unembedding (get_output_embeddings())"
+
+
+def _patterns(model: nn.Module, layers: str | Sequence[str] | None) -> list[str]:
+    if layers is not None:
+        return [layers] if isinstance(layers, str) else list(layers)
+    base = getattr(model, "base_model", model)
+    prefix = next((name for name, module in model.named_modules() if module is base), "")
+    for name in BLOCK_LISTS:
+        if isinstance(getattr(base, name, None), nn.ModuleList):
+            return [f"{prefix}.{name}.*" if prefix else f"{name}.*"]
+    raise CaptureError(f"{type(model).__name__} has no block list ({', '.join(BLOCK_LISTS)}) "
+                       f"on its base model: give the blocks, logit_lens(..., layers='model.layers.*')")
+
+
+def _width(unembed: nn.Module) -> int | None:
+    weight = getattr(unembed, "weight", None)
+    return int(weight.shape[-1]) if isinstance(weight, Tensor) and weight.dim() == 2 else None
+
+
+def _residual(acts: Any, key: str, hidden: int | None) -> Tensor:
+    if acts.counts[key] != 1:
+        raise CaptureError(f"'{key}' ran {acts.counts[key]} times in one forward pass; the logit "
+                           f"lens reads a block that runs once: select the decoder's blocks")
+    value = acts[key]
+    value = value[0] if isinstance(value, tuple) and value else value
+    if not isinstance(value, Tensor) or value.dim() != 3 or hidden not in (None, value.shape[-1]):
+        kind = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+        raise CaptureError(f"'{key}' gives {kind}, not the (batch, seq, {hidden or 'hidden'}) "
+                           f"residual stream that the unembedding reads: "
+                           f"select the decoder's blocks ('model.layers.*', 'transformer.h.*')")
+    return value

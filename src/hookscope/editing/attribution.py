@@ -1,0 +1,156 @@
+"""Attribution patching: a first-order estimate of a whole activation-patching sweep from one
+clean forward, one corrupted forward and one backward.
+
+Nanda, "Attribution Patching: Activation Patching At Industrial Scale" (2023,
+https://www.neelnanda.io/mechanistic-interpretability/attribution-patching); Syed, Rager and
+Conmy, "Attribution Patching Outperforms Automated Circuit Discovery" (2023, arXiv:2310.10348);
+Kramár et al., "AtP*" (2024, arXiv:2403.00745). Patching ``a`` from its corrupted value to its
+clean one changes the metric by about
+
+    metric(patched) - metric(corrupted) ~ (a_clean - a_corrupted) . d metric / d a |corrupted
+
+(a Taylor expansion at the corrupted run), summed over the patched rows and channels. Exact where
+the metric is linear in ``a``; where attention saturates or a norm divides, it can miss (AtP* and
+the exact ``patching_sweep`` are the checks).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookscope.editing.edit import edit
+from hookscope.editing.sweep import (
+    Metric,
+    Sweep,
+    _all_positions,
+    _forward,
+    _mask,
+    _number,
+    _plain,
+    _rows,
+    _sequence_tensor,
+)
+from hookscope.engine.run import untouched
+from hookscope.engine.select import resolve
+from hookscope.errors import EditError
+from hookscope.record.capture import capture
+from hookscope.record.grads import gradient_pass
+from hookscope.record.positions import resolve_positions
+
+__all__ = ["attribution_patching"]
+
+Tensor = torch.Tensor
+
+
+def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: Metric, *,
+                         layers: str | Sequence[str], positions: Sequence[int] | None = None,
+                         plot: str | os.PathLike[str] | None = None) -> Sweep:
+    """Estimate ``patching_sweep``'s table from one clean forward, one corrupted forward and one
+    backward (Nanda 2023; Syed et al. 2023, arXiv:2310.10348).
+
+    ::
+
+        atp = hookscope.attribution_patching(model, clean_ids, corrupt_ids, logit_diff,
+                                             layers="transformer.h.*")
+        atp.values     # ~ patching_sweep(...).values, at the cost of three passes
+
+    ``values[i, j] = corrupted + sum((a_clean - a_corrupted) * d metric / d a)`` over the rows
+    and channels of ``layers[i]`` at ``positions[j]`` (the positions as ``patching_sweep``
+    resolves them, among real tokens when an ``attention_mask`` is given), so the table reads
+    as the exact sweep's. The gradient is taken with respect to each layer's output (a zero
+    added to it), so frozen weights and integer inputs need nothing; no parameter's ``.grad``
+    changes, and the model is left as it was found (``engine.run.untouched``). Call
+    ``model.eval()`` first.
+
+    Args:
+        model: root module.
+        clean, corrupted: model inputs as for ``patching_sweep`` (tensor, dict, tuple).
+        metric: ``metric(output) -> Tensor`` of one element, differentiable (a logit
+            difference, ``.mean()`` over the batch).
+        layers: patterns of the layers; each must output a ``(batch, seq, ...)`` tensor (a
+            part selects one of a structured output, ``"layers.*[0]"``) and run once.
+        positions: positions (ints); ``None``: every position of the corrupted input.
+        plot: write the heat map PNG there (``Sweep.plot``).
+
+    Returns:
+        A ``Sweep`` (``values`` float64 ``(len(layers), len(positions))``; ``clean`` and
+        ``corrupted`` are the two runs' metrics).
+
+    Raises:
+        SelectorError: a pattern matches no module.
+        PositionError: a position does not exist in a row of either input.
+        EditError: a layer's output is not a ``(batch, seq, ...)`` tensor or the layer runs
+            more than once; ``metric`` does not return one differentiable number.
+    """
+    clean, corrupted = _plain(clean), _plain(corrupted)
+    keys = list(dict.fromkeys(t.key for t in resolve(model, [layers] if isinstance(layers, str)
+                                                      else list(layers))))
+    clean_mask, corrupted_mask = _mask(clean), _mask(corrupted)
+    with untouched(model):
+        with torch.no_grad(), capture(model, *keys, on_unfired="error") as acts:
+            clean_metric = _number(metric(_forward(model, clean)))
+        sources = {key: _sequence_tensor(acts[key], key) for key in keys}
+        with gradient_pass(model, EditError):
+            found: dict[str, list[tuple[Tensor, Tensor]]] = {key: [] for key in keys}
+            with edit(model, {key: _zero_added(found[key], key) for key in keys},
+                      on_unfired="error"):
+                value = _differentiable(metric(_forward(model, corrupted)))
+            grads = torch.autograd.grad(value, [_once(found[key], key)[1] for key in keys],
+                                        allow_unused=True)
+    chosen = list(positions) if positions is not None else _all_positions(sources, corrupted_mask)
+    rows = _rows(corrupted)
+    values = torch.tensor([[_estimate(sources[key], _once(found[key], key)[0], grad, p, rows,
+                                      (clean_mask, corrupted_mask)) for p in chosen]
+                           for key, grad in zip(keys, grads)], dtype=torch.float64)
+    sweep = Sweep(values + _number(value), keys, chosen, clean_metric, _number(value))
+    if plot is not None:
+        sweep.plot(plot)
+    return sweep
+
+
+def _zero_added(found: list[tuple[Tensor, Tensor]], key: str) -> Callable[[Any], Tensor]:
+    """The edit: ``output + zero``, keeping ``(output, zero)``; ``d metric / d zero`` is
+    ``d metric / d output`` whatever requires grad upstream."""
+    def fn(value: Any) -> Tensor:
+        live = _sequence_tensor(value, key)
+        zero = torch.zeros_like(live, requires_grad=True)
+        found.append((live.detach(), zero))
+        return live + zero
+    return fn
+
+
+def _once(found: list[tuple[Tensor, Tensor]], key: str) -> tuple[Tensor, Tensor]:
+    if len(found) != 1:
+        raise EditError(f"'{key}' ran {len(found)} times in one forward pass; attribution "
+                        f"patching patches a layer that runs once: select one that does")
+    return found[0]
+
+
+def _differentiable(value: Any) -> Tensor:
+    if not isinstance(value, Tensor) or value.numel() != 1 or not value.requires_grad:
+        what = (f"a tensor of shape {tuple(value.shape)}" + ("" if value.requires_grad else
+                                                              " that does not require grad")
+                if isinstance(value, Tensor) else type(value).__name__)
+        raise EditError(f"metric returned {what}; attribution patching differentiates it: "
+                        f"return one-element tensor computed from the output (no .item(), no "
+                        f"torch.no_grad()), e.g. (logits[:, -1, a] - logits[:, -1, b]).mean()")
+    return value
+
+
+def _estimate(source: Tensor, live: Tensor, grad: Tensor | None, position: int, rows: int,
+              masks: tuple[Tensor | None, Tensor | None]) -> float:
+    """``sum((clean - corrupted) * grad)`` over the rows and channels patched at ``position``."""
+    clean_mask, corrupted_mask = masks
+    dest_rows, dest_columns = resolve_positions(position, (rows, live.shape[1]), corrupted_mask)
+    src_rows, src_columns = resolve_positions(position, source.shape, clean_mask)
+    if grad is None:  # the metric does not depend on this layer
+        return 0.0
+    dest = (dest_rows.to(live.device), dest_columns.to(live.device))
+    change = source[src_rows, src_columns].to(device=live.device, dtype=torch.float64) - \
+        live[dest].double()
+    return float((change * grad[dest].double()).sum())
