@@ -217,14 +217,3 @@ def test_normalized_metric_and_token_labels(tmp_path: Any) -> None:
     with pytest.raises(hookscope.HookscopeError, match="tokens has 2 labels for 5 positions"):
         sweep.plot(tmp_path / "t.png", tokens=["a", "b"])
 
-
-def test_run_refuses_a_capture_option_given_as_a_model_keyword() -> None:
-    model = tiny_gpt2()
-    with pytest.raises(hookscope.HookscopeError, match=(
-            r"hookscope.run got grads=True as a keyword: .*GPT2LMHeadModel.forward has no "
-            r"parameter 'grads'.*options=\{'grads': True\}; for a keyword of the model's own, "
-            r"call it inside the block")):
-        hookscope.run(model, IDS, layers="transformer.h.0", grads=True)
-    output, acts = hookscope.run(model, IDS, layers="transformer.h.0", options={"grads": True})
-    assert acts["transformer.h.0"].shape == (2, 5, 32)
-
