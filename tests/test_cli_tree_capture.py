@@ -30,19 +30,20 @@ SENTENCES = ["A cat sits on the mat.", "A kitten rests on a rug.", "Stock market
 
 
 @pytest.fixture(scope="module")
-def cached_load() -> Callable[[str], LoadedModel]:
-    cache: dict[str, LoadedModel] = {}
+def cached_load() -> Callable[..., LoadedModel]:
+    cache: dict[tuple[str, str], LoadedModel] = {}
 
-    def load(spec: str) -> LoadedModel:
-        if spec not in cache:
-            cache[spec] = load_model(spec)
-        return cache[spec]
+    def load(spec: str, **options: object) -> LoadedModel:
+        key = (spec, repr(sorted(options.items())))
+        if key not in cache:
+            cache[key] = load_model(spec, **options)  # type: ignore[arg-type]
+        return cache[key]
     return load
 
 
 @pytest.fixture(autouse=True)
 def _load_each_model_once(monkeypatch: pytest.MonkeyPatch,
-                          cached_load: Callable[[str], LoadedModel]) -> None:
+                          cached_load: Callable[..., LoadedModel]) -> None:
     monkeypatch.setattr(cli_common, "load_model", cached_load)  # every verb loads through it
 
 
@@ -59,7 +60,7 @@ def _table(stdout: str, header: str = "path") -> list[list[str]]:
 
 
 def test_readme_command(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                        cached_load: Callable[[str], LoadedModel]) -> None:
+                        cached_load: Callable[..., LoadedModel]) -> None:
     out, saved = tmp_path / "out", tmp_path / "acts.safetensors"
     code = main(["capture", "efficientnet-lite0", "--input", "sample:chelsea",
                  "--layer", "_blocks.*", "--plot", str(out), "--save", str(saved)])
@@ -183,7 +184,7 @@ def test_missing_layer_is_usage_error() -> None:
 
 
 def test_minilm_layers_on_two_sentences(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                        cached_load: Callable[[str], LoadedModel]) -> None:
+                                        cached_load: Callable[..., LoadedModel]) -> None:
     out = tmp_path / "plots"
     assert main(["capture", "minilm", "--layer", "encoder.layer.*", "--input", SENTENCES[0],
                  "--input", SENTENCES[1], "--input", SENTENCES[2], "--plot", str(out)]) == 0

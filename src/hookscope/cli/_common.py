@@ -20,9 +20,54 @@ INPUT_HELP = ("input, repeatable or several after one flag (images and sentences
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, input_required: bool = True) -> None:
-    """Add the positional ``MODEL`` and ``--input X [X ...]`` that the verbs share."""
+    """Add the positional ``MODEL``, ``--input X [X ...]`` and the image options that the verbs
+    share."""
     add_positional(parser, "model", "MODEL", MODEL_HELP)
     add_several(parser, "--input", required=input_required, metavar="X", help=INPUT_HELP)
+    add_image_arguments(parser)
+
+
+def add_image_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--image-size``, ``--mean``, ``--std``: how images become the model's input."""
+    parser.add_argument("--image-size", type=image_size, metavar="N",
+                        help="the model takes images resized to N x N (or HxW) pixels; needed "
+                             "to give images to your own model (pkg.mod:factory, file.py:fn)")
+    parser.add_argument("--mean", type=_rgb("mean"), metavar="R,G,B",
+                        help="per-channel mean of pixels in [0, 1] (default: the model's own, "
+                             "else ImageNet's 0.485,0.456,0.406)")
+    parser.add_argument("--std", type=_rgb("std"), metavar="R,G,B",
+                        help="per-channel std (default: the model's own, else ImageNet's "
+                             "0.229,0.224,0.225)")
+
+
+def image_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``load_model`` keywords of the image options given on the command line."""
+    return {name: getattr(args, name, None) for name in ("image_size", "mean", "std")}
+
+
+def image_size(text: str) -> tuple[int, int]:
+    """Parse ``32`` or ``32x48`` (height x width) into ``(height, width)``."""
+    match = re.fullmatch(r"\s*(\d+)\s*(?:[xX]\s*(\d+))?\s*", text)
+    if match is None or int(match[1]) <= 0 or int(match[2] or match[1]) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an image size; give a side in "
+                                         f"pixels, e.g. 32, or HEIGHTxWIDTH, e.g. 32x48")
+    return int(match[1]), int(match[2] or match[1])
+
+
+def _rgb(name: str) -> Callable[[str], tuple[float, ...]]:
+    def parse(text: str) -> tuple[float, ...]:
+        try:
+            values = tuple(float(v) for v in text.split(","))
+        except ValueError:
+            values = ()
+        if len(values) != 3 or not all(math.isfinite(v) for v in values) or (
+                name == "std" and min(values) <= 0):
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not three numbers R,G,B{' > 0' if name == 'std' else ''}; give "
+                f"e.g. {'0.229,0.224,0.225' if name == 'std' else '0.485,0.456,0.406'}")
+        return values
+    parse.__name__ = f"--{name}"
+    return parse
 
 
 def add_positional(parser: argparse.ArgumentParser, dest: str, metavar: str, help: str) -> None:
@@ -94,11 +139,11 @@ def print_json(data: Any) -> None:
     sys.stdout.write("\n")
 
 
-def load_model_timed(spec: str) -> LoadedModel:
-    """``load_model(spec)``, saying on stderr what is loading and how long it took."""
+def load_model_timed(spec: str, **options: Any) -> LoadedModel:
+    """``load_model(spec, **options)``, saying on stderr what is loading and how long it took."""
     started = time.perf_counter()
     say(f"loading {spec} ...")
-    loaded = load_model(spec)
+    loaded = load_model(spec, **options)
     say(f"loaded {spec} in {time.perf_counter() - started:.1f} s")
     return loaded
 

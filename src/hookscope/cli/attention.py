@@ -13,7 +13,14 @@ from typing import Any
 import torch
 
 import hookscope
-from hookscope.cli._common import add_model_arguments, load_model_timed, print_json, print_table, say
+from hookscope.cli._common import (
+    add_model_arguments,
+    image_options,
+    load_model_timed,
+    print_json,
+    print_table,
+    say,
+)
 from hookscope.errors import SpecError
 from hookscope.zoo.inputs import Inputs, load_inputs
 from hookscope.zoo.models import LoadedModel
@@ -42,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Compute, summarise and draw the attention maps as ``args`` says; exit code 0."""
-    loaded = load_model_timed(args.model)
+    loaded = load_model_timed(args.model, **image_options(args))
     hookscope.select(loaded.module, *args.layer)  # a bad pattern fails here, before any work
     inputs = load_inputs(args.input, loaded)
     for line in inputs.descriptions:

@@ -18,6 +18,7 @@ import hookscope
 from hookscope.cli._common import (
     add_layer_argument,
     add_model_arguments,
+    image_options,
     load_model_timed,
     print_json,
     print_table,
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     if args.save and os.path.lexists(args.save) and not args.overwrite:
         raise SpecError(f"'{args.save}' already exists; pass --overwrite to replace it, or "
                         "choose another --save file")
-    loaded = load_model_timed(args.model)
+    loaded = load_model_timed(args.model, **image_options(args))
     hookscope.select(loaded.module, *args.layer)  # a bad pattern fails here, before any work
     if args.gradcam:
         hookscope.select(loaded.module, args.gradcam)

@@ -12,9 +12,11 @@ from pathlib import Path
 import torch
 
 from hookscope.cli._common import (
+    add_image_arguments,
     add_layer_argument,
     add_positional,
     byte_count,
+    image_options,
     positive_float,
     positive_int,
 )
@@ -31,6 +33,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_positional(parser, "model", "MODEL",
                    "model spec: efficientnet-lite0, minilm, pkg.mod:factory, file.py:fn")
+    add_image_arguments(parser)
     parser.add_argument("--data", required=True, metavar="PATH",
                         help="a folder of images, a text file with one input a line, or a "
                              "tensor file (.pt/.npy/.safetensors) with rows along dim 0")
@@ -64,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_output(Path(args.out), resume=args.resume, overwrite=args.overwrite)
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, **image_options(args))
     data = load_data(args.data, loaded, batch_size=args.batch_size)
     model = loaded.module.to(args.device or _default_device())
     store = extract(model, data, args.layer, args.out,

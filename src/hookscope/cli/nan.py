@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from hookscope.cli._common import add_model_arguments, print_json, say
+from hookscope.cli._common import add_model_arguments, image_options, print_json, say
 from hookscope.diagnostics.nonfinite import find_nonfinite
 from hookscope.zoo.inputs import load_inputs
 from hookscope.zoo.models import load_model
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load the model and input, run ``find_nonfinite``, print what it found."""
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, **image_options(args))
     inputs = load_inputs(args.input, loaded)
     found = find_nonfinite(loaded.module, *inputs.args, backward=args.backward, **inputs.kwargs)
     if args.json:

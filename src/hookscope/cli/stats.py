@@ -9,6 +9,7 @@ from hookscope.cli._common import (
     add_layer_argument,
     add_model_arguments,
     dimension,
+    image_options,
     positive_int,
     print_json,
     print_table,
@@ -41,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load the model, stream the input batches through it, print one row per module."""
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, **image_options(args))
     size = args.batch_size or len(args.input)
     chunks = [args.input[i:i + size] for i in range(0, len(args.input), size)]
     batches = (_batch(load_inputs(chunk, loaded)) for chunk in chunks)

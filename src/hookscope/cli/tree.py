@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import argparse
 
-from hookscope.cli._common import add_model_arguments, load_model_timed, non_negative_int, print_json, say
+from hookscope.cli._common import (
+    add_model_arguments,
+    image_options,
+    load_model_timed,
+    non_negative_int,
+    print_json,
+    say,
+)
 from hookscope.diagnostics.tree import filter_rows, format_tree, tree, tree_of_call
 from hookscope.errors import SpecError
 from hookscope.zoo.inputs import load_inputs
@@ -30,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the module tree of ``args.model``; exit code 0."""
-    loaded = load_model_timed(args.model)
+    loaded = load_model_timed(args.model, **image_options(args))
     if args.input:
         inputs = load_inputs(args.input, loaded)
         for line in inputs.descriptions:

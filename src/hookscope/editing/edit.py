@@ -7,10 +7,13 @@ Four context managers, each selecting modules with the same patterns as ``captur
 - ``patch(model, source=acts, layers=patterns)``: activation patching from another run;
 - ``steer(model, {pattern: vector}, scale=1.0, positions=None)``: add a direction.
 
-``ablate``, ``patch`` and ``steer`` take ``positions=``: token positions of dim 1, counted among the
+``ablate``, ``patch`` and ``steer`` take ``positions=``: token positions of the token axis (dim 1
+of a module's output; dim 2, the queries, of ``"path::scaled_dot_product_attention"``'s ``(batch,
+heads, query, head_dim)``; ``seq_dim=`` for any other function's value), counted among the
 real tokens of each row whenever an attention mask is known (the ``attention_mask`` the model is
 called with, read by a pre-hook on the root, or the one given), so a padded batch never has a
-padding position edited; ``absolute=True`` indexes dim 1 as it is. See ``hookscope.positions``.
+padding position edited; ``absolute=True`` indexes the axis as it is. ``heads=`` edits only those
+attention heads of a value with a heads axis. See ``hookscope.positions``.
 
 Output edits are forward hooks that return the new output; input edits (``edit(...,
 inputs=True)``) are forward pre-hooks (``with_kwargs=True``) that return ``(args, kwargs)``. Every
@@ -43,7 +46,7 @@ from hookscope.engine.select import Target, as_patterns, unwrap
 from hookscope.engine.session import HookSession, OnUnfired, resolve_each
 from hookscope.engine.values import plain, restore_like, special
 from hookscope.errors import EditError, warn
-from hookscope.record.positions import MaskWatcher, Positions
+from hookscope.record.positions import Heads, MaskWatcher, Positions
 from hookscope.util.nested import get_part, iter_tensors, set_part
 
 __all__ = ["Edit", "edit", "ablate", "patch", "steer"]
@@ -188,7 +191,8 @@ def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: b
 def ablate(model: nn.Module, patterns: str | Sequence[str], *,
            how: Literal["zero", "mean", "resample"] = "zero", reference: Source | None = None,
            positions: Positions = None, attention_mask: Tensor | None = None,
-           absolute: bool = False, on_unfired: OnUnfired = "warn") -> Edit:
+           absolute: bool = False, heads: Heads = None, seq_dim: int | None = None,
+           on_unfired: OnUnfired = "warn") -> Edit:
     """Knock out the outputs of selected modules (every tensor in them, or the selected part).
 
     Args:
@@ -200,12 +204,17 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
             torch RNG: seed it with ``torch.manual_seed`` for a repeatable draw).
         reference: for ``"mean"``/``"resample"``: a ``Capture`` of the same modules on
             reference inputs, a dict from ``hookscope.load``, or a file ``Capture.save`` wrote.
-        positions: only these positions of dim 1 (``(batch, seq, ...)`` outputs), counted among
-            real tokens when an attention mask is known (see ``hookscope.positions``);
-            ``None``: the whole output.
+        positions: only these token positions, counted among real tokens when an attention mask
+            is known (see ``hookscope.positions``); ``None``: every position. The token axis is
+            dim 1 of a module's output, the query axis (dim 2) of a
+            ``"path::scaled_dot_product_attention"`` value ``(batch, heads, query, head_dim)``,
+            ``seq_dim`` for any other function's value (refused without it).
         attention_mask: ``(batch, seq)`` mask to count positions by; ``None``: the one the model
             is called with (keyword or positional ``attention_mask``), if any.
-        absolute: count positions on dim 1 as it is, padding included.
+        absolute: count positions on the token axis as it is, padding included.
+        heads: only these attention heads (an int or a list; negative from the end), on
+            addresses whose value has a heads axis: ``"path::scaled_dot_product_attention"``.
+        seq_dim: the token axis of each selected value, overriding its known layout.
         on_unfired: as in ``edit``.
 
     Returns:
@@ -215,7 +224,9 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
         EditError: an unknown ``how``; no ``reference`` for ``"mean"``/``"resample"``; in the
             forward pass, a reference that lacks the module, or whose rows (shape past dim 0)
             differ from the output's.
-        PositionError: in the forward pass, a position that a row lacks (see ``positions``).
+        PositionError: in the forward pass, a position that a row lacks (see ``positions``), a
+            head that does not exist, ``heads`` on a value without a heads axis, ``positions``
+            on a function's value of unknown layout without ``seq_dim``.
     """
     patterns = as_patterns(patterns)
     if how not in ("zero", "mean", "resample"):
@@ -227,11 +238,12 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
                             f"reference inputs, e.g. with hookscope.capture(model, *patterns) as "
                             f"acts: model(x_reference)")
         rule = _edit_rules.reference_rule(SourceReader(reference, "reference"), how)
-    if positions is None:
+    if positions is None and heads is None:
         return Edit(model, [(p, rule) for p in patterns], on_unfired=on_unfired)
     watcher = MaskWatcher(unwrap(model)[0], attention_mask)
-    return Edit(model, [(p, _edit_rules.at_positions(rule, positions, watcher, absolute)) for p in patterns],
-                on_unfired=on_unfired, watcher=watcher)
+    where = _edit_rules.Where(heads, seq_dim, absolute)
+    return Edit(model, [(p, _edit_rules.at_positions(rule, positions, watcher, where))
+                        for p in patterns], on_unfired=on_unfired, watcher=watcher)
 
 
 def patch(model: nn.Module, *, source: Source,
@@ -239,7 +251,8 @@ def patch(model: nn.Module, *, source: Source,
           source_layers: str | Sequence[str] | None = None,
           positions: Positions | Mapping[int, int] = None,
           attention_mask: Tensor | None = None, source_attention_mask: Tensor | None = None,
-          absolute: bool = False, on_unfired: OnUnfired = "warn") -> Edit:
+          absolute: bool = False, heads: Heads = None, seq_dim: int | None = None,
+          on_unfired: OnUnfired = "warn") -> Edit:
     """Activation patching: give call ``k`` of each selected module call ``k``'s value in ``source``.
 
     ::
@@ -258,14 +271,19 @@ def patch(model: nn.Module, *, source: Source,
             ``{pattern: source pattern}`` patches each from another layer of the source.
         source_layers: the source layer of each of ``layers``, in the same order (each pattern
             must select as many modules as its partner); ``None``: the same layers.
-        positions: patch only these positions of dim 1 (``(batch, seq, ...)`` outputs), counted
-            among real tokens when a mask is known (see ``hookscope.positions``); a mapping
-            ``{position: source position}`` takes each from another position of the source.
-            With positions, the source may have another sequence length (another prompt).
+        positions: patch only these token positions, counted among real tokens when a mask is
+            known (see ``hookscope.positions``); a mapping ``{position: source position}``
+            takes each from another position of the source. With positions, the source may
+            have another sequence length (another prompt). The token axis is found as in
+            ``ablate`` (dim 1 of a module's output, the query axis of scaled_dot_product_attention,
+            else ``seq_dim``).
         attention_mask: this run's ``(batch, seq)`` mask; ``None``: the one the model is called
             with, if any.
         source_attention_mask: the source run's mask, to count source positions by.
-        absolute: count positions on dim 1 as it is (both runs), padding included.
+        absolute: count positions on the token axis as it is (both runs), padding included.
+        heads: patch only these attention heads (every real position of them when
+            ``positions`` is ``None``), on ``"path::scaled_dot_product_attention"`` addresses.
+        seq_dim: the token axis of each selected value, overriding its known layout.
         on_unfired: as in ``edit``.
 
     Returns:
@@ -276,27 +294,30 @@ def patch(model: nn.Module, *, source: Source,
             the forward pass: ``source`` lacks a selected module or its call ``k``; a value's
             shape differs from the live output's (the message names the module, the call and
             both shapes).
-        PositionError: in the forward pass, a position that a row of either run lacks.
+        PositionError: in the forward pass, a position that a row of either run lacks; as in
+            ``ablate`` for ``heads`` and ``seq_dim``.
     """
     records = SourceReader(source, "source")
     pairs = _edit_rules.layer_pairs(records, layers, source_layers)
     names = module_index(model)  # one index for the source pairs and the session
     source_of = _edit_rules.source_targets(model, pairs, names)
-    if positions is None:
+    if positions is None and heads is None:
         rule = _edit_rules.patch_rule(records, source_of)
         return Edit(model, [(p, rule) for p, _ in pairs], on_unfired=on_unfired, names=names)
     destination, origin = ((list(positions), list(positions.values()))
                            if isinstance(positions, Mapping) else (positions, positions))
     watcher = MaskWatcher(unwrap(model)[0], attention_mask)
+    where = _edit_rules.Where(heads, seq_dim, absolute)
     rule = _edit_rules.patch_positions_rule(records, source_of, destination, origin, watcher,
-                                 source_attention_mask, absolute)
+                                            source_attention_mask, where)
     return Edit(model, [(p, rule) for p, _ in pairs], on_unfired=on_unfired, watcher=watcher,
                 names=names)
 
 
 def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0,
           positions: Positions = None, attention_mask: Tensor | None = None,
-          absolute: bool = False, on_unfired: OnUnfired = "warn") -> Edit:
+          absolute: bool = False, heads: Heads = None, seq_dim: int | None = None,
+          on_unfired: OnUnfired = "warn") -> Edit:
     """Add ``scale * vector`` to the output of each selected module (a steering direction).
 
     The vector broadcasts over the leading dimensions: a ``(d_model,)`` vector is added to every
@@ -308,13 +329,16 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
         model: root module.
         vectors: ``{pattern: vector}``; each vector is cast to the output's device and dtype.
         scale: multiplier of every vector.
-        positions: only these positions of dim 1 (the sequence of ``(batch, seq, ...)``),
-            counted among real tokens when an attention mask is known: ``-1`` is the last real
-            token of each row, right- or left-padded (see ``hookscope.positions``); an int, a
-            list of ints, a slice or a boolean mask; ``None``: everywhere.
+        positions: only these token positions, counted among real tokens when an attention mask
+            is known: ``-1`` is the last real token of each row, right- or left-padded (see
+            ``hookscope.positions``); an int, a list of ints, a slice or a boolean mask;
+            ``None``: everywhere. The token axis is found as in ``ablate``.
         attention_mask: ``(batch, seq)`` mask to count positions by; ``None``: the one the model
             is called with (keyword or positional ``attention_mask``), if any.
-        absolute: count positions on dim 1 as it is, padding included.
+        absolute: count positions on the token axis as it is, padding included.
+        heads: only these attention heads, on ``"path::scaled_dot_product_attention"``
+            addresses (give a ``(head_dim,)`` vector there).
+        seq_dim: the token axis of each selected value, overriding its known layout.
         on_unfired: as in ``edit``.
 
     Returns:
@@ -323,9 +347,11 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
     Raises:
         EditError: a vector is not a tensor; in the forward pass: the selected output is not a
             tensor or the vector does not broadcast to it.
-        PositionError: in the forward pass, the output has no dim 1 or a row lacks a position.
+        PositionError: in the forward pass, the output has no token axis or a row lacks a
+            position; as in ``ablate`` for ``heads`` and ``seq_dim``.
     """
-    watcher = None if positions is None else MaskWatcher(unwrap(model)[0], attention_mask)
+    edits_part = positions is not None or heads is not None
+    watcher = MaskWatcher(unwrap(model)[0], attention_mask) if edits_part else None
     rules = []
     _check_mapping("vectors", vectors, "vector", "one vector per pattern")
     for pattern, vector in vectors.items():
@@ -334,7 +360,8 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
                             f"give a tensor, e.g. torch.tensor(values) of shape (d_model,)")
         rule = _edit_rules.steer_rule(vector.detach() * scale)
         if watcher is not None:
-            rule = _edit_rules.at_positions(rule, positions, watcher, absolute)
+            rule = _edit_rules.at_positions(rule, positions, watcher,
+                                            _edit_rules.Where(heads, seq_dim, absolute))
         rules.append((pattern, rule))
     return Edit(model, rules, on_unfired=on_unfired, watcher=watcher)
 

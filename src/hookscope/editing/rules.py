@@ -8,6 +8,7 @@ selected output part of one call of ``target``. ``edit.py`` builds the sessions;
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,7 +18,17 @@ from hookscope.editing.sources import SourceReader
 from hookscope.engine.names import ModuleIndex
 from hookscope.engine.select import Target, as_patterns, resolve
 from hookscope.errors import EditError
-from hookscope.record.positions import MaskWatcher, Positions, resolve_positions
+from hookscope.record.positions import (
+    Axes,
+    Heads,
+    MaskWatcher,
+    Positions,
+    resolve_heads,
+    resolve_positions,
+    selected,
+    tokens_first,
+    value_axes,
+)
 from hookscope.util.nested import get_part, iter_tensors_with_keys, map_tensors
 
 Tensor = torch.Tensor
@@ -117,46 +128,78 @@ def patch_rule(records: SourceReader, source_of: dict[str, Target]) -> Rule:
 
 
 def patch_positions_rule(records: SourceReader, source_of: dict[str, Target], destination: Positions,
-                          origin: Positions, watcher: MaskWatcher, source_mask: Tensor | None,
-                          absolute: bool) -> Rule:
-    """Patch rule that writes the source's ``origin`` positions into this run's ``destination``."""
+                         origin: Positions, watcher: MaskWatcher, source_mask: Tensor | None,
+                         where: Where) -> Rule:
+    """Patch rule that writes the source's ``origin`` positions (of the selected heads) into
+    this run's ``destination``, each on its value's token axis."""
     def rule(value: Any, target: Target, call: int) -> Any:
         def replace(live: Tensor, keys: tuple[int | str, ...]) -> Tensor:
-            recorded = records.leaf(source_of.get(target.key, target), call, keys)
-            rows, columns = resolve_positions(destination, live.shape, watcher.mask_for(live.shape),
-                                              absolute=absolute)
-            src_rows, src_columns = resolve_positions(origin, recorded.shape, source_mask,
-                                                      absolute=absolute)
-            if not torch.equal(rows.cpu(), src_rows.cpu()) or recorded.shape[2:] != live.shape[2:]:
+            name = f"{target.key}{_suffix(keys)}"
+            origin_target = source_of.get(target.key, target)
+            recorded = records.leaf(origin_target, call, keys)
+            axes = where.axes(name, target.op, live.shape)
+            source_axes = where.axes(name, origin_target.op, recorded.shape)
+            rows, columns = resolve_positions(destination, _batch_seq(live.shape, axes),
+                                              watcher.mask_for(_batch_seq(live.shape, axes)),
+                                              absolute=where.absolute)
+            src_rows, src_columns = resolve_positions(origin, _batch_seq(recorded.shape, source_axes),
+                                                      source_mask, absolute=where.absolute)
+            new = live.clone()
+            view, source = tokens_first(new, axes), tokens_first(recorded, source_axes)
+            if not torch.equal(rows.cpu(), src_rows.cpu()) or source.shape[2:] != view.shape[2:]:
                 raise EditError(
-                    f"cannot patch call {call} of '{target.key}{_suffix(keys)}' at positions: they "
-                    f"select {rows.numel()} tokens in this run (shape {tuple(live.shape)}) and "
+                    f"cannot patch call {call} of '{name}' at positions: they select "
+                    f"{rows.numel()} tokens in this run (shape {tuple(live.shape)}) and "
                     f"{src_rows.numel()} in the source (shape {tuple(recorded.shape)}); give "
                     f"positions that pick the same number of tokens in each row of both runs, "
                     f"with the same batch size and trailing shape")
-            new = live.clone()
-            new[rows.to(live.device), columns.to(live.device)] = recorded[
-                src_rows.to(recorded.device), src_columns.to(recorded.device)].to(
-                device=live.device, dtype=live.dtype)
+            index: tuple[Tensor, ...] = (rows, columns)
+            src_index: tuple[Tensor, ...] = (src_rows, src_columns)
+            if where.heads is not None:
+                chosen = resolve_heads(where.heads, view.shape[2], name)[None]
+                index, src_index = (rows[:, None], columns[:, None], chosen), \
+                    (src_rows[:, None], src_columns[:, None], chosen)
+            view[tuple(i.to(live.device) for i in index)] = source[
+                tuple(i.to(recorded.device) for i in src_index)].to(device=live.device,
+                                                                     dtype=live.dtype)
             return new
         return _map_with_keys(replace, value)
     return rule
 
 
-def at_positions(rule: Rule, positions: Positions, watcher: MaskWatcher, absolute: bool) -> Rule:
-    """``rule`` applied at ``positions`` of dim 1 only; elsewhere the output is kept."""
+@dataclass(frozen=True)
+class Where:
+    """Where an edit applies inside each value: ``heads`` (``None``: all), the token axis given
+    by ``seq_dim`` (``None``: the value's known layout), positions ``absolute`` or counted
+    among real tokens."""
+
+    heads: Heads = None
+    seq_dim: int | None = None
+    absolute: bool = False
+
+    def axes(self, name: str, op: str | None, shape: Sequence[int]) -> Axes:
+        return value_axes(name, op, shape, self.seq_dim, heads=self.heads is not None)
+
+
+def at_positions(rule: Rule, positions: Positions, watcher: MaskWatcher, where: Where) -> Rule:
+    """``rule`` applied at ``positions`` of each value's token axis and at ``where.heads`` of
+    its heads axis only; elsewhere the output is kept."""
     def positioned(value: Any, target: Target, call: int) -> Any:
         new = rule(value, target, call)
 
         def keep_outside(live: Tensor, keys: tuple[int | str, ...]) -> Tensor:
-            rows, columns = resolve_positions(positions, live.shape, watcher.mask_for(live.shape),
-                                              absolute=absolute)
-            chosen = torch.zeros(live.shape[:2], dtype=torch.bool, device=live.device)
-            chosen[rows.to(live.device), columns.to(live.device)] = True
-            chosen = chosen.reshape(*chosen.shape, *[1] * (live.dim() - 2))  # (batch, seq, 1, ...)
-            return torch.where(chosen, get_part(new, keys) if keys else new, live)
+            name = f"{target.key}{_suffix(keys)}"
+            axes = where.axes(name, target.op, live.shape)
+            chosen = selected(live.shape, axes, positions, where.heads, name,
+                              watcher.mask_for(_batch_seq(live.shape, axes)),
+                              absolute=where.absolute)
+            return torch.where(chosen.to(live.device), get_part(new, keys) if keys else new, live)
         return _map_with_keys(keep_outside, value)
     return positioned
+
+
+def _batch_seq(shape: Sequence[int], axes: Axes) -> tuple[int, int]:
+    return int(shape[0]), int(shape[axes.seq])
 
 
 def layer_pairs(records: SourceReader, layers: str | Sequence[str] | Mapping[str, str] | None,

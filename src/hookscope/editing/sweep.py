@@ -23,9 +23,9 @@ from tqdm import tqdm
 from hookscope.editing.edit import edit
 from hookscope.engine.run import untouched
 from hookscope.engine.select import resolve
-from hookscope.errors import EditError, PositionError
+from hookscope.errors import EditError, PositionError, warn
 from hookscope.record.capture import capture
-from hookscope.record.positions import resolve_positions
+from hookscope.record.positions import Axes, resolve_positions, tokens_first, value_axes
 from hookscope.util.extras import require
 from hookscope.util.figures import new_figure, save_figure
 from hookscope.util.nested import map_tensors
@@ -36,6 +36,7 @@ Tensor = torch.Tensor
 Metric = Callable[[Any], "Tensor | float"]
 #: rows (batch rows times patched copies) of one forward when ``batch_size`` is not given
 DEFAULT_ROWS = 64
+Cell = tuple[int, "int | None"]  # a position and a head (None: every head)
 
 
 @dataclass(frozen=True)
@@ -43,12 +44,14 @@ class Sweep:
     """The result of ``patching_sweep``.
 
     Attributes:
-        values: ``(len(layers), len(positions))`` float64: the metric of the corrupted run with
-            that one layer and position patched from the clean run.
+        values: ``(len(layers), len(positions))`` float64 (``(len(layers), len(positions),
+            len(heads))`` with ``heads``): the metric of the corrupted run with that one layer
+            and position (and head) patched from the clean run.
         layers: record names of the patched layers, ``named_modules()`` order.
-        positions: the positions (counted among real tokens when a mask is known).
+        positions: the token positions (counted among real tokens when a mask is known).
         clean: the metric of the clean run, unpatched.
         corrupted: the metric of the corrupted run, unpatched.
+        heads: the heads patched one at a time, or ``None`` when whole positions were patched.
     """
 
     values: Tensor
@@ -56,45 +59,91 @@ class Sweep:
     positions: list[int]
     clean: float
     corrupted: float
+    heads: list[int] | None = None
 
-    def table(self) -> str:
-        """The values as an aligned text table, one line per layer."""
-        width = max(len(layer) for layer in self.layers)
-        head = " " * width + "".join(f"{p:>10}" for p in self.positions)
-        lines = [f"{layer:<{width}}" + "".join(f"{v:>10.4g}" for v in row)
-                 for layer, row in zip(self.layers, self.values.tolist())]
-        return "\n".join([head, *lines])
-
-    def plot(self, file: str | os.PathLike[str], *, title: str = "activation patching") -> Path:
-        """Write the heat map (layers down, positions across) as a PNG, atomically.
+    def normalized(self) -> Tensor:
+        """``(values - corrupted) / (clean - corrupted)``, float64 of ``values``' shape: 0 where
+        the patch changes nothing, 1 where it restores the clean metric (the normalisation of
+        Wang et al. 2022, arXiv:2211.00593, and Heimersheim & Nanda 2024, arXiv:2404.15255).
 
         Raises:
+            EditError: the clean and corrupted metrics are equal, so there is nothing to restore.
+        """
+        if self.clean == self.corrupted:
+            raise EditError(f"the clean and corrupted metrics are both {self.clean:.6g}: the "
+                            f"corruption changes nothing, so no patch can restore it; choose a "
+                            f"corrupted input (or a metric) on which the runs differ")
+        return (self.values - self.corrupted) / (self.clean - self.corrupted)
+
+    def _grid(self) -> tuple[list[str], Tensor]:
+        """Row labels and the ``(rows, positions)`` grid: one row per layer, or per (layer, head)."""
+        if self.heads is None:
+            return list(self.layers), self.values
+        labels = [f"{layer} head {h}" for layer in self.layers for h in self.heads]
+        return labels, self.values.permute(0, 2, 1).reshape(len(labels), len(self.positions))
+
+    def table(self) -> str:
+        """The values as an aligned text table, one line per layer (per layer and head)."""
+        labels, grid = self._grid()
+        width = max(len(label) for label in labels)
+        head = " " * width + "".join(f"{p:>10}" for p in self.positions)
+        lines = [f"{label:<{width}}" + "".join(f"{v:>10.4g}" for v in row)
+                 for label, row in zip(labels, grid.tolist())]
+        return "\n".join([head, *lines])
+
+    def plot(self, file: str | os.PathLike[str], *, title: str = "activation patching",
+             tokens: Sequence[str] | None = None, normalized: bool = False) -> Path:
+        """Write the heat map (layers, or layers x heads, down; positions across) as a PNG,
+        atomically.
+
+        Args:
+            file: the PNG's path.
+            title: the figure's title.
+            tokens: a label per position (the token strings), instead of the position numbers.
+            normalized: draw ``normalized()`` (0 = corrupted, 1 = clean) instead of the metric.
+
+        Raises:
+            EditError: ``tokens`` does not have one label per position; as ``normalized()``.
             MissingExtraError: matplotlib is not installed (extra ``[viz]``).
         """
+        if tokens is not None and len(tokens) != len(self.positions):
+            raise EditError(f"tokens has {len(tokens)} labels for {len(self.positions)} positions "
+                            f"{self.positions}: give one per position, e.g. [tokens[p] for p in "
+                            f"sweep.positions]")
         colors = require("matplotlib.colors", "Sweep.plot")
+        labels, grid = self._grid()
+        center = 0.0 if normalized else self.corrupted
+        if normalized:
+            grid = Sweep(grid, labels, self.positions, self.clean, self.corrupted).normalized()
         figure = new_figure("Sweep.plot")
         axes = figure.add_axes((0.22, 0.12, 0.68, 0.78))
         # white = the corrupted run's metric; red above it, blue below
-        image = axes.imshow(self.values.numpy(), cmap="RdBu_r", aspect="auto",
-                            norm=colors.CenteredNorm(vcenter=self.corrupted))
-        axes.set_xticks(np.arange(len(self.positions)), [str(p) for p in self.positions])
-        axes.set_yticks(np.arange(len(self.layers)), self.layers)
-        axes.set_xlabel("position")
-        figure.colorbar(image, ax=axes, label=f"metric (clean {self.clean:.4g}, "
-                                               f"corrupted {self.corrupted:.4g})")
+        image = axes.imshow(grid.numpy(), cmap="RdBu_r", aspect="auto",
+                            norm=colors.CenteredNorm(vcenter=center))
+        axes.set_xticks(np.arange(len(self.positions)),
+                        list(tokens) if tokens is not None else [str(p) for p in self.positions])
+        axes.set_yticks(np.arange(len(labels)), labels)
+        axes.set_xlabel("token" if tokens is not None else "position")
+        label = ("(patched - corrupted) / (clean - corrupted)" if normalized else
+                 f"metric (clean {self.clean:.4g}, corrupted {self.corrupted:.4g})")
+        figure.colorbar(image, ax=axes, label=label)
         axes.set_title(title)
         return save_figure(figure, Path(file))
 
 
 def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str | Sequence[str],
-                   metric: Metric, positions: Sequence[int] | None = None,
-                   batch_size: int | None = None, plot: str | os.PathLike[str] | None = None,
-                   progress: bool = True) -> Sweep:
+                   metric: Metric, positions: Sequence[int] | None = None, heads: bool = False,
+                   seq_dim: int | None = None, batch_size: int | None = None,
+                   plot: str | os.PathLike[str] | None = None, progress: bool = True) -> Sweep:
     """Patch each (layer, position) of ``corrupted`` with ``clean``'s value; tabulate ``metric``.
 
     For each selected layer and each position ``p``, the corrupted input runs with that layer's
-    output at ``p`` (in every batch row) replaced by the clean run's value at ``p``, and
-    ``metric(output)`` is recorded. Forwards run under ``torch.no_grad()`` in the model's
+    value at token ``p`` (in every batch row) replaced by the clean run's value at ``p``, and
+    ``metric(output)`` is recorded. The token axis is dim 1 of a module's output and the query
+    axis of a ``"path::scaled_dot_product_attention"`` value ``(batch, heads, query,
+    head_dim)``; any other function's value needs ``seq_dim``. With ``heads=True`` each head
+    of such an attention value is patched on its own at each position. Forwards run under
+    ``torch.no_grad()`` in the model's
     current mode (call ``model.eval()`` first: in training mode dropout makes every forward
     differ), and the model is left as it was found afterwards (BatchNorm statistics, spectral
     norm, train/eval flags, ``requires_grad``, ``.grad``, the RNG state:
@@ -111,88 +160,136 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
         model: root module.
         clean, corrupted: model inputs: a tensor (``model(x)``), a dict (``model(**x)``, its
             ``attention_mask`` counts positions among real tokens) or a tuple (``model(*x)``).
-            Their sequence lengths may differ when every position exists in both.
+            Their sequence lengths may differ.
         layers: patterns of the layers to patch; each must output a ``(batch, seq, ...)`` tensor
-            (select the tensor of a tuple output with a part, ``"layers.*[0]"``).
+            (select the tensor of a tuple output with a part, ``"layers.*[0]"``), or be a
+            function-level address whose token axis is known or given by ``seq_dim``.
         metric: ``metric(output) -> float`` or a one-element tensor (a mean over the batch,
             e.g. a logit difference), given the model's output of one patched run.
-        positions: positions to patch (ints); ``None``: every position of the corrupted input.
+        positions: positions to patch (ints); ``None``: every position of the corrupted input
+            that the clean input has too (a warning names the positions left out when the
+            corrupted input is longer).
+        heads: patch each head on its own (``values`` gets a heads axis); the layers must be
+            ``"path::scaled_dot_product_attention"`` addresses.
+        seq_dim: the token axis of the patched values, overriding their known layout.
         batch_size: patched runs per forward; ``None``: as many as keep a forward at 64 rows.
         plot: write the heat map PNG there.
         progress: show a tqdm bar on stderr (one step per forward).
 
     Returns:
-        A ``Sweep``: ``values[i, j]`` is the metric with ``sweep.layers[i]`` patched at
-        ``sweep.positions[j]``.
+        A ``Sweep``: ``values[i, j]`` (``values[i, j, k]`` with heads) is the metric with
+        ``sweep.layers[i]`` patched at ``sweep.positions[j]`` (head ``sweep.heads[k]``).
 
     Raises:
         SelectorError: a pattern matches no module.
         PositionError: a position does not exist in a row of either input; ``positions=None``
-            with rows of different real lengths.
-        EditError: a layer's output is not a ``(batch, seq, ...)`` tensor; ``metric`` does not
-            return one number.
+            with rows of different real lengths; a function's value of unknown layout without
+            ``seq_dim``; ``heads=True`` on a value without a heads axis.
+        EditError: a layer's output is not a tensor with a batch and a token axis; layers with
+            different head counts; ``metric`` does not return one number.
     """
     clean, corrupted = _plain(clean), _plain(corrupted)
     targets = resolve(model, [layers] if isinstance(layers, str) else list(layers))
-    keys = list(dict.fromkeys(t.key for t in targets))
+    ops = {t.key: t.op for t in targets}
+    keys = list(ops)
     clean_mask, corrupted_mask = _mask(clean), _mask(corrupted)
     rows = _rows(corrupted)
     with untouched(model), torch.no_grad():
         with capture(model, *keys, on_unfired="error") as acts:
             clean_metric = _number(metric(_forward(model, clean)))
-        corrupted_metric = _number(metric(_forward(model, corrupted)))
+        with capture(model, *keys, on_unfired="error") as corrupted_acts:
+            corrupted_metric = _number(metric(_forward(model, corrupted)))
         sources = {key: _sequence_tensor(acts[key], key) for key in keys}
-        chosen = list(positions) if positions is not None else _all_positions(sources, corrupted_mask)
+        axes = {key: value_axes(key, ops[key], sources[key].shape, seq_dim, heads=heads)
+                for key in keys}
+        chosen = list(positions) if positions is not None else _all_positions(
+            _length(sources[keys[0]], axes[keys[0]], clean_mask),
+            _length(_sequence_tensor(corrupted_acts[keys[0]], keys[0]), axes[keys[0]],
+                    corrupted_mask))
+        head_list = _heads(sources, axes) if heads else None
+        each_head: list[int | None] = [None] if head_list is None else list(head_list)
+        cells: list[Cell] = [(p, h) for p in chosen for h in each_head]
         copies = batch_size or max(1, DEFAULT_ROWS // rows)
-        chunks = [chosen[i:i + copies] for i in range(0, len(chosen), copies)]
+        chunks = [cells[i:i + copies] for i in range(0, len(cells), copies)]
         bar = tqdm(total=len(keys) * len(chunks), desc="patching sweep", unit="forward",
                    file=sys.stderr, disable=not progress)
         with bar:
             values = torch.tensor([[v for chunk in chunks
-                                    for v in _run_chunk(model, corrupted, key, sources[key], chunk,
-                                                        metric, (clean_mask, corrupted_mask), bar)]
+                                    for v in _run_chunk(model, corrupted, key, sources[key],
+                                                        axes[key], chunk, metric,
+                                                        (clean_mask, corrupted_mask), bar)]
                                    for key in keys], dtype=torch.float64)
-    sweep = Sweep(values, keys, chosen, clean_metric, corrupted_metric)
+    if head_list is not None:
+        values = values.reshape(len(keys), len(chosen), len(head_list))
+    sweep = Sweep(values, keys, chosen, clean_metric, corrupted_metric, head_list)
     if plot is not None:
         sweep.plot(plot)
     return sweep
 
 
-def _run_chunk(model: nn.Module, corrupted: Any, key: str, source: Tensor, chunk: list[int],
-               metric: Metric, masks: tuple[Tensor | None, Tensor | None], bar: Any) -> list[float]:
+def _run_chunk(model: nn.Module, corrupted: Any, key: str, source: Tensor, axes: Axes,
+               chunk: list[Cell], metric: Metric, masks: tuple[Tensor | None, Tensor | None],
+               bar: Any) -> list[float]:
     """One forward of ``len(chunk)`` copies of ``corrupted``, copy ``j`` patched at ``chunk[j]``
-    in ``key``; the metric of each copy."""
+    (a position and a head or ``None``) in ``key``; the metric of each copy."""
     rows = _rows(corrupted)
-    with edit(model, {key: _patcher(source, chunk, rows, *masks)}, on_unfired="error"):
+    with edit(model, {key: _patcher(source, axes, chunk, rows, *masks)}, on_unfired="error"):
         output = _forward(model, _repeat(corrupted, len(chunk), rows))
     bar.update()
     return [_number(metric(_copy_of(output, j, len(chunk), rows))) for j in range(len(chunk))]
 
 
-def _patcher(source: Tensor, chunk: list[int], rows: int, clean_mask: Tensor | None,
+def _patcher(source: Tensor, axes: Axes, chunk: list[Cell], rows: int, clean_mask: Tensor | None,
              corrupted_mask: Tensor | None) -> Callable[[Any], Tensor]:
     """The edit of one forward: copy ``j`` (rows ``j*rows`` …) patched at ``chunk[j]``."""
+    clean_view = tokens_first(source, axes)  # (batch, seq, [heads,] ...)
+
     def fn(value: Any) -> Tensor:
-        live = _sequence_tensor(value, "the patched layer")
-        new = live.clone()
-        for j, position in enumerate(chunk):
-            dest_rows, dest_columns = resolve_positions(position, (rows, live.shape[1]), corrupted_mask)
-            src_rows, src_columns = resolve_positions(position, source.shape, clean_mask)
-            new[j * rows + dest_rows.to(live.device), dest_columns.to(live.device)] = \
-                source[src_rows, src_columns].to(device=live.device, dtype=live.dtype)
+        new = _sequence_tensor(value, "the patched layer").clone()
+        view = tokens_first(new, axes)
+        for j, (position, head) in enumerate(chunk):
+            dest_rows, dest_columns = resolve_positions(position, (rows, view.shape[1]),
+                                                        corrupted_mask)
+            src_rows, src_columns = resolve_positions(position, clean_view.shape[:2], clean_mask)
+            at_head = () if head is None else (head,)
+            view[(j * rows + dest_rows.to(new.device), dest_columns.to(new.device), *at_head)] = \
+                clean_view[(src_rows, src_columns, *at_head)].to(device=new.device, dtype=new.dtype)
         return new
     return fn
 
 
-def _all_positions(sources: dict[str, Tensor], mask: Tensor | None) -> list[int]:
-    seq = next(iter(sources.values())).shape[1]
+def _length(value: Tensor, axes: Axes, mask: Tensor | None) -> int:
+    """The real token count of every row of an input (its token axis without a mask).
+
+    Raises:
+        PositionError: the rows have different real lengths.
+    """
     if mask is None:
-        return list(range(seq))
+        return int(value.shape[axes.seq])
     lengths = set((mask != 0).sum(dim=1).tolist())
     if len(lengths) != 1:
-        raise PositionError(f"the corrupted rows have {sorted(lengths)} real tokens, so 'every "
+        raise PositionError(f"the rows have {sorted(lengths)} real tokens, so 'every "
                             f"position' differs by row: give positions=[...] (e.g. [-3, -2, -1])")
-    return list(range(lengths.pop()))
+    return int(lengths.pop())
+
+
+def _all_positions(clean: int, corrupted: int) -> list[int]:
+    """Every position of the corrupted input that the clean one has; a warning names the rest."""
+    if corrupted > clean:
+        warn(f"patching_sweep covers positions 0 … {clean - 1}: the corrupted input has "
+             f"{corrupted} tokens and the clean one {clean}, so positions {clean} … "
+             f"{corrupted - 1} have no clean value to patch in and are left out; give "
+             f"positions=[...] to choose (negative positions count from each input's end)",
+             UserWarning)
+    return list(range(min(clean, corrupted)))
+
+
+def _heads(sources: dict[str, Tensor], axes: dict[str, Axes]) -> list[int]:
+    counts = {key: int(t.shape[axes[key].heads or 0]) for key, t in sources.items()}
+    if len(set(counts.values())) != 1:
+        raise EditError(f"heads=True needs one head count across the layers, but they have "
+                        f"{counts}; sweep layers with the same number of heads together")
+    return list(range(next(iter(counts.values()))))
 
 
 def _sequence_tensor(value: Any, key: str) -> Tensor:

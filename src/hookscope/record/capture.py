@@ -482,13 +482,35 @@ def run(model: nn.Module, *args: Any, layers: str | Sequence[str],
     Raises:
         As ``capture``; an exception inside the forward pass propagates with a note naming the
         innermost module where it happened.
+        CaptureError: a keyword is a capture option (``grads=True``) that ``model.forward``
+            does not name as a parameter: it would reach the model's ``**kwargs`` silently.
     """
     patterns = as_patterns(layers)
+    _refuse_options_as_keywords(model, kwargs)
     args, kwargs = _as_keywords(model, args, kwargs)
     output = None
     with capture(model, *patterns, **(options or {})) as acts:
         output = model(*args, **kwargs)
     return output, acts
+
+
+def _refuse_options_as_keywords(model: nn.Module, kwargs: dict[str, Any]) -> None:
+    """Raise when a keyword meant for ``capture`` would go to the model's ``**kwargs``."""
+    options = set(inspect.signature(capture).parameters) - {"model", "patterns"}
+    try:
+        named = set(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        named = set()
+    misplaced = sorted(k for k in kwargs if k in options and k not in named)
+    if misplaced:
+        given = ", ".join(f"{k}={kwargs[k]!r}" for k in misplaced)
+        raise CaptureError(
+            f"hookscope.run got {given} as a keyword: run passes keywords to the model, and "
+            f"{type(model).__name__}.forward has no parameter {misplaced[0]!r} (it would reach "
+            f"its **kwargs silently). For the capture option write options={{"
+            f"{', '.join(f'{k!r}: {kwargs[k]!r}' for k in misplaced)}}}; for a keyword of the "
+            f"model's own, call it inside the block: with hookscope.capture(model, ...) as acts: "
+            f"model(..., {given})")
 
 
 def _as_keywords(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]

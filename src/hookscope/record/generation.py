@@ -216,7 +216,16 @@ class _StepLabels(Observer):
 
 def _fed_tokens(path: str, record: GenerationRecord) -> Tensor:
     value = record.value
-    if not isinstance(value, Tensor) or value.dim() < 2 or value.shape[1] != record.stop - record.start:
+    fed = record.stop - record.start
+    if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] < fed:
+        raise CaptureError(
+            f"'{path}' returned {tuple(value.shape)} at step {record.step}, which fed {fed} "
+            f"tokens: it ran on the last {value.shape[1]} token(s) only, as generate() computes "
+            f"logits for the last token (logits_to_keep), so there is nothing to align for the "
+            f"others. For per-token values capture the final norm (e.g. 'transformer.ln_f') and "
+            f"apply the head yourself, or pass logits_to_keep=0 to generate() for every "
+            f"position's logits")
+    if not isinstance(value, Tensor) or value.dim() < 2 or value.shape[1] != fed:
         shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
         raise CaptureError(f"'{path}' returned {shape} at step {record.step}, which fed "
                            f"{record.stop - record.start} tokens: align a (batch, seq, ...) tensor "

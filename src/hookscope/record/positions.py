@@ -10,6 +10,13 @@ of a right-padded batch, and ``0`` the first real token of a left-padded one. A 
 never selected. Pass ``absolute=True`` to index dim 1 as it is, padding included, on purpose.
 Without a mask, positions index dim 1 as it is (negative from its end), as Python indexing does.
 
+**Which axis holds the tokens** (``value_axes``): a module's output is ``(batch, seq, ...)`` by
+convention; the value ``scaled_dot_product_attention`` returns is ``(batch, heads, query,
+head_dim)`` (its query axis is always the second to last), so its tokens are dim 2 and its heads
+dim 1; any other value a function returns (``"path::fn"`` addresses) has no known layout and
+needs ``seq_dim=``, else it is refused with its shape named. ``heads=`` selects heads where the
+layout has a heads axis.
+
 Forms of ``positions``:
 
 - ``int``: one position per row, e.g. ``-1``;
@@ -25,6 +32,7 @@ from __future__ import annotations
 import inspect
 import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,10 +40,126 @@ from torch import nn
 
 from hookscope.errors import PositionError
 
-__all__ = ["Positions", "MaskWatcher", "resolve_positions", "take_positions"]
+__all__ = ["Positions", "Heads", "Axes", "MaskWatcher", "resolve_positions", "take_positions",
+           "value_axes", "selected", "resolve_heads", "tokens_first"]
 
 Tensor = torch.Tensor
 Positions = int | Sequence[int] | slice | Tensor | None
+Heads = int | Sequence[int] | None
+
+#: functions whose value has a known layout: its token axis is the second to last (the queries
+#: of ``(batch, heads, query, head_dim)``), its heads axis dim 1 when it has four dims
+_QUERY_LAST_BUT_ONE = frozenset({"scaled_dot_product_attention"})
+
+
+@dataclass(frozen=True)
+class Axes:
+    """Where the tokens and (if any) the attention heads are in one value.
+
+    Attributes:
+        seq: the token axis (``1`` for a ``(batch, seq, ...)`` module output, ``2`` for
+            scaled_dot_product_attention's ``(batch, heads, query, head_dim)``).
+        heads: the heads axis, or ``None`` when the value has none hookscope knows.
+    """
+
+    seq: int
+    heads: int | None = None
+
+
+def value_axes(key: str, op: str | None, shape: Sequence[int], seq_dim: int | None = None,
+               *, heads: bool = False) -> Axes:
+    """The token (and heads) axes of the value recorded as ``key``, of ``shape``.
+
+    Args:
+        key: the record name, for messages (``"h.0.attn::scaled_dot_product_attention"``).
+        op: the function of a ``"path::fn"`` address (``"softmax#1"``), ``None`` for a module.
+        shape: the value's shape.
+        seq_dim: the token axis given by the user (negative counts from the end); wins.
+        heads: the caller selects heads, so the value must have a heads axis.
+
+    Raises:
+        PositionError: ``seq_dim`` is the batch axis or out of range; ``op`` is a function whose
+            layout hookscope does not know and no ``seq_dim`` is given; ``heads`` and the
+            value has no heads axis (the message names the shape and the fix).
+    """
+    dims = len(shape)
+    known = op is not None and op.split("#")[0] in _QUERY_LAST_BUT_ONE and dims >= 3
+    head_axis = 1 if known and dims == 4 else None
+    if seq_dim is not None:
+        if not -dims <= seq_dim < dims or seq_dim % dims == 0:
+            raise PositionError(f"seq_dim={seq_dim} is not a token axis of '{key}', shape "
+                                f"{tuple(shape)}: give one of 1 … {dims - 1} (dim 0 is the batch)")
+        axes = Axes(seq_dim % dims, head_axis)
+    elif known:
+        axes = Axes(dims - 2, head_axis)
+    elif op is None:
+        if dims < 2:
+            raise PositionError(f"positions index the token axis, dim 1 of a module's output, but "
+                                f"'{key}' has shape {tuple(shape)}, without one")
+        axes = Axes(1)
+    else:
+        raise PositionError(
+            f"positions on '{key}': it is the value of the function {op.split('#')[0]}, shape "
+            f"{tuple(shape)}, and hookscope knows the token axis only of module outputs ((batch, "
+            f"seq, ...)) and of scaled_dot_product_attention ((batch, heads, query, head_dim)); "
+            f"give seq_dim=N, the axis that holds the tokens")
+    if heads and axes.heads is None:
+        path = key.split("::")[0].split("[")[0]  # the module, without parts
+        raise PositionError(
+            f"heads= on '{key}', shape {tuple(shape)}: this value has no heads axis (the heads "
+            f"of an attention module's output are already mixed); select the attention's "
+            f"'{path}::scaled_dot_product_attention', shape (batch, heads, query, head_dim)")
+    return axes
+
+
+def resolve_heads(heads: Heads, count: int, key: str) -> Tensor:
+    """``heads`` (an int or a sequence of ints, negative from the end) as int64 indices.
+
+    Raises:
+        PositionError: a head that does not exist among ``count``, or not an int.
+    """
+    wanted = _ints(heads, "heads")
+    for h in wanted:
+        if not -count <= h < count:
+            raise PositionError(f"head {h} does not exist in '{key}', which has {count} heads: "
+                                f"use -{count} … {count - 1}")
+    return torch.tensor([h % count for h in wanted], dtype=torch.long)
+
+
+def selected(shape: Sequence[int], axes: Axes, positions: Positions, heads: Heads, key: str,
+             attention_mask: Tensor | None = None, *, absolute: bool = False) -> Tensor:
+    """A boolean tensor that broadcasts to ``shape``: True where ``positions`` (on the token
+    axis; ``None``: all of it) and ``heads`` (on the heads axis; ``None``: all) meet; CPU.
+
+    Raises:
+        PositionError: as ``resolve_positions`` and ``resolve_heads``.
+    """
+    batch, seq = int(shape[0]), int(shape[axes.seq])
+    sizes = [1] * len(shape)
+    sizes[0], sizes[axes.seq] = batch, seq
+    tokens = torch.ones(batch, seq, dtype=torch.bool)
+    if positions is not None:
+        rows, columns = resolve_positions(positions, (batch, seq), attention_mask,
+                                          absolute=absolute)
+        tokens = torch.zeros(batch, seq, dtype=torch.bool)
+        tokens[rows.cpu(), columns.cpu()] = True
+    chosen = tokens.reshape(sizes)
+    if heads is not None and axes.heads is not None:
+        count = int(shape[axes.heads])
+        head_sizes = [1] * len(shape)
+        head_sizes[axes.heads] = count
+        picked = torch.zeros(count, dtype=torch.bool)
+        picked[resolve_heads(heads, count, key)] = True
+        chosen = chosen & picked.reshape(head_sizes)
+    return chosen
+
+
+def tokens_first(t: Tensor, axes: Axes) -> Tensor:
+    """A view of ``t`` as ``(batch, seq, heads, ...)`` (``(batch, seq, ...)`` without heads);
+    writing into it writes into ``t``."""
+    if axes.heads is None:
+        return t.movedim(axes.seq, 1)
+    return t.movedim((axes.seq, axes.heads), (1, 2))
 
 
 def resolve_positions(positions: Positions, shape: Sequence[int], attention_mask: Tensor | None = None,
@@ -125,7 +249,7 @@ def _pick(positions: Positions, real: list[int], row: int, seq: int, masked: boo
     return picked
 
 
-def _ints(positions: Any) -> list[int]:
+def _ints(positions: Any, name: str = "positions") -> list[int]:
     """``positions`` as Python ints: an int-like (numpy, 0-dim tensor) or a sequence of them."""
     if isinstance(positions, Tensor):
         positions = positions.tolist()
@@ -138,8 +262,9 @@ def _ints(positions: Any) -> list[int]:
             raise TypeError
         return [operator.index(p) for p in values]
     except TypeError:
-        raise PositionError(f"positions={positions!r} is not a position: give an int, a list of "
-                            f"ints, a slice or a boolean mask") from None
+        forms = "a list of ints, a slice or a boolean mask" if name == "positions" else "a list of ints"
+        raise PositionError(f"{name}={positions!r} is not a {name[:-1]}: give an int, "
+                            f"{forms}") from None
 
 
 def _from_bool(selected: Tensor, batch: int, seq: int, mask: Tensor | None,

