@@ -36,6 +36,8 @@ from hookscope.errors import (
     HookNeverFiredWarning,
     HookscopeError,
     MissingExtraError,
+    NonFiniteStepError,
+    NonFiniteStepWarning,
     PositionError,
     SelectorError,
     SpecError,
@@ -49,6 +51,8 @@ from hookscope.record.grads import NoGrad
 from hookscope.record.records import RecordKey, Records, load
 from hookscope.store.extract import extract
 from hookscope.store.reader import Store, open_store
+from hookscope.train.guard import ReplayBundle, replay
+from hookscope.train.monitor import Monitor, monitor
 
 __version__ = "0.1.0"
 
@@ -71,9 +75,13 @@ __all__ = [
     "LayerDiff",
     "MissingExtraError",
     "NoGrad",
+    "Monitor",
     "NonFiniteOrigin",
+    "NonFiniteStepError",
+    "NonFiniteStepWarning",
     "PositionError",
     "RecordKey",
+    "ReplayBundle",
     "Records",
     "RunningStats",
     "SelectorError",
@@ -96,10 +104,12 @@ __all__ = [
     "gradcam",
     "hooks",
     "load",
+    "monitor",
     "open_store",
     "patching_sweep",
     "patch",
     "remove_hooks",
+    "replay",
     "run",
     "save_gradcam_overlay",
     "select",
