@@ -411,11 +411,17 @@ def _message(bundle: ReplayBundle, origin: NonFiniteOrigin | None, path: Path | 
         what = str(origin)
     lines = [f"step {bundle.step}{rank}: {what}"]
     if last is not None:
-        lines.append(f"  that module at step {last['step']}: activation {last['activation']}, "
-                     f"gradient {last['gradient']}, grad_norm {last['grad_norm']}")
+        lines += [f"  that module at step {last['step']}: {kind} {_numbers(last[kind])}"
+                  for kind in ("activation", "gradient")]
     if path is not None:
         lines.append(f"  replay it: hookscope.replay('{path}', model)")
     return "\n".join(lines)
+
+
+def _numbers(summary: dict[str, float] | None) -> str:
+    if summary is None:
+        return "none"
+    return ", ".join(f"{key} {value:.4g}" for key, value in summary.items())
 
 
 def _check_arguments(model: nn.Module, every: int, optimizer: Any, scaler: Any, guard: Any) -> None:

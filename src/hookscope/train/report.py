@@ -43,6 +43,7 @@ def draw_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
                              "steps 0, every, 2*every, ... (every=0 writes none)")
     steps = sorted({r["step"] for r in records})
     modules = list(dict.fromkeys(r["module"] for r in records))
+    half = (steps[1] - steps[0]) / 2 if len(steps) > 1 else 0.5  # a column per sampled step
     figure = new_figure("hookscope monitor-report")
     axes = figure.subplots(1, 3)
     for ax, (title, value) in zip(axes[:2], (("activation absmax (log10)", _log_absmax),
@@ -51,7 +52,7 @@ def draw_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         for r in records:
             grid[modules.index(r["module"])][steps.index(r["step"])] = value(r)
         image = ax.imshow(grid, aspect="auto", interpolation="nearest",
-                          extent=(steps[0] - 0.5, steps[-1] + 0.5, len(modules) - 0.5, -0.5))
+                          extent=(steps[0] - half, steps[-1] + half, len(modules) - 0.5, -0.5))
         figure.colorbar(image, ax=ax)
         ax.set_yticks(range(len(modules)), modules, fontsize=6)
         ax.set_title(title)
@@ -62,6 +63,7 @@ def draw_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         if points:
             axes[2].plot(*zip(*points, strict=True), marker=".", label=module)
     axes[2].set_yscale("log")
+    axes[2].legend(fontsize=6)
     axes[2].set_title("gradient norm")
     axes[2].set_xlabel("step")
     for event in events:
