@@ -39,6 +39,8 @@ from hookscope.errors import (
     HookNeverFiredWarning,
     HookscopeError,
     MissingExtraError,
+    NonFiniteStepError,
+    NonFiniteStepWarning,
     PositionError,
     SelectorError,
     SpecError,
@@ -52,6 +54,8 @@ from hookscope.record.grads import NoGrad
 from hookscope.record.records import RecordKey, Records, load
 from hookscope.store.extract import extract
 from hookscope.store.reader import Store, open_store
+from hookscope.train.guard import ReplayBundle, replay
+from hookscope.train.monitor import Monitor, monitor
 
 __version__ = "0.1.0"
 
@@ -75,9 +79,13 @@ __all__ = [
     "LogitLens",
     "MissingExtraError",
     "NoGrad",
+    "Monitor",
     "NonFiniteOrigin",
+    "NonFiniteStepError",
+    "NonFiniteStepWarning",
     "PositionError",
     "RecordKey",
+    "ReplayBundle",
     "Records",
     "RunningStats",
     "SelectorError",
@@ -102,11 +110,13 @@ __all__ = [
     "hooks",
     "load",
     "logit_lens",
+    "monitor",
     "open_store",
     "patching_sweep",
     "patch",
     "remove_hooks",
     "rollout",
+    "replay",
     "run",
     "save_gradcam_overlay",
     "select",

@@ -42,6 +42,15 @@ class HookNeverFiredWarning(UserWarning):
     """A selected module never ran while hooks were installed (``on_unfired="warn"``)."""
 
 
+class NonFiniteStepError(HookscopeError, FloatingPointError):
+    """The training guard found a non-finite value in a step (``hookscope.monitor``); ``origin``
+    (a ``NonFiniteOrigin`` or None), ``step`` and ``bundle`` (path or None) say where."""
+
+
+class NonFiniteStepWarning(UserWarning):
+    """The training guard found a non-finite value in a step, with ``guard="warn"``/``"skip"``."""
+
+
 class FusedModuleWarning(UserWarning):
     """A selected module is a placeholder left by fusion (``fuse_modules``): its output is not
     what its name says."""

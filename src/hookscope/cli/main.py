@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="verb", metavar="COMMAND")
     for name, module in _verbs().items():
-        verb_parser = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        # a module monitor_report.py is the verb monitor-report
+        verb_parser = sub.add_parser(name.replace("_", "-"), help=module.HELP, description=module.HELP)
         verb_parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                                  help="show the full traceback of an error")
         module.add_arguments(verb_parser)

@@ -13,9 +13,10 @@ A hook on a module is run by more than the calls its ``with`` block means:
   backward. That is not a new call of the module.
 
 This file is the only one that calls torch's hook registration (``tests/test_layers.py``):
-``register`` for module forward (pre-)hooks, ``on_tensor_grad`` for tensor gradient hooks and
-``on_node`` for autograd node hooks, so every hook hookscope adds, for every verb, gets the same
-guarantees.
+``register`` for module forward (pre-)hooks, ``on_tensor_grad`` for tensor gradient hooks,
+``on_node`` for autograd node hooks, ``on_optimizer_step`` for an optimizer's step hooks and
+``after_backward`` for the end of a backward pass, so every hook hookscope adds, for every verb,
+gets the same guarantees.
 
 ``OwnedHook`` wraps a session's hook function and calls it only for the session's own module
 object, in the thread that entered the session, outside a backward pass (a forward that runs
@@ -37,7 +38,8 @@ from torch.utils.hooks import RemovableHandle
 
 from hookscope.engine.diagnose import refuse_export_trace
 
-__all__ = ["OwnedHook", "register", "on_tensor_grad", "on_node", "in_recompute", "owns_call"]
+__all__ = ["OwnedHook", "register", "on_tensor_grad", "on_node", "on_optimizer_step",
+           "after_backward", "in_recompute", "owns_call"]
 
 _graph_task_id = torch._C._current_graph_task_id
 _get_ident = threading.get_ident
@@ -133,6 +135,26 @@ def on_node(node: Any, function: Callable[[tuple[Any, ...], tuple[Any, ...]], An
     call it from code acting for a session, on a node its own forward made."""
     handle: RemovableHandle = node.register_hook(function)
     return handle
+
+
+def on_optimizer_step(optimizer: torch.optim.Optimizer, function: Callable[[], Any], *,
+                      pre: bool) -> RemovableHandle:
+    """Run ``function()`` before (``pre``) or after each ``optimizer.step()``; return the handle.
+
+    A step that a ``GradScaler`` skips (non-finite gradients) never calls ``optimizer.step``, so
+    neither hook runs for it."""
+    if pre:
+        return optimizer.register_step_pre_hook(lambda opt, args, kwargs: function())
+    return optimizer.register_step_post_hook(lambda opt, args, kwargs: function())
+
+
+def after_backward(function: Callable[[], Any]) -> None:
+    """Run ``function()`` once at the end of the backward pass now running, after every
+    gradient has been accumulated into ``.grad`` (the autograd engine's final callbacks, as DDP
+    uses). Call it from a gradient hook. ``function`` still runs inside the backward: module
+    hooks take a forward run from it for a checkpoint recompute (``in_recompute``), so it must
+    not run forwards of its own; an exception it raises leaves ``backward()``."""
+    torch.autograd.Variable._execution_engine.queue_callback(function)
 
 
 def owns_call(hook: OwnedHook, module: nn.Module) -> bool:

@@ -1,0 +1,37 @@
+"""``hookscope monitor-report RUN_DIR``: draw a ``hookscope.monitor`` run as a PNG."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from hookscope.cli._common import add_positional, say
+from hookscope.train.report import draw_run, read_run
+
+HELP = ("draw a hookscope.monitor run folder as a PNG: modules x steps heat maps of activation "
+        "absmax and zero fraction, gradient norms, the guard's events")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the verb's options to ``parser``."""
+    add_positional(parser, "run_dir", "RUN_DIR", "the run_dir given to hookscope.monitor")
+    parser.add_argument("--out", type=Path, default=None, metavar="PNG",
+                        help="where to write the picture (default RUN_DIR/monitor.png)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Draw the run; print the picture's path and the guard's findings; exit 1 when it fired."""
+    path = draw_run(args.run_dir, args.out)
+    _, events = read_run(args.run_dir)
+    fired = [e for e in events if e["event"] == "nonfinite"]
+    skipped = sum(e["event"] == "overflow_skipped" for e in events)
+    for event in fired:
+        print(f"step {event['step']} (rank {event['rank']}): non-finite {event['direction']} in "
+              f"'{event['module']}' ({event['class']}), call {event['call']}, op {event['op']}, "
+              f"{event['tensor']}")
+    if skipped:
+        print(f"{skipped} step(s) skipped by the GradScaler (overflow)")
+    print(path)
+    if fired:
+        say(f"{args.run_dir}: the guard fired {len(fired)} time(s)")
+    return 1 if fired else 0
