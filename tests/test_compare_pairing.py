@@ -170,3 +170,120 @@ def test_layernorm_eps_is_first_difference_and_origin() -> None:
         ln = block.ln_2
         expected = (ln(x) - F.layer_norm(x, (E,), ln.weight, ln.bias, eps=0.1)).abs().max().item()
     assert result.first_origin.local.max_abs == pytest.approx(expected, rel=1e-4)
+
+
+class Heads(nn.Module):
+    """``(B, T, E)`` to heads, ``(B, T, H, D)`` or with ``transposed`` ``(B, H, T, D)``."""
+
+    def __init__(self, transposed: bool) -> None:
+        super().__init__()
+        self.transposed = transposed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = x.view(*x.shape[:2], HEADS, E // HEADS)
+        return heads.transpose(1, 2) if self.transposed else heads
+
+
+class Fused(nn.Module):
+    """One QKV projection and a ``(B, T, H, D)`` head split."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(E, 3 * E)
+        self.heads = Heads(transposed=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.heads(self.qkv(x)[..., :E])
+
+
+class Split(nn.Module):
+    """Three projections and a ``(B, H, T, D)`` head split, the same weights as ``Fused``."""
+
+    def __init__(self, fused: Fused, scale_k: float = 1.0) -> None:
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(E, E), nn.Linear(E, E), nn.Linear(E, E)
+        self.heads = Heads(transposed=True)
+        with torch.no_grad():
+            for i, layer in enumerate((self.q, self.k, self.v)):
+                layer.weight.copy_(fused.qkv.weight[i * E:(i + 1) * E])
+                layer.bias.copy_(fused.qkv.bias[i * E:(i + 1) * E])
+            self.k.weight.mul_(scale_k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.k(x), self.v(x)
+        return self.heads(self.q(x))
+
+
+def chunk(i: int):  # noqa: ANN201 - a transform: part i of a fused QKV output
+    return lambda t: t[..., i * E:(i + 1) * E]
+
+
+MAPPING = {"qkv": [("q", chunk(0)), ("k", chunk(1)), ("v", chunk(2))],
+           "heads": ("heads", lambda t: t.transpose(1, 2))}
+
+
+def test_mapping_with_transforms_fused_qkv_and_head_layout() -> None:
+    torch.manual_seed(1)
+    fused, x = Fused(), torch.randn(2, 5, E)
+    result = compare(fused, Split(fused), x, pair=MAPPING)
+    assert [(p.path_a, p.path_b) for p in result.pairs] == [
+        ("qkv", "q"), ("qkv", "k"), ("qkv", "v"), ("heads", "heads")]
+    assert all(p.accumulated.max_abs < 1e-6 and p.local is not None and p.local.max_abs < 1e-6
+               for p in result.pairs)
+    assert result.pairing is not None and result.pairing.confidence == 1.0
+    broken = Split(fused, scale_k=2.0)
+    result = compare(fused, broken, x, pair=MAPPING)
+    k = result.pairs[1]
+    expected = (fused.qkv(x)[..., E:2 * E] - broken.k(x)).abs().max().item()
+    assert k.origin and k.local is not None and k.local.max_abs == pytest.approx(expected, rel=1e-5)
+    assert result.first_origin is k and not result.pairs[3].origin
+
+
+def test_placeholders_and_regex_groups_name_the_same_pairs() -> None:
+    model = gpt2()
+    port = Port(model)
+    braces = compare(model, port, IDS, pair={"transformer.h.{i}.ln_{n}": "layers.{i}.norm{n}"})
+    regex = compare(model, port, IDS, pair={r"re:transformer\.h\.(\d+)\.ln_(\d)": r"layers.\1.norm\2"})
+    expected = [(f"transformer.h.{i}.ln_{n}", f"layers.{i}.norm{n}") for i in range(LAYERS)
+                for n in (1, 2)]
+    assert [(p.path_a, p.path_b) for p in braces.pairs] == expected
+    assert [(p.path_a, p.path_b) for p in regex.pairs] == expected
+    assert braces.first_divergent is None
+
+
+def test_a_pairing_that_pairs_nothing_names_the_unpaired() -> None:
+    model = gpt2()
+    with pytest.raises(HookscopeError, match=r"paired 0 .*unpaired in A: \['transformer.wte:0'"):
+        compare(model, Port(model), IDS, pair={"nothing.{i}": "layers.{i}"})
+    with pytest.raises(HookscopeError, match="pair='auto' paired"):
+        compare(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), nn.Sequential(nn.Conv1d(1, 1, 1)),
+                torch.randn(1, 1, 4), pair="auto")
+
+
+@pytest.mark.parametrize("dtype, name", [(torch.bfloat16, "bfloat16"), (torch.float16, "float16")])
+def test_tolerance_follows_the_lower_precision(dtype: torch.dtype, name: str) -> None:
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(E, E), nn.LayerNorm(E))
+    low = nn.Sequential(nn.Linear(E, E), nn.LayerNorm(E)).to(dtype)
+    low.load_state_dict(model.state_dict())
+    x = torch.randn(3, E)
+    result = compare(model, low, x, pair="auto")
+    assert [p.precision for p in result.pairs] == [name, name]
+    assert (result.pairs[0].atol, result.pairs[0].rtol) == TOLERANCES[name]
+    expected = (model[0](x) - low[0](x.to(dtype)).float()).abs().max().item()
+    assert result.pairs[0].accumulated.max_abs == pytest.approx(expected, rel=1e-6)
+    assert result.first_divergent is None  # within the format's tolerance
+    strict = compare(model, low, x, pair="auto", tolerances={name: (1e-6, 1e-6)})
+    assert strict.first_origin is not None and strict.first_origin.path_a == "0"
+    assert math.isnan(strict.atol)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+def test_dynamically_quantized_linear_is_int8() -> None:
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(E, E), nn.ReLU(), nn.Linear(E, 4))
+    quantized = torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+    result = compare(model, quantized, torch.randn(3, E), pair="auto")
+    assert [(p.path_a, p.precision) for p in result.pairs] == [
+        ("0", "int8"), ("1", "float32"), ("2", "int8")]
+    assert result.first_origin is None and 0 < result.pairs[0].local.max_abs < 5e-2
