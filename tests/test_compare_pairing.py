@@ -4,15 +4,19 @@ by dtype."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from PIL import Image
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from hookscope import compare
+from hookscope.cli.main import main
 from hookscope.diagnostics.compare import TOLERANCES
 from hookscope.errors import HookscopeError
 
@@ -287,3 +291,25 @@ def test_dynamically_quantized_linear_is_int8() -> None:
     assert [(p.path_a, p.precision) for p in result.pairs] == [
         ("0", "int8"), ("1", "float32"), ("2", "int8")]
     assert result.first_origin is None and 0 < result.pairs[0].local.max_abs < 5e-2
+
+
+def linear_norm(eps: float = 1e-5) -> nn.Sequential:
+    """Linear, GELU, LayerNorm with seeded weights (a model factory for the CLI specs)."""
+    torch.manual_seed(4)
+    return nn.Sequential(nn.Linear(E, E), nn.GELU(), nn.Linear(E, E), nn.LayerNorm(E, eps=eps))
+
+
+def linear_norm_wrong_eps() -> nn.Sequential:
+    return linear_norm(eps=0.5)
+
+
+def test_cli_pair_auto_reports_the_origin_and_plots(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    spec = "tests.test_compare_pairing:linear_norm"
+    assert main(["diff", spec, f"{spec}_wrong_eps", "--input", "randn:3,16", "--pair", "auto",
+                 "--plot", str(tmp_path), "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["first_origin"] == "3" and data["confidence"] == 1.0
+    assert [r["verdict"] for r in data["rows"]] == ["close", "close", "close", "origin"]
+    with Image.open(tmp_path / "diff.png") as image:
+        assert image.size == (1600, 800)

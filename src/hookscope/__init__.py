@@ -16,7 +16,7 @@ import sys
 from types import ModuleType
 
 from hookscope.diagnostics.attention import attention
-from hookscope.diagnostics.compare import Comparison, LayerDiff, compare
+from hookscope.diagnostics.compare import Comparison, LayerDiff, PairDiff, compare, plot_errors
 from hookscope.diagnostics.gradcam import gradcam, save_gradcam_overlay
 from hookscope.diagnostics.inventory import HookInfo, hooks, remove_hooks
 from hookscope.diagnostics.nonfinite import NonFiniteOrigin, TensorSummary, find_nonfinite
@@ -69,6 +69,7 @@ __all__ = [
     "HookNeverFiredWarning",
     "HookscopeError",
     "LayerDiff",
+    "PairDiff",
     "MissingExtraError",
     "NoGrad",
     "NonFiniteOrigin",
@@ -90,6 +91,7 @@ __all__ = [
     "capture",
     "capture_generation",
     "compare",
+    "plot_errors",
     "edit",
     "extract",
     "find_nonfinite",

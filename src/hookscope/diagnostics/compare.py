@@ -11,22 +11,25 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from hookscope.diagnostics.pairing import Call, Pairing, PairSpec, kind, pair_calls
 from hookscope.engine import diagnose
 from hookscope.engine.names import ModuleIndex
 from hookscope.engine.run import input_device, untouched
 from hookscope.engine.select import Target, as_patterns
 from hookscope.engine.session import Observer, resolve_checked
-from hookscope.diagnostics.pairing import Call, Pairing, PairSpec, kind, pair_calls
 from hookscope.engine.values import comparable
 from hookscope.errors import HookscopeError
 from hookscope.record.capture import capture
 from hookscope.record.records import CallInputs
+from hookscope.util.figures import new_figure, save_figure
 from hookscope.util.nested import get_part, iter_tensors, map_tensors
 
 Tensor = torch.Tensor
@@ -453,3 +456,35 @@ def _cosine(a: Tensor, b: Tensor) -> float:
         return 0.0
     cosine = float(torch.dot(a, b)) / (norm_a * norm_b)
     return cosine if math.isnan(cosine) else max(-1.0, min(1.0, cosine))  # NaN stays NaN
+
+
+def plot_errors(comparison: Comparison, file: str | os.PathLike[str]) -> Path:
+    """Write a PNG of the error along the network: the accumulated and the local relative
+    error (``||a - b|| / ||a||``) of each pair in call order, log scale, origins marked.
+
+    Needs a comparison made with ``pair=`` (``comparison.pairs``). Zero errors are drawn at
+    1e-12 (a log axis has no zero). Returns the file's path.
+
+    Raises:
+        HookscopeError: the comparison has no pairs (made without ``pair=``).
+        MissingExtraError: matplotlib is not installed.
+    """
+    if not comparison.pairs:
+        raise HookscopeError("plot_errors needs the pairs of compare(..., pair='auto' or a "
+                             "mapping): this comparison paired modules by name only")
+    figure = new_figure("plot_errors")
+    axes = figure.add_subplot()
+    steps = range(len(comparison.pairs))
+    floor = 1e-12
+    accumulated = [max(p.accumulated.rel, floor) for p in comparison.pairs]
+    local = [max(p.local.rel, floor) if p.local is not None else math.nan for p in comparison.pairs]
+    axes.semilogy(steps, accumulated, marker="o", label="accumulated (full runs)")
+    axes.semilogy(steps, local, marker="x", label="local (B's module on A's inputs)")
+    origins = [i for i, p in enumerate(comparison.pairs) if p.origin]
+    axes.scatter(origins, [local[i] for i in origins], s=120, facecolors="none",
+                 edgecolors="red", label="origin", zorder=3)
+    axes.set_xticks(list(steps), [p.path_a for p in comparison.pairs], rotation=90, fontsize=6)
+    axes.set_ylabel("relative error")
+    axes.legend()
+    figure.tight_layout()
+    return save_figure(figure, Path(file))

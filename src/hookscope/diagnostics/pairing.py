@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Mapping, Sequence
-from typing import Union
 
 import torch
 from torch import nn
@@ -24,7 +23,7 @@ Tensor = torch.Tensor
 Transform = Callable[[Tensor], Tensor]
 #: ``pair=`` of ``compare``: ``"auto"``; ``{pattern in A: pattern in B}`` (a value may be
 #: ``(pattern in B, transform)``, or a list of those); or ``f(path in A) -> path in B or None``
-PairSpec = Union[str, Mapping[str, object], Callable[[str], Union[str, None]]]
+PairSpec = str | Mapping[str, object] | Callable[[str], str | None]
 
 _PLACEHOLDER = re.compile(r"\{(\w+)\}")
 
@@ -55,7 +54,8 @@ class Pairing:
         pairs: ``((call in A, call in B, transform or None), ...)`` in A's call order.
         unpaired_a, unpaired_b: ``"path:call"`` of the calls that found no partner.
         confidence: the fraction of all calls of both models that found a partner,
-            ``(paired calls of A + paired calls of B) / (calls of A + calls of B)``: 1.0 when every call of both pairs.
+            ``(paired calls of A + paired calls of B) / (calls of A + calls of B)``: 1.0
+            when every call of both pairs.
     """
 
     how: str
@@ -141,8 +141,13 @@ def _map(rules: list[tuple[str, tuple[str, Transform | None]]],
         match = re.fullmatch(_PLACEHOLDER.sub(r"(?P<\1>[^.]+)", re.escape(key).replace(
             r"\{", "{").replace(r"\}", "}")), path)
         if match:
-            found.append((_PLACEHOLDER.sub(lambda m: match.group(m.group(1)), target), transform))
+            found.append((_fill(target, match.groupdict()), transform))
     return found
+
+
+def _fill(target: str, groups: dict[str, str]) -> str:
+    """``target`` with each ``{name}`` replaced by the component it matched in A's path."""
+    return _PLACEHOLDER.sub(lambda m: groups[m.group(1)], target)
 
 
 def _by_name(how: str, lookup: Callable[[str], list[tuple[str, Transform | None]]],
@@ -178,7 +183,7 @@ def _fits(a: Call, b: Call) -> bool:
     return a.kind == b.kind and a.shape == b.shape
 
 
-def _result(how: str, pairs: list[tuple[Call, Call, Transform | None]], calls_a: Sequence[Call],
+def _result(how: str, pairs: Sequence[tuple[Call, Call, Transform | None]], calls_a: Sequence[Call],
             calls_b: Sequence[Call]) -> Pairing:
     used_a = {(a.path, a.call) for a, _, _ in pairs}
     used_b = {(b.path, b.call) for _, b, _ in pairs}
