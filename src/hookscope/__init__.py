@@ -16,7 +16,7 @@ import sys
 from types import ModuleType
 
 from hookscope.diagnostics.attention import attention
-from hookscope.diagnostics.compare import Comparison, LayerDiff, compare
+from hookscope.diagnostics.compare import Comparison, LayerDiff, PairDiff, compare, plot_errors
 from hookscope.diagnostics.gradcam import gradcam, save_gradcam_overlay
 from hookscope.diagnostics.inventory import HookInfo, hooks, remove_hooks
 from hookscope.diagnostics.lens import LogitLens, logit_lens
@@ -78,15 +78,16 @@ __all__ = [
     "LayerDiff",
     "LogitLens",
     "MissingExtraError",
-    "NoGrad",
     "Monitor",
+    "NoGrad",
     "NonFiniteOrigin",
     "NonFiniteStepError",
     "NonFiniteStepWarning",
+    "PairDiff",
     "PositionError",
     "RecordKey",
-    "ReplayBundle",
     "Records",
+    "ReplayBundle",
     "RunningStats",
     "SelectorError",
     "SpecError",
@@ -112,11 +113,12 @@ __all__ = [
     "logit_lens",
     "monitor",
     "open_store",
-    "patching_sweep",
     "patch",
+    "patching_sweep",
+    "plot_errors",
     "remove_hooks",
-    "rollout",
     "replay",
+    "rollout",
     "run",
     "save_gradcam_overlay",
     "select",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+from pathlib import Path
 
 from hookscope.cli._common import (
     add_layer_argument,
@@ -14,7 +16,7 @@ from hookscope.cli._common import (
     print_table,
     say,
 )
-from hookscope.diagnostics.compare import OUTPUT, LayerDiff, compare
+from hookscope.diagnostics.compare import OUTPUT, Comparison, LayerDiff, compare, plot_errors
 from hookscope.errors import SpecError
 from hookscope.zoo.inputs import load_inputs
 from hookscope.zoo.models import load_model
@@ -33,11 +35,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                 help="input spec (repeatable), prepared for MODEL_A and cast for MODEL_B")
     add_layer_argument(parser, required=False,
                        help="modules to compare (one or more; default every module)")
-    parser.add_argument("--atol", type=non_negative_float, default=1e-5,
-                        help="absolute tolerance (default 1e-5)")
-    parser.add_argument("--rtol", type=non_negative_float, default=1e-4,
-                        help="tolerance relative to MODEL_A's values (default 1e-4)")
+    parser.add_argument("--atol", type=non_negative_float, default=None,
+                        help="absolute tolerance (default 1e-5; with --pair by each pair's dtype)")
+    parser.add_argument("--rtol", type=non_negative_float, default=None,
+                        help="tolerance relative to MODEL_A's values (default 1e-4; with --pair "
+                             "by each pair's dtype)")
     parser.add_argument("--json", action="store_true", help="print every row as JSON")
+    parser.add_argument("--pair", action="append", metavar="auto|A=B",
+                        help="pair modules of two implementations: 'auto' (call order, output "
+                             "shape, kind) or name patterns 'h.{i}.attn=layers.{i}.attn' "
+                             "(repeatable); prints the origin, not only the first difference")
+    parser.add_argument("--plot", metavar="DIR", type=Path,
+                        help="with --pair: write DIR/diff.png, accumulated and local error per pair")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,8 +57,11 @@ def run(args: argparse.Namespace) -> int:
                         f"{model_b.kind} inputs: diff runs both models on the same input, so "
                         f"compare two models of the same kind")
     inputs = load_inputs(args.input, model_a)
+    pair = _pair(args.pair)
     result = compare(model_a.module, model_b.module, *inputs.args, layers=args.layer or "**",
-                     atol=args.atol, rtol=args.rtol, **inputs.kwargs)
+                     atol=args.atol, rtol=args.rtol, pair=pair, **inputs.kwargs)
+    if pair is not None:
+        return _report_pairs(result, args)
     rows = [{**dataclasses.asdict(d), "path": _name(d)} for d in result.diffs]
     for row in rows:
         if row["shape_b"] is not None:  # no numbers to compare: say which shapes differ
@@ -66,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     if result.unmatched:
         say(f"ran in one model only: {', '.join(result.unmatched)}")
     if first is None:
-        say(f"all {len(rows)} compared calls within atol={args.atol:g}, rtol={args.rtol:g}")
+        say(f"all {len(rows)} compared calls within atol={result.atol:g}, rtol={result.rtol:g}")
         return 0
     if first.shape_b is not None:
         say(f"first divergent: {_name(first)}, call {first.call_index}: the outputs differ in "
@@ -75,8 +87,48 @@ def run(args: argparse.Namespace) -> int:
             f"outputs have the same shapes, or pick layers that match with --layer")
         return 1
     say(f"first divergent: {_name(first)}, call {first.call_index} (max_abs {first.max_abs:.4g}, "
-        f"rel {first.rel:.4g}, cosine {first.cosine:.6f}; atol={args.atol:g}, rtol={args.rtol:g})")
+        f"rel {first.rel:.4g}, cosine {first.cosine:.6f}; atol={result.atol:g}, rtol={result.rtol:g})")
     return 1
+
+
+def _pair(given: list[str] | None) -> str | dict[str, str] | None:
+    if not given:
+        return None
+    if given == ["auto"]:
+        return "auto"
+    bad = [g for g in given if g.count("=") != 1]
+    if bad:
+        raise SpecError(f"--pair {bad[0]!r} is neither 'auto' nor 'NAME_IN_A=NAME_IN_B': give "
+                        f"--pair auto, or one --pair per rule, e.g. --pair 'h.{{i}}.attn=layers.{{i}}.attn'")
+    return dict(g.split("=") for g in given)
+
+
+def _report_pairs(result: Comparison, args: argparse.Namespace) -> int:
+    """One row per pair (accumulated and local error), the pairing, the first origin."""
+    rows = [{"a": p.path_a, "b": p.path_b, "call": p.call, "max_abs": p.accumulated.max_abs,
+             "rel": p.accumulated.rel, "cosine": p.accumulated.cosine,
+             "local": None if p.local is None else p.local.max_abs,
+             "verdict": "origin" if p.origin else "propagated" if p.propagated
+             else "close" if p.accumulated.close else "differs"} for p in result.pairs]
+    pairing = result.pairing
+    assert pairing is not None  # noqa: S101 - compare gives one with pair=
+    origin = result.first_origin
+    if args.json:
+        print_json({"rows": rows, "first_origin": origin.path_a if origin else None,
+                    "unpaired_a": list(pairing.unpaired_a), "unpaired_b": list(pairing.unpaired_b),
+                    "confidence": pairing.confidence})
+    else:
+        print_table(rows, ("a", "b", "call", "max_abs", "rel", "cosine", "local", "verdict"))
+    say(f"paired {len(rows)} calls ({pairing.how}, confidence {pairing.confidence:.2f}); "
+        f"unpaired in A: {len(pairing.unpaired_a)}, in B: {len(pairing.unpaired_b)}")
+    if args.plot is not None:
+        say(f"wrote {plot_errors(result, args.plot / 'diff.png')}")
+    first = result.first_divergent
+    if origin is not None:
+        say(f"first origin: {origin.path_a} (B: {origin.path_b}), local max_abs "
+            f"{origin.local.max_abs if origin.local else math.nan:.4g}; first difference: "
+            f"{first.path if first else None}")
+    return 0 if first is None and origin is None else 1
 
 
 def _shape(shape: tuple[int, ...] | list[int]) -> str:

@@ -9,13 +9,17 @@ are returned and dropped, so memory holds one run's activations, not two.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from hookscope.diagnostics.pairing import Call, Pairing, PairSpec, kind, pair_calls
 from hookscope.engine import diagnose
 from hookscope.engine.names import ModuleIndex
 from hookscope.engine.run import input_device, untouched
@@ -23,11 +27,22 @@ from hookscope.engine.select import Target, as_patterns
 from hookscope.engine.session import Observer, resolve_checked
 from hookscope.engine.values import comparable
 from hookscope.errors import HookscopeError
+from hookscope.record.capture import capture
+from hookscope.record.records import CallInputs
+from hookscope.util.figures import new_figure, save_figure
 from hookscope.util.nested import get_part, iter_tensors, map_tensors
 
 Tensor = torch.Tensor
 Key = tuple[str, int]
 OUTPUT = ""  # the path under which the models' own return values are compared
+#: default ``(atol, rtol)`` of a pair by the lowest precision on either side (``pair=`` mode):
+#: float32's are ``compare``'s fixed defaults; the others grow with the unit roundoff of the
+#: format (2**-11 for float16, 2**-8 for bfloat16) times the depth of a typical layer's sums;
+#: ``int8`` is any quantized module or output (scale / 2 per element, accumulated)
+TOLERANCES: dict[str, tuple[float, float]] = {
+    "float64": (1e-10, 1e-8), "float32": (1e-5, 1e-4), "float16": (1e-3, 1e-2),
+    "bfloat16": (1e-2, 5e-2), "int8": (5e-2, 1e-1)}
+_PRECISION_ORDER = ("int8", "bfloat16", "float16", "float32", "float64")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +75,43 @@ class LayerDiff:
 
 
 @dataclasses.dataclass(frozen=True)
+class PairDiff:
+    """One pair of calls of two different implementations (``compare(..., pair=...)``).
+
+    Attributes:
+        path_a, path_b: the modules' names in model A and model B; ``call``: call index in A.
+        accumulated: A's output against B's output in the two full runs (the error the whole
+            network up to here has built), first output tensor of each (after ``transform``).
+        local: A's output against what B's module returns on A's *recorded inputs* (the same
+            input to both): the error this module adds by itself; ``None`` when B's module
+            could not run on A's inputs (``local_error`` says why).
+        precision: lowest precision on either side, ``"float32"``, ``"bfloat16"``, ``"int8"``
+            (quantized) ...; ``atol``, ``rtol``: the tolerances used for both figures.
+        local_error: why ``local`` is ``None`` (``""`` otherwise).
+    """
+
+    path_a: str
+    path_b: str
+    call: int
+    accumulated: LayerDiff
+    local: LayerDiff | None
+    precision: str
+    atol: float
+    rtol: float
+    local_error: str = ""
+
+    @property
+    def origin(self) -> bool:
+        """The module itself differs: B's module on A's inputs is outside tolerance."""
+        return self.local is not None and not self.local.close
+
+    @property
+    def propagated(self) -> bool:
+        """The outputs differ only because the inputs already did (local error within tolerance)."""
+        return not self.accumulated.close and self.local is not None and self.local.close
+
+
+@dataclasses.dataclass(frozen=True)
 class Comparison:
     """The result of ``compare``: one ``LayerDiff`` per module call, in the order the calls
     returned in run A (children before their parents), the models' outputs last.
@@ -70,6 +122,11 @@ class Comparison:
         atol, rtol: the tolerances used for ``LayerDiff.close``.
         unfired: ``{path: why it never ran}`` for selected modules that ran in neither run
             (an unused branch, a module called through ``.forward``), run A's cause first.
+        pairs: with ``pair=``, one ``PairDiff`` per pair of calls in A's call order (``diffs``
+            then holds their ``accumulated`` figures, named by A's paths); else empty.
+        pairing: with ``pair=``, what was paired, what was not and how surely; else None.
+
+    With ``pair=`` and tolerances by dtype, ``atol`` and ``rtol`` are NaN: each pair has its own.
     """
 
     diffs: tuple[LayerDiff, ...]
@@ -77,6 +134,14 @@ class Comparison:
     atol: float
     rtol: float
     unfired: dict[str, str] = dataclasses.field(default_factory=dict)
+    pairs: tuple[PairDiff, ...] = ()
+    pairing: Pairing | None = None
+
+    @property
+    def first_origin(self) -> PairDiff | None:
+        """The first pair (A's call order) whose module differs by itself (``PairDiff.origin``):
+        where the implementations part, as against where a difference first shows."""
+        return next((p for p in self.pairs if p.origin), None)
 
     @property
     def first_divergent(self) -> LayerDiff | None:
@@ -93,7 +158,9 @@ class Comparison:
 
 
 def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | list[str] = "**",
-            atol: float = 1e-5, rtol: float = 1e-4, **kwargs: Any) -> Comparison:
+            atol: float | None = None, rtol: float | None = None, pair: PairSpec | None = None,
+            tolerances: Mapping[str, tuple[float, float]] | None = None,
+            **kwargs: Any) -> Comparison:
     """Run both models on the same input and compare the outputs of the same modules.
 
     Floating-point tensors in ``args``/``kwargs`` are cast to the dtype of each model's first
@@ -122,10 +189,26 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
         layers: Pattern or list of patterns for ``hookscope.select`` (default every module;
             output parts such as ``"lstm[0]"`` allowed), resolved in each model; paths selected
             in only one model are not compared.
-        atol, rtol: Absolute and relative tolerance (relative to run A) of ``LayerDiff.close``.
+        atol, rtol: Absolute and relative tolerance (relative to run A) of ``LayerDiff.close``;
+            ``None``: 1e-5 and 1e-4, or with ``pair=`` the defaults of each pair's precision
+            (``TOLERANCES``).
+        pair: ``None`` pairs modules by identical names. For two implementations with other
+            names: ``"auto"`` aligns the calls of both runs by call order, output shape and
+            module kind (``pairing.pair_calls``); a mapping ``{"h.{i}.attn": "layers.{i}.attn"}``
+            (``re:`` keys with groups too; a value ``(name, transform)`` compares
+            ``transform(A's output)`` with B's, for layouts that differ: a slice of a fused QKV,
+            ``lambda t: t.transpose(1, 2)``); or a function from A's path to B's (or None).
+            Each pair compares the first tensor of each output (a Hugging Face layer's hidden
+            states, not its attention weights), and B's module is also run on A's recorded
+            inputs (``capture(..., inputs=True)``; its positional first argument and the
+            keyword arguments its ``forward`` names) to tell an origin from propagation
+            (``PairDiff``, ``Comparison.first_origin``).
+        tolerances: with ``pair=``, ``{precision: (atol, rtol)}`` replacing entries of
+            ``TOLERANCES`` (``{"bfloat16": (0.05, 0.1)}``).
 
     Returns:
-        A ``Comparison``; ``.first_divergent`` is the first call outside tolerance.
+        A ``Comparison``; ``.first_divergent`` is the first call outside tolerance, and with
+        ``pair=`` ``.first_origin`` the first module that differs by itself.
 
     Raises:
         SelectorError: a pattern matches no module in one of the models.
@@ -134,9 +217,15 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
             than half of the smaller model's selected modules have a counterpart of the same
             name in the other model (two unrelated models; the message lists names of each
             side that found no partner), or a selected output is a meta tensor or FakeTensor
-            (no values).
+            (no values); with ``pair="auto"``, fewer than half of the smaller run's calls
+            found a partner; with a mapping or function, none did (the message names the
+            unpaired modules of each side).
     """
     patterns = as_patterns(layers)
+    if pair is not None:
+        return _compare_paired(model_a, model_b, args, kwargs, patterns, pair,
+                               (atol, rtol), {**TOLERANCES, **(tolerances or {})})
+    atol, rtol = 1e-5 if atol is None else atol, 1e-4 if rtol is None else rtol
     (targets_a, names_a), (targets_b, names_b) = _targets(model_a, patterns), _targets(model_b, patterns)
     common = [key for key in targets_a if key in targets_b]
     _require_pairs(targets_a, targets_b, common)
@@ -168,6 +257,106 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
     return Comparison(diffs=tuple(diffs[key] for key in order if key in diffs),
                       unmatched=tuple(unmatched), atol=atol, rtol=rtol,
                       unfired={k: v for k, v in session_a.unfired.items() if k in session_b.unfired})
+
+
+def _compare_paired(model_a: nn.Module, model_b: nn.Module, args: tuple[Any, ...],
+                    kwargs: dict[str, Any], patterns: list[str], spec: PairSpec,
+                    given: tuple[float | None, float | None],
+                    table: dict[str, tuple[float, float]]) -> Comparison:
+    """``compare`` with ``pair=``: run both, pair their calls, compare each pair twice."""
+    calls_a, outputs_a, acts_a, modules_a = _run(model_a, patterns, args, kwargs)
+    calls_b, outputs_b, _, modules_b = _run(model_b, patterns, args, kwargs)
+    pairing = pair_calls(spec, calls_a, calls_b)
+    _require_paired(pairing, calls_a, calls_b)
+    diffs = []
+    with untouched(model_b), torch.no_grad():
+        for a, b, transform in pairing.pairs:
+            out_a = outputs_a[(a.path, a.call)]
+            out_a = transform(out_a) if transform is not None and out_a is not None else out_a
+            precision = _precision(modules_a[a.path], modules_b[b.path], out_a,
+                                   outputs_b[(b.path, b.call)])
+            atol, rtol = (value if value is not None else default
+                          for value, default in zip(given, table[precision]))
+            key = (a.path, a.call)
+            local, why = _local(model_b, modules_b[b.path], acts_a.inputs(a.path, a.call))
+            diffs.append(PairDiff(
+                a.path, b.path, a.call, _diff(key, _parts(out_a), _parts(outputs_b[(b.path, b.call)]),
+                                              atol, rtol),
+                None if local is None else _diff(key, _parts(out_a), _parts(local), atol, rtol),
+                precision, atol, rtol, why))
+    return Comparison(diffs=tuple(d.accumulated for d in diffs), unmatched=(),
+                      atol=math.nan if given[0] is None else given[0],
+                      rtol=math.nan if given[1] is None else given[1],
+                      pairs=tuple(diffs), pairing=pairing)
+
+
+def _run(model: nn.Module, patterns: list[str], args: tuple[Any, ...], kwargs: dict[str, Any]
+         ) -> tuple[list[Call], dict[Key, Tensor | None], Any, dict[str, nn.Module]]:
+    """One run of ``model``: its calls in completion order, the first output tensor of each
+    (cloned), the capture holding each call's inputs, and ``{path: module}``."""
+    targets, names = resolve_checked(model, patterns)
+    targets = [t for t in targets if t.op is None and not t.parts and t.path]
+    calls: list[Call] = []
+    outputs: dict[Key, Tensor | None] = {}
+
+    def keep(key: Key, output: Any) -> None:
+        first = next(iter(iter_tensors(output)), None)
+        outputs[key] = None if first is None else first.detach().clone()
+        calls.append(Call(key[0], key[1], kind(modules[key[0]]),
+                          () if first is None else tuple(first.shape)))
+
+    modules = {t.key: t.module for t in targets}
+    with untouched(model), torch.no_grad(), \
+            capture(model, *modules, inputs=True, clone=True, on_unfired="ignore") as acts, \
+            _watching(model, names, targets, keep):
+        model(*_cast_inputs(model, args), **_cast_inputs(model, kwargs))
+    _require_hooks_fired(model, bool(calls))
+    return calls, outputs, acts, modules
+
+
+def _local(model_b: nn.Module, module: nn.Module, inputs: CallInputs) -> tuple[Tensor | None, str]:
+    """``module`` of model B run on model A's recorded inputs: its first output tensor, or
+    ``(None, why)`` when it cannot take them."""
+    parameters = inspect.signature(module.forward).parameters
+    first = next(iter(parameters), None)
+    named = {k: v for k, v in inputs.named.items() if k in parameters and k != first}
+    try:
+        output = module(*_cast_inputs(model_b, ([inputs[0]] if inputs.named else []) if first
+                                     else []), **_cast_inputs(model_b, named))
+    except (TypeError, RuntimeError, ValueError, IndexError, AttributeError) as err:
+        return None, f"{type(err).__name__}: {err}"
+    found = next(iter(iter_tensors(output)), None)
+    return (None, "it returned no tensor") if found is None else (found.detach(), "")
+
+
+def _parts(t: Tensor | None) -> list[Tensor]:
+    return [] if t is None else [comparable(t, "compare")]
+
+
+def _precision(module_a: nn.Module, module_b: nn.Module, *outputs: Tensor | None) -> str:
+    """The lowest precision of a pair: ``"int8"`` for a quantized module or output, else the
+    lowest floating dtype of the outputs (``"float32"`` when none is floating)."""
+    if any(".quantized" in type(m).__module__ for m in (module_a, module_b)) or \
+            any(t is not None and t.is_quantized for t in outputs):
+        return "int8"
+    found = [str(t.dtype).removeprefix("torch.") for t in outputs
+             if t is not None and t.is_floating_point()]
+    return min((f for f in found if f in _PRECISION_ORDER), key=_PRECISION_ORDER.index,
+               default="float32")
+
+
+def _require_paired(pairing: Pairing, calls_a: list[Call], calls_b: list[Call]) -> None:
+    """Raise when nothing paired, or with ``auto`` when fewer than half of the smaller run's
+    calls did (two unrelated models: a table of a few chance pairs would mislead)."""
+    paired = len({(a.path, a.call) for a, _, _ in pairing.pairs})
+    if paired and (pairing.how != "auto" or 2 * paired >= min(len(calls_a), len(calls_b))):
+        return
+    raise HookscopeError(
+        f"cannot compare: pair={pairing.how!r} paired {paired} of {len(calls_a)} calls of model "
+        f"A with {len(calls_b)} of model B (unpaired in A: {list(pairing.unpaired_a[:6])}; "
+        f"unpaired in B: {list(pairing.unpaired_b[:6])}). Pass a mapping naming the modules "
+        f"that correspond, pair={{'h.{{i}}.attn': 'layers.{{i}}.attn'}}, or compare the "
+        f"submodules that do, compare(model_a.encoder, model_b.backbone, x, pair='auto')")
 
 
 def _require_pairs(targets_a: dict[str, Target], targets_b: dict[str, Target],
@@ -267,3 +456,35 @@ def _cosine(a: Tensor, b: Tensor) -> float:
         return 0.0
     cosine = float(torch.dot(a, b)) / (norm_a * norm_b)
     return cosine if math.isnan(cosine) else max(-1.0, min(1.0, cosine))  # NaN stays NaN
+
+
+def plot_errors(comparison: Comparison, file: str | os.PathLike[str]) -> Path:
+    """Write a PNG of the error along the network: the accumulated and the local relative
+    error (``||a - b|| / ||a||``) of each pair in call order, log scale, origins marked.
+
+    Needs a comparison made with ``pair=`` (``comparison.pairs``). Zero errors are drawn at
+    1e-12 (a log axis has no zero). Returns the file's path.
+
+    Raises:
+        HookscopeError: the comparison has no pairs (made without ``pair=``).
+        MissingExtraError: matplotlib is not installed.
+    """
+    if not comparison.pairs:
+        raise HookscopeError("plot_errors needs the pairs of compare(..., pair='auto' or a "
+                             "mapping): this comparison paired modules by name only")
+    figure = new_figure("plot_errors")
+    axes = figure.add_subplot()
+    steps = range(len(comparison.pairs))
+    floor = 1e-12
+    accumulated = [max(p.accumulated.rel, floor) for p in comparison.pairs]
+    local = [max(p.local.rel, floor) if p.local is not None else math.nan for p in comparison.pairs]
+    axes.semilogy(steps, accumulated, marker="o", label="accumulated (full runs)")
+    axes.semilogy(steps, local, marker="x", label="local (B's module on A's inputs)")
+    origins = [i for i, p in enumerate(comparison.pairs) if p.origin]
+    axes.scatter(origins, [local[i] for i in origins], s=120, facecolors="none",
+                 edgecolors="red", label="origin", zorder=3)
+    axes.set_xticks(list(steps), [p.path_a for p in comparison.pairs], rotation=90, fontsize=6)
+    axes.set_ylabel("relative error")
+    axes.legend()
+    figure.tight_layout()
+    return save_figure(figure, Path(file))
