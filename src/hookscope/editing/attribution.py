@@ -29,6 +29,7 @@ from hookscope.editing.sweep import (
     Sweep,
     _all_positions,
     _forward,
+    _length,
     _mask,
     _number,
     _plain,
@@ -40,7 +41,7 @@ from hookscope.engine.select import resolve
 from hookscope.errors import EditError
 from hookscope.record.capture import capture
 from hookscope.record.grads import gradient_pass
-from hookscope.record.positions import resolve_positions
+from hookscope.record.positions import Axes, resolve_positions
 
 __all__ = ["attribution_patching"]
 
@@ -102,7 +103,9 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
                 value = _differentiable(metric(_forward(model, corrupted)))
             grads = torch.autograd.grad(value, [_once(found[key], key)[1] for key in keys],
                                         allow_unused=True)
-    chosen = list(positions) if positions is not None else _all_positions(sources, corrupted_mask)
+    first = next(iter(sources.values()))  # a module output: (batch, seq, ...)
+    chosen = list(positions) if positions is not None else _all_positions(
+        _length(first, Axes(1), clean_mask), _length(first, Axes(1), corrupted_mask))
     rows = _rows(corrupted)
     values = torch.tensor([[_estimate(sources[key], _once(found[key], key)[0], grad, p, rows,
                                       (clean_mask, corrupted_mask)) for p in chosen]
