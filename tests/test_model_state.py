@@ -232,7 +232,7 @@ def test_a_verb_that_raises_mid_forward_still_restores(verb: str, raised: BaseEx
 
 AFTER_FORWARD: dict[str, Callable[[nn.Module, torch.Tensor], Any]] = {
     "gradcam: target out of range": lambda m, x: hookscope.gradcam(m, x, "feat", target=99),
-    "gradcam: not a feature map": lambda m, x: hookscope.gradcam(m, x, "tok"),
+    "gradcam: tokens that fit no grid": lambda m, x: hookscope.gradcam(m, x, "tok", grid=(7, 7)),
     "patching_sweep: metric raises": lambda m, x: hookscope.patching_sweep(
         m, x, x, layers="tok", metric=lambda out: out.sum(dim=1), positions=[0], progress=False),
     "attention: no attention in the module": lambda m, x: hookscope.attention(m, x, layers="feat"),
