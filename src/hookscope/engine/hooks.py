@@ -38,7 +38,7 @@ from torch.utils.hooks import RemovableHandle
 
 from hookscope.engine.diagnose import refuse_export_trace
 
-__all__ = ["OwnedHook", "register", "on_tensor_grad", "on_node", "on_optimizer_step",
+__all__ = ["OwnedHook", "ModuleHooks", "register", "on_tensor_grad", "on_node", "on_optimizer_step",
            "after_backward", "in_recompute", "owns_call"]
 
 _graph_task_id = torch._C._current_graph_task_id
@@ -111,6 +111,49 @@ def register(module: nn.Module, hook: OwnedHook | Callable[..., Any], *, pre: bo
         handle = module.register_forward_hook(owned, with_kwargs=with_kwargs, prepend=prepend,
                                               always_call=always_call)
     return handle
+
+
+class ModuleHooks:
+    """A session's module hooks, registered and removed in bulk.
+
+    ``add`` writes an ``OwnedHook`` straight into its module's hook tables, as torch's
+    ``register_forward_(pre_)hook`` does (the same tables, an id from torch's
+    ``RemovableHandle`` counter), without a ``RemovableHandle`` per hook; ``remove`` pops every
+    entry. For 200 hooks this halves set-up and take-down (``python -m bench.dispatch``).
+
+    Attributes:
+        flags: ``(table, id)`` of the entries whose value is not the hook (the
+            ``*_with_kwargs`` tables map an id to ``True``): ``copies.KeptOut`` leaves them out
+            of copies by id.
+    """
+
+    __slots__ = ("entries", "flags")
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[dict[int, Any], int]] = []
+        self.flags: list[tuple[dict[int, Any], int]] = []
+
+    def add(self, owned: OwnedHook, *, pre: bool = False, with_kwargs: bool = False) -> None:
+        """Register ``owned`` on ``owned.module`` as a forward (``pre``: forward-pre) hook,
+        last in its table; ``with_kwargs`` as torch's."""
+        module = owned.module
+        key = RemovableHandle.next_id
+        RemovableHandle.next_id = key + 1
+        table = module._forward_pre_hooks if pre else module._forward_hooks
+        table[key] = owned
+        self.entries.append((table, key))
+        if with_kwargs:
+            flags = module._forward_pre_hooks_with_kwargs if pre else module._forward_hooks_with_kwargs
+            flags[key] = True
+            self.entries.append((flags, key))
+            self.flags.append((flags, key))
+
+    def remove(self) -> None:
+        """Remove every hook added (again: nothing happens)."""
+        for table, key in self.entries:
+            table.pop(key, None)
+        self.entries.clear()
+        self.flags.clear()
 
 
 def on_tensor_grad(tensor: torch.Tensor, function: Callable[[torch.Tensor], Any]) -> RemovableHandle:
