@@ -39,7 +39,7 @@ from torch.utils.hooks import RemovableHandle
 from hookscope.engine.diagnose import refuse_export_trace
 
 __all__ = ["OwnedHook", "ModuleHooks", "register", "on_tensor_grad", "on_node", "on_optimizer_step",
-           "after_backward", "in_recompute", "owns_call"]
+           "after_backward", "in_recompute"]
 
 _graph_task_id = torch._C._current_graph_task_id
 _get_ident = threading.get_ident
@@ -74,7 +74,10 @@ class OwnedHook:
         self.foreign_calls = 0
 
     def __call__(self, module: nn.Module, *args: Any) -> Any:
-        if owns_call(self, module):
+        # a subclass with an inlined hot path (capture's _PlainHook) makes these same four
+        # tests, compiling first (dynamo must not trace the rest), and hands every other call here
+        if (not _compiling() and module is self.module and _get_ident() == self.thread
+                and _graph_task_id() == -1):
             return self.function(module, *args)
         if _compiling():  # traced into a compiled graph: calls are the model's
             if _exporting():  # torch.export: FakeTensors, no values to record
@@ -198,15 +201,6 @@ def after_backward(function: Callable[[], Any]) -> None:
     hooks take a forward run from it for a checkpoint recompute (``in_recompute``), so it must
     not run forwards of its own; an exception it raises leaves ``backward()``."""
     torch.autograd.Variable._execution_engine.queue_callback(function)
-
-
-def owns_call(hook: OwnedHook, module: nn.Module) -> bool:
-    """True for a call ``hook`` takes as it is, without ``OwnedHook.__call__``'s other branches:
-    not traced by torch.compile, its own module, its own thread, not a recompute. Subclasses
-    with an inlined hot path test this first and hand every other call to
-    ``OwnedHook.__call__``."""
-    return (not _compiling() and module is hook.module and _get_ident() == hook.thread
-            and _graph_task_id() == -1)  # compiling first: dynamo must not trace the rest
 
 
 def in_recompute() -> bool:

@@ -13,6 +13,7 @@ tensor really written later is copied, when the write happens (``_inplace.py``).
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from hookscope.engine import copy_on_write as inplace
-from hookscope.engine.hooks import OwnedHook, in_recompute, owns_call
+from hookscope.engine.hooks import OwnedHook, in_recompute
 from hookscope.engine.select import Target, as_patterns, unwrap
 from hookscope.engine.session import HookSession, OnUnfired, by_module
 from hookscope.engine.values import (
@@ -239,7 +240,7 @@ class Capture(HookSession, Records):
         first call is checked, on exit (nothing is checked per call)."""
         empty = {}
         for key, slot in self._slots.items():
-            first = next(iter_tensors(slot.entry.outputs[:1]), None)
+            first = _first_tensor(slot.entry.outputs)
             if first is not None and holds_no_values(first):
                 empty[key] = self.notes[key] = f"{no_values_reason(first)}: shapes, no values"
         if empty:
@@ -306,10 +307,10 @@ class _PlainHook(OwnedHook):
         super().__init__(self._record, module)
         self.outputs, self.slot, self.snapshot = slot.entry.outputs, slot, snapshot
 
-    def __call__(self, module: nn.Module, *args: Any) -> Any:
-        if not owns_call(self, module):  # compiling, a copy, another thread, a recompute
-            return OwnedHook.__call__(self, module, *args)
-        output = args[-1]
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        # owns_call inlined (a frame less per call); compiling first: dynamo must not trace on
+        if _compiling() or module is not self.module or _get_ident() != self.thread or _graph_task_id() != -1:
+            return OwnedHook.__call__(self, module, args, output)  # a copy, a thread, a recompute
         if (type(output) is Tensor and not output.requires_grad and not output.is_quantized
                 and not _is_transformed(output)):
             try:
@@ -322,6 +323,13 @@ class _PlainHook(OwnedHook):
 
     def _record(self, module: nn.Module, args: Any, output: Any) -> None:
         self.outputs.append(self.snapshot(output, self.slot))
+
+
+def _first_tensor(outputs: list[Any]) -> Tensor | None:
+    """The first tensor of a record's first call (a plain tensor output, most often: no walk)."""
+    if outputs and type(outputs[0]) is Tensor:
+        return outputs[0]
+    return next(iter_tensors(outputs[:1]), None)
 
 
 def _mask_of(watcher: MaskWatcher, t: Tensor) -> Tensor | None:
@@ -373,6 +381,9 @@ def _inputs_hook(slots: list[_Slot], clone: bool | None) -> Callable[..., None]:
 
 
 _is_transformed = torch._C._functorch.is_functorch_wrapped_tensor
+_compiling = torch.compiler.is_compiling
+_get_ident = threading.get_ident
+_graph_task_id = torch._C._current_graph_task_id
 _lazy_clone = torch._lazy_clone
 
 
