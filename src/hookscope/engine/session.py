@@ -362,11 +362,3 @@ class Observer(HookSession):
             ran.add(path)
             return hook(*args)
         return marked
-
-
-def by_module(targets: Sequence[Target]) -> dict[nn.Module, list[Target]]:
-    """Group targets by module, keeping order: one hook per module serves all its targets."""
-    grouped: dict[nn.Module, list[Target]] = {}
-    for target in targets:
-        grouped.setdefault(target.module, []).append(target)
-    return grouped

@@ -24,7 +24,7 @@ from torch import nn
 from hookscope.engine import copy_on_write as inplace
 from hookscope.engine.hooks import OwnedHook, in_recompute
 from hookscope.engine.select import Target, as_patterns, unwrap
-from hookscope.engine.session import HookSession, OnUnfired, by_module
+from hookscope.engine.session import HookSession, OnUnfired
 from hookscope.engine.values import (
     NO_VALUES_FIX,
     holds_no_values,
@@ -123,11 +123,11 @@ class Capture(HookSession, Records):
             if target.op is not None:
                 self._hook_output(target, self._function_hook(self._slots[target.key]),
                                   with_kwargs=self._options.inputs)
-        for module, targets in by_module([t for t in self.targets if t.op is None]).items():
-            slots = [self._slots[t.key] for t in targets]
+        plain = self._plain_options()
+        for module, slots in self._module_slots().items():
             if self._options.inputs:  # before the call: a module may write its input in place
                 self._hook(module, _inputs_hook(slots, self._options.clone), pre=True, with_kwargs=True)
-            if self._plain(slots):
+            if plain and len(slots) == 1 and not slots[0].target.parts:  # the hot path
                 self._own(_PlainHook(module, slots[0], self._snapshot))
             else:  # with grads, a checkpoint recompute reaches the hook: under reentrant
                 # checkpointing the gradient flows only through the recomputed output (_regrad)
@@ -151,13 +151,21 @@ class Capture(HookSession, Records):
         return self._ran | {s.target.path for s in self._slots.values() if s.entry.outputs}
 
     # ----------------------------------------------------------------- hooks
-    def _plain(self, slots: list[_Slot]) -> bool:
-        """True when one record of the whole output, with no option, is all the module needs:
-        the hot path (``_PlainHook``)."""
+    def _plain_options(self) -> bool:
+        """True when no option asks for more than the output as it is: a module with one
+        record of its whole output then takes the hot path (``_PlainHook``)."""
         options = self._options
-        return (len(slots) == 1 and not slots[0].target.parts and options.clone is None
-                and not (options.grads or options.to is not None or options.dtype is not None
-                         or options.reduce is not None))
+        return options.clone is None and not (options.grads or options.to is not None
+                                              or options.dtype is not None or options.reduce is not None)
+
+    def _module_slots(self) -> dict[nn.Module, list[_Slot]]:
+        """The slots of module-level targets grouped by module, in target order: one hook
+        per module serves all its records."""
+        grouped: dict[nn.Module, list[_Slot]] = {}
+        for slot in self._slots.values():
+            if slot.target.op is None:
+                grouped.setdefault(slot.target.module, []).append(slot)
+        return grouped
 
     def _make_hook(self, slots: list[_Slot]) -> Callable[..., None]:
         snapshot = self._snapshot
