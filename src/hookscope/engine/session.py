@@ -114,7 +114,14 @@ class HookSession:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool | None:
+        # hooks gone before exit: an interrupt at the end of __enter__ removed them, and its
+        # KeyboardInterrupt was swallowed (raised inside a gc callback, as hypothesis installs,
+        # or a __del__), so the block ran unhooked: deliver the interrupt here
+        lost = not self._active and exc is None
         self._remove()
+        if lost:
+            raise KeyboardInterrupt("an interrupt removed this block's hooks while it was "
+                                    "entered, and its KeyboardInterrupt was lost on the way")
         self._finish()
         stopped = stopped_by(exc, self._stopper)  # our early stop: the block ends cleanly
         if exc is not None and not stopped:
