@@ -13,10 +13,10 @@ A hook on a module is run by more than the calls its ``with`` block means:
   backward. That is not a new call of the module.
 
 This file is the only one that calls torch's hook registration (``tests/test_layers.py``):
-``register`` for module forward (pre-)hooks, ``on_tensor_grad`` for tensor gradient hooks,
-``on_node`` for autograd node hooks, ``on_optimizer_step`` for an optimizer's step hooks and
-``after_backward`` for the end of a backward pass, so every hook hookscope adds, for every verb,
-gets the same guarantees.
+``register`` for module forward (pre-)hooks (``ModuleHooks``: a session's, in bulk),
+``on_tensor_grad`` for tensor gradient hooks, ``on_node`` for autograd node hooks,
+``on_optimizer_step`` for an optimizer's step hooks and ``after_backward`` for the end of a
+backward pass, so every hook hookscope adds, for every verb, gets the same guarantees.
 
 ``OwnedHook`` wraps a session's hook function and calls it only for the session's own module
 object, in the thread that entered the session, outside a backward pass (a forward that runs
