@@ -266,3 +266,19 @@ def test_the_blocks_mode_is_taken_off_from_under_a_mode_entered_after_it() -> No
         while torch._C._len_torch_function_stack():
             torch._C._pop_torch_function_stack()
     assert _leaks_on(model) == []
+
+
+def test_an_interrupt_whose_keyboardinterrupt_was_swallowed_is_raised_at_exit() -> None:
+    # an interrupt at the very end of __enter__ removes the block's hooks (its cleanup, as
+    # interrupts._handler runs it); a gc callback swallowing the KeyboardInterrupt lets the block
+    # go on unhooked: leaving it raises the interrupt instead of reporting modules as never run
+    model = Net()
+    x = torch.randn(2, 5, 8)
+    with pytest.raises(KeyboardInterrupt, match="lost on the way"):
+        with hookscope.capture(model, "blocks.*", on_unfired="error") as acts:
+            acts._remove()  # what the interrupt's cleanup does
+            model(x)
+    assert _leaks_on(model) == []
+    with hookscope.capture(model, "blocks.*") as acts:  # the next block works as ever
+        model(x)
+    assert len(acts.calls("blocks.0")) == 1

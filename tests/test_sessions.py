@@ -112,3 +112,34 @@ def test_as_patterns(given: str | list[str] | tuple[str, ...], expected: list[st
 def test_errors_users_meet_are_exported() -> None:
     from hookscope.errors import MissingExtraError, SpecError
     assert hookscope.SpecError is SpecError and hookscope.MissingExtraError is MissingExtraError
+
+
+_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+           "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _tables(model: nn.Module) -> dict[tuple[str, str], list[tuple[int, object]]]:
+    return {(path, name): list(getattr(m, name).items()) for path, m in model.named_modules()
+            for name in _TABLES}
+
+
+def test_bulk_registered_hooks_run_after_the_users_and_leave_every_table_as_found() -> None:
+    # hooks.ModuleHooks writes a session's entries into the tables directly, without a handle
+    # each: the user's hooks run first, the calls are recorded, and exit leaves the tables
+    # (ids, values, order, with_kwargs flags) exactly as before the block
+    torch.manual_seed(0)
+    model = MlpStack()
+    order: list[str] = []
+    users = [model.fc1.register_forward_hook(lambda m, a, o: order.append("user")),
+             model.fc1.register_forward_pre_hook(lambda m, a, k: None, with_kwargs=True)]
+    before = _tables(model)
+    x = torch.randn(3, 10)
+    with hookscope.capture(model, "fc1", "fc2", inputs=True) as acts:
+        assert _tables(model) != before  # the capture's entries, with_kwargs flags included
+        model(x)
+        assert order == ["user"]
+    assert torch.equal(acts["fc1"], model.fc1(x))
+    assert torch.equal(acts["fc2"], model(x))
+    assert _tables(model) == before
+    for handle in users:
+        handle.remove()

@@ -51,10 +51,15 @@ class KeptOut:
         for ref in (handle.hooks_dict_ref, *handle.extra_dict_ref):
             table = ref()
             if table is not None:
-                entry = self.tables.get(id(table))
-                if entry is None or entry[0] is not table:
-                    entry = self.tables[id(table)] = (table, set())
-                entry[1].add(handle.id)
+                self.add_entry(table, handle.id)
+
+    def add_entry(self, table: Any, key: int) -> None:
+        """Leave entry ``key`` of hook table ``table`` out of copies (``hooks.ModuleHooks``
+        gives the ``(table, key)`` of entries whose value is not an ``OwnedHook``)."""
+        entry = self.tables.get(id(table))
+        if entry is None or entry[0] is not table:
+            entry = self.tables[id(table)] = (table, set())
+        entry[1].add(key)
 
     def ids_in(self, table: Any) -> set[int]:
         entry = self.tables.get(id(table))

@@ -86,4 +86,6 @@ def _part(text: str) -> Part:
 
 
 def _brackets(parts: Iterable[Part]) -> str:
+    if not parts:  # most keys: no generator to run
+        return ""
     return "".join(f"[{p}]" for p in parts)

@@ -34,7 +34,7 @@ from hookscope.engine.early_stop import (
 )
 from hookscope.engine.function_mode import FunctionHooks
 from hookscope.engine.function_names import refuse_uninterceptable
-from hookscope.engine.hooks import OwnedHook, on_node, register
+from hookscope.engine.hooks import ModuleHooks, OwnedHook, on_node
 from hookscope.engine.names import ModuleIndex, index
 from hookscope.engine.select import Target, resolve, unwrap
 from hookscope.errors import HookNeverFiredError, HookNeverFiredWarning, HookscopeError, warn
@@ -79,7 +79,8 @@ class HookSession:
         self._functions = FunctionHooks()  # serves targets that address a function call
         self.unfired: dict[str, str] = {}
         self._on_unfired = on_unfired
-        self._handles: list[RemovableHandle] = []
+        self._handles: list[RemovableHandle] = []  # function and autograd node hooks
+        self._module_hooks = ModuleHooks()
         self._owned: list[tuple[OwnedHook, bool]] = []  # (hook, is a forward hook)
         self._ran: set[str] = set()  # paths of selected modules and witnesses that ran
         self._stopper: EarlyStop | None = None  # set by _register for early_stop=True
@@ -113,7 +114,14 @@ class HookSession:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool | None:
+        # hooks gone before exit: an interrupt at the end of __enter__ removed them, and its
+        # KeyboardInterrupt was swallowed (raised inside a gc callback, as hypothesis installs,
+        # or a __del__), so the block ran unhooked: deliver the interrupt here
+        lost = not self._active and exc is None
         self._remove()
+        if lost:
+            raise KeyboardInterrupt("an interrupt removed this block's hooks while it was "
+                                    "entered, and its KeyboardInterrupt was lost on the way")
         self._finish()
         stopped = stopped_by(exc, self._stopper)  # our early stop: the block ends cleanly
         if exc is not None and not stopped:
@@ -207,8 +215,11 @@ class HookSession:
 
     def _own(self, owned: OwnedHook, *, pre: bool = False, with_kwargs: bool = False) -> None:
         """Register ``owned`` (an ``OwnedHook``, or a subclass with its own fast ``__call__``)
-        on its module as this session's hook."""
-        self._add(register(owned.module, owned, pre=pre, with_kwargs=with_kwargs))
+        on its module as this session's hook. Its table entry is left out of copies by its
+        value (``copies._reduce``), a ``with_kwargs`` flag by its id."""
+        self._module_hooks.add(owned, pre=pre, with_kwargs=with_kwargs)
+        if with_kwargs:
+            self._left_out.add_entry(*self._module_hooks.flags[-1])
         self._owned.append((owned, not pre))
 
     @property
@@ -245,6 +256,7 @@ class HookSession:
 
     def _remove(self) -> None:
         with interrupts.deferred():
+            self._module_hooks.remove()
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
@@ -357,11 +369,3 @@ class Observer(HookSession):
             ran.add(path)
             return hook(*args)
         return marked
-
-
-def by_module(targets: Sequence[Target]) -> dict[nn.Module, list[Target]]:
-    """Group targets by module, keeping order: one hook per module serves all its targets."""
-    grouped: dict[nn.Module, list[Target]] = {}
-    for target in targets:
-        grouped.setdefault(target.module, []).append(target)
-    return grouped

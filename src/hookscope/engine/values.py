@@ -132,6 +132,8 @@ def _normal(t: Tensor) -> Tensor:
 
 def holds_no_values(t: Tensor) -> bool:
     """True for a meta tensor or a FakeTensor: a shape and dtype without data."""
+    if type(t) is Tensor:  # not a subclass, so no FakeTensor
+        return bool(t.is_meta)
     return bool(t.is_meta or is_fake(t))
 
 

@@ -13,6 +13,7 @@ tensor really written later is copied, when the write happens (``_inplace.py``).
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,9 +22,9 @@ import torch
 from torch import nn
 
 from hookscope.engine import copy_on_write as inplace
-from hookscope.engine.hooks import OwnedHook, in_recompute, owns_call
+from hookscope.engine.hooks import OwnedHook, in_recompute
 from hookscope.engine.select import Target, as_patterns, unwrap
-from hookscope.engine.session import HookSession, OnUnfired, by_module
+from hookscope.engine.session import HookSession, OnUnfired
 from hookscope.engine.values import (
     NO_VALUES_FIX,
     holds_no_values,
@@ -122,11 +123,11 @@ class Capture(HookSession, Records):
             if target.op is not None:
                 self._hook_output(target, self._function_hook(self._slots[target.key]),
                                   with_kwargs=self._options.inputs)
-        for module, targets in by_module([t for t in self.targets if t.op is None]).items():
-            slots = [self._slots[t.key] for t in targets]
+        plain = self._plain_options()
+        for module, slots in self._module_slots().items():
             if self._options.inputs:  # before the call: a module may write its input in place
                 self._hook(module, _inputs_hook(slots, self._options.clone), pre=True, with_kwargs=True)
-            if self._plain(slots):
+            if plain and len(slots) == 1 and not slots[0].target.parts:  # the hot path
                 self._own(_PlainHook(module, slots[0], self._snapshot))
             else:  # with grads, a checkpoint recompute reaches the hook: under reentrant
                 # checkpointing the gradient flows only through the recomputed output (_regrad)
@@ -150,13 +151,21 @@ class Capture(HookSession, Records):
         return self._ran | {s.target.path for s in self._slots.values() if s.entry.outputs}
 
     # ----------------------------------------------------------------- hooks
-    def _plain(self, slots: list[_Slot]) -> bool:
-        """True when one record of the whole output, with no option, is all the module needs:
-        the hot path (``_PlainHook``)."""
+    def _plain_options(self) -> bool:
+        """True when no option asks for more than the output as it is: a module with one
+        record of its whole output then takes the hot path (``_PlainHook``)."""
         options = self._options
-        return (len(slots) == 1 and not slots[0].target.parts and options.clone is None
-                and not (options.grads or options.to is not None or options.dtype is not None
-                         or options.reduce is not None))
+        return options.clone is None and not (options.grads or options.to is not None
+                                              or options.dtype is not None or options.reduce is not None)
+
+    def _module_slots(self) -> dict[nn.Module, list[_Slot]]:
+        """The slots of module-level targets grouped by module, in target order: one hook
+        per module serves all its records."""
+        grouped: dict[nn.Module, list[_Slot]] = {}
+        for slot in self._slots.values():
+            if slot.target.op is None:
+                grouped.setdefault(slot.target.module, []).append(slot)
+        return grouped
 
     def _make_hook(self, slots: list[_Slot]) -> Callable[..., None]:
         snapshot = self._snapshot
@@ -239,7 +248,7 @@ class Capture(HookSession, Records):
         first call is checked, on exit (nothing is checked per call)."""
         empty = {}
         for key, slot in self._slots.items():
-            first = next(iter_tensors(slot.entry.outputs[:1]), None)
+            first = _first_tensor(slot.entry.outputs)
             if first is not None and holds_no_values(first):
                 empty[key] = self.notes[key] = f"{no_values_reason(first)}: shapes, no values"
         if empty:
@@ -306,10 +315,10 @@ class _PlainHook(OwnedHook):
         super().__init__(self._record, module)
         self.outputs, self.slot, self.snapshot = slot.entry.outputs, slot, snapshot
 
-    def __call__(self, module: nn.Module, *args: Any) -> Any:
-        if not owns_call(self, module):  # compiling, a copy, another thread, a recompute
-            return OwnedHook.__call__(self, module, *args)
-        output = args[-1]
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        # owns_call inlined (a frame less per call); compiling first: dynamo must not trace on
+        if _compiling() or module is not self.module or _get_ident() != self.thread or _graph_task_id() != -1:
+            return OwnedHook.__call__(self, module, args, output)  # a copy, a thread, a recompute
         if (type(output) is Tensor and not output.requires_grad and not output.is_quantized
                 and not _is_transformed(output)):
             try:
@@ -322,6 +331,13 @@ class _PlainHook(OwnedHook):
 
     def _record(self, module: nn.Module, args: Any, output: Any) -> None:
         self.outputs.append(self.snapshot(output, self.slot))
+
+
+def _first_tensor(outputs: list[Any]) -> Tensor | None:
+    """The first tensor of a record's first call (a plain tensor output, most often: no walk)."""
+    if outputs and type(outputs[0]) is Tensor:
+        return outputs[0]
+    return next(iter_tensors(outputs[:1]), None)
 
 
 def _mask_of(watcher: MaskWatcher, t: Tensor) -> Tensor | None:
@@ -373,6 +389,9 @@ def _inputs_hook(slots: list[_Slot], clone: bool | None) -> Callable[..., None]:
 
 
 _is_transformed = torch._C._functorch.is_functorch_wrapped_tensor
+_compiling = torch.compiler.is_compiling
+_get_ident = threading.get_ident
+_graph_task_id = torch._C._current_graph_task_id
 _lazy_clone = torch._lazy_clone
 
 
