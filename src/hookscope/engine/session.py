@@ -7,7 +7,7 @@ broke, and report selected modules whose hooks never fired. ``HookSession`` does
 subclasses only add their own hooks (``_register``, through ``_hook``) and say what a silent
 module costs (``_unfired_consequence``).
 
-Every hook is an ``OwnedHook`` (``_ownership.py``): it acts only for this session's module
+Every hook is an ``OwnedHook`` (``engine.hooks``): it acts only for this session's module
 objects (not a ``deepcopy`` made inside the block), in the thread that entered the block, and not
 for the forward that activation checkpointing re-runs during backward (counted in
 ``recomputes``; edits apply to it too, so the recompute equals the real forward).

@@ -1,6 +1,6 @@
 """Capture: record what selected modules return (and take, and receive as gradient) on every call.
 
-``capture(model, *patterns)`` is a context manager (a ``HookSession``, see ``_session.py``). On
+``capture(model, *patterns)`` is a context manager (a ``HookSession``, see ``engine.session``). On
 entry it resolves the patterns (errors come before anything is registered), then adds one forward
 hook per selected module; on exit it removes every hook it added, also on an exception or
 ``KeyboardInterrupt``, and reports each selected module whose hook never fired.
