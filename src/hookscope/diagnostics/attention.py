@@ -3,7 +3,7 @@
 A transformer computes its attention probabilities either *eagerly*, with a softmax over the last
 dimension of the ``(batch, heads, query, key)`` scores, or in one fused call,
 ``F.scaled_dot_product_attention`` (SDPA), which never returns them. ``attention`` watches the
-forward of each selected module (see ``_functional.py``), takes the softmax's output as it is,
+forward of each selected module (see ``engine.function_mode``), takes the softmax's output as it is,
 and for SDPA recomputes the probabilities from the recorded query, key, mask, scale, causal flag
 and GQA flag, following the reference implementation in PyTorch's documentation of
 ``torch.nn.functional.scaled_dot_product_attention``

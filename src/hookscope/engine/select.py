@@ -24,7 +24,7 @@ A **function-level address** ``PATTERN::NAME`` selects the calls of function ``N
 the own forward of each module ``PATTERN`` selects (not by its children): ``"::relu"`` (the root
 model's ``F.relu`` calls), ``"h.*.attn::softmax"``; ``NAME#N`` keeps only call ``N`` of each
 forward (``"::relu#1"``); output parts follow the name (``"attn::unbind[0]"``). See
-``_functional.py`` for how the calls are seen.
+``engine.function_mode`` for how the calls are seen.
 
 
 Wrappers are transparent at any depth (``hookscope.wrappers``: DataParallel/DDP ``module.``,

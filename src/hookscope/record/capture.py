@@ -7,7 +7,7 @@ hook per selected module; on exit it removes every hook it added, also on an exc
 
 Captured values stay equal to what the module returned at that moment, even when a later in-place
 op writes over its memory, without copying every output: each is kept copy-on-write, and only a
-tensor really written later is copied, when the write happens (``_inplace.py``).
+tensor really written later is copied, when the write happens (``engine.copy_on_write``).
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ class Capture(HookSession, Records):
 
     def _snapshot_fn(self) -> Callable[[Any, _Slot], Any]:
         """Return ``snapshot(output, slot)``: the output with each tensor detached, converted,
-        reduced, and kept safe from later in-place writes as ``clone`` asks (``_inplace.py``)."""
+        reduced, and kept safe from later in-place writes as ``clone`` asks (``engine.copy_on_write``)."""
         to, dtype, reduce = self._options.to, self._options.dtype, self._options.reduce
         converts = to is not None or dtype is not None or reduce is not None
         clone, watcher = self._options.clone, self._mask
@@ -358,7 +358,7 @@ def _part(output: Any, slot: _Slot) -> Any:
 
 
 def _keep_input(t: Tensor, clone: bool | None) -> Tensor:
-    """An input as the module received it, safe from later in-place writes (``_inplace.py``)."""
+    """An input as the module received it, safe from later in-place writes (``engine.copy_on_write``)."""
     t = keepable(t, "an input")
     return inplace.copy(t) if clone else inplace.keep(t)
 
@@ -434,7 +434,7 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
             ``(batch, channels)``.
         clone: ``None`` (default) keeps each tensor copy-on-write: nothing is copied unless a
             later in-place op writes it, and then only that tensor, just before the write (the
-            writer gets the copy; exact in every grad mode, see ``_inplace.py``); ``True``
+            writer gets the copy; exact in every grad mode, see ``engine.copy_on_write``); ``True``
             copies every tensor at once; ``False`` keeps plain references: values overwritten
             later raise on reading, except under ``torch.inference_mode()``, whose tensors have
             no version counter (a warning says so).
