@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from hookscope.engine.hooks import ModuleHooks, OwnedHook
 from hookscope.store.extract import extract
 from tests.models import LeNet
 
@@ -19,13 +20,15 @@ def test_hooks_are_registered_once_for_all_batches(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     model = LeNet().eval()
     registered: list[str] = []
-    original = nn.Module.register_forward_hook
+    original = ModuleHooks.add  # the door every session's module hook goes through
 
-    def counting(self: nn.Module, *args: object, **kwargs: object) -> object:
-        registered.append(type(self).__name__)
-        return original(self, *args, **kwargs)  # type: ignore[arg-type]
+    def counting(self: ModuleHooks, owned: OwnedHook, *, pre: bool = False,
+                 with_kwargs: bool = False) -> None:
+        if not pre:
+            registered.append(type(owned.module).__name__)
+        original(self, owned, pre=pre, with_kwargs=with_kwargs)
 
-    monkeypatch.setattr(nn.Module, "register_forward_hook", counting)
+    monkeypatch.setattr(ModuleHooks, "add", counting)
     images = torch.randn(40, 3, 32, 32)
     store = extract(model, TensorDataset(images), ["conv2", "fc1"], tmp_path / "s", batch_size=4,
                     progress=False)
