@@ -53,3 +53,16 @@ def process_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def minilm() -> object:
+    """MiniLM with its shipped weights and tokenizer (``hookscope.zoo.models.load_model``); the
+    test is skipped, naming why, where the ``[text]`` extra is missing."""
+    import hookscope
+    from hookscope.zoo.models import load_model
+
+    try:
+        return load_model("minilm")
+    except hookscope.HookscopeError as err:
+        pytest.skip(str(err))

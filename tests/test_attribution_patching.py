@@ -13,6 +13,7 @@ from torch import nn
 
 import hookscope
 from hookscope.errors import EditError, PositionError
+from hookscope.zoo.models import LoadedModel
 from tests.test_sweep import clean_values, logit_diff, tiny_gpt2
 
 CLEAN = {"input_ids": torch.tensor([[3, 9, 14, 2, 8], [4, 1, 22, 7, 30]])}
@@ -102,13 +103,8 @@ def test_linear_model_estimate_is_the_exact_sweep() -> None:
     assert not any(p.requires_grad for p in model.parameters())
 
 
-def test_minilm_ranks_agree_with_the_exact_sweep() -> None:
-    from hookscope.zoo.models import load_model
-    try:
-        loaded = load_model("minilm")
-    except hookscope.HookscopeError as err:
-        pytest.skip(str(err))
-    model, tokenizer = loaded.module, loaded.tokenizer
+def test_minilm_ranks_agree_with_the_exact_sweep(minilm: LoadedModel) -> None:
+    model, tokenizer = minilm.module, minilm.tokenizer
     clean = dict(tokenizer(["the cat sat on the mat"], return_tensors="pt"))
     corrupted = dict(tokenizer(["the dog sat on the rug"], return_tensors="pt"))
     torch.manual_seed(0)

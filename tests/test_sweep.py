@@ -12,6 +12,7 @@ from torch import nn
 
 import hookscope
 from hookscope.errors import EditError, PositionError
+from hookscope.zoo.models import LoadedModel
 
 transformers = pytest.importorskip("transformers")
 
@@ -118,13 +119,8 @@ def test_metric_must_be_one_number() -> None:
                                  metric=lambda out: out.logits, progress=False)
 
 
-def test_minilm_sweep_equals_hand_written_loop() -> None:
-    from hookscope.zoo.models import load_model
-    try:
-        loaded = load_model("minilm")
-    except hookscope.HookscopeError as err:
-        pytest.skip(str(err))
-    model, tokenizer = loaded.module, loaded.tokenizer
+def test_minilm_sweep_equals_hand_written_loop(minilm: LoadedModel) -> None:
+    model, tokenizer = minilm.module, minilm.tokenizer
     clean = dict(tokenizer(["the cat sat on the mat"], return_tensors="pt"))
     corrupted = dict(tokenizer(["the dog sat on the mat"], return_tensors="pt"))
     direction = torch.randn(384)

@@ -37,7 +37,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from hookscope.editing import rules as _edit_rules
+from hookscope.editing import rules as edit_rules
 from hookscope.editing.sources import Source, SourceReader
 from hookscope.engine.hooks import in_recompute
 from hookscope.engine.names import ModuleIndex
@@ -52,7 +52,7 @@ from hookscope.util.nested import get_part, iter_tensors, set_part
 __all__ = ["Edit", "edit", "ablate", "patch", "steer"]
 
 Tensor = torch.Tensor
-Rule = _edit_rules.Rule  # (value, target, call) -> new value | None
+Rule = edit_rules.Rule  # (value, target, call) -> new value | None
 
 
 class Edit(HookSession):
@@ -117,7 +117,7 @@ class Edit(HookSession):
                 new = rule(old, target, call)
             if new is None:
                 return None
-            _edit_rules.check_fits(self._patterns[index], target, call, old, new)
+            edit_rules.check_fits(self._patterns[index], target, call, old, new)
             return set_part(output, target.parts, new) if target.parts else new
         return hook
 
@@ -231,18 +231,18 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
     patterns = as_patterns(patterns)
     if how not in ("zero", "mean", "resample"):
         raise EditError(f"how={how!r} is not one of 'zero', 'mean', 'resample'")
-    rule: Rule = _edit_rules.zero
+    rule: Rule = edit_rules.zero
     if how != "zero":
         if reference is None:
             raise EditError(f"how={how!r} needs reference=acts: a capture of the same modules on "
                             f"reference inputs, e.g. with hookscope.capture(model, *patterns) as "
                             f"acts: model(x_reference)")
-        rule = _edit_rules.reference_rule(SourceReader(reference, "reference"), how)
+        rule = edit_rules.reference_rule(SourceReader(reference, "reference"), how)
     if positions is None and heads is None:
         return Edit(model, [(p, rule) for p in patterns], on_unfired=on_unfired)
     watcher = MaskWatcher(unwrap(model)[0], attention_mask)
-    where = _edit_rules.Where(heads, seq_dim, absolute)
-    return Edit(model, [(p, _edit_rules.at_positions(rule, positions, watcher, where))
+    where = edit_rules.Where(heads, seq_dim, absolute)
+    return Edit(model, [(p, edit_rules.at_positions(rule, positions, watcher, where))
                         for p in patterns], on_unfired=on_unfired, watcher=watcher)
 
 
@@ -298,17 +298,17 @@ def patch(model: nn.Module, *, source: Source,
             ``ablate`` for ``heads`` and ``seq_dim``.
     """
     records = SourceReader(source, "source")
-    pairs = _edit_rules.layer_pairs(records, layers, source_layers)
+    pairs = edit_rules.layer_pairs(records, layers, source_layers)
     names = module_index(model)  # one index for the source pairs and the session
-    source_of = _edit_rules.source_targets(model, pairs, names)
+    source_of = edit_rules.source_targets(model, pairs, names)
     if positions is None and heads is None:
-        rule = _edit_rules.patch_rule(records, source_of)
+        rule = edit_rules.patch_rule(records, source_of)
         return Edit(model, [(p, rule) for p, _ in pairs], on_unfired=on_unfired, names=names)
     destination, origin = ((list(positions), list(positions.values()))
                            if isinstance(positions, Mapping) else (positions, positions))
     watcher = MaskWatcher(unwrap(model)[0], attention_mask)
-    where = _edit_rules.Where(heads, seq_dim, absolute)
-    rule = _edit_rules.patch_positions_rule(records, source_of, destination, origin, watcher,
+    where = edit_rules.Where(heads, seq_dim, absolute)
+    rule = edit_rules.patch_positions_rule(records, source_of, destination, origin, watcher,
                                             source_attention_mask, where)
     return Edit(model, [(p, rule) for p, _ in pairs], on_unfired=on_unfired, watcher=watcher,
                 names=names)
@@ -358,10 +358,10 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
         if not isinstance(vector, Tensor):
             raise EditError(f"the steering vector for '{pattern}' is a {type(vector).__name__}; "
                             f"give a tensor, e.g. torch.tensor(values) of shape (d_model,)")
-        rule = _edit_rules.steer_rule(vector.detach() * scale)
+        rule = edit_rules.steer_rule(vector.detach() * scale)
         if watcher is not None:
-            rule = _edit_rules.at_positions(rule, positions, watcher,
-                                            _edit_rules.Where(heads, seq_dim, absolute))
+            rule = edit_rules.at_positions(rule, positions, watcher,
+                                            edit_rules.Where(heads, seq_dim, absolute))
         rules.append((pattern, rule))
     return Edit(model, rules, on_unfired=on_unfired, watcher=watcher)
 

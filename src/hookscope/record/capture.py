@@ -304,7 +304,7 @@ class _PlainHook(OwnedHook):
     """The hot path of a capture: one record of a module's whole output, no options.
 
     ``OwnedHook``'s checks (own module, own thread, not a recompute, not traced) and the
-    copy-on-write keep (``_inplace.keep``) are inlined in one ``__call__``: per call this costs
+    copy-on-write keep (``engine.copy_on_write``) are inlined in one ``__call__``: per call this costs
     about what a bare hook appending ``detach()`` costs. Every other call (a copy of the module,
     another thread, a recompute, a torch.compile trace) goes through ``OwnedHook.__call__``.
     """
