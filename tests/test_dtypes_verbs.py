@@ -143,10 +143,9 @@ def test_every_dtype_every_verb_gives_torchs_values_or_names_the_dtype(
 
 
 @pytest.mark.parametrize("verb", VERBS)
-def test_each_verb_on_each_family(verb: str, tmp_path: Path) -> None:
-    """One dtype of each family per verb, deterministic (the property test samples the rest)."""
+def test_each_verb_on_every_dtype(verb: str, tmp_path: Path) -> None:
+    """Every dtype per verb, deterministic (the property test varies the values too)."""
     x = torch.linspace(-2, 2, 8).reshape(2, 4)
-    for i, dtype in enumerate([torch.quint8, FLOAT8[0], torch.int16, torch.uint32, torch.bool,
-                               torch.complex64, torch.bfloat16]):
+    for i, dtype in enumerate(DTYPES):
         expected = "refused" if (verb, dtype) in REFUSED else "ok"
         assert outcome(verb, dtype, x, tmp_path / str(i)) == expected, (verb, dtype)

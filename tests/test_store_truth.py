@@ -102,8 +102,18 @@ def test_fc1_pointed_at_fc2s_bytes_fails_verify_and_reading(pristine: Path, tmp_
     assert "verified" not in capsys.readouterr().err
 
 
+def _packed(order: list[int]) -> list[int]:
+    """Start offsets of fc1, fc2, fc3 (32, 48, 16 bytes) laid end to end in ``order``."""
+    sizes, starts, at = [32, 48, 16], [0, 0, 0], 0
+    for i in order:
+        starts[i], at = at, at + sizes[i]
+    return starts
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(starts=st.lists(st.integers(0, 28).map(lambda k: 4 * k), min_size=3, max_size=3))
+@given(starts=st.one_of(  # packed layouts (accepted) in every order, and random ones (mostly not)
+    st.permutations([0, 1, 2]).map(_packed),
+    st.lists(st.integers(0, 28).map(lambda k: 4 * k), min_size=3, max_size=3)))
 def test_generated_layouts_verify_exactly_when_safetensors_accepts_them(
         pristine: Path, tmp_path_factory: pytest.TempPathFactory, starts: list[int]) -> None:
     store = _copy(pristine, tmp_path_factory.mktemp("layout"))

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.engine import copy_on_write as inplace
+from hookscope.engine import copy_on_write
 from hookscope.engine.hooks import OwnedHook, in_recompute
 from hookscope.engine.select import Target, as_patterns, unwrap
 from hookscope.engine.session import HookSession, OnUnfired
@@ -219,13 +219,13 @@ class Capture(HookSession, Records):
                     kept = kept.to(device=to, dtype=dtype)
                 if reduce is not None and watcher is not None:
                     kept = reduce(kept, _mask_of(watcher, kept))
-                if not inplace.shares_memory(kept, t):
+                if not copy_on_write.shares_memory(kept, t):
                     return kept
             if clone is None:
-                return inplace.keep(kept)
+                return copy_on_write.keep(kept)
             if clone:
                 return kept.clone()
-            counter = inplace.version(kept)
+            counter = copy_on_write.version(kept)
             if counter is not None:  # inference tensors have no version counter
                 slot.versions.append((len(slot.entry.outputs), kept, counter))
             return kept
@@ -316,7 +316,8 @@ class _PlainHook(OwnedHook):
         self.outputs, self.slot, self.snapshot = slot.entry.outputs, slot, snapshot
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
-        # owns_call inlined (a frame less per call); compiling first: dynamo must not trace on
+        # OwnedHook.__call__'s checks and copy_on_write.keep / values.special inlined (a frame
+        # less per call: keep them in step); compiling first: dynamo must not trace on
         if _compiling() or module is not self.module or _get_ident() != self.thread or _graph_task_id() != -1:
             return OwnedHook.__call__(self, module, args, output)  # a copy, a thread, a recompute
         if (type(output) is Tensor and not output.requires_grad and not output.is_quantized
@@ -360,7 +361,7 @@ def _part(output: Any, slot: _Slot) -> Any:
 def _keep_input(t: Tensor, clone: bool | None) -> Tensor:
     """An input as the module received it, safe from later in-place writes (``engine.copy_on_write``)."""
     t = keepable(t, "an input")
-    return inplace.copy(t) if clone else inplace.keep(t)
+    return copy_on_write.copy(t) if clone else copy_on_write.keep(t)
 
 
 def _regrad(slots: list[_Slot], output: Any, convert: Callable[[Tensor], Tensor]) -> None:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from hookscope.diagnostics.nonfinite import NonFiniteOrigin, find_nonfinite
-from hookscope.engine.run import untouched
+from hookscope.engine.run import input_device, untouched
 from hookscope.engine.select import unwrap
 from hookscope.errors import HookscopeError
 from hookscope.util.nested import iter_tensors
@@ -148,7 +148,7 @@ def replay(bundle: ReplayBundle | str | Path, model: nn.Module) -> NonFiniteOrig
     """
     root, _ = unwrap(model)
     if not isinstance(bundle, ReplayBundle):
-        device = next((p.device for p in root.parameters()), None)
+        device = input_device(root)
         bundle = ReplayBundle.load(bundle, map_location=device)
     root.load_state_dict(bundle.state)
     inputs = bundle.inputs

@@ -230,7 +230,8 @@ class Monitor:
     # -- the guard ---------------------------------------------------------------------------
 
     def _forward_begins(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self._inputs = StepInputs.now(args, kwargs, self._device_type)
+        if self.guard is not None:  # only a replay needs the step's inputs and RNG
+            self._inputs = StepInputs.now(args, kwargs, self._device_type)
 
     def _forward_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self.guard is None:
