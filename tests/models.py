@@ -284,3 +284,12 @@ class Residual(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.inner(x)
+
+
+def tiny_gpt2(n_layer: int = 2, n_head: int = 4, pad: bool = True) -> nn.Module:
+    """GPT-2 built from a config (random weights, seed 0): 32-wide, vocabulary 60, 32 positions, eval mode."""
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=n_layer, n_embd=32, n_head=n_head, vocab_size=60, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0, **({"pad_token_id": 0} if pad else {}))
+    return transformers.GPT2LMHeadModel(config).eval()

@@ -51,3 +51,33 @@ def assert_same(a: Any, b: Any) -> None:
             assert_same(getattr(a, f), getattr(b, f))
     else:
         assert a == b
+
+
+def logit_diff(output: Any) -> torch.Tensor:
+    return (output.logits[:, -1, 5] - output.logits[:, -1, 7]).mean()
+
+
+def hand_patched(model: nn.Module, module: nn.Module, clean_value: torch.Tensor, position: int,
+                 inputs: dict[str, torch.Tensor], metric: Any = None) -> float:
+    """The textbook loop: a forward hook that writes the clean value at one absolute position."""
+    def hook(mod: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        output = output.clone()
+        output[:, position] = clean_value[:, position]
+        return output
+    handle = module.register_forward_hook(hook)
+    try:
+        with torch.no_grad():
+            return float((metric or logit_diff)(model(**inputs)))
+    finally:
+        handle.remove()
+
+
+def clean_values(model: nn.Module, modules: list[nn.Module], inputs: dict[str, torch.Tensor]
+                 ) -> list[torch.Tensor]:
+    kept: list[torch.Tensor] = []
+    handles = [m.register_forward_hook(lambda mod, a, o: kept.append(o.detach())) for m in modules]
+    with torch.no_grad():
+        model(**inputs)
+    for h in handles:
+        h.remove()
+    return kept

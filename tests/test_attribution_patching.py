@@ -14,7 +14,8 @@ from torch import nn
 import hookscope
 from hookscope.errors import EditError, PositionError
 from hookscope.zoo.models import LoadedModel
-from tests.test_sweep import clean_values, logit_diff, tiny_gpt2
+from tests.models import tiny_gpt2
+from tests.reference import clean_values, logit_diff
 
 CLEAN = {"input_ids": torch.tensor([[3, 9, 14, 2, 8], [4, 1, 22, 7, 30]])}
 CORRUPTED = {"input_ids": torch.tensor([[3, 50, 40, 2, 8], [4, 1, 41, 7, 33]])}
@@ -52,7 +53,7 @@ def by_hand(model: nn.Module, blocks: list[nn.Module], metric: Any = logit_diff)
 
 
 def test_gpt2_equals_the_first_order_term_by_hand(tmp_path: Path) -> None:
-    model = tiny_gpt2()
+    model = tiny_gpt2(n_layer=3, pad=False)
     atp = hookscope.attribution_patching(model, CLEAN, CORRUPTED, logit_diff,
                                          layers="transformer.h.*", plot=tmp_path / "atp.png")
     assert atp.layers == ["transformer.h.0", "transformer.h.1", "transformer.h.2"]
@@ -67,7 +68,7 @@ def test_gpt2_equals_the_first_order_term_by_hand(tmp_path: Path) -> None:
 
 
 def test_gpt2_ranks_agree_with_the_exact_sweep() -> None:
-    model = tiny_gpt2()
+    model = tiny_gpt2(n_layer=3, pad=False)
     atp = hookscope.attribution_patching(model, CLEAN, CORRUPTED, logit_diff,
                                          layers="transformer.h.*")
     exact = hookscope.patching_sweep(model, CLEAN, CORRUPTED, layers="transformer.h.*",
@@ -121,7 +122,7 @@ def test_minilm_ranks_agree_with_the_exact_sweep(minilm: LoadedModel) -> None:
 
 
 def test_errors_say_what_to_do() -> None:
-    model = tiny_gpt2()
+    model = tiny_gpt2(n_layer=3, pad=False)
     with pytest.raises(EditError, match=r"metric returned float.*no \.item\(\)"):
         hookscope.attribution_patching(model, CLEAN, CORRUPTED, lambda out: logit_diff(out).item(),
                                        layers="transformer.h.0")

@@ -12,15 +12,9 @@ from torch import nn
 
 import hookscope
 from hookscope.errors import CaptureError
+from tests.models import tiny_gpt2
 
 transformers = pytest.importorskip("transformers")
-
-
-def tiny_gpt2() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=60, n_positions=32,
-                                     bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    return transformers.GPT2LMHeadModel(config).eval()
 
 
 def reference(model: nn.Module, module: nn.Module, sequences: torch.Tensor,

@@ -4,23 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import hookscope
 from hookscope.errors import CaptureError
+from tests.models import tiny_gpt2
 
 transformers = pytest.importorskip("transformers")
 
 
-def tiny_gpt2() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=60, n_positions=32,
-                                     bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    return transformers.GPT2LMHeadModel(config).eval()
-
-
 def test_run_refuses_a_capture_option_given_as_a_model_keyword() -> None:
-    model, ids = tiny_gpt2(), torch.tensor([[3, 9, 14, 2, 8]])
+    model, ids = tiny_gpt2(n_head=2), torch.tensor([[3, 9, 14, 2, 8]])
     with pytest.raises(CaptureError, match=(
             r"hookscope.run got grads=True as a keyword: .*GPT2LMHeadModel.forward has no "
             r"parameter 'grads'.*options=\{'grads': True\}; for a keyword of the model's own, "
@@ -31,7 +24,7 @@ def test_run_refuses_a_capture_option_given_as_a_model_keyword() -> None:
 
 
 def test_lm_head_under_generate_says_it_ran_on_the_last_token_only() -> None:
-    model, ids = tiny_gpt2(), torch.tensor([[1, 2, 3, 4]])
+    model, ids = tiny_gpt2(n_head=2), torch.tensor([[1, 2, 3, 4]])
     with hookscope.capture_generation(model, "lm_head") as generation:
         model.generate(ids, max_new_tokens=3, do_sample=False)
     with pytest.raises(CaptureError, match=r"'lm_head' returned \(1, 1, 60\) at step 0, which fed "

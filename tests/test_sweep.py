@@ -13,50 +13,15 @@ from torch import nn
 import hookscope
 from hookscope.errors import EditError, PositionError
 from hookscope.zoo.models import LoadedModel
+from tests.models import tiny_gpt2
+from tests.reference import clean_values, hand_patched, logit_diff
 
 transformers = pytest.importorskip("transformers")
 
 
-def tiny_gpt2() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=4, vocab_size=60, n_positions=32,
-                                     bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2LMHeadModel(config).eval()
-
-
-def logit_diff(output: Any) -> torch.Tensor:
-    return (output.logits[:, -1, 5] - output.logits[:, -1, 7]).mean()
-
-
-def hand_patched(model: nn.Module, module: nn.Module, clean_value: torch.Tensor, position: int,
-                 inputs: dict[str, torch.Tensor], metric: Any = None) -> float:
-    """The textbook loop: a forward hook that writes the clean value at one absolute position."""
-    def hook(mod: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-        output = output.clone()
-        output[:, position] = clean_value[:, position]
-        return output
-    handle = module.register_forward_hook(hook)
-    try:
-        with torch.no_grad():
-            return float((metric or logit_diff)(model(**inputs)))
-    finally:
-        handle.remove()
-
-
-def clean_values(model: nn.Module, modules: list[nn.Module], inputs: dict[str, torch.Tensor]
-                 ) -> list[torch.Tensor]:
-    kept: list[torch.Tensor] = []
-    handles = [m.register_forward_hook(lambda mod, a, o: kept.append(o.detach())) for m in modules]
-    with torch.no_grad():
-        model(**inputs)
-    for h in handles:
-        h.remove()
-    return kept
-
-
 @pytest.mark.parametrize("batch_size", [1, 3, None])
 def test_gpt2_sweep_equals_hand_written_loop(tmp_path: Path, batch_size: int | None) -> None:
-    model = tiny_gpt2()
+    model = tiny_gpt2(n_layer=3, pad=False)
     clean = {"input_ids": torch.tensor([[3, 9, 14, 2, 8], [4, 1, 22, 7, 30]])}
     corrupted = {"input_ids": torch.tensor([[3, 9, 40, 2, 8], [4, 1, 41, 7, 30]])}
     sweep = hookscope.patching_sweep(model, clean, corrupted, layers="transformer.h.*",
@@ -81,7 +46,7 @@ def test_gpt2_sweep_equals_hand_written_loop(tmp_path: Path, batch_size: int | N
 
 
 def test_positions_count_real_tokens_of_padded_batches() -> None:
-    model = tiny_gpt2()
+    model = tiny_gpt2(n_layer=3, pad=False)
     # row 1 is left-padded by one token; position -1 is the last real token of each row
     clean = {"input_ids": torch.tensor([[3, 9, 14, 2], [0, 4, 1, 22]]),
              "attention_mask": torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])}
@@ -112,7 +77,7 @@ def test_positions_count_real_tokens_of_padded_batches() -> None:
 
 
 def test_metric_must_be_one_number() -> None:
-    model = tiny_gpt2()
+    model = tiny_gpt2(n_layer=3, pad=False)
     ids = {"input_ids": torch.tensor([[3, 9, 14]])}
     with pytest.raises(EditError, match=r"metric returned a tensor of shape \(1, 3, 60\)"):
         hookscope.patching_sweep(model, ids, ids, layers="transformer.h.0",
@@ -142,7 +107,7 @@ def test_minilm_sweep_equals_hand_written_loop(minilm: LoadedModel) -> None:
 
 
 def test_progress_bar_counts_forwards(capsys: pytest.CaptureFixture[str]) -> None:
-    model = tiny_gpt2()
+    model = tiny_gpt2(n_layer=3, pad=False)
     ids = {"input_ids": torch.tensor([[3, 9, 14]])}
     sweep = hookscope.patching_sweep(model, ids, ids, layers="transformer.h.*", metric=logit_diff,
                                      batch_size=2)

@@ -21,18 +21,12 @@ from torch import nn
 import hookscope
 from hookscope.errors import PositionError
 from tests.functional_models import EagerSelfAttention
+from tests.models import tiny_gpt2
 
 transformers = pytest.importorskip("transformers")
 
 SDPA = "transformer.h.0.attn::scaled_dot_product_attention"
 IDS = torch.tensor([[3, 9, 14, 2, 8], [4, 1, 22, 7, 30]])  # 5 tokens; 4 heads
-
-
-def tiny_gpt2() -> nn.Module:
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=60, n_positions=32,
-                                     bos_token_id=0, eos_token_id=0)
-    return transformers.GPT2LMHeadModel(config).eval()
 
 
 def by_hand(model: nn.Module, ids: dict[str, torch.Tensor], change: Callable[[torch.Tensor], Any],
@@ -59,7 +53,7 @@ def by_hand(model: nn.Module, ids: dict[str, torch.Tensor], change: Callable[[to
 
 def test_steer_last_position_is_the_last_token_not_the_last_head(monkeypatch: pytest.MonkeyPatch
                                                                  ) -> None:
-    model, vector = tiny_gpt2(), torch.randn(8)
+    model, vector = tiny_gpt2(pad=False), torch.randn(8)
     with hookscope.steer(model, {SDPA: vector}, positions=-1), torch.no_grad():
         got = model(input_ids=IDS).logits
 
@@ -73,7 +67,7 @@ def test_steer_last_position_is_the_last_token_not_the_last_head(monkeypatch: py
 @given(heads=st.lists(st.integers(-4, 3), min_size=1, max_size=3, unique_by=lambda h: h % 4),
        position=st.integers(-5, 4))
 def test_ablate_heads_at_a_position_of_a_left_padded_batch(heads: list[int], position: int) -> None:
-    model = tiny_gpt2()
+    model = tiny_gpt2(pad=False)
     mask = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])  # row 1 has 3 real tokens
     ids = {"input_ids": IDS, "attention_mask": mask}
     real = [list(range(5)), [2, 3, 4]]
@@ -94,7 +88,7 @@ def test_ablate_heads_at_a_position_of_a_left_padded_batch(heads: list[int], pos
 
 
 def test_patch_heads_from_a_prompt_of_another_length(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = tiny_gpt2()
+    model = tiny_gpt2(pad=False)
     clean = torch.tensor([[5, 6, 7, 8, 9, 10]])  # 6 tokens
     with hookscope.capture(model, SDPA) as acts, torch.no_grad():
         model(input_ids=clean)
@@ -114,7 +108,7 @@ def test_patch_heads_from_a_prompt_of_another_length(monkeypatch: pytest.MonkeyP
 
 
 def test_heads_on_a_module_output_is_refused_naming_the_sdpa_address() -> None:
-    model = tiny_gpt2()
+    model = tiny_gpt2(pad=False)
     with hookscope.ablate(model, "transformer.h.0.attn[0]", heads=1), pytest.raises(
             PositionError, match=r"heads= on 'transformer.h.0.attn\[0\]', shape \(2, 5, 32\): "
                                  r".*select the attention's 'transformer.h.0.attn::scaled_dot_"
@@ -172,7 +166,7 @@ def metric(output: Any) -> torch.Tensor:
 
 
 def test_sweep_over_sdpa_covers_tokens_and_each_head(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = tiny_gpt2()
+    model = tiny_gpt2(pad=False)
     clean, corrupted = IDS, torch.tensor([[3, 9, 40, 2, 8], [4, 1, 41, 7, 30]])
     sweep = hookscope.patching_sweep(model, clean, corrupted, layers=SDPA, metric=metric,
                                      batch_size=3, progress=False)
@@ -195,7 +189,7 @@ def test_sweep_over_sdpa_covers_tokens_and_each_head(monkeypatch: pytest.MonkeyP
 
 
 def test_sweep_names_the_positions_a_longer_corrupted_input_leaves_out() -> None:
-    model = tiny_gpt2()
+    model = tiny_gpt2(pad=False)
     clean, corrupted = IDS[:1], torch.tensor([[3, 9, 40, 2, 8, 11]])
     with pytest.warns(UserWarning, match=r"covers positions 0 … 4: the corrupted input has 6 "
                                          r"tokens and the clean one 5, so positions 5 … 5"):
@@ -205,7 +199,7 @@ def test_sweep_names_the_positions_a_longer_corrupted_input_leaves_out() -> None
 
 
 def test_normalized_metric_and_token_labels(tmp_path: Any) -> None:
-    model = tiny_gpt2()
+    model = tiny_gpt2(pad=False)
     clean, corrupted = IDS[:1], torch.tensor([[3, 9, 40, 2, 8]])
     sweep = hookscope.patching_sweep(model, clean, corrupted, layers="transformer.h.*",
                                      metric=metric, progress=False)
