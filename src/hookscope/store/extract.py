@@ -152,7 +152,8 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
         header = {"model": {"spec": model_spec, "class": _class_name(model)}, "extract": config}
         job = _Job(model, keys, reducer, dtype, source, ranks, progress, shard_bytes, shard_seconds,
                    early_stop)
-        with untouched(model), torch.no_grad(), _GracefulStop() as job.stop:
+        # the stop first: hookscope's own interrupt guards (untouched, capture) stand in for it
+        with _GracefulStop() as job.stop, untouched(model), torch.no_grad():
             model.eval()  # untouched: once around the loop; restores the mode too
             _extract(job, folder, header, resume=resume, overwrite=overwrite)
     finally:
