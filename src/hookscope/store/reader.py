@@ -384,9 +384,10 @@ class LayerView:
 
 
 def _column_text(name: str, info: LayerInfo) -> str:
-    """``ids: text``, ``labels: int64``, ``labels: 3 float32``: a column as ``repr`` shows it."""
-    kind = "text" if info.ragged else dtype_name(info.dtype) if not info.shape else \
-        f"{row_shape(info)} {dtype_name(info.dtype)}"
+    """``ids: text``, ``ids: data-set indices``, ``labels: int64``, ``labels: 3 float32``: a
+    column as ``repr`` shows it."""
+    kind = "text" if info.ragged else "data-set indices" if name == "id" else \
+        dtype_name(info.dtype) if not info.shape else f"{row_shape(info)} {dtype_name(info.dtype)}"
     return f"{name}s: {kind}"
 
 
@@ -464,7 +465,8 @@ class Store:
         lines = [f"Store({str(self.path)!r}: {len(self)} rows in {len(self.shards)} shard"
                  f"{'s' if len(self.shards) != 1 else ''}, {self.nbytes} bytes, {state})"]
         width = max((len(name) for name in self.layers), default=0)
-        lines += [f"  {name:<{width}}  {row_shape(info)}  {dtype_name(info.dtype)}"
+        shape = max((len(row_shape(info)) for info in self.layers.values()), default=0)
+        lines += [f"  {name:<{width}}  {row_shape(info):<{shape}}  {dtype_name(info.dtype)}"
                   for name, info in self.layers.items()]
         lines.append("  " + "; ".join(_column_text(name, info)
                                       for name, info in self.columns.items())
