@@ -147,7 +147,7 @@ def test_repr_shows_what_show_shows(tmp_path: Path) -> None:
     assert repr(store).splitlines() == [
         f"Store({str(tmp_path / 's')!r}: 11 rows in 1 shard, {store.nbytes} bytes, complete)",
         "  fc1  20  float32",
-        "  fc2  5  float32",
+        "  fc2  5   float32",
         "  ids: data-set indices; labels: text"]
     assert str(store) == repr(store)
 
