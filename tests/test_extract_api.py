@@ -210,5 +210,5 @@ def test_resume_of_a_finished_store_changes_nothing(tmp_path: Path) -> None:
     before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
     store = extract(model, data, "fc1", out, resume=True, progress=False)
     assert len(store) == 6 and {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
-    with pytest.raises(ExtractError, match=r"reduce: was None, now 'mean'.*overwrite=True"):
+    with pytest.raises(ExtractError, match=r"reduce \(--reduce\) was None, now 'mean'.*overwrite=True"):
         extract(model, data, "fc1", out, resume=True, reduce="mean", progress=False)

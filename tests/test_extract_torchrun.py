@@ -51,6 +51,7 @@ def test_two_ranks_equal_one_process_row_for_row(tmp_path: Path) -> None:
     assert len(ranks) == len(single) == 43
     for layer in ("fc1", "fc2"):
         assert torch.equal(ranks[layer][:], single[layer][:])
+    assert torch.equal(ranks.ids, torch.arange(43)) and torch.equal(single.ids, torch.arange(43))
     assert [s.rows for s in ranks.shards][-1][1] == 43
     ranks.verify()
     assert not list((tmp_path / "ranks").glob("manifest-r*.json"))

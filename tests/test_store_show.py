@@ -29,13 +29,15 @@ def test_table_lists_layers_then_a_summary(store_path: Path, capsys: pytest.Capt
                          "fc1    120        float16  no"]
     assert lines[3].startswith("12 rows in 3 shards, ")
     assert lines[3].endswith("complete; model tests.models:LeNet, reduce None")
+    assert lines[4:] == ["ids: 0, 1, 2, ..."]
 
 
 def test_json_has_stable_keys(store_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["show", str(store_path), "--json", "--verify"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert sorted(data) == ["bytes", "complete", "layers", "model", "path", "reduce", "rows",
-                            "shards", "verified"]
+    assert sorted(data) == ["bytes", "complete", "ids", "labels", "layers", "model", "path",
+                            "reduce", "rows", "shards", "verified"]
+    assert data["ids"] == [0, 1, 2] and data["labels"] is None  # a list of tensors: row numbers
     assert data["rows"] == 12 and data["shards"] == 3 and data["verified"] is True
     assert data["layers"][0] == {"layer": "conv2", "shape": [16, 10, 10], "dtype": "float16",
                                  "ragged": False}

@@ -147,8 +147,8 @@ def test_a_gap_or_a_tail_after_the_last_tensor_is_refused(pristine: Path, tmp_pa
     shard.write_bytes(raw)
     _rewrite_header(store, lambda header: None)
     assert not _safetensors_accepts(shard)
-    with pytest.raises(StoreCorruptError, match=r"describes 96 bytes of tensor data, the file "
-                                                r"holds 104"):
+    with pytest.raises(StoreCorruptError, match=r"describes 128 bytes of tensor data, the file "
+                                                r"holds 136"):
         open_store(store).verify()
 
 

@@ -88,6 +88,17 @@ class ExtractError(HookscopeError, ValueError):
     row by row, or a resume whose arguments differ from the interrupted run's."""
 
 
+class ExtractInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) stopped an extraction gracefully: the rows computed so far, those of the
+    open shard included, are written and listed in the manifest (``rows`` of them, in the store
+    folder ``out``); ``resume=True`` / ``--resume`` continues it. A ``KeyboardInterrupt``, so
+    ``except Exception`` does not swallow it."""
+
+    def __init__(self, message: str, *, rows: int, out: str):
+        super().__init__(message)
+        self.rows, self.out = rows, out
+
+
 class EditError(HookscopeError, ValueError):
     """An edit cannot be applied: a replacement of the wrong shape, a missing source record, an
     option out of range; the message names the module, the call and the fix."""

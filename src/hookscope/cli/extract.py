@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 from pathlib import Path
 
 import torch
@@ -19,8 +20,10 @@ from hookscope.cli._common import (
     image_options,
     positive_float,
     positive_int,
+    say,
 )
 from hookscope.cli.show import print_store
+from hookscope.errors import ExtractInterrupted
 from hookscope.record.reductions import NAMES
 from hookscope.store.extract import SHARD_BYTES, SHARD_SECONDS, check_output, extract
 from hookscope.zoo.data import load_data
@@ -70,16 +73,41 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_model(args.model, **image_options(args))
     data = load_data(args.data, loaded, batch_size=args.batch_size)
     model = loaded.module.to(args.device or _default_device())
-    store = extract(model, data, args.layer, args.out,
-                    reduce=None if args.reduce == "none" else args.reduce,
-                    dtype=_DTYPES[args.dtype] if args.dtype else None, batch_size=args.batch_size,
-                    shard_bytes=args.shard_bytes, shard_seconds=args.shard_seconds,
-                    resume=args.resume, overwrite=args.overwrite,
-                    progress=not args.no_progress, model_spec=args.model,
-                    early_stop=args.early_stop)
+    try:
+        store = extract(model, data, args.layer, args.out,
+                        reduce=None if args.reduce == "none" else args.reduce,
+                        dtype=_DTYPES[args.dtype] if args.dtype else None,
+                        batch_size=args.batch_size, shard_bytes=args.shard_bytes,
+                        shard_seconds=args.shard_seconds, resume=args.resume,
+                        overwrite=args.overwrite, progress=not args.no_progress,
+                        model_spec=args.model, early_stop=args.early_stop)
+    except ExtractInterrupted as stopped:
+        say(f"interrupted: {stopped.rows} rows kept in {stopped.out} (the open shard's "
+            f"included); resume with:\n  {resume_command(args)}")
+        return 130
     if int(os.environ.get("RANK", "0")) == 0:
         print_store(store, as_json=args.json)
     return 0
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The command line that continues this run: its arguments, ``--resume`` instead of
+    ``--overwrite`` (prefixed ``torchrun ... -m`` under torchrun)."""
+    words = [args.model, "--data", args.data, "--layer", *args.layer, "--out", args.out]
+    if args.image_size:
+        words += ["--image-size", "x".join(str(n) for n in args.image_size)]
+    for flag, value in (("--mean", args.mean), ("--std", args.std)):
+        if value:
+            words += [flag, ",".join(str(v) for v in value)]
+    words += ["--reduce", args.reduce, "--batch-size", str(args.batch_size),
+              "--shard-bytes", str(args.shard_bytes), "--shard-seconds", f"{args.shard_seconds:g}"]
+    words += ["--dtype", args.dtype] if args.dtype else []
+    words += ["--device", args.device] if args.device else []
+    words += [flag for flag, on in (("--no-progress", args.no_progress),
+                                    ("--early-stop", args.early_stop), ("--json", args.json)) if on]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    runner = f"torchrun --nproc_per_node={world} -m hookscope" if world > 1 else "hookscope"
+    return f"{runner} extract {shlex.join([*words, '--resume'])}"
 
 
 def _device(text: str) -> str:

@@ -1,9 +1,13 @@
-"""``hookscope show STORE``: layers, row shapes, dtypes, rows, shards, bytes, completeness."""
+"""``hookscope show STORE``: layers, row shapes, dtypes, rows, shards, bytes, completeness, the
+first row ids and the most common labels."""
 
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 from typing import Any
+
+from torch import Tensor
 
 from hookscope.cli._common import print_json, print_table, say
 from hookscope.store.reader import Store, dtype_name, open_store
@@ -43,7 +47,26 @@ def describe(store: Store) -> dict[str, Any]:
         "layers": [{"layer": info.path, "shape": ["tokens" if n is None else n for n in info.shape],
                     "dtype": dtype_name(info.dtype), "ragged": info.ragged}
                    for info in store.layers.values()],
+        "ids": _first(store.ids), "labels": _label_counts(store.labels),
     }
+
+
+def _first(ids: Tensor | list[str], shown: int = 3) -> list[Any]:
+    """The first ``shown`` row ids (str or int)."""
+    return list(ids[:shown]) if isinstance(ids, list) else ids[:shown].tolist()
+
+
+def _label_counts(labels: Tensor | list[str] | None, shown: int = 5) -> dict[str, int] | None:
+    """Rows per label, the ``shown`` most common (labels of one value each: str or int;
+    other labels, such as vectors, by their shape)."""
+    if labels is None:
+        return None
+    if isinstance(labels, Tensor):
+        if labels.dim() != 1 or labels.is_floating_point():
+            return {f"{'x'.join(map(str, labels.shape[1:])) or 'scalar'} "
+                    f"{dtype_name(labels.dtype)}": len(labels)}
+        labels = [str(v) for v in labels.tolist()]
+    return dict(Counter(labels).most_common(shown))
 
 
 def print_store(store: Store, *, as_json: bool, verified: bool = False) -> None:
@@ -59,6 +82,10 @@ def print_store(store: Store, *, as_json: bool, verified: bool = False) -> None:
     shards = f"{data['shards']} shard{'s' if data['shards'] != 1 else ''}"
     print(f"{data['rows']} rows in {shards}, {_size(data['bytes'])}, {state}; "
           f"model {data['model']}, reduce {data['reduce']}")
+    more = ", ..." if data["rows"] > len(data["ids"]) else ""
+    print(f"ids: {', '.join(map(str, data['ids']))}{more}")
+    if data["labels"] is not None:
+        print(f"labels: {', '.join(f'{k} ({n})' for k, n in data['labels'].items())}")
     if verified:
         say("verified: manifest, shard headers, sizes, chunk sums and sha256 of every shard")
 

@@ -58,13 +58,30 @@ class BatchSource:
         if self.loader is not None and isinstance(self.loader.sampler, RandomSampler):
             raise ExtractError("the DataLoader shuffles (shuffle=True); extraction needs a fixed "
                                "row order to resume and to join ranks: pass shuffle=False")
+        # rows per batch when known (a DataLoader's batch_size; None for other iterables)
+        self.batch_size: int | None = self.loader.batch_size if self.loader is not None else None
         try:
             self.count: int | None = len(data)
         except TypeError:
             self.count = None
 
-    def batches(self, start: int, stop: int | None) -> Iterator[tuple[int, Any]]:
-        """Yield ``(index, batch)`` for batches ``start:stop`` (``stop=None``: to the end)."""
+    def batches(self, start: int, stop: int | None) -> Iterator[tuple[int, Any, list[Any] | None]]:
+        """Yield ``(index, batch, ids)`` for batches ``start:stop`` (``stop=None``: to the
+        end); ``ids`` are its rows' data-set indices, or ``dataset.row_id(i)`` of each when the
+        data set defines ``row_id`` (``None`` when the data is not a DataLoader over a map-style
+        data set with a batch sampler)."""
+        return ((i, batch, ids) for (i, batch), ids in zip(self._batches(start, stop),
+                                                           self._ids(start, stop)))
+
+    def _ids(self, start: int, stop: int | None) -> Iterator[list[Any] | None]:
+        loader = self.loader
+        if loader is None or loader.batch_sampler is None:
+            return itertools.repeat(None)
+        name = getattr(loader.dataset, "row_id", None)
+        indices = itertools.islice(iter(loader.batch_sampler), start, stop)
+        return ([name(i) for i in batch] if callable(name) else list(batch) for batch in indices)
+
+    def _batches(self, start: int, stop: int | None) -> Iterator[tuple[int, Any]]:
         if self.loader is None or (start == 0 and stop in (None, self.count)):
             return enumerate(itertools.islice(iter(self.data), start, stop), start)
         loader = self.loader

@@ -27,7 +27,9 @@ import contextlib
 import itertools
 import os
 import secrets
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -41,11 +43,12 @@ from tqdm import tqdm
 from hookscope.engine.run import input_device, model_inputs, untouched
 from hookscope.engine.select import as_patterns, resolve
 from hookscope.engine.values import check_has_values
-from hookscope.errors import ExtractError, HookscopeError
+from hookscope.errors import ExtractError, ExtractInterrupted, HookscopeError
 from hookscope.record.capture import Capture, capture
 from hookscope.record.reductions import Reduce, Reduction, reduction, reduction_name
 from hookscope.store.batches import BatchSource
 from hookscope.store.folder import check_output, prepare_output, writing
+from hookscope.store.manifest import COLUMN_PREFIX, tensor_specs
 from hookscope.store.ranks import Ranks
 from hookscope.store.reader import _ST_DTYPES, LayerInfo, Store, dtype_name, open_store
 from hookscope.store.writer import (
@@ -107,6 +110,16 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
         early_stop: stop each forward once every selected layer has returned (the rest of the
             model does not run; same rows, less time for early layers; see ``capture``).
 
+    Besides the layers, the store keeps what each row was (``store.ids``, ``store.labels``;
+    README, "Store format"): for a DataLoader over a map-style data set, the data-set index of
+    each row (or ``dataset.row_id(i)``, a str, when the data set defines it: ``--data FOLDER``
+    stores the file path relative to the folder); for ``(inputs, labels, ...)`` batches, the
+    labels (a tensor whose dim 0 is the batch, or one str per row). Rows of other iterables are
+    known by their row number.
+
+    A first Ctrl-C (SIGINT, main thread) stops the run once the batch in progress is stored,
+    writing the rows of the open shard too; a second one stops it at once.
+
     Returns:
         The finished store, opened (``hookscope.open_store(out)``).
 
@@ -121,6 +134,8 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
             not one batch-first tensor, rows whose shape changes between batches, shuffled
             data, or a resume with other arguments.
         StoreCorruptError: ``resume`` finds a damaged manifest.
+        ExtractInterrupted: a Ctrl-C stopped the run gracefully (a ``KeyboardInterrupt``; its
+            ``rows`` were written, the open shard's included); ``resume=True`` continues.
     """
     _check_arguments(model, out, dtype, batch_size, shard_bytes, shard_seconds, model_spec,
                      {"resume": resume, "overwrite": overwrite, "progress": progress,
@@ -133,12 +148,13 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
     ranks = Ranks.start()
     try:
         config = {"layers": keys, "reduce": reduction_name(reduce), "batches": source.count,
-                  "dtype": dtype_name(dtype) if dtype else None}
+                  "dtype": dtype_name(dtype) if dtype else None, "batch_size": source.batch_size}
         header = {"model": {"spec": model_spec, "class": _class_name(model)}, "extract": config}
         job = _Job(model, keys, reducer, dtype, source, ranks, progress, shard_bytes, shard_seconds,
                    early_stop)
-        with untouched(model), torch.no_grad():  # once around the loop; restores the mode too
-            model.eval()
+        # the stop first: hookscope's own interrupt guards (untouched, capture) stand in for it
+        with _GracefulStop() as job.stop, untouched(model), torch.no_grad():
+            model.eval()  # untouched: once around the loop; restores the mode too
             _extract(job, folder, header, resume=resume, overwrite=overwrite)
     finally:
         ranks.stop()
@@ -184,6 +200,36 @@ class _Job:
     shard_seconds: float
     early_stop: bool = False
     session: Capture | None = None  # the capture open across the batches after the first
+    stop: _GracefulStop | None = None  # set while the run is on: a Ctrl-C asks it to stop
+
+
+class _GracefulStop:
+    """Within the block (main thread, Python's default SIGINT handler in place), the first
+    Ctrl-C only asks the run to stop once the batch in progress is stored, so the rows of the
+    open shard are written, not lost; a second Ctrl-C raises ``KeyboardInterrupt`` at once (the
+    open shard's rows are lost, the written shards stay). Elsewhere it does nothing."""
+
+    def __init__(self) -> None:
+        self.asked, self.installed = False, False
+
+    def __enter__(self) -> _GracefulStop:
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, self._handler)
+            self.installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.installed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.asked:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        self.asked = True
+        print("\nextract: Ctrl-C: stopping once this batch is stored (Ctrl-C again to stop at "
+              "once, losing the rows of the open shard)", file=sys.stderr, flush=True)
 
 
 def _extract(job: _Job, folder: Path, header: dict[str, Any], *,
@@ -200,7 +246,8 @@ def _extract(job: _Job, folder: Path, header: dict[str, Any], *,
         if not (prior and prior["complete"]):
             start, stop = ranks.batch_range(job.source.count)
             start = _resume_batch(prior, start)
-            todo, header["layers"] = _first_batch(job, start, stop, prior)
+            todo, specs = _first_batch(job, start, stop, prior)
+            header["layers"], header["columns"] = _split(specs)
         error = None
     except Exception as err:  # noqa: BLE001  (shared with the other ranks, then re-raised)
         error = err
@@ -237,10 +284,17 @@ def _first_batch(job: _Job, start: int, stop: int | None, prior: dict[str, Any] 
     if first is None:
         if job.ranks.world_size == 1 and prior is None:
             raise ExtractError("data yielded no batch: there is nothing to extract")
-        return iter(()), prior["layers"] if prior else {}
-    rows = _rows(job, first[1])
-    rest = ((i, _rows(job, b)) for i, b in batches)
+        return iter(()), tensor_specs(prior) if prior else {}
+    rows = _rows(job, first[1], first[2])
+    rest = ((i, _rows(job, b, ids)) for i, b, ids in batches)
     return itertools.chain([(first[0], rows)], rest), _layer_infos(rows, prior)
+
+
+def _split(specs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Row specs by shard tensor name -> (the manifest's ``layers``, its ``columns``)."""
+    layers = {k: v for k, v in specs.items() if not k.startswith(COLUMN_PREFIX)}
+    return layers, {k.removeprefix(COLUMN_PREFIX): v for k, v in specs.items()
+                    if k.startswith(COLUMN_PREFIX)}
 
 
 def _write_all(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Rows]],
@@ -259,7 +313,7 @@ def _write_batches(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Row
                    staging: Staging) -> None:
     background = BackgroundWriter(writer, staging)
     bar = _Progress(job, start)
-    layers = writer.manifest["layers"]
+    layers = tensor_specs(writer.manifest)
     shard, started = ShardData(batches=(start, start)), time.monotonic()
     try:
         for index, rows in todo:
@@ -271,13 +325,27 @@ def _write_batches(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Row
                 background.put(shard)
                 shard, started = ShardData(batches=(index + 1, index + 1)), time.monotonic()
                 staging.start_shard()
+            if job.stop is not None and job.stop.asked:
+                break
         if shard.rows:
             background.put(shard)
         background.close()
+        if job.stop is not None and job.stop.asked:
+            _interrupted(writer)
         writer.finish()
     finally:
         background.close()
         bar.close()
+
+
+def _interrupted(writer: StoreWriter) -> None:
+    """Raise ``ExtractInterrupted`` saying what a graceful stop kept and how to go on."""
+    rows, folder = writer.manifest["rows"], str(writer.folder)
+    where = "this rank's " if writer.world_size > 1 else ""
+    raise ExtractInterrupted(
+        f"extract interrupted: {where}{rows} rows are stored in {folder} "
+        f"({len(writer.manifest['shards'])} shards, the open one included); continue with the "
+        f"same arguments and resume=True (--resume)", rows=rows, out=folder)
 
 
 def _append(shard: ShardData, index: int, rows: Rows, staging: Staging) -> None:
@@ -317,8 +385,9 @@ class _Progress:
 
 
 # ------------------------------------------------------------------------- batch -> rows
-def _rows(job: _Job, batch: Any) -> Rows:
-    """Run one batch; return ``{key: (rows, None)}`` or ``{key: (flat tokens, counts)}``."""
+def _rows(job: _Job, batch: Any, ids: list[Any] | None) -> Rows:
+    """Run one batch; return ``{key: (rows, None)}`` or ``{key: (flat tokens, counts)}`` for
+    each layer, then the columns ``@id`` (``ids``) and ``@label`` (the batch's labels)."""
     try:
         args, kwargs = model_inputs(batch)
     except HookscopeError as err:
@@ -338,8 +407,47 @@ def _rows(job: _Job, batch: Any) -> Rows:
             job.model(*args, **kwargs)
         acts.check_writes()
         _check_calls(acts, job.keys)
-    return {key: _layer_rows(key, _one_tensor(key, acts[key]), n, mask, job) for key in job.keys}
+    rows = {key: _layer_rows(key, _one_tensor(key, acts[key]), n, mask, job) for key in job.keys}
+    return {**rows, **_columns(batch, ids, n)}
 
+
+def _columns(batch: Any, ids: list[Any] | None, n: int) -> Rows:
+    """The ``@id`` and ``@label`` rows of a batch of ``n`` rows: ``ids`` (data-set indices or
+    ``row_id`` strings) and, for a ``(inputs, labels, ...)`` batch, its labels (a tensor whose
+    dim 0 is the batch, or ``n`` strings)."""
+    columns: Rows = {}
+    if ids is not None:
+        columns[COLUMN_PREFIX + "id"] = _column("the data set's row ids", ids, n)
+    if isinstance(batch, (tuple, list)) and len(batch) >= 2:
+        labels = batch[1]
+        if isinstance(labels, Tensor):
+            if labels.dim() == 0 or labels.shape[0] != n or labels.dtype not in _ST_DTYPES:
+                raise ExtractError(
+                    f"the labels of an (inputs, labels) batch are a {labels.dtype} tensor of "
+                    f"shape {tuple(labels.shape)}; a store keeps one label per row: give a "
+                    f"tensor whose dim 0 is the batch ({n}) of a dtype a store holds, or yield "
+                    f"the inputs alone")
+            columns[COLUMN_PREFIX + "label"] = (labels.detach().cpu(), None)
+        else:
+            columns[COLUMN_PREFIX + "label"] = _column("the labels of an (inputs, labels) batch",
+                                                       labels, n)
+    return columns
+
+
+def _column(what: str, values: Any, n: int) -> tuple[Tensor, Tensor | None]:
+    """``n`` ints -> ``((n,) int64, None)``; ``n`` strs -> (UTF-8 bytes flat, byte counts)."""
+    if isinstance(values, (list, tuple)) and len(values) == n:
+        if all(isinstance(v, str) for v in values):
+            data = [v.encode("utf-8") for v in values]
+            joined = bytearray(b"".join(data))
+            flat = torch.frombuffer(joined, dtype=torch.uint8) if joined else \
+                torch.empty(0, dtype=torch.uint8)
+            return flat, torch.tensor([len(d) for d in data], dtype=torch.int64)
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            return torch.tensor(values, dtype=torch.int64), None
+    raise ExtractError(f"{what} are {type(values).__name__} {values!r:.80}; a store keeps one "
+                       f"per row: {n} ints or {n} strs (or a tensor of labels), or yield the "
+                       f"inputs alone")
 
 def _check_calls(acts: Capture, keys: list[str]) -> None:
     """Each selected module runs once per batch (a store keeps one row per input)."""
@@ -410,10 +518,10 @@ def _layer_infos(rows: Rows, prior: dict[str, Any] | None) -> dict[str, Any]:
     infos = {key: LayerInfo(key, ((None,) if lengths is not None else ()) +
                             tuple(data.shape[1:]), data.dtype).to_json()
              for key, (data, lengths) in rows.items()}
-    if prior is not None and prior["layers"] and prior["layers"] != infos:
-        raise ExtractError(f"the layers now give rows {infos}, the interrupted run stored "
-                           f"{prior['layers']}: resume with the same model, data and options, or "
-                           f"start over with overwrite=True")
+    if prior is not None and prior["layers"] and tensor_specs(prior) != infos:
+        raise ExtractError(f"the layers and columns now give rows {infos}, the interrupted run "
+                           f"stored {tensor_specs(prior)}: resume with the same model, data and "
+                           f"options, or start over with overwrite=True")
     return infos
 
 
@@ -434,16 +542,48 @@ def _class_name(model: nn.Module) -> str:
     return f"{type(model).__module__}.{type(model).__qualname__}"
 
 
+# manifest ``extract`` field -> (the argument of ``extract``, the CLI flag)
+_ARGUMENTS = {"layers": ("layers", "--layer"), "reduce": ("reduce", "--reduce"),
+              "dtype": ("dtype", "--dtype"), "batch_size": ("batch_size", "--batch-size"),
+              "batches": ("data", "--data")}
+
+
 def _check_resume(prior: dict[str, Any] | None, header: dict[str, Any]) -> None:
+    """Raise ``ExtractError`` naming each argument whose value differs from the interrupted
+    run's (old and new value, and the rerun that fixes it). A field the interrupted run did not
+    record (an older store) is not compared."""
     if prior is None:
         return
-    changed = {k: (prior["extract"].get(k), v) for k, v in header["extract"].items()
-               if prior["extract"].get(k) != v}
+    was = prior["extract"]
+    changed = [k for k, v in header["extract"].items() if k in was and was[k] != v]
+    if "batch_size" in changed and "batches" in changed:
+        changed.remove("batches")  # another batch size makes another number of batches
     if changed:
-        listing = "; ".join(f"{k}: was {a!r}, now {b!r}" for k, (a, b) in changed.items())
-        raise ExtractError(f"cannot resume: the arguments differ from the interrupted run's "
-                           f"({listing}). Resume with the same arguments and data, or start "
-                           f"over with overwrite=True (--overwrite).")
+        listing = "; ".join(_changed(k, was[k], header["extract"][k]) for k in changed)
+        fixes = " ".join(_flag(k, was[k]) for k in changed if k != "batches")
+        rerun = f"rerun with {fixes}" if fixes else "resume over the same data"
+        raise ExtractError(f"cannot resume: {listing}. Each must be what the interrupted run "
+                           f"used: {rerun}, or start over with overwrite=True (--overwrite).")
+
+
+def _changed(key: str, old: Any, new: Any) -> str:
+    name, flag = _ARGUMENTS.get(key, (key, f"--{key}"))
+    if key == "batches":
+        return (f"the data ({flag}) now makes {new} batches, the interrupted run's made {old}: "
+                f"it is not the same data")
+    return f"{name} ({flag}) was {old!r}, now {new!r}"
+
+
+def _flag(key: str, value: Any) -> str:
+    """The CLI flag and API argument that give ``value`` again: ``--batch-size 50
+    (batch_size=50)``."""
+    name, flag = _ARGUMENTS.get(key, (key, f"--{key}"))
+    if value is None:
+        cli = "no --dtype" if key == "dtype" else f"{flag} none"
+    else:
+        cli = f"{flag} {' '.join(value) if isinstance(value, list) else value}"
+    api = f"torch.{value}" if key == "dtype" and value else repr(value)
+    return f"{cli} ({name}={api})"
 
 
 def _resume_batch(prior: dict[str, Any] | None, start: int) -> int:

@@ -32,6 +32,8 @@ VERSION = 1
 DTYPES = {"float64": ("F64", 8), "float32": ("F32", 4), "float16": ("F16", 2),
           "bfloat16": ("BF16", 2), "int64": ("I64", 8), "int32": ("I32", 4), "int16": ("I16", 2),
           "int8": ("I8", 1), "uint8": ("U8", 1), "bool": ("BOOL", 1)}
+COLUMNS = ("id", "label")  # per-row columns besides the layers (README, "Store format")
+COLUMN_PREFIX = "@"  # a column's tensor in a shard is "@id", "@label"; no layer name starts so
 SHARD_NAME = re.compile(r"shard-(r\d{4}-)?\d{5}\.safetensors")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _CHUNK_SUM = re.compile(r"[0-9a-f]{16}")
@@ -89,6 +91,9 @@ def check_manifest(data: Any, file: Path) -> None:
     chunk = _want(file, data, "chunk_bytes", lambda v: _is_int(v) and v > 0 and v % 8 == 0,
                   f"a positive multiple of 8 up to {MAX_COUNT}")
     _check_layers(file, _want(file, data, "layers", lambda v: isinstance(v, dict), "an object"))
+    if "columns" in data:  # stores written before row identity was recorded have none
+        _check_columns(file, _want(file, data, "columns", lambda v: isinstance(v, dict),
+                                   "an object"))
     shards = _want(file, data, "shards", lambda v: isinstance(v, list), "a list")
     rows = _want(file, data, "rows", _is_int, f"a row count (0..{MAX_COUNT})")
     stop, batch, names = 0, None, set()
@@ -101,10 +106,11 @@ def check_manifest(data: Any, file: Path) -> None:
         raise corrupt(file, "rows", f"is {rows} but the shards hold {stop} rows")
 
 
-def _check_layers(file: Path, layers: dict[str, Any]) -> None:
+def _check_layers(file: Path, layers: dict[str, Any], what: str = "layers") -> None:
     for name, spec in layers.items():
-        field = f"layers[{name!r}]"
-        if not name or name.endswith(":offsets") or not isinstance(spec, dict):
+        field = f"{what}[{name!r}]"
+        if not name or name.endswith(":offsets") or name.startswith(COLUMN_PREFIX) or \
+                not isinstance(spec, dict):
             raise corrupt(file, field, "must be a layer path with {shape, dtype, ragged}")
         shape = _want(file, spec, "shape", lambda v: isinstance(v, list), "a list", f"{field}.")
         ragged = bool(shape) and shape[0] is None
@@ -117,6 +123,26 @@ def _check_layers(file: Path, layers: dict[str, Any]) -> None:
               f"one of {sorted(DTYPES)}", f"{field}.")
         _want(file, spec, "ragged", lambda v, r=ragged: v is r,  # type: ignore[misc]
               f"{str(ragged).lower()} for this shape", f"{field}.")
+
+
+def _check_columns(file: Path, columns: dict[str, Any]) -> None:
+    """``columns``: ``id``/``label`` specs as layers have them; a ragged one holds UTF-8 text."""
+    for name in columns:
+        if name not in COLUMNS:
+            raise corrupt(file, f"columns[{name!r}]", f"is not a column hookscope writes "
+                                                      f"({', '.join(COLUMNS)})")
+    _check_layers(file, columns, "columns")
+    for name, spec in columns.items():
+        if spec["ragged"] and (spec["shape"] != [None] or spec["dtype"] != "uint8"):
+            raise corrupt(file, f"columns[{name!r}]", "is ragged, so it must be text: shape "
+                                                      "[null], dtype uint8")
+
+
+def tensor_specs(manifest: dict[str, Any]) -> dict[str, Any]:
+    """Every tensor a shard holds besides offsets, by its name in the shard: the layers, then
+    the columns (``@id``, ``@label``)."""
+    return {**manifest["layers"],
+            **{COLUMN_PREFIX + k: v for k, v in manifest.get("columns", {}).items()}}
 
 
 def _check_shard(file: Path, k: int, entry: Any, start: int, batch: int | None,

@@ -34,6 +34,7 @@ import torch
 
 from hookscope.errors import StoreCorruptError, StoreError
 from hookscope.store.manifest import (
+    COLUMN_PREFIX,
     FORMAT,
     check_header,
     check_manifest,
@@ -41,6 +42,7 @@ from hookscope.store.manifest import (
     inside,
     parse_json,
     read_regular,
+    tensor_specs,
 )
 
 __all__ = ["FORMAT", "LayerInfo", "LayerView", "ShardInfo", "Store", "StoreDataset", "chunk_sums",
@@ -381,6 +383,19 @@ class LayerView:
         return rows
 
 
+def _column_text(name: str, info: LayerInfo) -> str:
+    """``ids: text``, ``ids: data-set indices``, ``labels: int64``, ``labels: 3 float32``: a
+    column as ``repr`` shows it."""
+    kind = "text" if info.ragged else "data-set indices" if name == "id" else \
+        dtype_name(info.dtype) if not info.shape else f"{row_shape(info)} {dtype_name(info.dtype)}"
+    return f"{name}s: {kind}"
+
+
+def row_shape(info: LayerInfo) -> str:
+    """``"tokensx8"``, ``"3x4"``, ``"scalar"``: a row's shape as ``show`` prints it."""
+    return "x".join("tokens" if n is None else str(n) for n in info.shape) or "scalar"
+
+
 def _as_int(index: object, layer: str) -> int:
     """``index`` as a row number; a float, str or other non-integer is an IndexError."""
     try:
@@ -406,7 +421,12 @@ class StoreDataset(torch.utils.data.Dataset[Tensor]):
 
 
 class Store:
-    """A store opened for reading (``hookscope.open_store``); see ``LayerView`` for row access."""
+    """A store opened for reading (``hookscope.open_store``); see ``LayerView`` for row access.
+
+    Besides the layers, a store may hold per-row columns (``store.columns``): ``ids``, what each
+    row was (a file path relative to the data folder, a data-set index) and ``labels`` (a folder
+    label, the ``y`` of ``(x, y)`` batches). ``repr(store)`` describes it in a few lines.
+    """
 
     def __init__(self, path: Path, manifest: dict[str, Any], verify_reads: bool):
         self.path, self.manifest = path, manifest
@@ -414,9 +434,12 @@ class Store:
         self.layers: dict[str, LayerInfo] = {
             name: LayerInfo(name, tuple(spec["shape"]), _dtype(spec["dtype"]))
             for name, spec in manifest["layers"].items()}
+        self.columns: dict[str, LayerInfo] = {
+            name: LayerInfo(COLUMN_PREFIX + name, tuple(spec["shape"]), _dtype(spec["dtype"]))
+            for name, spec in manifest.get("columns", {}).items()}
         self.shards = [ShardInfo.from_json(e) for e in manifest["shards"]]
         chunk = int(manifest["chunk_bytes"])
-        self._shards = [_Shard(path, info, chunk, verify_reads, manifest["layers"])
+        self._shards = [_Shard(path, info, chunk, verify_reads, tensor_specs(manifest))
                         for info in self.shards]
         self._starts = [s.rows[0] for s in self.shards]
         self._rows = self.shards[-1].rows[1] if self.shards else 0
@@ -434,6 +457,46 @@ class Store:
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.layers)
+
+    def __repr__(self) -> str:
+        """What ``hookscope show`` shows, in a few lines: path, rows, shards, bytes, complete
+        or not, one line per layer (row shape, dtype), and the columns (no row is read)."""
+        state = "complete" if self.complete else "INCOMPLETE (resume the extraction)"
+        lines = [f"Store({str(self.path)!r}: {len(self)} rows in {len(self.shards)} shard"
+                 f"{'s' if len(self.shards) != 1 else ''}, {self.nbytes} bytes, {state})"]
+        width = max((len(name) for name in self.layers), default=0)
+        shape = max((len(row_shape(info)) for info in self.layers.values()), default=0)
+        lines += [f"  {name:<{width}}  {row_shape(info):<{shape}}  {dtype_name(info.dtype)}"
+                  for name, info in self.layers.items()]
+        lines.append("  " + "; ".join(_column_text(name, info)
+                                      for name, info in self.columns.items())
+                     if self.columns else "  ids: row numbers (no id column); no labels")
+        return "\n".join(lines)
+
+    @property
+    def ids(self) -> Tensor | list[str]:
+        """What each row was: a ``list[str]`` (file paths relative to the data folder, as
+        ``--data FOLDER`` gives), an ``(rows,)`` int64 tensor of data-set indices (a Dataset,
+        or a DataLoader over one), or, when the store has no id column (an iterable of
+        batches), the row numbers ``0..rows-1``."""
+        column = self._column("id")
+        return torch.arange(len(self)) if column is None else column
+
+    @property
+    def labels(self) -> Tensor | list[str] | None:
+        """Each row's label: a ``list[str]`` (the class folder of ``--data FOLDER``), a
+        ``(rows, ...)`` tensor (the ``y`` of ``(x, y)`` batches, as the data gave it), or
+        ``None`` when the data had none."""
+        return self._column("label")
+
+    def _column(self, name: str) -> Tensor | list[str] | None:
+        info = self.columns.get(name)
+        if info is None:
+            return None
+        rows = LayerView(self, info)[:]
+        if info.ragged:  # text: UTF-8 bytes per row
+            return [bytes(row.numpy()).decode("utf-8", "replace") for row in rows]
+        return rows  # type: ignore[return-value]
 
     @property
     def nbytes(self) -> int:

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from hookscope.errors import StoreCorruptError, StoreError
-from hookscope.store.manifest import FORMAT, VERSION
+from hookscope.store.manifest import FORMAT, VERSION, tensor_specs
 from hookscope.store.reader import _ST_DTYPES, CHUNK_BYTES, MANIFEST, ShardInfo, chunk_sums, read_manifest
 from hookscope.util.files import write_atomic
 
@@ -341,16 +341,18 @@ def join_parts(folder: Path, world_size: int) -> None:
         return  # joined by an earlier run
     parts = [read_manifest(folder / _part_name(r, world_size)) for r in range(world_size)]
     joined = {k: v for k, v in parts[0].items() if k != "rank"}
-    joined["layers"] = next((p["layers"] for p in parts if p["rows"]), joined["layers"])
+    for key in ("layers", "columns"):  # a rank without rows has none to describe
+        joined[key] = next((p.get(key, {}) for p in parts if p["rows"]), joined.get(key, {}))
     shards: list[dict[str, Any]] = []
     rows, next_batch = 0, None
     for rank, part in enumerate(parts):
         if not part["complete"]:
             raise StoreCorruptError(f"rank {rank} did not finish ({_part_name(rank, world_size)} "
                                     f"is incomplete); resume the run with resume=True.")
-        if part["layers"] != joined["layers"] and part["rows"]:
-            raise StoreCorruptError(f"rank {rank} wrote layers {part['layers']}, rank 0 wrote "
-                                    f"{joined['layers']}; the ranks saw different data.")
+        if tensor_specs(part) != tensor_specs(joined) and part["rows"]:
+            raise StoreCorruptError(f"rank {rank} wrote layers and columns {tensor_specs(part)}, "
+                                    f"rank 0 wrote {tensor_specs(joined)}; the ranks saw "
+                                    f"different data.")
         for entry in part["shards"]:
             if next_batch is not None and entry["batches"][0] != next_batch:
                 raise StoreCorruptError(f"{entry['file']} starts at batch {entry['batches'][0]}, "

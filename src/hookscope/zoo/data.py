@@ -11,13 +11,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from hookscope.errors import SpecError, warn
 from hookscope.util.extras import require
 from hookscope.zoo.models import LoadedModel
 
-__all__ = ["load_data"]
+__all__ = ["ImageFiles", "load_data"]
 
 Tensor = torch.Tensor
 
@@ -27,7 +27,8 @@ def load_data(path: str | os.PathLike[str], model: LoadedModel, *,
     """Return a DataLoader over the inputs in ``path``, prepared for ``model``, in a fixed order.
 
     Args:
-        path: a folder of images (every image file below it, sorted by relative path), a text
+        path: a folder of images (every image file below it, sorted by relative path; each
+            row's id is that path, its label the class folder: ``ImageFiles``), a text
             file with one input a line (blank lines skipped; text models), or a tensor file
             (``.pt``/``.npy``/``.safetensors``) whose dim 0 is the rows.
         model: the loaded model; its preprocessing or tokenizer makes the batches.
@@ -43,7 +44,8 @@ def load_data(path: str | os.PathLike[str], model: LoadedModel, *,
     source = Path(path)
     collate: Callable[[list[str]], Any]
     if source.is_dir():
-        items, collate = _image_files(source, model), _ImageBatch(model)
+        files = ImageFiles(source, _image_files(source, model))
+        return DataLoader(files, batch_size=batch_size, collate_fn=_ImageBatch(model))
     elif source.is_file() and source.suffix.lower() in TENSOR_SUFFIXES:
         rows = load_inputs([str(source)], model).args[0]
         return DataLoader(TensorDataset(rows), batch_size=batch_size)
@@ -55,7 +57,7 @@ def load_data(path: str | os.PathLike[str], model: LoadedModel, *,
     return DataLoader(items, batch_size=batch_size, collate_fn=collate)  # type: ignore[arg-type]
 
 
-def _image_files(folder: Path, model: LoadedModel) -> list[str]:
+def _image_files(folder: Path, model: LoadedModel) -> list[Path]:
     from hookscope.zoo.inputs import IMAGE_SUFFIXES
     if model.kind != "image" or model.preprocess is None:
         raise SpecError(f"--data {folder} is a folder of images, but '{model.spec}' does not "
@@ -76,7 +78,32 @@ def _image_files(folder: Path, model: LoadedModel) -> list[str]:
         raise SpecError(f"cannot read {len(bad)} of the {len(files)} images in {folder}: "
                         f"{'; '.join(bad)}. Fix or remove {'it' if len(bad) == 1 else 'them'}; "
                         f"nothing was extracted yet")
-    return [str(f) for f in files]
+    return files
+
+
+class ImageFiles(Dataset[tuple[str, str]]):
+    """The image files of a folder, in a fixed order: item ``i`` is ``(path, label)``, and
+    ``row_id(i)`` the path relative to the folder (``cat/1.jpg``), which ``extract`` stores as
+    the row's id. In the class-folder layout (every image in a subfolder, as torchvision's
+    ``ImageFolder`` reads it) the label is the top subfolder's name (``cat``); with any image at
+    the top level there are no labels (``""`` each).
+    """
+
+    def __init__(self, root: Path, files: list[Path]):
+        self.names = [f.relative_to(root).as_posix() for f in files]
+        self.files = [str(f) for f in files]
+        classed = all("/" in name for name in self.names)
+        self.labels = [name.split("/")[0] if classed else "" for name in self.names]
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def __getitem__(self, i: int) -> tuple[str, str]:
+        return self.files[i], self.labels[i]
+
+    def row_id(self, i: int) -> str:
+        """The path of image ``i`` relative to the folder, with ``/`` separators."""
+        return self.names[i]
 
 
 def _text_lines(file: Path, model: LoadedModel) -> list[str]:
@@ -106,15 +133,17 @@ class _ImageBatch:
             raise SpecError(f"'{model.spec}' has no image preprocessing")
         self.preprocess, self.dtype = model.preprocess, model.dtype
 
-    def __call__(self, files: list[str]) -> Tensor:
+    def __call__(self, items: list[tuple[str, str]]) -> Tensor | tuple[Tensor, list[str]]:
+        """``(images, labels)`` in the class-folder layout, else the images alone."""
         from hookscope.zoo.inputs import preprocess_image
         image_module = require("PIL.Image", "reading images")
         rows = []
-        for file in files:
+        for file, _ in items:
             with image_module.open(file) as image:
                 rgb = np.asarray(image.convert("RGB"))
             rows.append(preprocess_image(rgb, self.preprocess, self.dtype)[0])
-        return torch.stack(rows)
+        labels = [label for _, label in items]
+        return (torch.stack(rows), labels) if all(labels) else torch.stack(rows)
 
 
 class _TextBatch:

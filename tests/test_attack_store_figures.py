@@ -1,0 +1,263 @@
+"""Issue 26's store attack as generated tests, on a store with a ragged layer and id and label
+columns: each damaged store either raises a hookscope error (clean) or reads back exactly the
+pristine rows (the damage changed nothing read); each planted user file survives overwrite and
+resume. ``_damage_outcome`` / ``_planted_outcome`` classify one attack: "clean", "intact",
+"raw ..." (another exception), "silent" (wrong rows) or "lost" (a user file gone or changed)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+from torch import nn
+from torch.utils.data import Dataset
+
+from hookscope.errors import HookscopeError
+from hookscope.store.extract import extract
+from hookscope.store.reader import chunk_sums, open_store
+
+OK = {"clean", "intact"}
+# (attack, outcome) -> count, over this process: a driver reruns the module with more examples
+# (HOOKSCOPE_ATTACK_EXAMPLES) and reads the figures from here
+OUTCOMES: Counter[tuple[str, str]] = Counter()
+SETTINGS = settings(max_examples=int(os.environ.get("HOOKSCOPE_ATTACK_EXAMPLES", "25")),
+                    deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+class _Tokens(Dataset[tuple[dict[str, torch.Tensor], str]]):
+    """12 token rows of 1..4 real tokens (both layers ragged), each labelled with a str."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> tuple[dict[str, torch.Tensor], str]:
+        mask = (torch.arange(4) < 1 + i % 4).long()
+        return {"ids": torch.arange(4) + i, "attention_mask": mask}, f"label-{i % 3}"
+
+
+class _Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(20, 3), nn.Linear(3, 2)
+
+    def forward(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids))
+
+
+def _extract(out: Path, **options: Any) -> None:
+    torch.manual_seed(0)
+    extract(_Encoder(), _Tokens(), ["embed", "head"], out, batch_size=4, progress=False,
+            **{"shard_bytes": 200, **options})
+
+
+def _contents(store: Path) -> Any:
+    s = open_store(store)
+    s.verify()
+    ids = s.ids
+    return ([r.tolist() for r in s["embed"][:]], [r.tolist() for r in s["head"][:]],
+            ids.tolist() if isinstance(ids, torch.Tensor) else ids, s.labels)
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    out = tmp_path_factory.mktemp("figures") / "store"
+    _extract(out)
+    return out, _contents(out)
+
+
+def _copy(source: Path, to: Path) -> Path:
+    to.mkdir()
+    for f in source.iterdir():
+        (to / f.name).write_bytes(f.read_bytes())
+    return to
+
+
+def _damage_outcome(store: Path, pristine: Any, attack: str) -> str:
+    try:
+        got = _contents(store)
+        outcome = "intact" if got == pristine else "silent"
+    except HookscopeError:
+        outcome = "clean"
+    except Exception as err:  # noqa: BLE001  (what the attack counts)
+        outcome = f"raw {type(err).__name__}: {err}"
+    OUTCOMES[attack, outcome.split(":")[0]] += 1
+    return outcome
+
+
+def _reseal(store: Path, k: int, raw: bytes) -> None:
+    """Write shard ``k`` as ``raw`` and give the manifest its size, sha256 and chunk sums."""
+    manifest = json.loads((store / "manifest.json").read_text())
+    entry = manifest["shards"][k]
+    (store / entry["file"]).write_bytes(raw)
+    entry.update(bytes=len(raw), sha256=hashlib.sha256(raw).hexdigest(),
+                 chunk_sum=chunk_sums(raw, len(raw), manifest["chunk_bytes"]))
+    (store / "manifest.json").write_text(json.dumps(manifest))
+
+
+@SETTINGS
+@given(data=st.data())
+def test_overlapping_headers_with_checksums_recomputed(
+        pristine: tuple[Path, Any], tmp_path_factory: pytest.TempPathFactory,
+        data: st.DataObject) -> None:
+    store = _copy(pristine[0], tmp_path_factory.mktemp("overlap") / "s")
+    k = data.draw(st.integers(0, 2), label="shard")
+    shard = store / f"shard-{k:05d}.safetensors"
+    raw = shard.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + length])
+    names = sorted(n for n in header if n != "__metadata__")
+    name = data.draw(st.sampled_from(names), label="tensor")  # layers, @id, @label, offsets
+    begin, end = header[name]["data_offsets"]
+    size = len(raw) - 8 - length
+    start = data.draw(st.integers(0, size - (end - begin)).filter(lambda b: b != begin))
+    header[name]["data_offsets"] = [start, start + end - begin]
+    text = json.dumps(header).encode()
+    _reseal(store, k, struct.pack("<Q", len(text) + -len(text) % 8) + text +
+            b" " * (-len(text) % 8) + raw[8 + length:])
+    assert _damage_outcome(store, pristine[1], "overlapping headers") == "clean"
+
+
+_BAD_NUMBERS = [-1, 2**53 + 1, 2**63, 2**64, -(2**63), 10**30, 1.5, True, None, "7", [], 0]
+
+
+def _number_paths(manifest: dict[str, Any]) -> list[tuple[Any, ...]]:
+    paths: list[tuple[Any, ...]] = [("rows",), ("world_size",), ("chunk_bytes",)]
+    for k in range(len(manifest["shards"])):
+        paths += [("shards", k, "bytes"), *(("shards", k, f, i) for f in ("rows", "batches")
+                                            for i in (0, 1))]
+    for group in ("layers", "columns"):
+        for name, spec in manifest[group].items():
+            paths += [(group, name, "shape", i) for i in range(len(spec["shape"]))]
+    return paths
+
+
+@SETTINGS
+@given(data=st.data())
+def test_every_manifest_number_out_of_range(pristine: tuple[Path, Any],
+                                            tmp_path_factory: pytest.TempPathFactory,
+                                            data: st.DataObject) -> None:
+    store = _copy(pristine[0], tmp_path_factory.mktemp("numbers") / "s")
+    manifest = json.loads((store / "manifest.json").read_text())
+    *where, last = data.draw(st.sampled_from(_number_paths(manifest)), label="field")
+    target = manifest
+    for key in where:
+        target = target[key]
+    target[last] = data.draw(st.sampled_from(_BAD_NUMBERS), label="value")
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    assert _damage_outcome(store, pristine[1], "numbers out of range") in OK
+
+
+@SETTINGS
+@given(data=st.data())
+def test_truncated_files_with_and_without_a_resealed_manifest(
+        pristine: tuple[Path, Any], tmp_path_factory: pytest.TempPathFactory,
+        data: st.DataObject) -> None:
+    store = _copy(pristine[0], tmp_path_factory.mktemp("truncated") / "s")
+    name = data.draw(st.sampled_from(sorted(p.name for p in store.iterdir())), label="file")
+    raw = (store / name).read_bytes()
+    cut = raw[:data.draw(st.integers(0, len(raw) - 1), label="length")]
+    if name.startswith("shard-") and data.draw(st.booleans(), label="reseal"):
+        _reseal(store, int(name[6:11]), cut)
+    else:
+        (store / name).write_bytes(cut)
+    assert _damage_outcome(store, pristine[1], "truncation") == "clean"
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.text(max_size=5),
+                     lambda inner: st.lists(inner, max_size=3) |
+                     st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=5)
+
+
+def _leaves(value: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    if isinstance(value, dict):
+        return [path] + [p for k, v in value.items() for p in _leaves(v, (*path, k))]
+    if isinstance(value, list):
+        return [path] + [p for i, v in enumerate(value) for p in _leaves(v, (*path, i))]
+    return [path]
+
+
+@SETTINGS
+@given(data=st.data())
+def test_manifest_edits_anywhere(pristine: tuple[Path, Any],
+                                 tmp_path_factory: pytest.TempPathFactory,
+                                 data: st.DataObject) -> None:
+    store = _copy(pristine[0], tmp_path_factory.mktemp("edits") / "s")
+    manifest = json.loads((store / "manifest.json").read_text())
+    *where, last = data.draw(st.sampled_from([p for p in _leaves(manifest) if p]), label="at")
+    target = manifest
+    for key in where:
+        target = target[key]
+    if data.draw(st.booleans(), label="delete") and isinstance(target, dict):
+        del target[last]
+    else:
+        target[last] = data.draw(_JSON, label="value")
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    assert _damage_outcome(store, pristine[1], "manifest edits") in OK
+
+
+# ----------------------------------------------------------------- planted user files
+def _plant_text(store: Path, name: str, body: bytes) -> None:
+    (store / name).write_bytes(body)
+
+
+def _plant_shard_like(store: Path, name: str, body: bytes) -> None:
+    run = json.loads((store / "manifest.json").read_text())["run"]
+    other = body.hex()[:32].ljust(32, "0")
+    save_file({"embed": torch.zeros(2)}, str(store / name),
+              metadata={"format": "hookscope.store", "version": "1",
+                        "run": other if other != run else "f" * 32})
+
+
+_NAMES = st.one_of(
+    st.builds(lambda s: f".manifest.json.tmp-{s}", st.text("0123456789abcdef-", max_size=50)),
+    st.builds(lambda n, r, p, x: f".shard-{n:05d}.safetensors.tmp-{r}-{p}-{x}",
+              st.integers(0, 99), st.text("0123456789abcdef", min_size=32, max_size=32),
+              st.integers(1, 99999), st.text("0123456789abcdef", min_size=8, max_size=8)),
+    st.builds(lambda n: f"shard-{n:05d}.safetensors", st.integers(3, 99999)),
+    st.builds(lambda n: f"shard-r{n:04d}-00000.safetensors", st.integers(0, 9)),
+    st.builds(lambda n: f"manifest-r{n:04d}.json", st.integers(0, 9)),
+    st.sampled_from(["notes.txt", ".DS_Store", "manifest.json.bak", "README"]),
+)
+
+
+def _planted_outcome(store: Path, name: str, body: bytes, plant: Callable[..., None],
+                     option: str) -> str:
+    plant(store, name, body)
+    before = (store / name).read_bytes()
+    try:
+        _extract(store, **{option: True})
+        error = None
+    except HookscopeError as err:
+        error = err
+    except Exception as err:  # noqa: BLE001  (what the attack counts)
+        OUTCOMES[f"planted files, {option}", "raw"] += 1
+        return f"raw {type(err).__name__}: {err}"
+    if not (store / name).is_file() or (store / name).read_bytes() != before:
+        outcome = "lost"
+    else:
+        outcome = "clean" if error is not None else "kept"
+    OUTCOMES[f"planted files, {option}", outcome] += 1
+    return outcome
+
+
+@SETTINGS
+@given(name=_NAMES, body=st.binary(max_size=64), shard_like=st.booleans(),
+       option=st.sampled_from(["overwrite", "resume"]))
+def test_planted_user_files_survive_overwrite_and_resume(
+        pristine: tuple[Path, Any], tmp_path_factory: pytest.TempPathFactory, name: str,
+        body: bytes, shard_like: bool, option: str) -> None:
+    store = _copy(pristine[0], tmp_path_factory.mktemp("planted") / "s")
+    plant = _plant_shard_like if shard_like and name.endswith(".safetensors") else _plant_text
+    assert _planted_outcome(store, name, body, plant, option) == "clean"
