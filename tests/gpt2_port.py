@@ -38,7 +38,8 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, width: int, relu: bool) -> None:
         super().__init__()
-        self.up_proj, self.down_proj, self.relu = nn.Linear(width, 4 * width), nn.Linear(4 * width, width), relu
+        self.up_proj, self.down_proj = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.relu = relu
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.up_proj(x)
@@ -65,7 +66,8 @@ class Port(nn.Module):
         super().__init__()
         config, bugs = reference.config, bugs or {}
         width, vocab = config.n_embd, config.vocab_size
-        self.embed_tokens, self.embed_positions = nn.Embedding(vocab, width), nn.Embedding(config.n_positions, width)
+        self.embed_tokens = nn.Embedding(vocab, width)
+        self.embed_positions = nn.Embedding(config.n_positions, width)
         self.layers = nn.ModuleList(Layer(width, config.n_head, bugs.get(i)) for i in range(config.n_layer))
         self.norm, self.lm_head = nn.LayerNorm(width), nn.Linear(width, vocab, bias=False)
         self.load_state_dict(port_state(reference))

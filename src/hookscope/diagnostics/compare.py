@@ -19,8 +19,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.diagnostics.pairing import (Call, Pairing, PairSpec, Transform, fingerprint, kind,
-                                          pair_calls, transform_for)
+from hookscope.diagnostics.pairing import (
+    Call,
+    Pairing,
+    PairSpec,
+    Transform,
+    fingerprint,
+    kind,
+    pair_calls,
+    transform_for,
+    weights,
+)
 from hookscope.engine import diagnose
 from hookscope.engine.names import ModuleIndex
 from hookscope.engine.run import input_device, untouched
@@ -318,9 +327,10 @@ def _run(model: nn.Module, patterns: list[str], args: tuple[Any, ...], kwargs: d
         seen = transform(seen) if transform is not None and seen is not None else seen
         calls.append(Call(key[0], key[1], kind(modules[key[0]]),
                           () if seen is None else tuple(seen.shape),
-                          None if seen is None else fingerprint(seen)))
+                          None if seen is None else fingerprint(seen), signatures[key[0]]))
 
     modules = {t.key: t.module for t in targets}
+    signatures = {path: weights(module) for path, module in modules.items()}
     with untouched(model), torch.no_grad(), \
             capture(model, *modules, inputs=True, clone=True, on_unfired="ignore") as acts, \
             _watching(model, names, targets, keep):
@@ -349,9 +359,10 @@ def _parts(t: Tensor | None) -> list[Tensor]:
 
 
 def _precision(module_a: nn.Module, module_b: nn.Module, *outputs: Tensor | None) -> str:
-    """The lowest precision of a pair: ``"int8"`` for a quantized module or output, else the
-    lowest floating dtype of the outputs (``"float32"`` when none is floating)."""
-    if any(".quantized" in type(m).__module__ for m in (module_a, module_b)) or \
+    """The lowest precision of a pair: ``"int8"`` for a module that is or holds a quantized
+    module (a float block of dynamically quantized linears computes in int8) or a quantized
+    output, else the lowest floating dtype of the outputs (``"float32"`` when none is floating)."""
+    if any(".quantized" in type(sub).__module__ for m in (module_a, module_b) for sub in m.modules()) or \
             any(t is not None and t.is_quantized for t in outputs):
         return "int8"
     found = [str(t.dtype).removeprefix("torch.") for t in outputs

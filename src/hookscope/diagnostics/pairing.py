@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from hookscope.engine.values import comparable
 from hookscope.errors import HookscopeError
 
 Tensor = torch.Tensor
@@ -37,8 +38,9 @@ class Call:
         kind: ``"linear"``, ``"norm"``, ``"embedding"``, ``"dropout"``, ``"activation"``, the
             class name of another leaf module, or ``"container"`` (a module with children).
         shape: shape of the first tensor of its output (``()`` when it returned none).
-        sample: ``fingerprint`` of that tensor, or None; ``auto`` prefers, among alignments
-            with the most pairs, the one whose paired outputs are most alike.
+        sample: ``fingerprint`` of that tensor, or None; weights: ``weights(module)``.
+            ``auto`` prefers, among alignments with the most pairs, the one whose paired
+            calls are most alike in weights and outputs.
     """
 
     path: str
@@ -46,6 +48,7 @@ class Call:
     kind: str
     shape: tuple[int, ...]
     sample: Tensor | None = dataclasses.field(default=None, compare=False, repr=False)
+    weights: tuple[int, float, float] | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +95,19 @@ def fingerprint(t: Tensor) -> Tensor:
     flat = t.detach().reshape(-1)
     index = torch.linspace(0, max(flat.numel() - 1, 0), min(flat.numel(), 256)).long()
     return flat[index.to(flat.device)].to(torch.float64).cpu()
+
+
+def weights(module: nn.Module) -> tuple[int, float, float] | None:
+    """``(count, sum, sum of squares)`` of every parameter of ``module`` (its children's too),
+    in float64; None without parameters or with meta ones. These do not change when a port
+    copies the weights in another layout (a ``Conv1D``'s ``(in, out)`` as a ``Linear``'s
+    ``(out, in)``), and two modules initialised apart almost never share them."""
+    values = [comparable(p.detach(), name) for name, p in module.named_parameters()
+              if p.device.type != "meta"]
+    if not values or len(values) != len(list(module.parameters())):
+        return None
+    flat = torch.cat([v.reshape(-1).to(torch.float64) for v in values])
+    return flat.numel(), float(flat.sum()), float(flat.square().sum())
 
 
 def transform_for(transforms: Mapping[str, Transform], path: str) -> Transform | None:
@@ -220,7 +236,7 @@ def _gains(calls_a: Sequence[Call], calls_b: Sequence[Call]) -> dict[tuple[int, 
     for side, calls in enumerate((calls_a, calls_b)):
         for index, call in enumerate(calls):
             groups.setdefault((call.kind, call.shape), ([], []))[side].append(index)
-    gain = {}
+    gain: dict[tuple[int, int], float] = {}
     for rows, columns in groups.values():
         if rows and columns:
             like = _likeness([calls_a[i] for i in rows], [calls_b[j] for j in columns])
@@ -230,8 +246,27 @@ def _gains(calls_a: Sequence[Call], calls_b: Sequence[Call]) -> dict[tuple[int, 
 
 
 def _likeness(calls_a: list[Call], calls_b: list[Call]) -> list[list[float]]:
-    """``(1 + cosine) / 2`` of the samples of each call of ``calls_a`` with each of ``calls_b``
-    (calls of one kind and output shape), in [0, 1]; 0.5 where a sample is missing or zero."""
+    """How alike each call of ``calls_a`` is to each of ``calls_b`` (calls of one kind and
+    output shape), in [0, 1]: the mean of ``_same_weights`` and of the outputs' likeness.
+    Weights decide first (a bug right at a module changes its output, not its weights)."""
+    outputs = _output_likeness(calls_a, calls_b)
+    return [[(_same_weights(a.weights, b.weights) + outputs[r][c]) / 2
+             for c, b in enumerate(calls_b)] for r, a in enumerate(calls_a)]
+
+
+def _same_weights(a: tuple[int, float, float] | None, b: tuple[int, float, float] | None) -> float:
+    """1.0 when two ``weights`` signatures agree (to 1e-3 of the sum of squares: rounding to
+    another float format averages out), 0.0 when they differ, 0.5 when either is missing."""
+    if a is None or b is None:
+        return 0.5
+    scale = max(a[2], b[2], 1e-30)
+    close = abs(a[2] - b[2]) <= 1e-3 * scale and abs(a[1] - b[1]) <= 1e-3 * (scale * a[0]) ** 0.5
+    return float(a[0] == b[0] and close)
+
+
+def _output_likeness(calls_a: list[Call], calls_b: list[Call]) -> list[list[float]]:
+    """``(1 + cosine) / 2`` of the samples of each call of ``calls_a`` with each of ``calls_b``,
+    in [0, 1]; 0.5 where a sample is missing or zero."""
     samples = [c.sample for c in [*calls_a, *calls_b]]
     if any(s is None for s in samples):
         return [[0.5] * len(calls_b) for _ in calls_a]
@@ -239,7 +274,7 @@ def _likeness(calls_a: list[Call], calls_b: list[Call]) -> list[list[float]]:
     cosine = unit[:len(calls_a)] @ unit[len(calls_a):].T
     zero = unit.norm(dim=1) == 0
     like = ((1 + cosine) / 2).masked_fill(zero[:len(calls_a), None] | zero[None, len(calls_a):], 0.5)
-    return like.tolist()  # type: ignore[no-any-return]
+    return like.tolist()
 
 
 def _result(how: str, pairs: Sequence[tuple[Call, Call, Transform | None]], calls_a: Sequence[Call],
