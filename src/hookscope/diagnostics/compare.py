@@ -379,10 +379,16 @@ def _require_paired(pairing: Pairing, calls_a: list[Call], calls_b: list[Call]) 
         return
     raise HookscopeError(
         f"cannot compare: pair={pairing.how!r} paired {paired} of {len(calls_a)} calls of model "
-        f"A with {len(calls_b)} of model B (unpaired in A: {list(pairing.unpaired_a[:6])}; "
-        f"unpaired in B: {list(pairing.unpaired_b[:6])}). Pass a mapping naming the modules "
+        f"A with {len(calls_b)} of model B (unpaired in A: {_listed(pairing.unpaired_a)}; "
+        f"unpaired in B: {_listed(pairing.unpaired_b)}). Pass a mapping naming the modules "
         f"that correspond, pair={{'h.{{i}}.attn': 'layers.{{i}}.attn'}}, or compare the "
         f"submodules that do, compare(model_a.encoder, model_b.backbone, x, pair='auto')")
+
+
+def _listed(names: tuple[str, ...], most: int = 10) -> str:
+    """``names`` as a list, the first ``most`` and how many more."""
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return f"{list(names[:most])}{more}"
 
 
 def _require_pairs(targets_a: dict[str, Target], targets_b: dict[str, Target],
