@@ -16,6 +16,7 @@ from torch import nn
 
 from hookscope import compare
 from hookscope.diagnostics.compare import TOLERANCES, Comparison
+from hookscope.diagnostics.pairing import weights
 from hookscope.errors import HookscopeError
 from tests.gpt2_port import Port
 from tests.models import tiny_gpt2
@@ -245,3 +246,19 @@ def test_dtensor_outputs_compare_as_their_global_tensor(gpt2: nn.Module, process
     up = by_a["transformer.h.6.mlp.c_fc"]  # B's output a DTensor, also when run on A's input
     assert up.local is not None and up.local.max_abs < 1e-5 and up.accumulated.max_abs < 1e-5
     assert by_a["transformer.h.6.mlp.c_proj"].propagated and by_a["transformer.h.7"].propagated
+
+
+def test_weight_signatures_agree_in_any_layout_and_tell_modules_apart(gpt2: nn.Module) -> None:
+    port = Port(gpt2)
+    c_proj, attention = gpt2.transformer.h[0].attn.c_proj, port.layers[0].self_attn
+    found = weights({"c_proj": c_proj, "o_proj": attention.o_proj, "q_proj": attention.q_proj,
+                     "dropout": gpt2.transformer.drop})
+    flat = torch.cat([c_proj.weight.detach().reshape(-1), c_proj.bias.detach()]).double()
+    expected = (flat.numel(), float(flat.sum()), float(flat.square().sum()))
+    for name in ("c_proj", "o_proj"):  # Conv1D (in, out) and Linear (out, in): one signature
+        signature = found[name]
+        assert signature is not None and signature[0] == expected[0]
+        assert signature[1:] == pytest.approx(expected[1:], rel=1e-9, abs=1e-12)
+    other = found["q_proj"]
+    assert other is not None and abs(other[2] - expected[2]) > 1e-3 * expected[2]
+    assert found["dropout"] is None

@@ -233,7 +233,7 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
             side that found no partner), or a selected output is a meta tensor or FakeTensor
             (no values); with ``pair="auto"``, fewer than half of the smaller run's calls
             found a partner; with a mapping or function, none did (the message names the
-            unpaired modules of each side).
+            unpaired modules of each side); ``transforms`` without ``pair="auto"``.
     """
     patterns = as_patterns(layers)
     if pair is not None:
@@ -330,7 +330,7 @@ def _run(model: nn.Module, patterns: list[str], args: tuple[Any, ...], kwargs: d
                           None if seen is None else fingerprint(seen), signatures[key[0]]))
 
     modules = {t.key: t.module for t in targets}
-    signatures = {path: weights(module) for path, module in modules.items()}
+    signatures = weights(modules)
     with untouched(model), torch.no_grad(), \
             capture(model, *modules, inputs=True, clone=True, on_unfired="ignore") as acts, \
             _watching(model, names, targets, keep):

@@ -38,7 +38,8 @@ class Call:
         kind: ``"linear"``, ``"norm"``, ``"embedding"``, ``"dropout"``, ``"activation"``, the
             class name of another leaf module, or ``"container"`` (a module with children).
         shape: shape of the first tensor of its output (``()`` when it returned none).
-        sample: ``fingerprint`` of that tensor, or None; weights: ``weights(module)``.
+        sample: ``fingerprint`` of that tensor, or None; weights: the module's entry of
+            ``weights``.
             ``auto`` prefers, among alignments with the most pairs, the one whose paired
             calls are most alike in weights and outputs.
     """
@@ -97,17 +98,31 @@ def fingerprint(t: Tensor) -> Tensor:
     return flat[index.to(flat.device)].to(torch.float64).cpu()
 
 
-def weights(module: nn.Module) -> tuple[int, float, float] | None:
-    """``(count, sum, sum of squares)`` of every parameter of ``module`` (its children's too),
-    in float64; None without parameters or with meta ones. These do not change when a port
-    copies the weights in another layout (a ``Conv1D``'s ``(in, out)`` as a ``Linear``'s
-    ``(out, in)``), and two modules initialised apart almost never share them."""
-    values = [comparable(p.detach(), name) for name, p in module.named_parameters()
-              if p.device.type != "meta"]
-    if not values or len(values) != len(list(module.parameters())):
-        return None
-    flat = torch.cat([v.reshape(-1).to(torch.float64) for v in values])
-    return flat.numel(), float(flat.sum()), float(flat.square().sum())
+Signature = tuple[int, float, float]
+
+
+def weights(modules: Mapping[str, nn.Module]) -> dict[str, Signature | None]:
+    """``{path: (count, sum, sum of squares)}`` of every parameter of each module (its
+    children's too), in float64, each parameter reduced once without a float64 copy; None for
+    a module without parameters or with meta ones. These do not change when a port copies the
+    weights in another layout (a ``Conv1D``'s ``(in, out)`` as a ``Linear``'s ``(out, in)``),
+    and two modules initialised apart almost never share them."""
+    each: dict[int, Signature | None] = {}
+
+    def reduced(name: str, p: nn.Parameter) -> Signature | None:
+        if id(p) not in each:
+            value = None if p.device.type == "meta" else comparable(p.detach(), name)
+            each[id(p)] = None if value is None else (
+                value.numel(), float(value.sum(dtype=torch.float64)),
+                float(torch.linalg.vector_norm(value, dtype=torch.float64)) ** 2)
+        return each[id(p)]
+
+    found: dict[str, Signature | None] = {}
+    for path, module in modules.items():
+        parts = [reduced(name, p) for name, p in module.named_parameters()]
+        found[path] = None if not parts or None in parts else (
+            sum(q[0] for q in parts if q), sum(q[1] for q in parts if q), sum(q[2] for q in parts if q))
+    return found
 
 
 def transform_for(transforms: Mapping[str, Transform], path: str) -> Transform | None:
@@ -123,8 +138,10 @@ def pair_calls(spec: PairSpec, calls_a: Sequence[Call], calls_b: Sequence[Call],
     ``"auto"`` aligns the two call sequences (a longest common subsequence, Wagner-Fischer
     dynamic programming) where two calls may pair when they have the same kind and the same
     output shape; among the alignments with the most pairs it takes the one whose paired
-    outputs are most alike (cosine of their ``sample``s: an output projection pairs with the
-    output projection, not with a query projection of the same shape one call earlier).
+    calls are most alike (``_likeness``: the same ``weights`` first, then the cosine of their
+    output ``sample``s), so an output projection pairs with the output projection, not with a
+    query projection of the same shape one call earlier, also when a bug right there changed
+    its output.
     ``transforms`` (``{pattern in A: transform}``, only with ``"auto"``) gives the pairs of
     those modules of A their transform; the calls' shapes and samples are taken after it.
     A mapping pairs by name: ``{name}`` placeholders match one name
