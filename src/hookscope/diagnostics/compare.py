@@ -19,7 +19,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.diagnostics.pairing import Call, Pairing, PairSpec, kind, pair_calls
+from hookscope.diagnostics.pairing import (
+    Call,
+    Pairing,
+    PairSpec,
+    Transform,
+    fingerprint,
+    kind,
+    pair_calls,
+    transform_for,
+    weights,
+)
 from hookscope.engine import diagnose
 from hookscope.engine.names import ModuleIndex
 from hookscope.engine.run import input_device, untouched
@@ -160,7 +170,7 @@ class Comparison:
 def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | list[str] = "**",
             atol: float | None = None, rtol: float | None = None, pair: PairSpec | None = None,
             tolerances: Mapping[str, tuple[float, float]] | None = None,
-            **kwargs: Any) -> Comparison:
+            transforms: Mapping[str, Transform] | None = None, **kwargs: Any) -> Comparison:
     """Run both models on the same input and compare the outputs of the same modules.
 
     Floating-point tensors in ``args``/``kwargs`` are cast to the dtype of each model's first
@@ -205,6 +215,10 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
             (``PairDiff``, ``Comparison.first_origin``).
         tolerances: with ``pair=``, ``{precision: (atol, rtol)}`` replacing entries of
             ``TOLERANCES`` (``{"bfloat16": (0.05, 0.1)}``).
+        transforms: with ``pair="auto"``, ``{pattern in A: transform}``: the output of those
+            modules of A is ``transform``ed before ``auto`` pairs it (by the transformed
+            shape) and before it is compared (``{"h.{i}.attn.c_attn": lambda t: t[..., :768]}``
+            pairs GPT-2's fused QKV with a port's query projection).
 
     Returns:
         A ``Comparison``; ``.first_divergent`` is the first call outside tolerance, and with
@@ -219,12 +233,15 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
             side that found no partner), or a selected output is a meta tensor or FakeTensor
             (no values); with ``pair="auto"``, fewer than half of the smaller run's calls
             found a partner; with a mapping or function, none did (the message names the
-            unpaired modules of each side).
+            unpaired modules of each side); ``transforms`` without ``pair="auto"``.
     """
     patterns = as_patterns(layers)
     if pair is not None:
-        return _compare_paired(model_a, model_b, args, kwargs, patterns, pair,
+        return _compare_paired(model_a, model_b, args, kwargs, patterns, pair, transforms or {},
                                (atol, rtol), {**TOLERANCES, **(tolerances or {})})
+    if transforms:
+        raise HookscopeError("transforms= needs pair='auto': without pair= modules pair by "
+                             "identical names and outputs are compared as they are")
     atol, rtol = 1e-5 if atol is None else atol, 1e-4 if rtol is None else rtol
     (targets_a, names_a), (targets_b, names_b) = _targets(model_a, patterns), _targets(model_b, patterns)
     common = [key for key in targets_a if key in targets_b]
@@ -261,12 +278,13 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
 
 def _compare_paired(model_a: nn.Module, model_b: nn.Module, args: tuple[Any, ...],
                     kwargs: dict[str, Any], patterns: list[str], spec: PairSpec,
+                    transforms: Mapping[str, Transform],
                     given: tuple[float | None, float | None],
                     table: dict[str, tuple[float, float]]) -> Comparison:
     """``compare`` with ``pair=``: run both, pair their calls, compare each pair twice."""
-    calls_a, outputs_a, acts_a, modules_a = _run(model_a, patterns, args, kwargs)
-    calls_b, outputs_b, _, modules_b = _run(model_b, patterns, args, kwargs)
-    pairing = pair_calls(spec, calls_a, calls_b)
+    calls_a, outputs_a, acts_a, modules_a = _run(model_a, patterns, args, kwargs, transforms)
+    calls_b, outputs_b, _, modules_b = _run(model_b, patterns, args, kwargs, {})
+    pairing = pair_calls(spec, calls_a, calls_b, transforms)
     _require_paired(pairing, calls_a, calls_b)
     diffs = []
     with untouched(model_b), torch.no_grad():
@@ -290,10 +308,12 @@ def _compare_paired(model_a: nn.Module, model_b: nn.Module, args: tuple[Any, ...
                       pairs=tuple(diffs), pairing=pairing)
 
 
-def _run(model: nn.Module, patterns: list[str], args: tuple[Any, ...], kwargs: dict[str, Any]
+def _run(model: nn.Module, patterns: list[str], args: tuple[Any, ...], kwargs: dict[str, Any],
+         transforms: Mapping[str, Transform]
          ) -> tuple[list[Call], dict[Key, Tensor | None], Any, dict[str, nn.Module]]:
-    """One run of ``model``: its calls in completion order, the first output tensor of each
-    (cloned), the capture holding each call's inputs, and ``{path: module}``."""
+    """One run of ``model``: its calls in completion order (shape and sample of each first
+    output tensor after its transform, if any), the first output tensor of each (cloned, as
+    returned), the capture holding each call's inputs, and ``{path: module}``."""
     targets, names = resolve_checked(model, patterns)
     targets = [t for t in targets if t.op is None and not t.parts and t.path]
     calls: list[Call] = []
@@ -302,10 +322,15 @@ def _run(model: nn.Module, patterns: list[str], args: tuple[Any, ...], kwargs: d
     def keep(key: Key, output: Any) -> None:
         first = next(iter(iter_tensors(output)), None)
         outputs[key] = None if first is None else first.detach().clone()
+        transform = transform_for(transforms, key[0])
+        seen = None if first is None else comparable(first, key[0])
+        seen = transform(seen) if transform is not None and seen is not None else seen
         calls.append(Call(key[0], key[1], kind(modules[key[0]]),
-                          () if first is None else tuple(first.shape)))
+                          () if seen is None else tuple(seen.shape),
+                          None if seen is None else fingerprint(seen), signatures[key[0]]))
 
     modules = {t.key: t.module for t in targets}
+    signatures = weights(modules)
     with untouched(model), torch.no_grad(), \
             capture(model, *modules, inputs=True, clone=True, on_unfired="ignore") as acts, \
             _watching(model, names, targets, keep):
@@ -334,9 +359,10 @@ def _parts(t: Tensor | None) -> list[Tensor]:
 
 
 def _precision(module_a: nn.Module, module_b: nn.Module, *outputs: Tensor | None) -> str:
-    """The lowest precision of a pair: ``"int8"`` for a quantized module or output, else the
-    lowest floating dtype of the outputs (``"float32"`` when none is floating)."""
-    if any(".quantized" in type(m).__module__ for m in (module_a, module_b)) or \
+    """The lowest precision of a pair: ``"int8"`` for a module that is or holds a quantized
+    module (a float block of dynamically quantized linears computes in int8) or a quantized
+    output, else the lowest floating dtype of the outputs (``"float32"`` when none is floating)."""
+    if any(".quantized" in type(sub).__module__ for m in (module_a, module_b) for sub in m.modules()) or \
             any(t is not None and t.is_quantized for t in outputs):
         return "int8"
     found = [str(t.dtype).removeprefix("torch.") for t in outputs
@@ -353,10 +379,16 @@ def _require_paired(pairing: Pairing, calls_a: list[Call], calls_b: list[Call]) 
         return
     raise HookscopeError(
         f"cannot compare: pair={pairing.how!r} paired {paired} of {len(calls_a)} calls of model "
-        f"A with {len(calls_b)} of model B (unpaired in A: {list(pairing.unpaired_a[:6])}; "
-        f"unpaired in B: {list(pairing.unpaired_b[:6])}). Pass a mapping naming the modules "
+        f"A with {len(calls_b)} of model B (unpaired in A: {_listed(pairing.unpaired_a)}; "
+        f"unpaired in B: {_listed(pairing.unpaired_b)}). Pass a mapping naming the modules "
         f"that correspond, pair={{'h.{{i}}.attn': 'layers.{{i}}.attn'}}, or compare the "
         f"submodules that do, compare(model_a.encoder, model_b.backbone, x, pair='auto')")
+
+
+def _listed(names: tuple[str, ...], most: int = 10) -> str:
+    """``names`` as a list, the first ``most`` and how many more."""
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return f"{list(names[:most])}{more}"
 
 
 def _require_pairs(targets_a: dict[str, Target], targets_b: dict[str, Target],

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from hookscope.engine.values import comparable
 from hookscope.errors import HookscopeError
 
 Tensor = torch.Tensor
@@ -37,12 +38,18 @@ class Call:
         kind: ``"linear"``, ``"norm"``, ``"embedding"``, ``"dropout"``, ``"activation"``, the
             class name of another leaf module, or ``"container"`` (a module with children).
         shape: shape of the first tensor of its output (``()`` when it returned none).
+        sample: ``fingerprint`` of that tensor, or None; weights: the module's entry of
+            ``weights``.
+            ``auto`` prefers, among alignments with the most pairs, the one whose paired
+            calls are most alike in weights and outputs.
     """
 
     path: str
     call: int
     kind: str
     shape: tuple[int, ...]
+    sample: Tensor | None = dataclasses.field(default=None, compare=False, repr=False)
+    weights: tuple[int, float, float] | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,12 +90,61 @@ def kind(module: nn.Module) -> str:
     return name if next(module.children(), None) is None else "container"
 
 
-def pair_calls(spec: PairSpec, calls_a: Sequence[Call], calls_b: Sequence[Call]) -> Pairing:
+def fingerprint(t: Tensor) -> Tensor:
+    """Up to 256 evenly spaced elements of ``t`` flattened, as float64 (what ``auto`` compares
+    to break ties between calls of one kind and shape): the same positions for the same shape."""
+    flat = t.detach().reshape(-1)
+    index = torch.linspace(0, max(flat.numel() - 1, 0), min(flat.numel(), 256)).long()
+    return flat[index.to(flat.device)].to(torch.float64).cpu()
+
+
+Signature = tuple[int, float, float]
+
+
+def weights(modules: Mapping[str, nn.Module]) -> dict[str, Signature | None]:
+    """``{path: (count, sum, sum of squares)}`` of every parameter of each module (its
+    children's too), in float64, each parameter reduced once without a float64 copy; None for
+    a module without parameters or with meta ones. These do not change when a port copies the
+    weights in another layout (a ``Conv1D``'s ``(in, out)`` as a ``Linear``'s ``(out, in)``),
+    and two modules initialised apart almost never share them."""
+    each: dict[int, Signature | None] = {}
+
+    def reduced(name: str, p: nn.Parameter) -> Signature | None:
+        if id(p) not in each:
+            value = None if p.device.type == "meta" else comparable(p.detach(), name)
+            each[id(p)] = None if value is None else (
+                value.numel(), float(value.sum(dtype=torch.float64)),
+                float(torch.linalg.vector_norm(value, dtype=torch.float64)) ** 2)
+        return each[id(p)]
+
+    found: dict[str, Signature | None] = {}
+    for path, module in modules.items():
+        parts = [reduced(name, p) for name, p in module.named_parameters()]
+        found[path] = None if not parts or None in parts else (
+            sum(q[0] for q in parts if q), sum(q[1] for q in parts if q), sum(q[2] for q in parts if q))
+    return found
+
+
+def transform_for(transforms: Mapping[str, Transform], path: str) -> Transform | None:
+    """The transform of the first key of ``transforms`` (a pattern of model A, ``{name}``
+    placeholders or ``re:``) that matches ``path``, or None."""
+    return next((t for key, t in transforms.items() if _match(key, path) is not None), None)
+
+
+def pair_calls(spec: PairSpec, calls_a: Sequence[Call], calls_b: Sequence[Call],
+               transforms: Mapping[str, Transform] | None = None) -> Pairing:
     """Pair the calls of two runs (each list in completion order) as ``spec`` says.
 
-    ``"auto"`` aligns the two call sequences (a longest common subsequence, Hirschberg/Wagner-
-    Fischer dynamic programming) where two calls may pair when they have the same kind and
-    the same output shape. A mapping pairs by name: ``{name}`` placeholders match one name
+    ``"auto"`` aligns the two call sequences (a longest common subsequence, Wagner-Fischer
+    dynamic programming) where two calls may pair when they have the same kind and the same
+    output shape; among the alignments with the most pairs it takes the one whose paired
+    calls are most alike (``_likeness``: the same ``weights`` first, then the cosine of their
+    output ``sample``s), so an output projection pairs with the output projection, not with a
+    query projection of the same shape one call earlier, also when a bug right there changed
+    its output.
+    ``transforms`` (``{pattern in A: transform}``, only with ``"auto"``) gives the pairs of
+    those modules of A their transform; the calls' shapes and samples are taken after it.
+    A mapping pairs by name: ``{name}`` placeholders match one name
     component (``"h.{i}.attn" -> "layers.{i}.self_attn"``); a key starting with ``re:`` is a
     regular expression over A's names whose groups fill the value (``\\1``, ``\\g<name>``).
     Calls pair when their paths pair and they are the same call of the module.
@@ -98,8 +154,13 @@ def pair_calls(spec: PairSpec, calls_a: Sequence[Call], calls_b: Sequence[Call])
             name, ``(name, transform)`` or a list of these.
     """
     if spec == "auto":
-        pairs = [(a, b, None) for a, b in _align(calls_a, calls_b)]
+        pairs = [(a, b, transform_for(transforms or {}, a.path)) for a, b in _align(calls_a, calls_b)]
         return _result("auto", pairs, calls_a, calls_b)
+    if transforms:
+        raise HookscopeError(
+            f"transforms={dict(transforms)!r} works with pair='auto' only: with a mapping, give "
+            f"each pair's transform in its value, pair={{'h.{{i}}.qkv': ('layers.{{i}}.q', "
+            f"lambda t: t[..., :width])}}")
     if isinstance(spec, Mapping):
         rules = [(key, target) for key, value in spec.items() for target in _targets(key, value)]
         return _by_name("mapping", lambda path: _map(rules, path), calls_a, calls_b)
@@ -133,16 +194,20 @@ def _map(rules: list[tuple[str, tuple[str, Transform | None]]],
     """Every ``(path in B, transform)`` the rules give for ``path`` of model A."""
     found = []
     for key, (target, transform) in rules:
-        if key.startswith("re:"):
-            match = re.fullmatch(key[3:], path)
-            if match:
-                found.append((match.expand(target), transform))
-            continue
-        match = re.fullmatch(_PLACEHOLDER.sub(r"(?P<\1>[^.]+)", re.escape(key).replace(
-            r"\{", "{").replace(r"\}", "}")), path)
-        if match:
-            found.append((_fill(target, match.groupdict()), transform))
+        match = _match(key, path)
+        if match is not None:
+            found.append((match.expand(target) if key.startswith("re:")
+                          else _fill(target, match.groupdict()), transform))
     return found
+
+
+def _match(key: str, path: str) -> re.Match[str] | None:
+    """``key`` (``re:`` a regular expression, else a name with ``{name}`` placeholders, each
+    one name component) against the whole of ``path``."""
+    if key.startswith("re:"):
+        return re.fullmatch(key[3:], path)
+    return re.fullmatch(_PLACEHOLDER.sub(r"(?P<\1>[^.]+)", re.escape(key).replace(
+        r"\{", "{").replace(r"\}", "}")), path)
 
 
 def _fill(target: str, groups: dict[str, str]) -> str:
@@ -160,27 +225,73 @@ def _by_name(how: str, lookup: Callable[[str], list[tuple[str, Transform | None]
 
 def _align(calls_a: Sequence[Call], calls_b: Sequence[Call]) -> list[tuple[Call, Call]]:
     """The longest sequence of pairs, in order on both sides, of calls of the same kind and
-    output shape (Wagner and Fischer 1974, "The string-to-string correction problem")."""
+    output shape (Wagner and Fischer 1974, "The string-to-string correction problem"), the
+    most alike among equally long ones: a pair scores 1 + likeness / (n + 1), so likeness
+    (at most 1 per pair, at most n pairs) never outweighs one pair more."""
     n, m = len(calls_a), len(calls_b)
-    best = [[0] * (m + 1) for _ in range(n + 1)]
+    score = [[0.0] * (m + 1) for _ in range(n + 1)]
+    gain = _gains(calls_a, calls_b)
     for i in range(n - 1, -1, -1):
         for j in range(m - 1, -1, -1):
-            same = _fits(calls_a[i], calls_b[j])
-            best[i][j] = max(best[i + 1][j], best[i][j + 1], best[i + 1][j + 1] + 1 if same else 0)
+            paired = score[i + 1][j + 1] + gain[i, j] if (i, j) in gain else 0.0
+            score[i][j] = max(score[i + 1][j], score[i][j + 1], paired)
     pairs, i, j = [], 0, 0
     while i < n and j < m:
-        if _fits(calls_a[i], calls_b[j]) and best[i][j] == best[i + 1][j + 1] + 1:
+        if (i, j) in gain and score[i][j] == score[i + 1][j + 1] + gain[i, j]:
             pairs.append((calls_a[i], calls_b[j]))
             i, j = i + 1, j + 1
-        elif best[i + 1][j] >= best[i][j + 1]:
+        elif score[i + 1][j] >= score[i][j + 1]:
             i += 1
         else:
             j += 1
     return pairs
 
 
-def _fits(a: Call, b: Call) -> bool:
-    return a.kind == b.kind and a.shape == b.shape
+def _gains(calls_a: Sequence[Call], calls_b: Sequence[Call]) -> dict[tuple[int, int], float]:
+    """``{(i, j): 1 + likeness / (n + 1)}`` for the calls that may pair (same kind and shape)."""
+    groups: dict[tuple[str, tuple[int, ...]], tuple[list[int], list[int]]] = {}
+    for side, calls in enumerate((calls_a, calls_b)):
+        for index, call in enumerate(calls):
+            groups.setdefault((call.kind, call.shape), ([], []))[side].append(index)
+    gain: dict[tuple[int, int], float] = {}
+    for rows, columns in groups.values():
+        if rows and columns:
+            like = _likeness([calls_a[i] for i in rows], [calls_b[j] for j in columns])
+            gain |= {(i, j): 1.0 + like[r][c] / (len(calls_a) + 1)
+                     for r, i in enumerate(rows) for c, j in enumerate(columns)}
+    return gain
+
+
+def _likeness(calls_a: list[Call], calls_b: list[Call]) -> list[list[float]]:
+    """How alike each call of ``calls_a`` is to each of ``calls_b`` (calls of one kind and
+    output shape), in [0, 1]: the mean of ``_same_weights`` and of the outputs' likeness.
+    Weights decide first (a bug right at a module changes its output, not its weights)."""
+    outputs = _output_likeness(calls_a, calls_b)
+    return [[(_same_weights(a.weights, b.weights) + outputs[r][c]) / 2
+             for c, b in enumerate(calls_b)] for r, a in enumerate(calls_a)]
+
+
+def _same_weights(a: tuple[int, float, float] | None, b: tuple[int, float, float] | None) -> float:
+    """1.0 when two ``weights`` signatures agree (to 1e-3 of the sum of squares: rounding to
+    another float format averages out), 0.0 when they differ, 0.5 when either is missing."""
+    if a is None or b is None:
+        return 0.5
+    scale = max(a[2], b[2], 1e-30)
+    close = abs(a[2] - b[2]) <= 1e-3 * scale and abs(a[1] - b[1]) <= 1e-3 * (scale * a[0]) ** 0.5
+    return float(a[0] == b[0] and close)
+
+
+def _output_likeness(calls_a: list[Call], calls_b: list[Call]) -> list[list[float]]:
+    """``(1 + cosine) / 2`` of the samples of each call of ``calls_a`` with each of ``calls_b``,
+    in [0, 1]; 0.5 where a sample is missing or zero."""
+    samples = [c.sample for c in [*calls_a, *calls_b]]
+    if any(s is None for s in samples):
+        return [[0.5] * len(calls_b) for _ in calls_a]
+    unit = torch.nn.functional.normalize(torch.stack(samples).nan_to_num(), dim=1)  # type: ignore[arg-type]
+    cosine = unit[:len(calls_a)] @ unit[len(calls_a):].T
+    zero = unit.norm(dim=1) == 0
+    like = ((1 + cosine) / 2).masked_fill(zero[:len(calls_a), None] | zero[None, len(calls_a):], 0.5)
+    return like.tolist()
 
 
 def _result(how: str, pairs: Sequence[tuple[Call, Call, Transform | None]], calls_a: Sequence[Call],
