@@ -245,6 +245,50 @@ class DirectForwardCall(nn.Module):
         return x + self.attention.forward(x)
 
 
+class ReluMlp(nn.Module):
+    """``d -> 2d -> d``; its own forward calls ``F.relu`` (for ``path::relu`` addresses)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.relu(self.up(x)))
+
+
+class ReluBlocks(nn.Module):
+    """``(..., d)`` -> ``(..., out)``: an optional ``embed`` Linear, ``n`` residual ``ReluMlp``
+    blocks in ``blocks`` and a ``head`` (copies, pickles, interrupts)."""
+
+    def __init__(self, d: int = 8, n: int = 3, embed: bool = True, out: int = 4) -> None:
+        super().__init__()
+        if embed:
+            self.embed = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(ReluMlp(d) for _ in range(n))
+        self.head = nn.Linear(d, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if hasattr(self, "embed") else x
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+class GeluMlp(nn.Module):
+    """shared/cases/37's model: ``(batch, 8)`` -> ``(batch, 2)``, Linear-GELU-Linear-relu-Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(8, 8)
+        self.act = nn.GELU()
+        self.l2 = nn.Linear(8, 8)
+        self.l3 = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l3(torch.relu(self.l2(self.act(self.l1(x)))))
+
+
 # name -> (factory, example input builder)
 ZOO = {
     "MlpStack": (MlpStack, lambda: (torch.randn(3, 10),)),
