@@ -289,6 +289,22 @@ class GeluMlp(nn.Module):
         return self.l3(torch.relu(self.l2(self.act(self.l1(x)))))
 
 
+class MaskedTokens(nn.Module):
+    """``(input_ids, attention_mask)`` -> logits ``(batch, classes)``: ``embed`` (``vocab`` x 8),
+    a per-token ``mix`` Linear (``(batch, seq, 8)``: a token's value does not depend on padding),
+    masked and summed over tokens, then ``head``."""
+
+    def __init__(self, vocab: int = 50, classes: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 8)
+        self.mix = nn.Linear(8, 8)
+        self.head = nn.Linear(8, classes)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.mix(self.embed(input_ids)) * attention_mask[..., None]
+        return self.head(hidden.sum(dim=1))
+
+
 # name -> (factory, example input builder)
 ZOO = {
     "MlpStack": (MlpStack, lambda: (torch.randn(3, 10),)),
