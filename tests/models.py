@@ -8,6 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# every float8 dtype this torch build has (e4m3fn, e5m2 and the fnuz variants on 2.13 CPU)
+FLOAT8 = [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                      "float8_e5m2fnuz") if hasattr(torch, n)]
+
 
 class MlpStack(nn.Module):
     """10-20-5 MLP: the seed example (``fc1`` output is ``(batch, 20)``)."""

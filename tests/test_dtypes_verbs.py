@@ -18,10 +18,9 @@ from torch import nn
 
 import hookscope
 from hookscope.errors import HookscopeError
+from tests.models import FLOAT8
 
 QUANTIZED = [torch.quint8, torch.qint8, torch.qint32]
-FLOAT8 = [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-                                      "float8_e5m2fnuz") if hasattr(torch, n)]
 INTEGER = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
            torch.uint16, torch.uint32, torch.uint64]
 DTYPES = [*QUANTIZED, *FLOAT8, *INTEGER, torch.bool, torch.complex64, torch.complex128,
