@@ -180,3 +180,24 @@ def test_per_channel_quantized_outputs_through_every_verb(dtype: torch.dtype, tm
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch deprecates quantized tensors
             run_verb(verb, dtype, x, tmp_path / verb, per_channel=True)
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_quantized_kinds_are_noted_and_an_edit_is_requantized_like_the_output(
+        dtype: torch.dtype, per_channel: bool) -> None:
+    m, x = model(dtype, per_channel), torch.linspace(-2, 2, 8).reshape(2, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates quantized tensors
+        expected = m[1](x)
+        with hookscope.capture(m, "1") as acts:
+            m(x)
+        with hookscope.edit(m, {"1": lambda output: output * 2}):
+            out = m(x)
+        want = requantize_like(expected.dequantize() * 2, expected)
+    scheme = ("per-channel scales along dim 1" if per_channel
+              else f"scale 0.1, zero point {expected.q_zero_point()}")
+    assert acts.records.notes["1"] == f"{dtype} ({scheme}), kept dequantized as torch.float32"
+    assert torch.equal(acts["1"], expected.dequantize())
+    assert (out.dtype, out.qscheme()) == (dtype, expected.qscheme())
+    assert torch.equal(out.dequantize(), want.dequantize())
