@@ -1,36 +1,12 @@
-"""Models for tests/test_copies.py, importable without hookscope (a checkpoint names them)."""
+"""The user's hooks for tests/test_copies.py, importable without hookscope (a checkpoint names
+them, and ``tests.models.ReluBlocks``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-
-
-class Mlp(nn.Module):
-    """Its own forward calls ``F.relu`` (for ``::relu`` addresses)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(6, 12)
-        self.down = nn.Linear(12, 6)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.relu(self.up(x)))
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Mlp() for _ in range(2))
-        self.head = nn.Linear(6, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = x + block(x)
-        return self.head(x)
 
 
 def double_head(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:

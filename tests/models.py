@@ -8,6 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+# every float8 dtype this torch build has (e4m3fn, e5m2 and the fnuz variants on 2.13 CPU)
+FLOAT8 = [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                      "float8_e5m2fnuz") if hasattr(torch, n)]
+
 
 class MlpStack(nn.Module):
     """10-20-5 MLP: the seed example (``fc1`` output is ``(batch, 20)``)."""
@@ -243,6 +247,66 @@ class DirectForwardCall(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.attention.forward(x)
+
+
+class ReluMlp(nn.Module):
+    """``d -> 2d -> d``; its own forward calls ``F.relu`` (for ``path::relu`` addresses)."""
+
+    def __init__(self, d: int = 8) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.relu(self.up(x)))
+
+
+class ReluBlocks(nn.Module):
+    """``(..., d)`` -> ``(..., out)``: an optional ``embed`` Linear, ``n`` residual ``ReluMlp``
+    blocks in ``blocks`` and a ``head`` (copies, pickles, interrupts)."""
+
+    def __init__(self, d: int = 8, n: int = 3, embed: bool = True, out: int = 4) -> None:
+        super().__init__()
+        if embed:
+            self.embed = nn.Linear(d, d)
+        self.blocks = nn.ModuleList(ReluMlp(d) for _ in range(n))
+        self.head = nn.Linear(d, out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) if hasattr(self, "embed") else x
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h)
+
+
+class GeluMlp(nn.Module):
+    """shared/cases/37's model: ``(batch, 8)`` -> ``(batch, 2)``, Linear-GELU-Linear-relu-Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(8, 8)
+        self.act = nn.GELU()
+        self.l2 = nn.Linear(8, 8)
+        self.l3 = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l3(torch.relu(self.l2(self.act(self.l1(x)))))
+
+
+class MaskedTokens(nn.Module):
+    """``(input_ids, attention_mask)`` -> logits ``(batch, classes)``: ``embed`` (``vocab`` x 8),
+    a per-token ``mix`` Linear (``(batch, seq, 8)``: a token's value does not depend on padding),
+    masked and summed over tokens, then ``head``."""
+
+    def __init__(self, vocab: int = 50, classes: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 8)
+        self.mix = nn.Linear(8, 8)
+        self.head = nn.Linear(8, classes)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self.mix(self.embed(input_ids)) * attention_mask[..., None]
+        return self.head(hidden.sum(dim=1))
 
 
 # name -> (factory, example input builder)

@@ -13,6 +13,7 @@ from torch import nn
 from hookscope.errors import ExtractError
 from hookscope.store.extract import extract
 from hookscope.store.reader import open_store
+from tests.models import FLOAT8
 
 
 class _To(nn.Module):
@@ -29,7 +30,7 @@ class _To(nn.Module):
 @pytest.mark.parametrize(("dtype", "fix"), [
     (torch.complex64, r"torch.view_as_real\(output\)"),
     (torch.complex128, r"torch.view_as_real\(output\)"),
-    (torch.float8_e4m3fn, r"dtype=torch.float32"),
+    *((dtype, r"dtype=torch.float32") for dtype in FLOAT8),
     (torch.uint32, r"output.to\(torch.int64\)"),
     (torch.uint16, r"output.to\(torch.int64\)")])
 def test_an_output_dtype_a_store_cannot_hold_is_named_with_the_fix(
@@ -41,11 +42,14 @@ def test_an_output_dtype_a_store_cannot_hold_is_named_with_the_fix(
     assert not (tmp_path / "s").exists() or os.listdir(tmp_path / "s") == []
 
 
-def test_a_floating_dtype_a_store_lacks_is_stored_when_converted(tmp_path: Path) -> None:
-    x = torch.tensor([[0.5, -2.0, 448.0]])
-    extract(nn.Sequential(_To(torch.float8_e4m3fn)), [x], "0", tmp_path / "s", progress=False,
+@pytest.mark.parametrize("dtype", FLOAT8)
+def test_a_floating_dtype_a_store_lacks_is_stored_when_converted(tmp_path: Path,
+                                                                 dtype: torch.dtype) -> None:
+    x = torch.tensor([[0.5, -2.0, 240.0, 0.1]])  # 240: inside every float8's range
+    extract(nn.Sequential(_To(dtype)), [x], "0", tmp_path / "s", progress=False,
             dtype=torch.float32)
-    assert torch.equal(open_store(tmp_path / "s")["0"][:], x.to(torch.float8_e4m3fn).float())
+    stored = open_store(tmp_path / "s")["0"][:]
+    assert stored.dtype == torch.float32 and torch.equal(stored, x.to(dtype).float())
 
 
 def test_a_meta_output_is_refused_naming_the_fix(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import hookscope
+from tests.models import ReluMlp
 
 
 class Block(nn.Module):
@@ -119,16 +120,33 @@ def test_two_threads_capturing_one_model_each_get_exactly_their_own_calls() -> N
             assert torch.equal(value, model[0](x).detach())
 
 
-def test_a_module_run_only_by_another_thread_is_reported_with_that_cause() -> None:
-    model = nn.Sequential(nn.Linear(4, 4))
+@pytest.mark.parametrize("address", ["0", "0::relu", "*::relu"])
+def test_a_module_run_only_by_another_thread_is_reported_with_that_cause(address: str) -> None:
+    model = nn.Sequential(ReluMlp(4))
     with pytest.warns(hookscope.HookNeverFiredWarning,
                       match=r"0 ran 2 times, all in other threads: a hookscope block records only "
                             r"the calls made by the thread that entered it"):
-        with hookscope.capture(model, "0") as acts:
+        with hookscope.capture(model, address) as acts:
             worker = threading.Thread(target=lambda: [model(torch.randn(1, 4)) for _ in range(2)])
             worker.start()
             worker.join()
-    assert acts.counts == {"0": 0}
+    key = address.replace("*", "0")
+    assert acts.counts == {key: 0}
+    assert list(acts.unfired) == [key]
+    assert acts.unfired[key].startswith("0 ran 2 times, all in other threads")
+
+
+def test_a_function_its_module_made_in_this_thread_too_is_recorded_only_for_this_thread() -> None:
+    model = nn.Sequential(ReluMlp(4))
+    x = torch.randn(1, 4)
+    with hookscope.capture(model, "0::relu") as acts:
+        worker = threading.Thread(target=lambda: model(torch.randn(1, 4)))
+        worker.start()
+        worker.join()
+        model(x)
+    assert acts.unfired == {}
+    assert len(acts.calls("0::relu")) == 1
+    torch.testing.assert_close(acts.calls("0::relu")[0], torch.relu(model[0].up(x)).detach())
 
 
 def test_deepcopy_inside_a_block_does_not_carry_hooks_into_the_copy() -> None:

@@ -11,6 +11,7 @@ from torch import nn
 
 import hookscope
 from hookscope.diagnostics.nonfinite import find_nonfinite
+from tests.models import GeluMlp
 
 
 class DenseReluDense(nn.Module):  # the T5 feed-forward block of transformers#5651
@@ -47,25 +48,13 @@ def test_36_fp16_overflow_names_the_leaf_with_finite_input_and_inf_output() -> N
     assert found.outputs[0].posinf == 4 and found.outputs[0].nan == 0
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.l1 = nn.Linear(8, 8)
-        self.act = nn.GELU()
-        self.l2 = nn.Linear(8, 8)
-        self.l3 = nn.Linear(8, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.l3(torch.relu(self.l2(self.act(self.l1(x)))))
-
-
 # Which hooks run is decided by dynamo, the same for every backend; the eager backend skips
 # inductor's C++ build (a minute on 2 cores). Dynamo tracing the hooks still takes ~15 s.
 @pytest.mark.slow
 def test_37_capture_entered_before_the_first_compiled_call_records_every_layer() -> None:
     backend = "eager"
     torch._dynamo.reset()
-    model, x = Net(), torch.randn(4, 8)
+    model, x = GeluMlp(), torch.randn(4, 8)
     with torch.no_grad():
         eager = {"l1": model.l1(x)}
         eager["act"] = model.act(eager["l1"])

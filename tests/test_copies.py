@@ -24,11 +24,17 @@ from hypothesis import strategies as st
 from torch import nn
 
 import hookscope
-from tests.copies_models import Mlp, Net, double_head, note_kwargs
+from tests.copies_models import double_head, note_kwargs
+from tests.models import ReluBlocks, ReluMlp
 
 TABLES = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
           "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_hooks",
           "_backward_pre_hooks")
+
+
+def _net() -> ReluBlocks:
+    """``(..., 6)`` -> ``(..., 3)``: two residual ``ReluMlp`` blocks and a head."""
+    return ReluBlocks(6, 2, embed=False, out=3)
 
 
 def _blocks(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[], Any]]:
@@ -81,7 +87,7 @@ def _copies(model: nn.Module, tmp_path: Path) -> dict[str, nn.Module]:
 
 def _plain(model: nn.Module) -> nn.Module:
     """A copy of ``model`` made without hookscope: its weights and the user's hook."""
-    plain = Net()
+    plain = _net()
     plain.load_state_dict(model.state_dict())
     plain.head.register_forward_hook(double_head)
     return plain
@@ -91,7 +97,7 @@ def _plain(model: nn.Module) -> nn.Module:
                                   "edit ::relu", "steer", "stats"])
 def test_copies_made_inside_a_block_carry_nothing_of_hookscope(kind: str, tmp_path: Path) -> None:
     torch.manual_seed(0)
-    model = Net()
+    model = _net()
     model.head.register_forward_hook(double_head)  # the user's own hooks: kept in every copy
     user = model.blocks[0].register_forward_hook(note_kwargs, with_kwargs=True, always_call=True)
     x = torch.randn(2, 4, 6)
@@ -124,7 +130,7 @@ import pickle, sys
 sys.modules["hookscope"] = None
 sys.path.insert(0, {str(Path(__file__).parent.parent)!r})
 import torch
-import tests.copies_models  # what a checkpoint names: the model classes and the user's hook
+import tests.models, tests.copies_models  # what a checkpoint names: the model classes and the user's hook
 data = torch.load({str(folder / 'data.pt')!r})
 for name in ("model.pt", "ema.pt"):
     model = torch.load({str(folder)!r} + "/" + name, weights_only=False)
@@ -141,7 +147,7 @@ print("loaded")
 
 
 def test_unrelated_ordered_dicts_pickle_and_copy_unchanged_inside_a_block() -> None:
-    model = Net()
+    model = _net()
     state = OrderedDict([(1, "a"), (2, [1, 2]), (3, torch.ones(2))])
     with hookscope.capture(model, "blocks.*::relu"):
         model(torch.randn(2, 6))
@@ -156,7 +162,7 @@ def test_unrelated_ordered_dicts_pickle_and_copy_unchanged_inside_a_block() -> N
 
 
 def test_the_copyreg_entry_exists_only_while_a_block_is_open_and_chains_to_the_users() -> None:
-    model = Net()
+    model = _net()
     x = torch.randn(2, 6)
     assert OrderedDict not in copyreg.dispatch_table
     with pytest.raises(ValueError, match="inside"):
@@ -188,7 +194,7 @@ def test_the_copyreg_entry_exists_only_while_a_block_is_open_and_chains_to_the_u
 
 
 def test_a_shallow_copy_sharing_the_tables_does_not_remove_the_blocks_hooks() -> None:
-    model = Net()
+    model = _net()
     x = torch.randn(2, 6)
     with hookscope.capture(model, "head") as acts:
         twin = copy.copy(model.head)  # another module object sharing head's hook tables
@@ -209,15 +215,15 @@ def test_generated_trees_copied_inside_a_capture_compute_the_plain_output(
         if kind == "linear":
             return nn.Linear(6, 6)
         if kind == "relu_fn":
-            return Mlp()
+            return ReluMlp(6)
         if kind == "tanh":
             return nn.Tanh()
-        return nn.Sequential(nn.Linear(6, 6), Mlp())
+        return nn.Sequential(nn.Linear(6, 6), ReluMlp(6))
     torch.manual_seed(0)
     model = nn.Sequential(*(build(kind) for kind in layers))
     paths = [path for path, _ in model.named_modules() if path]
     chosen = data.draw(st.lists(st.sampled_from(paths), min_size=1, max_size=3, unique=True))
-    with_fn = [f"{p}::relu" for p in paths if isinstance(model.get_submodule(p), Mlp)]
+    with_fn = [f"{p}::relu" for p in paths if isinstance(model.get_submodule(p), ReluMlp)]
     x = torch.randn(3, 6)
     expected = model(x)
     with hookscope.capture(model, *chosen, *with_fn[:1]):

@@ -18,10 +18,9 @@ from torch import nn
 
 import hookscope
 from hookscope.errors import HookscopeError
+from tests.models import FLOAT8
 
 QUANTIZED = [torch.quint8, torch.qint8, torch.qint32]
-FLOAT8 = [getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
-                                      "float8_e5m2fnuz") if hasattr(torch, n)]
 INTEGER = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
            torch.uint16, torch.uint32, torch.uint64]
 DTYPES = [*QUANTIZED, *FLOAT8, *INTEGER, torch.bool, torch.complex64, torch.complex128,
@@ -30,14 +29,15 @@ VERBS = ["save_load", "stats", "compare", "steer", "ablate", "extract"]
 
 
 class ToDtype(nn.Module):
-    """Returns ``x`` (float32, ``(batch, 4)``) as ``dtype``: quantized, complex (x - 1j x) or cast."""
+    """Returns ``x`` (float32, ``(batch, 4)``) as ``dtype``: quantized (per tensor, or per
+    channel along dim 1), complex (x - 1j x) or cast."""
 
-    def __init__(self, dtype: torch.dtype):
+    def __init__(self, dtype: torch.dtype, per_channel: bool = False):
         super().__init__()
-        self.dtype = dtype
+        self.dtype, self.per_channel = dtype, per_channel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return convert(x, self.dtype)
+        return convert(x, self.dtype, self.per_channel)
 
 
 class Shift(nn.Module):
@@ -45,7 +45,16 @@ class Shift(nn.Module):
         return x + 1
 
 
-def convert(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+# per-channel quantization along dim 1: a scale and a zero point per column (quint8's are
+# inside 0..255; the signed types' zero points are 0)
+CHANNEL_SCALES = torch.tensor([0.1, 0.05, 0.2, 0.1], dtype=torch.float64)
+CHANNEL_ZEROS = {torch.quint8: torch.tensor([10, 0, 5, 3])}
+
+
+def convert(x: torch.Tensor, dtype: torch.dtype, per_channel: bool = False) -> torch.Tensor:
+    if per_channel:
+        return torch.quantize_per_channel(x, CHANNEL_SCALES, CHANNEL_ZEROS.get(
+            dtype, torch.zeros(4, dtype=torch.long)), 1, dtype)
     if dtype in QUANTIZED:
         return torch.quantize_per_tensor(x, 0.1, 10 if dtype == torch.quint8 else 0, dtype)
     if dtype.is_complex:
@@ -53,8 +62,17 @@ def convert(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (x * 3).abs().to(dtype) if dtype.is_signed is False or dtype == torch.bool else (x * 3).to(dtype)
 
 
-def model(dtype: torch.dtype) -> nn.Sequential:
-    return nn.Sequential(nn.Identity(), ToDtype(dtype), nn.Identity())
+def model(dtype: torch.dtype, per_channel: bool = False) -> nn.Sequential:
+    return nn.Sequential(nn.Identity(), ToDtype(dtype, per_channel), nn.Identity())
+
+
+def requantize_like(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``value`` (float) quantized with ``like``'s scheme, scales and zero points."""
+    if like.qscheme() == torch.per_channel_affine:
+        return torch.quantize_per_channel(value, like.q_per_channel_scales(),
+                                          like.q_per_channel_zero_points(), like.q_per_channel_axis(),
+                                          like.dtype)
+    return torch.quantize_per_tensor(value, like.q_scale(), like.q_zero_point(), like.dtype)
 
 
 def values(t: torch.Tensor) -> torch.Tensor:
@@ -66,9 +84,10 @@ def values(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64)
 
 
-def run_verb(verb: str, dtype: torch.dtype, x: torch.Tensor, tmp: Path) -> None:
+def run_verb(verb: str, dtype: torch.dtype, x: torch.Tensor, tmp: Path,
+             per_channel: bool = False) -> None:
     """Run ``verb`` on the model and assert its values equal plain PyTorch's."""
-    m = model(dtype)
+    m = model(dtype, per_channel)
     expected = m[1](x)  # plain PyTorch's output of the module
     if verb == "save_load":
         with hookscope.capture(m, "1") as acts:
@@ -85,9 +104,9 @@ def run_verb(verb: str, dtype: torch.dtype, x: torch.Tensor, tmp: Path) -> None:
         assert float(result.max) == float(ref.max()) and float(result.min) == float(ref.min())
         assert abs(float(result.mean) - float(ref.mean())) < 1e-9 * max(1.0, float(ref.abs().max()))
     elif verb == "compare":
-        diff = hookscope.compare(m, model(dtype), x, layers="1")["1"]
+        diff = hookscope.compare(m, model(dtype, per_channel), x, layers="1")["1"]
         assert diff.max_abs == 0.0 and diff.close
-        shifted = nn.Sequential(Shift(), ToDtype(dtype), nn.Identity())  # module 1 sees x + 1
+        shifted = nn.Sequential(Shift(), ToDtype(dtype, per_channel), nn.Identity())  # module 1 sees x + 1
         other = hookscope.compare(m, shifted, x, layers="1")
         assert other["1"].max_abs == float((values(m[1](x + 1)) - values(expected)).abs().max())
     elif verb == "steer":
@@ -98,7 +117,7 @@ def run_verb(verb: str, dtype: torch.dtype, x: torch.Tensor, tmp: Path) -> None:
         want = (plain.float() + vector).to(plain.dtype) if dtype in FLOAT8 else plain + vector.to(plain.dtype)
         got = out.dequantize() if out.is_quantized else out
         if dtype in QUANTIZED:  # returned quantized with the output's parameters
-            want = torch.quantize_per_tensor(want, 0.1, expected.q_zero_point(), dtype).dequantize()
+            want = requantize_like(want, expected).dequantize()
         assert out.dtype == dtype and torch.equal(values(got), values(want))
     elif verb == "ablate":
         with hookscope.ablate(m, "1"):
@@ -149,3 +168,36 @@ def test_each_verb_on_every_dtype(verb: str, tmp_path: Path) -> None:
     for i, dtype in enumerate(DTYPES):
         expected = "refused" if (verb, dtype) in REFUSED else "ok"
         assert outcome(verb, dtype, x, tmp_path / str(i)) == expected, (verb, dtype)
+
+
+@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_per_channel_quantized_outputs_through_every_verb(dtype: torch.dtype, tmp_path: Path) -> None:
+    """Quantized per channel (a scale and zero point per column): every verb gives plain
+    PyTorch's values; steer returns it quantized with the output's own per-channel parameters."""
+    x = torch.linspace(-2, 2, 8).reshape(2, 4)
+    assert model(dtype, per_channel=True)(x).qscheme() == torch.per_channel_affine  # the premise
+    for verb in VERBS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch deprecates quantized tensors
+            run_verb(verb, dtype, x, tmp_path / verb, per_channel=True)
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+@pytest.mark.parametrize("dtype", QUANTIZED)
+def test_quantized_kinds_are_noted_and_an_edit_is_requantized_like_the_output(
+        dtype: torch.dtype, per_channel: bool) -> None:
+    m, x = model(dtype, per_channel), torch.linspace(-2, 2, 8).reshape(2, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates quantized tensors
+        expected = m[1](x)
+        with hookscope.capture(m, "1") as acts:
+            m(x)
+        with hookscope.edit(m, {"1": lambda output: output * 2}):
+            out = m(x)
+        want = requantize_like(expected.dequantize() * 2, expected)
+    scheme = ("per-channel scales along dim 1" if per_channel
+              else f"scale 0.1, zero point {expected.q_zero_point()}")
+    assert acts.records.notes["1"] == f"{dtype} ({scheme}), kept dequantized as torch.float32"
+    assert torch.equal(acts["1"], expected.dequantize())
+    assert (out.dtype, out.qscheme()) == (dtype, expected.qscheme())
+    assert torch.equal(out.dequantize(), want.dequantize())

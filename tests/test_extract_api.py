@@ -12,21 +12,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 import hookscope
 from hookscope.errors import ExtractError, SelectorError, StoreExistsError
 from hookscope.store.extract import extract
-from tests.models import LeNet, ModuleListBlocks, TupleOutput
-
-
-class TinyEncoder(nn.Module):
-    """Token model: per-token ``mix`` output (batch, seq, 8) does not depend on padding."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(50, 8)
-        self.mix = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.mix(self.embed(input_ids)) * attention_mask[..., None]
-        return self.head(hidden.sum(dim=1))
+from tests.models import LeNet, MaskedTokens, ModuleListBlocks, TupleOutput
 
 
 def _sentences(n: int) -> list[torch.Tensor]:
@@ -49,7 +35,7 @@ def _token_batches(sentences: list[torch.Tensor], size: int) -> list[dict[str, t
     return batches
 
 
-def _plain_mix(model: TinyEncoder, sentence: torch.Tensor) -> torch.Tensor:
+def _plain_mix(model: MaskedTokens, sentence: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model.mix(model.embed(sentence))  # (tokens, 8), no padding anywhere
 
@@ -69,7 +55,7 @@ def test_rows_equal_plain_forward_across_many_shards(tmp_path: Path) -> None:
 
 
 def test_ragged_tokens_are_stored_without_padding(tmp_path: Path) -> None:
-    model, sentences = TinyEncoder(), _sentences(13)
+    model, sentences = MaskedTokens(50, 3), _sentences(13)
     store = extract(model, _token_batches(sentences, 4), "mix", tmp_path / "s", progress=False)
     assert store.layers["mix"].ragged and store.layers["mix"].shape == (None, 8)
     rows = store["mix"][:]
@@ -82,7 +68,7 @@ def test_ragged_tokens_are_stored_without_padding(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("reduce", ["mean", "first", "last"])
 def test_named_reductions_honour_the_attention_mask(tmp_path: Path, reduce: str) -> None:
-    model, sentences = TinyEncoder(), _sentences(10)
+    model, sentences = MaskedTokens(50, 3), _sentences(10)
     store = extract(model, _token_batches(sentences, 4), "mix", tmp_path / "s", reduce=reduce,
                     progress=False)
     expected = {"mean": lambda t: t.mean(0), "first": lambda t: t[0], "last": lambda t: t[-1]}

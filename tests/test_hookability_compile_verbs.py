@@ -17,27 +17,15 @@ from hookscope.diagnostics.compare import compare
 from hookscope.diagnostics.stats import stats
 from hookscope.diagnostics.tree import tree
 from hookscope.errors import HookNeverFiredWarning, HookscopeError
-from tests.models import MlpStack
+from tests.models import GeluMlp, MlpStack
 
 Tensor = torch.Tensor
 FIX = r"Call torch\._dynamo\.reset\(\) first"
 
 
-class Net(nn.Module):  # case 37's model
-    def __init__(self) -> None:
-        super().__init__()
-        self.l1 = nn.Linear(8, 8)
-        self.act = nn.GELU()
-        self.l2 = nn.Linear(8, 8)
-        self.l3 = nn.Linear(8, 2)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.l3(torch.relu(self.l2(self.act(self.l1(x)))))
-
-
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], Tensor], list[str]]] = {
     "mlp": (MlpStack, lambda: torch.randn(3, 10), ["fc1", "fc2"]),
-    "net": (Net, lambda: torch.randn(4, 8), ["l1", "act", "l3"]),
+    "net": (GeluMlp, lambda: torch.randn(4, 8), ["l1", "act", "l3"]),
 }
 CASES = [("mlp", "eager"), ("net", "aot_eager")]
 

@@ -1,6 +1,11 @@
 """A KeyboardInterrupt delivered as a signal (Jupyter's interrupt button) at any moment of
 entering, running or leaving a block leaves no hook and no function mode behind, and reaches the
-user as a KeyboardInterrupt (issue 19 "interrupts")."""
+user as a KeyboardInterrupt (issue 19 "interrupts").
+
+Deterministic: SIGINT raised at each boundary of a block in turn (a profile function counts
+every entry into hookscope's code and every return from it). Timing-dependent, marked slow:
+SIGINT from a timer after random delays (``-m "not slow"`` leaves them out; ``make test`` runs
+them)."""
 
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ import time
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -24,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 import hookscope
 from hookscope.engine.hooks import OwnedHook
+from tests.models import ReluBlocks
 
 pytestmark = pytest.mark.skipif(
     not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread(),
@@ -34,33 +42,7 @@ _TABLES = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
            "_backward_pre_hooks")
 
 
-class Mlp(nn.Module):
-    """A module whose own forward calls ``F.relu`` (for ``::relu`` addresses)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(8, 16)
-        self.down = nn.Linear(16, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.relu(self.up(x)))
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Linear(8, 8)
-        self.blocks = nn.ModuleList(Mlp() for _ in range(3))
-        self.head = nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed(x)
-        for block in self.blocks:
-            h = h + block(h)
-        return self.head(h)
-
-
-def _blocks(model: Net, other: Net, x: torch.Tensor) -> dict[str, Callable[[], Any]]:
+def _blocks(model: nn.Module, other: nn.Module, x: torch.Tensor) -> dict[str, Callable[[], Any]]:
     """One callable per block kind, each entering, running and leaving one block."""
     def run(block: Any) -> Callable[[], Any]:
         def go() -> Any:
@@ -105,7 +87,7 @@ def interrupt_runs(runs_per_kind: int, seed: int = 0) -> dict[str, dict[str, int
     completed and interrupted runs, other exceptions and runs that left something behind."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    model, other = Net(), Net()
+    model, other = ReluBlocks(), ReluBlocks()
     x = torch.randn(2, 5, 8)
     with torch.no_grad():
         reference = model(x)
@@ -187,6 +169,7 @@ def _check(counts: dict[str, dict[str, int]]) -> None:
         assert tally["forward"] > 0, kind  # the delays do reach inside the blocks
 
 
+@pytest.mark.slow  # timing-dependent; the deterministic sweep below covers every boundary
 def test_interrupts_at_random_moments_leave_nothing_behind() -> None:
     _check(interrupt_runs(300))
 
@@ -196,14 +179,69 @@ def test_interrupts_at_random_moments_leave_nothing_behind_many_runs() -> None:
     _check(interrupt_runs(1000, seed=1))
 
 
+_HOOKSCOPE = str(Path(hookscope.__file__).parent)
+
+
+class Boundaries:
+    """A ``sys.setprofile`` function counting the boundaries of a block: every entry into
+    hookscope's code from outside it (the verb's call, ``__enter__``, ``__exit__``, each hook
+    that torch calls, each function call the function mode sees) and every return from such an
+    entry. With ``at=N`` it raises SIGINT at the Nth (Jupyter's interrupt button, delivered by
+    the handler then in place: hookscope's inside a block)."""
+
+    def __init__(self, at: int = 0) -> None:
+        self.at, self.count = at, 0
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event not in ("call", "return") or not frame.f_code.co_filename.startswith(_HOOKSCOPE):
+            return
+        caller = frame.f_back
+        if caller is not None and caller.f_code.co_filename.startswith(_HOOKSCOPE):
+            return
+        self.count += 1
+        if self.count == self.at:
+            signal.raise_signal(signal.SIGINT)
+
+    def run(self, block: Callable[[], Any]) -> None:
+        previous = sys.getprofile()
+        sys.setprofile(self)
+        try:
+            block()
+        finally:
+            sys.setprofile(previous)
+
+
+@pytest.mark.parametrize("kind", ["capture", "capture early_stop", "capture ::relu", "edit ::relu",
+                                  "steer positions", "stats", "compare"])
+def test_an_interrupt_at_every_boundary_of_a_block_leaves_nothing_behind(kind: str) -> None:
+    model, other, x = ReluBlocks(), ReluBlocks(), torch.randn(2, 5, 8)
+    with torch.no_grad():
+        reference = model(x)
+    block = _blocks(model, other, x)[kind]
+    block()  # the first run imports lazily (more boundaries); every later run makes the same
+    counted, again = Boundaries(), Boundaries()
+    counted.run(block)
+    again.run(block)
+    assert counted.count == again.count >= 6  # the verb, __enter__, hooks, __exit__
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        for at in range(1, counted.count + 1):
+            with pytest.raises(KeyboardInterrupt):  # a second one would escape the checks below
+                Boundaries(at).run(block)
+            assert _leaks(model) == [], (kind, at)
+            assert _computes(model, x, reference), (kind, at)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_a_copy_made_inside_an_edit_of_a_function_call_is_not_edited() -> None:
-    model = Net()
+    model = ReluBlocks()
     x = torch.randn(2, 5, 8)
     with hookscope.edit(model, {"blocks.*::relu": lambda o: o * 2}):
         edited = model(x)
         twin = copy.deepcopy(model)
         assert torch.equal(model(x), edited)
-    plain = Net()
+    plain = ReluBlocks()
     plain.load_state_dict(model.state_dict())
     assert not torch.equal(edited, plain(x))
     assert torch.equal(twin(x), plain(x))
@@ -211,7 +249,7 @@ def test_a_copy_made_inside_an_edit_of_a_function_call_is_not_edited() -> None:
 
 
 def test_a_users_sigint_handler_gets_the_signal_and_is_back_after_the_block() -> None:
-    model = Net()
+    model = ReluBlocks()
     x = torch.randn(2, 5, 8)
     got: list[int] = []
 
@@ -272,7 +310,7 @@ def test_an_interrupt_whose_keyboardinterrupt_was_swallowed_is_raised_at_exit() 
     # an interrupt at the very end of __enter__ removes the block's hooks (its cleanup, as
     # interrupts._handler runs it); a gc callback swallowing the KeyboardInterrupt lets the block
     # go on unhooked: leaving it raises the interrupt instead of reporting modules as never run
-    model = Net()
+    model = ReluBlocks()
     x = torch.randn(2, 5, 8)
     with pytest.raises(KeyboardInterrupt, match="lost on the way"):
         with hookscope.capture(model, "blocks.*", on_unfired="error") as acts:

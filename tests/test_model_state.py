@@ -9,6 +9,7 @@ returns, when it raises after a forward ran, and on a KeyboardInterrupt mid-forw
 
 from __future__ import annotations
 
+import copy
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ from hypothesis import strategies as st
 from torch.nn.utils.parametrizations import spectral_norm
 
 import hookscope
+from hookscope.engine.run import untouched
+from tests.models import MlpStack
 
 
 # ------------------------------------------------------------------------------- case 38
@@ -168,6 +171,7 @@ def _extract(m: nn.Module, x: torch.Tensor, **options: Any) -> Any:
 VERBS: dict[str, Callable[[nn.Module, torch.Tensor], Any]] = {
     "tree": lambda m, x: hookscope.tree(m, x),
     "find_nonfinite": lambda m, x: hookscope.find_nonfinite(m, x),
+    "find_nonfinite backward": lambda m, x: hookscope.find_nonfinite(m, x, backward=True),
     "stats": lambda m, x: hookscope.stats(m, [x, x * 2]),
     "compare": lambda m, x: hookscope.compare(m, m, x),
     "attention": lambda m, x: hookscope.attention(m, x, layers="attn"),
@@ -247,6 +251,26 @@ def test_a_verb_that_raises_after_its_forward_still_restores(case: str) -> None:
     with pytest.raises(hookscope.HookscopeError):
         AFTER_FORWARD[case](model, x)
     before.assert_same(model)
+
+
+def test_untouched_keeps_the_users_grad_out_of_a_backward_and_leaves_weight_writes() -> None:
+    """A backward inside ``untouched`` makes its own ``.grad``; the user's comes back, values and
+    object. A weight written in place stays written (documented: no copy of every weight)."""
+    model, x = MlpStack(), torch.randn(3, 10)
+    plain = copy.deepcopy(model)
+    plain(x).sum().backward()  # the gradient of one backward from no .grad
+    model.fc1.weight.grad = torch.ones_like(model.fc1.weight)
+    users = model.fc1.weight.grad
+    bias = model.fc2.bias.detach().clone()
+    with untouched(model):
+        assert [p.grad for p in model.parameters()] == [None] * 4
+        model(x).sum().backward()
+        torch.testing.assert_close(model.fc1.weight.grad, plain.fc1.weight.grad, rtol=0, atol=0)
+        with torch.no_grad():
+            model.fc2.bias.add_(1.0)
+    assert model.fc1.weight.grad is users and torch.equal(users, torch.ones_like(users))
+    assert [p.grad for p in model.parameters()][1:] == [None] * 3
+    torch.testing.assert_close(model.fc2.bias, bias + 1.0, rtol=0, atol=0)
 
 
 def test_user_blocks_keep_their_effects() -> None:

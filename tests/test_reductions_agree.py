@@ -8,29 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
 
 import hookscope
 from hookscope.cli.main import build_parser
 from hookscope.record.reductions import NAMES, REDUCTIONS, reduction
-from tests.models import padding_mask
+from tests.models import MaskedTokens, padding_mask
 
 
-class TokenModel(nn.Module):
-    """``(input_ids, attention_mask) -> logits``; ``mix`` returns ``(batch, seq, 8)``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(30, 8)
-        self.mix = nn.Linear(8, 8)
-        self.head = nn.Linear(8, 2)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self.mix(self.embed(input_ids)) * attention_mask[..., None]
-        return self.head(hidden.sum(dim=1))
-
-
-def _hand(model: TokenModel, ids: torch.Tensor, mask: torch.Tensor, name: str) -> torch.Tensor:
+def _hand(model: MaskedTokens, ids: torch.Tensor, mask: torch.Tensor, name: str) -> torch.Tensor:
     """Each row's real tokens through embed and mix, reduced in plain torch: ``(batch, 8)``."""
     rows = []
     with torch.no_grad():
@@ -44,7 +29,7 @@ def _hand(model: TokenModel, ids: torch.Tensor, mask: torch.Tensor, name: str) -
 @pytest.mark.parametrize("name", NAMES)
 def test_capture_and_extract_give_the_same_rows(tmp_path: Path, name: str, left: bool) -> None:
     torch.manual_seed(0)
-    model = TokenModel().eval()
+    model = MaskedTokens(30, 2).eval()
     mask = padding_mask([2, 5, 3], 5, left)
     ids = torch.randint(1, 30, (3, 5)) * mask
     expected = _hand(model, ids, mask, name)
@@ -61,7 +46,7 @@ def test_capture_and_extract_give_the_same_rows(tmp_path: Path, name: str, left:
 
 
 def test_without_a_mask_every_position_counts() -> None:
-    model, ids = TokenModel().eval(), torch.randint(1, 30, (2, 4))
+    model, ids = MaskedTokens(30, 2).eval(), torch.randint(1, 30, (2, 4))
     with torch.no_grad():
         hidden = model.mix(model.embed(ids))
         with hookscope.capture(model.mix, "(root)", reduce="last") as acts:

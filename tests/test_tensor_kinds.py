@@ -14,16 +14,7 @@ from torch import nn
 
 import hookscope
 from hookscope.errors import HookscopeError
-
-
-class MLP(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.up = nn.Linear(4, 8)
-        self.down = nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(torch.relu(self.up(x)))
+from tests.models import ReluMlp
 
 
 # ----------------------------------------------------------------- case 42: inference tensors
@@ -63,7 +54,7 @@ def test_42_records_stay_inference_tensors_until_read_outside() -> None:
 
 def test_42_stats_extract_compare_under_inference_mode(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    model = MLP().eval()
+    model = ReluMlp(4).eval()
     x = torch.randn(5, 4)
     with torch.no_grad():
         up = model.up(x)
@@ -76,11 +67,11 @@ def test_42_stats_extract_compare_under_inference_mode(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------- case 48: DTensor outputs
-def _tp_pair(local_output: bool = False) -> tuple[MLP, MLP]:
+def _tp_pair(local_output: bool = False) -> tuple[ReluMlp, ReluMlp]:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     torch.manual_seed(0)
-    tp, reference = MLP(), MLP()
+    tp, reference = ReluMlp(4), ReluMlp(4)
     reference.load_state_dict(tp.state_dict())
     parallelize_module(tp, DeviceMesh("cpu", [0]),
                        {"up": ColwiseParallel(use_local_output=local_output), "down": RowwiseParallel()})
@@ -149,7 +140,7 @@ def _fake_model() -> tuple[nn.Module, torch.Tensor, object]:
     from torch._subclasses.fake_tensor import FakeTensorMode
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
-        model = MLP()
+        model = ReluMlp(4)
         x = torch.randn(3, 4)
     return model, x, mode
 
@@ -159,7 +150,7 @@ def _fake_model() -> tuple[nn.Module, torch.Tensor, object]:
 def test_valueless_tensors_are_noted_and_refused_by_every_verb(kind: str, tmp_path: Path) -> None:
     if kind == "meta":
         with torch.device("meta"):
-            model, x = MLP(), torch.randn(3, 4)
+            model, x = ReluMlp(4), torch.randn(3, 4)
         mode = None
     else:
         model, x, mode = _fake_model()

@@ -467,7 +467,7 @@ def _diff(key: Key, a_parts: list[Tensor], b_parts: list[Tensor], atol: float,
     b = torch.cat([t.reshape(-1).to(device, torch.float64) for t in b_parts]) if b_parts else \
         torch.zeros(0, dtype=torch.float64)
     same = (a == b) | (torch.isnan(a) & torch.isnan(b))
-    error = torch.where(same, torch.zeros_like(a), (a - b).abs()).nan_to_num(nan=math.inf)
+    error = torch.where(same, torch.zeros_like(a), (a - b).abs()).nan_to_num(nan=math.inf, posinf=math.inf)
     max_abs = float(error.max()) if error.numel() else 0.0
     close = bool(torch.isclose(b, a, rtol=rtol, atol=atol, equal_nan=True).all())
     return LayerDiff(key[0], key[1], shape, max_abs, _ratio(float(error.norm()), float(a.norm())),

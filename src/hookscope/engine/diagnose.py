@@ -169,6 +169,15 @@ def explain_unfired(names: ModuleIndex, targets: Sequence[Target], ran: set[str]
     return {t.key: _reason(t.path, modules, children, ran) for t in targets}
 
 
+def other_threads(path: str, calls: int) -> str:
+    """Why a target recorded nothing although its module ran ``calls`` times, every time in a
+    thread other than the one that entered the block (module and ``path::fn`` targets alike)."""
+    return (f"{path or 'the model'} ran {calls} time{'s' if calls > 1 else ''}, all in other "
+            f"threads: a hookscope block records only the calls made by the thread that entered "
+            f"it (so concurrent requests never mix). Enter the block in the thread that calls the "
+            f"model")
+
+
 def _reason(path: str, modules: dict[str, nn.Module], children: dict[str, list[str]],
             ran: set[str]) -> str:
     module = modules[path]

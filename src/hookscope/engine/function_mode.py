@@ -37,8 +37,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from hookscope.engine.diagnose import other_threads
 from hookscope.engine.function_names import bind_arguments, function_name, parse_op
-from hookscope.engine.hooks import in_recompute, register
+from hookscope.engine.hooks import OwnedHook, in_recompute, register
 
 __all__ = ["FunctionCall", "FunctionWatcher", "FunctionHooks", "Watch"]
 
@@ -88,6 +89,9 @@ class Watch:
             during backward (edits, so the recompute equals the real forward); such a forward
             is never counted in ``module_calls``.
         module_calls: the module's forward calls seen so far (its own thread's, not recomputes).
+        enter: the installed forward pre-hook that opens the module's frame (its
+            ``foreign_calls`` count the module's calls in other threads); ``None`` until
+            ``FunctionWatcher.install``.
     """
 
     module: nn.Module
@@ -96,6 +100,7 @@ class Watch:
     deep: bool = False
     in_recompute: bool = False
     module_calls: int = field(default=0, init=False)
+    enter: OwnedHook | None = field(default=None, init=False)
 
 
 class FunctionWatcher:
@@ -141,7 +146,10 @@ class FunctionWatcher:
             handles.append(register(child, self._resume_hook, always_call=True, in_recompute=again))
         for module, watches in self._watches.items():
             again = any(w.in_recompute for w in watches)
-            handles.append(register(module, self._enter_hook(watches), pre=True, in_recompute=again))
+            enter = OwnedHook(self._enter_hook(watches), module, in_recompute=again)
+            for watch in watches:
+                watch.enter = enter
+            handles.append(register(module, enter, pre=True))
             handles.append(register(module, self._leave_hook(), prepend=True, always_call=True,
                                     in_recompute=again))
         return handles
@@ -288,11 +296,15 @@ class FunctionHooks:
         self._watcher.close()
 
     def unfired(self, key: str, path: str) -> str | None:
-        """Why the calls of record ``key`` were never seen although its module ran, or ``None``
-        when they were seen or the module itself never ran (a module-level reason then)."""
+        """Why the calls of record ``key`` were never seen although its module ran (in this
+        block's thread, or only in other threads), or ``None`` when they were seen or the module
+        itself never ran (a module-level reason then)."""
         watch, op = self._watches[key]
-        if key in self.called or not watch.module_calls:
+        if key in self.called:
             return None
+        if not watch.module_calls:
+            foreign = watch.enter.foreign_calls if watch.enter is not None else 0
+            return other_threads(path, foreign) if foreign else None
         name, occurrence = parse_op(op)
         what = f"call {occurrence} of {name}" if occurrence is not None else f"any {name}"
         where = f"'{path}'" if path else "the model"

@@ -67,14 +67,22 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
     (``_u``, ``_v``), dropout draws from the global RNG. On exit every buffer holds its old
     values again (the same tensor object, refilled in place, so references to it stay valid),
     every module its ``training`` flag, every parameter its ``requires_grad`` and ``.grad``
-    (the same tensor object), the CPU and CUDA RNGs their states, and autograd its grad mode
-    (a KeyboardInterrupt inside a verb's ``torch.no_grad()`` exit would leave gradients off).
-    The model's mode is not changed on entry: the block sees train-mode behaviour (dropout) if
-    the model is in it. A KeyboardInterrupt (SIGINT) arriving while the state is restored is
-    held back until the restore is done (``engine.interrupts``).
+    (the same tensor object, with the same values: each ``.grad`` is taken off the parameter
+    for the block, so a backward inside accumulates into a fresh one, never into the user's),
+    the CPU and CUDA RNGs their states, and autograd its grad mode (a KeyboardInterrupt inside
+    a verb's ``torch.no_grad()`` exit would leave gradients off). The model's mode is not
+    changed on entry: the block sees train-mode behaviour (dropout) if the model is in it. A
+    KeyboardInterrupt (SIGINT) arriving while the state is restored is held back until the
+    restore is done (``engine.interrupts``).
 
-    Cost: one clone of every buffer (parameters are not copied). Buffers of lazy modules that
-    are not yet materialised are left alone (the forward materialises them, as any forward).
+    Parameters are not copied, so a forward that writes its own weights in place (an
+    ``.data.copy_`` in ``forward``, a codebook updated by the forward) keeps that write:
+    restoring it would need a copy of every weight (twice the model's memory, 14 GB more for a
+    7B model in bf16) in every verb, for a kind of forward that changes the model even without
+    hookscope. ``.grad`` costs nothing: it is set aside, not copied.
+
+    Cost: one clone of every buffer. Buffers of lazy modules that are not yet materialised are
+    left alone (the forward materialises them, as any forward).
     """
 
     def __init__(self, *models: nn.Module):
@@ -109,7 +117,8 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
 
 
 class _State:
-    """Buffers (object and a clone), training flags, ``requires_grad`` and ``.grad``.
+    """Buffers (object and a clone), training flags, ``requires_grad`` and ``.grad`` (set
+    aside on entry: the parameter has none during the block).
 
     Every buffer is copied back, changed or not: BatchNorm's kernel updates its running
     statistics without bumping their version counter, so versions cannot tell."""
@@ -121,6 +130,9 @@ class _State:
                         for name, b in m._buffers.items()
                         if b is not None and not isinstance(b, nn.parameter.UninitializedBuffer)]
         self.params = [(p, p.requires_grad, p.grad) for p in model.parameters()]
+        for p, _, grad in self.params:
+            if grad is not None:
+                p.grad = None  # set aside: a backward in the block never adds into the user's
 
     def restore(self) -> None:
         for module, training in self.flags:

@@ -235,11 +235,7 @@ class HookSession:
         for target in silent:
             calls = max((h.foreign_calls for h, _ in self._owned if h.module is target.module), default=0)
             if calls:
-                found[target.key] = (
-                    f"{target.path or 'the model'} ran {calls} time{'s' if calls > 1 else ''}, all in "
-                    f"other threads: a hookscope block records only the calls made by the thread "
-                    f"that entered it (so concurrent requests never mix). Enter the block in the "
-                    f"thread that calls the model")
+                found[target.key] = diagnose.other_threads(target.path, calls)
         return found
 
     def _hook_output(self, target: Target, hook: Hook, *, with_kwargs: bool = False,
