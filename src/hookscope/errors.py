@@ -71,6 +71,16 @@ class SpecError(HookscopeError, ValueError):
     """A model or input spec names nothing usable: unknown name, missing file, wrong shape."""
 
 
+class ModelCodeError(HookscopeError, RuntimeError):
+    """The user's model code stopped the process while hookscope loaded it: a factory or model
+    file that called ``sys.exit(code)`` (the CLI would otherwise exit with that code and no
+    message). ``code`` is the exit code it asked for."""
+
+    def __init__(self, message: str, code: object = None):
+        super().__init__(message)
+        self.code = code
+
+
 class MissingExtraError(HookscopeError, ImportError):
     """An optional dependency is not installed; the message gives the exact ``pip install``."""
 
