@@ -72,9 +72,10 @@ class SpecError(HookscopeError, ValueError):
 
 
 class ModelCodeError(HookscopeError, RuntimeError):
-    """The user's model code stopped the process while hookscope loaded it: a factory or model
-    file that called ``sys.exit(code)`` (the CLI would otherwise exit with that code and no
-    message). ``code`` is the exit code it asked for."""
+    """The user's model code failed where hookscope ran it for the CLI: the forward pass raised
+    on the inputs given (chained), or a factory or model file called ``sys.exit(code)`` (the
+    CLI would otherwise exit with that code and no message; ``code`` is the code it asked for).
+    The CLI exits 1 (the run failed), not 2 (usage)."""
 
     def __init__(self, message: str, code: object = None):
         super().__init__(message)

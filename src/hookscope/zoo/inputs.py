@@ -30,12 +30,12 @@ from tqdm import tqdm
 
 from hookscope.engine.diagnose import locate_error
 from hookscope.engine.names import index
-from hookscope.errors import HookscopeError, SpecError
+from hookscope.errors import HookscopeError, ModelCodeError, SpecError
 from hookscope.util.extras import require
 from hookscope.zoo.models import IMAGENET_MEAN, IMAGENET_STD, ImagePreprocess, LoadedModel
 
 __all__ = ["Inputs", "load_inputs", "preprocess_image", "SAMPLES", "IMAGE_SUFFIXES",
-           "TENSOR_SUFFIXES", "image_files", "RANDN_MAX_ELEMENTS"]
+           "TENSOR_SUFFIXES", "image_files", "expand_folder", "RANDN_MAX_ELEMENTS"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 TENSOR_SUFFIXES = (".pt", ".pth", ".npy", ".safetensors")
@@ -84,8 +84,9 @@ class Inputs:
         """Run ``module(*args, **kwargs)`` under ``torch.no_grad()`` and return its output.
 
         Raises:
-            SpecError: the forward pass raised (most often: an input this model cannot take);
-                the message names the innermost module that was running, and chains the error.
+            ModelCodeError: the forward pass raised (most often: an input this model cannot
+                take); the message names the innermost module that was running, and chains the
+                error. (The CLI exits 1: the run failed, not the command line.)
         """
         try:
             with torch.no_grad():
@@ -96,7 +97,7 @@ class Inputs:
             locate_error(index(module), err)
             where = "; ".join(dict.fromkeys(getattr(err, "__notes__", [])))
             first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            raise SpecError(f"the model failed on input {', '.join(self.specs)}: "
+            raise ModelCodeError(f"the model failed on input {', '.join(self.specs)}: "
                             f"{type(err).__name__}: {first}{' (' + where + ')' if where else ''}"
                             ) from err
 
@@ -121,7 +122,7 @@ def load_inputs(specs: Sequence[str], model: LoadedModel) -> Inputs:
     if isinstance(specs, str) or not specs:
         raise SpecError("no input given: pass at least one, e.g. --input sample:chelsea, "
                         "--input photo.jpg, --input 'a sentence' or --input randn:1,3,224,224")
-    specs = [name for spec in specs for name in _folder_images(spec)]
+    specs = [name for spec in specs for name in expand_folder(spec)]
     category = _category_of(specs, model)
     if category == "image":
         return _load_images(list(specs), model)
@@ -161,8 +162,12 @@ def image_files(folder: Path) -> list[Path]:
                    and p.is_file()), key=lambda p: p.relative_to(folder).as_posix())
 
 
-def _folder_images(spec: str) -> list[str]:
-    """``[spec]``, or for a folder the image files in it (``image_files``) as specs."""
+def expand_folder(spec: str) -> list[str]:
+    """``[spec]``, or for a folder the image files in it (``image_files``) as specs.
+
+    Raises:
+        SpecError: ``spec`` is a folder without any image file.
+    """
     folder = Path(spec)
     if not folder.is_dir():
         return [spec]
