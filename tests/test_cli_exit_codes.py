@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from hookscope.cli.main import EXIT_CODES, _verbs, build_parser, main
+from hookscope.zoo.models import load_model
 
 MODELS = textwrap.dedent('''
     import sys
@@ -68,6 +69,9 @@ CASES: list[tuple[str, list[str], int, str]] = [
     *[("capture", ["capture", M, *IN, "--layer", address], 2, f"--layer {address}")
       for address in ("fc1::nosuchfn", "::nosuchfn", "::relu#99")],
     ("tree", ["tree", M, "--filter", "nosuch"], 2, "nosuch"),
+    *[("extract", ["extract", M, "--data", "x.pt", "--out", "s", "--layer", address], code, text)
+      for address, code, text in [("::nosuchfn", 2, "--ops"), ("fc1::nosuchfn", 2, "--ops"),
+                                  ("::relu", 1, "'::relu#0' … '::relu#1'")]],
     # bad device
     *[("extract", ["extract", M, "--data", "x.pt", *L, "--out", "s", "--device", device], 2,
        "--device") for device in ("nonsense", "cuda:7", "meta")],
@@ -177,3 +181,27 @@ def test_unwritable_output_folder(workdir: Path, capsys: pytest.CaptureFixture[s
     locked.mkdir(mode=0o500)
     assert main(["capture", M, *IN, *L, "--save", "locked/x.safetensors"]) == 2
     assert "not writable" in capsys.readouterr().err
+
+
+def test_extract_names_calls_and_addresses_in_words_for_both(workdir: Path) -> None:
+    """The same refusals in Python: '::relu' runs twice per forward (pick '::relu#k'), and an
+    address that matches nothing is a SelectorError with a hint for the CLI and Python."""
+    import hookscope
+    from hookscope.errors import ExtractError, SelectorError
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
+    data = torch.randn(3, 4)
+    twice = load_model(M).module  # the table's model, F.relu twice in its own forward
+    with pytest.raises(ExtractError, match=r"'::relu' ran 2 times in one forward pass.*"
+                                           r"'::relu#0' … '::relu#1'"):
+        hookscope.extract(twice, data, "::relu", workdir / "a", progress=False)
+    with pytest.raises(SelectorError, match=r"never ran on the first batch(.|\n)*"
+                                            r"tree_of_call") as caught:
+        hookscope.extract(model, data, "0::nosuchfn", workdir / "b", progress=False)
+    assert "err.capture" not in str(caught.value)
+    assert not (workdir / "a").exists() and not (workdir / "b").exists()
+    store = hookscope.extract(twice, data, "::relu#1", workdir / "c", progress=False)
+    x = data.clone()
+    expected = torch.relu(twice.fc2(torch.relu(twice.fc1(x)))).detach()
+    torch.testing.assert_close(store["::relu#1"][:], expected)
+

@@ -174,8 +174,8 @@ def check_output_path(path: str | os.PathLike[str] | None, flag: str, *, parents
     while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise SpecError(f"{flag} {path}: '{existing}' is a file, not a folder; choose another "
-                        f"path")
+        raise SpecError(f"cannot use {path} ({flag}): a part of the path is a file, not a "
+                        f"folder ('{existing}'): choose another path")
     if existing != parent and not parents:
         raise SpecError(f"{flag} {path}: the folder '{parent}' does not exist; create it first, "
                         f"or pass --parents to have hookscope create it")
