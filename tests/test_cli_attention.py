@@ -24,7 +24,7 @@ def test_one_png_per_block_and_a_summary(tmp_path: Path, capsys: pytest.CaptureF
     assert Image.open(out / "0.png").size[0] == 1600
     before = (out / "0.png").read_bytes()
     assert main(["attention", MODEL, "--input", "randn:2,5,16", "--layer", "*", "--out",
-                 str(out)]) == 1
+                 str(out)]) == 2
     assert "pass --overwrite" in capsys.readouterr().err
     assert (out / "0.png").read_bytes() == before
 
@@ -33,7 +33,7 @@ def test_bad_requests_fail_before_running(tmp_path: Path, capsys: pytest.Capture
     assert main(["attention", MODEL, "--input", "randn:2,5,16", "--layer", "0.fc", "--out",
                  str(tmp_path)]) == 1
     assert "computed no attention" in capsys.readouterr().err
-    assert main(["attention", MODEL, "--input", "randn:2,5,16", "--layer", "nope"]) == 1
+    assert main(["attention", MODEL, "--input", "randn:2,5,16", "--layer", "nope"]) == 2
     assert "no module or state_dict key named 'nope'" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 

@@ -59,14 +59,18 @@ def test_debug_shows_the_traceback(model_file: Path) -> None:
         main(["--debug", "capture", f"{model_file}:build", "--layer", "fc", "--input", "randn:2,4"])
 
 
-def test_save_creates_missing_folders_and_wants_safetensors(model_file: Path, tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_save_creates_missing_folders_with_parents_and_wants_safetensors(
+        model_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     target = tmp_path / "new" / "deeper" / "acts.safetensors"
-    assert main(["capture", f"{model_file}:build_ok", "--layer", "0", "--input", "randn:2,4",
-                 "--save", str(target)]) == 0
+    argv = ["capture", f"{model_file}:build_ok", "--layer", "0", "--input", "randn:2,4",
+            "--save", str(target)]
+    assert main(argv) == 2
+    assert "pass --parents" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+    assert main([*argv, "--parents"]) == 0
     assert list(hookscope.load(target)) == ["0"]
     assert main(["capture", f"{model_file}:build_ok", "--layer", "0", "--input", "randn:2,4",
-                 "--save", str(tmp_path / "acts.pt")]) == 1
+                 "--save", str(tmp_path / "acts.pt")]) == 2
     assert "name it *.safetensors" in capsys.readouterr().err
     assert not (tmp_path / "acts.pt").exists()
 
@@ -78,7 +82,7 @@ def test_several_inputs_after_one_flag(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_diff_of_an_image_model_and_a_text_model(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["diff", "efficientnet-lite0", "minilm", "--input", "sample:chelsea"]) == 1
+    assert main(["diff", "efficientnet-lite0", "minilm", "--input", "sample:chelsea"]) == 2
     assert "takes image inputs but 'minilm' takes text inputs" in capsys.readouterr().err
 
 
@@ -87,10 +91,10 @@ def test_gradcam_layer_is_checked_before_anything_runs(tmp_path: Path,
     plots = tmp_path / "plots"
     code = main(["capture", "efficientnet-lite0", "--layer", "_fc", "--input", "sample:chelsea",
                  "--plot", str(plots), "--gradcam", "_blocks"])
-    assert code == 1 and "select '_blocks.*'" in capsys.readouterr().err
+    assert code == 2 and "select '_blocks.*'" in capsys.readouterr().err
     assert not plots.exists()
     assert main(["capture", "efficientnet-lite0", "--layer", "_fc", "--input", "sample:chelsea",
-                 "--gradcam", "_conv_head"]) == 1
+                 "--gradcam", "_conv_head"]) == 2
     assert "give --plot DIR too" in capsys.readouterr().err
 
 

@@ -143,7 +143,7 @@ def test_save_under_a_file_is_one_line_naming_the_path(models: Path, tmp_path: P
     (tmp_path / "plain").write_text("a file")
     target = tmp_path / "plain" / "acts.safetensors"
     assert main(["capture", f"{models}:small", "--layer", "0", "--input", "randn:2,4",
-                 "--save", str(target)]) == 1
+                 "--save", str(target)]) == 2
     err = capsys.readouterr().err
     assert f"error: cannot use {tmp_path / 'plain'}" in err or f"error: cannot use {target}" in err
     assert "a part of the path is a file" in err and "Traceback" not in err
@@ -218,7 +218,7 @@ def test_model_folder_with_custom_code_is_refused_without_asking(tmp_path: Path)
         '"AutoModel": "evil.EvilModel"}}')
     (folder / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
     result = _run("tree", f"hf:{folder}", stdin="y\n" * 1000, cwd=tmp_path)
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "config.json has \"auto_map\": evil.py" in result.stderr
     assert "'my_model.py:build'" in result.stderr and "never runs code from a model folder" in \
         result.stderr
@@ -238,7 +238,7 @@ def test_pickled_input_is_refused_in_hookscopes_words(models: Path, tmp_path: Pa
     marker = tmp_path / "ran.txt"
     evil = tmp_path / "evil.pt"
     evil.write_bytes(pickle.dumps(_Payload(marker)))
-    assert main(["capture", f"{models}:small", "--layer", "0", "--input", str(evil)]) == 1
+    assert main(["capture", f"{models}:small", "--layer", "0", "--input", str(evil)]) == 2
     err = capsys.readouterr().err
     assert f"error: '{evil}' holds Python objects, not plain tensors" in err
     assert "weights_only=False" not in err and "Traceback" not in err

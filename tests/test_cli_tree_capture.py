@@ -100,7 +100,7 @@ def test_readme_command(tmp_path: Path, capsys: pytest.CaptureFixture[str],
 def test_container_fails_before_running(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["capture", "efficientnet-lite0", "--input", "sample:chelsea", "--layer", "_blocks"])
     stdout, stderr = capsys.readouterr()
-    assert code == 1 and stdout == ""
+    assert code == 2 and stdout == ""
     assert "error: '_blocks' is a torch.nn.modules.container.ModuleList" in stderr
     assert "select '_blocks.*' (matches 16 modules" in stderr
     assert "input sample:chelsea" not in stderr  # nothing was read or run
@@ -152,7 +152,7 @@ def test_save_never_overwrites_without_the_flag(tmp_path: Path,
     saved.write_bytes(b"keep me")
     argv = ["capture", "efficientnet-lite0", "--input", "sample:chelsea", "--layer", "_fc",
             "--save", str(saved)]
-    assert main(argv) == 1
+    assert main(argv) == 2
     assert "already exists; pass --overwrite" in capsys.readouterr().err
     assert saved.read_bytes() == b"keep me"
     assert main(argv + ["--overwrite"]) == 0
@@ -171,8 +171,8 @@ def test_unfired_module_as_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert "warning: " in stderr and "aux_head" in stderr and "capture.py:" not in stderr
 
 
-def test_bad_input_is_one_line_exit_1(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["capture", "efficientnet-lite0", "--input", "sample:doge", "--layer", "_fc"]) == 1
+def test_bad_input_is_one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["capture", "efficientnet-lite0", "--input", "sample:doge", "--layer", "_fc"]) == 2
     error = capsys.readouterr().err.splitlines()[-1]
     assert error.startswith("error: unknown sample 'doge': choose one of astronaut")
 

@@ -74,7 +74,7 @@ def test_unreadable_image_fails_before_any_shard(photo_folder: Path, tmp_path: P
     (folder / "sub" / "5-text.jpeg").write_text("hello")
     out = tmp_path / "features"
     assert main(["extract", "efficientnet-lite0", "--data", str(folder), "--layer", "_fc",
-                 "--out", str(out)]) == 1
+                 "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"error: cannot read 3 of the {len(list(photo_folder.iterdir())) + 3} images" in err
     assert all(name in err for name in ("9-broken.jpg", "0-empty.png", "5-text.jpeg"))

@@ -11,7 +11,7 @@ from PIL import Image
 from safetensors.torch import save_file
 from torch import nn
 
-from hookscope.errors import SpecError
+from hookscope.errors import ModelCodeError, SpecError
 from hookscope.zoo.inputs import SAMPLES, load_inputs, preprocess_image
 from hookscope.zoo.models import ImagePreprocess, LoadedModel
 from tests.models import MlpStack
@@ -140,7 +140,7 @@ def test_pickled_tensor_file_is_refused(tmp_path: Path, tensor_model: LoadedMode
 
 def test_forward_failure_names_input_and_module(tensor_model: LoadedModel) -> None:
     inputs = load_inputs(["randn:2,7"], tensor_model)
-    with pytest.raises(SpecError, match=r"the model failed on input randn:2,7: RuntimeError: "
+    with pytest.raises(ModelCodeError, match=r"the model failed on input randn:2,7: RuntimeError: "
                                         r".*raised inside 'fc1' \(Linear\)") as caught:
         inputs.call(tensor_model.module)
     assert isinstance(caught.value.__cause__, RuntimeError)

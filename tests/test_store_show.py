@@ -52,9 +52,9 @@ def test_incomplete_store_is_shown_as_such(store_path: Path,
     assert "INCOMPLETE (resume the extraction)" in capsys.readouterr().out
 
 
-def test_not_a_store_and_a_corrupt_shard_exit_1(store_path: Path, tmp_path: Path,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["show", str(tmp_path)]) == 1
+def test_not_a_store_exits_2_and_a_corrupt_shard_exits_1(
+        store_path: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["show", str(tmp_path)]) == 2  # usage: the path given is not a store
     assert "is not a hookscope store (no manifest.json)" in capsys.readouterr().err
     shard = store_path / "shard-00001.safetensors"
     data = bytearray(shard.read_bytes())

@@ -71,6 +71,17 @@ class SpecError(HookscopeError, ValueError):
     """A model or input spec names nothing usable: unknown name, missing file, wrong shape."""
 
 
+class ModelCodeError(HookscopeError, RuntimeError):
+    """The user's model code failed where hookscope ran it for the CLI: the forward pass raised
+    on the inputs given (chained), or a factory or model file called ``sys.exit(code)`` (the
+    CLI would otherwise exit with that code and no message; ``code`` is the code it asked for).
+    The CLI exits 1 (the run failed), not 2 (usage)."""
+
+    def __init__(self, message: str, code: object = None):
+        super().__init__(message)
+        self.code = code
+
+
 class MissingExtraError(HookscopeError, ImportError):
     """An optional dependency is not installed; the message gives the exact ``pip install``."""
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
+from hookscope.errors import SpecError
 from hookscope.zoo.models import LoadedModel, load_model
 
 MODEL_HELP = ("efficientnet-lite0, minilm, pkg.module:factory, file.py:factory, hf:DIR, timm:NAME; "
@@ -122,6 +126,62 @@ def byte_count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive byte count; give e.g. "
                                          f"268435456 or 256M")
     return value
+
+
+def device(text: str) -> str:
+    """``--device``: a device torch knows and this machine has; a usage error (exit 2) otherwise,
+    at parse time: ``nonsense`` (torch cannot parse it), ``cuda:7`` on a machine with fewer CUDA
+    devices or a CPU build, ``mps`` where MPS is missing."""
+    try:
+        parsed = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: use cpu, cuda, cuda:N or "
+                                         f"mps") from None
+    if parsed.type == "cuda" and (not torch.cuda.is_available() or
+                                  (parsed.index or 0) >= torch.cuda.device_count()):
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has "
+                                         f"{torch.cuda.device_count()} CUDA device(s); use cpu, "
+                                         f"or cuda:N below that count")
+    if parsed.type == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: MPS is not available here; use cpu")
+    if parsed.type not in ("cpu", "cuda", "mps"):
+        raise argparse.ArgumentTypeError(f"{text!r}: hookscope runs models on cpu, cuda or mps")
+    return text
+
+
+def add_parents_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--parents``: create the missing folders above an output path (refused otherwise)."""
+    parser.add_argument("--parents", action="store_true",
+                        help="create missing parent folders of the output path (like mkdir -p); "
+                             "without it a missing parent folder is an error")
+
+
+def check_output_path(path: str | os.PathLike[str] | None, flag: str, *, parents: bool,
+                 folder: bool = False) -> None:
+    """Refuse an output path whose parent folder is missing (unless ``parents``), is a file, or
+    cannot be written, before anything is loaded: a typo in a path does not silently make a
+    folder chain, and a run does not fail after its work because it cannot write. ``folder``:
+    ``path`` is a folder the verb writes into (it may exist; then it must be writable).
+
+    Raises:
+        SpecError: naming ``flag``, the path, the folder at fault and the fix.
+    """
+    if path is None:
+        return
+    target = os.path.abspath(os.fspath(path))
+    parent = target if folder and os.path.isdir(target) else os.path.dirname(target)
+    existing = parent
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise SpecError(f"cannot use {path} ({flag}): a part of the path is a file, not a "
+                        f"folder ('{existing}'): choose another path")
+    if existing != parent and not parents:
+        raise SpecError(f"{flag} {path}: the folder '{parent}' does not exist; create it first, "
+                        f"or pass --parents to have hookscope create it")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise SpecError(f"{flag} {path}: the folder '{existing}' is not writable; choose a "
+                        f"folder you may write to, or change its permissions")
 
 
 def print_table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:

@@ -15,8 +15,11 @@ import torch
 import hookscope
 from hookscope.cli._common import (
     add_model_arguments,
+    add_parents_argument,
+    check_output_path,
     image_options,
     load_model_timed,
+    non_negative_int,
     print_json,
     print_table,
     say,
@@ -40,24 +43,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'encoder.layer.*', 'h.*.attn', 'type:BertSelfAttention'")
     parser.add_argument("--out", metavar="DIR", default="attention",
                         help="folder for the PNGs, one per module (default: attention/)")
-    parser.add_argument("--sample", type=int, default=0, metavar="ROW",
+    parser.add_argument("--sample", type=non_negative_int, default=0, metavar="ROW",
                         help="batch row (input) to draw (default 0)")
     parser.add_argument("--no-plot", action="store_true", help="print the summary only")
     parser.add_argument("--overwrite", action="store_true", help="replace existing PNGs")
+    add_parents_argument(parser)
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     """Compute, summarise and draw the attention maps as ``args`` says; exit code 0."""
+    if not args.no_plot:
+        check_output_path(args.out, "--out", parents=args.parents, folder=True)
     loaded = load_model_timed(args.model, **image_options(args))
     hookscope.select(loaded.module, *args.layer)  # a bad pattern fails here, before any work
     inputs = load_inputs(args.input, loaded)
     for line in inputs.descriptions:
         say(f"input {line}")
-    batch = len(inputs.texts or inputs.images) or None
-    if args.sample < 0 or (batch is not None and args.sample >= batch):
-        raise SpecError(f"--sample {args.sample} is not a row of this batch of {batch}: "
-                        f"give 0 … {(batch or 1) - 1}")
+    first = inputs.args[0] if inputs.args else None
+    batch = len(inputs.texts or inputs.images) or (first.shape[0] if first is not None
+                                                   and first.dim() else 1)
+    if args.sample >= batch:
+        raise SpecError(f"--sample {args.sample} is not a row of this batch of {batch} "
+                        f"input(s): give 0 … {batch - 1}")
     with torch.no_grad():
         probabilities = hookscope.attention(loaded.module, *inputs.args, layers=args.layer,
                                             **inputs.kwargs)

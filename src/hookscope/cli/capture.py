@@ -18,6 +18,8 @@ import hookscope
 from hookscope.cli._common import (
     add_layer_argument,
     add_model_arguments,
+    add_parents_argument,
+    check_output_path,
     image_options,
     load_model_timed,
     print_json,
@@ -25,7 +27,7 @@ from hookscope.cli._common import (
     say,
 )
 from hookscope.diagnostics.stats import RunningStats
-from hookscope.errors import SpecError
+from hookscope.errors import SelectorError, SpecError
 from hookscope.record.records import RecordKey
 from hookscope.zoo.inputs import Inputs, load_inputs
 from hookscope.zoo.models import LoadedModel
@@ -59,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "for early layers; no prediction is printed)")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace an existing --save file or PNGs")
+    add_parents_argument(parser)
     parser.add_argument("--json", action="store_true", help="print prediction and rows as JSON")
 
 
@@ -72,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
     if args.save and os.path.lexists(args.save) and not args.overwrite:
         raise SpecError(f"'{args.save}' already exists; pass --overwrite to replace it, or "
                         "choose another --save file")
+    check_output_path(args.save, "--save", parents=args.parents)
+    check_output_path(args.plot, "--plot", parents=args.parents, folder=True)
     loaded = load_model_timed(args.model, **image_options(args))
     hookscope.select(loaded.module, *args.layer)  # a bad pattern fails here, before any work
     if args.gradcam:
@@ -86,12 +91,18 @@ def run(args: argparse.Namespace) -> int:
     with hookscope.capture(loaded.module, *args.layer, on_unfired=args.on_unfired,
                            early_stop=args.early_stop) as acts:
         output = inputs.call(loaded.module)
+    if acts.unmatched:
+        raise SelectorError(f"--layer {', '.join(sorted(acts.unmatched))}: the address matches "
+                            f"nothing in this model (the module ran but never made that call; "
+                            f"see the warning above). 'hookscope tree {args.model} --input X "
+                            f"--ops' lists the function addresses that exist")
     prediction = (Prediction("none") if output is None else
                   predict(loaded, output, attention_mask=inputs.kwargs.get("attention_mask")))
     counts = acts.counts
     items = list(acts.items())
     records = [_record(key, tensor) for key, tensor in items]
-    for path in sorted({p for p, n in counts.items() if n} - {key.path for key, _ in items}):
+    shown = {RecordKey.name_of(key.path, key.op) for key, _ in items}
+    for path in sorted({p for p, n in counts.items() if n} - shown):
         say(f"warning: '{path}' ran but its output holds no tensor (e.g. an output part that is "
             f"None): nothing to show")
     if args.save:

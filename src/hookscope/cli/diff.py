@@ -9,8 +9,10 @@ from pathlib import Path
 
 from hookscope.cli._common import (
     add_layer_argument,
+    add_parents_argument,
     add_positional,
     add_several,
+    check_output_path,
     non_negative_float,
     print_json,
     print_table,
@@ -47,10 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(repeatable); prints the origin, not only the first difference")
     parser.add_argument("--plot", metavar="DIR", type=Path,
                         help="with --pair: write DIR/diff.png, accumulated and local error per pair")
+    add_parents_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Load both models, compare them on the input, print one row per module call."""
+    check_output_path(args.plot, "--plot", parents=args.parents, folder=True)
     model_a, model_b = load_model(args.model_a), load_model(args.model_b)
     if model_a.kind != model_b.kind:
         raise SpecError(f"'{args.model_a}' takes {model_a.kind} inputs but '{args.model_b}' takes "

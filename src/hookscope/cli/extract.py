@@ -15,8 +15,11 @@ import torch
 from hookscope.cli._common import (
     add_image_arguments,
     add_layer_argument,
+    add_parents_argument,
     add_positional,
     byte_count,
+    check_output_path,
+    device,
     image_options,
     positive_float,
     positive_int,
@@ -57,11 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         metavar="S", help="close a shard after S seconds at most, so a killed "
                                           f"run loses at most about S seconds (default "
                                           f"{SHARD_SECONDS:g})")
-    parser.add_argument("--device", default=None, type=_device,
+    parser.add_argument("--device", default=None, type=device,
                         help="device to run on (default: cuda:LOCAL_RANK when CUDA is there, "
                              "else cpu)")
     parser.add_argument("--resume", action="store_true", help="continue an interrupted run")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing store")
+    add_parents_argument(parser)
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--early-stop", action="store_true",
                         help="stop each forward once every selected layer has returned")
@@ -69,6 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_output_path(args.out, "--out", parents=args.parents, folder=True)
     check_output(Path(args.out), resume=args.resume, overwrite=args.overwrite)
     loaded = load_model(args.model, **image_options(args))
     data = load_data(args.data, loaded, batch_size=args.batch_size)
@@ -108,23 +113,6 @@ def resume_command(args: argparse.Namespace) -> str:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     runner = f"torchrun --nproc_per_node={world} -m hookscope" if world > 1 else "hookscope"
     return f"{runner} extract {shlex.join([*words, '--resume'])}"
-
-
-def _device(text: str) -> str:
-    """``--device``: a device torch knows and this machine has (a usage error otherwise)."""
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device: use cpu, cuda, cuda:N or "
-                                         f"mps") from None
-    if device.type == "cuda" and (not torch.cuda.is_available() or
-                                  (device.index or 0) >= torch.cuda.device_count()):
-        raise argparse.ArgumentTypeError(f"{text!r}: this machine has "
-                                         f"{torch.cuda.device_count()} CUDA device(s); use cpu, "
-                                         f"or cuda:N below that count")
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise argparse.ArgumentTypeError(f"{text!r}: MPS is not available here; use cpu")
-    return text
 
 
 def _default_device() -> str:

@@ -3,11 +3,11 @@
 Every module in ``hookscope.cli`` whose name does not start with ``_`` (``main`` aside) is a verb.
 It defines ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``.
 
-Exit codes: 0 success; 1 the run failed or a check found a problem (a ``HookscopeError`` is
-printed as ``error: <message>``; a file-system error as the path and what to do; any other
-exception, from the model's code, as ``error: <type>: <message>`` with hookscope's note naming the
-module; a traceback only with ``--debug``); 2 bad usage (one line: what is wrong and the fix,
-checked before anything is loaded or written); 130 interrupted (Ctrl-C), one line.
+Exit codes: the one rule is ``EXIT_CODES`` (also the epilog of ``hookscope --help``). A usage
+error (``USAGE_ERRORS``, or argparse's) is one line, ``error: <message>``, naming the flag, what it
+got and the fix; a run that failed prints ``error: <message>`` (a file-system error as the path
+and what to do; any other exception, from the model's code, as ``error: <type>: <message>`` with
+hookscope's note naming the module); a traceback only with ``--debug``.
 """
 
 from __future__ import annotations
@@ -23,11 +23,31 @@ from types import ModuleType
 from typing import NoReturn, TextIO
 
 import hookscope
-from hookscope.errors import HookNeverFiredWarning, HookscopeError
+from hookscope.errors import (
+    HookNeverFiredWarning,
+    HookscopeError,
+    SelectorError,
+    SpecError,
+    StoreError,
+    StoreExistsError,
+)
 from hookscope.util.files import advice
 
 # Verbs appear in --help in this order; any verb not listed follows alphabetically.
 ORDER = ("tree", "capture", "attention", "nan", "diff", "stats", "extract", "show")
+
+EXIT_CODES = """exit codes:
+  0    success (a check found nothing wrong)
+  1    the run failed: the model's code raised, a file could not be read or written, or a
+       check found a problem (nan: a non-finite value, diff: a difference, show --verify:
+       a damaged or incomplete store, monitor-report: the guard fired)
+  2    usage: the command line asks for something that is not there or cannot be used (a
+       flag's value, the model spec, an input, a --layer address matching nothing in the
+       model, an output path); nothing was written
+  130  interrupted (Ctrl-C)"""
+
+# Errors that mean the command line is wrong (exit 2), not that the run failed (exit 1).
+USAGE_ERRORS = (SpecError, SelectorError, StoreError, StoreExistsError)
 
 
 def _verbs() -> dict[str, ModuleType]:
@@ -51,14 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="hookscope",
         description="Look inside PyTorch models by module name: tree, capture, attention, "
-                    "nan, diff, stats, extract, show.")
+                    "nan, diff, stats, extract, show.",
+        epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"hookscope {hookscope.__version__}")
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="verb", metavar="COMMAND")
     for name, module in _verbs().items():
         # a module monitor_report.py is the verb monitor-report
-        verb_parser = sub.add_parser(name.replace("_", "-"), help=module.HELP, description=module.HELP)
+        verb_parser = sub.add_parser(name.replace("_", "-"), help=module.HELP, description=module.HELP,
+                                     epilog=EXIT_CODES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
         verb_parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                                  help="show the full traceback of an error")
         module.add_arguments(verb_parser)
@@ -107,7 +130,7 @@ def _main(argv: list[str]) -> int:
         if args.debug:
             raise
         print(f"error: {err}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(err, USAGE_ERRORS) else 1
     except OSError as err:  # the file system: the path and what to do
         if args.debug or err.errno is None:
             raise

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hookscope.cli._common import add_positional, say
+from hookscope.cli._common import add_parents_argument, add_positional, check_output_path, say
 from hookscope.train.report import draw_run, read_run
 
 HELP = ("draw a hookscope.monitor run folder as a PNG: modules x steps heat maps of activation "
@@ -17,10 +17,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_positional(parser, "run_dir", "RUN_DIR", "the run_dir given to hookscope.monitor")
     parser.add_argument("--out", type=Path, default=None, metavar="PNG",
                         help="where to write the picture (default RUN_DIR/monitor.png)")
+    add_parents_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Draw the run; print the picture's path and the guard's findings; exit 1 when it fired."""
+    check_output_path(args.out, "--out", parents=args.parents)
     path = draw_run(args.run_dir, args.out)
     _, events = read_run(args.run_dir)
     fired = [e for e in events if e["event"] == "nonfinite"]

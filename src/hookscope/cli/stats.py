@@ -1,8 +1,10 @@
-"""``hookscope stats MODEL --input X...``: streaming statistics of each module's output."""
+"""``hookscope stats MODEL --input X... | --data PATH``: streaming statistics of each module's
+output over the inputs given (a folder counts as its images) or a whole data set."""
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 from typing import Any
 
 from hookscope.cli._common import (
@@ -16,8 +18,10 @@ from hookscope.cli._common import (
     say,
 )
 from hookscope.diagnostics.stats import RunningStats, stats
-from hookscope.zoo.inputs import Inputs, load_inputs
-from hookscope.zoo.models import load_model
+from hookscope.errors import SpecError
+from hookscope.zoo.data import load_data
+from hookscope.zoo.inputs import Inputs, expand_folder, load_inputs
+from hookscope.zoo.models import LoadedModel, load_model
 
 HELP = ("count, mean, std, min, max, fraction of zeros and of NaN/Inf of each module's output, "
         "streamed over the inputs without keeping activations")
@@ -26,11 +30,16 @@ COLUMNS = ("path", "count", "mean", "std", "min", "max", "frac_zeros", "frac_non
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the verb's options to ``parser``."""
-    add_model_arguments(parser)
+    add_model_arguments(parser, input_required=False)
+    parser.add_argument("--data", metavar="PATH",
+                        help="instead of --input: a data set streamed in batches of --batch-size "
+                             "(default 32), as extract reads it: a folder of images, a text file "
+                             "with one input a line, or a tensor file with rows along dim 0")
     add_layer_argument(parser, required=False,
                        help="modules to watch (one or more; default every module)")
     parser.add_argument("--batch-size", type=positive_int, default=None, metavar="N",
-                        help="inputs per forward pass (default: all inputs in one batch)")
+                        help="inputs per forward pass (default: all --input in one batch; 32 "
+                             "with --data)")
     parser.add_argument("--per-channel", nargs="?", const="auto", default=None, metavar="DIM",
                         type=dimension,
                         help="one row per channel: dimension 1 of feature maps, the last of "
@@ -42,21 +51,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load the model, stream the input batches through it, print one row per module."""
+    if (args.input is None) == (args.data is None):
+        raise SpecError("stats reads either --input X... or --data PATH: give exactly one of "
+                        "them (--data streams a whole folder or file in batches of --batch-size)")
     loaded = load_model(args.model, **image_options(args))
-    size = args.batch_size or len(args.input)
-    chunks = [args.input[i:i + size] for i in range(0, len(args.input), size)]
-    batches = (_batch(load_inputs(chunk, loaded)) for chunk in chunks)
+    batches, described = (_data_batches(args, loaded) if args.data is not None
+                          else _input_batches(args, loaded))
     per_channel: bool | int = (False if args.per_channel is None
                                else True if args.per_channel == "auto" else args.per_channel)
     result = stats(loaded.module, batches, layers=args.layer or "**", per_channel=per_channel,
                    early_stop=args.early_stop)
-    say(f"{len(chunks)} batch{'es' if len(chunks) != 1 else ''} of up to {size} input(s)")
+    say(described)
     if args.json:
         print_json({path: running.as_dict() for path, running in result.items()})
     else:
         print_table([row for path, running in result.items() for row in _rows(path, running)],
                     COLUMNS if per_channel is False else ("path", "channel", *COLUMNS[1:]))
     return 0
+
+
+def _input_batches(args: argparse.Namespace, loaded: LoadedModel) -> tuple[Iterable[Any], str]:
+    """The ``--input`` specs (a folder as its sorted images) in chunks of ``--batch-size``."""
+    specs = [name for spec in args.input for name in expand_folder(spec)]
+    size = args.batch_size or len(specs)
+    chunks = [specs[i:i + size] for i in range(0, len(specs), size)]
+    return ((_batch(load_inputs(chunk, loaded)) for chunk in chunks),
+            f"{len(chunks)} batch{'es' if len(chunks) != 1 else ''} of up to {size} input(s)")
+
+
+def _data_batches(args: argparse.Namespace, loaded: LoadedModel) -> tuple[Iterable[Any], str]:
+    """``--data PATH`` as ``extract`` reads it (``zoo.data.load_data``), streamed."""
+    size = args.batch_size or 32
+    data = load_data(args.data, loaded, batch_size=size)
+    rows = len(data.dataset)  # type: ignore[arg-type]
+    return data, f"{rows} input(s) from {args.data} in {len(data)} batch(es) of up to {size}"
 
 
 def _batch(inputs: Inputs) -> tuple[Any, ...] | dict[str, Any]:

@@ -49,6 +49,9 @@ class HookSession:
         model: the root module given.
         targets: the selected targets, ``named_modules()`` order.
         unfired: ``{record name: reason}`` for selected modules that never ran (set on exit).
+        unmatched: the function addresses (``path::fn``, ``::fn#k``) among ``unfired`` whose
+            module ran but never made that call: they match nothing in this model (set on exit;
+            the CLI makes them a usage error).
 
     Raises:
         SelectorError: at construction, when a pattern matches nothing or names a container.
@@ -78,6 +81,7 @@ class HookSession:
                 refuse_uninterceptable(target.module, target.key)
         self._functions = FunctionHooks()  # serves targets that address a function call
         self.unfired: dict[str, str] = {}
+        self.unmatched: set[str] = set()
         self._on_unfired = on_unfired
         self._handles: list[RemovableHandle] = []  # function and autograd node hooks
         self._module_hooks = ModuleHooks()
@@ -145,6 +149,7 @@ class HookSession:
         self.unfired = diagnose.explain_unfired(self._module_index(),
                                                 [t for t in silent if t.key not in inside], ran)
         self.unfired.update(inside)
+        self.unmatched = set(inside)
         self.unfired.update(self._other_threads(silent))
         self._report_unfired()
         return True if stopped else None

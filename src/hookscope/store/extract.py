@@ -43,7 +43,13 @@ from tqdm import tqdm
 from hookscope.engine.run import input_device, model_inputs, untouched
 from hookscope.engine.select import as_patterns, resolve
 from hookscope.engine.values import check_has_values
-from hookscope.errors import ExtractError, ExtractInterrupted, HookscopeError
+from hookscope.errors import (
+    ExtractError,
+    ExtractInterrupted,
+    HookNeverFiredError,
+    HookscopeError,
+    SelectorError,
+)
 from hookscope.record.capture import Capture, capture
 from hookscope.record.reductions import Reduce, Reduction, reduction, reduction_name
 from hookscope.store.batches import BatchSource
@@ -397,9 +403,7 @@ def _rows(job: _Job, batch: Any, ids: list[Any] | None) -> Rows:
     mask = kwargs.get("attention_mask")
     n = _batch_rows(args, kwargs)
     if job.session is None:  # the first batch: a capture of its own, which says why a module
-        with capture(job.model, *job.keys, on_unfired="error",  # did not run
-                     early_stop=job.early_stop) as acts:
-            job.model(*args, **kwargs)
+        acts = _first_capture(job, args, kwargs)  # did not run, or ran more than once
     else:
         acts = job.session
         acts.clear()
@@ -448,6 +452,38 @@ def _column(what: str, values: Any, n: int) -> tuple[Tensor, Tensor | None]:
     raise ExtractError(f"{what} are {type(values).__name__} {values!r:.80}; a store keeps one "
                        f"per row: {n} ints or {n} strs (or a tensor of labels), or yield the "
                        f"inputs alone")
+
+
+def _first_capture(job: _Job, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Capture:
+    """Run the first batch in a capture of its own; refuse, in words for the CLI and Python
+    alike, a selected layer that never ran (``SelectorError`` when it is a function address
+    that matches nothing in the model, ``ExtractError`` otherwise) or ran more than once."""
+    hint = ("'hookscope tree MODEL --input X' lists what runs, with --ops the function "
+            "addresses; in Python hookscope.diagnostics.tree.tree_of_call(model, lambda: model(x), "
+            "ops=True)")
+    try:
+        with capture(job.model, *job.keys, on_unfired="error",
+                     early_stop=job.early_stop) as acts:
+            job.model(*args, **kwargs)
+    except HookNeverFiredError as err:
+        lines = "".join(f"\n  - {key}: {why}" for key, why in err.unfired.items())
+        unmatched: set[str] = getattr(err.capture, "unmatched", set())
+        kind = SelectorError if unmatched and set(err.unfired) <= unmatched else ExtractError
+        raise kind(f"{len(err.unfired)} selected layer(s) never ran on the first batch, so they "
+                   f"cannot become store layers:{lines}\nSelect layers that run on every "
+                   f"batch: {hint}") from None
+    for key in job.keys:
+        if acts.counts.get(key, 1) > 1:
+            raise ExtractError(_twice(key, acts.counts[key]))
+    return acts
+
+
+def _twice(key: str, count: int) -> str:
+    """Why a layer called ``count`` times per forward cannot be a store layer, and the fix."""
+    fix = (f"select one call: '{key}#0' … '{key}#{count - 1}'" if "::" in key and "#" not in key
+           else "select a module that runs once per forward pass")
+    return (f"'{key}' ran {count} times in one forward pass; a store layer takes one call per "
+            f"batch (one row per input): {fix}")
 
 def _check_calls(acts: Capture, keys: list[str]) -> None:
     """Each selected module runs once per batch (a store keeps one row per input)."""

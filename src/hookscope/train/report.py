@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from hookscope.errors import HookscopeError
+from hookscope.errors import HookscopeError, SpecError
 from hookscope.util.figures import new_figure, save_figure
 
 
@@ -16,11 +16,11 @@ def read_run(run_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, 
     """``(records, events)`` of every ``records*.jsonl`` file in ``run_dir`` (all ranks).
 
     Raises:
-        HookscopeError: ``run_dir`` holds no records file.
+        SpecError: ``run_dir`` holds no records file.
     """
     files = sorted(Path(run_dir).glob("records*.jsonl"))
     if not files:
-        raise HookscopeError(f"{run_dir} holds no records.jsonl: pass the run_dir given to "
+        raise SpecError(f"{run_dir} holds no records.jsonl: pass the run_dir given to "
                              "hookscope.monitor(..., run_dir=...)")
     lines = [json.loads(line) for file in files for line in file.read_text("utf-8").splitlines() if line]
     return [r for r in lines if "event" not in r], [r for r in lines if "event" in r]

@@ -58,12 +58,11 @@ def load_data(path: str | os.PathLike[str], model: LoadedModel, *,
 
 
 def _image_files(folder: Path, model: LoadedModel) -> list[Path]:
-    from hookscope.zoo.inputs import IMAGE_SUFFIXES
+    from hookscope.zoo.inputs import IMAGE_SUFFIXES, image_files
     if model.kind != "image" or model.preprocess is None:
         raise SpecError(f"--data {folder} is a folder of images, but '{model.spec}' does not "
                         f"take images")
-    files = sorted((p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES),
-                   key=lambda p: p.relative_to(folder).as_posix())
+    files = image_files(folder)
     if not files:
         raise SpecError(f"--data {folder} holds no image file ({', '.join(IMAGE_SUFFIXES)})")
     image_module = require("PIL.Image", "reading images")

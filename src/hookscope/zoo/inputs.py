@@ -16,6 +16,7 @@ One spec is one of
 
 from __future__ import annotations
 
+import math
 import pickle
 import sys
 from collections.abc import Sequence
@@ -29,16 +30,17 @@ from tqdm import tqdm
 
 from hookscope.engine.diagnose import locate_error
 from hookscope.engine.names import index
-from hookscope.errors import HookscopeError, SpecError
+from hookscope.errors import HookscopeError, ModelCodeError, SpecError
 from hookscope.util.extras import require
 from hookscope.zoo.models import IMAGENET_MEAN, IMAGENET_STD, ImagePreprocess, LoadedModel
 
 __all__ = ["Inputs", "load_inputs", "preprocess_image", "SAMPLES", "IMAGE_SUFFIXES",
-           "TENSOR_SUFFIXES"]
+           "TENSOR_SUFFIXES", "image_files", "expand_folder", "RANDN_MAX_ELEMENTS"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 TENSOR_SUFFIXES = (".pt", ".pth", ".npy", ".safetensors")
 RANDN_SEED = 0
+RANDN_MAX_ELEMENTS = 2**28  # randn:SHAPE refuses more values: 1 GiB of float32
 _PROGRESS_FROM = 16  # show a progress bar from this many inputs on
 
 # scikit-image's bundled pictures (no download needed): name -> function name in skimage.data.
@@ -82,8 +84,9 @@ class Inputs:
         """Run ``module(*args, **kwargs)`` under ``torch.no_grad()`` and return its output.
 
         Raises:
-            SpecError: the forward pass raised (most often: an input this model cannot take);
-                the message names the innermost module that was running, and chains the error.
+            ModelCodeError: the forward pass raised (most often: an input this model cannot
+                take); the message names the innermost module that was running, and chains the
+                error. (The CLI exits 1: the run failed, not the command line.)
         """
         try:
             with torch.no_grad():
@@ -94,7 +97,7 @@ class Inputs:
             locate_error(index(module), err)
             where = "; ".join(dict.fromkeys(getattr(err, "__notes__", [])))
             first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            raise SpecError(f"the model failed on input {', '.join(self.specs)}: "
+            raise ModelCodeError(f"the model failed on input {', '.join(self.specs)}: "
                             f"{type(err).__name__}: {first}{' (' + where + ')' if where else ''}"
                             ) from err
 
@@ -119,7 +122,8 @@ def load_inputs(specs: Sequence[str], model: LoadedModel) -> Inputs:
     if isinstance(specs, str) or not specs:
         raise SpecError("no input given: pass at least one, e.g. --input sample:chelsea, "
                         "--input photo.jpg, --input 'a sentence' or --input randn:1,3,224,224")
-    category = _category_of(list(specs), model)
+    specs = [name for spec in specs for name in expand_folder(spec)]
+    category = _category_of(specs, model)
     if category == "image":
         return _load_images(list(specs), model)
     if category == "text":
@@ -149,6 +153,29 @@ def preprocess_image(rgb: np.ndarray, preprocess: ImagePreprocess,
                                                                                   np.float32)
     tensor = torch.from_numpy(np.ascontiguousarray(normalised.transpose(2, 0, 1)))  # (3, h, w)
     return tensor.to(dtype), resized
+
+
+def image_files(folder: Path) -> list[Path]:
+    """Every image file (``IMAGE_SUFFIXES``, any case) below ``folder``, sub-folders included,
+    sorted by the path relative to ``folder``: the order of ``--input DIR`` and ``--data DIR``."""
+    return sorted((p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES
+                   and p.is_file()), key=lambda p: p.relative_to(folder).as_posix())
+
+
+def expand_folder(spec: str) -> list[str]:
+    """``[spec]``, or for a folder the image files in it (``image_files``) as specs.
+
+    Raises:
+        SpecError: ``spec`` is a folder without any image file.
+    """
+    folder = Path(spec)
+    if not folder.is_dir():
+        return [spec]
+    files = image_files(folder)
+    if not files:
+        raise SpecError(f"input folder '{spec}' holds no image file "
+                        f"({', '.join(IMAGE_SUFFIXES)}): give a folder of images, or files")
+    return [str(f) for f in files]
 
 
 # ------------------------------------------------------------------------------ categories
@@ -289,6 +316,11 @@ def _randn(spec: str) -> torch.Tensor:
         shape = ()
     if not shape or any(n <= 0 for n in shape):
         raise SpecError(f"'{spec}' needs a shape of positive integers, e.g. randn:2,3,32,32")
+    if math.prod(shape) > RANDN_MAX_ELEMENTS:
+        raise SpecError(f"'{spec}' asks for {math.prod(shape):,} values, over the randn: limit of "
+                        f"{RANDN_MAX_ELEMENTS:,} (RANDN_MAX_ELEMENTS, 1 GiB of float32): give a "
+                        f"smaller shape, or save a larger tensor to a .pt/.npy/.safetensors file "
+                        f"and pass that")
     return torch.randn(shape, generator=torch.Generator().manual_seed(RANDN_SEED))
 
 

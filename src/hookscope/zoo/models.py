@@ -47,7 +47,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from hookscope.errors import SpecError
+from hookscope.errors import ModelCodeError, SpecError
 from hookscope.util.extras import require
 
 __all__ = ["ImagePreprocess", "LoadedModel", "Kind", "Task", "load_model", "load_checkpoint",
@@ -234,7 +234,7 @@ def _load_base(base: str, spec: str, *, pretrained: bool) -> LoadedModel:
         raise SpecError(f"'{base}' is a weights file, which holds no architecture: name the "
                         f"model that builds it and add the file, e.g. 'mypkg.nets:build@{base}'")
     if ":" in base:
-        made = _factory(base)
+        made = _exit_checked(base)
         return _checked_loaded(made, base, spec) if isinstance(made, LoadedModel) else \
             LoadedModel(module=made, spec=spec, kind="tensor")
     raise SpecError(f"unknown model '{base}': use one of {', '.join(BUILTIN)}, "
@@ -450,6 +450,19 @@ def _factory(base: str) -> nn.Module | LoadedModel:
                         "at a module, a module class, or a function that takes no arguments and "
                         "returns one (or a hookscope LoadedModel)")
     return module
+
+
+def _exit_checked(base: str) -> nn.Module | LoadedModel:
+    """``_factory(base)``, with a ``sys.exit()`` in the user's file or factory turned into an
+    error naming the spec and the code (a model spec must return a module, not end the run)."""
+    try:
+        return _factory(base)
+    except SystemExit as exit_:
+        raise ModelCodeError(
+            f"the model spec '{base}' exited with code {exit_.code!r} (sys.exit) while building "
+            f"the model, instead of returning a torch.nn.Module: remove the sys.exit() from the "
+            f"factory (or from the top level of its file) so that importing and calling it "
+            f"returns the module", code=exit_.code) from None
 
 
 def _check_no_arguments(factory: Any, base: str) -> None:

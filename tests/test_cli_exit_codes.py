@@ -1,0 +1,207 @@
+"""Every verb's bad invocations, one table: the exit code of the one rule (0 ok, 1 the run
+failed, 2 usage, 130 interrupted; ``cli.main.EXIT_CODES``), a message naming the flag or value at
+fault, no traceback, and no file left behind in the working folder."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hookscope.cli.main import EXIT_CODES, _verbs, build_parser, main
+from hookscope.zoo.models import load_model
+
+MODELS = textwrap.dedent('''
+    import sys
+
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    class Two(nn.Module):  # F.relu twice in its own forward: '::relu#0', '::relu#1'
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(4, 3)
+            self.fc2 = nn.Linear(3, 2)
+
+        def forward(self, x):
+            return F.relu(self.fc2(F.relu(self.fc1(x))))
+
+    def build():
+        torch.manual_seed(0)
+        return Two()
+
+    def bye():
+        sys.exit(3)
+''')
+
+M, IN, L = "m.py:build", ["--input", "randn:2,4"], ["--layer", "fc1"]
+HUGE = "randn:99999999999,99999999999"
+
+# (verb, argv, exit code, text the message must hold)
+CASES: list[tuple[str, list[str], int, str]] = [
+    # bad model spec: a missing file, a factory that calls sys.exit(3)
+    *[(verb, [verb, "nosuch.py:build", *rest], 2, "nosuch.py") for verb, rest in [
+        ("tree", []), ("capture", [*IN, *L]), ("attention", [*IN, *L]), ("nan", IN),
+        ("stats", IN), ("extract", ["--data", "x.pt", *L, "--out", "s"])]],
+    ("diff", ["diff", M, "nosuch.py:build", *IN], 2, "nosuch.py"),
+    *[(verb, [verb, "m.py:bye", *rest], 1, "exited with code 3") for verb, rest in [
+        ("tree", []), ("capture", [*IN, *L]), ("stats", IN), ("nan", IN)]],
+    # bad input
+    *[(verb, [verb, M, "--input", bad, *rest], 2, needle) for verb, rest in [
+        ("tree", []), ("capture", L), ("attention", L), ("nan", []), ("stats", [])]
+      for bad, needle in [("nofile.npy", "nofile.npy"), ("randn:0,4", "randn:0,4"),
+                          (HUGE, "RANDN_MAX_ELEMENTS"), ("empty/", "no image file")]],
+    ("diff", ["diff", M, M, "--input", HUGE], 2, "RANDN_MAX_ELEMENTS"),
+    ("stats", ["stats", M, "--data", "nofile.pt"], 2, "--data"),
+    ("stats", ["stats", M, *IN, "--data", "x.pt"], 2, "--data"),
+    ("stats", ["stats", M], 2, "--input"),
+    ("extract", ["extract", M, "--data", "nofile.pt", *L, "--out", "s"], 2, "--data"),
+    ("capture", ["capture", M, "--input", "randn:2,5", *L], 1, "failed on input randn:2,5"),
+    # bad layer: an unknown path, a function address that matches nothing in the model
+    *[(verb, [verb, M, *rest, "--layer", "nosuch"], 2, "nosuch") for verb, rest in [
+        ("capture", IN), ("attention", IN), ("stats", IN), ("diff", [M, *IN]),
+        ("extract", ["--data", "x.pt", "--out", "s"])]],
+    *[("capture", ["capture", M, *IN, "--layer", address], 2, f"--layer {address}")
+      for address in ("fc1::nosuchfn", "::nosuchfn", "::relu#99")],
+    ("tree", ["tree", M, "--filter", "nosuch"], 2, "nosuch"),
+    *[("extract", ["extract", M, "--data", "x.pt", "--out", "s", "--layer", address], code, text)
+      for address, code, text in [("::nosuchfn", 2, "--ops"), ("fc1::nosuchfn", 2, "--ops"),
+                                  ("::relu", 1, "'::relu#0' … '::relu#1'")]],
+    # bad device
+    *[("extract", ["extract", M, "--data", "x.pt", *L, "--out", "s", "--device", device], 2,
+       "--device") for device in ("nonsense", "cuda:7", "meta")],
+    # bad numbers, at parse time
+    ("attention", ["attention", M, *IN, *L, "--sample", "-1"], 2, "--sample"),
+    ("attention", ["attention", M, *IN, *L, "--sample", "2"], 2, "--sample 2"),
+    ("stats", ["stats", M, *IN, "--batch-size", "0"], 2, "--batch-size"),
+    ("tree", ["tree", M, "--depth", "-1"], 2, "--depth"),
+    ("diff", ["diff", M, M, *IN, "--atol", "nan"], 2, "--atol"),
+    ("extract", ["extract", M, "--data", "x.pt", *L, "--out", "s", "--batch-size", "0"], 2,
+     "--batch-size"),
+    ("capture", ["capture", M, *IN, *L, "--image-size", "0"], 2, "--image-size"),
+    ("capture", ["capture", M, *IN, *L, "--std", "0,1,1"], 2, "--std"),
+    # missing, occupied or impossible output
+    ("capture", ["capture", M, *IN, *L, "--save", "missing/dir/x.safetensors"], 2, "--parents"),
+    ("capture", ["capture", M, *IN, *L, "--save", "x.pt/x.safetensors"], 2, "is a file"),
+    ("capture", ["capture", M, *IN, *L, "--save", "x.pt.safetensors"], 2, "--overwrite"),
+    ("capture", ["capture", M, *IN, *L, "--plot", "missing/dir"], 2, "--plot"),
+    ("attention", ["attention", M, *IN, *L, "--out", "missing/dir"], 2, "--out"),
+    ("diff", ["diff", M, M, *IN, "--pair", "auto", "--plot", "missing/dir"], 2, "--plot"),
+    ("extract", ["extract", M, "--data", "x.pt", *L, "--out", "missing/s"], 2, "--parents"),
+    ("extract", ["extract", M, "--data", "x.pt", *L, "--out", "full"], 2, "--overwrite"),
+    ("monitor-report", ["monitor-report", "run", "--out", "missing/m.png"], 2, "--parents"),
+    ("monitor-report", ["monitor-report", "full"], 2, "records.jsonl"),
+    ("show", ["show", "nosuchstore"], 2, "nosuchstore"),
+    ("show", ["show", "full"], 2, "full"),
+]
+
+
+@pytest.fixture()
+def workdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A folder with the model file, a tensor file, an empty folder, a non-empty folder."""
+    (tmp_path / "m.py").write_text(MODELS)
+    torch.save(torch.randn(3, 4), tmp_path / "x.pt")
+    (tmp_path / "x.pt.safetensors").write_text("not mine")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "notes.txt").write_text("the user's")
+    (tmp_path / "run").mkdir()
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _exit_code(argv: list[str]) -> int:
+    """``main(argv)``, or the code of argparse's ``SystemExit`` (usage errors at parse time)."""
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        assert isinstance(exit_.code, int)
+        return exit_.code
+
+
+def _listing(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() if p.is_file() else b""
+            for p in folder.rglob("*") if "__pycache__" not in p.parts}
+
+
+@pytest.mark.parametrize(("verb", "argv", "code", "needle"), CASES,
+                         ids=[" ".join(c[1]) for c in CASES])
+def test_bad_invocation(workdir: Path, capsys: pytest.CaptureFixture[str], verb: str,
+                        argv: list[str], code: int, needle: str) -> None:
+    before = _listing(workdir)
+    got = _exit_code(argv)
+    err = capsys.readouterr().err
+    assert got == code, err
+    assert needle in err
+    assert "Traceback" not in err
+    assert "error: " in err
+    assert _listing(workdir) == before  # nothing written, nothing removed
+
+
+def test_the_table_covers_every_verb() -> None:
+    missing = set(v.replace("_", "-") for v in _verbs()) - {verb for verb, *_ in CASES}
+    assert not missing, f"add bad invocations of {sorted(missing)} to CASES"
+
+
+def test_help_states_the_rule(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--help"], ["capture", "--help"]):
+        with pytest.raises(SystemExit) as done:
+            build_parser().parse_args(argv)
+        assert done.value.code == 0
+        assert EXIT_CODES in capsys.readouterr().out
+    for code in ("0 ", "1 ", "2 ", "130 "):
+        assert f"\n  {code}" in EXIT_CODES
+
+
+def test_parents_creates_the_folders(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["capture", M, *IN, *L, "--save", "a/b/x.safetensors", "--parents"]) == 0
+    saved = load_file(workdir / "a" / "b" / "x.safetensors")
+    torch.manual_seed(0)
+    fc1 = torch.nn.Linear(4, 3)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(saved["fc1"], fc1(x).detach())
+
+
+def test_function_address_that_fires_is_still_fine(workdir: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["capture", M, *IN, "--layer", "::relu#1"]) == 0
+    captured = capsys.readouterr()
+    assert "holds no tensor" not in captured.err
+    assert captured.out.splitlines()[1].split()[:3] == ["::relu#1", "0", "2x2"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write into any folder")
+def test_unwritable_output_folder(workdir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    locked = workdir / "locked"
+    locked.mkdir(mode=0o500)
+    assert main(["capture", M, *IN, *L, "--save", "locked/x.safetensors"]) == 2
+    assert "not writable" in capsys.readouterr().err
+
+
+def test_extract_names_calls_and_addresses_in_words_for_both(workdir: Path) -> None:
+    """The same refusals in Python: '::relu' runs twice per forward (pick '::relu#k'), and an
+    address that matches nothing is a SelectorError with a hint for the CLI and Python."""
+    import hookscope
+    from hookscope.errors import ExtractError, SelectorError
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
+    data = [torch.randn(3, 4)]  # one batch of three rows
+    twice = load_model(M).module  # the table's model, F.relu twice in its own forward
+    with pytest.raises(ExtractError, match=r"'::relu' ran 2 times in one forward pass.*"
+                                           r"'::relu#0' … '::relu#1'"):
+        hookscope.extract(twice, data, "::relu", workdir / "a", progress=False)
+    with pytest.raises(SelectorError, match=r"never ran on the first batch(.|\n)*"
+                                            r"tree_of_call") as caught:
+        hookscope.extract(model, data, "0::nosuchfn", workdir / "b", progress=False)
+    assert "err.capture" not in str(caught.value)
+    assert not (workdir / "a").exists() and not (workdir / "b").exists()
+    store = hookscope.extract(twice, data, "::relu#1", workdir / "c", progress=False)
+    with torch.no_grad():
+        expected = torch.relu(twice.fc2(torch.relu(twice.fc1(data[0]))))
+    torch.testing.assert_close(store["::relu#1"][:], expected)
+
