@@ -27,7 +27,7 @@ from hookscope.errors import HookNeverFiredWarning, HookscopeError
 from hookscope.util.files import advice
 
 # Verbs appear in --help in this order; any verb not listed follows alphabetically.
-ORDER = ("tree", "capture", "attention", "nan", "diff", "stats", "extract", "show")
+ORDER = ("tree", "capture", "attention", "gradcam", "lens", "nan", "diff", "stats", "extract", "show")
 
 
 def _verbs() -> dict[str, ModuleType]:
