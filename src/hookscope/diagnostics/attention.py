@@ -116,7 +116,8 @@ def attention(model: nn.Module, *args: Any, layers: str | Sequence[str], **kwarg
         AttentionError: a selected module never ran, or one of its calls computed no attention
             or more than one (the message names the module and the narrower pattern to use).
     """
-    found, _ = _watched(model, args, kwargs, layers, _probabilities)
+    with untouched(model):
+        found, _ = _watched(model, args, kwargs, layers, _probabilities)
     return {path: taken.detach() for path, taken in found.items()}
 
 
@@ -197,7 +198,9 @@ def _watched(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
              layers: str | Sequence[str], take: Callable[[FunctionCall], T | None]
              ) -> tuple[dict[str, T], Any]:
     """Run the model once with each selected module's attention calls watched; ``take`` maps a
-    call to what is kept (``None``: not an attention). Returns ``{path: taken}`` and the output."""
+    call to what is kept (``None``: not an attention). Returns ``{path: taken}`` and the output.
+    The caller holds ``untouched(model)`` around it (and around any backward through the output:
+    restoring a BatchNorm's buffers in place before it would fail autograd's version check)."""
     patterns = [layers] if isinstance(layers, str) else list(layers)
     refuse_uninterceptable(model, patterns[0])
     targets = resolve(model, patterns)
@@ -210,7 +213,7 @@ def _watched(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         watches[target.path] = session.functions.watch(
             target.module, _collector(found[target.path], take), names=ATTENTION_FUNCTIONS,
             deep=True)
-    with untouched(model), session:
+    with session:
         output = model(*args, **kwargs)
     result: dict[str, T] = {}
     for path, watch in watches.items():
