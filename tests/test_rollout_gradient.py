@@ -4,6 +4,9 @@ with 2 layers and 2 heads: equal to the recipe computed by hand from the attenti
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -99,3 +102,32 @@ def test_refusals_name_the_fix() -> None:
 
     with pytest.raises(AttentionError, match="gradient=False"):
         hookscope.rollout(Classifier().eval(), torch.randn(1, 4, 8), layers="attn", target=0)
+
+
+def _eager_reference(model: nn.Module, score: Any, *args: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The eager twin's attentions and d score / d attention (plain autograd)."""
+    eager = copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    output = eager(*args, output_attentions=True)
+    grads = torch.autograd.grad(score(output), output.attentions)
+    return [(a.detach(), g) for a, g in zip(output.attentions, grads)]
+
+
+def test_attention_gradients_of_sdpa_equal_the_eager_twins() -> None:
+    """SDPA's ``dO @ V^T`` against the eager softmax's own gradient: a ViT, and a Llama with
+    grouped-query attention (4 query heads sharing 2 key/value heads) scored on a next token."""
+    torch.manual_seed(3)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=40, attn_implementation="sdpa")).eval()
+    cases = [(_vit("sdpa", 4), LAYERS, lambda out: out.logits[:, 1].sum(), torch.randn(2, 3, 16, 16)),
+             (llama, "model.layers.*.self_attn", lambda out: out.logits[:, -1, 7].sum(),
+              torch.tensor([[1, 5, 9, 3], [2, 8, 4, 6]]))]
+    for model, layers, score, x in cases:
+        got = hookscope.attention_gradients(model, x, layers=layers, score=score)
+        expected = _eager_reference(model, score, x)
+        assert len(got) == len(expected) == 2
+        for (probabilities, grads), (a, g) in zip(got.values(), expected):
+            torch.testing.assert_close(probabilities, a, rtol=1e-4, atol=1e-6)
+            torch.testing.assert_close(grads, g, rtol=1e-4, atol=1e-6)
+            assert float(grads.abs().max()) > 0
