@@ -107,3 +107,32 @@ def test_lens_verb_refusals(saved_gpt2: tuple[Path, Path], tmp_path: Path,
         main(["lens", f"hf:{model}", "--input", str(ids), "--top-k", "0"])
     assert usage.value.code == 2
     assert list(tmp_path.iterdir()) == []
+
+
+def test_gradcam_verb_on_a_vit_saved_as_hf_dir(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """Token outputs laid on the 4 x 4 patch grid, through `hf:DIR` with its image processor."""
+    from hookscope.zoo.inputs import load_inputs
+    from hookscope.zoo.models import load_model
+
+    torch.manual_seed(0)
+    config = transformers.ViTConfig(image_size=32, patch_size=8, num_hidden_layers=2,
+                                    hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                                    num_labels=5)
+    transformers.ViTForImageClassification(config).save_pretrained(tmp_path / "vit")
+    transformers.ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(
+        tmp_path / "vit")
+    layer = "vit.layers.1.layernorm_before"
+    assert main(["gradcam", f"hf:{tmp_path / 'vit'}", "--input", "sample:chelsea", "--layer",
+                 layer, "--method", "gradcam++", "--target", "4", "--out",
+                 str(tmp_path / "cams"), "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    loaded = load_model(f"hf:{tmp_path / 'vit'}")
+    x = load_inputs(["sample:chelsea"], loaded).args[0]
+    cam = hookscope.gradcam(loaded.module, x, layer, target=4, method="gradcam++")[0]
+    assert (row["class"], row["name"]) == (4, "LABEL_4")
+    with torch.no_grad():
+        logit = float(loaded.module(x).logits[0, 4])
+    assert row["logit"] == pytest.approx(logit, rel=1e-5)
+    assert row["peak_yx"] == list(divmod(int(cam.argmax()), 32))
+    assert Image.open(tmp_path / "cams" / "gradcam_0.png").size == (1000, 460)
