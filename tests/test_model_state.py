@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.nn.utils.parametrizations import spectral_norm
 
@@ -176,6 +176,7 @@ VERBS: dict[str, Callable[[nn.Module, torch.Tensor], Any]] = {
     "compare": lambda m, x: hookscope.compare(m, m, x),
     "attention": lambda m, x: hookscope.attention(m, x, layers="attn"),
     "gradcam": lambda m, x: hookscope.gradcam(m, x, "feat"),
+    "rollout(gradient=True)": lambda m, x: hookscope.rollout(m, x, layers="attn", gradient=True),
     "patching_sweep": lambda m, x: hookscope.patching_sweep(
         m, x, x.flip(0), layers="tok", metric=lambda out: out[:, 0].mean(), positions=[0, 3],
         progress=False),
@@ -214,6 +215,9 @@ class Snapshot:
 @pytest.mark.parametrize("verb", list(VERBS))
 @settings(max_examples=3, deadline=None)
 @given(spec=SPECS)
+# a train-mode BatchNorm after the attention: a backward after its buffers were restored in place
+# failed autograd's version check (rollout(gradient=True) restored them between forward and backward)
+@example(spec=Spec(2, False, True, False, False, 0.0, 3, (), (), ()))
 def test_every_verb_leaves_a_train_mode_model_as_it_was(verb: str, spec: Spec) -> None:
     model, x = _build(spec), torch.randn(3, 3, 6, 6)
     before = Snapshot.of(model)
@@ -236,6 +240,8 @@ def test_a_verb_that_raises_mid_forward_still_restores(verb: str, raised: BaseEx
 
 AFTER_FORWARD: dict[str, Callable[[nn.Module, torch.Tensor], Any]] = {
     "gradcam: target out of range": lambda m, x: hookscope.gradcam(m, x, "feat", target=99),
+    "rollout: target out of range": lambda m, x: hookscope.rollout(m, x, layers="attn",
+                                                                    target=99),
     "gradcam: tokens that fit no grid": lambda m, x: hookscope.gradcam(m, x, "tok", grid=(7, 7)),
     "patching_sweep: metric raises": lambda m, x: hookscope.patching_sweep(
         m, x, x, layers="tok", metric=lambda out: out.sum(dim=1), positions=[0], progress=False),

@@ -15,7 +15,7 @@ import importlib.machinery
 import sys
 from types import ModuleType
 
-from hookscope.diagnostics.attention import attention
+from hookscope.diagnostics.attention import attention, attention_gradients
 from hookscope.diagnostics.compare import Comparison, LayerDiff, PairDiff, compare, plot_errors
 from hookscope.diagnostics.gradcam import gradcam, save_gradcam_overlay
 from hookscope.diagnostics.inventory import HookInfo, hooks, remove_hooks
@@ -104,6 +104,7 @@ __all__ = [
     "TreeRow",
     "ablate",
     "attention",
+    "attention_gradients",
     "attribution_patching",
     "capture",
     "capture_generation",

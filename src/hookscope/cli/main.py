@@ -34,7 +34,7 @@ from hookscope.errors import (
 from hookscope.util.files import advice
 
 # Verbs appear in --help in this order; any verb not listed follows alphabetically.
-ORDER = ("tree", "capture", "attention", "nan", "diff", "stats", "extract", "show")
+ORDER = ("tree", "capture", "attention", "gradcam", "lens", "nan", "diff", "stats", "extract", "show")
 
 EXIT_CODES = """exit codes:
   0    success (a check found nothing wrong)

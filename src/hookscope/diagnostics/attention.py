@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -25,13 +26,15 @@ from hookscope.engine.run import untouched
 from hookscope.engine.select import resolve
 from hookscope.engine.session import Observer
 from hookscope.errors import AttentionError
+from hookscope.record.grads import gradient_pass
 
-__all__ = ["attention", "sdpa_probabilities", "ATTENTION_FUNCTIONS"]
+__all__ = ["attention", "attention_gradients", "sdpa_probabilities", "ATTENTION_FUNCTIONS"]
 
 Tensor = torch.Tensor
 SDPA = "scaled_dot_product_attention"
 MHA = "multi_head_attention_forward"  # nn.MultiheadAttention's function; its softmax is inside
 ATTENTION_FUNCTIONS = frozenset({SDPA, "softmax", MHA})
+T = TypeVar("T")
 
 
 def sdpa_probabilities(query: Tensor, key: Tensor, attn_mask: Tensor | None = None,
@@ -113,27 +116,113 @@ def attention(model: nn.Module, *args: Any, layers: str | Sequence[str], **kwarg
         AttentionError: a selected module never ran, or one of its calls computed no attention
             or more than one (the message names the module and the narrower pattern to use).
     """
+    with untouched(model):
+        found, _ = _watched(model, args, kwargs, layers, _probabilities)
+    return {path: taken.detach() for path, taken in found.items()}
+
+
+def attention_gradients(model: nn.Module, *args: Any, layers: str | Sequence[str],
+                        score: Callable[[Any], Tensor], **kwargs: Any
+                        ) -> dict[str, tuple[Tensor, Tensor]]:
+    """Attention probabilities and their gradients ``d score / d A`` from one forward and one
+    backward of ``model(*args, **kwargs)``.
+
+    As ``attention`` (same ``layers``, same keys, the model left as found), with gradients on
+    for the pass (under ``torch.no_grad()`` and ``inference_mode()`` too) and every floating
+    parameter made to require grad for it (restored after: no ``.grad`` changes, the backward is
+    ``torch.autograd.grad``). ``score(output)`` is the scalar to differentiate, e.g. a class's
+    logit summed over the batch. An eager softmax's gradient is read directly; SDPA never
+    materialises ``A``, so its gradient is ``dO @ V^T`` from the output's gradient ``dO`` and the
+    values ``V`` (``O = A V``; exact without dropout: call ``model.eval()``).
+
+    Returns:
+        ``{path: (probabilities, gradients)}``, both ``(batch, heads, query, key)`` float32,
+        detached; a probability that does not reach the score has zero gradient.
+
+    Raises:
+        SelectorError, HookscopeError: as ``attention``.
+        AttentionError: as ``attention``; also for ``nn.MultiheadAttention``, whose returned
+            weights are a copy the output is not computed from (no gradient reaches them); or
+            the model's parameters are inference tensors.
+    """
+    with untouched(model), gradient_pass(model, AttentionError):
+        for parameter in model.parameters():
+            if parameter.is_floating_point():
+                parameter.requires_grad_(True)
+        found, output = _watched(model, args, kwargs, layers, _differentiable)
+        wrt = {path: (taken.output if taken.value is not None else taken.probabilities)
+               for path, taken in found.items()}
+        grads = torch.autograd.grad(score(output), list(wrt.values()), allow_unused=True,
+                                    materialize_grads=True)
+    return {path: (taken.probabilities.detach().float(), taken.gradient(grad).float())
+            for (path, taken), grad in zip(found.items(), grads)}
+
+
+@dataclass
+class _Differentiable:
+    """An attention call's probabilities and what its gradient is read from: the probabilities
+    themselves (eager), or the output and values of an SDPA call (``dA = dO @ V^T``)."""
+
+    probabilities: Tensor
+    output: Tensor
+    value: Tensor | None = None
+
+    def detach(self) -> Tensor:
+        return self.probabilities.detach()
+
+    def gradient(self, grad: Tensor) -> Tensor:
+        if self.value is None:
+            return grad.detach()
+        value = self.value.detach()
+        if value.size(-3) != grad.size(-3):  # grouped-query attention
+            value = value.repeat_interleave(grad.size(-3) // value.size(-3), -3)
+        return grad.detach().to(value.dtype) @ value.transpose(-2, -1)
+
+
+def _differentiable(call: FunctionCall) -> _Differentiable | None:
+    if call.name == MHA:
+        raise AttentionError(
+            "an nn.MultiheadAttention computes its attention inside F.multi_head_attention_forward"
+            " and returns a copy of the weights that its output is not computed from, so no "
+            "gradient reaches them: gradient-weighted rollout needs eager attention (a softmax) "
+            "or F.scaled_dot_product_attention; use rollout(..., gradient=False) here")
+    probabilities = _probabilities(call)
+    if probabilities is None:
+        return None
+    if call.name == SDPA:
+        return _Differentiable(probabilities, call.output, call.named_arguments()["value"])
+    return _Differentiable(call.output, call.output)
+
+
+def _watched(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+             layers: str | Sequence[str], take: Callable[[FunctionCall], T | None]
+             ) -> tuple[dict[str, T], Any]:
+    """Run the model once with each selected module's attention calls watched; ``take`` maps a
+    call to what is kept (``None``: not an attention). Returns ``{path: taken}`` and the output.
+    The caller holds ``untouched(model)`` around it (and around any backward through the output:
+    restoring a BatchNorm's buffers in place before it would fail autograd's version check)."""
     patterns = [layers] if isinstance(layers, str) else list(layers)
     refuse_uninterceptable(model, patterns[0])
     targets = resolve(model, patterns)
     session = Observer(model, targets, explain_unfired=False)  # installs and removes the watch
-    found: dict[str, dict[int, list[Tensor]]] = {}  # path -> module call -> probabilities
+    found: dict[str, dict[int, list[T]]] = {}  # path -> module call -> what was taken
     watches: dict[str, Watch] = {}
     for target in targets:
         refuse_uninterceptable(target.module, target.path)
         found[target.path] = {}
-        watches[target.path] = session.functions.watch(target.module, _collector(found[target.path]),
-                                                       names=ATTENTION_FUNCTIONS, deep=True)
-    with untouched(model), session:
-        model(*args, **kwargs)
-    result: dict[str, Tensor] = {}
+        watches[target.path] = session.functions.watch(
+            target.module, _collector(found[target.path], take), names=ATTENTION_FUNCTIONS,
+            deep=True)
+    with session:
+        output = model(*args, **kwargs)
+    result: dict[str, T] = {}
     for path, watch in watches.items():
         result.update(_per_call(path, [found[path].get(call, [])
                                        for call in range(watch.module_calls)]))
-    return result
+    return result, output
 
 
-def _per_call(path: str, calls: list[list[Tensor]]) -> dict[str, Tensor]:
+def _per_call(path: str, calls: list[list[T]]) -> dict[str, T]:
     """``{path: probabilities}`` for a module that ran once, ``{path:k: ...}`` for several."""
     if not calls:
         raise AttentionError(f"'{path}' never ran in this forward pass, so it has no attention "
@@ -143,15 +232,16 @@ def _per_call(path: str, calls: list[list[Tensor]]) -> dict[str, Tensor]:
     return {path: values[0]} if len(values) == 1 else {f"{path}:{k}": v for k, v in enumerate(values)}
 
 
-def _collector(calls: dict[int, list[Tensor]]) -> Callable[[FunctionCall], None]:
+def _collector(calls: dict[int, list[T]], take: Callable[[FunctionCall], T | None]
+               ) -> Callable[[FunctionCall], None]:
     def on_call(call: FunctionCall) -> None:
-        probabilities = _probabilities(call)
-        if probabilities is not None:
-            calls.setdefault(call.module_call, []).append(probabilities)
+        taken = take(call)
+        if taken is not None:
+            calls.setdefault(call.module_call, []).append(taken)
     return on_call
 
 
-def _one(path: str, call: int, found: list[Tensor]) -> Tensor:
+def _one(path: str, call: int, found: list[T]) -> T:
     if len(found) == 1:
         return found[0]
     if not found:

@@ -52,7 +52,7 @@ from hookscope.record.grads import grad_leaf, gradient_pass
 from hookscope.util.extras import require
 from hookscope.util.figures import DPI, save_figure
 
-__all__ = ["gradcam", "save_gradcam_overlay"]
+__all__ = ["gradcam", "save_gradcam_overlay", "class_scores"]
 
 Tensor = torch.Tensor
 Method = Literal["gradcam", "gradcam++", "layercam"]
@@ -121,9 +121,8 @@ def gradcam(model: nn.Module, x: Tensor, layer: str,
     with untouched(model), gradient_pass(model, GradcamError):
         x = grad_leaf(x)  # gradients reach the layer even if the weights are frozen
         with capture(model, key, grads=True, on_unfired="error") as acts:
-            logits = _logits(model(x))
-        classes = _classes(target, logits)
-        torch.autograd.grad(logits.gather(1, classes[:, None]).sum(), x)
+            output = model(x)
+        torch.autograd.grad(class_scores(output, target), x)
     calls = acts.counts[key]
     if call is None and calls > 1:
         raise GradcamError(f"'{key}' ran {calls} times in one forward pass; choose one with "
@@ -238,6 +237,19 @@ def save_gradcam_overlay(image: np.ndarray | Tensor, cam: np.ndarray | Tensor,
     return save_figure(figure, Path(path))
 
 
+def class_scores(output: Any, target: int | Sequence[int] | Tensor | None) -> Tensor:
+    """The summed logit of class ``target`` of each batch row (``None``: the predicted class)
+    of a classifier's ``output`` ``(batch, classes)`` (a tensor or an output with ``.logits``):
+    the scalar Grad-CAM and the gradient-weighted rollout differentiate.
+
+    Raises:
+        GradcamError: the output is not class scores, or ``target`` is out of range or gives
+            another number of classes than the batch has rows.
+    """
+    logits = _logits(output)
+    return logits.gather(1, _classes(target, logits)[:, None]).sum()
+
+
 # ------------------------------------------------------------------------------- internals
 def _one_target(model: nn.Module, layer: str) -> str:
     targets = resolve(model, [layer])
@@ -252,8 +264,9 @@ def _logits(output: Any) -> Tensor:
     logits = output if isinstance(output, Tensor) else getattr(output, "logits", None)
     if not isinstance(logits, Tensor) or logits.dim() != 2:
         what = tuple(logits.shape) if isinstance(logits, Tensor) else type(output).__name__
-        raise GradcamError(f"the model returned {what}; Grad-CAM needs class scores (batch, "
-                           f"classes), as a tensor or an output with .logits")
+        raise GradcamError(f"the model returned {what}; Grad-CAM and gradient-weighted "
+                           f"rollout need class scores (batch, classes), as a tensor or an "
+                           f"output with .logits")
     return logits
 
 
