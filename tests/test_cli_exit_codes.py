@@ -98,6 +98,19 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("monitor-report", ["monitor-report", "full"], 2, "records.jsonl"),
     ("show", ["show", "nosuchstore"], 2, "nosuchstore"),
     ("show", ["show", "full"], 2, "full"),
+    # gradcam and lens: a spec, layer, input or output they cannot use
+    *[(verb, [verb, "nosuch.py:build", *rest], 2, "nosuch.py") for verb, rest in [
+        ("gradcam", [*IN, *L]), ("lens", IN)]],
+    ("gradcam", ["gradcam", "m.py:bye", *IN, *L], 1, "exited with code 3"),
+    ("gradcam", ["gradcam", M, *IN, "--layer", "nosuch"], 2, "nosuch"),
+    ("gradcam", ["gradcam", M, *IN, *L], 2, "not images"),
+    ("gradcam", ["gradcam", M, *IN, *L, "--target", "-1"], 2, "--target"),
+    ("lens", ["lens", M, *IN], 2, "token ids"),
+    ("lens", ["lens", M, *IN, "--top-k", "0"], 2, "--top-k"),
+    *[(verb, [verb, M, "--input", "nofile.npy", *rest], 2, "nofile.npy") for verb, rest in [
+        ("gradcam", L), ("lens", [])]],
+    *[(verb, [verb, M, *IN, *rest, "--out", "missing/dir"], 2, "--parents") for verb, rest in [
+        ("gradcam", L), ("lens", [])]],
 ]
 
 

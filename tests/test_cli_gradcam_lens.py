@@ -44,7 +44,7 @@ def test_gradcam_verb_writes_overlays_and_prints_the_api_values(
         assert row["logit"] == pytest.approx(float(logits[i, 285]), rel=1e-5)
         assert row["peak_yx"] == list(divmod(int(cams[i].argmax()), 224))
     before = (out / "gradcam_0.png").read_bytes()
-    assert main(argv) == 1
+    assert main(argv) == 2
     assert "pass --overwrite" in capsys.readouterr().err
     assert (out / "gradcam_0.png").read_bytes() == before
     assert main([*argv, "--overwrite"]) == 0
@@ -58,7 +58,7 @@ def test_gradcam_verb_usage_and_run_failures(tmp_path: Path,
     assert usage.value.code == 2
     assert "invalid choice: 'cam'" in capsys.readouterr().err
     assert main(["gradcam", "tests.functional_models:two_blocks", "--input", "randn:1,5,16",
-                 "--layer", "0", "--out", str(tmp_path / "o")]) == 1
+                 "--layer", "0", "--out", str(tmp_path / "o")]) == 2
     assert "are not images" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
@@ -88,7 +88,7 @@ def test_lens_verb_prints_the_api_table_and_writes_the_png(
     top = lens.top(4)[1][-1, 1, 4].tolist()  # the last block's top 4 = the model's own logits
     assert top == loaded(IDS).logits[1, 4].topk(4).indices.tolist()
     assert Image.open(out / "logit_lens.png").size == (1600, 800)
-    assert main(argv) == 1
+    assert main(argv) == 2
     assert "pass --overwrite" in capsys.readouterr().err
     assert main([*argv, "--overwrite", "--layers", "transformer.h.1"]) == 0
     assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]] == [
@@ -98,10 +98,10 @@ def test_lens_verb_prints_the_api_table_and_writes_the_png(
 def test_lens_verb_refusals(saved_gpt2: tuple[Path, Path], tmp_path: Path,
                             capsys: pytest.CaptureFixture[str]) -> None:
     model, ids = saved_gpt2
-    assert main(["lens", f"hf:{model}", "--input", "randn:1,5", "--out", str(tmp_path)]) == 1
+    assert main(["lens", f"hf:{model}", "--input", "randn:1,5", "--out", str(tmp_path)]) == 2
     assert "give a text (a model with a tokenizer) or a (batch, seq) integer" in (
         capsys.readouterr().err)
-    assert main(["lens", f"hf:{model}", "--input", str(ids), "--sample", "2"]) == 1
+    assert main(["lens", f"hf:{model}", "--input", str(ids), "--sample", "2"]) == 2
     assert "--sample 2 is not a row of this batch of 2: give 0 … 1" in capsys.readouterr().err
     with pytest.raises(SystemExit) as usage:
         main(["lens", f"hf:{model}", "--input", str(ids), "--top-k", "0"])

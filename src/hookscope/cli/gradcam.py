@@ -14,6 +14,8 @@ import torch
 import hookscope
 from hookscope.cli._common import (
     add_model_arguments,
+    add_parents_argument,
+    check_output_path,
     image_options,
     load_model_timed,
     non_negative_int,
@@ -44,11 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="DIR", default="gradcam",
                         help="folder for the PNGs, gradcam_<i>.png per input (default: gradcam/)")
     parser.add_argument("--overwrite", action="store_true", help="replace existing PNGs")
+    add_parents_argument(parser)
     parser.add_argument("--json", action="store_true", help="print the table as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     """Compute, draw and tabulate the maps as ``args`` says; exit code 0."""
+    check_output_path(args.out, "--out", parents=args.parents, folder=True)
     loaded = load_model_timed(args.model, **image_options(args))
     hookscope.select(loaded.module, args.layer)  # a bad pattern fails here, before any work
     inputs = load_inputs(args.input, loaded)

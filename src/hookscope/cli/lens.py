@@ -15,7 +15,9 @@ import torch
 import hookscope
 from hookscope.cli._common import (
     add_model_arguments,
+    add_parents_argument,
     add_several,
+    check_output_path,
     image_options,
     load_model_timed,
     non_negative_int,
@@ -41,10 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="DIR", default="lens",
                         help="folder for logit_lens.png (default: lens/)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing PNG")
+    add_parents_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Read the lens, print the table and draw the PNG as ``args`` says; exit code 0."""
+    check_output_path(args.out, "--out", parents=args.parents, folder=True)
     loaded = load_model_timed(args.model, **image_options(args))
     if args.layers:
         hookscope.select(loaded.module, *args.layers)  # a bad pattern fails here
