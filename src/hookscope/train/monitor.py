@@ -38,14 +38,13 @@ from torch import nn
 from hookscope.diagnostics.nonfinite import NonFiniteOrigin
 from hookscope.diagnostics.stats import RunningStats
 from hookscope.engine.hooks import after_backward, on_optimizer_step, on_tensor_grad
-from hookscope.engine.run import input_device
+from hookscope.engine.run import detached_clones, input_device, state_snapshot
 from hookscope.engine.select import Target, as_patterns, unwrap
 from hookscope.engine.session import Observer, resolve_checked
 from hookscope.errors import HookscopeError, NonFiniteStepError, NonFiniteStepWarning, warn
 from hookscope.train.guard import (
     ReplayBundle,
     StepInputs,
-    cloned_state,
     drop_gradients,
     grad_outputs,
     gradients_finite,
@@ -213,6 +212,16 @@ class Monitor:
         self._resolve_pending()
         self._end_step()
 
+    def before_optimizer_step(self) -> None:
+        """Act on a guard that fired in this step now, before ``optimizer.step`` changes the
+        weights (replay, record, raise/warn); for a loop that hooks its optimizer itself, as
+        the Hugging Face callback does. Nothing when the guard did not fire.
+
+        Raises:
+            NonFiniteStepError: the guard fired in this step and ``guard="raise"``.
+        """
+        self._resolve_pending()
+
     def _end_step(self) -> None:
         if self._sample is not None:
             self._finish_sample(self._sample)
@@ -266,7 +275,7 @@ class Monitor:
             return
         assert self._inputs is not None  # a backward through the root's output follows a forward
         self._pending = ReplayBundle(self.step_index, self.rank, self._inputs,
-                                     list(self._out_grads), cloned_state(self.root))
+                                     list(self._out_grads), state_snapshot(self.root))
         if self.guard == "skip":
             self._skip_step()
 
@@ -336,7 +345,7 @@ class _Sample:
     def __init__(self, root: nn.Module, targets: list[Target]):
         self.activations = {t.key: RunningStats() for t in targets}
         self.gradients = {t.key: RunningStats() for t in targets}
-        self.before = {t.key: [p.detach().clone() for p in t.module.parameters()] for t in targets}
+        self.before = {t.key: detached_clones(t.module.parameters()) for t in targets}
         self.session = Observer(root, targets, forward=self._hook, explain_unfired=False)
         self.session.__enter__()
 
