@@ -82,6 +82,13 @@ def monitor(model: nn.Module, layers: str | list[str] = "**", *, every: int = 10
     names the step, module, call, direction (forward/backward), op and tensor; the replay bundle
     is written to ``RUN_DIR/nonfinite-step-<N>.pt`` for ``hookscope.replay(path, model)``.
 
+    DDP under ``torchrun``: each rank guards its own step (its own gradients, checked at the end
+    of its backward, before DDP's all-reduce writes the averaged ones) and writes its own files
+    (``records-rank<R>.jsonl``, ``nonfinite-step-<N>-rank<R>.pt``); messages and events carry
+    the rank. Before ``optimizer.step`` every rank checks the all-reduced gradients once more
+    (one fused norm): a rank whose own step was finite reports ``direction="all-reduce"``
+    (another rank's step was not; that rank names the module) and raises, warns or skips too.
+
     Args:
         model: the root module being trained (``DataParallel``/DDP wrappers are looked
             through; not a ``torch.compile``'d one).
@@ -128,9 +135,9 @@ class Monitor:
         self.every, self.guard, self.scaler, self.writer = every, guard, scaler, writer
         self._optimizer = optimizer
         self.targets = resolve_checked(self.root, as_patterns(layers))[0] if every else []
-        self.rank, world = _rank()
+        self.rank, self.world = _rank()
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        name = "records.jsonl" if world == 1 else f"records-rank{self.rank}.jsonl"
+        name = "records.jsonl" if self.world == 1 else f"records-rank{self.rank}.jsonl"
         self.records_file = self.run_dir / name if self.run_dir is not None else None
         self.step_index = 0
         self.overflows = 0
@@ -173,7 +180,7 @@ class Monitor:
                                       explain_unfired=False)
         self._root_session.__enter__()
         if self._optimizer is not None:
-            self._handles = [on_optimizer_step(self._optimizer, self._resolve_pending, pre=True),
+            self._handles = [on_optimizer_step(self._optimizer, self._before_update, pre=True),
                              on_optimizer_step(self._optimizer, self._end_step, pre=False)]
         self._start_sample_if_due()
         return self
@@ -209,7 +216,7 @@ class Monitor:
         if self._optimizer is not None:
             raise HookscopeError("this monitor counts steps by the optimizer's step hook "
                                  "(optimizer= was given): remove the mon.step() call")
-        self._resolve_pending()
+        self._before_update()
         self._end_step()
 
     def before_optimizer_step(self) -> None:
@@ -220,7 +227,7 @@ class Monitor:
         Raises:
             NonFiniteStepError: the guard fired in this step and ``guard="raise"``.
         """
-        self._resolve_pending()
+        self._before_update()
 
     def _end_step(self) -> None:
         if self._sample is not None:
@@ -287,11 +294,37 @@ class Monitor:
                 if p.grad is not None:
                     p.grad.fill_(math.nan)
 
+    def _before_update(self) -> None:
+        """Before the weights change: the replay of a fired guard; in a process group of
+        several ranks, also the gradients after DDP's all-reduce (one more fused norm): this
+        rank's own were finite at the end of its backward, so a non-finite one came from
+        another rank, whose own guard names the module."""
+        if self._pending is not None:
+            self._resolve_pending()
+        elif self.world > 1 and self.guard is not None and not gradients_finite(self._params):
+            if self.scaler is not None:  # the scaler skips this step on every rank
+                self._overflowed = True
+                return
+            event = {"event": "nonfinite", "step": self.step_index, "rank": self.rank,
+                     "module": None, "class": None, "call": None, "direction": "all-reduce",
+                     "op": None, "tensor": None, "bundle": None}
+            self.events.append(event)
+            self._write(event)
+            if self.guard == "skip":
+                self._skip_step()
+            self._alarm(f"step {self.step_index} (rank {self.rank}): this rank's forward and "
+                        "backward were finite, its gradients after DDP's all-reduce are not: "
+                        f"another rank's step was not finite; of the {self.world} ranks, the one "
+                        "whose records-rank<R>.jsonl has a 'nonfinite' event with a module names it",
+                        None, self.step_index, None)
+
     def _resolve_pending(self) -> None:
         """Replay a fired step on a copy of the model, record and report what it found."""
         bundle, self._pending = self._pending, None
         if bundle is None:
             return
+        if self.guard == "skip":  # again: DDP's all-reduce may have refilled the gradients
+            self._skip_step()
         origin = replay(bundle, copy.deepcopy(self.root))
         path = None
         if self.run_dir is not None:
@@ -300,10 +333,13 @@ class Monitor:
         event = _event(bundle, origin, path)
         self.events.append(event)
         self._write(event)
-        message = _message(bundle, origin, path, self.latest.get(event["module"] or ""))
+        self._alarm(_message(bundle, origin, path, self.latest.get(event["module"] or "")),
+                    origin, bundle.step, path)
+
+    def _alarm(self, message: str, origin: NonFiniteOrigin | None, step: int, path: Path | None) -> None:
         if self.guard == "raise":
             error = NonFiniteStepError(message)
-            error.origin, error.step, error.bundle = origin, bundle.step, path  # type: ignore[attr-defined]
+            error.origin, error.step, error.bundle = origin, step, path  # type: ignore[attr-defined]
             raise error
         warn(message, NonFiniteStepWarning)
 
