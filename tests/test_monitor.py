@@ -268,6 +268,34 @@ def test_bf16_autocast_replays_under_autocast(tmp_path: Path) -> None:
     assert hookscope.replay(bundle, model).path == "2"
 
 
+@pytest.mark.parametrize("first_call", ["before", "after"])
+def test_compiled_model_is_watched_through_orig_mod(first_call: str) -> None:
+    """backend="eager": dynamo traces the hooks as with inductor, without its compile time."""
+    def run(compiled: bool) -> tuple[list[dict], hookscope.NonFiniteStepError]:
+        model = small(Temperature())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        call = torch.compile(model, backend="eager") if compiled else model
+        if first_call == "before":
+            call(torch.randn(2, 4))  # compiled before the monitor's hooks exist
+        seen = []
+        with pytest.raises(hookscope.NonFiniteStepError) as caught:
+            with hookscope.monitor(call, ["0", "2"], every=2, optimizer=optimizer) as mon:
+                for step in range(5):
+                    model[2].temperature = 0.0 if step == 4 else 1.0
+                    optimizer.zero_grad()
+                    call(torch.randn(5, 4, generator=torch.Generator().manual_seed(step))).sum().backward()
+                    optimizer.step()
+                    seen.append(dict(mon.latest))
+        assert hookscope.hooks(model) == []
+        return seen, caught.value
+    (eager, eager_error), (compiled, compiled_error) = run(False), run(True)
+    assert [sorted({r["step"] for r in latest.values()}) for latest in compiled] == [[0], [0], [2], [2]]
+    assert compiled == eager
+    assert compiled_error.step == eager_error.step == 4  # type: ignore[attr-defined]
+    assert compiled_error.origin == eager_error.origin  # type: ignore[attr-defined]
+    assert (compiled_error.origin.path, compiled_error.origin.op) == ("2", "div")  # type: ignore[attr-defined]
+
+
 class Checkpointed(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -296,8 +324,6 @@ def test_arguments_are_checked(tmp_path: Path) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(hookscope.HookscopeError, match="call mon.step\\(\\) after scaler.update"):
         hookscope.monitor(model, optimizer=optimizer, scaler=torch.amp.GradScaler("cpu"))
-    with pytest.raises(hookscope.HookscopeError, match="before torch.compile"):
-        hookscope.monitor(torch.compile(model))
     with pytest.raises(hookscope.HookscopeError, match="remove the mon.step"):
         with hookscope.monitor(model, optimizer=optimizer) as mon:
             mon.step()

@@ -89,9 +89,20 @@ def monitor(model: nn.Module, layers: str | list[str] = "**", *, every: int = 10
     (one fused norm): a rank whose own step was finite reports ``direction="all-reduce"``
     (another rank's step was not; that rank names the module) and raises, warns or skips too.
 
+    ``torch.compile``: the hooks are on ``compiled._orig_mod``'s modules and dynamo traces
+    them into the compiled calls (with graph breaks where a hook reads a value on the host:
+    the guard's RNG copy, the statistics' counters), so records and the guard's finding equal
+    the eager model's, whether the monitor opens before or after the first compiled call
+    (torch 2.13; ``test_compiled_model_is_watched_through_orig_mod``). What it costs: the
+    compiled step runs in pieces while the hooks exist, a sampled step's hooks come and go
+    (a recompile each time, up to dynamo's recompile limit, then that frame runs eagerly),
+    and ``fullgraph=True`` cannot hold a graph break (dynamo raises). The replay runs eagerly
+    on a copy of ``_orig_mod``.
+
     Args:
         model: the root module being trained (``DataParallel``/DDP wrappers are looked
-            through; not a ``torch.compile``'d one).
+            through, and ``torch.compile``'s: a compiled model's ``_orig_mod`` is watched, see
+            the note below).
         layers: ``hookscope.select`` patterns of the modules to take statistics of.
         every: take statistics at steps 0, every, 2*every, ...; 0: none (guard only).
         optimizer: hook its ``step()``: steps are counted, and a fired guard acts before the
@@ -109,7 +120,7 @@ def monitor(model: nn.Module, layers: str | list[str] = "**", *, every: int = 10
 
     Raises:
         HookscopeError: ``every`` < 0, an unknown ``guard``, both ``optimizer`` and ``scaler``,
-            a compiled model, or ``run_dir`` already holds a run.
+            or ``run_dir`` already holds a run.
         SelectorError: a pattern matches no module.
     """
     return Monitor(model, layers, every=every, optimizer=optimizer, scaler=scaler,
@@ -130,7 +141,7 @@ class Monitor:
     def __init__(self, model: nn.Module, layers: str | list[str], *, every: int,
                  optimizer: torch.optim.Optimizer | None, scaler: Any, run_dir: str | Path | None,
                  guard: GuardMode | None, writer: Any):
-        _check_arguments(model, every, optimizer, scaler, guard)
+        _check_arguments(every, optimizer, scaler, guard)
         self.root, _ = unwrap(model)
         self.every, self.guard, self.scaler, self.writer = every, guard, scaler, writer
         self._optimizer = optimizer
@@ -470,7 +481,7 @@ def _numbers(summary: dict[str, float] | None) -> str:
     return ", ".join(f"{key} {value:.4g}" for key, value in summary.items())
 
 
-def _check_arguments(model: nn.Module, every: int, optimizer: Any, scaler: Any, guard: Any) -> None:
+def _check_arguments(every: int, optimizer: Any, scaler: Any, guard: Any) -> None:
     if not isinstance(every, int) or every < 0:
         raise HookscopeError(f"every={every!r}: pass a whole number of steps >= 0 (0: no statistics)")
     if guard not in ("raise", "warn", "skip", None):
@@ -479,10 +490,6 @@ def _check_arguments(model: nn.Module, every: int, optimizer: Any, scaler: Any, 
         raise HookscopeError("optimizer= and scaler= together: a step the GradScaler skips never "
                              "calls optimizer.step, so its hooks cannot count it; pass scaler= only "
                              "and call mon.step() after scaler.update()")
-    if "_orig_mod." in unwrap(model)[1]:
-        raise HookscopeError("hookscope.monitor watches an eager model: torch.compile would trace "
-                             "its hooks into the graph (inputs, RNG states, gradient hooks); pass "
-                             "the module before torch.compile (model._orig_mod) and train that")
 
 
 def _rank() -> tuple[int, int]:
