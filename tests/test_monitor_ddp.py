@@ -4,6 +4,7 @@ only (tests/ddp_monitor_worker.py): each rank guards its own step and says which
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -22,6 +23,17 @@ ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable))
 
 
+def torchrun(run_dir: Path, guard: str) -> list[dict]:
+    """Run the worker on 2 ranks; return each rank's outcome."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([str(TORCHRUN), "--standalone", "--nproc_per_node=2",
+                           str(ROOT / "tests" / "ddp_monitor_worker.py"), str(run_dir), guard],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads((run_dir / f"outcome-rank{r}.json").read_text()) for r in (0, 1)]
+
+
 def lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -29,12 +41,7 @@ def lines(path: Path) -> list[dict]:
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not installed next to this python")
 def test_rank_one_names_its_module_and_rank_zero_names_the_all_reduce(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2",
-                           str(ROOT / "tests" / "ddp_monitor_worker.py"), str(tmp_path)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun(tmp_path, "raise")
     assert sorted(p.name for p in tmp_path.iterdir()) == [  # one file per rank, no collision
         f"nonfinite-step-{ZERO_AT}-rank1.pt", "outcome-rank0.json", "outcome-rank1.json",
         "records-rank0.jsonl", "records-rank1.jsonl"]
@@ -71,3 +78,16 @@ def test_rank_one_names_its_module_and_rank_zero_names_the_all_reduce(
     model[2].temperature = 0.0  # the bundle holds inputs and weights, not this attribute
     assert hookscope.replay(tmp_path / f"nonfinite-step-{ZERO_AT}-rank1.pt", model).path == "2"
     assert torch.isfinite(model[0].weight).all()
+
+
+@pytest.mark.skipif(TORCHRUN is None, reason="torchrun is not installed next to this python")
+def test_skip_drops_the_step_on_every_rank(tmp_path: Path) -> None:
+    """guard="skip": rank 1 drops its gradients at the end of its backward, and again after the
+    all-reduce refilled them; rank 0 drops the all-reduced ones: no NaN update anywhere."""
+    outcomes = torchrun(tmp_path, "skip")
+    assert [o["raised"] for o in outcomes] == [None, None]
+    assert math.isfinite(outcomes[0]["weights"])
+    assert outcomes[0]["weights"] == pytest.approx(outcomes[1]["weights"], rel=1e-6)  # in step
+    events = [[(r["step"], r["module"], r["direction"]) for r in lines(tmp_path / f"records-rank{r}.jsonl")
+               if r.get("event") == "nonfinite"] for r in (0, 1)]
+    assert events == [[(ZERO_AT, None, "all-reduce")], [(ZERO_AT, "2", "forward")]]
