@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from hookscope.cli._common import add_parents_argument, add_positional, check_output_path, say
 from hookscope.train.report import draw_run, read_run
@@ -28,12 +29,21 @@ def run(args: argparse.Namespace) -> int:
     fired = [e for e in events if e["event"] == "nonfinite"]
     skipped = sum(e["event"] == "overflow_skipped" for e in events)
     for event in fired:
-        print(f"step {event['step']} (rank {event['rank']}): non-finite {event['direction']} in "
-              f"'{event['module']}' ({event['class']}), call {event['call']}, op {event['op']}, "
-              f"{event['tensor']}")
+        print(_finding(event))
     if skipped:
         print(f"{skipped} step(s) skipped by the GradScaler (overflow)")
     print(path)
     if fired:
         say(f"{args.run_dir}: the guard fired {len(fired)} time(s)")
     return 1 if fired else 0
+
+
+def _finding(event: dict[str, Any]) -> str:
+    """One line per guard event: where, or why no module is named."""
+    where = f"step {event['step']} (rank {event['rank']}): "
+    if event["direction"] == "all-reduce":
+        return where + "non-finite gradients from another rank's step (DDP all-reduce)"
+    if event["module"] is None:
+        return where + "non-finite gradients, the replay of the step was finite"
+    return (where + f"non-finite {event['direction']} in '{event['module']}' ({event['class']}), "
+            f"call {event['call']}, op {event['op']}, {event['tensor']}")

@@ -7,7 +7,9 @@ a tokenizer's output, holds keyword inputs (``model(**batch)``). A tuple or list
 tuple/list of positional arguments, ``model(*inputs)``) and the rest is ignored.
 
 ``untouched(model)`` is what a verb that runs forwards of its own (``tree``, ``stats``,
-``compare``, ``gradcam``, ``extract`` ...) promises: the model is left as it was found.
+``compare``, ``gradcam``, ``extract`` ...) promises: the model is left as it was found. It and the
+training monitor (``train/``) take their copies the one way defined here: ``detached_clones``
+(tensors), ``state_snapshot`` (a state dict) and ``RngState`` (the CPU and CUDA generators).
 
 Where the batch goes (``input_device``) is where the model's first computation runs, which is not
 always where its first parameter is: accelerate's ``cpu_offload``/``disk_offload``/
@@ -17,7 +19,7 @@ pre-forward hooks onto an execution device.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -26,7 +28,10 @@ from torch import nn
 from hookscope.engine import interrupts
 from hookscope.errors import HookscopeError
 
-__all__ = ["input_device", "model_inputs", "untouched"]
+__all__ = ["RngState", "detached_clones", "input_device", "model_inputs", "state_snapshot",
+           "untouched"]
+
+Tensor = torch.Tensor
 
 
 def model_inputs(batch: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -88,14 +93,14 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
     def __init__(self, *models: nn.Module):
         self._models = models
         self._kept: list[_State] = []
-        self._rng: _RngState | None = None
+        self._rng: RngState | None = None
         self._grad = True
 
     def __enter__(self) -> None:
         with interrupts.deferred(undo=self._finish):  # interrupted: as if never entered
             self._grad = torch.is_grad_enabled()
             self._kept = [_State(model) for model in self._models]
-            self._rng = _RngState()
+            self._rng = RngState.now()
             interrupts.guard(self, self._finish)
 
     def __exit__(self, *exc: object) -> None:
@@ -126,9 +131,10 @@ class _State:
     def __init__(self, model: nn.Module):
         modules = list(model.modules())
         self.flags = [(m, m.training) for m in modules]
-        self.buffers = [(m, name, b, b.detach().clone()) for m in modules
-                        for name, b in m._buffers.items()
-                        if b is not None and not isinstance(b, nn.parameter.UninitializedBuffer)]
+        kept = [(m, name, b) for m in modules for name, b in m._buffers.items()
+                if b is not None and not isinstance(b, nn.parameter.UninitializedBuffer)]
+        clones = detached_clones(b for _, _, b in kept)
+        self.buffers = [(m, name, b, c) for (m, name, b), c in zip(kept, clones, strict=True)]
         self.params = [(p, p.requires_grad, p.grad) for p in model.parameters()]
         for p, _, grad in self.params:
             if grad is not None:
@@ -148,18 +154,42 @@ class _State:
                 param.grad = grad
 
 
-class _RngState:
-    """The CPU RNG state, and each CUDA device's when CUDA is initialised."""
+class RngState:
+    """The state of the CPU generator and, when CUDA is initialised, of every CUDA device's.
 
-    def __init__(self) -> None:
-        self.cpu = torch.get_rng_state()
+    Attributes:
+        cpu: ``torch.get_rng_state()`` (a uint8 CPU tensor).
+        cuda: ``torch.cuda.get_rng_state_all()`` (one uint8 CPU tensor per device), or None
+            when CUDA was not initialised (nothing on CUDA has drawn random numbers).
+    """
+
+    def __init__(self, cpu: Tensor, cuda: list[Tensor] | None):
+        self.cpu, self.cuda = cpu, cuda
+
+    @classmethod
+    def now(cls) -> RngState:
+        """The generators' states at this moment."""
         cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-        self.cuda = torch.cuda.get_rng_state_all() if cuda else None
+        return cls(torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None)
 
     def restore(self) -> None:
+        """Put the generators back into this state (CUDA's only when it was recorded)."""
         torch.set_rng_state(self.cpu)
         if self.cuda is not None:
             torch.cuda.set_rng_state_all(self.cuda)
+
+
+def detached_clones(tensors: Iterable[Tensor]) -> list[Tensor]:
+    """A copy of each tensor, detached from autograd (same shape, dtype and device): what it
+    holds now, kept when an in-place update (``optimizer.step``, BatchNorm) later changes it."""
+    return [t.detach().clone() for t in tensors]
+
+
+def state_snapshot(model: nn.Module) -> dict[str, Tensor]:
+    """``model.state_dict()`` with every tensor a ``detached_clones`` copy: the parameters and
+    buffers as they are now, for ``load_state_dict`` later (on this model or another)."""
+    state = model.state_dict()
+    return dict(zip(state, detached_clones(state.values()), strict=True))
 
 
 def input_device(model: nn.Module) -> torch.device:

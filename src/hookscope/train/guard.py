@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from hookscope.diagnostics.nonfinite import NonFiniteOrigin, find_nonfinite
-from hookscope.engine.run import input_device, untouched
+from hookscope.engine.run import RngState, input_device, untouched
 from hookscope.engine.select import unwrap
 from hookscope.errors import HookscopeError
 from hookscope.util.nested import iter_tensors
@@ -40,27 +40,23 @@ class StepInputs:
 
     Attributes:
         args, kwargs: the root module's call arguments.
-        rng_cpu: ``torch.get_rng_state()`` (uint8 tensor) before the forward.
-        rng_cuda: ``torch.cuda.get_rng_state_all()`` when CUDA is initialised, else None.
+        rng: the CPU (and CUDA, when initialised) generators' states before the forward.
         autocast: ``(device_type, dtype name)`` when autocast was on for the model's device.
     """
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    rng_cpu: Tensor
-    rng_cuda: list[Tensor] | None
+    rng: RngState
     autocast: tuple[str, str] | None
 
     @classmethod
     def now(cls, args: tuple[Any, ...], kwargs: dict[str, Any], device_type: str) -> StepInputs:
         """The state at the start of a forward on ``device_type`` (``"cpu"``, ``"cuda"``)."""
-        cuda = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
         autocast = None
         if torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
             autocast = (device_type, str(dtype).replace("torch.", ""))
-        return cls(args, kwargs, torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None,
-                   autocast)
+        return cls(args, kwargs, RngState.now(), autocast)
 
 
 @dataclasses.dataclass
@@ -88,7 +84,7 @@ class ReplayBundle:
         path = Path(path)
         i = self.inputs
         torch.save({"step": self.step, "rank": self.rank, "args": list(i.args), "kwargs": i.kwargs,
-                    "rng_cpu": i.rng_cpu, "rng_cuda": i.rng_cuda,
+                    "rng_cpu": i.rng.cpu, "rng_cuda": i.rng.cuda,
                     "autocast": list(i.autocast) if i.autocast else None,
                     "output_grads": self.output_grads, "state": self.state}, path)
         return path
@@ -105,9 +101,9 @@ class ReplayBundle:
             raise HookscopeError(f"{path} is not a replay bundle written by hookscope.monitor "
                                  "(no 'output_grads'); pass the nonfinite-step-*.pt file of the run")
         autocast = tuple(data["autocast"]) if data["autocast"] else None
-        inputs = StepInputs(tuple(data["args"]), data["kwargs"], data["rng_cpu"].cpu(),
-                            [s.cpu() for s in data["rng_cuda"]] if data["rng_cuda"] else None,
-                            autocast)
+        rng = RngState(data["rng_cpu"].cpu(),
+                       [s.cpu() for s in data["rng_cuda"]] if data["rng_cuda"] else None)
+        inputs = StepInputs(tuple(data["args"]), data["kwargs"], rng, autocast)
         return cls(data["step"], data["rank"], inputs, data["output_grads"], data["state"])
 
 
@@ -153,10 +149,8 @@ def replay(bundle: ReplayBundle | str | Path, model: nn.Module) -> NonFiniteOrig
     root.load_state_dict(bundle.state)
     inputs = bundle.inputs
     grads = bundle.output_grads
-    with untouched(root):
-        torch.set_rng_state(inputs.rng_cpu)
-        if inputs.rng_cuda is not None:
-            torch.cuda.set_rng_state_all(inputs.rng_cuda)
+    with untouched(root):  # puts the RNG states back afterwards
+        inputs.rng.restore()
         with _autocast(inputs.autocast):
             return find_nonfinite(root, *inputs.args, backward=True,
                                   loss_fn=lambda output: _output_loss(output, grads), **inputs.kwargs)
@@ -200,12 +194,6 @@ def _ancestors(node: Any) -> set[Any]:
             seen.add(current)
             stack += [n for n, _ in current.next_functions if n is not None]
     return seen
-
-
-def cloned_state(model: nn.Module) -> dict[str, Tensor]:
-    """``model.state_dict()`` with every tensor detached and cloned (the weights as they are
-    now, before an optimizer step changes them in place)."""
-    return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
 def drop_gradients(params: Iterable[nn.Parameter]) -> None:

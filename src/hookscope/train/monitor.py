@@ -38,14 +38,13 @@ from torch import nn
 from hookscope.diagnostics.nonfinite import NonFiniteOrigin
 from hookscope.diagnostics.stats import RunningStats
 from hookscope.engine.hooks import after_backward, on_optimizer_step, on_tensor_grad
-from hookscope.engine.run import input_device
+from hookscope.engine.run import detached_clones, input_device, state_snapshot
 from hookscope.engine.select import Target, as_patterns, unwrap
 from hookscope.engine.session import Observer, resolve_checked
 from hookscope.errors import HookscopeError, NonFiniteStepError, NonFiniteStepWarning, warn
 from hookscope.train.guard import (
     ReplayBundle,
     StepInputs,
-    cloned_state,
     drop_gradients,
     grad_outputs,
     gradients_finite,
@@ -83,9 +82,27 @@ def monitor(model: nn.Module, layers: str | list[str] = "**", *, every: int = 10
     names the step, module, call, direction (forward/backward), op and tensor; the replay bundle
     is written to ``RUN_DIR/nonfinite-step-<N>.pt`` for ``hookscope.replay(path, model)``.
 
+    DDP under ``torchrun``: each rank guards its own step (its own gradients, checked at the end
+    of its backward, before DDP's all-reduce writes the averaged ones) and writes its own files
+    (``records-rank<R>.jsonl``, ``nonfinite-step-<N>-rank<R>.pt``); messages and events carry
+    the rank. Before ``optimizer.step`` every rank checks the all-reduced gradients once more
+    (one fused norm): a rank whose own step was finite reports ``direction="all-reduce"``
+    (another rank's step was not; that rank names the module) and raises, warns or skips too.
+
+    ``torch.compile``: the hooks are on ``compiled._orig_mod``'s modules and dynamo traces
+    them into the compiled calls (with graph breaks where a hook reads a value on the host:
+    the guard's RNG copy, the statistics' counters), so records and the guard's finding equal
+    the eager model's, whether the monitor opens before or after the first compiled call
+    (torch 2.13; ``test_compiled_model_is_watched_through_orig_mod``). What it costs: the
+    compiled step runs in pieces while the hooks exist, a sampled step's hooks come and go
+    (a recompile each time, up to dynamo's recompile limit, then that frame runs eagerly),
+    and ``fullgraph=True`` cannot hold a graph break (dynamo raises). The replay runs eagerly
+    on a copy of ``_orig_mod``.
+
     Args:
         model: the root module being trained (``DataParallel``/DDP wrappers are looked
-            through; not a ``torch.compile``'d one).
+            through, and ``torch.compile``'s: a compiled model's ``_orig_mod`` is watched, see
+            the note below).
         layers: ``hookscope.select`` patterns of the modules to take statistics of.
         every: take statistics at steps 0, every, 2*every, ...; 0: none (guard only).
         optimizer: hook its ``step()``: steps are counted, and a fired guard acts before the
@@ -103,7 +120,7 @@ def monitor(model: nn.Module, layers: str | list[str] = "**", *, every: int = 10
 
     Raises:
         HookscopeError: ``every`` < 0, an unknown ``guard``, both ``optimizer`` and ``scaler``,
-            a compiled model, or ``run_dir`` already holds a run.
+            or ``run_dir`` already holds a run.
         SelectorError: a pattern matches no module.
     """
     return Monitor(model, layers, every=every, optimizer=optimizer, scaler=scaler,
@@ -124,14 +141,14 @@ class Monitor:
     def __init__(self, model: nn.Module, layers: str | list[str], *, every: int,
                  optimizer: torch.optim.Optimizer | None, scaler: Any, run_dir: str | Path | None,
                  guard: GuardMode | None, writer: Any):
-        _check_arguments(model, every, optimizer, scaler, guard)
+        _check_arguments(every, optimizer, scaler, guard)
         self.root, _ = unwrap(model)
         self.every, self.guard, self.scaler, self.writer = every, guard, scaler, writer
         self._optimizer = optimizer
         self.targets = resolve_checked(self.root, as_patterns(layers))[0] if every else []
-        self.rank, world = _rank()
+        self.rank, self.world = _rank()
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        name = "records.jsonl" if world == 1 else f"records-rank{self.rank}.jsonl"
+        name = "records.jsonl" if self.world == 1 else f"records-rank{self.rank}.jsonl"
         self.records_file = self.run_dir / name if self.run_dir is not None else None
         self.step_index = 0
         self.overflows = 0
@@ -174,7 +191,7 @@ class Monitor:
                                       explain_unfired=False)
         self._root_session.__enter__()
         if self._optimizer is not None:
-            self._handles = [on_optimizer_step(self._optimizer, self._resolve_pending, pre=True),
+            self._handles = [on_optimizer_step(self._optimizer, self._before_update, pre=True),
                              on_optimizer_step(self._optimizer, self._end_step, pre=False)]
         self._start_sample_if_due()
         return self
@@ -210,8 +227,18 @@ class Monitor:
         if self._optimizer is not None:
             raise HookscopeError("this monitor counts steps by the optimizer's step hook "
                                  "(optimizer= was given): remove the mon.step() call")
-        self._resolve_pending()
+        self._before_update()
         self._end_step()
+
+    def before_optimizer_step(self) -> None:
+        """Act on a guard that fired in this step now, before ``optimizer.step`` changes the
+        weights (replay, record, raise/warn); for a loop that hooks its optimizer itself, as
+        the Hugging Face callback does. Nothing when the guard did not fire.
+
+        Raises:
+            NonFiniteStepError: the guard fired in this step and ``guard="raise"``.
+        """
+        self._before_update()
 
     def _end_step(self) -> None:
         if self._sample is not None:
@@ -266,7 +293,7 @@ class Monitor:
             return
         assert self._inputs is not None  # a backward through the root's output follows a forward
         self._pending = ReplayBundle(self.step_index, self.rank, self._inputs,
-                                     list(self._out_grads), cloned_state(self.root))
+                                     list(self._out_grads), state_snapshot(self.root))
         if self.guard == "skip":
             self._skip_step()
 
@@ -278,11 +305,37 @@ class Monitor:
                 if p.grad is not None:
                     p.grad.fill_(math.nan)
 
+    def _before_update(self) -> None:
+        """Before the weights change: the replay of a fired guard; in a process group of
+        several ranks, also the gradients after DDP's all-reduce (one more fused norm): this
+        rank's own were finite at the end of its backward, so a non-finite one came from
+        another rank, whose own guard names the module."""
+        if self._pending is not None:
+            self._resolve_pending()
+        elif self.world > 1 and self.guard is not None and not gradients_finite(self._params):
+            if self.scaler is not None:  # the scaler skips this step on every rank
+                self._overflowed = True
+                return
+            event = {"event": "nonfinite", "step": self.step_index, "rank": self.rank,
+                     "module": None, "class": None, "call": None, "direction": "all-reduce",
+                     "op": None, "tensor": None, "bundle": None}
+            self.events.append(event)
+            self._write(event)
+            if self.guard == "skip":
+                self._skip_step()
+            self._alarm(f"step {self.step_index} (rank {self.rank}): this rank's forward and "
+                        "backward were finite, its gradients after DDP's all-reduce are not: "
+                        f"another rank's step was not finite; of the {self.world} ranks, the one "
+                        "whose records-rank<R>.jsonl has a 'nonfinite' event with a module names it",
+                        None, self.step_index, None)
+
     def _resolve_pending(self) -> None:
         """Replay a fired step on a copy of the model, record and report what it found."""
         bundle, self._pending = self._pending, None
         if bundle is None:
             return
+        if self.guard == "skip":  # again: DDP's all-reduce may have refilled the gradients
+            self._skip_step()
         origin = replay(bundle, copy.deepcopy(self.root))
         path = None
         if self.run_dir is not None:
@@ -291,10 +344,13 @@ class Monitor:
         event = _event(bundle, origin, path)
         self.events.append(event)
         self._write(event)
-        message = _message(bundle, origin, path, self.latest.get(event["module"] or ""))
+        self._alarm(_message(bundle, origin, path, self.latest.get(event["module"] or "")),
+                    origin, bundle.step, path)
+
+    def _alarm(self, message: str, origin: NonFiniteOrigin | None, step: int, path: Path | None) -> None:
         if self.guard == "raise":
             error = NonFiniteStepError(message)
-            error.origin, error.step, error.bundle = origin, bundle.step, path  # type: ignore[attr-defined]
+            error.origin, error.step, error.bundle = origin, step, path  # type: ignore[attr-defined]
             raise error
         warn(message, NonFiniteStepWarning)
 
@@ -336,7 +392,7 @@ class _Sample:
     def __init__(self, root: nn.Module, targets: list[Target]):
         self.activations = {t.key: RunningStats() for t in targets}
         self.gradients = {t.key: RunningStats() for t in targets}
-        self.before = {t.key: [p.detach().clone() for p in t.module.parameters()] for t in targets}
+        self.before = {t.key: detached_clones(t.module.parameters()) for t in targets}
         self.session = Observer(root, targets, forward=self._hook, explain_unfired=False)
         self.session.__enter__()
 
@@ -425,7 +481,7 @@ def _numbers(summary: dict[str, float] | None) -> str:
     return ", ".join(f"{key} {value:.4g}" for key, value in summary.items())
 
 
-def _check_arguments(model: nn.Module, every: int, optimizer: Any, scaler: Any, guard: Any) -> None:
+def _check_arguments(every: int, optimizer: Any, scaler: Any, guard: Any) -> None:
     if not isinstance(every, int) or every < 0:
         raise HookscopeError(f"every={every!r}: pass a whole number of steps >= 0 (0: no statistics)")
     if guard not in ("raise", "warn", "skip", None):
@@ -434,10 +490,6 @@ def _check_arguments(model: nn.Module, every: int, optimizer: Any, scaler: Any, 
         raise HookscopeError("optimizer= and scaler= together: a step the GradScaler skips never "
                              "calls optimizer.step, so its hooks cannot count it; pass scaler= only "
                              "and call mon.step() after scaler.update()")
-    if "_orig_mod." in unwrap(model)[1]:
-        raise HookscopeError("hookscope.monitor watches an eager model: torch.compile would trace "
-                             "its hooks into the graph (inputs, RNG states, gradient hooks); pass "
-                             "the module before torch.compile (model._orig_mod) and train that")
 
 
 def _rank() -> tuple[int, int]:
