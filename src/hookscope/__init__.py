@@ -29,9 +29,12 @@ from hookscope.editing.edit import Edit, ablate, edit, patch, steer
 from hookscope.editing.sweep import Sweep, patching_sweep
 from hookscope.engine.select import select
 from hookscope.errors import (
+    ArgumentTypeError,
+    ArgumentValueError,
     AttentionError,
     CaptureError,
     EditError,
+    EmptySelectionError,
     ExtractError,
     FusedModuleWarning,
     GradcamError,
@@ -60,6 +63,8 @@ from hookscope.train.monitor import Monitor, monitor
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentTypeError",
+    "ArgumentValueError",
     "AttentionError",
     "CallInputs",
     "Capture",
@@ -67,6 +72,7 @@ __all__ = [
     "Comparison",
     "Edit",
     "EditError",
+    "EmptySelectionError",
     "ExtractError",
     "FusedModuleWarning",
     "GenerationCapture",

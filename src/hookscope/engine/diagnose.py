@@ -169,6 +169,28 @@ def explain_unfired(names: ModuleIndex, targets: Sequence[Target], ran: set[str]
     return {t.key: _reason(t.path, modules, children, ran) for t in targets}
 
 
+def unfired_message(unfired: dict[str, str], wide: Collection[str], consequence: str, *,
+                    detailed: bool) -> str:
+    """The report on selected modules that never ran: one line with the reason for each name
+    the user typed; the silent members of a glob (``wide``: ``"**"``, ``"h.*"``, ``type:``)
+    summarised in one line (``detailed``: listed with their reasons too, for an error), so a
+    "capture everything" call on GPT-2 does not warn about each dropout SDPA never runs."""
+    typed = {k: why for k, why in unfired.items() if k not in wide or detailed}
+    globbed = [k for k in unfired if k not in typed]
+    parts = []
+    if typed:
+        lines = "\n".join(f"  - {key}: {why}" for key, why in typed.items())
+        n = len(typed)
+        parts.append(f"{n} selected module{'s' if n > 1 else ''} never ran, so no hook fired and "
+                     f"{consequence}:\n{lines}")
+    if globbed:
+        shown = ", ".join(globbed[:4]) + (f", … {len(globbed) - 4} more" if len(globbed) > 4 else "")
+        parts.append(f"{len(globbed)} module{'s' if len(globbed) > 1 else ''} that a pattern "
+                     f"matched never ran ({shown}); {consequence} there (the reason of each is in "
+                     f".unfired)")
+    return "\n".join(parts)
+
+
 def _reason(path: str, modules: dict[str, nn.Module], children: dict[str, list[str]],
             ran: set[str]) -> str:
     module = modules[path]

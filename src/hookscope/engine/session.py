@@ -277,10 +277,9 @@ class HookSession:
     def _report_unfired(self) -> None:
         if not self.unfired or self._on_unfired == "ignore":
             return
-        lines = "\n".join(f"  - {key}: {why}" for key, why in self.unfired.items())
-        n = len(self.unfired)
-        message = (f"{n} selected module{'s' if n > 1 else ''} never ran, so no hook fired and "
-                   f"{self._unfired_consequence}:\n{lines}")
+        wide = {t.key for t in self.targets if t.wide}
+        message = diagnose.unfired_message(self.unfired, wide, self._unfired_consequence,
+                                           detailed=self._on_unfired == "error")
         if self._on_unfired == "error":
             raise HookNeverFiredError(message + "\n(what the modules that ran did is in err.capture)",
                                       capture=self, unfired=self.unfired)

@@ -60,7 +60,16 @@ def reduction(reduce: Reduce) -> Reduction | None:
         raise ReductionError(f"reduce={reduce!r} is a {type(reduce).__name__}: use one of "
                              f"{', '.join(repr(n) for n in NAMES)}, None, or a function")
     function = reduce
-    return lambda t, mask: function(t)
+
+    def reduced(t: Tensor, mask: Tensor | None) -> Tensor:
+        rows = function(t)
+        if not isinstance(rows, Tensor):
+            raise ReductionError(f"reduce={getattr(function, '__qualname__', function)!r} returned "
+                                 f"a {type(rows).__name__} for an output of shape "
+                                 f"{tuple(t.shape)}: a reduce function must return a tensor, "
+                                 f"e.g. lambda t: t.mean(dim=1)")
+        return rows
+    return reduced
 
 
 def reduction_name(reduce: Reduce) -> str | None:
