@@ -22,7 +22,7 @@ from torch import nn
 from hookscope.engine.function_mode import FunctionCall, Watch
 from hookscope.engine.function_names import refuse_uninterceptable
 from hookscope.engine.run import untouched
-from hookscope.engine.select import resolve
+from hookscope.engine.select import as_patterns, resolve
 from hookscope.engine.session import Observer
 from hookscope.errors import AttentionError
 
@@ -113,7 +113,7 @@ def attention(model: nn.Module, *args: Any, layers: str | Sequence[str], **kwarg
         AttentionError: a selected module never ran, or one of its calls computed no attention
             or more than one (the message names the module and the narrower pattern to use).
     """
-    patterns = [layers] if isinstance(layers, str) else list(layers)
+    patterns = as_patterns(layers)
     refuse_uninterceptable(model, patterns[0])
     targets = resolve(model, patterns)
     session = Observer(model, targets, explain_unfired=False)  # installs and removes the watch

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hookscope.engine.checks import check_tensor
 from hookscope.engine.run import untouched
 from hookscope.engine.select import resolve
 from hookscope.errors import GradcamError, SpecError
@@ -112,12 +113,13 @@ def gradcam(model: nn.Module, x: Tensor, layer: str,
         GradcamError: a parameter or buffer is an inference tensor (the model was built or
             loaded under ``torch.inference_mode()``): no gradient can pass through it.
     """
+    key = _one_target(model, layer)
+    if method not in _WEIGHTINGS:
+        raise GradcamError(f"method={method!r} is not one of {sorted(_WEIGHTINGS)}")
+    check_tensor("x", x, "images of shape (batch, channels, height, width)")
     if x.dim() != 4:
         raise GradcamError(f"x must be images (batch, channels, height, width); got shape "
                            f"{tuple(x.shape)}: add the batch dimension with x[None]")
-    if method not in _WEIGHTINGS:
-        raise GradcamError(f"method={method!r} is not one of {sorted(_WEIGHTINGS)}")
-    key = _one_target(model, layer)
     with untouched(model), gradient_pass(model, GradcamError):
         x = grad_leaf(x)  # gradients reach the layer even if the weights are frozen
         with capture(model, key, grads=True, on_unfired="error") as acts:

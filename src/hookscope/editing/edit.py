@@ -360,6 +360,9 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
         PositionError: in the forward pass, the output has no token axis or a row lacks a
             position; as in ``ablate`` for ``heads`` and ``seq_dim``.
     """
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise ArgumentTypeError(f"scale must be a number (the multiplier of every vector, e.g. "
+                                f"scale=4.0); got {type(scale).__name__} {scale!r}")
     edits_part = positions is not None or heads is not None
     watcher = MaskWatcher(unwrap(model)[0], attention_mask) if edits_part else None
     rules = []

@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from hookscope.editing.sources import SourceReader
-from hookscope.engine.checks import check_nonempty
+from hookscope.engine.checks import check_flag, check_nonempty
 from hookscope.engine.names import ModuleIndex
 from hookscope.engine.select import Target, as_patterns, resolve
-from hookscope.errors import EditError
+from hookscope.errors import ArgumentTypeError, EditError
 from hookscope.record.positions import (
     Axes,
     Heads,
@@ -178,6 +178,12 @@ class Where:
     heads: Heads = None
     seq_dim: int | None = None
     absolute: bool = False
+
+    def __post_init__(self) -> None:
+        check_flag("absolute", self.absolute)
+        if self.seq_dim is not None and (not isinstance(self.seq_dim, int) or isinstance(self.seq_dim, bool)):
+            raise ArgumentTypeError(f"seq_dim must be an int (the token axis, e.g. seq_dim=2) or "
+                                    f"None; got {type(self.seq_dim).__name__} {self.seq_dim!r}")
 
     def axes(self, name: str, op: str | None, shape: Sequence[int]) -> Axes:
         return value_axes(name, op, shape, self.seq_dim, heads=self.heads is not None)

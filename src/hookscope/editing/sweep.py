@@ -21,10 +21,10 @@ from torch import nn
 from tqdm import tqdm
 
 from hookscope.editing.edit import edit
+from hookscope.engine.checks import check_callable, check_flag, check_nonempty
 from hookscope.engine.run import untouched
-from hookscope.engine.checks import check_flag, check_nonempty
 from hookscope.engine.select import as_patterns, resolve
-from hookscope.errors import ArgumentTypeError, EditError, PositionError, warn
+from hookscope.errors import EditError, PositionError, warn
 from hookscope.record.capture import capture
 from hookscope.record.positions import Axes, resolve_positions, tokens_first, value_axes
 from hookscope.util.extras import require
@@ -229,14 +229,16 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
     return sweep
 
 
+def check_metric(metric: object) -> None:
+    """Raise ``ArgumentTypeError`` unless ``metric`` is a function (sweeps, attribution)."""
+    check_callable("metric", metric, "lambda out: out.logits[:, -1, 3].mean(), returning one number")
+
+
 def _check_arguments(metric: object, positions: Sequence[int] | None, heads: object,
                      progress: object) -> None:
     """Refuse, before any forward, a metric that is not a function, ``positions=[]`` and flags
     that are not bools (``engine.checks``)."""
-    if not callable(metric):
-        raise ArgumentTypeError(f"metric must be a function of the model's output returning one "
-                                f"number, e.g. lambda out: out.logits[:, -1, 3].mean(); got "
-                                f"{type(metric).__name__}")
+    check_metric(metric)
     if positions is not None:
         check_nonempty("positions", positions, "positions=[-2, -1] (None: every position)")
     check_flag("heads", heads)

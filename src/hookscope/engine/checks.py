@@ -28,8 +28,8 @@ from torch import nn
 
 from hookscope.errors import ArgumentTypeError, ArgumentValueError, EmptySelectionError
 
-__all__ = ["check_device", "check_dtype", "check_finite", "check_flag", "check_model",
-           "check_nonempty"]
+__all__ = ["check_callable", "check_device", "check_dtype", "check_finite", "check_flag",
+           "check_model", "check_nonempty", "check_tensor"]
 
 
 def _got(value: object) -> str:
@@ -130,3 +130,15 @@ def check_finite(name: str, value: Any) -> None:
         raise ArgumentValueError(f"{name} holds {bad} NaN or infinite value{'s' if bad != 1 else ''} "
                                  f"of {value.numel()}: adding it would make every later activation "
                                  f"non-finite; fix the vector (torch.nan_to_num, or recompute it)")
+
+
+def check_callable(name: str, value: object, example: str) -> None:
+    """Raise ``ArgumentTypeError`` unless ``value`` is callable (a metric, a loss function)."""
+    if not callable(value):
+        raise ArgumentTypeError(f"{name} must be a function, e.g. {example}; got {_got(value)}")
+
+
+def check_tensor(name: str, value: object, example: str) -> None:
+    """Raise ``ArgumentTypeError`` unless ``value`` is a ``torch.Tensor``."""
+    if not isinstance(value, torch.Tensor):
+        raise ArgumentTypeError(f"{name} must be a tensor, e.g. {example}; got {_got(value)}")

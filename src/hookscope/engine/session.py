@@ -37,7 +37,13 @@ from hookscope.engine.function_names import refuse_uninterceptable
 from hookscope.engine.hooks import ModuleHooks, OwnedHook, on_node
 from hookscope.engine.names import ModuleIndex, index
 from hookscope.engine.select import Target, resolve, unwrap
-from hookscope.errors import HookNeverFiredError, HookNeverFiredWarning, HookscopeError, warn
+from hookscope.errors import (
+    ArgumentValueError,
+    HookNeverFiredError,
+    HookNeverFiredWarning,
+    HookscopeError,
+    warn,
+)
 
 OnUnfired = Literal["warn", "error", "ignore"]
 
@@ -66,7 +72,7 @@ class HookSession:
         itself (``resolve_checked``), with the ``names`` index it resolved them on; the session
         hands that one index to the witnesses, the unfired report and the error note."""
         if on_unfired not in ("warn", "error", "ignore"):
-            raise HookscopeError(f"on_unfired={on_unfired!r} is not one of 'warn', 'error', 'ignore'")
+            raise ArgumentValueError(f"on_unfired={on_unfired!r} is not one of 'warn', 'error', 'ignore'")
         self.model = model
         if targets is None:
             targets, names = resolve_checked(model, patterns)

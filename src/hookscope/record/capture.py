@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from hookscope.engine import copy_on_write
-from hookscope.engine.checks import check_device, check_dtype, check_flag
+from hookscope.engine.checks import check_device, check_dtype, check_flag, check_model
 from hookscope.engine.hooks import OwnedHook, in_recompute
 from hookscope.engine.select import Target, as_patterns, unwrap
 from hookscope.engine.session import HookSession, OnUnfired
@@ -544,6 +544,7 @@ def run(model: nn.Module, *args: Any, layers: str | Sequence[str],
         CaptureError: a keyword is a capture option (``grads=True``) that ``model.forward``
             does not name as a parameter: it would reach the model's ``**kwargs`` silently.
     """
+    check_model(model)
     patterns = as_patterns(layers)
     _refuse_options_as_keywords(model, kwargs)
     args, kwargs = _as_keywords(model, args, kwargs)
