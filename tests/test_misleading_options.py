@@ -116,3 +116,21 @@ def test_call_inputs_repr_is_one_short_line(gpt2: torch.nn.Module) -> None:
     assert shown.startswith("<hookscope.CallInputs hidden_states: 1x5x32 float32, ")
     assert "DynamicCache" in shown and "\n" not in shown and len(shown) < 250
     assert str(acts.inputs("transformer.h.0")) == shown
+
+
+class _TakesDtype(torch.nn.Module):
+    """A forward with a keyword that is also a capture option's name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.fc(x).to(dtype)
+
+
+def test_run_passes_an_option_name_the_forward_declares_to_the_model() -> None:
+    model, x = _TakesDtype(), torch.randn(2, 3)
+    out, acts = hookscope.run(model, x, layers="fc", dtype=torch.float64)
+    assert out.dtype == torch.float64 and acts["fc"].dtype == torch.float32  # the model's, not capture's
+    torch.testing.assert_close(out, model.fc(x).double())
