@@ -171,10 +171,11 @@ def explain_unfired(names: ModuleIndex, targets: Sequence[Target], ran: set[str]
 
 def unfired_message(unfired: dict[str, str], wide: Collection[str], consequence: str, *,
                     detailed: bool) -> str:
-    """The report on selected modules that never ran: one line with the reason for each name
-    the user typed; the silent members of a glob (``wide``: ``"**"``, ``"h.*"``, ``type:``)
-    summarised in one line (``detailed``: listed with their reasons too, for an error), so a
-    "capture everything" call on GPT-2 does not warn about each dropout SDPA never runs."""
+    """The report on selected modules that never ran: a line with the reason for each name
+    the user typed; the silent members of a glob (``wide``: ``"**"``, ``"h.*"``, ``type:``;
+    the session passes none when no glob member ran at all) summarised in one line
+    (``detailed``: listed with their reasons too, for an error), so a "capture everything"
+    call on GPT-2 does not warn about each dropout SDPA never runs."""
     typed = {k: why for k, why in unfired.items() if k not in wide or detailed}
     globbed = [k for k in unfired if k not in typed]
     parts = []

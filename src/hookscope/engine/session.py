@@ -284,6 +284,8 @@ class HookSession:
         if not self.unfired or self._on_unfired == "ignore":
             return
         wide = {t.key for t in self.targets if t.wide}
+        if wide <= set(self.unfired):  # no glob member ran: the globs found nothing, say why
+            wide = set()
         message = diagnose.unfired_message(self.unfired, wide, self._unfired_consequence,
                                            detailed=self._on_unfired == "error")
         if self._on_unfired == "error":
