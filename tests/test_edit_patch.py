@@ -33,14 +33,12 @@ def test_patching_every_record_of_the_source_by_default() -> None:
         assert torch.allclose(model(corrupted), clean_out)
 
 
-def test_patching_none_leaves_the_output_unchanged() -> None:
+def test_patching_no_layer_is_refused_as_every_empty_selection_is() -> None:
     model = ModuleListBlocks()
-    clean, corrupted = torch.randn(1, 8, 6, 6), torch.randn(1, 8, 6, 6)
     with hookscope.capture(model, "pos_block.*") as acts:
-        model(clean)
-    with hookscope.patch(model, source=acts, layers=[]):
-        patched = model(corrupted)
-    assert torch.equal(patched, model(corrupted))
+        model(torch.randn(1, 8, 6, 6))
+    with pytest.raises(hookscope.EmptySelectionError, match=r"layers selects nothing \(got \[\]\)"):
+        hookscope.patch(model, source=acts, layers=[])
 
 
 def test_call_k_gets_call_k_of_the_source() -> None:

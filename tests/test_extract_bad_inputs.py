@@ -61,8 +61,8 @@ def test_a_bad_argument_is_named_before_anything_runs(tmp_path: Path, name: str)
 
 
 def test_a_reduce_returning_no_tensor_is_named(tmp_path: Path) -> None:
-    with pytest.raises(ExtractError, match=r"reduce returned a NoneType for 'fc'; it must return "
-                                           r"a tensor"):
+    with pytest.raises(ExtractError, match=r"reduce function <lambda> returned a NoneType for an "
+                                           r"output of shape \(\d+, \d+\); it must return a tensor"):
         extract(_Counting(), DATA, "fc", tmp_path / "store", reduce=lambda t: None,
                 progress=False)
     assert not (tmp_path / "store").exists()

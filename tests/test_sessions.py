@@ -104,9 +104,14 @@ def test_edit_guessing_the_context_form_is_deprecated() -> None:
 
 
 @pytest.mark.parametrize(("given", "expected"), [("fc1", ["fc1"]), (["a", "b"], ["a", "b"]),
-                                                  (("x",), ["x"]), ([], [])])
+                                                  (("x",), ["x"])])
 def test_as_patterns(given: str | list[str] | tuple[str, ...], expected: list[str]) -> None:
     assert as_patterns(given) == expected
+
+
+def test_as_patterns_refuses_an_empty_list_naming_the_parameter() -> None:
+    with pytest.raises(hookscope.EmptySelectionError, match=r"^patterns selects nothing \(got \[\]\)"):
+        as_patterns([], "patterns")
 
 
 def test_errors_users_meet_are_exported() -> None:

@@ -29,9 +29,12 @@ from hookscope.editing.edit import Edit, ablate, edit, patch, steer
 from hookscope.editing.sweep import Sweep, patching_sweep
 from hookscope.engine.select import select
 from hookscope.errors import (
+    ArgumentTypeError,
+    ArgumentValueError,
     AttentionError,
     CaptureError,
     EditError,
+    EmptySelectionError,
     ExtractError,
     ExtractInterrupted,
     FusedModuleWarning,
@@ -62,6 +65,8 @@ from hookscope.train.monitor import Monitor, monitor
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentTypeError",
+    "ArgumentValueError",
     "AttentionError",
     "CallInputs",
     "Capture",
@@ -69,6 +74,7 @@ __all__ = [
     "Comparison",
     "Edit",
     "EditError",
+    "EmptySelectionError",
     "ExtractError",
     "ExtractInterrupted",
     "FusedModuleWarning",

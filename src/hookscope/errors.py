@@ -24,6 +24,23 @@ class SelectorError(HookscopeError, LookupError):
     """A pattern matched no module, or named a module whose hook could never fire."""
 
 
+class ArgumentTypeError(HookscopeError, TypeError):
+    """An argument of a public function has the wrong type (``capture(None, ...)``,
+    ``grads="yes"``, ``dtype="half"``): raised when the call is made, before anything runs; the
+    message names the parameter, what it got and what to pass."""
+
+
+class ArgumentValueError(HookscopeError, ValueError):
+    """An argument of a public function has the right type and a value that cannot work
+    (``to="nodevice"``, a NaN steering vector, ``positions=[]``): raised before anything runs."""
+
+
+class EmptySelectionError(SelectorError, ValueError):
+    """A selection that selects nothing: no pattern, ``edit(model, {})``, ``layers=[]``,
+    ``positions=[]``. Every verb refuses it (a call that would do nothing and say nothing is a
+    bug in the caller's code, not a request); it is a ``SelectorError`` and a ``ValueError``."""
+
+
 class HookNeverFiredError(HookscopeError, RuntimeError):
     """A selected module never ran while hooks were installed (``on_unfired="error"``).
 

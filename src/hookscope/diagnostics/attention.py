@@ -23,7 +23,7 @@ from torch import nn
 from hookscope.engine.function_mode import FunctionCall, Watch
 from hookscope.engine.function_names import refuse_uninterceptable
 from hookscope.engine.run import untouched
-from hookscope.engine.select import resolve
+from hookscope.engine.select import as_patterns, resolve
 from hookscope.engine.session import Observer
 from hookscope.errors import AttentionError
 from hookscope.record.grads import gradient_pass
@@ -201,7 +201,7 @@ def _watched(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     call to what is kept (``None``: not an attention). Returns ``{path: taken}`` and the output.
     The caller holds ``untouched(model)`` around it (and around any backward through the output:
     restoring a BatchNorm's buffers in place before it would fail autograd's version check)."""
-    patterns = [layers] if isinstance(layers, str) else list(layers)
+    patterns = as_patterns(layers)
     refuse_uninterceptable(model, patterns[0])
     targets = resolve(model, patterns)
     session = Observer(model, targets, explain_unfired=False)  # installs and removes the watch

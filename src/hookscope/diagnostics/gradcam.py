@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hookscope.engine.checks import check_tensor
 from hookscope.engine.run import untouched
 from hookscope.engine.select import resolve
 from hookscope.errors import GradcamError, SpecError
@@ -112,12 +113,13 @@ def gradcam(model: nn.Module, x: Tensor, layer: str,
         GradcamError: a parameter or buffer is an inference tensor (the model was built or
             loaded under ``torch.inference_mode()``): no gradient can pass through it.
     """
+    key = _one_target(model, layer)
+    if method not in _WEIGHTINGS:
+        raise GradcamError(f"method={method!r} is not one of {sorted(_WEIGHTINGS)}")
+    check_tensor("x", x, "images of shape (batch, channels, height, width)")
     if x.dim() != 4:
         raise GradcamError(f"x must be images (batch, channels, height, width); got shape "
                            f"{tuple(x.shape)}: add the batch dimension with x[None]")
-    if method not in _WEIGHTINGS:
-        raise GradcamError(f"method={method!r} is not one of {sorted(_WEIGHTINGS)}")
-    key = _one_target(model, layer)
     with untouched(model), gradient_pass(model, GradcamError):
         x = grad_leaf(x)  # gradients reach the layer even if the weights are frozen
         with capture(model, key, grads=True, on_unfired="error") as acts:
@@ -191,7 +193,7 @@ def _on_grid(tokens: Tensor, grid: tuple[int, int], key: str) -> Tensor:
     return patches.reshape(tokens.shape[0], h, w, tokens.shape[2]).permute(0, 3, 1, 2)
 
 
-def save_gradcam_overlay(image: np.ndarray | Tensor, cam: np.ndarray | Tensor,
+def save_gradcam_overlay(image: np.ndarray | Tensor | str | os.PathLike[str], cam: np.ndarray | Tensor,
                          path: str | os.PathLike[str], *, title: str | None = None,
                          overwrite: bool = True) -> Path:
     """Draw ``cam`` over ``image`` and write the PNG atomically (temporary file, then rename).
@@ -201,7 +203,8 @@ def save_gradcam_overlay(image: np.ndarray | Tensor, cam: np.ndarray | Tensor,
 
     Args:
         image: ``(height, width, 3)`` RGB, uint8 or float in [0, 1], as the model saw it (e.g.
-            ``Inputs.images[0]``: resized, before normalisation).
+            ``Inputs.images[0]``: resized, before normalisation); or the path of an image file
+            (read with Pillow, converted to RGB; the map is resized to its size).
         cam: ``(height, width)`` in [0, 1], e.g. ``gradcam(...)[0]``; resized to the image if
             its size differs.
         path: the PNG to write; its folder is created if missing.
@@ -212,7 +215,8 @@ def save_gradcam_overlay(image: np.ndarray | Tensor, cam: np.ndarray | Tensor,
         ``path`` as a ``Path``.
 
     Raises:
-        GradcamError: ``image`` is not ``(height, width, 3)`` or ``cam`` is not 2-D.
+        GradcamError: ``image`` is not ``(height, width, 3)`` or ``cam`` is not 2-D; ``image``
+            is a path that does not exist or is not an image Pillow reads.
         SpecError: ``path`` exists and ``overwrite`` is False.
         MissingExtraError: matplotlib is not installed (``pip install 'hookscope[viz]'``).
     """
@@ -294,7 +298,9 @@ def _unit_range(cam: Tensor) -> Tensor:
                        torch.zeros_like(cam))
 
 
-def _as_picture(image: np.ndarray | Tensor) -> np.ndarray:
+def _as_picture(image: np.ndarray | Tensor | str | os.PathLike[str]) -> np.ndarray:
+    if isinstance(image, (str, os.PathLike)):
+        return _read_picture(image)
     picture = image.detach().cpu().numpy() if isinstance(image, Tensor) else np.asarray(image)
     if picture.ndim != 3 or picture.shape[2] != 3:
         raise GradcamError(f"image must be (height, width, 3) RGB; got shape {picture.shape} "
@@ -302,6 +308,17 @@ def _as_picture(image: np.ndarray | Tensor) -> np.ndarray:
     if picture.dtype != np.uint8:
         picture = np.clip(picture.astype(np.float32), 0.0, 1.0)
     return picture
+
+
+def _read_picture(file: str | os.PathLike[str]) -> np.ndarray:
+    """The image file ``file`` as ``(height, width, 3)`` uint8 RGB (Pillow)."""
+    pil = require("PIL.Image", "save_gradcam_overlay")
+    try:
+        with pil.open(file) as opened:
+            return np.asarray(opened.convert("RGB"))
+    except (OSError, ValueError) as err:  # missing, a folder, not an image (UnidentifiedImageError)
+        raise GradcamError(f"image={os.fspath(file)!r} cannot be read as a picture ({err}); give "
+                           f"the path of a PNG/JPEG file, or a (height, width, 3) array") from None
 
 
 def _as_map(cam: np.ndarray | Tensor, size: tuple[int, ...]) -> np.ndarray:

@@ -18,8 +18,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from hookscope.engine.checks import check_tensor
 from hookscope.engine.run import untouched
-from hookscope.engine.select import resolve
+from hookscope.engine.select import as_patterns, resolve
 from hookscope.errors import CaptureError
 from hookscope.record.capture import capture
 from hookscope.util.figures import new_figure, save_figure
@@ -125,6 +126,7 @@ def logit_lens(model: nn.Module, input_ids: Tensor, *, layers: str | Sequence[st
             once or gave no ``(batch, seq, hidden)`` tensor.
     """
     norm, unembed = _readout(model)
+    check_tensor("input_ids", input_ids, "tokenizer(text, return_tensors='pt').input_ids, (batch, seq)")
     keys = list(dict.fromkeys(t.key for t in resolve(model, _patterns(model, layers))))
     with untouched(model), torch.no_grad():
         with capture(model, *keys, on_unfired="error") as acts:
@@ -159,7 +161,7 @@ def _missing(norm: nn.Module | None) -> str:
 
 def _patterns(model: nn.Module, layers: str | Sequence[str] | None) -> list[str]:
     if layers is not None:
-        return [layers] if isinstance(layers, str) else list(layers)
+        return as_patterns(layers)
     base = getattr(model, "base_model", model)
     prefix = next((name for name, module in model.named_modules() if module is base), "")
     for name in BLOCK_LISTS:

@@ -30,6 +30,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from hookscope.engine import diagnose
+from hookscope.engine.checks import check_callable, check_flag
 from hookscope.engine.names import index
 from hookscope.engine.run import untouched
 from hookscope.engine.select import Target, unwrap
@@ -163,6 +164,9 @@ def find_nonfinite(model: nn.Module, *args: Any, backward: bool = False,
             not require grad (the forward ran under ``torch.no_grad()``/``inference_mode`` or
             nothing requires grad).
     """
+    check_flag("backward", backward)
+    if loss_fn is not None:
+        check_callable("loss_fn", loss_fn, "lambda out: out.logits.sum()")
     diagnose.preflight(model)
     root, _ = unwrap(model)
     tracker = _Tracker(root, record_nodes=backward)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope.engine.checks import check_flag
 from hookscope.engine.run import model_inputs, untouched
 from hookscope.engine.select import Target, as_patterns
 from hookscope.engine.session import HookSession
@@ -220,6 +221,7 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
             the channel dimension asked for, or is complex.
     """
     patterns = as_patterns(layers)
+    check_flag("early_stop", early_stop)
     session = _StatsSession(model, patterns, per_channel, early_stop)
     count = 0
     with untouched(model), session, torch.no_grad():

@@ -35,9 +35,11 @@ from hookscope.editing.sweep import (
     _plain,
     _rows,
     _sequence_tensor,
+    check_metric,
 )
+from hookscope.engine.checks import check_nonempty
 from hookscope.engine.run import untouched
-from hookscope.engine.select import resolve
+from hookscope.engine.select import as_patterns, resolve
 from hookscope.errors import EditError
 from hookscope.record.capture import capture
 from hookscope.record.grads import gradient_pass
@@ -88,9 +90,11 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
         EditError: a layer's output is not a ``(batch, seq, ...)`` tensor or the layer runs
             more than once; ``metric`` does not return one differentiable number.
     """
+    keys = list(dict.fromkeys(t.key for t in resolve(model, as_patterns(layers))))
+    check_metric(metric)
+    if positions is not None:
+        check_nonempty("positions", positions, "positions=[-2, -1] (None: every position)")
     clean, corrupted = _plain(clean), _plain(corrupted)
-    keys = list(dict.fromkeys(t.key for t in resolve(model, [layers] if isinstance(layers, str)
-                                                      else list(layers))))
     clean_mask, corrupted_mask = _mask(clean), _mask(corrupted)
     with untouched(model):
         with torch.no_grad(), capture(model, *keys, on_unfired="error") as acts:

@@ -39,13 +39,14 @@ from torch import nn
 
 from hookscope.editing import rules as edit_rules
 from hookscope.editing.sources import Source, SourceReader
+from hookscope.engine.checks import check_finite, check_flag, check_nonempty
 from hookscope.engine.hooks import in_recompute
 from hookscope.engine.names import ModuleIndex
 from hookscope.engine.names import index as module_index
 from hookscope.engine.select import Target, as_patterns, unwrap
 from hookscope.engine.session import HookSession, OnUnfired, resolve_each
 from hookscope.engine.values import plain, restore_like, special
-from hookscope.errors import EditError, warn
+from hookscope.errors import ArgumentTypeError, EditError, warn
 from hookscope.record.positions import Heads, MaskWatcher, Positions
 from hookscope.util.nested import get_part, iter_tensors, set_part
 
@@ -184,6 +185,15 @@ def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: b
     """
     _check_mapping("edits", edits, "fn", "to zero modules instead, use hookscope.ablate(model, "
                    "patterns)")
+    check_flag("inputs", inputs)
+    check_flag("context", context)
+    for pattern, fn in edits.items():
+        if not callable(fn):
+            hint = ("to zero it use hookscope.ablate(model, ...); to replace it by a tensor "
+                    "write lambda output: value" if fn is None or isinstance(fn, (str, Tensor))
+                    else "e.g. lambda output: output * 2")
+            raise ArgumentTypeError(f"edits[{pattern!r}] must be a function of the output; got "
+                                    f"{type(fn).__name__} ({hint})")
     rules = [(pattern, _adapt(pattern, fn, inputs, context)) for pattern, fn in edits.items()]
     return Edit(model, rules, inputs=inputs, on_unfired=on_unfired)
 
@@ -228,7 +238,7 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
             head that does not exist, ``heads`` on a value without a heads axis, ``positions``
             on a function's value of unknown layout without ``seq_dim``.
     """
-    patterns = as_patterns(patterns)
+    patterns = as_patterns(patterns, "patterns")
     if how not in ("zero", "mean", "resample"):
         raise EditError(f"how={how!r} is not one of 'zero', 'mean', 'resample'")
     rule: Rule = edit_rules.zero
@@ -350,6 +360,9 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
         PositionError: in the forward pass, the output has no token axis or a row lacks a
             position; as in ``ablate`` for ``heads`` and ``seq_dim``.
     """
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise ArgumentTypeError(f"scale must be a number (the multiplier of every vector, e.g. "
+                                f"scale=4.0); got {type(scale).__name__} {scale!r}")
     edits_part = positions is not None or heads is not None
     watcher = MaskWatcher(unwrap(model)[0], attention_mask) if edits_part else None
     rules = []
@@ -358,6 +371,7 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
         if not isinstance(vector, Tensor):
             raise EditError(f"the steering vector for '{pattern}' is a {type(vector).__name__}; "
                             f"give a tensor, e.g. torch.tensor(values) of shape (d_model,)")
+        check_finite(f"vectors[{pattern!r}]", vector)
         rule = edit_rules.steer_rule(vector.detach() * scale)
         if watcher is not None:
             rule = edit_rules.at_positions(rule, positions, watcher,
@@ -409,6 +423,7 @@ def _check_mapping(name: str, value: object, item: str, hint: str) -> None:
     if not isinstance(value, Mapping):
         raise EditError(f"{name} must be a dict {{pattern: {item}}}, e.g. {{'layers.3': ...}}; got "
                         f"a {type(value).__name__} ({hint})")
+    check_nonempty(name, value, f"{{'layers.3': {item}}}")
 
 
 def _part(output: Any, target: Target) -> Any:

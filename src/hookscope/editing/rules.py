@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from hookscope.editing.sources import SourceReader
+from hookscope.engine.checks import check_flag, check_nonempty
 from hookscope.engine.names import ModuleIndex
 from hookscope.engine.select import Target, as_patterns, resolve
-from hookscope.errors import EditError
+from hookscope.errors import ArgumentTypeError, EditError
 from hookscope.record.positions import (
     Axes,
     Heads,
@@ -132,6 +133,7 @@ def patch_positions_rule(records: SourceReader, source_of: dict[str, Target], de
                          where: Where) -> Rule:
     """Patch rule that writes the source's ``origin`` positions (of the selected heads) into
     this run's ``destination``, each on its value's token axis."""
+    _check_selection(destination, where)
     def rule(value: Any, target: Target, call: int) -> Any:
         def replace(live: Tensor, keys: tuple[int | str, ...]) -> Tensor:
             name = f"{target.key}{_suffix(keys)}"
@@ -177,13 +179,21 @@ class Where:
     seq_dim: int | None = None
     absolute: bool = False
 
+    def __post_init__(self) -> None:
+        check_flag("absolute", self.absolute)
+        if self.seq_dim is not None and (not isinstance(self.seq_dim, int) or isinstance(self.seq_dim, bool)):
+            raise ArgumentTypeError(f"seq_dim must be an int (the token axis, e.g. seq_dim=2) or "
+                                    f"None; got {type(self.seq_dim).__name__} {self.seq_dim!r}")
+
     def axes(self, name: str, op: str | None, shape: Sequence[int]) -> Axes:
         return value_axes(name, op, shape, self.seq_dim, heads=self.heads is not None)
 
 
 def at_positions(rule: Rule, positions: Positions, watcher: MaskWatcher, where: Where) -> Rule:
     """``rule`` applied at ``positions`` of each value's token axis and at ``where.heads`` of
-    its heads axis only; elsewhere the output is kept."""
+    its heads axis only; elsewhere the output is kept. Empty ``positions``/``heads`` are
+    refused here, at construction (``EmptySelectionError``)."""
+    _check_selection(positions, where)
     def positioned(value: Any, target: Target, call: int) -> Any:
         new = rule(value, target, call)
 
@@ -198,6 +208,13 @@ def at_positions(rule: Rule, positions: Positions, watcher: MaskWatcher, where: 
     return positioned
 
 
+def _check_selection(positions: Positions, where: Where) -> None:
+    """The one rule for empty selections (``engine.checks``): ``positions=[]``, ``heads=[]``
+    select nothing and are refused, as ``capture(model)`` without a pattern is."""
+    check_nonempty("positions", positions, "positions=[-1] (None: every position)")
+    check_nonempty("heads", where.heads, "heads=[0] (None: every head)")
+
+
 def _batch_seq(shape: Sequence[int], axes: Axes) -> tuple[int, int]:
     return int(shape[0]), int(shape[axes.seq])
 
@@ -209,11 +226,13 @@ def layer_pairs(records: SourceReader, layers: str | Sequence[str] | Mapping[str
         if source_layers is not None:
             raise EditError("give the source layers once: either layers={pattern: source "
                             "pattern} or source_layers=[...], not both")
+        check_nonempty("layers", layers, "layers={'blocks.3': 'blocks.2'}")
         return list(layers.items())
     patterns = records.keys() if layers is None else as_patterns(layers)
+    check_nonempty("source", patterns, "source=acts, a capture holding at least one record")
     if source_layers is None:
         return [(p, None) for p in patterns]
-    sources = as_patterns(source_layers)
+    sources = as_patterns(source_layers, "source_layers")
     if len(sources) != len(patterns):
         raise EditError(f"layers has {len(patterns)} patterns and source_layers {len(sources)}; "
                         f"give one source pattern per pattern, in the same order")
@@ -238,11 +257,13 @@ def source_targets(model: nn.Module, pairs: list[tuple[str, str | None]],
 
 
 def check_fits(pattern: str, target: Target, call: int, old: Any, new: Any) -> None:
-    """Raise ``EditError`` unless ``new`` has the structure, shapes and dtypes of ``old``: the
-    next module expects what this one returns, and would fail far from the edit otherwise."""
+    """Raise ``EditError`` unless ``new`` has the structure, shapes, dtypes and devices of
+    ``old``: the next module expects what this one returns, and would fail far from the edit
+    otherwise (a ``meta`` or other-device tensor gives a torch error deep in the next layer)."""
     where = f"the edit of '{pattern}' does not fit call {call} of '{target.key}' " \
             f"({type(target.module).__name__}): the module returned"
-    fix = ("An edit must return what the module returns (same structure, shapes and dtypes), "
+    fix = ("An edit must return what the module returns (same structure, shapes, dtypes and "
+           "devices: build it with torch.zeros_like(output) or move it with .to(output.device)), "
            "or None to keep it.")
     if _kind(old) != _kind(new):
         raise EditError(f"{where} {_describe(old)}, but the edit returned {_describe(new)}. {fix}")
@@ -252,7 +273,8 @@ def check_fits(pattern: str, target: Target, call: int, old: Any, new: Any) -> N
                         f"at {_keys(new_leaves)}. {fix}")
     for keys, tensor in old_leaves.items():
         edited = new_leaves[keys]
-        if edited.shape != tensor.shape or edited.dtype != tensor.dtype:
+        if (edited.shape != tensor.shape or edited.dtype != tensor.dtype
+                or edited.device != tensor.device):
             at = f" at {_suffix(keys)}" if keys else ""
             raise EditError(f"{where}{at} {_describe(tensor)}, but the edit returned "
                             f"{_describe(edited)}. {fix}")
@@ -270,7 +292,7 @@ def _kind(value: Any) -> str:
 
 def _describe(value: Any) -> str:
     if isinstance(value, Tensor):
-        return f"a Tensor of shape {tuple(value.shape)}, dtype {value.dtype}"
+        return f"a Tensor of shape {tuple(value.shape)}, dtype {value.dtype} on {value.device}"
     if isinstance(value, (tuple, list)):
         return f"a {type(value).__name__} of {len(value)}"
     if isinstance(value, Mapping):

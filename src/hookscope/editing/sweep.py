@@ -21,8 +21,9 @@ from torch import nn
 from tqdm import tqdm
 
 from hookscope.editing.edit import edit
+from hookscope.engine.checks import check_callable, check_flag, check_nonempty
 from hookscope.engine.run import untouched
-from hookscope.engine.select import resolve
+from hookscope.engine.select import as_patterns, resolve
 from hookscope.errors import EditError, PositionError, warn
 from hookscope.record.capture import capture
 from hookscope.record.positions import Axes, resolve_positions, tokens_first, value_axes
@@ -188,8 +189,9 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
         EditError: a layer's output is not a tensor with a batch and a token axis; layers with
             different head counts; ``metric`` does not return one number.
     """
+    targets = resolve(model, as_patterns(layers))
+    _check_arguments(metric, positions, heads, progress)
     clean, corrupted = _plain(clean), _plain(corrupted)
-    targets = resolve(model, [layers] if isinstance(layers, str) else list(layers))
     ops = {t.key: t.op for t in targets}
     keys = list(ops)
     clean_mask, corrupted_mask = _mask(clean), _mask(corrupted)
@@ -225,6 +227,22 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
     if plot is not None:
         sweep.plot(plot)
     return sweep
+
+
+def check_metric(metric: object) -> None:
+    """Raise ``ArgumentTypeError`` unless ``metric`` is a function (sweeps, attribution)."""
+    check_callable("metric", metric, "lambda out: out.logits[:, -1, 3].mean(), returning one number")
+
+
+def _check_arguments(metric: object, positions: Sequence[int] | None, heads: object,
+                     progress: object) -> None:
+    """Refuse, before any forward, a metric that is not a function, ``positions=[]`` and flags
+    that are not bools (``engine.checks``)."""
+    check_metric(metric)
+    if positions is not None:
+        check_nonempty("positions", positions, "positions=[-2, -1] (None: every position)")
+    check_flag("heads", heads)
+    check_flag("progress", progress)
 
 
 def _run_chunk(model: nn.Module, corrupted: Any, key: str, source: Tensor, axes: Axes,

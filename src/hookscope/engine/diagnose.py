@@ -178,6 +178,29 @@ def other_threads(path: str, calls: int) -> str:
             f"model")
 
 
+def unfired_message(unfired: dict[str, str], wide: Collection[str], consequence: str, *,
+                    detailed: bool) -> str:
+    """The report on selected modules that never ran: a line with the reason for each name
+    the user typed; the silent members of a glob (``wide``: ``"**"``, ``"h.*"``, ``type:``;
+    the session passes none when no glob member ran at all) summarised in one line
+    (``detailed``: listed with their reasons too, for an error), so a "capture everything"
+    call on GPT-2 does not warn about each dropout SDPA never runs."""
+    typed = {k: why for k, why in unfired.items() if k not in wide or detailed}
+    globbed = [k for k in unfired if k not in typed]
+    parts = []
+    if typed:
+        lines = "\n".join(f"  - {key}: {why}" for key, why in typed.items())
+        n = len(typed)
+        parts.append(f"{n} selected module{'s' if n > 1 else ''} never ran, so no hook fired and "
+                     f"{consequence}:\n{lines}")
+    if globbed:
+        shown = ", ".join(globbed[:4]) + (f", … {len(globbed) - 4} more" if len(globbed) > 4 else "")
+        parts.append(f"{len(globbed)} module{'s' if len(globbed) > 1 else ''} that a pattern "
+                     f"matched never ran ({shown}); {consequence} there (the reason of each is in "
+                     f".unfired)")
+    return "\n".join(parts)
+
+
 def _reason(path: str, modules: dict[str, nn.Module], children: dict[str, list[str]],
             ran: set[str]) -> str:
     module = modules[path]

@@ -43,6 +43,7 @@ import torch
 import torch.fx
 from torch import nn
 
+from hookscope.engine.checks import check_nonempty
 from hookscope.engine.function_names import split_address
 from hookscope.engine.names import ModuleIndex, index
 from hookscope.engine.record_key import ROOT, RecordKey
@@ -69,7 +70,8 @@ class Target:
         record_key: the ``RecordKey`` of its records (no call); ``key`` is its name.
         key: the record name, the path, ``::op`` and parts: ``"lstm[1][0]"``,
             ``"h.0.attn::softmax"``, ``"::relu#1"``; ``"(root)"`` for the root's output.
-        wide: selected by a glob, ``re:`` or ``type:`` pattern (not by its exact name); a
+        wide: selected by a glob, ``re:`` or ``type:`` pattern (not by its exact name): if it
+            never runs, the report summarises it in one line rather than warning about it; a
             function-level target selected so need not make the call (only some modules do).
     """
 
@@ -123,9 +125,7 @@ def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str], *,
     session builds it once); else it is built here. Raises ``SelectorError`` as ``select`` does."""
     if isinstance(patterns, str):
         patterns = [patterns]
-    if not patterns:
-        raise SelectorError("no pattern given: name at least one module, e.g. 'conv2', "
-                            "'blocks.*', 'type:Linear' or '**' for every module")
+    check_nonempty("patterns", patterns, "'conv2', 'blocks.*', 'type:Linear' or '**' for every module")
     names = index(model) if names is None else names
     order = {path: i for i, path in enumerate(names.modules)}
     chosen: dict[tuple[str, tuple[int | str, ...], str | None], Target] = {}
@@ -133,15 +133,18 @@ def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str], *,
         if not isinstance(pattern, str):
             raise SelectorError(f"patterns are strings; got {type(pattern).__name__} {pattern!r}")
         for target in _resolve_address(names, pattern.strip()):
-            chosen.setdefault((target.path, target.parts, target.op), target)
+            known = chosen.get((target.path, target.parts, target.op))
+            if known is None or known.wide and not target.wide:  # a name typed too: not wide
+                chosen[(target.path, target.parts, target.op)] = target
     return sorted(chosen.values(), key=lambda t: order[t.path])
 
 
 def _resolve_address(names: ModuleIndex, pattern: str) -> list[Target]:
     """A module pattern, or a function-level address ``module pattern::op[parts]``."""
     base, op, op_parts = split_address(pattern)
+    wide = base.startswith(("re:", "type:")) or "*" in base or "?" in base
     if op is None:
-        return [_target(names, path, parts) for path, parts in _resolve_one(names, pattern)]
+        return [_target(names, path, parts, None, wide) for path, parts in _resolve_one(names, pattern)]
     _, parts = _split_parts("_" + op_parts)
     if not base:
         return [_target(names, "", parts, op)]
@@ -149,7 +152,6 @@ def _resolve_address(names: ModuleIndex, pattern: str) -> list[Target]:
     if any(p for _, p in found):
         raise SelectorError(f"'{pattern}': output parts of a function call come after its name, "
                             f"e.g. '{base.split('[')[0]}::{op}[0]'")
-    wide = base.startswith(("re:", "type:")) or "*" in base or "?" in base
     return [_target(names, path, parts, op, wide) for path, _ in found]
 
 
@@ -383,9 +385,12 @@ def _no_match_message(pattern: str, names: ModuleIndex, matched: list[str]) -> s
     return (f"pattern '{pattern}' matched no module{hint}. Globs: '*' is one dotted segment, "
             f"'**' any number of them{deeper}; 'hookscope tree MODEL' lists every path")
 
-def as_patterns(layers: str | Sequence[str]) -> list[str]:
+def as_patterns(layers: str | Sequence[str], name: str = "layers") -> list[str]:
     """One pattern or a list of patterns -> a list of patterns: ``"fc1"`` -> ``["fc1"]``.
 
     Every public function that takes "a pattern or a list of patterns" (``layers=``) reads it
-    through this; a lone string is never split into its characters."""
-    return [layers] if isinstance(layers, str) else list(layers)
+    through this; a lone string is never split into its characters. An empty list raises
+    ``EmptySelectionError`` naming the parameter ``name`` (``engine.checks.check_nonempty``)."""
+    patterns = [layers] if isinstance(layers, str) else list(layers)
+    check_nonempty(name, patterns, f"{name}='blocks.*'")
+    return patterns

@@ -37,7 +37,13 @@ from hookscope.engine.function_names import refuse_uninterceptable
 from hookscope.engine.hooks import ModuleHooks, OwnedHook, on_node
 from hookscope.engine.names import ModuleIndex, index
 from hookscope.engine.select import Target, resolve, unwrap
-from hookscope.errors import HookNeverFiredError, HookNeverFiredWarning, HookscopeError, warn
+from hookscope.errors import (
+    ArgumentValueError,
+    HookNeverFiredError,
+    HookNeverFiredWarning,
+    HookscopeError,
+    warn,
+)
 
 OnUnfired = Literal["warn", "error", "ignore"]
 
@@ -69,7 +75,7 @@ class HookSession:
         itself (``resolve_checked``), with the ``names`` index it resolved them on; the session
         hands that one index to the witnesses, the unfired report and the error note."""
         if on_unfired not in ("warn", "error", "ignore"):
-            raise HookscopeError(f"on_unfired={on_unfired!r} is not one of 'warn', 'error', 'ignore'")
+            raise ArgumentValueError(f"on_unfired={on_unfired!r} is not one of 'warn', 'error', 'ignore'")
         self.model = model
         if targets is None:
             targets, names = resolve_checked(model, patterns)
@@ -278,10 +284,11 @@ class HookSession:
     def _report_unfired(self) -> None:
         if not self.unfired or self._on_unfired == "ignore":
             return
-        lines = "\n".join(f"  - {key}: {why}" for key, why in self.unfired.items())
-        n = len(self.unfired)
-        message = (f"{n} selected module{'s' if n > 1 else ''} never ran, so no hook fired and "
-                   f"{self._unfired_consequence}:\n{lines}")
+        wide = {t.key for t in self.targets if t.wide}
+        if wide <= set(self.unfired):  # no glob member ran: the globs found nothing, say why
+            wide = set()
+        message = diagnose.unfired_message(self.unfired, wide, self._unfired_consequence,
+                                           detailed=self._on_unfired == "error")
         if self._on_unfired == "error":
             raise HookNeverFiredError(message + "\n(what the modules that ran did is in err.capture)",
                                       capture=self, unfired=self.unfired)

@@ -28,6 +28,8 @@ import textwrap
 
 from torch import nn
 
+from hookscope.engine.checks import check_model
+
 __all__ = ["wrapped_attribute", "unwrap"]
 
 _ATTRIBUTE = re.compile(r"module|model|base_model|_orig_mod|_\w+_module")
@@ -63,6 +65,7 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, tuple[str, ...]]:
         The innermost model and the wrapper prefixes removed, outermost first
         (e.g. ``("module.",)`` for ``DataParallel``; ``()`` for a model that is not wrapped).
     """
+    check_model(model)  # every verb reaches its model through here first
     prefixes: list[str] = []
     while (attribute := wrapped_attribute(model)) is not None:
         prefixes.append(attribute + ".")

@@ -12,6 +12,7 @@ tensor really written later is copied, when the write happens (``engine.copy_on_
 
 from __future__ import annotations
 
+import copy
 import inspect
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from hookscope.engine import copy_on_write
+from hookscope.engine.checks import check_device, check_dtype, check_flag, check_model
 from hookscope.engine.hooks import OwnedHook, in_recompute
 from hookscope.engine.select import Target, as_patterns, unwrap
 from hookscope.engine.session import HookSession, OnUnfired
@@ -169,17 +171,17 @@ class Capture(HookSession, Records):
 
     def _make_hook(self, slots: list[_Slot]) -> Callable[..., None]:
         snapshot = self._snapshot
-        with_grads, convert = self._options.grads, self._grad_convert
+        with_grads, grad_now = self._options.grads, self._grad_now
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if in_recompute():
-                _regrad(slots, output, convert)
+                _regrad(slots, output, grad_now())
                 return
             for slot in slots:
                 slot.entry.outputs.append(snapshot(_part(output, slot), slot))
             if with_grads:
                 for slot in slots:
-                    slot.entry.grads.append(watch_output(_part(output, slot), convert))
+                    slot.entry.grads.append(watch_output(_part(output, slot), grad_now()))
         return hook
 
     def _function_hook(self, slot: _Slot) -> Callable[..., None]:
@@ -188,7 +190,7 @@ class Capture(HookSession, Records):
         made inside a forward are often written in place by the code that follows,
         ``x += ...``); with ``inputs=True`` the function's arguments; with ``grads=True`` a
         gradient watch."""
-        options, convert, entry, snapshot = self._options, self._grad_convert, slot.entry, self._snapshot
+        options, entry, snapshot, grad_now = self._options, slot.entry, self._snapshot, self._grad_now
         clone = options.clone
 
         def keep_input(t: Tensor) -> Tensor:
@@ -200,8 +202,22 @@ class Capture(HookSession, Records):
             if options.inputs:
                 entry.inputs.append((map_tensors(keep_input, args), map_tensors(keep_input, rest[0])))
             if options.grads:
-                entry.grads.append(watch_output(output, convert))
+                entry.grads.append(watch_output(output, grad_now()))
         return hook
+
+    def _grad_now(self) -> Callable[[Tensor], Tensor]:
+        """The conversion of the gradient of the call running now: ``to``/``dtype``, then
+        ``reduce`` with this forward's attention mask (bound now: the backward pass may come
+        after other forwards), so a gradient has the shape of its reduced output."""
+        reduce, base = self._options.reduce, self._grad_convert
+        if reduce is None or self._mask is None:
+            return base
+        frozen = copy.copy(self._mask)  # the watcher's mask as of this call
+
+        def convert(grad: Tensor) -> Tensor:
+            grad = base(grad)
+            return reduce(grad, _mask_of(frozen, grad))
+        return convert
 
     def _snapshot_fn(self) -> Callable[[Any, _Slot], Any]:
         """Return ``snapshot(output, slot)``: the output with each tensor detached, converted,
@@ -426,13 +442,16 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
             ``NoGrad(reason)``. Each input that requires grad reaches the module as an alias
             (same values and memory) that carries the tensor hook.
         to: device to move captured tensors to (``"cpu"`` frees accelerator memory).
-        dtype: dtype to cast captured floating tensors to (e.g. ``torch.float16`` halves memory).
+        dtype: floating dtype to cast captured floating tensors to (e.g. ``torch.float16``
+            halves memory); integer dtypes are refused.
         reduce: applied to each captured tensor at capture time: a named reduction as
             ``extract`` takes (``"mean"``, ``"first"``, ``"last"``; ``hookscope.reductions`` says
             which axis each uses), which counts only the real tokens of the ``attention_mask``
             the model is called with (by keyword or position), so its rows equal ``extract``'s;
             or a function of the output, e.g. ``lambda t: t.mean(dim=(2, 3))`` keeps
-            ``(batch, channels)``.
+            ``(batch, channels)``. With ``grads=True`` each gradient is reduced the same way
+            (with the mask of its own forward), so ``acts.grad(path)`` has the shape of
+            ``acts[path]``; inputs and their gradients (``grad_inputs``) are kept whole.
         clone: ``None`` (default) keeps each tensor copy-on-write: nothing is copied unless a
             later in-place op writes it, and then only that tensor, just before the write (the
             writer gets the copy; exact in every grad mode, see ``engine.copy_on_write``); ``True``
@@ -464,18 +483,38 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
             ``torch.no_grad()`` or ``torch.inference_mode()``: no gradient could be recorded
             there (the message gives the fix: ``torch.enable_grad()``, or leave inference
             mode; switching gradients off inside the block is allowed and marks ``NoGrad``).
-        ReductionError: ``reduce`` is not a known name or a function (at once).
+        ReductionError: ``reduce`` is not a known name or a function (at once); a ``reduce``
+            function that returns something other than a tensor (at its first call).
+        ArgumentTypeError: at once, ``model`` is not an ``nn.Module``; a flag (``inputs``,
+            ``grads``, ``grad_inputs``, ``clone``, ``early_stop``) is not a ``bool``
+            (``grads="yes"`` is refused, not read as true); ``to``/``dtype`` of the wrong type.
+        ArgumentValueError: at once, ``to`` is not a device this machine has
+            (``"nodevice"``, ``"cuda:7"``); ``dtype`` is not floating (``torch.int8`` would
+            truncate every activation).
         HookscopeError: the model cannot be hooked (TorchScript), or an option is invalid.
     """
     if early_stop and (grads or grad_inputs):
         raise CaptureError("early_stop=True ends the forward before the model's output exists, so "
                            "no loss and no backward pass can reach the captured modules: drop "
                            "early_stop to record gradients (grads=True / grad_inputs=True)")
+    _check_options(inputs=inputs, grads=grads, grad_inputs=grad_inputs, early_stop=early_stop,
+                   to=to, dtype=dtype, clone=clone)
     reducer = reduction(reduce)
     options = CaptureOptions(inputs=inputs, grads=grads, grad_inputs=grad_inputs, to=to, dtype=dtype,
                              reduce=reducer,
                              clone=clone, early_stop=early_stop)
     return Capture(model, patterns, options, on_unfired)
+
+
+def _check_options(*, to: object, dtype: object, clone: object, **flags: object) -> None:
+    """Refuse a bad capture option at construction (``engine.checks``): a flag that is not a
+    bool, a device torch cannot parse or this machine lacks, a dtype that is not floating."""
+    for name, value in flags.items():
+        check_flag(name, value)
+    if clone is not None:
+        check_flag("clone", clone)
+    check_device("to", to)
+    check_dtype("dtype", dtype, floating=True)
 
 
 def run(model: nn.Module, *args: Any, layers: str | Sequence[str],
@@ -505,6 +544,7 @@ def run(model: nn.Module, *args: Any, layers: str | Sequence[str],
         CaptureError: a keyword is a capture option (``grads=True``) that ``model.forward``
             does not name as a parameter: it would reach the model's ``**kwargs`` silently.
     """
+    check_model(model)
     patterns = as_patterns(layers)
     _refuse_options_as_keywords(model, kwargs)
     args, kwargs = _as_keywords(model, args, kwargs)

@@ -93,9 +93,12 @@ def value_axes(key: str, op: str | None, shape: Sequence[int], seq_dim: int | No
     elif known:
         axes = Axes(dims - 2, head_axis)
     elif op is None:
-        if dims < 2:
-            raise PositionError(f"positions index the token axis, dim 1 of a module's output, but "
-                                f"'{key}' has shape {tuple(shape)}, without one")
+        if dims < 3:  # (batch, features): dim 1 is features, as reduce="first" refuses it
+            raise PositionError(
+                f"positions index the token axis, dim 1 of a (batch, seq, ...) module output, but "
+                f"'{key}' has shape {tuple(shape)}, without one (dim 1 of a (batch, features) "
+                f"output is features, not tokens); select a module that returns (batch, seq, "
+                f"features), or give seq_dim=1 if dim 1 really holds the tokens")
         axes = Axes(1)
     else:
         raise PositionError(

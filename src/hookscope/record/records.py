@@ -27,7 +27,7 @@ from torch import nn
 from hookscope.engine.function_names import bind_arguments
 from hookscope.engine.record_key import Part, RecordKey
 from hookscope.engine.values import check_has_values, outside_inference
-from hookscope.errors import CaptureError, HookscopeError
+from hookscope.errors import ArgumentTypeError, CaptureError, HookscopeError
 from hookscope.record.grads import NO_GRADIENT_YET, GradRecord
 from hookscope.util.files import write_atomic
 from hookscope.util.nested import get_part, iter_tensors_with_keys
@@ -54,6 +54,13 @@ class CallInputs:
         if isinstance(key, int):
             return list(self.named.values())[key]
         return self.named[key]
+
+    def __repr__(self) -> str:
+        """One line like ``Capture``'s: each named input as its shape and dtype (a tensor) or
+        its type (a cache, a list), the first six; never the values."""
+        shown = [f"{name}: {_brief(value)}" for name, value in list(self.named.items())[:6]]
+        more = f", … {len(self.named) - 6} more" if len(self.named) > 6 else ""
+        return f"<hookscope.CallInputs {', '.join(shown)}{more}>"
 
 
 class Entry:
@@ -178,6 +185,7 @@ class Records:
 
     # ----------------------------------------------------------------- values
     def __getitem__(self, key: str | tuple[str, int] | RecordKey) -> Any:
+        _check_key(key)
         if isinstance(key, tuple):
             return self._value(*key)
         if isinstance(key, str) and (key in self._entries or key in self.aliases):
@@ -372,6 +380,19 @@ class Records:
         return Records(entries, metadata=metadata)
 
 
+def _check_key(key: object) -> None:
+    """Raise ``ArgumentTypeError`` unless ``key`` is ``"path"``, a ``RecordKey`` or ``("path",
+    call)`` with an ``int`` call (a ``bool`` is not a call index, though Python counts it one)."""
+    if isinstance(key, (str, RecordKey)):
+        return
+    if (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str)
+            and isinstance(key[1], int) and not isinstance(key[1], bool)):
+        return
+    raise ArgumentTypeError(f"a record is read as acts['path'], acts['path', k] with an int call "
+                            f"k, or acts[RecordKey]; got acts[{key!r}] ({type(key).__name__}). "
+                            f"List what was recorded with list(acts)")
+
+
 def _check_savable(key: str, t: Tensor) -> None:
     """Raise unless safetensors can write ``t``: it has values and a dtype it knows."""
     check_has_values(t, key, "save")
@@ -401,6 +422,15 @@ def _rebuild(leaves: dict[tuple[Part, ...], Tensor]) -> Any:
     if len(positions) == len(built):
         return tuple(built.get(i) for i in range(max(positions) + 1))
     return built
+
+
+def _brief(value: Any) -> str:
+    """A value in a few characters: ``2x5 int64`` for a tensor, ``None``, ``True``, else its type."""
+    if isinstance(value, Tensor):
+        return f"{'x'.join(map(str, value.shape)) or 'scalar'} {str(value.dtype).removeprefix('torch.')}"
+    if value is None or isinstance(value, (bool, int, float)):
+        return repr(value)
+    return type(value).__name__
 
 
 def _shapes(outputs: list[Any]) -> str:

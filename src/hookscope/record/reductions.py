@@ -46,7 +46,8 @@ def reduction(reduce: Reduce) -> Reduction | None:
             ``(batch, ...)`` (it is given the output only, not the mask).
 
     Raises:
-        ReductionError: ``reduce`` is another string or object (checked here, before any run).
+        ReductionError: ``reduce`` is another string or object (checked here, before any run);
+            the returned reduction, when a ``reduce`` function returns no tensor.
     """
     if reduce is None:
         return None
@@ -60,7 +61,16 @@ def reduction(reduce: Reduce) -> Reduction | None:
         raise ReductionError(f"reduce={reduce!r} is a {type(reduce).__name__}: use one of "
                              f"{', '.join(repr(n) for n in NAMES)}, None, or a function")
     function = reduce
-    return lambda t, mask: function(t)
+
+    def reduced(t: Tensor, mask: Tensor | None) -> Tensor:
+        rows = function(t)
+        if not isinstance(rows, Tensor):
+            raise ReductionError(f"reduce function {getattr(function, '__name__', function)} returned "
+                                 f"a {type(rows).__name__} for an output of shape "
+                                 f"{tuple(t.shape)}; it must return a tensor whose dim 0 is the "
+                                 f"batch, e.g. lambda t: t.mean(dim=1)")
+        return rows
+    return reduced
 
 
 def reduction_name(reduce: Reduce) -> str | None:

@@ -521,10 +521,7 @@ def _layer_rows(key: str, t: Tensor, n: int, mask: Tensor | None, job: _Job
                            f"a module whose output is batch-first")
     lengths = None
     if job.reducer is not None:
-        t = job.reducer(t, mask)
-        if not isinstance(t, Tensor):
-            raise ExtractError(f"reduce returned a {type(t).__name__} for '{key}'; it must "
-                               f"return a tensor whose dim 0 is the batch ({n})")
+        t = job.reducer(t, mask)  # a function returning no tensor raises there (reductions.py)
         if t.dim() == 0 or t.shape[0] != n:
             raise ExtractError(f"reduce turned the output of '{key}' into shape "
                                f"{tuple(t.shape)}; it must keep dim 0 (the batch, {n})")

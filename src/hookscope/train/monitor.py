@@ -41,7 +41,13 @@ from hookscope.engine.hooks import after_backward, on_optimizer_step, on_tensor_
 from hookscope.engine.run import detached_clones, input_device, state_snapshot
 from hookscope.engine.select import Target, as_patterns, unwrap
 from hookscope.engine.session import Observer, resolve_checked
-from hookscope.errors import HookscopeError, NonFiniteStepError, NonFiniteStepWarning, warn
+from hookscope.errors import (
+    ArgumentValueError,
+    HookscopeError,
+    NonFiniteStepError,
+    NonFiniteStepWarning,
+    warn,
+)
 from hookscope.train.guard import (
     ReplayBundle,
     StepInputs,
@@ -482,10 +488,10 @@ def _numbers(summary: dict[str, float] | None) -> str:
 
 
 def _check_arguments(every: int, optimizer: Any, scaler: Any, guard: Any) -> None:
-    if not isinstance(every, int) or every < 0:
-        raise HookscopeError(f"every={every!r}: pass a whole number of steps >= 0 (0: no statistics)")
+    if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+        raise ArgumentValueError(f"every={every!r}: pass a whole number of steps >= 0 (0: no statistics)")
     if guard not in ("raise", "warn", "skip", None):
-        raise HookscopeError(f"guard={guard!r} is not one of 'raise', 'warn', 'skip', None")
+        raise ArgumentValueError(f"guard={guard!r} is not one of 'raise', 'warn', 'skip', None")
     if optimizer is not None and scaler is not None:
         raise HookscopeError("optimizer= and scaler= together: a step the GradScaler skips never "
                              "calls optimizer.step, so its hooks cannot count it; pass scaler= only "
