@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from hookscope.engine import interrupts
+from hookscope.engine.checks import check_model
 from hookscope.errors import HookscopeError
 
 __all__ = ["RngState", "detached_clones", "input_device", "model_inputs", "state_snapshot",
@@ -88,9 +89,14 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
 
     Cost: one clone of every buffer. Buffers of lazy modules that are not yet materialised are
     left alone (the forward materialises them, as any forward).
+
+    Raises:
+        ArgumentTypeError: a model is not an ``nn.Module`` (raised at the call, nothing read).
     """
 
     def __init__(self, *models: nn.Module):
+        for model in models:
+            check_model(model)  # a verb's bad model is refused before any state is read
         self._models = models
         self._kept: list[_State] = []
         self._rng: RngState | None = None
