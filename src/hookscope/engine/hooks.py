@@ -84,10 +84,10 @@ class OwnedHook:
     def __call__(self, module: nn.Module, *args: Any) -> Any:
         # a subclass with an inlined hot path (capture's _PlainHook) makes these same four
         # tests, compiling first (dynamo must not trace the rest), and hands every other call here
-        if (not _compiling() and module is self.module and _get_ident() == self.thread
-                and _graph_task_id() == -1):
+        compiling = _compiling()
+        if not compiling and module is self.module and _get_ident() == self.thread and _graph_task_id() == -1:
             return self.function(module, *args)
-        if _compiling():  # traced into a compiled graph: calls are the model's
+        if compiling:  # traced into a compiled graph: calls are the model's
             if _exporting():  # torch.export: FakeTensors, no values to record
                 raise refuse_export_trace()
             if self.traceable:
