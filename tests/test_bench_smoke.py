@@ -100,3 +100,24 @@ def test_a_goal_is_met_only_when_its_upper_quartile_meets_it(monkeypatch):
     # a figure that was not measured is neither met nor missed
     [gpt2] = [g for g in report.goals([run(1.0)]) if g["goal"].startswith("GPT-2")]
     assert gpt2["met"] is None and gpt2["median"] is None
+
+
+def test_cow_floor_counts_the_copies_torch_makes_without_a_write(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench import cow_floor
+    from bench.models import TINY, images, resnet
+
+    model, x = resnet(TINY), images(TINY)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # at 2 threads oneDNN runs the 1x1 convolutions: no such copies
+    try:
+        counts = cow_floor.census(model, x)
+    finally:
+        torch.set_num_threads(threads)
+    assert counts["kept"] == (counts["materialised_by_a_write"] + counts["still_shared"]
+                              + counts["materialised_without_a_write"])
+    assert counts["materialised_by_a_write"] > 0  # in-place ReLU and +=
+    # torch 2.13: 1x1 stride-1 Conv2d asks for a writable pointer to the input it only reads
+    assert counts["materialised_without_a_write"] > 0
+    assert cow_floor.main(["--quick", "--runs", "1", "--warmups", "0"]) == 0
+    assert "gap of hookscope to the torch floor" in capsys.readouterr().out
