@@ -63,6 +63,8 @@ def _goal_figures() -> list[tuple[str, Rounds, float]]:
             ("efficientnet first capture within 1.05x of later captures", "efficientnet",
              "hookscope, every module, first", "hookscope, every module (", 1.05)):
         figures.append((goal, _against(workload, ours_prefix, base_prefix), limit))
+    figures.append(("patching_sweep <= 1.10x the hand-written loop of plain hooks (same batching)",
+                    _against("sweep", "hookscope.patching_sweep", "hand-written"), 1.10))
     figures += [
         ("per-call dispatch <= 1.15x a bare hook (steady state)", _dispatch("ratios_steady"), 1.15),
         ("set-up, call and take-down on 200 modules <= 1.3x bare hooks registered and removed "

@@ -121,3 +121,16 @@ def test_cow_floor_counts_the_copies_torch_makes_without_a_write(monkeypatch, ca
     assert counts["materialised_without_a_write"] > 0
     assert cow_floor.main(["--quick", "--runs", "1", "--warmups", "0"]) == 0
     assert "gap of hookscope to the torch floor" in capsys.readouterr().out
+
+
+def test_sweep_workload_compares_the_same_work(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench import models, sweeps
+
+    cases, info = sweeps.cases(models.TINY)
+    hand, ours = (case.run() for case in cases)
+    assert info == {"layers": models.TINY.n_layer, "positions": sweeps.POSITIONS,
+                    "batch_size": sweeps.POSITIONS}
+    assert hand.shape == ours.values.shape == (models.TINY.n_layer, sweeps.POSITIONS)
+    torch.testing.assert_close(ours.values, hand, rtol=1e-5, atol=1e-6)
+    assert cases[1].floor == cases[0].name
