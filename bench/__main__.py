@@ -42,6 +42,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--torchlens-runs", type=int, help="timed rounds for torchlens (default 3)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--grad-mode", choices=("inference", "no_grad"), default="inference")
+    parser.add_argument("--repeat", type=int, default=1, metavar="K",
+                        help="run the whole comparison K times: each goal's figure pools the "
+                             "per-round ratios of every run and reports the spread of the runs' "
+                             "medians (default 1)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-case RSS processes")
     parser.add_argument("--no-peers", action="store_true", help="hookscope and plain hooks only")
     parser.add_argument("--in-process", action="store_true",
@@ -112,6 +116,14 @@ def _run_workload(args: argparse.Namespace, interpreter: str, name: str) -> dict
     return result
 
 
+def _dispatch(args: argparse.Namespace, interpreter: str) -> dict[str, Any]:
+    say("dispatch")
+    quick = ["--layers", "20", "--forwards", "5", "--runs", "3", "--warmups", "1"]
+    return _worker(args, interpreter, "bench.dispatch",
+                   [*(quick if args.quick else []), "--threads", str(args.threads),
+                    "--grad-mode", args.grad_mode])
+
+
 def say(message: str) -> None:
     print(f"bench: {message}", file=sys.stderr, flush=True)
 
@@ -140,7 +152,7 @@ def _write(results: dict[str, Any], out: Path) -> None:
 
         results["dispatch"]["text"] = format_result(results["dispatch"])
     results["load"]["after"] = _load()
-    results["goals"] = report.goals(results)
+    results["goals"] = report.goals(results["runs"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "RESULTS.md").write_text(report.markdown(results))
@@ -166,18 +178,19 @@ def main(argv: list[str] | None = None) -> int:
                      "torchlens_runs": args.torchlens_runs or (1 if args.quick else 3),
                      "size": "tiny (--quick)" if args.quick else "full (see titles)",
                      "interpreter": interpreter, "in_process": args.in_process},
-        "workloads": [], "notes": list(args.note)}
-    for name in names:
-        if name == "dispatch":
-            say("dispatch")
-            quick = ["--layers", "20", "--forwards", "5", "--runs", "3", "--warmups", "1"]
-            results["dispatch"] = _worker(
-                args, interpreter, "bench.dispatch",
-                [*(quick if args.quick else []), "--threads", str(args.threads),
-                 "--grad-mode", args.grad_mode])
-        else:
-            results["workloads"].append(_run_workload(args, interpreter, name))
-        _write(results, Path(args.out))  # after each workload: a long run shows progress
+        "workloads": [], "runs": [], "notes": list(args.note)}
+    for repeat in range(args.repeat):
+        if args.repeat > 1:
+            say(f"run {repeat + 1} of {args.repeat}")
+        run: dict[str, Any] = {"workloads": []}
+        results["runs"].append(run)
+        results["workloads"] = run["workloads"]  # the tables show the last run
+        for name in names:
+            if name == "dispatch":
+                results["dispatch"] = run["dispatch"] = _dispatch(args, interpreter)
+            else:
+                run["workloads"].append(_run_workload(args, interpreter, name))
+            _write(results, Path(args.out))  # after each workload: a long run shows progress
     say(f"wrote {Path(args.out) / 'RESULTS.md'} and {Path(args.out) / 'results.json'}")
     for goal in results["goals"]:
         say(f"goal {'met' if goal['met'] else 'NOT met' if goal['met'] is False else 'n/a'}: "

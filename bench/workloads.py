@@ -26,6 +26,7 @@ WORKLOADS: dict[str, str] = {
     "functional": "function-level addresses: the SDPA call of every attention module, GPT-2-sized "
                   "and MiniLM (real weights), tokens",
     "early-stop": "efficientnet-lite0, one early block (_blocks.1), with and without early_stop",
+    "sweep": "patching_sweep over (GPT-2 MLPs x 4 positions), against the hand-written loop",
 }
 
 
@@ -62,7 +63,7 @@ def build(name: str, size: models.Size, *, peers_wanted: bool = True) -> Workloa
     return {"gpt2": _gpt2, "gpt2-torchlens": _gpt2_torchlens, "resnet": _resnet,
             "resnet-torchlens": _resnet_torchlens,
             "efficientnet": _efficientnet, "functional": _functional,
-            "early-stop": _early_stop}[name](size, peers_wanted)
+            "early-stop": _early_stop, "sweep": _sweep}[name](size, peers_wanted)
 
 
 def _block_cases(cases: list[Case], model: torch.nn.Module, example: tuple[Any, ...],
@@ -265,3 +266,11 @@ def _early_stop(size: models.Size, peers_wanted: bool) -> Workload:
     return Workload("early-stop", f"photos {tuple(example[0].shape)}", cases,
                     _reference(model, example, [layer]), {},
                     {"layer": layer, "blocks": len(model._blocks)})
+
+
+def _sweep(size: models.Size, peers_wanted: bool) -> Workload:
+    """``patching_sweep`` against the plain-hook loop doing the same forwards (``bench.sweeps``)."""
+    from bench import sweeps
+
+    cases, info = sweeps.cases(size)
+    return Workload("sweep", f"tokens (1, {sweeps.SEQ}), clean and corrupted", cases, None, {}, info)

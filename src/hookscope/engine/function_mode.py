@@ -169,15 +169,13 @@ class FunctionWatcher:
     def _enter_hook(self, watches: list[Watch]) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
             if in_recompute():  # the same call again: reported only to the watches that ask
-                again = [w for w in watches if w.in_recompute]
-                self._frames.append(_Frame(again, [max(w.module_calls - 1, 0) for w in again]))
-                self._sync()
-                return
-            calls = []
-            for watch in watches:
-                calls.append(watch.module_calls)
-                watch.module_calls += 1
-            self._frames.append(_Frame(watches, calls))
+                active = [w for w in watches if w.in_recompute]
+                calls = [max(w.module_calls - 1, 0) for w in active]
+            else:
+                active, calls = watches, [w.module_calls for w in watches]
+                for watch in watches:
+                    watch.module_calls += 1
+            self._frames.append(_Frame(active, calls))
             self._sync()
         return hook
 

@@ -8,6 +8,9 @@ A hook on a module is run by more than the calls its ``with`` block means:
   runs the same hooks;
 - **export tracing**: ``torch.export.export`` runs (or dynamo-traces) hooks on FakeTensors,
   which hold no values: a hook refuses then (``diagnose.refuse_export_trace``);
+- **torch.compile**: dynamo traces the hooks of a model compiled while a block is open; a hook
+  that would break the graph runs outside it instead (``_untraced``), or dynamo would recompile
+  the hook's frame once per module;
 - **recomputation**: activation checkpointing (``torch.utils.checkpoint``, reentrant or not, HF
   ``gradient_checkpointing_enable()``) runs the forward of the checkpointed part again during
   backward. That is not a new call of the module.
@@ -56,33 +59,40 @@ class OwnedHook:
         in_recompute: also run ``function`` during an activation-checkpointing recompute (edits
             must, so the recomputed forward equals the real one); the call is still counted in
             ``recomputes`` and never as a new call by ``function``'s session.
+        traceable: ``function`` is known to trace in dynamo without a graph break: a hooked call
+            that ``torch.compile`` traces runs it inside the graph; otherwise it runs outside
+            the graph (``_untraced``), so no hook makes dynamo recompile per module.
 
     Attributes:
         recomputes: forwards re-run during backward that reached this hook.
         foreign_calls: calls from threads other than the session's.
     """
 
-    __slots__ = ("function", "module", "thread", "in_recompute", "recomputes",
+    __slots__ = ("function", "module", "thread", "in_recompute", "traceable", "recomputes",
                  "foreign_calls")
 
-    def __init__(self, function: Callable[..., Any], module: nn.Module, *, in_recompute: bool = False):
+    def __init__(self, function: Callable[..., Any], module: nn.Module, *, in_recompute: bool = False,
+                 traceable: bool = False):
         self.function = function
         self.module = module
         self.thread = threading.get_ident()
         self.in_recompute = in_recompute
+        self.traceable = traceable
         self.recomputes = 0
         self.foreign_calls = 0
 
     def __call__(self, module: nn.Module, *args: Any) -> Any:
         # a subclass with an inlined hot path (capture's _PlainHook) makes these same four
         # tests, compiling first (dynamo must not trace the rest), and hands every other call here
-        if (not _compiling() and module is self.module and _get_ident() == self.thread
-                and _graph_task_id() == -1):
+        compiling = _compiling()
+        if not compiling and module is self.module and _get_ident() == self.thread and _graph_task_id() == -1:
             return self.function(module, *args)
-        if _compiling():  # traced into a compiled graph: calls are the model's
+        if compiling:  # traced into a compiled graph: calls are the model's
             if _exporting():  # torch.export: FakeTensors, no values to record
                 raise refuse_export_trace()
-            return self.function(module, *args)
+            if self.traceable:
+                return self.function(module, *args)
+            return _untraced(self.function, module, args)
         if module is not self.module:  # a shallow copy sharing the hook tables
             return None
         if _get_ident() != self.thread:
@@ -90,6 +100,19 @@ class OwnedHook:
             return None
         self.recomputes += 1  # a forward inside backward: a checkpoint recompute
         return self.function(module, *args) if self.in_recompute else None
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def _untraced(function: Callable[..., Any], module: nn.Module, args: tuple[Any, ...]) -> Any:
+    """Run a session's hook ``function`` where ``torch.compile`` traces a hooked call: outside
+    the graph (dynamo splits the graph there), on the real values.
+
+    Traced instead, a hook that dynamo cannot trace (a gradient watch, a version counter, a
+    storage comparison) breaks the graph inside ``OwnedHook.__call__``, whose frame dynamo then
+    compiles once per hook object (each guards on its own ``function``): 12 hooked modules hit
+    dynamo's recompile limit (8) and print its warning (issue 25). Disabled, this one shared
+    function is never compiled, so no hook adds a recompile."""
+    return function(module, *args)
 
 
 def register(module: nn.Module, hook: OwnedHook | Callable[..., Any], *, pre: bool = False,

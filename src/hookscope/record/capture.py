@@ -328,7 +328,7 @@ class _PlainHook(OwnedHook):
     __slots__ = ("outputs", "slot", "snapshot")
 
     def __init__(self, module: nn.Module, slot: _Slot, snapshot: Callable[[Any, _Slot], Any]):
-        super().__init__(self._record, module)
+        super().__init__(self._record, module, traceable=True)
         self.outputs, self.slot, self.snapshot = slot.entry.outputs, slot, snapshot
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
