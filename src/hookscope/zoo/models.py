@@ -429,6 +429,14 @@ def _timm(name: str, spec: str, *, pretrained: bool) -> LoadedModel:
 
 
 # ------------------------------------------------------------------------------ user code
+def _factories(owner: Any) -> list[str]:
+    """The public callables ``owner`` defines itself (classes and functions, not what it
+    imports), by name: what a ``module:factory`` spec can name."""
+    where = getattr(owner, "__name__", None)
+    return sorted(n for n, v in vars(owner).items() if not n.startswith("_") and callable(v)
+                  and getattr(v, "__module__", where) == where)
+
+
 def _factory(base: str) -> nn.Module | LoadedModel:
     where, _, attribute = base.rpartition(":")
     if not where or not attribute:
@@ -438,7 +446,7 @@ def _factory(base: str) -> nn.Module | LoadedModel:
     obj: Any = owner
     for name in attribute.split("."):
         if not hasattr(obj, name):
-            public = sorted(n for n in dir(obj) if not n.startswith("_"))[:12]
+            public = _factories(obj)[:12]
             raise SpecError(f"'{where}' has no attribute '{attribute}'; it defines "
                             f"{', '.join(public) or 'nothing public'}")
         obj = getattr(obj, name)
