@@ -93,7 +93,7 @@ class Capture(HookSession, Records):
                  on_unfired: OnUnfired = "warn"):
         HookSession.__init__(self, model, patterns, on_unfired)
         kept = [name for name in ("inputs", "grads", "grad_inputs") if getattr(options, name)]
-        Records.__init__(self, (Entry(t.record_key, t.module) for t in self.targets), kept)
+        Records.__init__(self, (Entry(t.record_key, t.module, t.key) for t in self.targets), kept)
         self._slots = {t.key: _Slot(t, self.entry(t.key)) for t in self.targets}
         self.aliases = {alias + t.key[len(t.path):]: t.key for t in self.targets for alias in t.aliases}
         self._options = options
