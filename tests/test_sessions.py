@@ -148,3 +148,21 @@ def test_bulk_registered_hooks_run_after_the_users_and_leave_every_table_as_foun
     assert _tables(model) == before
     for handle in users:
         handle.remove()
+
+
+def test_a_hook_the_user_adds_inside_a_bulk_registered_block_keeps_its_own_id_and_survives() -> None:
+    # ModuleHooks.add_forward takes the ids of a whole capture at once: a hook registered
+    # inside the block gets a later id, runs after the capture's, and stays after exit
+    torch.manual_seed(0)
+    model = MlpStack()
+    seen: list[torch.Tensor] = []
+    x = torch.randn(3, 10)
+    with hookscope.capture(model, "**") as acts:
+        taken = {key for m in model.modules() for key in m._forward_hooks}
+        handle = model.fc2.register_forward_hook(lambda m, a, o: seen.append(o.detach()))
+        assert handle.id not in taken and handle.id > max(taken)
+        model(x)
+    assert list(model.fc2._forward_hooks) == [handle.id]
+    model(x)
+    assert len(seen) == 2 and torch.equal(seen[0], acts["fc2"]) and torch.equal(seen[1], seen[0])
+    handle.remove()

@@ -174,6 +174,18 @@ class ModuleHooks:
             self.entries.append((flags, key))
             self.flags.append((flags, key))
 
+    def add_forward(self, hooks: list[OwnedHook]) -> None:
+        """``add`` each of ``hooks`` as a plain forward hook (no kwargs), in one loop: a
+        capture of every module registers one per module."""
+        key = RemovableHandle.next_id
+        RemovableHandle.next_id = key + len(hooks)  # the ids are taken before any is written
+        entries = self.entries
+        for owned in hooks:
+            table = owned.module._forward_hooks
+            table[key] = owned
+            entries.append((table, key))
+            key += 1
+
     def remove(self) -> None:
         """Remove every hook added (again: nothing happens)."""
         for table, key in self.entries:

@@ -32,7 +32,7 @@ _KEY = re.compile(r"(?P<path>[^:\[\]]*)(?:::(?P<op>[^:\[\]]+))?(?P<early>(?:\[[^
 _PART = re.compile(r"\[([^\]]*)\]")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class RecordKey:
     """The address of one recorded value; ``str(key)`` is its text form (module docstring).
 
@@ -48,6 +48,11 @@ class RecordKey:
     call: int | None = None
     parts: tuple[Part, ...] = ()
     op: str | None = None
+
+    def __init__(self, path: str, call: int | None = None, parts: tuple[Part, ...] = (),
+                 op: str | None = None):
+        # one dict update instead of a frozen dataclass's object.__setattr__ per field
+        self.__dict__.update(path=path, call=call, parts=parts, op=op)
 
     def __str__(self) -> str:
         call = "" if self.call is None else f":{self.call}"

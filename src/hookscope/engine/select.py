@@ -56,7 +56,7 @@ _PART = re.compile(r"\[([^\[\]]+)\]$")
 _INNER_INDEX = re.compile(r"\[\s*(['\"]?)([^\[\]'\"]+)\1\s*\](?=[.\[]|$)")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Target:
     """One selected module, and which part of its output a pattern asked for.
 
@@ -85,10 +85,13 @@ class Target:
     record_key: RecordKey = field(init=False, repr=False)  # path, op and parts; no call
     key: str = field(init=False, repr=False)  # its record name
 
-    def __post_init__(self) -> None:
-        record_key = RecordKey(self.path, None, self.parts, self.op)
-        object.__setattr__(self, "record_key", record_key)
-        object.__setattr__(self, "key", record_key.name)
+    def __init__(self, path: str, module: nn.Module, parts: tuple[int | str, ...] = (),
+                 aliases: tuple[str, ...] = (), op: str | None = None, wide: bool = False):
+        # one dict update instead of a frozen dataclass's object.__setattr__ per field: a
+        # capture of every module builds one Target per module (python -m bench.dispatch)
+        record_key = RecordKey(path, None, parts, op)
+        self.__dict__.update(path=path, module=module, parts=parts, aliases=aliases, op=op,
+                             wide=wide, record_key=record_key, key=record_key.name)
 
 
 def is_container(module: nn.Module) -> bool:

@@ -233,6 +233,11 @@ class HookSession:
             self._left_out.add_entry(*self._module_hooks.flags[-1])
         self._owned.append((owned, not pre))
 
+    def _own_forward(self, hooks: list[OwnedHook]) -> None:
+        """``_own`` for many plain forward hooks (no kwargs) at once, registered in bulk."""
+        self._module_hooks.add_forward(hooks)
+        self._owned.extend((owned, True) for owned in hooks)
+
     @property
     def recomputes(self) -> dict[str, int]:
         """``{record name: forwards re-run during backward}`` (activation checkpointing); these

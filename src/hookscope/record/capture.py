@@ -93,7 +93,7 @@ class Capture(HookSession, Records):
                  on_unfired: OnUnfired = "warn"):
         HookSession.__init__(self, model, patterns, on_unfired)
         kept = [name for name in ("inputs", "grads", "grad_inputs") if getattr(options, name)]
-        Records.__init__(self, (Entry(t.record_key, t.module) for t in self.targets), kept)
+        Records.__init__(self, (Entry(t.record_key, t.module, t.key) for t in self.targets), kept)
         self._slots = {t.key: _Slot(t, self.entry(t.key)) for t in self.targets}
         self.aliases = {alias + t.key[len(t.path):]: t.key for t in self.targets for alias in t.aliases}
         self._options = options
@@ -126,17 +126,19 @@ class Capture(HookSession, Records):
                 self._hook_output(target, self._function_hook(self._slots[target.key]),
                                   with_kwargs=self._options.inputs)
         plain = self._plain_options()
+        fast: list[OwnedHook] = []  # hot-path hooks, registered in bulk (in module order)
         for module, slots in self._module_slots().items():
             if self._options.inputs:  # before the call: a module may write its input in place
                 self._hook(module, _inputs_hook(slots, self._options.clone), pre=True, with_kwargs=True)
             if plain and len(slots) == 1 and not slots[0].target.parts:  # the hot path
-                self._own(_PlainHook(module, slots[0], self._snapshot))
+                fast.append(_PlainHook(module, slots[0], self._snapshot))
             else:  # with grads, a checkpoint recompute reaches the hook: under reentrant
                 # checkpointing the gradient flows only through the recomputed output (_regrad)
                 self._hook(module, self._make_hook(slots), in_recompute=self._options.grads)
             if self._options.grad_inputs:
                 self._hook(module, watch_inputs([s.entry.grad_inputs for s in slots], self._grad_convert),
                            pre=True, with_kwargs=True)
+        self._own_forward(fast)
         if self._options.early_stop:
             self._stop_early()
 

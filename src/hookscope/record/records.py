@@ -70,9 +70,10 @@ class Entry:
     __slots__ = ("key", "name", "module", "function", "outputs", "inputs", "grads", "grad_inputs",
                  "broken")
 
-    def __init__(self, key: RecordKey, module: nn.Module | None = None):
+    def __init__(self, key: RecordKey, module: nn.Module | None = None, name: str | None = None):
+        """``name`` is ``key.name`` when the caller has it already (a ``Target``'s ``key``)."""
         self.key = key
-        self.name = key.name
+        self.name = key.name if name is None else name
         self.module = module
         self.function: Callable[..., Any] | None = None  # for a function-level record
         self.outputs: list[Any] = []
