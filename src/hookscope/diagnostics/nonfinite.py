@@ -40,6 +40,7 @@ from hookscope.util.nested import iter_tensors
 
 Tensor = torch.Tensor
 MAX_POSITIONS = 8
+INPUT = "<input>"  # NonFiniteOrigin.path when the model's inputs already hold NaN/Inf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,16 +97,19 @@ class NonFiniteOrigin:
     """The module call where a NaN or Inf first appeared.
 
     Attributes:
-        path: qualified name of the module (``""`` for the root, ``"<loss>"`` for ``loss_fn``).
-        class_name: its class, e.g. ``"Linear"``.
+        path: qualified name of the module (``""`` for the root, ``"<loss>"`` for ``loss_fn``,
+            ``"<input>"`` when the model's inputs already hold NaN/Inf: ``bad_label`` then
+            names the input, e.g. ``"args[0]"``, ``"kwargs['mask']"``, ``"args[1][0]"``).
+        class_name: its class, e.g. ``"Linear"`` (``"input"`` for ``"<input>"``).
         call_index: which call of that module (0 for the first; a reused module runs several
             times per forward).
         phase: ``"forward"`` (its output) or ``"backward"`` (a gradient it computed).
         op: the operation inside it that made the first non-finite value from finite inputs,
             e.g. ``"log"`` or ``"LogBackward0"``; ``None`` when not known (fused kernels).
         inputs: forward: its tensor arguments, checked before it ran; backward: the gradients
-            coming into ``op`` (all finite).
-        outputs: forward: its output tensors; backward: the gradients ``op`` produced.
+            coming into ``op`` (all finite); ``()`` for ``"<input>"``.
+        outputs: forward: its output tensors; backward: the gradients ``op`` produced;
+            for ``"<input>"``: the model's tensor inputs that hold NaN/Inf.
         bad_count: number of NaN/Inf elements in ``outputs``.
         bad_label: label of the first output tensor that holds them.
         first_bad: indices of up to 8 non-finite elements in that tensor, in row-major order.
@@ -123,6 +127,11 @@ class NonFiniteOrigin:
     first_bad: tuple[tuple[int, ...], ...]
 
     def __str__(self) -> str:
+        if self.path == INPUT:
+            lines = [f"the model's input is already non-finite: {self.bad_count} NaN/Inf in "
+                     f"{self.bad_label}, first at {', '.join(str(list(p)) for p in self.first_bad)}; "
+                     "no module made it: check the data (or the preprocessing) that produced it"]
+            return "\n".join(lines + [f"  in  {s}" for s in self.outputs])
         where = f"'{self.path}'" if self.path else "the root module"
         op = f" (first in op {self.op})" if self.op else ""
         what = "output" if self.phase == "forward" else "gradient"
@@ -154,7 +163,12 @@ def find_nonfinite(model: nn.Module, *args: Any, backward: bool = False,
         loss_fn: ``output -> scalar tensor`` for the backward pass.
 
     Returns:
-        A ``NonFiniteOrigin``: in the forward pass, the first module to return (post-order)
+        A ``NonFiniteOrigin``: the first place a non-finite value appears. When the inputs
+        (``args``/``kwargs``, nested tuples, lists and dicts included) already hold NaN/Inf, that
+        is the input (``path == "<input>"``, ``phase == "forward"``, ``bad_label`` the input,
+        ``first_bad`` its indices), with or without ``backward``, and the model does not run; an
+        additive attention mask with ``-inf`` given as an input counts as non-finite too. Else,
+        in the forward pass, the first module to return (post-order)
         whose inputs were finite and whose output is not; else, in the backward pass, the module
         whose operation first produced a non-finite gradient from finite ones. ``None`` when
         everything is finite.
@@ -169,6 +183,9 @@ def find_nonfinite(model: nn.Module, *args: Any, backward: bool = False,
         check_callable("loss_fn", loss_fn, "lambda out: out.logits.sum()")
     diagnose.preflight(model)
     root, _ = unwrap(model)
+    bad_input = input_origin(args, kwargs)
+    if bad_input is not None:
+        return bad_input
     tracker = _Tracker(root, record_nodes=backward)
     with untouched(root), tracker.observing() as session:  # one session: forward hooks, then the node hooks
         with _OpWatcher(tracker):
@@ -190,6 +207,21 @@ def find_nonfinite(model: nn.Module, *args: Any, backward: bool = False,
             session.hook_grad_node(node, tracker.node_hook(node))
         torch.autograd.grad(loss, leaves, allow_unused=True)
     return tracker.found
+
+
+def input_origin(args: tuple[Any, ...], kwargs: dict[str, Any]) -> NonFiniteOrigin | None:
+    """The ``"<input>"`` origin when a tensor among a call's inputs holds NaN/Inf, else None.
+
+    Args:
+        args, kwargs: the inputs of one forward call (tensors nested in tuples, lists, dicts,
+            dataclasses are looked at; integer tensors are always finite).
+    """
+    labelled = list(_labelled(args, "args")) + list(_labelled(kwargs, "kwargs"))
+    if all(_is_finite(t) for _, t in labelled):
+        return None
+    bad = [(label, t) for label, t in labelled if not _is_finite(t)]
+    summaries = tuple(TensorSummary.of(label, t) for label, t in bad)
+    return _origin(INPUT, "input", 0, "forward", None, (), summaries, [t for _, t in bad])
 
 
 @dataclasses.dataclass
