@@ -3,6 +3,7 @@ backward, ``hookscope nan`` and the training guard all name the input and the in
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -95,7 +96,7 @@ def test_guard_says_the_batch_input_is_nonfinite(tmp_path: Path) -> None:
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(hookscope.NonFiniteStepError) as caught:
-        with hookscope.monitor(model, ["0"], every=0, optimizer=optimizer, run_dir=tmp_path):
+        with hookscope.monitor(model, ["0"], every=1, optimizer=optimizer, run_dir=tmp_path):
             for step in range(4):
                 x = torch.rand(4, 8)
                 if step == 2:
@@ -108,3 +109,19 @@ def test_guard_says_the_batch_input_is_nonfinite(tmp_path: Path) -> None:
                               "args[0], first at [1, 5]")
     assert "<loss>" not in message
     assert (caught.value.origin.path, caught.value.step) == ("<input>", 2)  # type: ignore[attr-defined]
+
+
+def test_monitor_report_names_the_input_and_prints_no_op_when_none(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    test_guard_says_the_batch_input_is_nonfinite(tmp_path)
+    records = tmp_path / "records.jsonl"
+    event = json.loads(records.read_text().splitlines()[-1])
+    assert (event["module"], event["tensor"], event["op"]) == ("<input>", "args[0]", None)
+    plain = {**event, "module": "2", "class": "Linear", "call": 0, "direction": "forward",
+             "tensor": "output"}  # a module finding whose op is not known
+    with records.open("a") as file:
+        file.write(json.dumps(plain) + "\n")
+    assert main(["monitor-report", str(tmp_path)]) == 1
+    assert capsys.readouterr().out.splitlines()[:2] == [
+        "step 2 (rank 0): the batch input args[0] is already non-finite (no module made it)",
+        "step 2 (rank 0): non-finite forward in '2' (Linear), call 0, output"]
