@@ -125,3 +125,27 @@ def test_monitor_report_names_the_input_and_prints_no_op_when_none(
     assert capsys.readouterr().out.splitlines()[:2] == [
         "step 2 (rank 0): the batch input args[0] is already non-finite (no module made it)",
         "step 2 (rank 0): non-finite forward in '2' (Linear), call 0, output"]
+
+
+class AdditiveMask(nn.Module):
+    """Attention scores plus an additive mask whose ``-inf`` hides the padded keys."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.score = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.score(x) + mask, dim=-1)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_an_inf_input_the_model_consumes_is_not_an_origin(backward: bool) -> None:
+    torch.manual_seed(0)
+    model, x = AdditiveMask(), torch.randn(2, 3, 4)
+    mask = torch.zeros(2, 1, 4)
+    mask[:, :, 3] = -math.inf  # key 3 is padding in every row
+    assert torch.isfinite(model(x, mask)).all()  # plain PyTorch: nothing non-finite comes out
+    assert find_nonfinite(model, x, mask, backward=backward) is None
+    mask[0, 0, :] = -math.inf  # row 0 hides every key: softmax gives NaN, and the mask did it
+    found = find_nonfinite(model, x, mask)
+    assert found is not None and found.path == "<input>" and found.bad_label == "args[1]"

@@ -163,15 +163,16 @@ def find_nonfinite(model: nn.Module, *args: Any, backward: bool = False,
         loss_fn: ``output -> scalar tensor`` for the backward pass.
 
     Returns:
-        A ``NonFiniteOrigin``: the first place a non-finite value appears. When the inputs
-        (``args``/``kwargs``, nested tuples, lists and dicts included) already hold NaN/Inf, that
-        is the input (``path == "<input>"``, ``phase == "forward"``, ``bad_label`` the input,
-        ``first_bad`` its indices), with or without ``backward``, and the model does not run; an
-        additive attention mask with ``-inf`` given as an input counts as non-finite too. Else,
-        in the forward pass, the first module to return (post-order)
+        A ``NonFiniteOrigin``: the first place a non-finite value appears. In the forward pass,
+        the first module to return (post-order)
         whose inputs were finite and whose output is not; else, in the backward pass, the module
         whose operation first produced a non-finite gradient from finite ones. ``None`` when
-        everything is finite.
+        everything is finite. When no module made a non-finite value but one returned it (or the
+        model's output or the loss is non-finite) and an input (``args``/``kwargs``, nested tuples, lists and
+        dicts included) already holds NaN/Inf, the origin is that input (``path == "<input>"``,
+        ``phase == "forward"``, ``bad_label`` the input, ``first_bad`` its indices). An input
+        with ``-inf`` that the model consumes without a non-finite result (an additive attention
+        mask) is not reported.
 
     Raises:
         HookscopeError: the model is TorchScript; or ``backward=True`` but the output does
@@ -184,15 +185,20 @@ def find_nonfinite(model: nn.Module, *args: Any, backward: bool = False,
     diagnose.preflight(model)
     root, _ = unwrap(model)
     bad_input = input_origin(args, kwargs)
-    if bad_input is not None:
-        return bad_input
     tracker = _Tracker(root, record_nodes=backward)
     with untouched(root), tracker.observing() as session:  # one session: forward hooks, then the node hooks
         with _OpWatcher(tracker):
             output = root(*args, **kwargs)
-            if tracker.found is not None or not backward:
+            if tracker.found is not None:
                 return tracker.found
+            if bad_input is not None and (tracker.carried or
+                                          not all(_is_finite(t) for t in iter_tensors(output))):
+                return bad_input  # no module made it: it came in with the input
+            if not backward:
+                return None
             loss = loss_fn(output) if loss_fn is not None else _sum_floats(output)
+        if bad_input is not None and not _is_finite(loss):
+            return bad_input
         loss_origin = tracker.loss_origin(loss)
         if loss_origin is not None:
             return loss_origin
@@ -250,6 +256,7 @@ class _Tracker:
         self.active: list[_Call] = []
         self.owners: dict[Any, _Call | None] = {}  # autograd node -> module call that made it
         self.found: NonFiniteOrigin | None = None
+        self.carried = False  # a module whose inputs were already non-finite returned NaN/Inf
         self.busy = False  # True while our own hooks run torch functions: the mode ignores them
 
     @contextmanager
@@ -283,10 +290,14 @@ class _Tracker:
 
     def _post_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         call = self.active.pop()
-        if self.found is not None or call.inputs is None:
+        if self.found is not None:
             return
         self.busy = True
         labelled = list(_labelled(output, "output"))
+        if call.inputs is None:  # not an origin: it was handed NaN/Inf
+            self.carried = self.carried or not all(_is_finite(t) for _, t in labelled)
+            self.busy = False
+            return
         if not all(_is_finite(t) for _, t in labelled):
             outputs = tuple(TensorSummary.of(label, t) for label, t in labelled)
             self.found = _origin(self.paths[module], type(module).__name__, call.index, "forward",
