@@ -49,3 +49,13 @@ def test_minilm_tokens_label_the_maps(tmp_path: Path, capsys: pytest.CaptureFixt
                                                          for i in range(6)]
     assert all("[CLS]" in line for line in lines[1:])  # most attended key, as a token
     assert len(list(tmp_path.glob("encoder.layer.*.png"))) == 6
+
+
+@pytest.mark.parametrize("layers", [["--layer", "0", "1"], ["--layer", "0", "--layer", "1"]])
+def test_layer_takes_several_values_and_repeats(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                layers: list[str]) -> None:
+    out = tmp_path / "maps"
+    assert main(["attention", MODEL, "--input", "randn:2,5,16", *layers, "--out", str(out),
+                 "--json"]) == 0
+    assert [r["path"] for r in json.loads(capsys.readouterr().out)] == ["0", "1"]
+    assert sorted(p.name for p in out.iterdir()) == ["0.png", "1.png"]

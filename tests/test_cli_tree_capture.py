@@ -228,3 +228,16 @@ def test_python_m_hookscope_end_to_end(tmp_path: Path) -> None:
         ["_swish", "1", "1x1280x7x7"]]
     assert result.stderr.startswith("loading efficientnet-lite0 ...")
     assert "Loaded pretrained weights" not in result.stdout + result.stderr
+
+
+def test_capture_std_is_the_population_std(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from safetensors.torch import load_file
+
+    torch.manual_seed(1)
+    torch.save(torch.randn(2, 3, 32, 32), tmp_path / "x.pt")
+    assert main(["capture", "tests.models:LeNet", "--input", str(tmp_path / "x.pt"),
+                 "--layer", "conv1", "--json", "--save", str(tmp_path / "acts.safetensors")]) == 0
+    (record,) = json.loads(capsys.readouterr().out)["records"]
+    out = load_file(tmp_path / "acts.safetensors")["conv1"].double()  # the values the row is of
+    assert record["std"] == pytest.approx(float(out.std(correction=0)), rel=1e-9)
+    assert record["std"] != pytest.approx(float(out.std()), rel=1e-9)  # not the sample std (n-1)

@@ -16,7 +16,7 @@ from torch import nn
 from hookscope import compare
 from hookscope.diagnostics.compare import Comparison
 from hookscope.diagnostics.pairing import kind
-from hookscope.errors import HookscopeError
+from hookscope.errors import HookscopeError, SelectorError
 
 WIDTH = 6
 EXTRAS = {"relu": nn.ReLU, "tanh": nn.Tanh, "norm": lambda: nn.LayerNorm(WIDTH)}
@@ -126,3 +126,39 @@ def test_unrelated_models_are_an_error_naming_both_sides(extras: list[str], dept
     with pytest.raises(HookscopeError) as error:
         compare(a, b, torch.randn(1, 1, WIDTH, WIDTH), pair={"{n}": "conv.{n}"})
     names_the_unpaired(error, calls(a), calls(b))
+
+
+def reference_mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return mlp(["relu", "tanh", "norm"])
+
+
+def renamed_port() -> nn.Sequential:
+    return renamed(reference_mlp())
+
+
+@settings(max_examples=6, deadline=None)
+@given(extras=EXTRA_LISTS, seed=st.integers(0, 2**16))
+def test_renamed_port_without_pair_says_how_to_pair(extras: list[str], seed: int) -> None:
+    torch.manual_seed(seed)
+    a = mlp(extras)
+    with pytest.raises(SelectorError) as error:
+        compare(a, renamed(a), torch.randn(2, WIDTH))
+    message = str(error.value)
+    assert message.startswith(f"cannot compare name by name: only 0 of {len(a)} selected modules "
+                              f"of model A and {len(a)} of model B have the same name in both")
+    assert "pair='auto' (hookscope diff --pair auto)" in message
+    assert "(hookscope diff --pair 'h.{i}.attn=layers.{i}.attn')" in message
+
+
+def test_cli_diff_of_a_renamed_port_is_a_usage_error_naming_pair(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from hookscope.cli.main import main
+
+    argv = ["diff", "tests.test_compare_unpaired:reference_mlp",
+            "tests.test_compare_unpaired:renamed_port", "--input", "randn:2,6"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "only 0 of 6 selected modules" in err and "--pair auto" in err
+    assert main([*argv, "--pair", "auto"]) == 0  # the same weights: every pair is close
+    assert "paired 6 calls (auto, confidence 1.00); unpaired in A: 0, in B: 0" in capsys.readouterr().err

@@ -120,3 +120,25 @@ def test_save_writes_aligned_activations_and_token_ids(tmp_path: Path) -> None:
     with pytest.raises(hookscope.HookscopeError, match="pass overwrite=True"):
         gen.save(file)
     assert [p.name for p in tmp_path.iterdir()] == ["gen.safetensors"]  # no temporary left
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_sdpa_value_aligned_on_its_query_axis(use_cache: bool) -> None:
+    model = tiny_gpt2()  # 4 heads of 8
+    path = "transformer.h.0.attn::scaled_dot_product_attention"
+    prompt = torch.tensor([[5, 6, 7], [9, 3, 11]])
+    with hookscope.capture_generation(model, path) as gen:
+        sequences = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3,
+                                   do_sample=False, use_cache=use_cache)
+    assert gen.records(path)[0].value.shape == (2, 4, 3, 8)  # (batch, heads, query, head_dim)
+    aligned = gen.aligned(path)
+    assert aligned.shape == (2, 5, 4, 8)  # (batch, positions, heads, head_dim)
+    # plain torch: c_proj's input is the heads merged, (batch, seq, heads * head_dim)
+    kept: list[torch.Tensor] = []
+    handle = model.transformer.h[0].attn.c_proj.register_forward_pre_hook(
+        lambda mod, args: kept.append(args[0].detach()))
+    with torch.no_grad():
+        model(sequences)
+    handle.remove()
+    torch.testing.assert_close(aligned.flatten(2), kept[0][:, :5], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gen.aligned(path, seq_dim=2), aligned)

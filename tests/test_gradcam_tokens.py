@@ -152,3 +152,55 @@ class _Tokens(nn.Module):
     def forward(self, x: torch.Tensor) -> Any:
         tokens = self.tokens(x.mean(dim=(1, 2, 3))[:, None, None].expand(-1, self.count, 4))
         return self.head(tokens.mean(dim=1))  # (batch, count, 4) tokens -> 2 classes
+
+
+@pytest.mark.parametrize("method", ["gradcam", "gradcam++", "layercam"])
+def test_a_block_output_whose_patch_tokens_get_no_gradient_is_refused(method: str) -> None:
+    model, x, block = _vit(), torch.randn(2, 3, 32, 32), 1  # the last block
+    # plain torch: the classifier reads only the class token, so the patch tokens' gradient is 0
+    kept: list[torch.Tensor] = []
+    handle = model.vit.layers[block].register_forward_hook(lambda m, a, o: kept.append(o))
+    try:
+        logits = model(x).logits
+    finally:
+        handle.remove()
+    (grads,) = torch.autograd.grad(logits.max(1).values.sum(), kept[0])
+    assert not grads[:, 1:].any() and grads[:, 0].any()
+    with pytest.raises(GradcamError, match=(
+            rf"no gradient reaches the spatial/patch positions of 'vit.layers.{block}'.*"
+            rf"choose a layer inside the block such as 'vit.layers.{block}.layernorm_before'")):
+        hookscope.gradcam(model, x, f"vit.layers.{block}", method=method)  # type: ignore[arg-type]
+
+
+class _Negated(nn.Module):
+    """A positive feature map whose class-0 score is minus its mean: real, negative gradients."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.features = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = self.features(x).mean(dim=(1, 2, 3))
+        return torch.stack([-mean, mean], dim=1)
+
+
+def test_a_map_zero_after_the_relu_of_real_gradients_is_returned() -> None:
+    x = torch.rand(2, 3, 8, 8)
+    cam = hookscope.gradcam(_Negated(), x, "features", target=0)
+    assert torch.equal(cam, torch.zeros(2, 8, 8))  # every weight is negative: relu gives 0
+
+
+def test_cli_gradcam_on_a_block_output_says_which_layer_to_take(
+        tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from PIL import Image
+
+    from hookscope.cli.main import main
+
+    Image.new("RGB", (32, 32), (90, 140, 200)).save(tmp_path / "photo.png")
+    code = main(["gradcam", "tests.test_gradcam_tokens:_vit", "--input", str(tmp_path / "photo.png"),
+                 "--image-size", "32", "--layer", "vit.layers.1", "--out", str(tmp_path / "maps")])
+    assert code == 1  # a run that failed (GradcamError), nothing drawn
+    assert "choose a layer inside the block such as 'vit.layers.1.layernorm_before'" in (
+        capsys.readouterr().err)
+    assert not list((tmp_path / "maps").glob("*.png"))

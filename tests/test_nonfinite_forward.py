@@ -97,10 +97,12 @@ def test_nan_made_in_a_parents_own_code_names_the_parent() -> None:
     assert found is not None and (found.path, found.class_name, found.op) == ("0", "FunctionalLog", "log")
 
 
-def test_nan_already_in_the_input_is_not_blamed_on_the_first_module() -> None:
+def test_nan_already_in_the_input_is_reported_as_the_input_not_a_module() -> None:
     x = torch.randn(2, 3, 32, 32)
     x[0, 0, 0, 0] = math.nan
-    assert find_nonfinite(LeNet(), x) is None
+    found = find_nonfinite(LeNet(), x)
+    assert found is not None and (found.path, found.bad_label, found.first_bad) == (
+        "<input>", "args[0]", ((0, 0, 0, 0),))
 
 
 def test_all_finite_returns_none_and_leaves_no_hooks() -> None:
@@ -143,5 +145,7 @@ def test_keyword_inputs_are_summarised_and_checked() -> None:
     assert found is not None and (found.path, found.class_name, found.op) == ("", "ScaledLog", "log")
     assert [s.label for s in found.inputs] == ["args[0]", "kwargs['scale']"]
     assert found.inputs[1].min == -1.0 and found.first_bad == ((1,),)
-    # an Inf passed in by keyword is already there: no module made it
-    assert find_nonfinite(ScaledLog(), torch.ones(3), scale=torch.tensor([math.inf, 1.0, 1.0])) is None
+    # an Inf passed in by keyword is already there: no module made it, the input is the origin
+    found = find_nonfinite(ScaledLog(), torch.ones(3), scale=torch.tensor([math.inf, 1.0, 1.0]))
+    assert found is not None and (found.path, found.bad_label, found.first_bad) == (
+        "<input>", "kwargs['scale']", ((0,),))

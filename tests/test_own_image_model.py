@@ -113,6 +113,14 @@ def test_extract_a_folder_of_photos_with_your_model(folder: Path) -> None:
     (["capture", "mycnn.py:build", "--input", "cat.png", "--layer", "0"],
      r"'mycnn.py:build' does not take images \(cat.png\).*--image-size N.*LoadedModel\(module, "
      r"kind='image', preprocess=ImagePreprocess"),
+    (["stats", "mycnn.py:build", "--data", "photos", "--layer", "4"],
+     r"'mycnn.py:build' does not take images \(--data photos is a folder of images\): it takes "
+     r"tensors.*--image-size N \(and --mean R,G,B --std R,G,B.*LoadedModel\(module, "
+     r"kind='image', preprocess=ImagePreprocess"),
+    (["extract", "mycnn.py:build", "--data", "photos", "--layer", "4", "--out", "store"],
+     r"'mycnn.py:build' does not take images \(--data photos is a folder of images\): it takes "
+     r"tensors.*--image-size N \(and --mean R,G,B --std R,G,B.*LoadedModel\(module, "
+     r"kind='image', preprocess=ImagePreprocess"),
     (["capture", "mycnn.py:build", "--input", "cat.png", "--layer", "0", "--mean", "0,0,0"],
      r"'mycnn.py:build' has no image preprocessing of its own, so --mean/--std need the image "
      r"size too: add --image-size N"),
@@ -121,8 +129,12 @@ def test_extract_a_folder_of_photos_with_your_model(folder: Path) -> None:
 ])
 def test_images_without_a_preprocessing_are_refused_naming_the_fix(
         folder: Path, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(argv) != 0
+    if "--data" in argv:
+        (folder / "photos").mkdir()
+        (folder / "cat.png").rename(folder / "photos" / "cat.png")
+    assert main(argv) == 2  # usage: nothing was written
     assert re.search(message, capsys.readouterr().err.replace("\n", " "))
+    assert not (folder / "store").exists()
 
 
 def test_bad_image_options_are_refused_at_parse_time(folder: Path,

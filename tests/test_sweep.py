@@ -114,3 +114,41 @@ def test_progress_bar_counts_forwards(capsys: pytest.CaptureFixture[str]) -> Non
     err = capsys.readouterr().err
     assert "patching sweep" in err and "6/6" in err  # 3 layers x ceil(3 positions / 2) forwards
     assert sweep.values.shape == (3, 3)  # the values themselves: test_sweep_matches_*
+
+
+def _head_sweep(layers: int) -> hookscope.Sweep:
+    """A sweep over SDPA heads (the longest row labels), values made up."""
+    names = [f"transformer.h.{i}.attn::scaled_dot_product_attention" for i in range(layers)]
+    torch.manual_seed(0)
+    return hookscope.Sweep(torch.randn(layers, 5, 4, dtype=torch.float64), names, list(range(5)),
+                           1.0, 0.0, heads=[0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_heat_map_row_labels_lie_inside_the_figure(tmp_path: Path, layers: int) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from PIL import Image
+
+    sweep = _head_sweep(layers)
+    figure = sweep.figure(tokens=["The", " cat", " sat", " on", " mat"])
+    renderer = FigureCanvasAgg(figure).get_renderer()
+    figure.draw(renderer)
+    width, height = figure.bbox.width, figure.bbox.height
+    axes = figure.axes[0]
+    labels = axes.get_yticklabels()
+    assert [t.get_text() for t in labels][:2] == [
+        "transformer.h.0.attn::scaled_dot_product_attention head 0",
+        "transformer.h.0.attn::scaled_dot_product_attention head 1"]
+    assert len(labels) == 4 * layers
+    for text in [*labels, *axes.get_xticklabels(), axes.title]:
+        box = text.get_window_extent(renderer)
+        assert 0 <= box.x0 and box.x1 <= width and 0 <= box.y0 and box.y1 <= height, text
+    png = sweep.plot(tmp_path / "sweep.png")
+    assert Image.open(png).size == (1600, 800)
+
+
+def test_plot_tokens_of_the_wrong_length_is_an_argument_error(tmp_path: Path) -> None:
+    with pytest.raises(hookscope.errors.ArgumentValueError,
+                       match=r"tokens has 2 labels for 5 positions \[0, 1, 2, 3, 4\]"):
+        _head_sweep(1).plot(tmp_path / "sweep.png", tokens=["a", "b"])
+    assert not (tmp_path / "sweep.png").exists()

@@ -14,6 +14,7 @@ import torch
 
 import hookscope
 from hookscope.cli._common import (
+    add_layer_argument,
     add_model_arguments,
     add_parents_argument,
     check_output_path,
@@ -38,9 +39,9 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._\-\[\]:]")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``attention`` options to ``parser``."""
     add_model_arguments(parser)
-    parser.add_argument("--layer", action="append", required=True, metavar="PATTERN",
-                        help="attention modules or blocks holding one, repeatable: "
-                             "'encoder.layer.*', 'h.*.attn', 'type:BertSelfAttention'")
+    add_layer_argument(parser, required=True,
+                       help="attention modules or blocks holding one (one or more, repeatable): "
+                            "'encoder.layer.*', 'h.*.attn', 'type:BertSelfAttention'")
     parser.add_argument("--out", metavar="DIR", default="attention",
                         help="folder for the PNGs, one per module (default: attention/)")
     parser.add_argument("--sample", type=non_negative_int, default=0, metavar="ROW",

@@ -129,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _record(key: RecordKey, tensor: torch.Tensor) -> dict[str, Any]:
     """One row: the record name (module path with the output part, e.g. ``attn[0]``), the
-    call, the file key, and statistics of the finite values (float64)."""
+    call, the file key, and statistics of the finite values (float64; ``std`` is the
+    population one, ``ddof=0``, as ``hookscope.stats``)."""
     running = RunningStats()
     running.update(tensor)
     stats = running.as_dict()

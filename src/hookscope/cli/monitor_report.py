@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from hookscope.cli._common import add_parents_argument, add_positional, check_output_path, say
+from hookscope.diagnostics.nonfinite import INPUT
 from hookscope.train.report import draw_run, read_run
 
 HELP = ("draw a hookscope.monitor run folder as a PNG: modules x steps heat maps of activation "
@@ -45,5 +46,8 @@ def _finding(event: dict[str, Any]) -> str:
         return where + "non-finite gradients from another rank's step (DDP all-reduce)"
     if event["module"] is None:
         return where + "non-finite gradients, the replay of the step was finite"
+    if event["module"] == INPUT:
+        return where + f"the batch input {event['tensor']} is already non-finite (no module made it)"
+    op = f", op {event['op']}" if event["op"] is not None else ""
     return (where + f"non-finite {event['direction']} in '{event['module']}' ({event['class']}), "
-            f"call {event['call']}, op {event['op']}, {event['tensor']}")
+            f"call {event['call']}{op}, {event['tensor']}")

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 
 from hookscope.cli._common import add_model_arguments, image_options, print_json, say
-from hookscope.diagnostics.nonfinite import find_nonfinite
+from hookscope.diagnostics.nonfinite import INPUT, find_nonfinite
 from hookscope.zoo.inputs import load_inputs
 from hookscope.zoo.models import load_model
 
@@ -36,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(found)
     if found is not None:
-        say(f"{args.model}: non-finite values start in '{found.path}' ({found.class_name})")
+        where = (f"the input {found.bad_label}" if found.path == INPUT
+                 else f"'{found.path}' ({found.class_name})")
+        say(f"{args.model}: non-finite values start in {where}")
         return 1
     return 0

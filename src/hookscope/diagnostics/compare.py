@@ -36,7 +36,7 @@ from hookscope.engine.run import input_device, untouched
 from hookscope.engine.select import Target, as_patterns
 from hookscope.engine.session import Observer, resolve_checked
 from hookscope.engine.values import comparable
-from hookscope.errors import HookscopeError
+from hookscope.errors import HookscopeError, SelectorError
 from hookscope.record.capture import capture
 from hookscope.record.records import CallInputs
 from hookscope.util.figures import new_figure, save_figure
@@ -226,11 +226,13 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
 
     Raises:
         SelectorError: a pattern matches no module in one of the models.
+        SelectorError: without ``pair=``, fewer than half of the smaller model's selected
+            modules have a counterpart of the same name in the other model (a renamed port or
+            two unrelated models; the message lists names of each side that found no partner
+            and gives ``pair='auto'`` and name rules, with their ``hookscope diff --pair`` form).
         HookscopeError: a model is TorchScript, or none of its selected modules' hooks fired
-            (a ``torch.compile``'d model compiled earlier: the message gives the fix), or fewer
-            than half of the smaller model's selected modules have a counterpart of the same
-            name in the other model (two unrelated models; the message lists names of each
-            side that found no partner), or a selected output is a meta tensor or FakeTensor
+            (a ``torch.compile``'d model compiled earlier: the message gives the fix), or a
+            selected output is a meta tensor or FakeTensor
             (no values); with ``pair="auto"``, fewer than half of the smaller run's calls
             found a partner; with a mapping or function, none did (the message names the
             unpaired modules of each side); ``transforms`` without ``pair="auto"``.
@@ -400,13 +402,15 @@ def _require_pairs(targets_a: dict[str, Target], targets_b: dict[str, Target],
         return
     only_a = [key for key in targets_a if key not in targets_b][:4]
     only_b = [key for key in targets_b if key not in targets_a][:4]
-    raise HookscopeError(
-        f"cannot compare: only {len(common)} of {len(targets_a)} selected modules of model A "
-        f"and {len(targets_b)} of model B have the same name in both, so no layer-by-layer "
-        f"comparison is possible (only A: {only_a}; only B: {only_b}). Compare models that share "
-        f"a module tree (the same architecture, a copy, a wrapped or adapted version), or pass "
-        f"the submodules that correspond, compare(model_a.encoder, model_b.backbone, x), or "
-        f"select names both have with layers=[...]")
+    raise SelectorError(
+        f"cannot compare name by name: only {len(common)} of {len(targets_a)} selected modules "
+        f"of model A and {len(targets_b)} of model B have the same name in both (only A: "
+        f"{only_a}; only B: {only_b}). To compare two implementations (a renamed port), pair "
+        f"their modules: by call order, output shape and kind, pair='auto' (hookscope diff "
+        f"--pair auto), or by name rules, pair={{'h.{{i}}.attn': 'layers.{{i}}.attn'}} (hookscope "
+        f"diff --pair 'h.{{i}}.attn=layers.{{i}}.attn'); or compare the submodules that "
+        f"correspond, compare(model_a.encoder, model_b.backbone, x), or select names both have "
+        f"with layers=[...] (--layer)")
 
 
 def _require_hooks_fired(model: nn.Module, fired: bool) -> None:

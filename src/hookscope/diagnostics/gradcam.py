@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hookscope.engine.checks import check_tensor
+from hookscope.engine.names import index
 from hookscope.engine.run import untouched
 from hookscope.engine.select import resolve
 from hookscope.errors import GradcamError, SpecError
@@ -139,9 +140,28 @@ def gradcam(model: nn.Module, x: Tensor, layer: str,
         raise GradcamError(f"'{key}' gives {shape}, not a feature map (batch, channels, h, w) "
                            f"nor tokens (batch, tokens, channels): choose a convolutional layer "
                            f"or a transformer block's part, or a tensor part of its output")
+    _check_gradient_reaches(model, key, grads)
     cam = _WEIGHTINGS[method](features.float(), grads.float())[:, None]  # (batch, 1, h, w)
     cam = F.interpolate(cam, size=tuple(x.shape[-2:]), mode="bilinear", align_corners=False)[:, 0]
     return _unit_range(cam)
+
+
+def _check_gradient_reaches(model: nn.Module, key: str, grads: Tensor) -> None:
+    """Refuse a layer whose map (or patch tokens) gets an identically zero gradient: the class
+    score does not depend on its positions (a ViT block's output, of which the classifier reads
+    only the class token), so every weighting gives an all-zero map. A map that is zero after
+    the ReLU of real gradients is not refused: this looks at the gradient, not the map."""
+    if bool(grads.any()):
+        return
+    module = index(model).modules.get(key.split("[")[0])
+    children = [name for name, _ in module.named_children()] if module is not None else []
+    inside = next((n for n in children if "norm" in n.lower()), children[0] if children else None)
+    example = f" such as '{key}.{inside}'" if inside is not None else ""
+    raise GradcamError(
+        f"no gradient reaches the spatial/patch positions of '{key}': the class score does not "
+        "depend on them (a ViT block's output, of which the classifier reads only the class "
+        "token of the last layernorm), so the map would be all zeros; choose a layer inside the "
+        f"block{example} (in a ViT, a block's 'layernorm_before')")
 
 
 def _gradcam(features: Tensor, grads: Tensor) -> Tensor:

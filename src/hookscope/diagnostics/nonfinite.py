@@ -40,6 +40,7 @@ from hookscope.util.nested import iter_tensors
 
 Tensor = torch.Tensor
 MAX_POSITIONS = 8
+INPUT = "<input>"  # NonFiniteOrigin.path when the model's inputs already hold NaN/Inf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,16 +97,19 @@ class NonFiniteOrigin:
     """The module call where a NaN or Inf first appeared.
 
     Attributes:
-        path: qualified name of the module (``""`` for the root, ``"<loss>"`` for ``loss_fn``).
-        class_name: its class, e.g. ``"Linear"``.
+        path: qualified name of the module (``""`` for the root, ``"<loss>"`` for ``loss_fn``,
+            ``"<input>"`` when the model's inputs already hold NaN/Inf: ``bad_label`` then
+            names the input, e.g. ``"args[0]"``, ``"kwargs['mask']"``, ``"args[1][0]"``).
+        class_name: its class, e.g. ``"Linear"`` (``"input"`` for ``"<input>"``).
         call_index: which call of that module (0 for the first; a reused module runs several
             times per forward).
         phase: ``"forward"`` (its output) or ``"backward"`` (a gradient it computed).
         op: the operation inside it that made the first non-finite value from finite inputs,
             e.g. ``"log"`` or ``"LogBackward0"``; ``None`` when not known (fused kernels).
         inputs: forward: its tensor arguments, checked before it ran; backward: the gradients
-            coming into ``op`` (all finite).
-        outputs: forward: its output tensors; backward: the gradients ``op`` produced.
+            coming into ``op`` (all finite); ``()`` for ``"<input>"``.
+        outputs: forward: its output tensors; backward: the gradients ``op`` produced;
+            for ``"<input>"``: the model's tensor inputs that hold NaN/Inf.
         bad_count: number of NaN/Inf elements in ``outputs``.
         bad_label: label of the first output tensor that holds them.
         first_bad: indices of up to 8 non-finite elements in that tensor, in row-major order.
@@ -123,6 +127,11 @@ class NonFiniteOrigin:
     first_bad: tuple[tuple[int, ...], ...]
 
     def __str__(self) -> str:
+        if self.path == INPUT:
+            lines = [f"the model's input is already non-finite: {self.bad_count} NaN/Inf in "
+                     f"{self.bad_label}, first at {', '.join(str(list(p)) for p in self.first_bad)}; "
+                     "no module made it: check the data (or the preprocessing) that produced it"]
+            return "\n".join(lines + [f"  in  {s}" for s in self.outputs])
         where = f"'{self.path}'" if self.path else "the root module"
         op = f" (first in op {self.op})" if self.op else ""
         what = "output" if self.phase == "forward" else "gradient"
@@ -154,10 +163,16 @@ def find_nonfinite(model: nn.Module, *args: Any, backward: bool = False,
         loss_fn: ``output -> scalar tensor`` for the backward pass.
 
     Returns:
-        A ``NonFiniteOrigin``: in the forward pass, the first module to return (post-order)
+        A ``NonFiniteOrigin``: the first place a non-finite value appears. In the forward pass,
+        the first module to return (post-order)
         whose inputs were finite and whose output is not; else, in the backward pass, the module
         whose operation first produced a non-finite gradient from finite ones. ``None`` when
-        everything is finite.
+        everything is finite. When no module made a non-finite value but one returned it (or the
+        model's output or the loss is non-finite) and an input (``args``/``kwargs``, nested tuples, lists and
+        dicts included) already holds NaN/Inf, the origin is that input (``path == "<input>"``,
+        ``phase == "forward"``, ``bad_label`` the input, ``first_bad`` its indices). An input
+        with ``-inf`` that the model consumes without a non-finite result (an additive attention
+        mask) is not reported.
 
     Raises:
         HookscopeError: the model is TorchScript; or ``backward=True`` but the output does
@@ -169,13 +184,21 @@ def find_nonfinite(model: nn.Module, *args: Any, backward: bool = False,
         check_callable("loss_fn", loss_fn, "lambda out: out.logits.sum()")
     diagnose.preflight(model)
     root, _ = unwrap(model)
+    bad_input = input_origin(args, kwargs)
     tracker = _Tracker(root, record_nodes=backward)
     with untouched(root), tracker.observing() as session:  # one session: forward hooks, then the node hooks
         with _OpWatcher(tracker):
             output = root(*args, **kwargs)
-            if tracker.found is not None or not backward:
+            if tracker.found is not None:
                 return tracker.found
+            if bad_input is not None and (tracker.carried or
+                                          not all(_is_finite(t) for t in iter_tensors(output))):
+                return bad_input  # no module made it: it came in with the input
+            if not backward:
+                return None
             loss = loss_fn(output) if loss_fn is not None else _sum_floats(output)
+        if bad_input is not None and not _is_finite(loss):
+            return bad_input
         loss_origin = tracker.loss_origin(loss)
         if loss_origin is not None:
             return loss_origin
@@ -190,6 +213,21 @@ def find_nonfinite(model: nn.Module, *args: Any, backward: bool = False,
             session.hook_grad_node(node, tracker.node_hook(node))
         torch.autograd.grad(loss, leaves, allow_unused=True)
     return tracker.found
+
+
+def input_origin(args: tuple[Any, ...], kwargs: dict[str, Any]) -> NonFiniteOrigin | None:
+    """The ``"<input>"`` origin when a tensor among a call's inputs holds NaN/Inf, else None.
+
+    Args:
+        args, kwargs: the inputs of one forward call (tensors nested in tuples, lists, dicts,
+            dataclasses are looked at; integer tensors are always finite).
+    """
+    labelled = list(_labelled(args, "args")) + list(_labelled(kwargs, "kwargs"))
+    if all(_is_finite(t) for _, t in labelled):
+        return None
+    bad = [(label, t) for label, t in labelled if not _is_finite(t)]
+    summaries = tuple(TensorSummary.of(label, t) for label, t in bad)
+    return _origin(INPUT, "input", 0, "forward", None, (), summaries, [t for _, t in bad])
 
 
 @dataclasses.dataclass
@@ -218,6 +256,7 @@ class _Tracker:
         self.active: list[_Call] = []
         self.owners: dict[Any, _Call | None] = {}  # autograd node -> module call that made it
         self.found: NonFiniteOrigin | None = None
+        self.carried = False  # a module whose inputs were already non-finite returned NaN/Inf
         self.busy = False  # True while our own hooks run torch functions: the mode ignores them
 
     @contextmanager
@@ -251,10 +290,14 @@ class _Tracker:
 
     def _post_hook(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         call = self.active.pop()
-        if self.found is not None or call.inputs is None:
+        if self.found is not None:
             return
         self.busy = True
         labelled = list(_labelled(output, "output"))
+        if call.inputs is None:  # not an origin: it was handed NaN/Inf
+            self.carried = self.carried or not all(_is_finite(t) for _, t in labelled)
+            self.busy = False
+            return
         if not all(_is_finite(t) for _, t in labelled):
             outputs = tuple(TensorSummary.of(label, t) for label, t in labelled)
             self.found = _origin(self.paths[module], type(module).__name__, call.index, "forward",

@@ -115,8 +115,10 @@ class RunningStats:
     def as_dict(self) -> dict[str, Any]:
         """Return plain numbers: a float or int per statistic, or a list of them per channel.
 
-        Keys: ``count`` (elements seen), ``mean``, ``std``, ``min``, ``max`` (of the finite
-        elements; NaN when none), ``frac_zeros`` and ``frac_nonfinite`` (fractions of ``count``).
+        Keys: ``count`` (elements seen), ``mean``, ``std`` (the population standard deviation,
+        ``ddof=0``: ``torch.std(x, correction=0)``, as the streaming algorithm of Chan, Golub and
+        LeVeque 1979 gives), ``min``, ``max`` (of the finite elements; NaN when none),
+        ``frac_zeros`` and ``frac_nonfinite`` (fractions of ``count``).
         """
         count = self.count.double()
         empty = self.finite == 0
@@ -180,7 +182,8 @@ class RunningStats:
 
 def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "**", *,
           per_channel: PerChannel = False, early_stop: bool = False) -> dict[str, RunningStats]:
-    """Run ``model`` over ``batches`` and return streaming statistics of each selected output.
+    """Run ``model`` over ``batches`` and return streaming statistics of each selected output
+    (count, mean, population std with ``ddof=0``, min, max, fractions of zeros and NaN/Inf).
 
     Each module's output updates its ``RunningStats`` inside the forward hook and is dropped, so
     memory does not grow with the number of batches. Forwards run under ``torch.no_grad()`` in

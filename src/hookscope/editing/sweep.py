@@ -24,7 +24,7 @@ from hookscope.editing.edit import edit
 from hookscope.engine.checks import check_callable, check_flag, check_nonempty
 from hookscope.engine.run import untouched
 from hookscope.engine.select import as_patterns, resolve
-from hookscope.errors import EditError, PositionError, warn
+from hookscope.errors import ArgumentValueError, EditError, PositionError, warn
 from hookscope.record.capture import capture
 from hookscope.record.positions import Axes, resolve_positions, tokens_first, value_axes
 from hookscope.util.extras import require
@@ -95,29 +95,45 @@ class Sweep:
     def plot(self, file: str | os.PathLike[str], *, title: str = "activation patching",
              tokens: Sequence[str] | None = None, normalized: bool = False) -> Path:
         """Write the heat map (layers, or layers x heads, down; positions across) as a PNG,
-        atomically.
+        atomically: ``figure(...)`` saved to ``file``, ``FIGURE_SIZE_PX`` pixels.
 
         Args:
             file: the PNG's path.
+            title, tokens, normalized: as ``figure``.
+
+        Raises:
+            As ``figure``.
+        """
+        return save_figure(self.figure(title=title, tokens=tokens, normalized=normalized), Path(file))
+
+    def figure(self, *, title: str = "activation patching", tokens: Sequence[str] | None = None,
+               normalized: bool = False) -> Any:
+        """The heat map as a ``matplotlib.figure.Figure`` (Agg, no pyplot), laid out with
+        matplotlib's constrained layout so that the row labels (``"h.0.attn::
+        scaled_dot_product_attention head 3"``), the ticks and the colour bar lie inside it.
+
+        Args:
             title: the figure's title.
             tokens: a label per position (the token strings), instead of the position numbers.
             normalized: draw ``normalized()`` (0 = corrupted, 1 = clean) instead of the metric.
 
         Raises:
-            EditError: ``tokens`` does not have one label per position; as ``normalized()``.
+            ArgumentValueError: ``tokens`` does not have one label per position.
+            EditError: as ``normalized()``.
             MissingExtraError: matplotlib is not installed (extra ``[viz]``).
         """
         if tokens is not None and len(tokens) != len(self.positions):
-            raise EditError(f"tokens has {len(tokens)} labels for {len(self.positions)} positions "
-                            f"{self.positions}: give one per position, e.g. [tokens[p] for p in "
-                            f"sweep.positions]")
+            raise ArgumentValueError(
+                f"tokens has {len(tokens)} labels for {len(self.positions)} positions "
+                f"{self.positions}: give one per position, e.g. [tokens[p] for p in sweep.positions]")
         colors = require("matplotlib.colors", "Sweep.plot")
         labels, grid = self._grid()
         center = 0.0 if normalized else self.corrupted
         if normalized:
             grid = Sweep(grid, labels, self.positions, self.clean, self.corrupted).normalized()
         figure = new_figure("Sweep.plot")
-        axes = figure.add_axes((0.22, 0.12, 0.68, 0.78))
+        figure.set_layout_engine("constrained")  # labels of any length stay inside the PNG
+        axes = figure.add_subplot()
         # white = the corrupted run's metric; red above it, blue below
         image = axes.imshow(grid.numpy(), cmap="RdBu_r", aspect="auto",
                             norm=colors.CenteredNorm(vcenter=center))
@@ -129,7 +145,7 @@ class Sweep:
                  f"metric (clean {self.clean:.4g}, corrupted {self.corrupted:.4g})")
         figure.colorbar(image, ax=axes, label=label)
         axes.set_title(title)
-        return save_figure(figure, Path(file))
+        return figure
 
 
 def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str | Sequence[str],

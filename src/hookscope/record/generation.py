@@ -21,7 +21,7 @@ import json
 import os
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
@@ -33,6 +33,7 @@ from hookscope.engine.select import Target, unwrap
 from hookscope.engine.session import Observer, OnUnfired
 from hookscope.errors import CaptureError, HookscopeError
 from hookscope.record.capture import Capture, capture
+from hookscope.record.positions import tokens_first, value_axes
 from hookscope.util.files import write_atomic
 
 __all__ = ["Step", "GenerationRecord", "GenerationCapture", "capture_generation"]
@@ -129,7 +130,7 @@ class GenerationCapture:
         return [GenerationRecord(step, self.steps[step].start, self.steps[step].stop, value)
                 for step, value in zip(self._step_of_call[path], values)]
 
-    def aligned(self, path: str) -> Tensor:
+    def aligned(self, path: str, *, seq_dim: int | None = None) -> Tensor:
         """``path``'s output at every position of the sequence: ``(batch, positions, ...)``.
 
         Row ``t`` (dim 1) is the output at the ``t``-th token of the sequence ``generate()``
@@ -137,10 +138,24 @@ class GenerationCapture:
         token, never fed); ``positions = len(sequence) - 1`` for a prompt without padding. Each
         position comes from the first step that computed it (no duplicates from the cache).
 
+        The tokens are taken from the value's token axis, as ``positions=`` does
+        (``record.positions.value_axes``): dim 1 of a module output ``(batch, seq, ...)``; the
+        query axis of ``"...::scaled_dot_product_attention"``, whose ``(batch, heads, query,
+        head_dim)`` value is returned as ``(batch, positions, heads, head_dim)``.
+
+        Args:
+            path: a selected path (``"transformer.h.1"``, ``"transformer.h.0.attn::
+                scaled_dot_product_attention"``, ``"layer[0]"``).
+            seq_dim: the token axis of the recorded value (negative counts from the end);
+                ``None``: the known layout above. Needed for a function whose layout hookscope
+                does not know.
+
         Raises:
-            CaptureError: ``path`` never ran; its output is not a ``(batch, seq, ...)`` tensor
-                whose dim 1 is the tokens fed (select a tensor part, e.g. ``"layer[0]"``); the
-                batch changed between steps (beam search).
+            CaptureError: ``path`` never ran; its output is not a tensor whose token axis
+                holds the tokens fed (select a tensor part, e.g. ``"layer[0]"``); the batch
+                changed between steps (beam search).
+            PositionError: as ``value_axes``: ``seq_dim`` is out of range or the batch axis;
+                ``path`` is a function of unknown layout and ``seq_dim`` is not given.
         """
         records = self.records(path)
         if not records:
@@ -149,8 +164,9 @@ class GenerationCapture:
         width = max(r.stop for r in records)
         out: Tensor | None = None
         filled = 0
+        op = next((t.op for t in self.capture.targets if t.key == path), None)
         for record in records:
-            value = _fed_tokens(path, record)
+            value = _fed_tokens(path, _tokens_at_dim1(path, op, record, seq_dim))
             if out is None:
                 out = first.new_zeros((value.shape[0], width, *value.shape[2:]))
             if value.shape[0] != out.shape[0] or value.shape[2:] != out.shape[2:]:
@@ -212,6 +228,16 @@ class _StepLabels(Observer):
     def _register(self) -> None:
         self._hook(unwrap(self.model)[0], self._on_step, pre=True, with_kwargs=True)
         super()._register()
+
+
+def _tokens_at_dim1(path: str, op: str | None, record: GenerationRecord,
+                    seq_dim: int | None) -> GenerationRecord:
+    """``record`` with its value's token axis moved to dim 1 (heads, if any, to dim 2)."""
+    value = record.value
+    if not isinstance(value, Tensor) or (op is None and seq_dim is None):
+        return record
+    axes = value_axes(path, op, tuple(value.shape), seq_dim)
+    return replace(record, value=tokens_first(value, axes))
 
 
 def _fed_tokens(path: str, record: GenerationRecord) -> Tensor:

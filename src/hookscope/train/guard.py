@@ -136,7 +136,8 @@ def replay(bundle: ReplayBundle | str | Path, model: nn.Module) -> NonFiniteOrig
         op, tensor), or None when the replay is finite (the step depended on something the
         bundle does not hold, e.g. a non-deterministic kernel or a second forward per backward).
         ``path == "<loss>"``: the gradient reaching the outputs was already non-finite, i.e. the
-        loss computed outside the model was.
+        loss computed outside the model was. ``path == "<input>"``: the step's batch already
+        held NaN/Inf (``bad_label`` names the input, ``first_bad`` the indices).
 
     Raises:
         HookscopeError: ``bundle`` is not a replay bundle; as ``find_nonfinite``.

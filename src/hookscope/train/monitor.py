@@ -77,8 +77,9 @@ def monitor(model: nn.Module, layers: str | list[str] = "**", *, every: int = 10
 
     Statistics (sampled steps, for each selected module, over every call in the step): of its
     output (``"activation"``) and of the gradient of the loss with respect to that output
-    (``"gradient"``): ``mean``, ``std`` (population), ``absmax``, ``frac_zeros`` (dead units),
-    ``frac_nonfinite``, ``count`` (elements), float64 as in ``hookscope.stats``; and of its
+    (``"gradient"``): ``mean``, ``std`` (population, ``ddof=0``: ``torch.std(x,
+    correction=0)``), ``absmax``, ``frac_zeros`` (dead units), ``frac_nonfinite``, ``count``
+    (elements), float64 as in ``hookscope.stats``; and of its
     parameters: ``grad_norm`` (L2 over all ``.grad``, read at the end of the step) and
     ``update_ratio`` = ||W_after - W_before|| / ||W_before|| (L2 over all its parameters).
 

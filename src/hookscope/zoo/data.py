@@ -58,10 +58,8 @@ def load_data(path: str | os.PathLike[str], model: LoadedModel, *,
 
 
 def _image_files(folder: Path, model: LoadedModel) -> list[Path]:
-    from hookscope.zoo.inputs import IMAGE_SUFFIXES, image_files
-    if model.kind != "image" or model.preprocess is None:
-        raise SpecError(f"--data {folder} is a folder of images, but '{model.spec}' does not "
-                        f"take images")
+    from hookscope.zoo.inputs import IMAGE_SUFFIXES, check_takes_images, image_files
+    check_takes_images(model, f"--data {folder} is a folder of images")
     files = image_files(folder)
     if not files:
         raise SpecError(f"--data {folder} holds no image file ({', '.join(IMAGE_SUFFIXES)})")

@@ -34,7 +34,7 @@ from hookscope.errors import HookscopeError, ModelCodeError, SpecError
 from hookscope.util.extras import require
 from hookscope.zoo.models import IMAGENET_MEAN, IMAGENET_STD, ImagePreprocess, LoadedModel
 
-__all__ = ["Inputs", "load_inputs", "preprocess_image", "SAMPLES", "IMAGE_SUFFIXES",
+__all__ = ["Inputs", "load_inputs", "check_takes_images", "preprocess_image", "SAMPLES", "IMAGE_SUFFIXES",
            "TENSOR_SUFFIXES", "image_files", "expand_folder", "RANDN_MAX_ELEMENTS"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -216,22 +216,41 @@ def _takes(model: LoadedModel) -> str:
 
 
 # ---------------------------------------------------------------------------------- images
+def check_takes_images(model: LoadedModel, given: str) -> ImagePreprocess:
+    """The one check (and message) of every verb given images: ``--input`` files, ``--data``
+    folders.
+
+    Args:
+        model: the loaded model.
+        given: what the user gave, for the message (``"a.png, b.png"``, ``"--data photos/"``).
+
+    Returns:
+        The model's image preprocessing.
+
+    Raises:
+        SpecError: ``model`` has no image preprocessing (a user model loaded without
+            ``--image-size``); the message names every fix.
+    """
+    if model.kind == "image" and model.preprocess is not None:
+        return model.preprocess
+    raise SpecError(f"'{model.spec}' does not take images ({given}): "
+                    f"{_takes(model)}. To give it images, say how they become its input: "
+                    f"--image-size N (and --mean R,G,B --std R,G,B; load_model(spec, "
+                    f"image_size=N) in Python), or a factory that returns hookscope.zoo."
+                    f"models.LoadedModel(module, kind='image', preprocess=ImagePreprocess("
+                    f"size=(N, N)))")
+
+
 def _load_images(specs: list[str], model: LoadedModel) -> Inputs:
-    if model.kind != "image" or model.preprocess is None:
-        raise SpecError(f"'{model.spec}' does not take images ({', '.join(specs[:3])}): "
-                        f"{_takes(model)}. To give it images, say how they become its input: "
-                        f"--image-size N (and --mean R,G,B --std R,G,B; load_model(spec, "
-                        f"image_size=N) in Python), or a factory that returns hookscope.zoo."
-                        f"models.LoadedModel(module, kind='image', preprocess=ImagePreprocess("
-                        f"size=(N, N)))")
+    preprocess = check_takes_images(model, ", ".join(specs[:3]))
     rows, pictures, descriptions = [], [], []
     for spec in _progress(specs, "reading images"):
         rgb = _read_sample(spec[len("sample:"):]) if spec.lower().startswith("sample:") \
             else _read_image_file(Path(spec))
-        tensor, resized = preprocess_image(rgb, model.preprocess, model.dtype)
+        tensor, resized = preprocess_image(rgb, preprocess, model.dtype)
         rows.append(tensor)
         pictures.append(resized)
-        descriptions.append(_describe_image(spec, rgb, model.preprocess))
+        descriptions.append(_describe_image(spec, rgb, preprocess))
     batch = torch.stack(rows)  # (batch, 3, height, width)
     return Inputs(args=(batch,), specs=tuple(specs), descriptions=tuple(descriptions),
                   images=tuple(pictures))
