@@ -174,7 +174,8 @@ def _check_batches(file: Path, data: dict[str, Any], shards: list[dict[str, Any]
         low = (last - first - 1) * size + 1 if short else (last - first) * size
         if not low <= stop - start <= (last - first) * size:
             raise corrupt(file, f"shards[{k}].rows", f"holds {stop - start} rows, but batches "
-                                                     f"{first}..{last - 1} of {size} rows give "
+                                                     f"{first}..{last - 1} of extract.batch_size "
+                                                     f"{size} rows give "
                                                      f"{low}" + (f" to {(last - first) * size}"
                                                                  if short else ""))
 
