@@ -157,9 +157,12 @@ def _check_extract(file: Path, extract: dict[str, Any], layers: dict[str, Any]) 
 def _check_batches(file: Path, data: dict[str, Any], shards: list[dict[str, Any]]) -> None:
     """The shards' batch ranges against ``extract``: they follow each other (``_check_shard``)
     from batch 0 (a torchrun part: from its first), end by ``extract.batches`` and reach it once
-    the store is complete; each holds ``batch_size`` rows per batch, but the data's last batch
-    may be short."""
-    total, size = data["extract"].get("batches"), data["extract"].get("batch_size")
+    the store is complete. With an ``id`` column (the DataLoader's batch sampler gave each
+    batch's data-set indices, and extraction checked one row per index) each shard holds
+    ``batch_size`` rows per batch, but the data's last batch may be short; without one a
+    ``collate_fn`` may make any number of rows of a batch."""
+    total = data["extract"].get("batches")
+    size = data["extract"].get("batch_size") if "id" in data.get("columns", {}) else None
     part = "rank" in data
     if shards and not part and shards[0]["batches"][0] != 0:
         raise corrupt(file, "shards[0].batches", f"starts at batch {shards[0]['batches'][0]}, "
