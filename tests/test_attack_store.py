@@ -150,6 +150,10 @@ def test_a_layer_cut_from_the_manifest_is_corrupt_not_missing(tmp_path: Path) ->
     extract(nn.Sequential(nn.Identity(), nn.Identity()), TensorDataset(ROWS), ["0", "1"], out,
             batch_size=4, progress=False)
     _edit_manifest(out, lambda m: m["layers"].pop("0"))
+    with pytest.raises(StoreCorruptError, match=r"field extract\.layers is \['0', '1'\], but the "
+                                                r"store's layers are \['1'\]"):
+        open_store(out)
+    _edit_manifest(out, lambda m: m["extract"].pop("layers"))  # as a store without extract.layers
     with pytest.raises(StoreCorruptError, match=r"shard-00000.*header.*'0'"):
         open_store(out)["0"]
 

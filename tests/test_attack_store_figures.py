@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 
-from hookscope.errors import HookscopeError
+from hookscope.errors import HookscopeError, StoreCorruptError, StoreExistsError
 from hookscope.store.extract import extract
 from hookscope.store.reader import chunk_sums, open_store
 
@@ -261,3 +261,213 @@ def test_planted_user_files_survive_overwrite_and_resume(
     store = _copy(pristine[0], tmp_path_factory.mktemp("planted") / "s")
     plant = _plant_shard_like if shard_like and name.endswith(".safetensors") else _plant_text
     assert _planted_outcome(store, name, body, plant, option) == "clean"
+
+
+# ----------------------------------------------- every manifest field against the schema
+_BAD_FIELDS: dict[tuple[str, str], list[Any]] = {
+    ("extract", "batches"): [2**70, 2**53 + 1, -4, 1.5, "3", True, 0, 2, 4],
+    ("extract", "batch_size"): [-3, 0, 2**70, True, "4", 1.0, 3, 5],
+    ("extract", "layers"): [["nope"], [], "embed", [5], ["embed", "embed"], ["embed"],
+                            ["embed", "head", "x"], None],
+    ("extract", "reduce"): [{"evil": 1}, 5, "", ["x"], "x" * 5000],
+    ("extract", "dtype"): ["half", 5, "complex64", ""],
+    ("extract", "evil"): [1, None, "x"],
+    ("model", "spec"): [5, ["x"], "", {}],
+    ("model", "class"): [["x"], None, 5, ""],
+    ("model", "evil"): [1, "x"],
+}
+
+
+def _field_pattern(group: str, key: str) -> str:
+    """The error names the field: ``field extract.batches``, ``field model['evil']``, or, for a
+    batch size that the shards' rows contradict, the shard and ``extract.batch_size``."""
+    return rf"(field |of ){group}(\.{key}|\['{key}'\])"
+
+
+@SETTINGS
+@given(data=st.data())
+def test_model_and_extract_fields_are_typed_ranged_and_members(
+        pristine: tuple[Path, Any], tmp_path_factory: pytest.TempPathFactory,
+        data: st.DataObject) -> None:
+    store = _copy(pristine[0], tmp_path_factory.mktemp("fields") / "s")
+    group, key = data.draw(st.sampled_from(sorted(_BAD_FIELDS)), label="field")
+    value = data.draw(st.sampled_from(_BAD_FIELDS[group, key]), label="value")
+    manifest = json.loads((store / "manifest.json").read_text())
+    manifest[group][key] = value
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(StoreCorruptError, match=_field_pattern(group, key)):
+        open_store(store)
+    assert _damage_outcome(store, pristine[1], "manifest fields") == "clean"
+
+
+def test_resume_refuses_a_negative_batch_size_instead_of_advising_it(
+        pristine: tuple[Path, Any], tmp_path: Path) -> None:
+    store = _copy(pristine[0], tmp_path / "s")
+    manifest = json.loads((store / "manifest.json").read_text())
+    manifest["extract"]["batch_size"] = -3
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    before = {p.name: p.read_bytes() for p in store.iterdir()}
+    with pytest.raises(StoreExistsError, match=r"field extract\.batch_size must be") as err:
+        _extract(store, resume=True)
+    assert "-3 (" not in str(err.value)
+    assert {p.name: p.read_bytes() for p in store.iterdir()} == before
+
+
+@SETTINGS
+@given(data=st.data())
+def test_shard_batch_ranges_tile_the_batches_with_their_rows(
+        pristine: tuple[Path, Any], tmp_path_factory: pytest.TempPathFactory,
+        data: st.DataObject) -> None:
+    store = _copy(pristine[0], tmp_path_factory.mktemp("batches") / "s")
+    manifest = json.loads((store / "manifest.json").read_text())
+    assert [s["batches"] for s in manifest["shards"]] == [[0, 1], [1, 2], [2, 3]]
+    assert manifest["extract"]["batches"] == 3  # 12 rows in batches of 4: the only tiling
+    pair = st.tuples(st.integers(0, 6), st.integers(1, 4)).map(lambda p: [p[0], p[0] + p[1]])
+    for entry in manifest["shards"]:
+        entry["batches"] = data.draw(st.just(entry["batches"]) | pair, label="batches")
+    total = data.draw(st.sampled_from([3, 3, 1, 2, 4, 7]), label="extract.batches")
+    manifest["extract"]["batches"] = total
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    tiled = total == 3 and [s["batches"] for s in manifest["shards"]] == [[0, 1], [1, 2], [2, 3]]
+    assert _damage_outcome(store, pristine[1], "batch ranges") == ("intact" if tiled else "clean")
+
+
+def test_the_attackers_batches_0_7_and_7_8_for_10_rows_of_3_are_refused(tmp_path: Path) -> None:
+    extract(nn.Sequential(nn.Linear(4, 2)), TensorDataset(torch.randn(10, 4)), "0",
+            tmp_path / "s", batch_size=3, shard_bytes=1, progress=False)
+    manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    assert [s["rows"] for s in manifest["shards"]] == [[0, 3], [3, 6], [6, 9], [9, 10]]
+    manifest["extract"]["batches"] = 10
+    for entry, batches in zip(manifest["shards"], [[0, 7], [7, 8], [8, 9], [9, 10]]):
+        entry["batches"] = batches
+    (tmp_path / "s" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(StoreCorruptError, match=r"field shards\[0\]\.rows holds 3 rows, but "
+                                                r"batches 0\.\.6 of extract\.batch_size 3 "
+                                                r"rows give 21"):
+        open_store(tmp_path / "s")
+
+
+# ----------------------------------------------------------------- shard headers
+def _header(store: Path, k: int) -> tuple[dict[str, Any], bytes]:
+    raw = (store / f"shard-{k:05d}.safetensors").read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + length]), raw[8 + length:]
+
+
+def _with_header(text: bytes, data: bytes) -> bytes:
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + data
+
+
+@SETTINGS
+@given(k=st.integers(0, 2), kind=st.sampled_from(["other run", "no metadata", "other format"]),
+       other=st.text("0123456789abcdef", min_size=32, max_size=32))
+def test_a_shard_of_another_run_or_without_metadata_is_refused(
+        pristine: tuple[Path, Any], tmp_path_factory: pytest.TempPathFactory, k: int, kind: str,
+        other: str) -> None:
+    store = _copy(pristine[0], tmp_path_factory.mktemp("metadata") / "s")
+    header, data = _header(store, k)
+    run = header["__metadata__"]["run"]
+    if kind == "no metadata":
+        del header["__metadata__"]
+    else:
+        header["__metadata__"].update({"other run": {"run": other if other != run else "0" * 32},
+                                       "other format": {"format": "x"}}[kind])
+    _reseal(store, k, _with_header(json.dumps(header).encode(), data))
+    with pytest.raises(StoreCorruptError, match=rf"shard-{k:05d}\.safetensors: field "
+                                                rf"header\.__metadata__"):
+        open_store(store).verify()
+    assert _damage_outcome(store, pristine[1], "shard metadata") == "clean"
+
+
+def test_a_store_from_before_run_ids_still_reads(pristine: tuple[Path, Any],
+                                                 tmp_path: Path) -> None:
+    store = _copy(pristine[0], tmp_path / "s")
+    for k in range(3):
+        header, data = _header(store, k)
+        del header["__metadata__"]
+        _reseal(store, k, _with_header(json.dumps(header).encode(), data))
+    manifest = json.loads((store / "manifest.json").read_text())
+    del manifest["run"]
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    assert _contents(store) == pristine[1]
+
+
+@SETTINGS
+@given(k=st.integers(0, 2), data=st.data())
+def test_a_tensor_named_twice_in_a_header_is_refused(
+        pristine: tuple[Path, Any], tmp_path_factory: pytest.TempPathFactory, k: int,
+        data: st.DataObject) -> None:
+    store = _copy(pristine[0], tmp_path_factory.mktemp("twice") / "s")
+    header, body = _header(store, k)
+    names = sorted(n for n in header if n != "__metadata__")
+    name = data.draw(st.sampled_from(names), label="named twice")
+    source = data.draw(st.sampled_from(names), label="pointing at")
+    first = f"{json.dumps(name)}: {json.dumps(header[source])}, ".encode()
+    _reseal(store, k, _with_header(b"{" + first + json.dumps(header).encode()[1:], body))
+    with pytest.raises(StoreCorruptError, match=rf"key {name!r} appears twice"):
+        open_store(store).verify()
+    assert _damage_outcome(store, pristine[1], "duplicate keys") == "clean"
+
+
+@SETTINGS
+@given(row=st.integers(0, 11), text=st.binary(min_size=7, max_size=7))
+def test_text_columns_are_strict_utf8_naming_column_and_row(
+        pristine: tuple[Path, Any], tmp_path_factory: pytest.TempPathFactory, row: int,
+        text: bytes) -> None:
+    store = _copy(pristine[0], tmp_path_factory.mktemp("utf8") / "s")
+    k, local = divmod(row, 4)  # one batch of 4 rows a shard
+    header, body = _header(store, k)
+    begin = header["@label"]["data_offsets"][0] + 7 * local  # each label is 7 bytes: label-N
+    body = body[:begin] + text + body[begin + 7:]
+    _reseal(store, k, _with_header(json.dumps(header).encode(), body))
+    try:
+        expected = text.decode("utf-8")
+    except UnicodeDecodeError:
+        with pytest.raises(StoreCorruptError, match=rf"column @label, row {row}: its bytes are "
+                                                    rf"not UTF-8"):
+            assert open_store(store).labels is None
+        assert _damage_outcome(store, pristine[1], "text columns") == "clean"
+        return
+    labels = pristine[1][3]
+    assert open_store(store).labels == [*labels[:row], expected, *labels[row + 1:]]
+
+
+# ------------------------------------------------------- resume over edited listed shards
+def _interrupted(pristine: Path, to: Path) -> Path:
+    """The pristine store as a run killed after its second shard leaves it."""
+    store = _copy(pristine, to)
+    manifest = json.loads((store / "manifest.json").read_text())
+    (store / manifest["shards"][2]["file"]).unlink()
+    manifest.update(complete=False, shards=manifest["shards"][:2],
+                    rows=manifest["shards"][1]["rows"][1])
+    (store / "manifest.json").write_text(json.dumps(manifest))
+    return store
+
+
+def test_resume_of_an_intact_interrupted_store_gives_the_pristine_rows(
+        pristine: tuple[Path, Any], tmp_path: Path) -> None:
+    store = _interrupted(pristine[0], tmp_path / "s")
+    _extract(store, resume=True)
+    assert _contents(store) == pristine[1]
+
+
+@SETTINGS
+@given(k=st.integers(0, 1), data=st.data())
+def test_resume_refuses_a_listed_shard_edited_or_replaced_and_deletes_nothing(
+        pristine: tuple[Path, Any], tmp_path_factory: pytest.TempPathFactory, k: int,
+        data: st.DataObject) -> None:
+    store = _interrupted(pristine[0], tmp_path_factory.mktemp("resume") / "s")
+    shard = store / f"shard-{k:05d}.safetensors"
+    raw = bytearray(shard.read_bytes())
+    if data.draw(st.booleans(), label="replace"):
+        raw = bytearray(data.draw(st.binary(min_size=len(raw), max_size=len(raw))
+                                  .filter(lambda b: b != bytes(raw)), label="bytes"))
+    else:
+        raw[data.draw(st.integers(0, len(raw) - 1), label="at")] ^= data.draw(st.integers(1, 255))
+    shard.write_bytes(bytes(raw))
+    before = {p.name: p.read_bytes() for p in store.iterdir()}
+    with pytest.raises(StoreExistsError, match=rf"'{shard.name}': listed by the manifest, but"):
+        _extract(store, resume=True)
+    assert {p.name: p.read_bytes() for p in store.iterdir()} == before
+

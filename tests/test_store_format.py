@@ -17,7 +17,8 @@ from hookscope.store.writer import ShardData, StoreWriter, join_parts
 
 HEADER = {"model": {"spec": "test", "class": "x.Y"}, "extract": {},
           "layers": {"a": {"shape": [3], "dtype": "float32", "ragged": False},
-                     "t": {"shape": [None, 2], "dtype": "bfloat16", "ragged": True}}}
+                     "t": {"shape": [None, 2], "dtype": "bfloat16", "ragged": True}},
+          "run": "5e" * 16}  # the ranks of one torchrun share the run id
 
 
 def _write(folder: Path, n_shards: int = 3, *, rank: int = 0, world_size: int = 1, seed: int = 0,

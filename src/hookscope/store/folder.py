@@ -52,7 +52,8 @@ def check_output(folder: Path, *, resume: bool, overwrite: bool) -> None:
     Raises:
         StoreExistsError: ``folder`` is a file; or it holds files and neither ``resume`` nor
             ``overwrite`` is set; or it holds a file or folder that is not the store's
-            (named), or no valid store at all, with ``resume`` or ``overwrite``.
+            (named; a listed shard is the store's only while its size and sha256 agree with the
+            manifest), or no valid store at all, with ``resume`` or ``overwrite``.
     """
     if folder.exists() and not folder.is_dir():
         raise StoreExistsError(f"output {folder} exists and is a file, not a store folder; "
@@ -66,13 +67,17 @@ def check_output(folder: Path, *, resume: bool, overwrite: bool) -> None:
             f"continue an interrupted run pass resume=True (--resume); to replace the store in "
             f"it pass overwrite=True (--overwrite); or choose another output folder.")
     flag = "resume=True (--resume)" if resume else "overwrite=True (--overwrite)"
-    owned = owned_files(folder, flag, deleting=overwrite)
+    owned = owned_files(folder, flag, deleting=True)  # resume appends to the listed shards
     foreign = [n for n in names if n not in owned]
+    changed = [n for n in foreign if n in listed_shards(folder)]
+    note = (f" ({_listing(changed)}: listed by the manifest, but a link, or its size or sha256 "
+            f"differ: edited or replaced since it was written; restore it from a copy)"
+            if changed else "")
     if foreign:
         raise StoreExistsError(
             f"refusing {flag} on {folder}: {_listing(foreign)} "
             f"{'is' if len(foreign) == 1 else 'are'} not part of the hookscope store there, and "
-            f"hookscope never deletes or writes beside what it did not write. Move "
+            f"hookscope never deletes or writes beside what it did not write{note}. Move "
             f"{'it' if len(foreign) == 1 else 'them'} away, or choose another output folder.")
 
 
@@ -121,9 +126,9 @@ def owned_files(folder: Path, flag: str, *, deleting: bool = False) -> set[str]:
 
     Args:
         flag: the option asking (for the error); ``""`` when the folder was checked already.
-        deleting: the files are to be deleted: a listed shard is the store's only when its
-            sha256 agrees with the manifest too (reads it; the digest is kept while the file's
-            inode, size and mtime stay the same).
+        deleting: the files are to be deleted or appended to (overwrite, resume): a listed
+            shard is the store's only when its sha256 agrees with the manifest too (reads it;
+            the digest is kept while the file's inode, size and mtime stay the same).
 
     Raises:
         StoreExistsError: ``folder`` holds files but no manifest, a manifest that is not a valid
@@ -145,6 +150,12 @@ def owned_files(folder: Path, flag: str, *, deleting: bool = False) -> set[str]:
     owned.update(n for n, entry in listed.items()
                  if _is_listed_shard(folder / n, entry, deleting))
     return owned
+
+
+def listed_shards(folder: Path) -> set[str]:
+    """The shard names the manifests in ``folder`` list (``owned_files`` has checked them)."""
+    return {entry["file"] for name in os.listdir(folder) if _MANIFEST_NAME.fullmatch(name)
+            for entry in _manifest(folder, name, "")["shards"]}
 
 
 def _manifest(folder: Path, name: str, flag: str) -> dict[str, Any]:

@@ -82,6 +82,7 @@ def check_manifest(data: Any, file: Path) -> None:
                                 f"hookscope reads version {VERSION}. Upgrade hookscope.")
     for field in ("model", "extract"):
         _want(file, data, field, lambda v: isinstance(v, dict), "an object")
+    _check_model(file, data["model"])
     _want(file, data, "complete", lambda v: isinstance(v, bool), "true or false")
     if "run" in data:  # stores written before the run id was recorded have none
         _want(file, data, "run", lambda v: isinstance(v, str) and RUN_ID.fullmatch(v) is not None,
@@ -90,7 +91,12 @@ def check_manifest(data: Any, file: Path) -> None:
           f"a positive integer up to {MAX_COUNT}")
     chunk = _want(file, data, "chunk_bytes", lambda v: _is_int(v) and v > 0 and v % 8 == 0,
                   f"a positive multiple of 8 up to {MAX_COUNT}")
-    _check_layers(file, _want(file, data, "layers", lambda v: isinstance(v, dict), "an object"))
+    layers = _want(file, data, "layers", lambda v: isinstance(v, dict), "an object")
+    _check_layers(file, layers)
+    _check_extract(file, data["extract"], layers)
+    if "rank" in data:  # a part manifest of a torchrun run
+        _want(file, data, "rank", lambda v: _is_int(v) and v < data["world_size"],
+              f"this process's rank, below world_size {data['world_size']}")
     if "columns" in data:  # stores written before row identity was recorded have none
         _check_columns(file, _want(file, data, "columns", lambda v: isinstance(v, dict),
                                    "an object"))
@@ -104,6 +110,77 @@ def check_manifest(data: Any, file: Path) -> None:
         names.add(entry["file"])
     if rows != stop:
         raise corrupt(file, "rows", f"is {rows} but the shards hold {stop} rows")
+    _check_batches(file, data, shards)
+
+
+def _check_model(file: Path, model: dict[str, Any]) -> None:
+    """``model``: ``spec`` (the CLI's MODEL argument, null from Python), ``class``."""
+    for key in sorted(model.keys() - {"spec", "class"})[:1]:
+        raise corrupt(file, f"model[{key!r}]", "is not a field hookscope writes (spec, class)")
+    _want(file, model, "spec", lambda v: v is None or _is_text(v), "null or a model spec",
+          "model.")
+    _want(file, model, "class", _is_text, "the model's class name", "model.")
+
+
+def _is_text(value: Any) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= _MAX_TEXT
+
+
+_MAX_TEXT = 4096  # longest spec, class, layer address or reduction name a manifest may give
+# manifest ``extract`` field -> (its check, what it must be); a field an older store did not
+# record is absent
+_EXTRACT: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "layers": (lambda v: isinstance(v, list) and bool(v) and all(_is_text(n) for n in v)
+               and len(set(v)) == len(v), "a list of distinct layer addresses"),
+    "reduce": (lambda v: v is None or _is_text(v), "null or a reduction's name"),
+    "batches": (lambda v: v is None or _is_int(v), f"null or a batch count (0..{MAX_COUNT})"),
+    "dtype": (lambda v: v is None or v in DTYPES, f"null or one of {sorted(DTYPES)}"),
+    "batch_size": (lambda v: v is None or (_is_int(v) and v > 0),
+                   f"null or a positive batch size (1..{MAX_COUNT})"),
+}
+
+
+def _check_extract(file: Path, extract: dict[str, Any], layers: dict[str, Any]) -> None:
+    """``extract``: the arguments a resume repeats, each of its type and range; its ``layers``
+    are the manifest's (once the first batch described them)."""
+    for key in sorted(extract.keys() - _EXTRACT.keys())[:1]:
+        raise corrupt(file, f"extract[{key!r}]", f"is not a field hookscope writes "
+                                                 f"({', '.join(_EXTRACT)})")
+    for key in extract.keys() & _EXTRACT.keys():
+        check, what = _EXTRACT[key]
+        _want(file, extract, key, check, what, "extract.")
+    if layers and "layers" in extract and set(extract["layers"]) != set(layers):
+        raise corrupt(file, "extract.layers", f"is {extract['layers']!r:.200}, but the store's "
+                                              f"layers are {sorted(layers)!r:.200}")
+
+
+def _check_batches(file: Path, data: dict[str, Any], shards: list[dict[str, Any]]) -> None:
+    """The shards' batch ranges against ``extract``: they follow each other (``_check_shard``)
+    from batch 0 (a torchrun part: from its first), end by ``extract.batches`` and reach it once
+    the store is complete. With an ``id`` column (the DataLoader's batch sampler gave each
+    batch's data-set indices, and extraction checked one row per index) each shard holds
+    ``batch_size`` rows per batch, but the data's last batch may be short; without one a
+    ``collate_fn`` may make any number of rows of a batch."""
+    total = data["extract"].get("batches")
+    size = data["extract"].get("batch_size") if "id" in data.get("columns", {}) else None
+    part = "rank" in data
+    if shards and not part and shards[0]["batches"][0] != 0:
+        raise corrupt(file, "shards[0].batches", f"starts at batch {shards[0]['batches'][0]}, "
+                                                 f"not 0")
+    end = shards[-1]["batches"][1] if shards else 0
+    if total is not None and (end > total or (data["complete"] and not part and end != total)):
+        raise corrupt(file, "extract.batches", f"is {total}, but the shards hold batches 0 to "
+                                               f"{end}")
+    for k, entry in enumerate(shards if size is not None else ()):
+        (first, last), (start, stop) = entry["batches"], entry["rows"]
+        short = last == total if total is not None else k == len(shards) - 1  # the data's last
+        low = (last - first - 1) * size + 1 if short else (last - first) * size
+        if not low <= stop - start <= (last - first) * size:
+            raise corrupt(file, f"shards[{k}].rows", f"holds {stop - start} rows, but batches "
+                                                     f"{first}..{last - 1} of extract.batch_size "
+                                                     f"{size} rows give "
+                                                     f"{low}" + (f" to {(last - first) * size}"
+                                                                 if short else ""))
 
 
 def _check_layers(file: Path, layers: dict[str, Any], what: str = "layers") -> None:
@@ -186,11 +263,42 @@ def check_file_name(name: str, file: Path, field: str) -> None:
 
 def parse_json(data: bytes) -> Any:
     """``json.loads`` whose every failure is ``ValueError``: JSON nested deeper than Python's
-    recursion limit raises ``RecursionError`` from the standard parser."""
+    recursion limit raises ``RecursionError`` from the standard parser, and an object that
+    repeats a key (which ``json.loads`` would silently take the last of, so two tensors could
+    claim one name) is refused."""
     try:
-        return json.loads(data)
+        return json.loads(data, object_pairs_hook=_unique)
     except RecursionError as err:
         raise ValueError("JSON nested too deeply to be a hookscope file") from err
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            raise ValueError(f"key {key!r:.80} appears twice in one object")
+        found[key] = value
+    return found
+
+
+def check_metadata(metadata: Any, run: str | None, name: str) -> None:
+    """Check a shard's safetensors ``__metadata__``: hookscope's format and the manifest's run
+    id ``run``, which is what ties the shard to its store (``hookscope.store.folder`` deletes
+    by it). A store written before run ids (``run`` None) has shards without it: not checked.
+
+    Raises:
+        StoreCorruptError: the metadata is missing, or names another format or run.
+    """
+    if run is None:
+        return
+    if not isinstance(metadata, dict):
+        raise corrupt(name, "header.__metadata__", f"is missing; a shard of run {run} carries "
+                                                   f"{{format, version, run}}")
+    for key, want in (("format", FORMAT), ("run", run)):
+        if metadata.get(key) != want:
+            raise corrupt(name, f"header.__metadata__.{key}",
+                          f"is {metadata.get(key)!r:.80}, the manifest's is {want!r}: the shard "
+                          f"belongs to another store")
 
 
 def read_regular(path: Path, limit: int = -1) -> bytes:

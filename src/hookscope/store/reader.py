@@ -38,6 +38,7 @@ from hookscope.store.manifest import (
     FORMAT,
     check_header,
     check_manifest,
+    check_metadata,
     corrupt,
     inside,
     parse_json,
@@ -148,10 +149,10 @@ class _Shard:
     """One shard file, memory-mapped on first use; each chunk checked once, when first read."""
 
     def __init__(self, folder: Path, info: ShardInfo, chunk_bytes: int, verify_reads: bool,
-                 layers: dict[str, Any]):
+                 layers: dict[str, Any], run: str | None):
         self.path = inside(folder, info.file, folder / MANIFEST, f"shards[{info.file!r}].file")
         self.info, self.chunk_bytes, self.layers = info, chunk_bytes, layers
-        self.verify_reads = verify_reads
+        self.verify_reads, self.run = verify_reads, run
         self._mm: mmap.mmap | None = None
         self._entries: dict[str, dict[str, Any]] = {}
         self._data_start = 0
@@ -198,10 +199,10 @@ class _Shard:
         try:
             header = parse_json(mm[8:8 + length])
         except ValueError as err:
-            raise StoreCorruptError(f"shard {self.info.file}: unreadable header; "
+            raise StoreCorruptError(f"shard {self.info.file}: unreadable header ({err}); "
                                     f"{_REDO}") from err
         if isinstance(header, dict):
-            header.pop("__metadata__", None)
+            check_metadata(header.pop("__metadata__", None), self.run, self.info.file)
         rows = self.info.rows[1] - self.info.rows[0]
         check_header(header, layers=self.layers, rows=rows, size=self.info.bytes,
                      data_start=8 + length, name=self.info.file)
@@ -391,6 +392,19 @@ def _column_text(name: str, info: LayerInfo) -> str:
     return f"{name}s: {kind}"
 
 
+def _text(row: Tensor, column: str, i: int) -> str:
+    """Row ``i`` of text column ``column`` (``id``, ``label``): its bytes decoded as strict UTF-8.
+
+    Raises:
+        StoreCorruptError: the bytes are not UTF-8 (hookscope writes them with ``str.encode``).
+    """
+    try:
+        return bytes(row.numpy()).decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise StoreCorruptError(f"column @{column}, row {i}: its bytes are not UTF-8 text "
+                                f"({err.reason} at byte {err.start}); {_REDO}") from err
+
+
 def row_shape(info: LayerInfo) -> str:
     """``"tokensx8"``, ``"3x4"``, ``"scalar"``: a row's shape as ``show`` prints it."""
     return "x".join("tokens" if n is None else str(n) for n in info.shape) or "scalar"
@@ -439,8 +453,8 @@ class Store:
             for name, spec in manifest.get("columns", {}).items()}
         self.shards = [ShardInfo.from_json(e) for e in manifest["shards"]]
         chunk = int(manifest["chunk_bytes"])
-        self._shards = [_Shard(path, info, chunk, verify_reads, tensor_specs(manifest))
-                        for info in self.shards]
+        self._shards = [_Shard(path, info, chunk, verify_reads, tensor_specs(manifest),
+                               manifest.get("run")) for info in self.shards]
         self._starts = [s.rows[0] for s in self.shards]
         self._rows = self.shards[-1].rows[1] if self.shards else 0
 
@@ -495,7 +509,7 @@ class Store:
             return None
         rows = LayerView(self, info)[:]
         if info.ragged:  # text: UTF-8 bytes per row
-            return [bytes(row.numpy()).decode("utf-8", "replace") for row in rows]
+            return [_text(row, name, i) for i, row in enumerate(rows)]
         return rows  # type: ignore[return-value]
 
     @property
@@ -510,13 +524,18 @@ class Store:
     def verify(self) -> None:
         """Check every shard as reading does (size, header against the manifest with byte
         ranges that follow each other without overlap or gap, every chunk sum, ragged offsets),
-        its sha256 (reads every byte), and that safetensors' own parser accepts it.
+        its sha256 (reads every byte), and that safetensors' own parser accepts it; then that
+        every row of a text column (``ids``, ``labels``) is UTF-8.
 
         Raises:
-            StoreCorruptError: naming the first shard that is missing, truncated or damaged.
+            StoreCorruptError: naming the first shard that is missing, truncated or damaged
+                (or the column and row whose text is not UTF-8).
         """
         for shard in self._shards:
             shard.verify()
+        for name, info in self.columns.items():
+            if info.ragged:  # text: strict UTF-8, each row
+                self._column(name)
 
     def _locate(self, start: int, stop: int) -> Iterator[tuple[_Shard, int, int]]:
         """Yield ``(shard, local start, local stop)`` covering global rows ``[start, stop)``."""

@@ -335,12 +335,18 @@ def join_parts(folder: Path, world_size: int) -> None:
     order is rank 0's rows, then rank 1's, and so on.
 
     Raises:
-        StoreCorruptError: a part is missing, incomplete, or its batches do not follow the last.
+        StoreCorruptError: a part is missing, incomplete, of another run, or its batches do not
+            follow the last.
     """
     if (folder / MANIFEST).exists():
         return  # joined by an earlier run
     parts = [read_manifest(folder / _part_name(r, world_size)) for r in range(world_size)]
     joined = {k: v for k, v in parts[0].items() if k != "rank"}
+    runs = [part.get("run") for part in parts]
+    if len(set(runs)) > 1:
+        raise StoreCorruptError(f"the parts of {folder} carry different run ids {runs}: one was "
+                                f"copied from another run and its shards are not this store's. "
+                                f"Extract again (overwrite=True).")
     for key in ("layers", "columns"):  # a rank without rows has none to describe
         joined[key] = next((p.get(key, {}) for p in parts if p["rows"]), joined.get(key, {}))
     shards: list[dict[str, Any]] = []
