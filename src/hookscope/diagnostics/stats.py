@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.engine.checks import check_flag
+from hookscope.engine.checks import check_flag, check_int, check_iterable
 from hookscope.engine.run import model_inputs, untouched
 from hookscope.engine.select import Target, as_patterns
 from hookscope.engine.session import HookSession
@@ -217,11 +217,16 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
 
     Raises:
         SelectorError: a pattern matches no module.
+        ArgumentTypeError: ``batches`` is not iterable (``None``), ``per_channel`` is neither a
+            bool nor an int (``"yes"``), at the call.
         HookscopeError: the model is TorchScript, ``batches`` is empty, or an output lacks
             the channel dimension asked for, or is complex.
     """
     patterns = as_patterns(layers)
     check_flag("early_stop", early_stop)
+    check_iterable("batches", batches, "a DataLoader or [x]")
+    if not isinstance(per_channel, bool):
+        check_int("per_channel", per_channel)
     session = _StatsSession(model, patterns, per_channel, early_stop)
     count = 0
     with untouched(model), session, torch.no_grad():
