@@ -211,6 +211,10 @@ ROWS = [
     Row("gradcam", "bad layer", "nosuch", lambda m: hs.gradcam(m, X, "nosuch")),
     Row("gradcam", "method", "method", lambda m: hs.gradcam(m, X, "fc1", method="cam")),  # type: ignore[arg-type]
     Row("gradcam", "x None", "x", lambda m: hs.gradcam(m, None, "fc1")),  # type: ignore[arg-type]
+    Row("gradcam", "target float", "target", lambda m: hs.gradcam(m, X, "fc1", target=1.5)),  # type: ignore[arg-type]
+    Row("gradcam", "target bool", "target", lambda m: hs.gradcam(m, X, "fc1", target=True)),
+    Row("gradcam", "3 targets for 2 images", "target", lambda m: hs.gradcam(m, X, "fc1", target=[1, 2, 3])),
+    Row("gradcam", "grid zero", "grid", lambda m: hs.gradcam(m, X, "fc1", grid=(0, 0))),
     # patching_sweep
     Row("patching_sweep", "model None", "model",
         lambda m: hs.patching_sweep(None, IDS, IDS, layers="transformer.h.0", metric=_metric)),  # type: ignore[arg-type]
@@ -226,6 +230,15 @@ ROWS = [
     Row("patching_sweep", "flag str", "heads",
         lambda m: hs.patching_sweep(m, IDS, IDS, layers="transformer.h.0", metric=_metric,
                                            heads="yes"), gpt2=True),  # type: ignore[arg-type]
+    *[Row("patching_sweep", f"batch_size {n}", "batch_size",
+          lambda m, n=n: hs.patching_sweep(m, IDS, IDS, layers="transformer.h.0", metric=_metric,
+                                           batch_size=n), gpt2=True) for n in (0, -5)],
+    Row("patching_sweep", "position past the input", "positions",
+        lambda m: hs.patching_sweep(m, IDS, IDS, layers="transformer.h.0", metric=_metric,
+                                    positions=[99]), gpt2=True),
+    Row("patching_sweep", "metric returns str", "metric",
+        lambda m: hs.patching_sweep(m, IDS, IDS, layers="transformer.h.0", metric=lambda o: "x",
+                                    progress=False), gpt2=True, in_forward=True),
     # capture_generation
     Row("capture_generation", "model None", "model",
         lambda m: hs.capture_generation(None, "transformer.h.0")),  # type: ignore[arg-type]
@@ -254,6 +267,14 @@ ROWS = [
     Row("logit_lens", "ids None", "input_ids", lambda m: hs.logit_lens(m, None), gpt2=True),  # type: ignore[arg-type]
     Row("logit_lens", "bad layer", "nosuch", lambda m: hs.logit_lens(m, IDS, layers="nosuch"), gpt2=True),
     Row("logit_lens", "empty selection", "layers", lambda m: hs.logit_lens(m, IDS, layers=[]), gpt2=True),
+    Row("logit_lens", "float ids", "input_ids", lambda m: hs.logit_lens(m, IDS.float()), gpt2=True),
+    Row("logit_lens", "id past the vocabulary", "60 tokens",
+        lambda m: hs.logit_lens(m, torch.tensor([[1, 500]])), gpt2=True),
+    Row("logit_lens", "negative id", "input_ids", lambda m: hs.logit_lens(m, torch.tensor([[-1, 2]])), gpt2=True),
+    Row("logit_lens", "mask shape", "attention_mask",
+        lambda m: hs.logit_lens(m, IDS, attention_mask=torch.ones(3, 3)), gpt2=True),
+    Row("logit_lens", "mask all zero", "attention_mask",
+        lambda m: hs.logit_lens(m, IDS, attention_mask=torch.zeros_like(IDS)), gpt2=True),
     # rollout
     Row("rollout", "model None", "model", lambda m: hs.rollout(None, IDS, layers="transformer.h.*.attn")),  # type: ignore[arg-type]
     Row("rollout", "empty selection", "layers", lambda m: hs.rollout(m, IDS, layers=[]), gpt2=True),
@@ -261,6 +282,8 @@ ROWS = [
         lambda m: hs.rollout(m, IDS, layers="transformer.h.*.attn", head_fusion="median"), gpt2=True),  # type: ignore[arg-type]
     Row("rollout", "discard_ratio", "discard_ratio",
         lambda m: hs.rollout(m, IDS, layers="transformer.h.*.attn", discard_ratio=1.5), gpt2=True),
+    Row("rollout", "flag str", "gradient",
+        lambda m: hs.rollout(m, IDS, layers="transformer.h.*.attn", gradient="no"), gpt2=True),  # type: ignore[arg-type]
     # attribution_patching
     Row("attribution_patching", "model None", "model",
         lambda m: hs.attribution_patching(None, IDS, IDS, _metric, layers="transformer.h.0")),  # type: ignore[arg-type]
@@ -271,6 +294,9 @@ ROWS = [
     Row("attribution_patching", "empty positions", "positions",
         lambda m: hs.attribution_patching(m, IDS, IDS, _metric, layers="transformer.h.0",
                                                  positions=[]), gpt2=True),
+    Row("attribution_patching", "position past the input", "positions",
+        lambda m: hs.attribution_patching(m, IDS, IDS, _metric, layers="transformer.h.0",
+                                          positions=[99]), gpt2=True),
 ]
 
 
@@ -452,3 +478,15 @@ def test_a_failed_monitor_entry_leaves_no_hook(tmp_path: Any) -> None:
     assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
     assert not optimizer._optimizer_step_pre_hooks
     assert (tmp_path / "run" / "records.jsonl").is_file()  # hookscope's own file, closed
+
+
+def test_attribution_patching_warns_of_positions_left_out_as_patching_sweep_does(gpt2: nn.Module) -> None:
+    """A corrupted input longer than the clean one: both verbs cover the clean one's positions
+    and name the rest in the same warning (issue 26: attribution_patching was silent)."""
+    longer = torch.tensor([[3, 9, 14, 2, 8, 5, 7]])
+    for verb in (lambda: hs.attribution_patching(gpt2, IDS, longer, _metric, layers="transformer.h.0"),
+                 lambda: hs.patching_sweep(gpt2, IDS, longer, layers="transformer.h.0", metric=_metric,
+                                           progress=False)):
+        with pytest.warns(UserWarning, match=r"covers positions 0 … 4: the corrupted input has 7"):
+            sweep = verb()
+        assert sweep.positions == [0, 1, 2, 3, 4] and sweep.values.shape == (1, 5)
