@@ -80,6 +80,13 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("attention", ["attention", M, *IN, *L, "--sample", "2"], 2, "--sample 2"),
     ("stats", ["stats", M, *IN, "--batch-size", "0"], 2, "--batch-size"),
     ("tree", ["tree", M, "--depth", "-1"], 2, "--depth"),
+    ("stats", ["stats", M, *IN, "--per-channel", "7"], 2, "dimension 7"),
+    ("stats", ["stats", M, *IN, "--per-channel", "-9"], 2, "dimension -9"),
+    ("extract", ["extract", M, "--data", "x.pt", *L, "--out", "s", "--resume", "--overwrite"], 2,
+     "--overwrite: not allowed with argument --resume"),
+    # a single-value flag given twice: refused, not "the last one wins"
+    ("gradcam", ["gradcam", M, *IN, "--layer", "fc1", "--layer", "fc2"], 2, "--layer was given twice"),
+    ("lens", ["lens", M, *IN, "--top-k", "2", "--top-k", "3"], 2, "--top-k was given twice"),
     ("diff", ["diff", M, M, *IN, "--atol", "nan"], 2, "--atol"),
     ("extract", ["extract", M, "--data", "x.pt", *L, "--out", "s", "--batch-size", "0"], 2,
      "--batch-size"),
