@@ -58,6 +58,7 @@ CASES: list[tuple[str, list[str], int, str]] = [
                           (HUGE, "RANDN_MAX_ELEMENTS"), ("empty/", "no image file")]],
     ("diff", ["diff", M, M, "--input", HUGE], 2, "RANDN_MAX_ELEMENTS"),
     ("stats", ["stats", M, "--data", "nofile.pt"], 2, "--data"),
+    ("capture", ["capture", M, "--input", "x.pt:nokey", *L], 2, "drop ':nokey'"),
     ("stats", ["stats", M, *IN, "--data", "x.pt"], 2, "--data"),
     ("stats", ["stats", M], 2, "--input"),
     ("extract", ["extract", M, "--data", "nofile.pt", *L, "--out", "s"], 2, "--data"),
@@ -225,3 +226,15 @@ def test_extract_names_calls_and_addresses_in_words_for_both(workdir: Path) -> N
         expected = torch.relu(twice.fc2(torch.relu(twice.fc1(data[0]))))
     torch.testing.assert_close(store["::relu#1"][:], expected)
 
+
+
+@pytest.mark.parametrize("bad", ["{not json", "5", "[1, 2]"])
+def test_monitor_report_names_the_file_and_line_of_a_damaged_record(
+        workdir: Path, capsys: pytest.CaptureFixture[str], bad: str) -> None:
+    (workdir / "run" / "records.jsonl").write_text('{"event": "start", "rank": 0}\n' + bad + "\n")
+    before = _listing(workdir)
+    assert main(["monitor-report", "run"]) == 1  # a file that cannot be read: the run failed
+    err = capsys.readouterr().err
+    assert f"records.jsonl, line 2: not a monitor record (a JSON object): {bad!r}" in err
+    assert "Traceback" not in err
+    assert _listing(workdir) == before
