@@ -166,3 +166,30 @@ def test_a_failed_lens_run_leaves_no_empty_folder(saved_gpt2: tuple[Path, Path],
                  "--out", str(out)]) == 1
     assert "residual stream" in capsys.readouterr().err
     assert not out.exists()
+
+
+CNN = '''
+from torch import nn
+
+def cnn():
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(4, 5))
+'''
+
+
+@pytest.mark.parametrize(("extra", "code", "needle"), [
+    (["--layer", "0", "--target", "999"], 2, "--target 999 is not a class of this model, which has 5"),
+    (["--layer", "4"], 1, "not a feature map"),
+    (["--layer", "::relu"], 1, "never ran"),
+])
+def test_a_gradcam_run_refused_or_failed_leaves_no_folder(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], code: int,
+        needle: str) -> None:
+    """Issue 26: these left an empty gradcam/ folder behind (and --target 999 exited 1)."""
+    (tmp_path / "cnn.py").write_text(CNN)
+    Image.new("RGB", (32, 32), (200, 30, 90)).save(tmp_path / "img.png")
+    out = tmp_path / "cams"
+    assert main(["gradcam", f"{tmp_path / 'cnn.py'}:cnn", "--input", str(tmp_path / "img.png"),
+                 "--image-size", "32", "--out", str(out), *extra]) == code
+    assert needle in capsys.readouterr().err
+    assert not out.exists()

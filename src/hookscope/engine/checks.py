@@ -15,7 +15,15 @@ What is refused rather than warned about (the README's "Bad arguments" says the 
   floating dtype (a cast to ``torch.int8`` truncates every value; quantize explicitly instead);
 - an empty selection: no pattern, ``{}`` of edits or vectors, ``layers=[]``, ``positions=[]``
   (a call that would do nothing and say nothing);
-- a steering vector holding NaN or infinity, or no values at all (a ``meta`` tensor).
+- a steering vector holding NaN or infinity, or no values at all (a ``meta`` tensor);
+- a count or number of the wrong type, not finite or below its minimum (``check_int``,
+  ``check_number``: ``batch_size=0``, ``atol=-1``, ``scale=nan``);
+- what cannot be iterated where an iterable is due (``check_iterable``: ``batches=None``),
+  options that do not exist (``check_options``), a function whose signature cannot take the
+  arguments it will get (``check_arity``);
+- token ids that are not integers or outside the vocabulary (``check_token_ids``), positions
+  of another form or past a known input length (``check_positions``), a run folder that is a
+  file (``check_run_dir``).
 """
 
 from __future__ import annotations
