@@ -99,6 +99,9 @@ ROWS = [
     Row("run", "flag str", "grads", lambda m: hs.run(m, X, layers="fc1", options={"grads": "yes"})),
     Row("run", "bad device", "to", lambda m: hs.run(m, X, layers="fc1", options={"to": "nodevice"})),
     Row("run", "dtype str", "dtype", lambda m: hs.run(m, X, layers="fc1", options={"dtype": "half"})),
+    Row("run", "layers None", "layers", lambda m: hs.run(m, X, layers=None)),  # type: ignore[arg-type]
+    Row("run", "unknown option", "bogus", lambda m: hs.run(m, X, layers="fc1", options={"bogus": 1})),
+    Row("run", "options str", "options", lambda m: hs.run(m, X, layers="fc1", options="early_stop")),  # type: ignore[arg-type]
     # edit
     Row("edit", "model None", "model", lambda m: hs.edit(None, {"fc1": abs})),  # type: ignore[arg-type]
     Row("edit", "bad layer", "nosuch", lambda m: hs.edit(m, {"nosuch": abs})),
@@ -109,6 +112,9 @@ ROWS = [
     Row("edit", "value tensor", r"edits\['fc1'\]",
         lambda m: hs.edit(m, {"fc1": torch.zeros(20)})),  # type: ignore[dict-item]
     Row("edit", "flag str", "inputs", lambda m: hs.edit(m, {"fc1": abs}, inputs="yes")),  # type: ignore[arg-type]
+    Row("edit", "two args without context", "context=True", lambda m: hs.edit(m, {"fc1": lambda o, p: o})),
+    Row("edit", "one arg with context", r"edits\['fc1'\]",
+        lambda m: hs.edit(m, {"fc1": lambda o: o}, context=True)),
     Row("edit", "meta result", "meta",
         lambda m: hs.edit(m, {"fc1": lambda t: torch.zeros_like(t, device="meta")}), in_forward=True),
     Row("edit", "dtype result", "float64",
@@ -123,10 +129,13 @@ ROWS = [
     Row("ablate", "empty heads", "heads", lambda m: hs.ablate(m, "fc1", heads=[])),
     Row("ablate", "flag str", "absolute", lambda m: hs.ablate(m, "fc1", positions=0, absolute="yes")),  # type: ignore[arg-type]
     Row("ablate", "seq_dim str", "seq_dim", lambda m: hs.ablate(m, "fc1", positions=0, seq_dim="1")),  # type: ignore[arg-type]
+    Row("ablate", "flag str, no positions", "absolute", lambda m: hs.ablate(m, "fc1", absolute="yes")),  # type: ignore[arg-type]
+    Row("ablate", "seq_dim str, no positions", "seq_dim", lambda m: hs.ablate(m, "fc1", seq_dim="1")),  # type: ignore[arg-type]
+    Row("ablate", "positions str", "positions", lambda m: hs.ablate(m, "fc1", positions="last")),  # type: ignore[arg-type]
     Row("ablate", "positions on (b, f)", "positions",
         lambda m: hs.ablate(m, "fc1", positions=5), in_forward=True),
     Row("ablate", "positions bool", "positions",
-        lambda m: hs.ablate(m, "transformer.h.0", positions=True), gpt2=True, in_forward=True),
+        lambda m: hs.ablate(m, "transformer.h.0", positions=True), gpt2=True),
     # patch
     Row("patch", "model None", "model", lambda m: hs.patch(None, source=_acts(m), layers="fc1")),  # type: ignore[arg-type]
     Row("patch", "bad layer", "nosuch", lambda m: hs.patch(m, source=_acts(m), layers="nosuch")),
@@ -135,6 +144,8 @@ ROWS = [
     Row("patch", "source None", "source", lambda m: hs.patch(m, source=None, layers="fc1")),  # type: ignore[arg-type]
     Row("patch", "empty positions", "positions",
         lambda m: hs.patch(m, source=_acts(m), layers="fc1", positions=[])),
+    Row("patch", "positions map of str", "positions",
+        lambda m: hs.patch(m, source=_acts(m), layers="fc1", positions={"a": "b"})),  # type: ignore[dict-item]
     Row("patch", "source_layers", "source_layers",
         lambda m: hs.patch(m, source=_acts(m), layers="fc1", source_layers=["fc1", "fc2"])),
     # steer
@@ -148,6 +159,10 @@ ROWS = [
     Row("steer", "vector meta", r"vectors\['fc1'\]",
         lambda m: hs.steer(m, {"fc1": torch.zeros(20, device="meta")})),
     Row("steer", "scale str", "scale", lambda m: hs.steer(m, {"fc1": torch.ones(20)}, scale="2")),  # type: ignore[arg-type]
+    Row("steer", "scale nan", "scale", lambda m: hs.steer(m, {"fc1": torch.ones(20)}, scale=float("nan"))),
+    Row("steer", "vector complex", r"vectors\['fc1'\]",
+        lambda m: hs.steer(m, {"fc1": torch.zeros(20, dtype=torch.complex64)})),
+    Row("steer", "vector empty", r"vectors\['fc1'\]", lambda m: hs.steer(m, {"fc1": torch.zeros(0)})),
     Row("steer", "empty positions", "positions",
         lambda m: hs.steer(m, {"fc1": torch.ones(20)}, positions=[])),
     Row("steer", "positions on (b, f)", "positions",
@@ -157,6 +172,8 @@ ROWS = [
     Row("stats", "bad layer", "nosuch", lambda m: hs.stats(m, [X], "nosuch")),
     Row("stats", "empty selection", "layers", lambda m: hs.stats(m, [X], [])),
     Row("stats", "flag str", "early_stop", lambda m: hs.stats(m, [X], "fc1", early_stop="yes")),  # type: ignore[arg-type]
+    Row("stats", "batches None", "batches", lambda m: hs.stats(m, None, "fc1")),  # type: ignore[arg-type]
+    Row("stats", "per_channel str", "per_channel", lambda m: hs.stats(m, [X], "fc1", per_channel="yes")),  # type: ignore[arg-type]
     # find_nonfinite
     Row("find_nonfinite", "model None", "model", lambda m: hs.find_nonfinite(None, X)),  # type: ignore[arg-type]
     Row("find_nonfinite", "flag str", "backward", lambda m: hs.find_nonfinite(m, X, backward="yes")),  # type: ignore[arg-type]
@@ -167,6 +184,12 @@ ROWS = [
     Row("compare", "model_b str", "model", lambda m: hs.compare(m, "m", X)),  # type: ignore[arg-type]
     Row("compare", "bad layer", "nosuch", lambda m: hs.compare(m, m, X, layers="nosuch")),
     Row("compare", "empty selection", "layers", lambda m: hs.compare(m, m, X, layers=[])),
+    Row("compare", "atol negative", "atol", lambda m: hs.compare(m, m, X, atol=-1)),
+    Row("compare", "atol nan", "atol", lambda m: hs.compare(m, m, X, atol=float("nan"))),
+    Row("compare", "rtol str", "rtol", lambda m: hs.compare(m, m, X, rtol="big")),  # type: ignore[arg-type]
+    Row("compare", "tolerances str", "tolerances",
+        lambda m: hs.compare(m, m, X, pair="auto", tolerances={"float32": "tight"})),  # type: ignore[dict-item]
+    Row("compare", "pair unknown", "pair", lambda m: hs.compare(m, m, X, pair="magic")),  # type: ignore[arg-type]
     # extract
     Row("extract", "model None", "model", lambda m: hs.extract(None, [X], "fc1", "s")),  # type: ignore[arg-type]
     Row("extract", "bad layer", "nosuch", lambda m: hs.extract(m, [X], "nosuch", "s")),
@@ -188,6 +211,10 @@ ROWS = [
     Row("gradcam", "bad layer", "nosuch", lambda m: hs.gradcam(m, X, "nosuch")),
     Row("gradcam", "method", "method", lambda m: hs.gradcam(m, X, "fc1", method="cam")),  # type: ignore[arg-type]
     Row("gradcam", "x None", "x", lambda m: hs.gradcam(m, None, "fc1")),  # type: ignore[arg-type]
+    Row("gradcam", "target float", "target", lambda m: hs.gradcam(m, X, "fc1", target=1.5)),  # type: ignore[arg-type]
+    Row("gradcam", "target bool", "target", lambda m: hs.gradcam(m, X, "fc1", target=True)),
+    Row("gradcam", "3 targets for 2 images", "target", lambda m: hs.gradcam(m, X, "fc1", target=[1, 2, 3])),
+    Row("gradcam", "grid zero", "grid", lambda m: hs.gradcam(m, X, "fc1", grid=(0, 0))),
     # patching_sweep
     Row("patching_sweep", "model None", "model",
         lambda m: hs.patching_sweep(None, IDS, IDS, layers="transformer.h.0", metric=_metric)),  # type: ignore[arg-type]
@@ -203,6 +230,15 @@ ROWS = [
     Row("patching_sweep", "flag str", "heads",
         lambda m: hs.patching_sweep(m, IDS, IDS, layers="transformer.h.0", metric=_metric,
                                            heads="yes"), gpt2=True),  # type: ignore[arg-type]
+    *[Row("patching_sweep", f"batch_size {n}", "batch_size",
+          lambda m, n=n: hs.patching_sweep(m, IDS, IDS, layers="transformer.h.0", metric=_metric,
+                                           batch_size=n), gpt2=True) for n in (0, -5)],
+    Row("patching_sweep", "position past the input", "positions",
+        lambda m: hs.patching_sweep(m, IDS, IDS, layers="transformer.h.0", metric=_metric,
+                                    positions=[99]), gpt2=True),
+    Row("patching_sweep", "metric returns str", "metric",
+        lambda m: hs.patching_sweep(m, IDS, IDS, layers="transformer.h.0", metric=lambda o: "x",
+                                    progress=False), gpt2=True, in_forward=True),
     # capture_generation
     Row("capture_generation", "model None", "model",
         lambda m: hs.capture_generation(None, "transformer.h.0")),  # type: ignore[arg-type]
@@ -214,6 +250,8 @@ ROWS = [
         lambda m: hs.capture_generation(m, "transformer.h.0", to="nodevice"), gpt2=True),
     Row("capture_generation", "flag str", "inputs",
         lambda m: hs.capture_generation(m, "transformer.h.0", inputs="yes"), gpt2=True),
+    Row("capture_generation", "unknown option", "bogus",
+        lambda m: hs.capture_generation(m, "transformer.h.0", bogus=1), gpt2=True),
     # monitor
     Row("monitor", "model None", "model", lambda m: hs.monitor(None, "fc1")),  # type: ignore[arg-type]
     Row("monitor", "bad layer", "nosuch", lambda m: hs.monitor(m, "nosuch", every=1)),
@@ -221,11 +259,23 @@ ROWS = [
     Row("monitor", "every negative", "every", lambda m: hs.monitor(m, "fc1", every=-1)),
     Row("monitor", "every str", "every", lambda m: hs.monitor(m, "fc1", every="10")),  # type: ignore[arg-type]
     Row("monitor", "guard", "guard", lambda m: hs.monitor(m, "fc1", guard="loud")),  # type: ignore[arg-type]
+    Row("monitor", "optimizer str", "optimizer", lambda m: hs.monitor(m, "fc1", optimizer="sgd")),  # type: ignore[arg-type]
+    Row("monitor", "scaler str", "scaler", lambda m: hs.monitor(m, "fc1", scaler="amp")),
+    Row("monitor", "run_dir a file", "run_dir", lambda m: hs.monitor(m, "fc1", run_dir=__file__)),
     # logit_lens
     Row("logit_lens", "model None", "model", lambda m: hs.logit_lens(None, IDS)),  # type: ignore[arg-type]
     Row("logit_lens", "ids None", "input_ids", lambda m: hs.logit_lens(m, None), gpt2=True),  # type: ignore[arg-type]
     Row("logit_lens", "bad layer", "nosuch", lambda m: hs.logit_lens(m, IDS, layers="nosuch"), gpt2=True),
     Row("logit_lens", "empty selection", "layers", lambda m: hs.logit_lens(m, IDS, layers=[]), gpt2=True),
+    Row("logit_lens", "float ids", "input_ids", lambda m: hs.logit_lens(m, IDS.float()), gpt2=True),
+    Row("logit_lens", "id past the vocabulary", "60 tokens",
+        lambda m: hs.logit_lens(m, torch.tensor([[1, 500]])), gpt2=True),
+    Row("logit_lens", "negative id", "input_ids",
+        lambda m: hs.logit_lens(m, torch.tensor([[-1, 2]])), gpt2=True),
+    Row("logit_lens", "mask shape", "attention_mask",
+        lambda m: hs.logit_lens(m, IDS, attention_mask=torch.ones(3, 3)), gpt2=True),
+    Row("logit_lens", "mask all zero", "attention_mask",
+        lambda m: hs.logit_lens(m, IDS, attention_mask=torch.zeros_like(IDS)), gpt2=True),
     # rollout
     Row("rollout", "model None", "model", lambda m: hs.rollout(None, IDS, layers="transformer.h.*.attn")),  # type: ignore[arg-type]
     Row("rollout", "empty selection", "layers", lambda m: hs.rollout(m, IDS, layers=[]), gpt2=True),
@@ -233,6 +283,8 @@ ROWS = [
         lambda m: hs.rollout(m, IDS, layers="transformer.h.*.attn", head_fusion="median"), gpt2=True),  # type: ignore[arg-type]
     Row("rollout", "discard_ratio", "discard_ratio",
         lambda m: hs.rollout(m, IDS, layers="transformer.h.*.attn", discard_ratio=1.5), gpt2=True),
+    Row("rollout", "flag str", "gradient",
+        lambda m: hs.rollout(m, IDS, layers="transformer.h.*.attn", gradient="no"), gpt2=True),  # type: ignore[arg-type]
     # attribution_patching
     Row("attribution_patching", "model None", "model",
         lambda m: hs.attribution_patching(None, IDS, IDS, _metric, layers="transformer.h.0")),  # type: ignore[arg-type]
@@ -243,6 +295,9 @@ ROWS = [
     Row("attribution_patching", "empty positions", "positions",
         lambda m: hs.attribution_patching(m, IDS, IDS, _metric, layers="transformer.h.0",
                                                  positions=[]), gpt2=True),
+    Row("attribution_patching", "position past the input", "positions",
+        lambda m: hs.attribution_patching(m, IDS, IDS, _metric, layers="transformer.h.0",
+                                          positions=[99]), gpt2=True),
 ]
 
 
@@ -406,3 +461,33 @@ def test_reduce_returning_none_names_the_reduce_and_the_shape() -> None:
                                                             r"of shape \(2, 20\)"):
         with hookscope.capture(model, "fc1", reduce=lambda t: None):  # type: ignore[arg-type,return-value]
             model(X)
+
+
+def test_a_failed_monitor_entry_leaves_no_hook(tmp_path: Any) -> None:
+    """A failure inside ``__enter__`` after hooks were registered removes them all (issue 26:
+    ``optimizer="sgd"`` once left ``_forward_begins``/``_forward_ends`` on the model)."""
+    model = MlpStack()
+
+    class BrokenStepHooks(torch.optim.SGD):
+        def register_step_post_hook(self, hook: Any) -> Any:
+            raise RuntimeError("no post hooks here")
+
+    optimizer = BrokenStepHooks(model.parameters(), lr=0.1)
+    monitor = hookscope.monitor(model, "fc1", optimizer=optimizer, run_dir=tmp_path / "run")
+    with pytest.raises(RuntimeError, match="no post hooks here"):
+        monitor.__enter__()
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    assert not optimizer._optimizer_step_pre_hooks
+    assert (tmp_path / "run" / "records.jsonl").is_file()  # hookscope's own file, closed
+
+
+def test_attribution_patching_warns_of_positions_left_out_as_patching_sweep_does(gpt2: nn.Module) -> None:
+    """A corrupted input longer than the clean one: both verbs cover the clean one's positions
+    and name the rest in the same warning (issue 26: attribution_patching was silent)."""
+    longer = torch.tensor([[3, 9, 14, 2, 8, 5, 7]])
+    for verb in (lambda: hs.attribution_patching(gpt2, IDS, longer, _metric, layers="transformer.h.0"),
+                 lambda: hs.patching_sweep(gpt2, IDS, longer, layers="transformer.h.0", metric=_metric,
+                                           progress=False)):
+        with pytest.warns(UserWarning, match=r"covers positions 0 … 4: the corrupted input has 7"):
+            sweep = verb()
+        assert sweep.positions == [0, 1, 2, 3, 4] and sweep.values.shape == (1, 5)

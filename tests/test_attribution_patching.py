@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import hookscope
-from hookscope.errors import EditError, PositionError
+from hookscope.errors import EditError
 from hookscope.zoo.models import LoadedModel
 from tests.models import tiny_gpt2
 from tests.reference import clean_values, logit_diff
@@ -129,6 +129,7 @@ def test_errors_say_what_to_do() -> None:
     with pytest.raises(EditError, match=r"a tensor of shape \(2, 5, 60\)"):
         hookscope.attribution_patching(model, CLEAN, CORRUPTED, lambda out: out.logits,
                                        layers="transformer.h.0")
-    with pytest.raises(PositionError):
+    with pytest.raises(hookscope.ArgumentValueError, match=r"positions holds 9, but the input has 5 "
+                                                         r"tokens"):  # at the call (issue 26)
         hookscope.attribution_patching(model, CLEAN, CORRUPTED, logit_diff,
                                        layers="transformer.h.0", positions=[9])

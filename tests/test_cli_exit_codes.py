@@ -58,6 +58,7 @@ CASES: list[tuple[str, list[str], int, str]] = [
                           (HUGE, "RANDN_MAX_ELEMENTS"), ("empty/", "no image file")]],
     ("diff", ["diff", M, M, "--input", HUGE], 2, "RANDN_MAX_ELEMENTS"),
     ("stats", ["stats", M, "--data", "nofile.pt"], 2, "--data"),
+    ("capture", ["capture", M, "--input", "x.pt:nokey", *L], 2, "drop ':nokey'"),
     ("stats", ["stats", M, *IN, "--data", "x.pt"], 2, "--data"),
     ("stats", ["stats", M], 2, "--input"),
     ("extract", ["extract", M, "--data", "nofile.pt", *L, "--out", "s"], 2, "--data"),
@@ -80,6 +81,13 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("attention", ["attention", M, *IN, *L, "--sample", "2"], 2, "--sample 2"),
     ("stats", ["stats", M, *IN, "--batch-size", "0"], 2, "--batch-size"),
     ("tree", ["tree", M, "--depth", "-1"], 2, "--depth"),
+    ("stats", ["stats", M, *IN, "--per-channel", "7"], 2, "dimension 7"),
+    ("stats", ["stats", M, *IN, "--per-channel", "-9"], 2, "dimension -9"),
+    ("extract", ["extract", M, "--data", "x.pt", *L, "--out", "s", "--resume", "--overwrite"], 2,
+     "--overwrite: not allowed with argument --resume"),
+    # a single-value flag given twice: refused, not "the last one wins"
+    ("gradcam", ["gradcam", M, *IN, "--layer", "fc1", "--layer", "fc2"], 2, "--layer was given twice"),
+    ("lens", ["lens", M, *IN, "--top-k", "2", "--top-k", "3"], 2, "--top-k was given twice"),
     ("diff", ["diff", M, M, *IN, "--atol", "nan"], 2, "--atol"),
     ("extract", ["extract", M, "--data", "x.pt", *L, "--out", "s", "--batch-size", "0"], 2,
      "--batch-size"),
@@ -218,3 +226,15 @@ def test_extract_names_calls_and_addresses_in_words_for_both(workdir: Path) -> N
         expected = torch.relu(twice.fc2(torch.relu(twice.fc1(data[0]))))
     torch.testing.assert_close(store["::relu#1"][:], expected)
 
+
+
+@pytest.mark.parametrize("bad", ["{not json", "5", "[1, 2]"])
+def test_monitor_report_names_the_file_and_line_of_a_damaged_record(
+        workdir: Path, capsys: pytest.CaptureFixture[str], bad: str) -> None:
+    (workdir / "run" / "records.jsonl").write_text('{"event": "start", "rank": 0}\n' + bad + "\n")
+    before = _listing(workdir)
+    assert main(["monitor-report", "run"]) == 1  # a file that cannot be read: the run failed
+    err = capsys.readouterr().err
+    assert f"records.jsonl, line 2: not a monitor record (a JSON object): {bad!r}" in err
+    assert "Traceback" not in err
+    assert _listing(workdir) == before

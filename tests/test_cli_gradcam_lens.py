@@ -136,3 +136,60 @@ def test_gradcam_verb_on_a_vit_saved_as_hf_dir(tmp_path: Path,
     assert row["logit"] == pytest.approx(logit, rel=1e-5)
     assert row["peak_yx"] == list(divmod(int(cam.argmax()), 32))
     assert Image.open(tmp_path / "cams" / "gradcam_0.png").size == (1000, 460)
+
+
+@pytest.mark.parametrize(("ids", "extra", "needle"), [
+    ([[1, 500]], [], "ids from 1 to 500, but the model's vocabulary has 60 tokens"),
+    ([[-1, 2]], [], "ids from -1 to 2"),
+    ([[1, 2]], ["--top-k", "100000"], "--top-k 100000 is more tokens than the vocabulary has (60)"),
+])
+def test_lens_refuses_what_the_vocabulary_cannot_give_writing_nothing(
+        saved_gpt2: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        ids: list[list[int]], extra: list[str], needle: str) -> None:
+    """Issue 26: out-of-vocabulary or negative ids were a raw IndexError (exit 1), and a huge
+    --top-k a torch RuntimeError after the PNG was written; both are usage (exit 2), and
+    neither leaves the --out folder behind."""
+    model, _ = saved_gpt2
+    torch.save(torch.tensor(ids), tmp_path / "ids.pt")
+    out = tmp_path / "lens"
+    assert main(["lens", f"hf:{model}", "--input", str(tmp_path / "ids.pt"), "--out", str(out),
+                 *extra]) == 2
+    assert needle in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_a_failed_lens_run_leaves_no_empty_folder(saved_gpt2: tuple[Path, Path], tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    model, ids = saved_gpt2
+    out = tmp_path / "lens"
+    assert main(["lens", f"hf:{model}", "--input", str(ids), "--layers", "lm_head",
+                 "--out", str(out)]) == 1
+    assert "residual stream" in capsys.readouterr().err
+    assert not out.exists()
+
+
+CNN = '''
+from torch import nn
+
+def cnn():
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(4, 5))
+'''
+
+
+@pytest.mark.parametrize(("extra", "code", "needle"), [
+    (["--layer", "0", "--target", "999"], 2, "--target 999 is not a class of this model, which has 5"),
+    (["--layer", "4"], 1, "not a feature map"),
+    (["--layer", "::relu"], 1, "never ran"),
+])
+def test_a_gradcam_run_refused_or_failed_leaves_no_folder(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], code: int,
+        needle: str) -> None:
+    """Issue 26: these left an empty gradcam/ folder behind (and --target 999 exited 1)."""
+    (tmp_path / "cnn.py").write_text(CNN)
+    Image.new("RGB", (32, 32), (200, 30, 90)).save(tmp_path / "img.png")
+    out = tmp_path / "cams"
+    assert main(["gradcam", f"{tmp_path / 'cnn.py'}:cnn", "--input", str(tmp_path / "img.png"),
+                 "--image-size", "32", "--out", str(out), *extra]) == code
+    assert needle in capsys.readouterr().err
+    assert not out.exists()

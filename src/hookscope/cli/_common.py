@@ -94,6 +94,27 @@ def add_layer_argument(parser: argparse.ArgumentParser, *, required: bool, help:
     add_several(parser, "--layer", required=required, metavar="PATTERN", help=help)
 
 
+class _StoreOnce(argparse._StoreAction):
+    """A single-value flag given twice is a usage error, not "the last one wins" silently
+    (``gradcam --layer 0 --layer 1`` once drew layer 1 only)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        seen: set[str] = namespace.__dict__.setdefault("_given_once", set())
+        if self.dest in seen:
+            parser.error(f"{option_string} was given twice; it takes one value (give it once)")
+        seen.add(self.dest)
+        super().__call__(parser, namespace, values, option_string)
+
+
+def refuse_repeats(parser: argparse.ArgumentParser) -> None:
+    """Make every single-value option of ``parser`` (``--out DIR``, ``--layer PATH`` where one
+    is taken) refuse a repetition; options of several values (``add_several``) still extend."""
+    for action in parser._actions:
+        if type(action) is argparse._StoreAction and action.option_strings:
+            action.__class__ = _StoreOnce
+
+
 # ------------------------------------------------------------------------ numbers, parse time
 def _number(kind: Callable[[str], Any], test: Callable[[Any], bool], what: str,
             example: str) -> Callable[[str], Any]:

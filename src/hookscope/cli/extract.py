@@ -63,8 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, type=device,
                         help="device to run on (default: cuda:LOCAL_RANK when CUDA is there, "
                              "else cpu)")
-    parser.add_argument("--resume", action="store_true", help="continue an interrupted run")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing store")
+    again = parser.add_mutually_exclusive_group()  # --resume keeps the store, --overwrite deletes it
+    again.add_argument("--resume", action="store_true", help="continue an interrupted run")
+    again.add_argument("--overwrite", action="store_true", help="replace an existing store")
     add_parents_argument(parser)
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--early-stop", action="store_true",

@@ -65,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
         say(f"input {line}")
     x = inputs.args[0]
     logits = _logits(loaded.module, x)
+    if args.target is not None and args.target >= logits.shape[1]:
+        raise SpecError(f"--target {args.target} is not a class of this model, which has "
+                        f"{logits.shape[1]} (0 … {logits.shape[1] - 1})")
     classes = [args.target if args.target is not None else int(c) for c in logits.argmax(dim=1)]
     cams = hookscope.gradcam(loaded.module, x, args.layer, target=classes, method=args.method)
     specs = inputs.specs if len(inputs.specs) == len(inputs.images) else (

@@ -61,13 +61,18 @@ def run(args: argparse.Namespace) -> int:
     for line in inputs.descriptions:
         say(f"input {line}")
     lens = hookscope.logit_lens(loaded.module, ids, layers=args.layers, attention_mask=mask)
+    vocab = lens.log_probs.shape[-1]
+    if args.top_k > vocab:
+        raise SpecError(f"--top-k {args.top_k} is more tokens than the vocabulary has ({vocab}): "
+                        f"give --top-k 1 … {vocab}")
     decode = _decoder(loaded.tokenizer)
     position = _last_position(mask, args.sample, ids.shape[1])
-    lens.plot(file, row=args.sample, decode=decode,
+    table = lens.table(args.top_k, row=args.sample, position=position, decode=decode)
+    lens.plot(file, row=args.sample, decode=decode,  # written only once the run has succeeded
               title=f"logit lens of {args.model}, input {args.sample}")
     say(f"wrote {file}")
     print(f"top {args.top_k} next tokens at position {position} of input {args.sample}")
-    print(lens.table(args.top_k, row=args.sample, position=position, decode=decode))
+    print(table)
     return 0
 
 

@@ -23,7 +23,11 @@ from types import ModuleType
 from typing import NoReturn, TextIO
 
 import hookscope
+from hookscope.cli._common import refuse_repeats
 from hookscope.errors import (
+    ArgumentTypeError,
+    ArgumentValueError,
+    EmptySelectionError,
     HookNeverFiredWarning,
     HookscopeError,
     SelectorError,
@@ -47,7 +51,10 @@ EXIT_CODES = """exit codes:
   130  interrupted (Ctrl-C)"""
 
 # Errors that mean the command line is wrong (exit 2), not that the run failed (exit 1).
-USAGE_ERRORS = (SpecError, SelectorError, StoreError, StoreExistsError)
+# A bad argument the API refuses at the call (engine.checks: a token id past the vocabulary,
+# a --per-channel dimension the output lacks) came from the command line: usage too.
+USAGE_ERRORS = (SpecError, SelectorError, StoreError, StoreExistsError, ArgumentTypeError,
+                ArgumentValueError, EmptySelectionError)
 
 
 def _verbs() -> dict[str, ModuleType]:
@@ -85,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         verb_parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                                  help="show the full traceback of an error")
         module.add_arguments(verb_parser)
+        refuse_repeats(verb_parser)
         verb_parser.set_defaults(run=module.run, parser=verb_parser)
     return parser
 

@@ -24,6 +24,7 @@ from hookscope.diagnostics.pairing import (
     Pairing,
     PairSpec,
     Transform,
+    check_pair,
     fingerprint,
     kind,
     pair_calls,
@@ -31,12 +32,13 @@ from hookscope.diagnostics.pairing import (
     weights,
 )
 from hookscope.engine import diagnose
+from hookscope.engine.checks import check_number
 from hookscope.engine.names import ModuleIndex
 from hookscope.engine.run import input_device, untouched
 from hookscope.engine.select import Target, as_patterns
 from hookscope.engine.session import Observer, resolve_checked
 from hookscope.engine.values import comparable
-from hookscope.errors import HookscopeError, SelectorError
+from hookscope.errors import ArgumentTypeError, ArgumentValueError, HookscopeError, SelectorError
 from hookscope.record.capture import capture
 from hookscope.record.records import CallInputs
 from hookscope.util.figures import new_figure, save_figure
@@ -230,6 +232,9 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
             modules have a counterpart of the same name in the other model (a renamed port or
             two unrelated models; the message lists names of each side that found no partner
             and gives ``pair='auto'`` and name rules, with their ``hookscope diff --pair`` form).
+        ArgumentTypeError, ArgumentValueError: at the call, before either model runs: ``atol``
+            or ``rtol`` not a finite number >= 0; ``pair`` not ``"auto"``, a mapping or a
+            function; ``tolerances`` not ``{precision: (atol, rtol)}`` of such numbers.
         HookscopeError: a model is TorchScript, or none of its selected modules' hooks fired
             (a ``torch.compile``'d model compiled earlier: the message gives the fix), or a
             selected output is a meta tensor or FakeTensor
@@ -238,6 +243,7 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
             unpaired modules of each side); ``transforms`` without ``pair="auto"``.
     """
     patterns = as_patterns(layers)
+    _check_tolerances(atol, rtol, pair, tolerances)
     if pair is not None:
         return _compare_paired(model_a, model_b, args, kwargs, patterns, pair, transforms or {},
                                (atol, rtol), {**TOLERANCES, **(tolerances or {})})
@@ -276,6 +282,29 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
     return Comparison(diffs=tuple(diffs[key] for key in order if key in diffs),
                       unmatched=tuple(unmatched), atol=atol, rtol=rtol,
                       unfired={k: v for k, v in session_a.unfired.items() if k in session_b.unfired})
+
+
+def _check_tolerances(atol: object, rtol: object, pair: object, tolerances: object) -> None:
+    """``atol``/``rtol`` (None or finite numbers >= 0), ``pair``, and ``tolerances``
+    (``{precision: (atol, rtol)}``), at the call: before either model runs."""
+    for name, value in (("atol", atol), ("rtol", rtol)):
+        if value is not None:
+            check_number(name, value, minimum=0)
+    check_pair(pair)
+    if tolerances is None:
+        return
+    if not isinstance(tolerances, Mapping):
+        raise ArgumentTypeError(f"tolerances must be a dict {{precision: (atol, rtol)}}, e.g. "
+                                f"{{'float16': (1e-3, 1e-2)}}; got {type(tolerances).__name__}")
+    for precision, pair_ in tolerances.items():
+        if precision not in TOLERANCES:
+            raise ArgumentValueError(f"tolerances[{precision!r}]: not a precision; use one of "
+                                     f"{', '.join(TOLERANCES)}")
+        if not isinstance(pair_, (tuple, list)) or len(pair_) != 2:
+            raise ArgumentTypeError(f"tolerances[{precision!r}] must be a pair (atol, rtol), e.g. "
+                                    f"(1e-3, 1e-2); got {pair_!r}")
+        for name, value in zip(("atol", "rtol"), pair_, strict=True):
+            check_number(f"tolerances[{precision!r}] {name}", value, minimum=0)
 
 
 def _compare_paired(model_a: nn.Module, model_b: nn.Module, args: tuple[Any, ...],

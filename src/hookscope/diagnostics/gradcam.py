@@ -44,11 +44,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hookscope.engine.checks import check_tensor
+from hookscope.engine.checks import check_int, check_tensor
 from hookscope.engine.names import index
 from hookscope.engine.run import untouched
 from hookscope.engine.select import resolve
-from hookscope.errors import GradcamError, SpecError
+from hookscope.errors import ArgumentTypeError, ArgumentValueError, GradcamError, SpecError
 from hookscope.record.capture import capture
 from hookscope.record.grads import grad_leaf, gradient_pass
 from hookscope.util.extras import require
@@ -106,6 +106,9 @@ def gradcam(model: nn.Module, x: Tensor, layer: str,
 
     Raises:
         SelectorError: ``layer`` matches no module.
+        ArgumentTypeError, ArgumentValueError: at the call: ``target`` not an int, ints or an
+            integer tensor, or as many classes as neither 1 nor the batch; ``grid`` not two
+            ints >= 1; ``call`` not an int.
         GradcamError: ``x`` is not 4-D; ``layer`` matches several modules, runs several times
             and ``call`` is not given, or does not give a 4-D map or 3-D tokens; the tokens fit
             no grid (give ``grid=(h, w)``); ``method`` is unknown; the model's output is not
@@ -115,6 +118,11 @@ def gradcam(model: nn.Module, x: Tensor, layer: str,
             loaded under ``torch.inference_mode()``): no gradient can pass through it.
     """
     key = _one_target(model, layer)
+    check_class_target(target, x.shape[0] if isinstance(x, Tensor) and x.dim() else None)
+    if grid is not None:
+        _check_grid(grid)
+    if call is not None:
+        check_int("call", call)
     if method not in _WEIGHTINGS:
         raise GradcamError(f"method={method!r} is not one of {sorted(_WEIGHTINGS)}")
     check_tensor("x", x, "images of shape (batch, channels, height, width)")
@@ -259,6 +267,40 @@ def save_gradcam_overlay(image: np.ndarray | Tensor | str | os.PathLike[str], ca
     if title:
         figure.suptitle(title)
     return save_figure(figure, Path(path))
+
+
+def check_class_target(target: object, batch: int | None) -> None:
+    """Raise at the call unless ``target`` is ``None``, an ``int`` (not a ``bool``), a sequence
+    of ints or an integer tensor, with one class or one per image of a batch of ``batch``
+    (when known): Grad-CAM and gradient-weighted rollout index the class scores by it.
+
+    Raises:
+        ArgumentTypeError: another type (``1.5``, ``True``, ``"cat"``, a float tensor).
+        ArgumentValueError: as many classes as neither 1 nor the batch size.
+    """
+    if target is None:
+        return
+    if isinstance(target, Tensor):
+        if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+            raise ArgumentTypeError(f"target must hold integer class indices; got a {target.dtype} "
+                                    f"tensor: pass target=torch.tensor([3]) (torch.long)")
+        count = target.numel()
+    else:
+        items = list(target) if isinstance(target, Sequence) and not isinstance(target, str) else [target]
+        for item in items:
+            check_int("target", item)
+        count = len(items) if isinstance(target, Sequence) else 1
+    if batch is not None and count not in (1, batch):
+        raise ArgumentValueError(f"target gives {count} classes for a batch of {batch}: give one "
+                                 f"int for every image, or one per image")
+
+
+def _check_grid(grid: object) -> None:
+    if not isinstance(grid, (tuple, list)) or len(grid) != 2:
+        raise ArgumentTypeError(f"grid must be a pair (h, w) of patch rows and columns, e.g. "
+                                f"grid=(14, 14); got {grid!r}")
+    for value in grid:
+        check_int("grid", value, minimum=1)
 
 
 def class_scores(output: Any, target: int | Sequence[int] | Tensor | None) -> Tensor:

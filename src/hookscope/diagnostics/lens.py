@@ -9,6 +9,7 @@ own output; the earlier ones show how the prediction forms layer by layer.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,10 +19,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from hookscope.engine.checks import check_tensor
+from hookscope.engine.checks import check_tensor, check_token_ids
 from hookscope.engine.run import untouched
 from hookscope.engine.select import as_patterns, resolve
-from hookscope.errors import CaptureError
+from hookscope.errors import ArgumentValueError, CaptureError
 from hookscope.record.capture import capture
 from hookscope.util.figures import new_figure, save_figure
 
@@ -114,19 +115,25 @@ def logit_lens(model: nn.Module, input_ids: Tensor, *, layers: str | Sequence[st
             ``(batch, seq, hidden)`` residual stream); ``None``: every block of the decoder's
             ``h`` / ``layers`` list.
         attention_mask: passed to the model.
-        plot: write ``LogitLens.plot``'s PNG there.
+        plot: write ``LogitLens.plot``'s PNG there, after the lens is computed; missing parent
+            folders are created (the Python API's rule, as for ``patching_sweep`` and
+            ``extract``; the CLI refuses them unless ``--parents``).
 
     Returns:
         A ``LogitLens``: ``log_probs`` ``(layers, batch, seq, vocab)`` float32.
 
     Raises:
         SelectorError: a pattern matches no module.
+        ArgumentTypeError: ``input_ids`` is not an integer tensor, ``attention_mask`` not a tensor.
+        ArgumentValueError: an id outside the model's vocabulary (``0 … vocab - 1``); an
+            ``attention_mask`` of another shape than ``input_ids``, or with a row of no real token.
         CaptureError: the model has no final norm or unembedding where a Hugging Face decoder
             keeps them, no block list (give ``layers=``), or a selected block ran other than
             once or gave no ``(batch, seq, hidden)`` tensor.
     """
     norm, unembed = _readout(model)
-    check_tensor("input_ids", input_ids, "tokenizer(text, return_tensors='pt').input_ids, (batch, seq)")
+    check_token_ids("input_ids", input_ids, _vocab_size(model, unembed))
+    _check_mask(attention_mask, input_ids)
     keys = list(dict.fromkeys(t.key for t in resolve(model, _patterns(model, layers))))
     with untouched(model), torch.no_grad():
         with capture(model, *keys, on_unfired="error") as acts:
@@ -138,6 +145,31 @@ def logit_lens(model: nn.Module, input_ids: Tensor, *, layers: str | Sequence[st
     if plot is not None:
         lens.plot(plot)
     return lens
+
+
+def _vocab_size(model: nn.Module, unembed: nn.Module) -> int:
+    """The ids an input may hold: the rows of the input embedding (else of the unembedding)."""
+    get_embed = getattr(model, "get_input_embeddings", None)
+    embed = get_embed() if callable(get_embed) else None
+    weight = getattr(embed if isinstance(embed, nn.Module) else unembed, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, Tensor) else sys.maxsize
+
+
+def _check_mask(mask: object, input_ids: Tensor) -> None:
+    """An ``attention_mask`` of ``input_ids``' shape in which every row has a real token."""
+    if mask is None:
+        return
+    check_tensor("attention_mask", mask, "tokenizer(text, return_tensors='pt').attention_mask")
+    assert isinstance(mask, Tensor)
+    if mask.shape != input_ids.shape:
+        raise ArgumentValueError(f"attention_mask has shape {tuple(mask.shape)}, but input_ids "
+                                 f"{tuple(input_ids.shape)}: pass the mask the tokenizer returned "
+                                 f"with these ids (one 1 or 0 per token)")
+    empty = [i for i, row in enumerate(mask) if not bool(row.any())]
+    if empty:
+        raise ArgumentValueError(f"attention_mask marks no real token in row{'s' if len(empty) > 1 else ''} "
+                                 f"{empty}: every position would be padding; drop those rows or "
+                                 f"pass the tokenizer's mask")
 
 
 def _readout(model: nn.Module) -> tuple[nn.Module, nn.Module]:

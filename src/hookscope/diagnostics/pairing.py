@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from hookscope.engine.values import comparable
-from hookscope.errors import HookscopeError
+from hookscope.errors import ArgumentValueError, HookscopeError
 
 Tensor = torch.Tensor
 Transform = Callable[[Tensor], Tensor]
@@ -167,9 +167,18 @@ def pair_calls(spec: PairSpec, calls_a: Sequence[Call], calls_b: Sequence[Call],
     if callable(spec):
         return _by_name("callable", lambda path: [(p, None) for p in [spec(path)] if p], calls_a,
                         calls_b)
-    raise HookscopeError(f"pair={spec!r} is not a way to pair modules: pass pair='auto', a "
-                         f"mapping {{'h.{{i}}.attn': 'layers.{{i}}.self_attn'}}, or a function "
-                         f"from a path of model A to a path of model B (or None)")
+    check_pair(spec)
+    raise AssertionError("check_pair refuses every other spec")
+
+
+def check_pair(spec: object) -> None:
+    """Raise ``ArgumentValueError`` unless ``spec`` is a way to pair modules: ``None``,
+    ``"auto"``, a mapping or a function (what ``compare(pair=)`` takes); checked at the call."""
+    if spec is None or spec == "auto" or isinstance(spec, Mapping) or callable(spec):
+        return
+    raise ArgumentValueError(f"pair={spec!r} is not a way to pair modules: pass pair='auto', a "
+                             f"mapping {{'h.{{i}}.attn': 'layers.{{i}}.self_attn'}}, or a function "
+                             f"from a path of model A to a path of model B (or None)")
 
 
 def _targets(key: str, value: object) -> list[tuple[str, Transform | None]]:

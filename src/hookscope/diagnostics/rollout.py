@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from hookscope.diagnostics.attention import attention, attention_gradients
-from hookscope.diagnostics.gradcam import class_scores
+from hookscope.diagnostics.gradcam import check_class_target, class_scores
+from hookscope.engine.checks import check_flag
 from hookscope.errors import AttentionError
 
 __all__ = ["rollout"]
@@ -77,6 +78,8 @@ def rollout(model: nn.Module, *args: Any, layers: str | Sequence[str], head_fusi
             not one of the values above; ``gradient`` with a ``head_fusion`` other than
             ``"mean"``; an ``nn.MultiheadAttention`` with ``gradient`` (no gradient reaches its
             returned weights).
+        ArgumentTypeError: ``gradient`` is not a bool (``"no"`` is truthy), ``target`` not an
+            int, ints or an integer tensor (at the call).
         GradcamError: with ``gradient``, the output is not class scores or ``target`` is out
             of range (the same rule as ``gradcam``).
     """
@@ -85,6 +88,8 @@ def rollout(model: nn.Module, *args: Any, layers: str | Sequence[str], head_fusi
     if not 0.0 <= discard_ratio < 1.0:
         raise AttentionError(f"discard_ratio={discard_ratio} is outside [0, 1): give the fraction "
                              f"of each map to discard, e.g. 0.9")
+    check_flag("gradient", gradient)
+    check_class_target(target, None)
     if gradient or target is not None:
         return _gradient_rollout(model, args, kwargs, layers, head_fusion, discard_ratio, target)
     steps = [_with_residual(_discarded(_fused(_square(path, probabilities).float(), head_fusion),

@@ -23,12 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.engine.checks import check_flag
+from hookscope.engine.checks import check_flag, check_int, check_iterable
 from hookscope.engine.run import model_inputs, untouched
 from hookscope.engine.select import Target, as_patterns
 from hookscope.engine.session import HookSession
 from hookscope.engine.values import check_has_values, keepable
-from hookscope.errors import HookscopeError
+from hookscope.errors import ArgumentValueError, HookscopeError
 from hookscope.util.nested import get_part, iter_tensors
 
 Tensor = torch.Tensor
@@ -148,7 +148,7 @@ class RunningStats:
         if self.channel_dim is None:
             return values.reshape(-1)
         if values.dim() == 0 or not -values.dim() <= self.channel_dim < values.dim():
-            raise HookscopeError(
+            raise ArgumentValueError(
                 f"per-channel statistics need dimension {self.channel_dim}, but the output has "
                 f"shape {tuple(tensor.shape)}; pass per_channel=<the channel dimension> "
                 "(1 for (batch, channels, ...), -1 for (batch, seq, d_model))")
@@ -220,11 +220,17 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
 
     Raises:
         SelectorError: a pattern matches no module.
-        HookscopeError: the model is TorchScript, ``batches`` is empty, or an output lacks
-            the channel dimension asked for, or is complex.
+        ArgumentTypeError: ``batches`` is not iterable (``None``), ``per_channel`` is neither a
+            bool nor an int (``"yes"``), at the call.
+        ArgumentValueError: an output lacks the ``per_channel`` dimension asked for (in the
+            forward that meets it).
+        HookscopeError: the model is TorchScript, ``batches`` is empty, or an output is complex.
     """
     patterns = as_patterns(layers)
     check_flag("early_stop", early_stop)
+    check_iterable("batches", batches, "a DataLoader or [x]")
+    if not isinstance(per_channel, bool):
+        check_int("per_channel", per_channel)
     session = _StatsSession(model, patterns, per_channel, early_stop)
     count = 0
     with untouched(model), session, torch.no_grad():

@@ -36,8 +36,8 @@ from hookscope.editing.sweep import (
     _rows,
     _sequence_tensor,
     check_metric,
+    check_sweep_positions,
 )
-from hookscope.engine.checks import check_nonempty
 from hookscope.engine.run import untouched
 from hookscope.engine.select import as_patterns, resolve
 from hookscope.errors import EditError
@@ -77,8 +77,11 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
             difference, ``.mean()`` over the batch).
         layers: patterns of the layers; each must output a ``(batch, seq, ...)`` tensor (a
             part selects one of a structured output, ``"layers.*[0]"``) and run once.
-        positions: positions (ints); ``None``: every position of the corrupted input.
-        plot: write the heat map PNG there (``Sweep.plot``).
+        positions: positions (ints); ``None``: every position of the corrupted input that
+            the clean input has too (a warning names the positions left out when the
+            corrupted input is longer, as in ``patching_sweep``).
+        plot: write the heat map PNG there (``Sweep.plot``); missing parent folders are
+            created, as in ``patching_sweep``.
 
     Returns:
         A ``Sweep`` (``values`` float64 ``(len(layers), len(positions))``; ``clean`` and
@@ -86,15 +89,16 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
 
     Raises:
         SelectorError: a pattern matches no module.
+        ArgumentTypeError, ArgumentValueError: at the call, ``positions`` not a list of ints,
+            or (token-id inputs) a position outside either input.
         PositionError: a position does not exist in a row of either input.
         EditError: a layer's output is not a ``(batch, seq, ...)`` tensor or the layer runs
             more than once; ``metric`` does not return one differentiable number.
     """
     keys = list(dict.fromkeys(t.key for t in resolve(model, as_patterns(layers))))
     check_metric(metric)
-    if positions is not None:
-        check_nonempty("positions", positions, "positions=[-2, -1] (None: every position)")
     clean, corrupted = _plain(clean), _plain(corrupted)
+    check_sweep_positions(positions, clean, corrupted)
     clean_mask, corrupted_mask = _mask(clean), _mask(corrupted)
     with untouched(model):
         with torch.no_grad(), capture(model, *keys, on_unfired="error") as acts:
@@ -107,9 +111,10 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
                 value = _differentiable(metric(_forward(model, corrupted)))
             grads = torch.autograd.grad(value, [_once(found[key], key)[1] for key in keys],
                                         allow_unused=True)
-    first = next(iter(sources.values()))  # a module output: (batch, seq, ...)
+    first = keys[0]  # its outputs (batch, seq, ...) in both runs give the two lengths
     chosen = list(positions) if positions is not None else _all_positions(
-        _length(first, Axes(1), clean_mask), _length(first, Axes(1), corrupted_mask))
+        _length(sources[first], Axes(1), clean_mask),
+        _length(_once(found[first], first)[0], Axes(1), corrupted_mask))
     rows = _rows(corrupted)
     values = torch.tensor([[_estimate(sources[key], _once(found[key], key)[0], grad, p, rows,
                                       (clean_mask, corrupted_mask)) for p in chosen]

@@ -39,7 +39,15 @@ from torch import nn
 
 from hookscope.editing import rules as edit_rules
 from hookscope.editing.sources import Source, SourceReader
-from hookscope.engine.checks import check_finite, check_flag, check_nonempty
+from hookscope.engine.checks import (
+    check_arity,
+    check_finite,
+    check_flag,
+    check_int,
+    check_nonempty,
+    check_number,
+    check_positions,
+)
 from hookscope.engine.hooks import in_recompute
 from hookscope.engine.names import ModuleIndex
 from hookscope.engine.names import index as module_index
@@ -175,6 +183,8 @@ def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: b
 
     Raises:
         SelectorError: a pattern matches no module (before anything is registered).
+        ArgumentTypeError: a ``fn`` whose signature cannot take the arguments it will get
+            (``lambda o, p: o`` without ``context=True``), at the call.
         EditError: ``edits`` is not a dict; output parts or a function-level address with
             ``inputs=True``; during the
             forward pass, an input edit
@@ -231,6 +241,8 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
         An ``Edit`` context manager.
 
     Raises:
+        ArgumentTypeError: ``positions``, ``absolute`` or ``seq_dim`` of the wrong type
+            (``positions="last"``, ``absolute="yes"``, ``seq_dim="1"``), at the call.
         EditError: an unknown ``how``; no ``reference`` for ``"mean"``/``"resample"``; in the
             forward pass, a reference that lacks the module, or whose rows (shape past dim 0)
             differ from the output's.
@@ -239,6 +251,7 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
             on a function's value of unknown layout without ``seq_dim``.
     """
     patterns = as_patterns(patterns, "patterns")
+    _check_where(positions, absolute, seq_dim)
     if how not in ("zero", "mean", "resample"):
         raise EditError(f"how={how!r} is not one of 'zero', 'mean', 'resample'")
     rule: Rule = edit_rules.zero
@@ -300,6 +313,8 @@ def patch(model: nn.Module, *, source: Source,
         An ``Edit`` context manager.
 
     Raises:
+        ArgumentTypeError: ``positions``, ``absolute`` or ``seq_dim`` of the wrong type
+            (``positions={"a": "b"}``), at the call.
         EditError: ``layers`` and ``source_layers`` differ in length or in what they select; in
             the forward pass: ``source`` lacks a selected module or its call ``k``; a value's
             shape differs from the live output's (the message names the module, the call and
@@ -307,6 +322,7 @@ def patch(model: nn.Module, *, source: Source,
         PositionError: in the forward pass, a position that a row of either run lacks; as in
             ``ablate`` for ``heads`` and ``seq_dim``.
     """
+    _check_where(positions, absolute, seq_dim)
     records = SourceReader(source, "source")
     pairs = edit_rules.layer_pairs(records, layers, source_layers)
     names = module_index(model)  # one index for the source pairs and the session
@@ -355,14 +371,17 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
         An ``Edit`` context manager.
 
     Raises:
+        ArgumentTypeError: ``scale`` is not a real number; a complex vector; ``positions``,
+            ``absolute`` or ``seq_dim`` of the wrong type (at the call).
+        ArgumentValueError: ``scale`` or a vector is NaN or infinite (at the call).
+        EmptySelectionError: a vector with no values, ``torch.zeros(0)`` (at the call).
         EditError: a vector is not a tensor; in the forward pass: the selected output is not a
             tensor or the vector does not broadcast to it.
         PositionError: in the forward pass, the output has no token axis or a row lacks a
             position; as in ``ablate`` for ``heads`` and ``seq_dim``.
     """
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
-        raise ArgumentTypeError(f"scale must be a number (the multiplier of every vector, e.g. "
-                                f"scale=4.0); got {type(scale).__name__} {scale!r}")
+    check_number("scale", scale)
+    _check_where(positions, absolute, seq_dim)
     edits_part = positions is not None or heads is not None
     watcher = MaskWatcher(unwrap(model)[0], attention_mask) if edits_part else None
     rules = []
@@ -371,7 +390,7 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
         if not isinstance(vector, Tensor):
             raise EditError(f"the steering vector for '{pattern}' is a {type(vector).__name__}; "
                             f"give a tensor, e.g. torch.tensor(values) of shape (d_model,)")
-        check_finite(f"vectors[{pattern!r}]", vector)
+        _check_vector(f"vectors[{pattern!r}]", vector)
         rule = edit_rules.steer_rule(vector.detach() * scale)
         if watcher is not None:
             rule = edit_rules.at_positions(rule, positions, watcher,
@@ -381,6 +400,24 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
 
 
 # ------------------------------------------------------------------------------- rules
+def _check_where(positions: object, absolute: object, seq_dim: object) -> None:
+    """The checks of ``positions``, ``absolute`` and ``seq_dim`` every editing verb shares, at
+    the call (they were once met only in the forward, or never when ``positions`` was None)."""
+    check_positions("positions", positions)
+    check_flag("absolute", absolute)
+    if seq_dim is not None:
+        check_int("seq_dim", seq_dim)
+
+
+def _check_vector(name: str, vector: Tensor) -> None:
+    """A steering vector: real, finite, with at least one value."""
+    if vector.is_complex():
+        raise ArgumentTypeError(f"{name} is complex ({vector.dtype}): it would be cast to the "
+                                f"real output, dropping its imaginary part; give a real vector")
+    check_nonempty(name, vector, "a vector of shape (d_model,)")
+    check_finite(name, vector)
+
+
 def _adapt(pattern: str, fn: Callable[..., Any], inputs: bool, context: bool) -> Rule:
     """The rule calling ``fn`` in the form asked for: (value) or (value, path, call), where for
     inputs the value is (args, kwargs)."""
@@ -389,6 +426,12 @@ def _adapt(pattern: str, fn: Callable[..., Any], inputs: bool, context: bool) ->
         warn(f"the edit of '{pattern}' takes (path, call) too: pass context=True to "
              f"hookscope.edit to say so", DeprecationWarning)
         context = True
+    forms = ("(args, kwargs, path, call)", "(args, kwargs)") if inputs else (
+        "(output, path, call)", "(output)")
+    fix = (f"write it as fn{forms[0]}" if context else
+           f"write it as fn{forms[1]}, or pass context=True to hookscope.edit to have it called "
+           f"as fn{forms[0]}")
+    check_arity(f"edits[{pattern!r}]", fn, short + 2 if context else short, fix)
     if inputs:
         if context:
             return lambda value, target, call: fn(*value, target.path, call)

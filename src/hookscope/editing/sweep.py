@@ -21,10 +21,17 @@ from torch import nn
 from tqdm import tqdm
 
 from hookscope.editing.edit import edit
-from hookscope.engine.checks import check_callable, check_flag, check_nonempty
+from hookscope.engine.checks import (
+    check_callable,
+    check_flag,
+    check_int,
+    check_iterable,
+    check_nonempty,
+    check_positions,
+)
 from hookscope.engine.run import untouched
 from hookscope.engine.select import as_patterns, resolve
-from hookscope.errors import ArgumentValueError, EditError, PositionError, warn
+from hookscope.errors import ArgumentTypeError, ArgumentValueError, EditError, PositionError, warn
 from hookscope.record.capture import capture
 from hookscope.record.positions import Axes, resolve_positions, tokens_first, value_axes
 from hookscope.util.extras import require
@@ -190,7 +197,9 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
             ``"path::scaled_dot_product_attention"`` addresses.
         seq_dim: the token axis of the patched values, overriding their known layout.
         batch_size: patched runs per forward; ``None``: as many as keep a forward at 64 rows.
-        plot: write the heat map PNG there.
+        plot: write the heat map PNG there; its missing parent folders are created (the
+            Python API's rule for ``plot=``/``out=``, as in ``extract`` and ``logit_lens``; the
+            CLI refuses a missing parent unless ``--parents``).
         progress: show a tqdm bar on stderr (one step per forward).
 
     Returns:
@@ -199,6 +208,9 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
 
     Raises:
         SelectorError: a pattern matches no module.
+        ArgumentTypeError, ArgumentValueError: at the call: ``batch_size`` not an int >= 1;
+            ``positions`` not a list of ints, or (token-id inputs) a position outside either
+            input; at the first metric, ``metric`` returns neither a number nor a tensor.
         PositionError: a position does not exist in a row of either input; ``positions=None``
             with rows of different real lengths; a function's value of unknown layout without
             ``seq_dim``; ``heads=True`` on a value without a heads axis.
@@ -206,8 +218,9 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
             different head counts; ``metric`` does not return one number.
     """
     targets = resolve(model, as_patterns(layers))
-    _check_arguments(metric, positions, heads, progress)
+    _check_arguments(metric, heads, progress, batch_size)
     clean, corrupted = _plain(clean), _plain(corrupted)
+    check_sweep_positions(positions, clean, corrupted)
     ops = {t.key: t.op for t in targets}
     keys = list(ops)
     clean_mask, corrupted_mask = _mask(clean), _mask(corrupted)
@@ -250,15 +263,34 @@ def check_metric(metric: object) -> None:
     check_callable("metric", metric, "lambda out: out.logits[:, -1, 3].mean(), returning one number")
 
 
-def _check_arguments(metric: object, positions: Sequence[int] | None, heads: object,
-                     progress: object) -> None:
-    """Refuse, before any forward, a metric that is not a function, ``positions=[]`` and flags
-    that are not bools (``engine.checks``)."""
+def check_sweep_positions(positions: object, clean: Any, corrupted: Any) -> None:
+    """Refuse, before any forward, ``positions`` that is not a non-empty list of ints or that
+    holds a position outside the inputs when their token count is known (token ids, a tensor
+    of ints ``(batch, seq)`` or a dict's ``input_ids``): it must exist in both inputs."""
+    if positions is None:
+        return
+    check_iterable("positions", positions, "positions=[-2, -1] (None: every position)")
+    check_nonempty("positions", positions, "positions=[-2, -1] (None: every position)")
+    lengths = [n for n in (_token_count(clean), _token_count(corrupted)) if n is not None]
+    check_positions("positions", list(positions), min(lengths) if lengths else None)  # type: ignore[call-overload]
+
+
+def _token_count(inputs: Any) -> int | None:
+    """The seq length of token-id inputs; None for any other input (images, embeddings)."""
+    ids = inputs.get("input_ids") if isinstance(inputs, Mapping) else inputs
+    if isinstance(ids, Tensor) and ids.dim() == 2 and not ids.is_floating_point():
+        return int(ids.shape[1])
+    return None
+
+
+def _check_arguments(metric: object, heads: object, progress: object, batch_size: object) -> None:
+    """Refuse, before any forward, a metric that is not a function, flags that are not bools
+    and a ``batch_size`` that is not a positive int (``engine.checks``)."""
     check_metric(metric)
-    if positions is not None:
-        check_nonempty("positions", positions, "positions=[-2, -1] (None: every position)")
     check_flag("heads", heads)
     check_flag("progress", progress)
+    if batch_size is not None:
+        check_int("batch_size", batch_size, minimum=1)
 
 
 def _run_chunk(model: nn.Module, corrupted: Any, key: str, source: Tensor, axes: Axes,
@@ -340,6 +372,10 @@ def _number(value: Tensor | float) -> float:
             raise EditError(f"metric returned a tensor of shape {tuple(value.shape)}; return one "
                             f"number, e.g. its .mean() over the batch")
         return float(value.item())
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ArgumentTypeError(f"metric returned a {type(value).__name__} {value!r:.40}; it must "
+                                f"return one number (a float or a one-element tensor), e.g. "
+                                f"lambda out: out.logits[:, -1, 3].mean()")
     return float(value)
 
 

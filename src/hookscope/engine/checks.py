@@ -15,12 +15,24 @@ What is refused rather than warned about (the README's "Bad arguments" says the 
   floating dtype (a cast to ``torch.int8`` truncates every value; quantize explicitly instead);
 - an empty selection: no pattern, ``{}`` of edits or vectors, ``layers=[]``, ``positions=[]``
   (a call that would do nothing and say nothing);
-- a steering vector holding NaN or infinity, or no values at all (a ``meta`` tensor).
+- a steering vector holding NaN or infinity, or no values at all (a ``meta`` tensor);
+- a count or number of the wrong type, not finite or below its minimum (``check_int``,
+  ``check_number``: ``batch_size=0``, ``atol=-1``, ``scale=nan``);
+- what cannot be iterated where an iterable is due (``check_iterable``: ``batches=None``),
+  options that do not exist (``check_options``), a function whose signature cannot take the
+  arguments it will get (``check_arity``);
+- token ids that are not integers or outside the vocabulary (``check_token_ids``), positions
+  of another form or past a known input length (``check_positions``), a run folder that is a
+  file (``check_run_dir``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sized
+import inspect
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,8 +40,10 @@ from torch import nn
 
 from hookscope.errors import ArgumentTypeError, ArgumentValueError, EmptySelectionError
 
-__all__ = ["check_callable", "check_device", "check_dtype", "check_finite", "check_flag",
-           "check_model", "check_nonempty", "check_tensor"]
+__all__ = ["check_arity", "check_callable", "check_device", "check_dtype", "check_finite",
+           "check_flag", "check_int", "check_iterable", "check_model", "check_nonempty",
+           "check_number", "check_options", "check_positions", "check_run_dir", "check_tensor",
+           "check_token_ids"]
 
 
 def _got(value: object) -> str:
@@ -142,3 +156,147 @@ def check_tensor(name: str, value: object, example: str) -> None:
     """Raise ``ArgumentTypeError`` unless ``value`` is a ``torch.Tensor``."""
     if not isinstance(value, torch.Tensor):
         raise ArgumentTypeError(f"{name} must be a tensor, e.g. {example}; got {_got(value)}")
+
+
+def check_int(name: str, value: object, *, minimum: int | None = None) -> None:
+    """Raise unless ``value`` is an ``int`` (not a ``bool``: ``True`` is not a count) that is
+    at least ``minimum`` when one is given.
+
+    Raises:
+        ArgumentTypeError: not an ``int`` (``"1"``, ``2.5``, ``True``).
+        ArgumentValueError: below ``minimum`` (``batch_size=0``).
+    """
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ArgumentTypeError(f"{name} must be an int; got {_got(value)} (write {name}=1, "
+                                f"not a string, float or bool)")
+    if minimum is not None and value < minimum:
+        raise ArgumentValueError(f"{name}={value} is below {minimum}: pass an int >= {minimum}")
+
+
+def check_number(name: str, value: object, *, minimum: float | None = None) -> None:
+    """Raise unless ``value`` is a finite real number (``int`` or ``float``, not ``bool`` or
+    complex) that is at least ``minimum`` when one is given (a tolerance, a scale).
+
+    Raises:
+        ArgumentTypeError: not a real number (``"big"``, ``True``, ``1j``, a tensor).
+        ArgumentValueError: NaN or infinite, or below ``minimum`` (``atol=-1``).
+    """
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ArgumentTypeError(f"{name} must be a real number, e.g. {name}=1e-5; got {_got(value)}")
+    if not math.isfinite(value):
+        raise ArgumentValueError(f"{name}={value} is not finite: pass a finite number, e.g. "
+                                 f"{name}=1e-5")
+    if minimum is not None and value < minimum:
+        raise ArgumentValueError(f"{name}={value} is below {minimum}: pass a number >= {minimum}")
+
+
+def check_iterable(name: str, value: object, example: str) -> None:
+    """Raise ``ArgumentTypeError`` when ``value`` cannot be iterated (``None``, a number) or is
+    a lone string (read character by character it would be nonsense)."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise ArgumentTypeError(f"{name} must be an iterable, e.g. {example}; got {_got(value)}")
+
+
+def check_options(name: str, value: object, allowed: Iterable[str]) -> None:
+    """Raise unless ``value`` is ``None`` or a dict whose keys are all among ``allowed`` (the
+    keyword options passed on to another function, e.g. ``run(options=)`` to ``capture``).
+
+    Raises:
+        ArgumentTypeError: not a mapping (``options="early_stop"``).
+        ArgumentValueError: a key that is not an option (``{"bogus": 1}``); the message lists them.
+    """
+    if value is None:
+        return
+    known = sorted(allowed)
+    if not isinstance(value, Mapping):
+        raise ArgumentTypeError(f"{name} must be a dict of options, e.g. {name}={{'grads': True}}; "
+                                f"got {_got(value)}")
+    unknown = [key for key in value if key not in known]
+    if unknown:
+        raise ArgumentValueError(f"{name} holds {', '.join(map(repr, unknown))}, not an option; "
+                                 f"the options are {', '.join(known)}")
+
+
+def check_arity(name: str, fn: Callable[..., Any], count: int, fix: str) -> None:
+    """Raise ``ArgumentTypeError`` when ``fn`` cannot be called with ``count`` positional
+    arguments (by ``inspect.signature``; a callable without a readable signature, a builtin
+    such as ``abs``, passes). ``fix`` is what to do instead, e.g. ``"pass context=True"``."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*range(count))
+    except TypeError as err:
+        raise ArgumentTypeError(f"{name} will be called with {count} argument"
+                                f"{'s' if count != 1 else ''}, but its signature {signature} "
+                                f"cannot take that ({err}): {fix}") from None
+
+
+def check_token_ids(name: str, ids: object, vocab_size: int) -> None:
+    """Raise unless ``ids`` is an integer tensor of token ids in ``[0, vocab_size)`` (the rows
+    of an embedding of ``vocab_size`` entries).
+
+    Raises:
+        ArgumentTypeError: not a tensor, or a floating, complex or bool tensor.
+        ArgumentValueError: an id below 0 or at least ``vocab_size``.
+    """
+    check_tensor(name, ids, "tokenizer(text, return_tensors='pt').input_ids, (batch, seq)")
+    assert isinstance(ids, torch.Tensor)
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ArgumentTypeError(f"{name} must hold integer token ids (torch.long); got dtype "
+                                f"{ids.dtype}: convert with {name}.long() only if the values "
+                                f"are whole token ids")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ArgumentValueError(f"{name} holds ids from {int(ids.min())} to {int(ids.max())}, "
+                                 f"but the model's vocabulary has {vocab_size} tokens (ids 0 … "
+                                 f"{vocab_size - 1}): tokenize with the model's own tokenizer")
+
+
+def check_positions(name: str, value: object, length: int | None = None) -> None:
+    """Raise unless ``value`` has a form of token positions: ``None``, an ``int``, a sequence of
+    ints, a ``slice``, a tensor (ints or a boolean mask), or, with ``name == "positions"`` of
+    ``patch``, a mapping ``{int: int}``. With ``length`` (the token count of the input, when the
+    verb knows it), an int position must lie in ``-length … length - 1``.
+
+    Raises:
+        ArgumentTypeError: another type (``"last"``, ``True``, ``{"a": "b"}``, ``[1.5]``).
+        ArgumentValueError: a position outside the input of ``length`` tokens.
+    """
+    if value is None or isinstance(value, (slice, torch.Tensor)):
+        return
+    items: list[object]
+    if isinstance(value, Mapping):
+        items = [*value.keys(), *value.values()]
+    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        items = list(value)
+    else:
+        items = [value]
+    for item in items:
+        if not isinstance(item, int) or isinstance(item, bool):
+            raise ArgumentTypeError(
+                f"{name} must be an int, a list of ints, a slice or a tensor (token positions, "
+                f"negative from the end), e.g. {name}=[-1]; got {_got(value)}")
+        if length is not None and not -length <= item < length:
+            raise ArgumentValueError(f"{name} holds {item}, but the input has {length} tokens: "
+                                     f"use positions in {-length} … {length - 1}")
+
+
+def check_run_dir(name: str, value: object) -> None:
+    """Raise unless ``value`` is ``None`` or a path (``str``/``os.PathLike``) that is a folder
+    or does not exist yet (it is created); an existing file cannot hold a run.
+
+    Raises:
+        ArgumentTypeError: not a path.
+        ArgumentValueError: ``value`` (or a parent of it) is an existing file.
+    """
+    if value is None:
+        return
+    if not isinstance(value, (str, os.PathLike)):
+        raise ArgumentTypeError(f"{name} must be a folder path, e.g. {name}='runs/exp1'; got "
+                                f"{_got(value)}")
+    path = Path(value)
+    for folder in (path, *path.parents):
+        if folder.exists() and not folder.is_dir():
+            raise ArgumentValueError(f"{name}={str(value)!r}: {str(folder)!r} is a file, not a "
+                                     f"folder: pass a folder path (it is created if missing)")

@@ -43,7 +43,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from hookscope.engine.checks import check_nonempty
+from hookscope.engine.checks import check_iterable, check_nonempty
 from hookscope.engine.function_names import split_address
 from hookscope.engine.names import ModuleIndex, index
 from hookscope.engine.record_key import ROOT, RecordKey
@@ -393,7 +393,11 @@ def as_patterns(layers: str | Sequence[str], name: str = "layers") -> list[str]:
 
     Every public function that takes "a pattern or a list of patterns" (``layers=``) reads it
     through this; a lone string is never split into its characters. An empty list raises
-    ``EmptySelectionError`` naming the parameter ``name`` (``engine.checks.check_nonempty``)."""
-    patterns = [layers] if isinstance(layers, str) else list(layers)
+    ``EmptySelectionError`` naming the parameter ``name`` (``engine.checks.check_nonempty``),
+    ``None`` or a number ``ArgumentTypeError``."""
+    if isinstance(layers, str):
+        return [layers]
+    check_iterable(name, layers, f"{name}='blocks.*' or {name}=['fc1', 'fc2']")
+    patterns = list(layers)
     check_nonempty(name, patterns, f"{name}='blocks.*'")
     return patterns

@@ -23,7 +23,13 @@ import torch
 from torch import nn
 
 from hookscope.engine import copy_on_write
-from hookscope.engine.checks import check_device, check_dtype, check_flag, check_model
+from hookscope.engine.checks import (
+    check_device,
+    check_dtype,
+    check_flag,
+    check_model,
+    check_options,
+)
 from hookscope.engine.hooks import OwnedHook, in_recompute
 from hookscope.engine.select import Target, as_patterns, unwrap
 from hookscope.engine.session import HookSession, OnUnfired
@@ -545,9 +551,12 @@ def run(model: nn.Module, *args: Any, layers: str | Sequence[str],
         innermost module where it happened.
         CaptureError: a keyword is a capture option (``grads=True``) that ``model.forward``
             does not name as a parameter: it would reach the model's ``**kwargs`` silently.
+        ArgumentTypeError: ``options`` is not a dict, or ``layers`` is ``None``.
+        ArgumentValueError: ``options`` holds a key that is not an option of ``capture``.
     """
     check_model(model)
     patterns = as_patterns(layers)
+    check_options("options", options, capture_options())
     _refuse_options_as_keywords(model, kwargs)
     args, kwargs = _as_keywords(model, args, kwargs)
     output = None
@@ -556,9 +565,15 @@ def run(model: nn.Module, *args: Any, layers: str | Sequence[str],
     return output, acts
 
 
+def capture_options() -> set[str]:
+    """The names of ``capture``'s keyword options (what ``run(options=)`` and
+    ``capture_generation(**options)`` may hold)."""
+    return set(inspect.signature(capture).parameters) - {"model", "patterns"}
+
+
 def _refuse_options_as_keywords(model: nn.Module, kwargs: dict[str, Any]) -> None:
     """Raise when a keyword meant for ``capture`` would go to the model's ``**kwargs``."""
-    options = set(inspect.signature(capture).parameters) - {"model", "patterns"}
+    options = capture_options()
     try:
         named = set(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError):

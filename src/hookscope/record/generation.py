@@ -29,10 +29,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from hookscope.engine.checks import check_options
 from hookscope.engine.select import Target, unwrap
 from hookscope.engine.session import Observer, OnUnfired
 from hookscope.errors import CaptureError, HookscopeError
-from hookscope.record.capture import Capture, capture
+from hookscope.record.capture import Capture, capture, capture_options
 from hookscope.record.positions import tokens_first, value_axes
 from hookscope.util.files import write_atomic
 
@@ -77,6 +78,7 @@ class GenerationCapture:
 
     def __init__(self, model: nn.Module, patterns: tuple[str, ...], on_unfired: OnUnfired,
                  options: dict[str, Any]):
+        check_options("options", options, capture_options() - {"on_unfired"})
         self.capture: Capture = capture(model, *patterns, on_unfired=on_unfired, **options)
         self.steps: list[Step] = []
         self._step_of_call: dict[str, list[int]] = {t.key: [] for t in self.capture.targets}
@@ -285,6 +287,7 @@ def capture_generation(model: nn.Module, *patterns: str, on_unfired: OnUnfired =
 
     Raises:
         SelectorError: a pattern matches no module (at once).
+        ArgumentValueError: a keyword that is not an option of ``capture`` (at once).
         CaptureError: during generation, the root was called without token inputs.
     """
     return GenerationCapture(model, patterns, on_unfired, options)

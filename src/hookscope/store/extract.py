@@ -94,7 +94,9 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
         layers: patterns as in ``hookscope.select``; each selected module (or output part,
             ``"lstm[0]"``) becomes one store layer. Its output must hold one tensor whose dim 0
             is the batch.
-        out: the store folder to create.
+        out: the store folder to create; its missing parent folders are created too (the
+            Python API's rule for ``out=``/``plot=``, as in ``patching_sweep`` and
+            ``logit_lens``; the CLI refuses a missing parent unless ``--parents``).
         reduce: ``None`` keeps each row whole: with an attention mask, a ``(batch, seq, ...)``
             output keeps only real tokens (a ragged layer). ``"mean"`` averages over tokens
             (honouring the mask) for ``(batch, seq, d)``, over pixels for ``(batch, c, h, w)``

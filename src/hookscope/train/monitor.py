@@ -37,11 +37,13 @@ from torch import nn
 
 from hookscope.diagnostics.nonfinite import NonFiniteOrigin
 from hookscope.diagnostics.stats import RunningStats
+from hookscope.engine.checks import check_run_dir
 from hookscope.engine.hooks import after_backward, on_optimizer_step, on_tensor_grad
 from hookscope.engine.run import detached_clones, input_device, state_snapshot
 from hookscope.engine.select import Target, as_patterns, unwrap
 from hookscope.engine.session import Observer, resolve_checked
 from hookscope.errors import (
+    ArgumentTypeError,
     ArgumentValueError,
     HookscopeError,
     NonFiniteStepError,
@@ -126,8 +128,12 @@ def monitor(model: nn.Module, layers: str | list[str] = "**", *, every: int = 10
             step)``): every statistic as ``<module>/<activation|gradient>/<stat>``.
 
     Raises:
-        HookscopeError: ``every`` < 0, an unknown ``guard``, both ``optimizer`` and ``scaler``,
-            or ``run_dir`` already holds a run.
+        ArgumentTypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, ``scaler`` lacks a
+            GradScaler's ``scale``/``update``/``get_scale``, ``run_dir`` is not a path (at the call).
+        ArgumentValueError: ``every`` < 0, an unknown ``guard``, ``run_dir`` is an existing
+            file (at the call).
+        HookscopeError: both ``optimizer`` and ``scaler``, or ``run_dir`` already holds a run
+            (on entry; a failed entry removes every hook it registered).
         SelectorError: a pattern matches no module.
     """
     return Monitor(model, layers, every=every, optimizer=optimizer, scaler=scaler,
@@ -149,6 +155,7 @@ class Monitor:
                  optimizer: torch.optim.Optimizer | None, scaler: Any, run_dir: str | Path | None,
                  guard: GuardMode | None, writer: Any):
         _check_arguments(every, optimizer, scaler, guard)
+        check_run_dir("run_dir", run_dir)
         self.root, _ = unwrap(model)
         self.every, self.guard, self.scaler, self.writer = every, guard, scaler, writer
         self._optimizer = optimizer
@@ -189,6 +196,14 @@ class Monitor:
         """
         if self._root_session is not None:
             raise HookscopeError("this monitor is already open: open it once, or build a new one")
+        try:
+            self._start()
+        except BaseException:
+            self.close()  # nothing it registered or opened outlives a failed open
+            raise
+        return self
+
+    def _start(self) -> None:
         self._file = self._open_file()
         self._write({"event": "start", "rank": self.rank, "every": self.every,
                      "modules": [t.key for t in self.targets], "guard": self.guard})
@@ -198,10 +213,10 @@ class Monitor:
                                       explain_unfired=False)
         self._root_session.__enter__()
         if self._optimizer is not None:
-            self._handles = [on_optimizer_step(self._optimizer, self._before_update, pre=True),
-                             on_optimizer_step(self._optimizer, self._end_step, pre=False)]
+            # one at a time: a failure on the second still leaves the first to close()
+            self._handles.append(on_optimizer_step(self._optimizer, self._before_update, pre=True))
+            self._handles.append(on_optimizer_step(self._optimizer, self._end_step, pre=False))
         self._start_sample_if_due()
-        return self
 
     def close(self) -> None:
         """Stop watching: replay a guard still pending (it may raise), then remove every hook,
@@ -493,6 +508,14 @@ def _check_arguments(every: int, optimizer: Any, scaler: Any, guard: Any) -> Non
         raise ArgumentValueError(f"every={every!r}: pass a whole number of steps >= 0 (0: no statistics)")
     if guard not in ("raise", "warn", "skip", None):
         raise ArgumentValueError(f"guard={guard!r} is not one of 'raise', 'warn', 'skip', None")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise ArgumentTypeError(f"optimizer must be a torch.optim.Optimizer (its step() is hooked "
+                                f"to count steps), e.g. optimizer=torch.optim.SGD(model.parameters"
+                                f"(), lr=0.1); got {type(optimizer).__name__} {optimizer!r:.40}")
+    if scaler is not None and not all(hasattr(scaler, a) for a in ("get_scale", "update", "scale")):
+        raise ArgumentTypeError(f"scaler must be a torch.amp.GradScaler (or an object with its "
+                                f"scale/update/get_scale); got {type(scaler).__name__} "
+                                f"{scaler!r:.40}")
     if optimizer is not None and scaler is not None:
         raise HookscopeError("optimizer= and scaler= together: a step the GradScaler skips never "
                              "calls optimizer.step, so its hooks cannot count it; pass scaler= only "

@@ -17,13 +17,33 @@ def read_run(run_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, 
 
     Raises:
         SpecError: ``run_dir`` holds no records file.
+        HookscopeError: a line of a records file is not a JSON object (the message names the
+            file and the line).
     """
     files = sorted(Path(run_dir).glob("records*.jsonl"))
     if not files:
         raise SpecError(f"{run_dir} holds no records.jsonl: pass the run_dir given to "
                              "hookscope.monitor(..., run_dir=...)")
-    lines = [json.loads(line) for file in files for line in file.read_text("utf-8").splitlines() if line]
+    lines = [record for file in files for record in _records(file)]
     return [r for r in lines if "event" not in r], [r for r in lines if "event" in r]
+
+
+def _records(file: Path) -> list[dict[str, Any]]:
+    """The JSON objects of ``file``, one a line; a line that is not one names the file and line."""
+    records = []
+    for number, line in enumerate(file.read_text("utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            record = err
+        if not isinstance(record, dict):
+            raise HookscopeError(f"{file}, line {number}: not a monitor record (a JSON object): "
+                                 f"{line[:60]!r}; the file is damaged or not written by "
+                                 f"hookscope.monitor: pass the run_dir the monitor wrote")
+        records.append(record)
+    return records
 
 
 def draw_run(run_dir: str | Path, out: str | Path | None = None) -> Path:

@@ -367,6 +367,9 @@ def _read_tensor_file(spec: str) -> torch.Tensor:
         raise SpecError(f"cannot read tensor file '{path}': {type(err).__name__}: "
                         f"{str(err).splitlines()[0] if str(err) else ''}") from None
     if isinstance(content, torch.Tensor):
+        if key is not None:
+            raise SpecError(f"'{path}' holds one tensor, not a dict of them, so ':{key}' names "
+                            f"nothing in it: drop ':{key}' (--input {path})")
         return content
     tensors = {k: v for k, v in content.items() if isinstance(v, torch.Tensor)} \
         if isinstance(content, dict) else {}

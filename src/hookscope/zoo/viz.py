@@ -79,8 +79,10 @@ def plot_activations(activations: Mapping[str, torch.Tensor], folder: str | Path
 
 
 def plan_png_files(folder: Path, names: Iterable[str], overwrite: bool, flag: str) -> dict[str, Path]:
-    """``png_files`` for ``names`` in ``folder``, checked before anything is drawn: ``folder``
-    is created; an existing PNG (or a link where one goes) needs ``overwrite``.
+    """``png_files`` for ``names`` in ``folder``, checked before anything is drawn: an existing
+    PNG (or a link where one goes) needs ``overwrite``. ``folder`` is not created here: the
+    first PNG written makes it (``util.files.write_atomic``), so a run that fails before
+    drawing leaves no empty folder behind.
 
     Raises:
         SpecError: ``folder`` is a file, or a PNG exists and ``overwrite`` is false (the message
@@ -94,7 +96,6 @@ def plan_png_files(folder: Path, names: Iterable[str], overwrite: bool, flag: st
     if existing and not overwrite:
         raise SpecError(f"{len(existing)} PNG(s) already exist in '{folder}' (e.g. {existing[0]}); "
                         f"pass --overwrite to replace them, or choose another {flag}")
-    folder.mkdir(parents=True, exist_ok=True)
     return files
 
 
