@@ -9,6 +9,7 @@ of its final weights.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 
@@ -18,17 +19,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import hookscope
+from tests.models import Temperature
 
 STEPS, ZERO_AT = 6, 3
 
-
-class Temperature(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.temperature = 1.0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x / self.temperature
 
 
 def main(run_dir: str, guard: str) -> None:
@@ -54,7 +48,10 @@ def main(run_dir: str, guard: str) -> None:
     outcome["weights"] = sum(float(p.detach().sum()) for p in inner.parameters())
     with open(f"{run_dir}/outcome-rank{rank}.json", "w", encoding="utf-8") as f:
         json.dump(outcome, f)
+    dist.barrier()  # both ranks done before the group goes: gloo can hang a rank left alone in it
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # about 1 run in 10 hung in interpreter teardown after main() (DDP's reducer, gloo)
 
 
 if __name__ == "__main__":

@@ -357,3 +357,14 @@ def tiny_gpt2(n_layer: int = 2, n_head: int = 4, pad: bool = True) -> nn.Module:
     config = transformers.GPT2Config(n_layer=n_layer, n_embd=32, n_head=n_head, vocab_size=60, n_positions=32,
                                      bos_token_id=0, eos_token_id=0, **({"pad_token_id": 0} if pad else {}))
     return transformers.GPT2LMHeadModel(config).eval()
+
+
+class Temperature(nn.Module):
+    """Divides its input by a temperature the loop sets: a division that can reach zero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x / self.temperature

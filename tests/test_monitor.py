@@ -17,19 +17,10 @@ from torch.utils.checkpoint import checkpoint
 
 import hookscope
 from hookscope.cli.main import main
+from tests.models import Temperature
 
 VOCAB, DIM, SEQ, BATCH = 11, 16, 6, 4
 
-
-class Temperature(nn.Module):
-    """Divides its input by a temperature the loop sets: a division that can reach zero."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.temperature = 1.0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x / self.temperature
 
 
 class TinyTransformer(nn.Module):

@@ -17,7 +17,8 @@ from torch import nn
 
 import hookscope
 from hookscope.cli.main import main
-from tests.ddp_monitor_worker import ZERO_AT, Temperature
+from tests.ddp_monitor_worker import ZERO_AT
+from tests.models import Temperature
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCHRUN = shutil.which("torchrun", path=os.path.dirname(sys.executable))
