@@ -100,6 +100,7 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("capture", ["capture", M, *IN, *L, "--plot", "missing/dir"], 2, "--plot"),
     ("attention", ["attention", M, *IN, *L, "--out", "missing/dir"], 2, "--out"),
     ("diff", ["diff", M, M, *IN, "--pair", "auto", "--plot", "missing/dir"], 2, "--plot"),
+    ("diff", ["diff", M, M, *IN, "--plot", "p"], 2, "--pair auto"),
     ("extract", ["extract", M, "--data", "x.pt", *L, "--out", "missing/s"], 2, "--parents"),
     ("extract", ["extract", M, "--data", "x.pt", *L, "--out", "full"], 2, "--overwrite"),
     ("monitor-report", ["monitor-report", "run", "--out", "missing/m.png"], 2, "--parents"),

@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Load both models, compare them on the input, print one row per module call."""
+    if args.plot is not None and not args.pair:
+        raise SpecError("--plot draws the accumulated and local error of each pair, so it needs "
+                        "--pair: add --pair auto (or --pair 'NAME_IN_A=NAME_IN_B' rules)")
     check_output_path(args.plot, "--plot", parents=args.parents, folder=True)
     model_a, model_b = load_model(args.model_a), load_model(args.model_b)
     if model_a.kind != model_b.kind:
