@@ -20,7 +20,8 @@ def test_hooks_are_registered_once_for_all_batches(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     model = LeNet().eval()
     registered: list[str] = []
-    original = ModuleHooks.add  # the door every session's module hook goes through
+    original, original_bulk = ModuleHooks.add, ModuleHooks.add_forward  # the doors of every
+    # session's module hooks: one at a time, and the capture's forward hooks in bulk
 
     def counting(self: ModuleHooks, owned: OwnedHook, *, pre: bool = False,
                  with_kwargs: bool = False) -> None:
@@ -28,7 +29,12 @@ def test_hooks_are_registered_once_for_all_batches(tmp_path: Path,
             registered.append(type(owned.module).__name__)
         original(self, owned, pre=pre, with_kwargs=with_kwargs)
 
+    def counting_bulk(self: ModuleHooks, hooks: list[OwnedHook]) -> None:
+        registered.extend(type(owned.module).__name__ for owned in hooks)
+        original_bulk(self, hooks)
+
     monkeypatch.setattr(ModuleHooks, "add", counting)
+    monkeypatch.setattr(ModuleHooks, "add_forward", counting_bulk)
     images = torch.randn(40, 3, 32, 32)
     store = extract(model, TensorDataset(images), ["conv2", "fc1"], tmp_path / "s", batch_size=4,
                     progress=False)
