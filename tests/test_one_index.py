@@ -14,15 +14,16 @@ from tests.models import MlpStack, UnusedBranch
 
 @pytest.fixture
 def builds(monkeypatch: pytest.MonkeyPatch) -> list[nn.Module]:
-    """The models ``names.index`` walked, one entry per index built."""
+    """The models ``names.index`` walked, one entry per index built (each builds one
+    ``ModuleIndex`` of the unwrapped root)."""
     walked: list[nn.Module] = []
-    real = names._walk
+    real = names.ModuleIndex
 
-    def counting(model: nn.Module) -> list[names.Visit]:
-        walked.append(model)
-        return real(model)
+    def counting(root: nn.Module) -> names.ModuleIndex:
+        walked.append(root)
+        return real(root)
 
-    monkeypatch.setattr(names, "_walk", counting)
+    monkeypatch.setattr(names, "ModuleIndex", counting)
     return walked
 
 

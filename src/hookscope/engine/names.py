@@ -70,57 +70,50 @@ class ModuleIndex:
 
 
 def index(model: nn.Module) -> ModuleIndex:
-    """Walk ``model`` once and return every name of every module (see the module docstring)."""
+    """Walk ``model`` once and return every name of every module (see the module docstring).
+
+    Every attribute path of every module is visited (shared modules once per path), depth first
+    in ``named_modules()`` order. Modules inside a parametrization get the path of the layer that
+    owns them; a module that holds one of its ancestors (a cycle) is skipped."""
     found = ModuleIndex(unwrap(model)[0])
+    modules, canonical, aliases = found.modules, found.canonical, found.aliases
     first: dict[int, str] = {}
     wrapper_paths: dict[str, str] = {}
-    for raw, path, module, owner, wrapper in _walk(model):
-        if owner is not None:  # the owner came first: its primary path is known
-            found.parametrizations[raw] = found.parametrizations[path] = found.canonical[owner]
-            continue
-        if wrapper:
-            found.wrappers[raw] = type(module).__name__
-            wrapper_paths[raw] = path
-            continue
-        primary = first.setdefault(id(module), path)
-        found.canonical.setdefault(path, primary)
-        found.canonical.setdefault(raw, primary)
-        if primary == path:
-            found.modules[path] = module
-        elif path not in found.aliases.get(primary, ()):
-            found.aliases[primary] = (*found.aliases.get(primary, ()), path)
-    for raw, path in wrapper_paths.items():  # a wrapper's raw path names what it wraps
-        found.canonical.setdefault(raw, found.canonical.get(path, path))
-    return found
-
-
-Visit = tuple[str, str, nn.Module, "str | None", bool]
-
-
-def _walk(model: nn.Module) -> list[Visit]:
-    """``(raw path, path without wrapper segments, module, owning layer's path or None, is a
-    wrapper)`` for every attribute path of every module (shared modules once per path), depth
-    first in ``named_modules()`` order. Modules inside a parametrization get the path of the
-    layer that owns them; a module that holds one of its ancestors (a cycle) is skipped."""
-    found: list[Visit] = []
     on_path: set[int] = set()
 
     def visit(raw: str, path: str, module: nn.Module, owner: str | None) -> None:
-        inner = wrapped_attribute(module)
-        found.append((raw, path, module, owner, inner is not None))
-        if not module._modules:
+        children = module._modules
+        inner = wrapped_attribute(module) if len(children) == 1 else None
+        if owner is not None:  # the owner came first: its primary path is known
+            found.parametrizations[raw] = found.parametrizations[path] = canonical[owner]
+        elif inner is not None:
+            found.wrappers[raw] = type(module).__name__
+            wrapper_paths[raw] = path
+        else:
+            primary = first.setdefault(id(module), path)
+            canonical.setdefault(path, primary)
+            canonical.setdefault(raw, primary)
+            if primary == path:
+                modules[path] = module
+            elif path not in aliases.get(primary, ()):
+                aliases[primary] = (*aliases.get(primary, ()), path)
+        if not children:
             return
         on_path.add(id(module))
-        for name, child in module._modules.items():
+        parametrized = (owner is None and "parametrizations" in children
+                        and parametrize.is_parametrized(module))
+        for name, child in children.items():
             if child is None or id(child) in on_path:
                 continue
             child_path = path if name == inner else (f"{path}.{name}" if path else name)
             child_owner = owner if owner is not None else (
-                path if name == "parametrizations" and parametrize.is_parametrized(module) else None)
+                path if name == "parametrizations" and parametrized else None)
             visit(f"{raw}.{name}" if raw else name, child_path, child, child_owner)
         on_path.discard(id(module))
 
     visit("", "", model, None)
+    for raw, path in wrapper_paths.items():  # a wrapper's raw path names what it wraps
+        canonical.setdefault(raw, canonical.get(path, path))
     return found
 
 

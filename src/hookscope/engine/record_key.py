@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from hookscope.errors import HookscopeError
 
-__all__ = ["ROOT", "Part", "RecordKey"]
+__all__ = ["ROOT", "Part", "RecordKey", "record_name"]
 
 ROOT = "(root)"  # the pattern, and the record name, of the model itself
 Part = int | str
@@ -61,7 +61,7 @@ class RecordKey:
     @property
     def name(self) -> str:
         """The record name: the text form without the call (``lstm[1][0]``, ``h.0::softmax``)."""
-        return self.name_of(self.path, self.op) + _brackets(self.parts)
+        return record_name(self.path, self.op, self.parts)
 
     @staticmethod
     def name_of(path: str, op: str | None) -> str:
@@ -84,6 +84,13 @@ class RecordKey:
         call = None if match["call"] is None else int(match["call"])
         path = "" if match["path"] == ROOT and match["op"] is None else match["path"]
         return cls(path, call, parts, match["op"])
+
+
+def record_name(path: str, op: str | None = None, parts: tuple[Part, ...] = ()) -> str:
+    """``RecordKey(path, None, parts, op).name`` without building the key (a capture of every
+    module names one record per module)."""
+    name = (path or ROOT) if op is None else f"{path}::{op}"
+    return name + _brackets(parts) if parts else name
 
 
 def _part(text: str) -> Part:

@@ -46,7 +46,7 @@ from torch import nn
 from hookscope.engine.checks import check_iterable, check_nonempty
 from hookscope.engine.function_names import split_address
 from hookscope.engine.names import ModuleIndex, index
-from hookscope.engine.record_key import ROOT, RecordKey
+from hookscope.engine.record_key import ROOT, RecordKey, record_name
 from hookscope.engine.wrappers import unwrap
 from hookscope.errors import SelectorError
 
@@ -67,7 +67,6 @@ class Target:
         aliases: the module's other names (a module registered under several attribute paths).
         op: a function called by the module's own forward, ``"relu"`` (every call) or
             ``"relu#1"`` (its call 1 in each forward); ``None`` for the module's output.
-        record_key: the ``RecordKey`` of its records (no call); ``key`` is its name.
         key: the record name, the path, ``::op`` and parts: ``"lstm[1][0]"``,
             ``"h.0.attn::softmax"``, ``"::relu#1"``; ``"(root)"`` for the root's output.
         wide: selected by a glob, ``re:`` or ``type:`` pattern (not by its exact name): if it
@@ -82,16 +81,19 @@ class Target:
     op: str | None = None
     wide: bool = False
 
-    record_key: RecordKey = field(init=False, repr=False)  # path, op and parts; no call
     key: str = field(init=False, repr=False)  # its record name
 
     def __init__(self, path: str, module: nn.Module, parts: tuple[int | str, ...] = (),
                  aliases: tuple[str, ...] = (), op: str | None = None, wide: bool = False):
         # one dict update instead of a frozen dataclass's object.__setattr__ per field: a
         # capture of every module builds one Target per module (python -m bench.dispatch)
-        record_key = RecordKey(path, None, parts, op)
         self.__dict__.update(path=path, module=module, parts=parts, aliases=aliases, op=op,
-                             wide=wide, record_key=record_key, key=record_key.name)
+                             wide=wide, key=record_name(path, op, parts))
+
+    @property
+    def record_key(self) -> RecordKey:
+        """The ``RecordKey`` of its records: path, op and parts, no call."""
+        return RecordKey(self.path, None, self.parts, self.op)
 
 
 def is_container(module: nn.Module) -> bool:
@@ -130,6 +132,8 @@ def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str], *,
         patterns = [patterns]
     check_nonempty("patterns", patterns, "'conv2', 'blocks.*', 'type:Linear' or '**' for every module")
     names = index(model) if names is None else names
+    if len(patterns) == 1 and isinstance(patterns[0], str):  # already distinct, in module order
+        return _resolve_address(names, patterns[0].strip())
     order = {path: i for i, path in enumerate(names.modules)}
     chosen: dict[tuple[str, tuple[int | str, ...], str | None], Target] = {}
     for pattern in patterns:
@@ -147,7 +151,9 @@ def _resolve_address(names: ModuleIndex, pattern: str) -> list[Target]:
     base, op, op_parts = split_address(pattern)
     wide = base.startswith(("re:", "type:")) or "*" in base or "?" in base
     if op is None:
-        return [_target(names, path, parts, None, wide) for path, parts in _resolve_one(names, pattern)]
+        modules, aliases = names.modules, names.aliases  # one Target per module: no call each
+        return [Target(path, modules[path], parts, aliases.get(path, ()), None, wide)
+                for path, parts in _resolve_one(names, pattern)]
     _, parts = _split_parts("_" + op_parts)
     if not base:
         return [_target(names, "", parts, op)]

@@ -44,7 +44,7 @@ from hookscope.engine.values import (
 from hookscope.errors import CaptureError, warn
 from hookscope.record.grads import converter, require_grad_mode, watch_inputs, watch_output
 from hookscope.record.positions import MaskWatcher
-from hookscope.record.records import CallInputs, Entry, Records
+from hookscope.record.records import CallInputs, Entry, RecordKey, Records
 from hookscope.record.reductions import Reduce, Reduction, reduction
 from hookscope.util.nested import get_part, iter_tensors, map_tensors
 
@@ -67,16 +67,20 @@ class CaptureOptions:
     early_stop: bool = False
 
 
-class _Slot:
-    """One target's record entry, plus the references kept with their versions (session state)."""
+class _Slot(Entry):
+    """One target's record entry, plus the session's state for it: the target, the references
+    kept with their versions. One object per selected module (with its hook)."""
 
-    __slots__ = ("target", "entry", "versions", "recomputed")
+    __slots__ = ("target", "versions", "recomputed")
 
-    def __init__(self, target: Target, entry: Entry):
+    def __init__(self, target: Target):
+        Entry.__init__(self, None, target.module, target.key)
         self.target = target
-        self.entry = entry
         self.versions: list[tuple[int, Tensor, int]] = []  # (call, tensor kept by reference, version)
         self.recomputed = 0  # checkpoint recomputes seen (with grads=True)
+
+    def _make_key(self) -> RecordKey:
+        return self.target.record_key
 
 
 # Why a capture built but never entered holds nothing (``acts = capture(...)`` without ``with``).
@@ -99,8 +103,8 @@ class Capture(HookSession, Records):
                  on_unfired: OnUnfired = "warn"):
         HookSession.__init__(self, model, patterns, on_unfired)
         kept = [name for name in ("inputs", "grads", "grad_inputs") if getattr(options, name)]
-        Records.__init__(self, (Entry(t.record_key, t.module, t.key) for t in self.targets), kept)
-        self._slots = {t.key: _Slot(t, self.entry(t.key)) for t in self.targets}
+        self._slots = {t.key: _Slot(t) for t in self.targets}
+        Records.__init__(self, self._slots.values(), kept)
         self.aliases = {alias + t.key[len(t.path):]: t.key for t in self.targets for alias in t.aliases}
         self._options = options
         self._grad_convert = converter(options.to, options.dtype)  # applied to each arriving gradient
@@ -127,30 +131,38 @@ class Capture(HookSession, Records):
         self._snapshot = self._snapshot_fn()  # one per session, shared by every hook
         if self._mask is not None:
             self._hook(unwrap(self.model)[0], self._mask.hook, pre=True, with_kwargs=True)
-        for target in self.targets:
-            if target.op is not None:
-                self._hook_output(target, self._function_hook(self._slots[target.key]),
-                                  with_kwargs=self._options.inputs)
-        plain = self._plain_options()
-        fast: list[OwnedHook] = []  # hot-path hooks, registered in bulk (in module order)
-        for module, slots in self._module_slots().items():
-            if self._options.inputs:  # before the call: a module may write its input in place
-                self._hook(module, _inputs_hook(slots, self._options.clone), pre=True, with_kwargs=True)
-            if plain and len(slots) == 1 and not slots[0].target.parts:  # the hot path
-                fast.append(_PlainHook(module, slots[0], self._snapshot))
-            else:  # with grads, a checkpoint recompute reaches the hook: under reentrant
-                # checkpointing the gradient flows only through the recomputed output (_regrad)
-                self._hook(module, self._make_hook(slots), in_recompute=self._options.grads)
-            if self._options.grad_inputs:
-                self._hook(module, watch_inputs([s.entry.grad_inputs for s in slots], self._grad_convert),
-                           pre=True, with_kwargs=True)
-        self._own_forward(fast)
+        on_modules = []
+        for slot in self._slots.values():
+            if slot.target.op is None:
+                on_modules.append(slot)
+            else:
+                self._hook_output(slot.target, self._function_hook(slot), with_kwargs=self._options.inputs)
+        if self._plain_options() and not any(s.target.parts for s in on_modules):
+            # the hot path: one record of its whole output per module (each module is selected
+            # once), registered in bulk in module order
+            thread = threading.get_ident()
+            self._own_forward([_PlainHook(slot, self._snapshot, thread) for slot in on_modules])
+        else:
+            for module, slots in _by_module(on_modules).items():
+                self._register_module(module, slots)
         if self._options.early_stop:
             self._stop_early()
 
+    def _register_module(self, module: nn.Module, slots: list[_Slot]) -> None:
+        """The hooks of one module whose records need more than the output as it is (inputs,
+        gradients, conversions, output parts): one forward hook serves all its records."""
+        if self._options.inputs:  # before the call: a module may write its input in place
+            self._hook(module, _inputs_hook(slots, self._options.clone), pre=True, with_kwargs=True)
+        # with grads, a checkpoint recompute reaches the hook: under reentrant checkpointing
+        # the gradient flows only through the recomputed output (_regrad)
+        self._hook(module, self._make_hook(slots), in_recompute=self._options.grads)
+        if self._options.grad_inputs:
+            self._hook(module, watch_inputs([s.grad_inputs for s in slots], self._grad_convert),
+                       pre=True, with_kwargs=True)
+
     def _finish(self) -> None:
         for key, function in self._functions.functions.items():
-            self._slots[key].entry.function = function
+            self._slots[key].function = function
         self._note_valueless()
         if self._options.clone is False:
             self._check_versions()
@@ -158,24 +170,16 @@ class Capture(HookSession, Records):
 
     def _ran_paths(self) -> set[str]:
         # selected modules are known to have run by their records: their hooks skip ran.add()
-        return self._ran | {s.target.path for s in self._slots.values() if s.entry.outputs}
+        return self._ran | {s.target.path for s in self._slots.values() if s.outputs}
 
     # ----------------------------------------------------------------- hooks
     def _plain_options(self) -> bool:
         """True when no option asks for more than the output as it is: a module with one
         record of its whole output then takes the hot path (``_PlainHook``)."""
         options = self._options
-        return options.clone is None and not (options.grads or options.to is not None
-                                              or options.dtype is not None or options.reduce is not None)
-
-    def _module_slots(self) -> dict[nn.Module, list[_Slot]]:
-        """The slots of module-level targets grouped by module, in target order: one hook
-        per module serves all its records."""
-        grouped: dict[nn.Module, list[_Slot]] = {}
-        for slot in self._slots.values():
-            if slot.target.op is None:
-                grouped.setdefault(slot.target.module, []).append(slot)
-        return grouped
+        return options.clone is None and not (options.inputs or options.grads or options.grad_inputs
+                                              or options.to is not None or options.dtype is not None
+                                              or options.reduce is not None)
 
     def _make_hook(self, slots: list[_Slot]) -> Callable[..., None]:
         snapshot = self._snapshot
@@ -186,10 +190,10 @@ class Capture(HookSession, Records):
                 _regrad(slots, output, grad_now())
                 return
             for slot in slots:
-                slot.entry.outputs.append(snapshot(_part(output, slot), slot))
+                slot.outputs.append(snapshot(_part(output, slot), slot))
             if with_grads:
                 for slot in slots:
-                    slot.entry.grads.append(watch_output(_part(output, slot), grad_now()))
+                    slot.grads.append(watch_output(_part(output, slot), grad_now()))
         return hook
 
     def _function_hook(self, slot: _Slot) -> Callable[..., None]:
@@ -198,7 +202,7 @@ class Capture(HookSession, Records):
         made inside a forward are often written in place by the code that follows,
         ``x += ...``); with ``inputs=True`` the function's arguments; with ``grads=True`` a
         gradient watch."""
-        options, entry, snapshot, grad_now = self._options, slot.entry, self._snapshot, self._grad_now
+        options, entry, snapshot, grad_now = self._options, slot, self._snapshot, self._grad_now
         clone = options.clone
 
         def keep_input(t: Tensor) -> Tensor:
@@ -251,7 +255,7 @@ class Capture(HookSession, Records):
                 return kept.clone()
             counter = copy_on_write.version(kept)
             if counter is not None:  # inference tensors have no version counter
-                slot.versions.append((len(slot.entry.outputs), kept, counter))
+                slot.versions.append((len(slot.outputs), kept, counter))
             return kept
 
         def snapshot(output: Any, slot: _Slot) -> Any:
@@ -272,7 +276,15 @@ class Capture(HookSession, Records):
         first call is checked, on exit (nothing is checked per call)."""
         empty = {}
         for key, slot in self._slots.items():
-            first = _first_tensor(slot.entry.outputs)
+            outputs = slot.outputs
+            if not outputs:
+                continue
+            first = outputs[0]
+            if type(first) is Tensor:  # most records: a plain tensor, checked inline
+                if not first.is_meta:
+                    continue
+            else:
+                first = _first_tensor(outputs)
             if first is not None and holds_no_values(first):
                 empty[key] = self.notes[key] = f"{no_values_reason(first)}: shapes, no values"
         if empty:
@@ -284,7 +296,7 @@ class Capture(HookSession, Records):
         """clone=False under torch.inference_mode(): nothing can tell whether the references kept
         were written in place later, so say so rather than return them as if checked."""
         unchecked = [k for k, s in self._slots.items()
-                     if any(t.is_inference() for o in s.entry.outputs for t in iter_tensors(o))]
+                     if any(t.is_inference() for o in s.outputs for t in iter_tensors(o))]
         if unchecked:
             warn(
                 f"clone=False under torch.inference_mode(): the outputs of {', '.join(unchecked[:5])}"
@@ -298,10 +310,10 @@ class Capture(HookSession, Records):
         for slot in self._slots.values():
             for call, tensor, counter in slot.versions:
                 if tensor._version != counter:
-                    slot.entry.broken.add(call)
+                    slot.broken.add(call)
             slot.versions.clear()
-        broken = [f"{k} (calls {sorted(s.entry.broken)})" for k, s in self._slots.items()
-                  if s.entry.broken]
+        broken = [f"{k} (calls {sorted(s.broken)})" for k, s in self._slots.items()
+                  if s.broken]
         if broken:
             warn(
                 f"captured outputs were overwritten in place after capture: {', '.join(broken)}. "
@@ -324,6 +336,14 @@ class Capture(HookSession, Records):
         self._check_versions()
 
 
+def _by_module(slots: list[_Slot]) -> dict[nn.Module, list[_Slot]]:
+    """``slots`` grouped by module, in order: one hook per module serves all its records."""
+    grouped: dict[nn.Module, list[_Slot]] = {}
+    for slot in slots:
+        grouped.setdefault(slot.target.module, []).append(slot)
+    return grouped
+
+
 class _PlainHook(OwnedHook):
     """The hot path of a capture: one record of a module's whole output, no options.
 
@@ -335,9 +355,11 @@ class _PlainHook(OwnedHook):
 
     __slots__ = ("outputs", "slot", "snapshot")
 
-    def __init__(self, module: nn.Module, slot: _Slot, snapshot: Callable[[Any, _Slot], Any]):
-        super().__init__(self._record, module, traceable=True)
-        self.outputs, self.slot, self.snapshot = slot.entry.outputs, slot, snapshot
+    def __init__(self, slot: _Slot, snapshot: Callable[[Any, _Slot], Any], thread: int):
+        # OwnedHook.__init__'s fields set here: one hook per selected module, thread given
+        self.function, self.module, self.thread = self._record, slot.module, thread
+        self.in_recompute, self.traceable, self.recomputes, self.foreign_calls = False, True, 0, 0
+        self.outputs, self.slot, self.snapshot = slot.outputs, slot, snapshot
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
         # OwnedHook.__call__'s checks and copy_on_write.keep / values.special inlined (a frame
@@ -393,7 +415,7 @@ def _regrad(slots: list[_Slot], output: Any, convert: Callable[[Tensor], Tensor]
     checkpointing runs the first forward under no_grad): watch the recomputed output instead,
     which is what the gradient flows through. Recomputes come in call order within a segment."""
     for slot in slots:
-        grads = slot.entry.grads
+        grads = slot.grads
         if not grads:
             continue
         call = slot.recomputed % len(grads)
@@ -409,7 +431,7 @@ def _inputs_hook(slots: list[_Slot], clone: bool | None) -> Callable[..., None]:
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         for slot in slots:
-            slot.entry.inputs.append((map_tensors(keep, args), map_tensors(keep, kwargs)))
+            slot.inputs.append((map_tensors(keep, args), map_tensors(keep, kwargs)))
     return hook
 
 

@@ -67,13 +67,15 @@ class Entry:
     """Everything recorded under one record name (``key.name``, ``key`` a ``RecordKey``
     without a call); the capture session appends to the lists."""
 
-    __slots__ = ("key", "name", "module", "function", "outputs", "inputs", "grads", "grad_inputs",
+    __slots__ = ("_key", "name", "module", "function", "outputs", "inputs", "grads", "grad_inputs",
                  "broken")
 
-    def __init__(self, key: RecordKey, module: nn.Module | None = None, name: str | None = None):
-        """``name`` is ``key.name`` when the caller has it already (a ``Target``'s ``key``)."""
-        self.key = key
-        self.name = key.name if name is None else name
+    def __init__(self, key: RecordKey | None, module: nn.Module | None = None,
+                 name: str | None = None):
+        """``key`` may be None when a subclass builds it on first use (``_make_key``) and the
+        caller gives ``name`` (a capture names one record per module, and reads few keys)."""
+        self._key = key
+        self.name = name if name is not None else key.name if key is not None else ""
         self.module = module
         self.function: Callable[..., Any] | None = None  # for a function-level record
         self.outputs: list[Any] = []
@@ -81,6 +83,16 @@ class Entry:
         self.grads: list[GradRecord] = []
         self.grad_inputs: list[GradRecord] = []
         self.broken: set[int] = set()  # calls whose value was overwritten in place
+
+    @property
+    def key(self) -> RecordKey:
+        """The ``RecordKey`` of this record (no call)."""
+        if self._key is None:
+            self._key = self._make_key()
+        return self._key
+
+    def _make_key(self) -> RecordKey:
+        return RecordKey.parse(self.name)
 
     def clear(self) -> None:
         for kept in (self.outputs, self.inputs, self.grads, self.grad_inputs):
