@@ -357,7 +357,7 @@ class _PlainHook(OwnedHook):
 
     def __init__(self, slot: _Slot, snapshot: Callable[[Any, _Slot], Any], thread: int):
         # OwnedHook.__init__'s fields set here: one hook per selected module, thread given
-        self.function, self.module, self.thread = self._record, slot.module, thread
+        self.function, self.module, self.thread = self._record, slot.target.module, thread
         self.in_recompute, self.traceable, self.recomputes, self.foreign_calls = False, True, 0, 0
         self.outputs, self.slot, self.snapshot = slot.outputs, slot, snapshot
 
