@@ -22,7 +22,7 @@ from typing import Any
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from hookscope.engine.hooks import OwnedHook
+from hookscope.engine.hooks import owner
 from hookscope.engine.names import index
 
 __all__ = ["HookInfo", "hooks", "remove_hooks", "INTERNAL_PACKAGES"]
@@ -138,8 +138,13 @@ def _info(path: str, kind: str, handle_id: int, fn: Any) -> HookInfo:
 def _function(fn: Any) -> Any:
     """The code behind a hook: through ``functools.partial``, hookscope's ``OwnedHook`` and
     bound methods."""
-    while isinstance(fn, (functools.partial, OwnedHook)):
-        fn = fn.func if isinstance(fn, functools.partial) else fn.function
+    while True:
+        if isinstance(fn, functools.partial):
+            fn = fn.func
+        elif (owned := owner(fn)) is not None:  # in a table: an OwnedHook's bound __call__
+            fn = owned.function
+        else:
+            break
     return getattr(fn, "__func__", fn)
 
 

@@ -15,9 +15,9 @@ open (``open_block``/``close_block``, under a lock), a reducer for ``collections
 is registered there: a hook table holding hookscope's entries reduces to a plain ``OrderedDict``
 of the other entries; every other ``OrderedDict`` reduces as it always does (through the reducer
 the user had registered before, if any). hookscope's entries are those whose value is an
-``OwnedHook`` and those whose key is the id of a handle an open block added to its ``KeptOut``
-for that very table object (the ``*_with_kwargs``/ ``always_called`` tables map ids to
-``True``). The entry is removed when the last block closes, also on an error or an interrupt;
+``OwnedHook``'s (``hooks.owner``) and those whose key is the id of a handle an open block added
+to its ``KeptOut`` for that very table object (the ``*_with_kwargs``/ ``always_called`` tables
+map ids to ``True``). The entry is removed when the last block closes, also on an error or an interrupt;
 outside blocks ``copyreg`` is untouched.
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 
 from torch.utils.hooks import RemovableHandle
 
-from hookscope.engine.hooks import OwnedHook
+from hookscope.engine.hooks import owner
 
 __all__ = ["KeptOut", "open_block", "close_block"]
 
@@ -103,8 +103,8 @@ def close_block(kept: KeptOut) -> None:
 
 def _reduce(table: OrderedDict[Any, Any]) -> Any:
     ours = [ids for kept in _open if (ids := kept.ids_in(table))]
-    if not ours and not any(isinstance(value, OwnedHook) for value in table.values()):
+    if not ours and not any(owner(value) is not None for value in table.values()):
         return table.__reduce__() if _previous is None else _previous(table)
     kept = [(key, value) for key, value in table.items()
-            if not isinstance(value, OwnedHook) and not any(key in ids for ids in ours)]
+            if owner(value) is None and not any(key in ids for ids in ours)]
     return OrderedDict, (), None, None, iter(kept)

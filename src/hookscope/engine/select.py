@@ -37,7 +37,6 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 import torch.fx
@@ -56,7 +55,6 @@ _PART = re.compile(r"\[([^\[\]]+)\]$")
 _INNER_INDEX = re.compile(r"\[\s*(['\"]?)([^\[\]'\"]+)\1\s*\](?=[.\[]|$)")
 
 
-@dataclass(frozen=True, init=False)
 class Target:
     """One selected module, and which part of its output a pattern asked for.
 
@@ -72,23 +70,21 @@ class Target:
         wide: selected by a glob, ``re:`` or ``type:`` pattern (not by its exact name): if it
             never runs, the report summarises it in one line rather than warning about it; a
             function-level target selected so need not make the call (only some modules do).
+
+    Read-only by convention; a class with ``__slots__``: a capture of every module builds one
+    per module (``python -m bench.dispatch``).
     """
 
-    path: str
-    module: nn.Module
-    parts: tuple[int | str, ...] = ()
-    aliases: tuple[str, ...] = ()
-    op: str | None = None
-    wide: bool = False
-
-    key: str = field(init=False, repr=False)  # its record name
+    __slots__ = ("path", "module", "parts", "aliases", "op", "wide", "key")
 
     def __init__(self, path: str, module: nn.Module, parts: tuple[int | str, ...] = (),
                  aliases: tuple[str, ...] = (), op: str | None = None, wide: bool = False):
-        # one dict update instead of a frozen dataclass's object.__setattr__ per field: a
-        # capture of every module builds one Target per module (python -m bench.dispatch)
-        self.__dict__.update(path=path, module=module, parts=parts, aliases=aliases, op=op,
-                             wide=wide, key=record_name(path, op, parts))
+        self.path, self.module, self.parts, self.aliases = path, module, parts, aliases
+        self.op, self.wide, self.key = op, wide, record_name(path, op, parts)
+
+    def __repr__(self) -> str:
+        return (f"Target(path={self.path!r}, module={type(self.module).__name__}, "
+                f"parts={self.parts!r}, op={self.op!r}, wide={self.wide})")
 
     @property
     def record_key(self) -> RecordKey:

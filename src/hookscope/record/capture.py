@@ -110,7 +110,7 @@ class Capture(HookSession, Records):
         self._grad_convert = converter(options.to, options.dtype)  # applied to each arriving gradient
         # a reduction reads the attention mask of the running forward, as extract gives it
         self._mask = None if options.reduce is None else MaskWatcher(unwrap(model)[0])
-        self.unfired = {t.key: NOT_ENTERED for t in self.targets}
+        self.unfired = dict.fromkeys(self._slots, NOT_ENTERED)
 
     def __enter__(self) -> Capture:
         for option in ("grads", "grad_inputs"):
@@ -366,8 +366,10 @@ class _PlainHook(OwnedHook):
         # less per call: keep them in step); compiling first: dynamo must not trace on
         if _compiling() or module is not self.module or _get_ident() != self.thread or _graph_task_id() != -1:
             return OwnedHook.__call__(self, module, args, output)  # a copy, a thread, a recompute
+        # no functorch transform running: no output can be a transform's wrapper (a cheaper
+        # test than asking the output); under one, snapshot() asks the output itself
         if (type(output) is Tensor and not output.requires_grad and not output.is_quantized
-                and not _is_transformed(output)):
+                and not _transforms_active()):
             try:
                 self.outputs.append(_lazy_clone(output))
                 return None
@@ -435,7 +437,7 @@ def _inputs_hook(slots: list[_Slot], clone: bool | None) -> Callable[..., None]:
     return hook
 
 
-_is_transformed = torch._C._functorch.is_functorch_wrapped_tensor
+_transforms_active = torch._C._are_functorch_transforms_active
 _compiling = torch.compiler.is_compiling
 _get_ident = threading.get_ident
 _graph_task_id = torch._C._current_graph_task_id
