@@ -11,6 +11,11 @@ Two settings:
 - per capture: hooks registered and removed around every forward pass (a ``with capture`` or
   ``hookscope.run`` in a loop), adding each tool's set-up and take-down.
 
+The floor torch sets: hookscope keeps each output as a lazy clone (``torch._lazy_clone``,
+copy-on-write, so no later in-place write changes it), which costs more than ``detach()``; the
+case *bare hook, lazy clone* is a bare hook keeping exactly that, and hookscope's ratio to it is
+what hookscope's own checks (thread, copy, recompute, compile, tensor kind) add.
+
 Rounds interleave the cases (each round starts one case later). Times are CPU time of the
 main thread (``time.thread_time``), which other jobs on a shared 2-core machine disturb less than
 wall time; these layers are too small for torch's intra-op threads. Costs per call are medians
@@ -34,11 +39,14 @@ from torch import nn
 from bench.models import LinearStack
 
 CLOCK = time.thread_time
+#: the torch-only floor of a capture whose values stay right: a bare hook keeping a lazy clone
+FLOOR = "bare hook, lazy clone, steady"
 
 
-def _bare_hooks(model: nn.Module, store: list[torch.Tensor]) -> list[Any]:
+def _bare_hooks(model: nn.Module, store: list[torch.Tensor], keep: Callable[[torch.Tensor], torch.Tensor]
+                = torch.Tensor.detach) -> list[Any]:
     def hook(module: nn.Module, args: Any, output: torch.Tensor) -> None:
-        store.append(output.detach())
+        store.append(keep(output))
     return [layer.register_forward_hook(hook) for layer in model.layers]
 
 
@@ -73,6 +81,15 @@ def _round(model: nn.Module, x: torch.Tensor, forwards: int, shift: int) -> dict
             for handle in handles:
                 handle.remove()
 
+    def floor_steady() -> float:  # torch's price of a value no later in-place write changes
+        store: list[torch.Tensor] = []
+        handles = _bare_hooks(model, store, torch._lazy_clone)
+        try:
+            return _timed(loop)
+        finally:
+            for handle in handles:
+                handle.remove()
+
     def hookscope_steady() -> float:
         with hookscope.capture(model, "layers.*"):
             return _timed(loop)
@@ -94,7 +111,7 @@ def _round(model: nn.Module, x: torch.Tensor, forwards: int, shift: int) -> dict
                     model(x)
         return _timed(body)
 
-    cases = {"no hooks": no_hooks, "bare hook, steady": bare_steady,
+    cases = {"no hooks": no_hooks, "bare hook, steady": bare_steady, FLOOR: floor_steady,
              "hookscope, steady": hookscope_steady, "bare hook, per capture": bare_per_capture,
              "hookscope, per capture": hookscope_per_capture}
     names = list(cases)
@@ -128,12 +145,17 @@ def measure(layers: int = 200, forwards: int = 100, runs: int = 15, warmups: int
         return [a / b for a, b in zip(added[ours], added[theirs])]
 
     steady = ratios("hookscope, steady", "bare hook, steady")
+    floor = ratios(FLOOR, "bare hook, steady")
+    over_floor = ratios("hookscope, steady", FLOOR)
     per_capture = ratios("hookscope, per capture", "bare hook, per capture")
     return {"layers": layers, "forwards": forwards, "runs": runs, "grad_mode": grad,
             "clock": "thread CPU time", "forward_us": forward_us,
             "per_call_us": {name: statistics.median(values) for name, values in added.items()},
             "ratio_steady": statistics.median(steady), "ratios_steady": steady,
-            "ratio_steady_q3": _q3(steady), "ratio_per_capture": statistics.median(per_capture),
+            "ratio_steady_q3": _q3(steady), "ratio_floor": statistics.median(floor),
+            "ratio_floor_q3": _q3(floor), "ratio_over_floor": statistics.median(over_floor),
+            "ratio_over_floor_q3": _q3(over_floor),
+            "ratio_per_capture": statistics.median(per_capture),
             "ratios_per_capture": per_capture, "ratio_per_capture_q3": _q3(per_capture)}
 
 
@@ -147,14 +169,19 @@ def format_result(result: dict[str, Any]) -> str:
     lines = [f"dispatch: {result['layers']} x Linear(8, 8), batch 1, {result['forwards']} "
              f"forwards per round, median of {result['runs']} rounds ({result['grad_mode']}, "
              f"{result.get('clock', 'wall time')})",
-             f"  {'case':26s} {'us/forward':>11s} {'us/call added':>14s}"]
+             f"  {'case':30s} {'us/forward':>11s} {'us/call added':>14s}"]
     for name, us in result["forward_us"].items():
         added = result["per_call_us"].get(name)
-        lines.append(f"  {name:26s} {us:11.1f} {'' if added is None else f'{added:14.2f}'}")
+        lines.append(f"  {name:30s} {us:11.1f} {'' if added is None else f'{added:14.2f}'}")
     lines.append(f"  hookscope / bare hook per call, median (upper quartile) of per-round ratios: "
                  f"steady {result['ratio_steady']:.2f}x ({result.get('ratio_steady_q3', math.nan):.2f}x; "
                  f"goal <= 1.15x), per capture {result['ratio_per_capture']:.2f}x "
                  f"({result.get('ratio_per_capture_q3', math.nan):.2f}x; goal <= 1.3x)")
+    if "ratio_floor" in result:
+        lines.append(f"  torch's floor (a bare hook keeping torch._lazy_clone instead of detach) / bare "
+                     f"hook per call: {result['ratio_floor']:.2f}x ({result['ratio_floor_q3']:.2f}x); "
+                     f"hookscope / that floor: {result['ratio_over_floor']:.2f}x "
+                     f"({result['ratio_over_floor_q3']:.2f}x)")
     return "\n".join(lines)
 
 
