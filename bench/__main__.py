@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeat", type=int, default=1, metavar="K",
                         help="run the whole comparison K times: each goal's figure pools the "
                              "per-round ratios of every run and reports the spread of the runs' "
-                             "medians (default 1)")
+                             "medians; memory is measured in the last run only (default 1)")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-case RSS processes")
     parser.add_argument("--no-peers", action="store_true", help="hookscope and plain hooks only")
     parser.add_argument("--in-process", action="store_true",
@@ -94,7 +94,7 @@ def _common(args: argparse.Namespace) -> list[str]:
     return argv + (["--no-peers"] if args.no_peers else [])
 
 
-def _run_workload(args: argparse.Namespace, interpreter: str, name: str) -> dict[str, Any]:
+def _run_workload(args: argparse.Namespace, interpreter: str, name: str, memory: bool) -> dict[str, Any]:
     title = workloads.WORKLOADS[name]
     runs = args.runs or (3 if args.quick else 9)
     if name in TORCHLENS:
@@ -105,7 +105,7 @@ def _run_workload(args: argparse.Namespace, interpreter: str, name: str) -> dict
                      [name, "--mode", "time", "--runs", str(runs), "--warmups",
                       str(min(warmups, 1) if name in TORCHLENS else warmups), *_common(args)])
     result.update(workload=name, title=title)
-    if "error" in result or args.no_memory:
+    if "error" in result or not memory:
         return result
     for index, case in enumerate(result["cases"]):
         say(f"{name}: memory of '{case['name']}'")
@@ -189,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
             if name == "dispatch":
                 results["dispatch"] = run["dispatch"] = _dispatch(args, interpreter)
             else:
-                run["workloads"].append(_run_workload(args, interpreter, name))
+                # memory once, in the last run: RSS does not need repeats to be trusted
+                memory = not args.no_memory and repeat == args.repeat - 1
+                run["workloads"].append(_run_workload(args, interpreter, name, memory))
             _write(results, Path(args.out))  # after each workload: a long run shows progress
     say(f"wrote {Path(args.out) / 'RESULTS.md'} and {Path(args.out) / 'results.json'}")
     for goal in results["goals"]:
