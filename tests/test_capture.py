@@ -232,6 +232,22 @@ def test_no_forward_inside_block_is_reported() -> None:
             pass
 
 
+def test_a_block_without_a_forward_lists_ten_of_many_silent_modules() -> None:
+    model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(30)))
+    with pytest.warns(HookNeverFiredWarning) as caught:
+        with hookscope.capture(model, "*") as acts:
+            pass
+    message = str(caught[0].message)
+    listed = [line for line in message.splitlines() if line.startswith("  - ")]
+    assert [line.split(":")[0] for line in listed[:10]] == [f"  - {i}" for i in range(10)]
+    assert listed[10] == "  - … 20 more (the reason of each is in .unfired)" and len(listed) == 11
+    assert len(acts.unfired) == 30
+    with pytest.raises(HookNeverFiredError) as err:  # an error lists every one
+        with hookscope.capture(model, "*", on_unfired="error"):
+            pass
+    assert sum(line.startswith("  - ") for line in str(err.value).splitlines()) == 30
+
+
 def test_on_unfired_ignore_is_silent_and_bad_value_raises() -> None:
     model = UnusedBranch()
     with hookscope.capture(model, "aux_head", on_unfired="ignore") as acts:

@@ -178,19 +178,27 @@ def other_threads(path: str, calls: int) -> str:
             f"model")
 
 
+_LISTED = 10  # names a warning lists with their reasons (an error lists all)
+
+
 def unfired_message(unfired: dict[str, str], wide: Collection[str], consequence: str, *,
                     detailed: bool) -> str:
     """The report on selected modules that never ran: a line with the reason for each name
     the user typed; the silent members of a glob (``wide``: ``"**"``, ``"h.*"``, ``type:``;
     the session passes none when no glob member ran at all) summarised in one line
     (``detailed``: listed with their reasons too, for an error), so a "capture everything"
-    call on GPT-2 does not warn about each dropout SDPA never runs."""
+    call on GPT-2 does not warn about each dropout SDPA never runs. A warning lists at most
+    ``_LISTED`` names with their reasons (a block that ran no forward at all makes every
+    selected module silent) and counts the rest."""
     typed = {k: why for k, why in unfired.items() if k not in wide or detailed}
     globbed = [k for k in unfired if k not in typed]
     parts = []
     if typed:
-        lines = "\n".join(f"  - {key}: {why}" for key, why in typed.items())
+        shown_typed = list(typed.items()) if detailed else list(typed.items())[:_LISTED]
+        lines = "\n".join(f"  - {key}: {why}" for key, why in shown_typed)
         n = len(typed)
+        if n > len(shown_typed):  # a warning stays readable: the rest are in .unfired
+            lines += f"\n  - … {n - len(shown_typed)} more (the reason of each is in .unfired)"
         parts.append(f"{n} selected module{'s' if n > 1 else ''} never ran, so no hook fired and "
                      f"{consequence}:\n{lines}")
     if globbed:
