@@ -92,7 +92,8 @@ class Entry:
         return self._key
 
     def _make_key(self) -> RecordKey:
-        return RecordKey.parse(self.name)
+        """The key of an entry built without one (a subclass that can build it says how)."""
+        raise NotImplementedError(f"{type(self).__name__} was built without a RecordKey")
 
     def clear(self) -> None:
         for kept in (self.outputs, self.inputs, self.grads, self.grad_inputs):
