@@ -223,6 +223,14 @@ def markdown(results: dict[str, Any]) -> str:
             "here from a config of the same size (its own implementation: compare its cases with "
             "its own bare forward). 4.x keeps only `TransformerBridge`, which boots from a hub "
             "checkpoint and tokenizer, impossible without downloads.",
+            "- generation: every case runs the same greedy `generate()` (KV cache, exactly the "
+            "same number of new tokens), so a ratio of times is a ratio per generated token. "
+            "extraction: wall time of `extract` into a fresh folder per round, its writer "
+            "thread's last shard included, against the bare loop over the same DataLoader.",
+            "- On a machine where another process holds a core, torch's OpenMP threads at "
+            "`--threads 2` wait on each other (libgomp spins) and a bare forward can take 3-6x "
+            "its quiet time from one round to the next: ratios of such runs mean little; "
+            "`--threads 1` keeps them comparable.",
             "- torchlens wraps torch functions on its first call and leaves them wrapped: its "
             "workloads run in processes of their own; the bare forward is timed alone first, "
             "then again interleaved with torchlens once torch is wrapped, and torchlens's ratios "
