@@ -8,6 +8,7 @@
   place unless copied; input ``(batch, 3, height, width)`` float32.
 - ``efficientnet``: the real ``efficientnet-lite0`` with its packaged weights, on real photos from
   scikit-image.
+- ``lenet``: LeNet-5 (random weights) on ``(batch, 3, 32, 32)`` rows, for extraction.
 
 Each builder takes a ``Size`` so that the smoke test can run the same code on tiny models.
 """
@@ -226,6 +227,30 @@ def photos(size: Size) -> Tensor:
     mean = torch.tensor([0.485, 0.456, 0.406])[:, None, None]
     std = torch.tensor([0.229, 0.224, 0.225])[:, None, None]
     return (torch.stack(batch) - mean) / std
+
+
+class LeNet(nn.Module):
+    """LeNet-5 on ``(batch, 3, 32, 32)`` float32: ``conv2`` gives ``(batch, 16, 10, 10)``
+    (a copy of the test suite's, so the bench does not import tests/)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 6, 5)
+        self.pool = nn.MaxPool2d(2)
+        self.conv2 = nn.Conv2d(6, 16, 5)
+        self.fc1 = nn.Linear(16 * 5 * 5, 120)
+        self.fc2 = nn.Linear(120, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.pool(torch.relu(self.conv1(x)))
+        x = self.pool(torch.relu(self.conv2(x)))
+        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
+
+
+def lenet() -> LeNet:
+    """Return a LeNet with random weights (seed 0), eval mode."""
+    torch.manual_seed(0)
+    return LeNet().eval()
 
 
 class LinearStack(nn.Module):

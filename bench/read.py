@@ -90,9 +90,9 @@ def main() -> None:
             for _ in range(args.repeats):  # best of several: the machine may be shared
                 view = open_store(folder)["x"]  # fresh: its first pass checks each chunk once
                 maps[:] = _memmaps(folder)  # fresh too: its first pass takes the page faults
-                first_ours.append(_timed(lambda i, j: view[i:j], args.rows, step))
+                first_ours.append(_timed(lambda i, j, view=view: view[i:j], args.rows, step))
                 first_theirs.append(_timed(numpy_read, args.rows, step))
-                ours.append(_timed(lambda i, j: view[i:j], args.rows, step))
+                ours.append(_timed(lambda i, j, view=view: view[i:j], args.rows, step))
                 theirs.append(_timed(numpy_read, args.rows, step))
             for label, a, b in (("pass 1 (fresh maps, checks)", first_ours, first_theirs),
                                 ("later passes", ours, theirs)):
@@ -103,7 +103,7 @@ def main() -> None:
         for _ in range(args.repeats):
             unchecked = open_store(folder, verify_reads=False)["x"]
             maps[:] = _memmaps(folder)
-            first_ours.append(_timed(lambda i, j: unchecked[i:j], args.rows, 256))
+            first_ours.append(_timed(lambda i, j, unchecked=unchecked: unchecked[i:j], args.rows, 256))
             first_theirs.append(_timed(numpy_read, args.rows, 256))
         ours_s, theirs_s = min(first_ours), min(first_theirs)
         print(f"slices of   256 rows  pass 1, verify_reads=False  "

@@ -65,6 +65,19 @@ def _goal_figures() -> list[tuple[str, Rounds, float]]:
         figures.append((goal, _against(workload, ours_prefix, base_prefix), limit))
     figures.append(("patching_sweep <= 1.10x the hand-written loop of plain hooks (same batching)",
                     _against("sweep", "hookscope.patching_sweep", "hand-written"), 1.10))
+    generation = _against("generation", "hookscope.capture_generation", "hand-written")
+    figures += [
+        ("capture_generation per generated token <= 1.10x the hand-written loop of plain hooks "
+         "(same generate call)", generation, 1.10),
+        ("capture_generation < nnsight generate (each vs the hand-written loop)",
+         _quotient(generation, _against("generation", "nnsight generate", "hand-written")), 1.0),
+        ("capture_generation < TransformerLens generate with hooks (each vs its own bare generate)",
+         _quotient(_against("generation", "hookscope.capture_generation", None),
+                   _against("generation", "TransformerLens generate,", None)), 1.0),
+        ("extract of one mean-pooled efficientnet-lite0 layer <= 1.03x the bare loop (same "
+         "batches)", _against("extraction", "hookscope extract efficientnet", None), 1.03),
+        ("LeNet extraction throughput >= 0.95x the bare loop (time <= 1/0.95 = x1.05)",
+         _against("extraction", "hookscope extract LeNet", None), 1 / 0.95)]
     figures += [
         ("per-call dispatch <= 1.15x a bare hook (steady state)", _dispatch("ratios_steady"), 1.15),
         ("set-up, call and take-down on 200 modules <= 1.3x bare hooks registered and removed "
@@ -210,6 +223,14 @@ def markdown(results: dict[str, Any]) -> str:
             "here from a config of the same size (its own implementation: compare its cases with "
             "its own bare forward). 4.x keeps only `TransformerBridge`, which boots from a hub "
             "checkpoint and tokenizer, impossible without downloads.",
+            "- generation: every case runs the same greedy `generate()` (KV cache, exactly the "
+            "same number of new tokens), so a ratio of times is a ratio per generated token. "
+            "extraction: wall time of `extract` into a fresh folder per round, its writer "
+            "thread's last shard included, against the bare loop over the same DataLoader.",
+            "- On a machine where another process holds a core, torch's OpenMP threads at "
+            "`--threads 2` wait on each other (libgomp spins) and a bare forward can take 3-6x "
+            "its quiet time from one round to the next: ratios of such runs mean little; "
+            "`--threads 1` keeps them comparable.",
             "- torchlens wraps torch functions on its first call and leaves them wrapped: its "
             "workloads run in processes of their own; the bare forward is timed alone first, "
             "then again interleaved with torchlens once torch is wrapped, and torchlens's ratios "

@@ -27,6 +27,10 @@ WORKLOADS: dict[str, str] = {
                   "and MiniLM (real weights), tokens",
     "early-stop": "efficientnet-lite0, one early block (_blocks.1), with and without early_stop",
     "sweep": "patching_sweep over (GPT-2 MLPs x 4 positions), against the hand-written loop",
+    "generation": "capture_generation of every GPT-2 block over greedy generate(), against the "
+                  "hand-written loop of plain hooks",
+    "extraction": "extract (efficientnet-lite0 layer mean-pooled; LeNet maps) against the bare "
+                  "loop over the same batches",
 }
 
 
@@ -63,7 +67,8 @@ def build(name: str, size: models.Size, *, peers_wanted: bool = True) -> Workloa
     return {"gpt2": _gpt2, "gpt2-torchlens": _gpt2_torchlens, "resnet": _resnet,
             "resnet-torchlens": _resnet_torchlens,
             "efficientnet": _efficientnet, "functional": _functional,
-            "early-stop": _early_stop, "sweep": _sweep}[name](size, peers_wanted)
+            "early-stop": _early_stop, "sweep": _sweep, "generation": _generation,
+            "extraction": _extraction}[name](size, peers_wanted)
 
 
 def _block_cases(cases: list[Case], model: torch.nn.Module, example: tuple[Any, ...],
@@ -274,3 +279,21 @@ def _sweep(size: models.Size, peers_wanted: bool) -> Workload:
 
     cases, info = sweeps.cases(size)
     return Workload("sweep", f"tokens (1, {sweeps.SEQ}), clean and corrupted", cases, None, {}, info)
+
+
+def _generation(size: models.Size, peers_wanted: bool) -> Workload:
+    """``capture_generation`` against the plain-hook loop around the same ``generate``
+    (``bench.generation``), with nnsight's and TransformerLens's equivalents."""
+    from bench import generation
+
+    cases, skipped, info, reference = generation.cases(size, peers_wanted)
+    return Workload("generation", f"prompt (1, {generation.PROMPT}), "
+                    f"{generation.new_tokens(size)} new tokens", cases, reference, skipped, info)
+
+
+def _extraction(size: models.Size, peers_wanted: bool) -> Workload:
+    """``extract`` against the bare loop over the same batches (``bench.extraction``)."""
+    from bench import extraction
+
+    cases, info = extraction.cases(size)
+    return Workload("extraction", "DataLoaders of photos and of LeNet rows", cases, None, {}, info)

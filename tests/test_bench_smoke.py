@@ -134,3 +134,76 @@ def test_sweep_workload_compares_the_same_work(monkeypatch):
     assert hand.shape == ours.values.shape == (models.TINY.n_layer, sweeps.POSITIONS)
     torch.testing.assert_close(ours.values, hand, rtol=1e-5, atol=1e-6)
     assert cases[1].floor == cases[0].name
+
+
+def test_generation_and_extraction_workloads_run_with_their_goals(bench_main, tmp_path):
+    rc = bench_main(["--quick", "--in-process", "--no-peers", "--threads", "1", "--no-memory",
+                     "--only", "generation", "extraction", "--out", str(tmp_path)])
+
+    assert rc == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    generation, extraction = results["workloads"]
+    names = [c["name"] for c in generation["cases"]]
+    assert names[:3] == ["bare generate",
+                         "hand-written loop (plain hooks detach()), every block, every step",
+                         "hookscope.capture_generation 'transformer.h.*'"]
+    blocks, steps = 2, 4  # TINY: 2 blocks, 4 new tokens = 4 forwards
+    for case in generation["cases"][1:3]:  # every block's output of every step, exactly
+        assert case["values"] == {"checked": blocks * steps, "wrong": 0, "refused": 0}
+    assert [c["floor"] for c in extraction["cases"]] == [
+        "efficientnet-lite0 bare loop", "efficientnet-lite0 bare loop", "LeNet bare loop",
+        "LeNet bare loop", "LeNet bare loop"]
+    assert all(len(c["times_s"]) == 3 and "error" not in c for c in extraction["cases"])
+    goals = {g["goal"].split(" <= ")[0].split(" >= ")[0]: g for g in results["goals"]}
+    for goal in ("capture_generation per generated token",
+                 "extract of one mean-pooled efficientnet-lite0 layer",
+                 "LeNet extraction throughput"):
+        assert goals[goal]["median"] > 0 and goals[goal]["met"] is not None
+    assert goals["capture_generation < nnsight generate (each vs the hand-written loop)"]["met"] \
+        is None  # --no-peers: not measured, neither met nor missed
+
+
+def test_generation_hand_loop_keeps_what_capture_generation_keeps(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench import generation, models
+
+    cases, skipped, info, reference = generation.cases(models.TINY, peers_wanted=False)
+    bare, hand, ours = cases
+    assert skipped == {} and info["new_tokens"] == 4
+    kept, gen = hand.run(), ours.run()
+    assert [s.stop - s.start for s in gen.steps] == [generation.PROMPT, 1, 1, 1]  # KV cache
+    for path, calls in kept.items():
+        width = models.TINY.d_model
+        assert [tuple(t.shape) for t in calls] == [(1, generation.PROMPT, width)] + [(1, 1, width)] * 3
+        for mine, theirs in zip(calls, gen.capture.calls(path), strict=True):
+            torch.testing.assert_close(theirs, mine, rtol=0, atol=0)  # same forward, same kernels
+
+
+def test_extraction_cases_store_the_rows_of_the_bare_loop(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    import hookscope
+    from bench import extraction, models
+
+    cases, _ = extraction.cases(models.TINY)
+    photos, rows = extraction.loaders(models.TINY)
+    effnet_case, lenet_case = cases[1], cases[3]
+    effnet, lenet = models.efficientnet(), models.lenet()
+    for case, net, loader, layer, pool in ((effnet_case, effnet, photos, "_blocks.1", True),
+                                           (lenet_case, lenet, rows, "conv2", False)):
+        expected: list[torch.Tensor] = []
+
+        def keep(m: object, a: object, out: torch.Tensor, expected: list = expected,
+                 pool: bool = pool) -> None:
+            expected.append(out.mean(dim=(2, 3)) if pool else out.clone())
+        handle = net.get_submodule(layer).register_forward_hook(keep)
+        try:
+            extraction.bare_loop(net, loader)
+        finally:
+            handle.remove()
+        folder = case.run()
+        store = hookscope.open_store(f"{folder.name}/store")
+        torch.testing.assert_close(store[layer][0:len(store)], torch.cat(expected),
+                                   rtol=1e-5, atol=1e-6)
+        path = folder.name
+        del folder  # the run's store goes with its result
+        assert not Path(path).exists()

@@ -186,7 +186,20 @@ class Staging:
             if self._closed:
                 return
             if self.free.empty():
-                self.free.put(torch.zeros(self.slab_bytes, dtype=torch.uint8))
+                self.free.put(_touched(self.slab_bytes))
+
+
+def _touched(nbytes: int) -> Tensor:
+    """``nbytes`` of fresh CPU memory, every page written (numpy's single-threaded fill).
+
+    Not ``torch.zeros``: a torch op on this thread starts an OpenMP team of its own, whose
+    extra threads stay for the thread's life and change how the forward pass's threads wait
+    (libgomp throttles its spinning once it runs more threads than there are CPUs): measured on
+    a busy 2-core machine, LeNet's forwards at 2 threads ran 5x faster beside such a team than
+    in a bare loop. The forward pass must run as it would without ``extract``."""
+    slab = torch.empty(nbytes, dtype=torch.uint8)
+    slab.numpy().fill(0)
+    return slab
 
 
 class BackgroundWriter:
