@@ -229,26 +229,12 @@ def photos(size: Size) -> Tensor:
     return (torch.stack(batch) - mean) / std
 
 
-class LeNet(nn.Module):
-    """LeNet-5 on ``(batch, 3, 32, 32)`` float32: ``conv2`` gives ``(batch, 16, 10, 10)``
-    (a copy of the test suite's, so the bench does not import tests/)."""
+def lenet() -> nn.Module:
+    """Return the test suite's LeNet (``tests.models``, as ``bench.extract`` uses it) with random
+    weights (seed 0), eval mode: ``(batch, 3, 32, 32)`` float32 in, ``conv2`` gives
+    ``(batch, 16, 10, 10)``."""
+    from tests.models import LeNet
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 6, 5)
-        self.pool = nn.MaxPool2d(2)
-        self.conv2 = nn.Conv2d(6, 16, 5)
-        self.fc1 = nn.Linear(16 * 5 * 5, 120)
-        self.fc2 = nn.Linear(120, 10)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = self.pool(torch.relu(self.conv1(x)))
-        x = self.pool(torch.relu(self.conv2(x)))
-        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
-
-
-def lenet() -> LeNet:
-    """Return a LeNet with random weights (seed 0), eval mode."""
     torch.manual_seed(0)
     return LeNet().eval()
 
