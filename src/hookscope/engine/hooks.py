@@ -62,6 +62,8 @@ class OwnedHook:
         traceable: ``function`` is known to trace in dynamo without a graph break: a hooked call
             that ``torch.compile`` traces runs it inside the graph; otherwise it runs outside
             the graph (``_untraced``), so no hook makes dynamo recompile per module.
+        thread: the ident of the session's thread (default: the calling thread); a session
+            making hundreds of hooks asks once.
 
     Attributes:
         recomputes: forwards re-run during backward that reached this hook.
@@ -72,10 +74,10 @@ class OwnedHook:
                  "foreign_calls")
 
     def __init__(self, function: Callable[..., Any], module: nn.Module, *, in_recompute: bool = False,
-                 traceable: bool = False):
+                 traceable: bool = False, thread: int | None = None):
         self.function = function
         self.module = module
-        self.thread = threading.get_ident()
+        self.thread = threading.get_ident() if thread is None else thread  # the session's
         self.in_recompute = in_recompute
         self.traceable = traceable
         self.recomputes = 0

@@ -356,9 +356,7 @@ class _PlainHook(OwnedHook):
     __slots__ = ("outputs", "slot", "snapshot")
 
     def __init__(self, slot: _Slot, snapshot: Callable[[Any, _Slot], Any], thread: int):
-        # OwnedHook.__init__'s fields set here: one hook per selected module, thread given
-        self.function, self.module, self.thread = self._record, slot.target.module, thread
-        self.in_recompute, self.traceable, self.recomputes, self.foreign_calls = False, True, 0, 0
+        super().__init__(self._record, slot.target.module, traceable=True, thread=thread)
         self.outputs, self.slot, self.snapshot = slot.outputs, slot, snapshot
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
