@@ -41,6 +41,7 @@ from hookscope.editing import rules as edit_rules
 from hookscope.editing.sources import Source, SourceReader
 from hookscope.engine.checks import (
     check_arity,
+    check_callable,
     check_finite,
     check_flag,
     check_int,
@@ -198,12 +199,10 @@ def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: b
     check_flag("inputs", inputs)
     check_flag("context", context)
     for pattern, fn in edits.items():
-        if not callable(fn):
-            hint = ("to zero it use hookscope.ablate(model, ...); to replace it by a tensor "
-                    "write lambda output: value" if fn is None or isinstance(fn, (str, Tensor))
-                    else "e.g. lambda output: output * 2")
-            raise ArgumentTypeError(f"edits[{pattern!r}] must be a function of the output; got "
-                                    f"{type(fn).__name__} ({hint})")
+        example = ("lambda output: value to replace it by a tensor (to zero it use "
+                   "hookscope.ablate(model, ...))" if fn is None or isinstance(fn, (str, Tensor))
+                   else "lambda output: output * 2")
+        check_callable(f"edits[{pattern!r}]", fn, example)
     rules = [(pattern, _adapt(pattern, fn, inputs, context)) for pattern, fn in edits.items()]
     return Edit(model, rules, inputs=inputs, on_unfired=on_unfired)
 
