@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import signal
 from collections.abc import Iterator
 
 import pytest
@@ -26,6 +27,13 @@ def _live_hooks() -> set[tuple[int, str, int]]:
     for attr in _GLOBAL_DICTS.values():
         found.update((0, attr, hid) for hid in getattr(torch_module, attr))
     return found
+
+
+# A shell's background job starts with SIGINT ignored, and every child inherits that
+# disposition: Ctrl-C tests would then interrupt nothing. Python's own handler, installed here,
+# makes the suite behave the same from any shell, and a child (exec resets a handled signal to
+# SIG_DFL) starts with Python's default KeyboardInterrupt.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)

@@ -195,7 +195,9 @@ def test_ctrl_c_at_any_moment_is_one_line_and_exit_130(models: Path, tmp_path: P
         [sys.executable, "-m", "hookscope", "extract", f"{models}:small", "--data",
          str(tmp_path / "rows.pt"), "--layer", "0", "--out", str(tmp_path / "s"),
          "--batch-size", "1", "--shard-seconds", "0.01"], stderr=subprocess.PIPE,
-        stdout=subprocess.PIPE, text=True, env=env)
+        stdout=subprocess.PIPE, text=True, env=env,
+        # a background shell's "SIGINT ignored" would be inherited: the child takes the default
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert process.stderr is not None
     first = process.stderr.read(1)  # hookscope is running its own code now
     time.sleep(delay_s)

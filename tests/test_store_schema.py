@@ -128,6 +128,20 @@ def test_each_damage_is_store_corrupt_error_naming_file_and_field(folder: Path,
     assert main(["show", "--verify", str(folder)]) == 1
 
 
+@pytest.mark.parametrize("value", [[], {}, [["float32"]], {"float32": 1}])
+@pytest.mark.parametrize("field", ["layers", "reduce", "batches", "dtype", "batch_size"])
+def test_an_unhashable_extract_field_is_store_corrupt_error(folder: Path, field: str,
+                                                            value: Any) -> None:
+    """A list or object where ``extract`` keeps a name or a count (``extract.dtype: []`` was a
+    raw ``TypeError: unhashable type: 'list'`` from the set of dtype names)."""
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["extract"][field] = value
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(StoreCorruptError, match=rf"field extract\.{field} must be"):
+        _read_all(folder)
+    assert main(["show", "--verify", str(folder)]) == 1
+
+
 def test_invalid_json_is_store_corrupt_error(folder: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     text = (folder / MANIFEST).read_text()

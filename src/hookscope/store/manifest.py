@@ -134,7 +134,8 @@ _EXTRACT: dict[str, tuple[Callable[[Any], bool], str]] = {
                and len(set(v)) == len(v), "a list of distinct layer addresses"),
     "reduce": (lambda v: v is None or _is_text(v), "null or a reduction's name"),
     "batches": (lambda v: v is None or _is_int(v), f"null or a batch count (0..{MAX_COUNT})"),
-    "dtype": (lambda v: v is None or v in DTYPES, f"null or one of {sorted(DTYPES)}"),
+    "dtype": (lambda v: v is None or (isinstance(v, str) and v in DTYPES),
+              f"null or one of {sorted(DTYPES)}"),
     "batch_size": (lambda v: v is None or (_is_int(v) and v > 0),
                    f"null or a positive batch size (1..{MAX_COUNT})"),
 }
