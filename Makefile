@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: setup demo test bench
+.PHONY: setup demo test bench docs
 setup: $(VENV)/.installed
 
 demo: setup
@@ -19,7 +19,12 @@ demo: setup
 test: setup
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/mypy src/hookscope
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# the docs site (docs/ + the API reference from the docstrings) in build/site
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # python -m bench creates .venv-bench (pinned peers) on first use; e.g. BENCH_ARGS='--only gpt2'
 bench: setup

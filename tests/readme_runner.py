@@ -1,6 +1,8 @@
-"""Run README.md as a test: every code block runs and every shown output is compared.
+"""Run README.md and every docs page as a test: every code block runs and every shown output
+is compared.
 
-Blocks are fenced with a language, and run in README order, in one temporary folder:
+Blocks are fenced with a language, and run in page order, in one temporary folder per page
+(a page is its own session: it defines what it uses):
 
 - ```` ```python ````: executed as a script (an exception fails the test, naming the README line).
   A block whose first line is an import starts a new namespace, as a reader who copies it into a
@@ -72,6 +74,7 @@ class Block:
     skip: str | None = None
     replace: list[tuple[str, str]] = field(default_factory=list)
     setup: list[str] = field(default_factory=list)
+    file: str = "README.md"  # the page it is in, as errors name it
 
     @property
     def name(self) -> str:
@@ -81,14 +84,15 @@ class Block:
         text = "\n".join(self.lines)
         for old, new in self.replace:
             if old not in text:
-                raise ReadmeError(f"README.md line {self.line}: 'replace {old} => {new}' "
+                raise ReadmeError(f"{self.file} line {self.line}: 'replace {old} => {new}' "
                                   f"finds no {old!r} in the block")
             text = text.replace(old, new)
         return text
 
 
-def parse(readme: str) -> list[Block]:
-    """Return the fenced blocks of ``readme`` with their directives, checking the conventions."""
+def parse(readme: str, file: str = "README.md") -> list[Block]:
+    """Return the fenced blocks of ``readme`` (the text of ``file``: README.md or a docs page)
+    with their directives, checking the conventions."""
     blocks: list[Block] = []
     pending: list[tuple[int, str]] = []
     lines = readme.splitlines()
@@ -96,14 +100,16 @@ def parse(readme: str) -> list[Block]:
     while i < len(lines):
         stripped = lines[i].strip()
         if stripped.startswith("<!--") and "readme-test:" in stripped:
-            end = _closing(lines, i, i, "-->", "the readme-test comment is never closed with -->")
+            end = _closing(lines, i, i, "-->", "the readme-test comment is never closed with -->",
+                           file)
             body = _DIRECTIVE.search("\n".join(lines[i:end + 1]))
             assert body is not None
             pending += [(i + 1, d.strip()) for d in body.group(1).splitlines() if d.strip()]
         elif stripped.startswith("```"):
-            end = _closing(lines, i, i + 1, "```", "the block is never closed with ```")
+            end = _closing(lines, i, i + 1, "```", "the block is never closed with ```", file)
             indent = len(lines[i]) - len(lines[i].lstrip())
-            block = Block(stripped[3:].strip(), i + 2, [line[indent:] for line in lines[i + 1:end]])
+            block = Block(stripped[3:].strip(), i + 2, [line[indent:] for line in lines[i + 1:end]],
+                          file=file)
             _check_language(block)
             for where, directive in pending:
                 _apply(block, where, directive)
@@ -115,16 +121,17 @@ def parse(readme: str) -> list[Block]:
     return blocks
 
 
-def _closing(lines: list[str], opening: int, start: int, marker: str, problem: str) -> int:
+def _closing(lines: list[str], opening: int, start: int, marker: str, problem: str,
+             file: str) -> int:
     """The index of the first line from ``start`` that closes what line ``opening`` opened."""
     for end in range(start, len(lines)):
         if (marker in lines[end]) if marker == "-->" else lines[end].strip() == marker:
             return end
-    raise ReadmeError(f"README.md line {opening + 1}: {problem}")
+    raise ReadmeError(f"{file} line {opening + 1}: {problem}")
 
 
 def _check_language(block: Block) -> None:
-    where = f"README.md line {block.line - 1}"
+    where = f"{block.file} line {block.line - 1}"
     if block.language not in LANGUAGES:
         raise ReadmeError(f"{where}: a fence needs one of the languages {', '.join(LANGUAGES)}, "
                           f"not {block.language!r}, so that the README test knows how to run it")
@@ -144,7 +151,7 @@ def _apply(block: Block, where: int, directive: str) -> None:
     elif keyword == "setup" and rest.strip():
         block.setup.append(rest.strip())
     else:
-        raise ReadmeError(f"README.md line {where}: unknown readme-test directive {directive!r}: "
+        raise ReadmeError(f"{block.file} line {where}: unknown readme-test directive {directive!r}: "
                           "use 'skip REASON', 'replace OLD => NEW' or 'setup CODE'")
 
 
@@ -255,7 +262,7 @@ class Session:
             exec(self._compile(block.text(), block.line, "exec"), self.namespace)
         except Exception as err:
             line = _innermost_line(err, str(self.readme)) or block.line
-            raise ReadmeError(f"README.md line {line} (python block at line {block.line}) "
+            raise ReadmeError(f"{block.file} line {line} (python block at line {block.line}) "
                               f"raised {type(err).__name__}: {err}\n"
                               f"{''.join(traceback.format_exception(err))}") from err
 
@@ -264,7 +271,7 @@ class Session:
             actual = self._interact(source, line)
             problem = outputs_match(shown, actual)
             if problem is not None:
-                raise ReadmeError(_mismatch(line, f">>> {source.splitlines()[0]}", problem,
+                raise ReadmeError(_mismatch(block.file, line, f">>> {source.splitlines()[0]}", problem,
                                             shown, actual))
 
     def _interact(self, source: str, line: int) -> str:
@@ -291,12 +298,12 @@ class Session:
             if argv[:3] == ["python", "-m", "hookscope"]:
                 argv = argv[2:]
             if not argv or argv[0] != "hookscope":
-                raise ReadmeError(f"README.md line {line}: the test runs only hookscope commands, "
+                raise ReadmeError(f"{block.file} line {line}: the test runs only hookscope commands, "
                                   f"not {command!r}: mark the block <!-- readme-test: skip REASON -->")
             actual, stderr = _run_cli(argv[1:])
             problem = outputs_match(shown, actual, stderr)
             if problem is not None:
-                raise ReadmeError(_mismatch(line, f"$ {command}", problem, shown, actual))
+                raise ReadmeError(_mismatch(block.file, line, f"$ {command}", problem, shown, actual))
 
 
 def _statements(block: Block) -> list[tuple[int, str, str]]:
@@ -310,7 +317,7 @@ def _statements(block: Block) -> list[tuple[int, str, str]]:
         elif found:
             found[-1][2].append(line)
         elif line.strip():
-            raise ReadmeError(f"README.md line {block.line + offset}: a pycon block starts "
+            raise ReadmeError(f"{block.file} line {block.line + offset}: a pycon block starts "
                               "with '>>> '")
     return [(line, "\n".join(source), "\n".join(shown)) for line, source, shown in found]
 
@@ -327,7 +334,7 @@ def _commands(block: Block) -> list[tuple[int, str, str]]:
         elif found:
             found[-1][2].append(line)
         elif line.strip():
-            raise ReadmeError(f"README.md line {block.line + offset}: a console block starts "
+            raise ReadmeError(f"{block.file} line {block.line + offset}: a console block starts "
                               "with '$ '")
         continued = bool(found) and not found[-1][2] and found[-1][1].endswith("\\")
     return [(line, command, "\n".join(shown)) for line, command, shown in found]
@@ -386,6 +393,6 @@ def _innermost_line(err: BaseException, filename: str) -> int | None:
     return frames[-1].lineno if frames else None
 
 
-def _mismatch(line: int, what: str, problem: str, shown: str, actual: str) -> str:
-    return (f"README.md line {line}: the output of {what!r} differs from the README: {problem}\n"
-            f"--- shown in README.md\n{shown}\n--- actual\n{actual}")
+def _mismatch(file: str, line: int, what: str, problem: str, shown: str, actual: str) -> str:
+    return (f"{file} line {line}: the output of {what!r} differs from the page: {problem}\n"
+            f"--- shown in {file}\n{shown}\n--- actual\n{actual}")

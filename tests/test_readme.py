@@ -1,7 +1,9 @@
-"""README.md is a test: every block runs in order and every shown output must match.
+"""README.md and every page of docs/ are tests: every block runs in page order and every shown
+output must match. Each page is its own session (its own namespace and temporary folder), so a
+page shows everything its examples use.
 
 The rules (languages, ``...``, number tolerance, skip/replace/setup directives) are in
-``tests/readme_runner.py``; a failure names the README line.
+``tests/readme_runner.py``; a failure names the page and line.
 """
 
 from __future__ import annotations
@@ -16,44 +18,62 @@ from hypothesis import strategies as st
 
 from tests.readme_runner import Block, ReadmeError, Session, line_mismatch, outputs_match, parse
 
-README = Path(__file__).resolve().parent.parent / "README.md"
-try:
-    BLOCKS, PARSE_ERROR = parse(README.read_text()), None
-except ReadmeError as err:  # reported by test_readme_follows_the_conventions, not at collection
-    BLOCKS, PARSE_ERROR = [], err
-_failed: list[str] = []
-_done: set[int] = set()  # README lines of the blocks run so far
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 
-def test_readme_follows_the_conventions() -> None:
-    if PARSE_ERROR is not None:
-        raise PARSE_ERROR
+def _parse_all() -> tuple[list[Block], list[ReadmeError]]:
+    blocks: list[Block] = []
+    errors: list[ReadmeError] = []
+    for page in PAGES:
+        try:
+            blocks += parse(page.read_text(), str(page.relative_to(ROOT)))
+        except ReadmeError as err:  # reported by test_pages_follow_the_conventions
+            errors.append(err)
+    return blocks, errors
+
+
+BLOCKS, PARSE_ERRORS = _parse_all()
+_failed: dict[str, str] = {}     # page -> the first block of it that failed
+_done: set[tuple[str, int]] = set()  # (page, line) of the blocks run so far
+
+
+def test_pages_follow_the_conventions() -> None:
+    if PARSE_ERRORS:
+        raise PARSE_ERRORS[0]
 
 
 @pytest.fixture(scope="module")
-def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
-    folder = tmp_path_factory.mktemp("readme")
+def sessions() -> Iterator[dict[str, tuple[Session, Path]]]:
+    """Each page's session and the folder its blocks run in, opened on its first block."""
     before = os.getcwd()
-    os.chdir(folder)
     try:
-        yield Session(README)
+        yield {}
     finally:
         os.chdir(before)
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[b.name for b in BLOCKS])
-def test_readme_block(block: Block, session: Session) -> None:
+@pytest.mark.parametrize("block", BLOCKS, ids=[f"{b.file} {b.name}" for b in BLOCKS])
+def test_page_block(block: Block, sessions: dict[str, tuple[Session, Path]],
+                    tmp_path_factory: pytest.TempPathFactory) -> None:
     if block.skip is not None:
-        pytest.skip(f"README.md line {block.line}: {block.skip}")
-    if _failed:
-        pytest.skip(f"an earlier README block failed ({_failed[0]}); later blocks depend on it")
+        pytest.skip(f"{block.file} line {block.line}: {block.skip}")
+    if block.file in _failed:
+        pytest.skip(f"an earlier block of {block.file} failed ({_failed[block.file]}); later "
+                    "blocks depend on it")
+    if block.file not in sessions:
+        sessions[block.file] = Session(ROOT / block.file), tmp_path_factory.mktemp("page")
+    session, folder = sessions[block.file]
+    os.chdir(folder)
+    page = [b for b in BLOCKS if b.file == block.file]
     try:
-        for earlier in BLOCKS[:BLOCKS.index(block) + 1]:  # all, when one block is run alone (-k)
-            if earlier.skip is None and earlier.line not in _done:
+        for earlier in page[:page.index(block) + 1]:  # all, when one block is run alone (-k)
+            if earlier.skip is None and (earlier.file, earlier.line) not in _done:
                 session.run(earlier)
-                _done.add(earlier.line)
+                _done.add((earlier.file, earlier.line))
     except BaseException:
-        _failed.append(block.name)
+        _failed[block.file] = block.name
         raise
 
 
