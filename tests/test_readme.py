@@ -9,6 +9,7 @@ The rules (languages, ``...``, number tolerance, skip/replace/setup directives) 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -37,6 +38,15 @@ def _parse_all() -> tuple[list[Block], list[ReadmeError]]:
 BLOCKS, PARSE_ERRORS = _parse_all()
 _failed: dict[str, str] = {}     # page -> the first block of it that failed
 _done: set[tuple[str, int]] = set()  # (page, line) of the blocks run so far
+
+
+def test_the_readme_is_a_front_door_of_at_most_250_lines() -> None:
+    """The README links a docs page for every workflow; details live there (issue 34)."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= 250
+    linked = set(re.findall(r"\]\(docs/([\w-]+\.md)\)", text))
+    pages = {p.name for p in PAGES[1:]} - {"index.md", "api.md", "errors.md"}
+    assert pages <= linked, f"README links no page for {sorted(pages - linked)}"
 
 
 def test_pages_follow_the_conventions() -> None:
