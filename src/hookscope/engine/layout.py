@@ -20,9 +20,10 @@ the mask's width, else the ``cache_position`` argument, else ``past_key_values.g
 
 **Padding without a mask.** ``Tokens.unmasked_padding`` says why the input looks padded though no
 mask was given: the model's ``config.pad_token_id`` fills the end (or start) of some rows of a
-batch of several rows and not of others. Verbs whose answer depends on padding refuse it
-(``check_no_unmasked_padding``); a single row, or rows all ending in the pad id (GPT-2's pad id
-is often its end-of-text id, which a prompt may end with), is never refused.
+batch of several rows more than of others. Verbs whose answer depends on padding refuse it
+(``check_no_unmasked_padding``); a single row, or rows whose runs of the pad id are alike, is
+never refused, and where the pad id is also the model's bos/eos id (GPT-2's often is, and a
+prompt may end with it) the runs must differ by two tokens or more.
 """
 
 from __future__ import annotations
@@ -181,28 +182,35 @@ def layout_of(key: str, op: str | None, shape: Sequence[int], seq_dim: int | Non
     return layout
 
 
-def unmasked_padding(input_ids: Any, pad_token_id: Any) -> str:
-    """Why ``input_ids`` ``(batch, seq)`` looks padded with ``pad_token_id``: some rows end (or
-    start) with a run of it that other rows lack, as a tokenizer pads a batch to one length;
-    ``""`` when it does not (one row; no pad id; every row alike at that end)."""
+def unmasked_padding(input_ids: Any, pad_token_id: Any, ambiguous: bool = False) -> str:
+    """Why ``input_ids`` ``(batch, seq)`` looks padded with ``pad_token_id``: the runs of it at
+    the end (or start) of the rows differ in length, as a tokenizer pads a batch to one length;
+    ``""`` when it does not (one row; no pad id; runs alike in every row).
+
+    ``ambiguous``: the pad id is also a real token the model uses (its ``bos``/``eos`` id, as
+    GPT-2's pad id often is), so one such token at a row's end may be real: the runs must then
+    differ by two or more.
+    """
     if (not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.shape[0] < 2
             or input_ids.is_floating_point() or not isinstance(pad_token_id, int)
             or isinstance(pad_token_id, bool)):
         return ""
-    pad = input_ids == pad_token_id
-    for side, column in (("right", -1), ("left", 0)):
-        ends = pad[:, column]
-        if bool(ends.any()) and not bool(ends.all()):
-            rows = ends.nonzero().flatten().tolist()
-            return (f"input_ids has the pad token id {pad_token_id} (config.pad_token_id) at the "
-                    f"{'end' if column else 'start'} of row{'s' if len(rows) > 1 else ''} "
-                    f"{rows[:8]} and not of the others: a {side}-padded batch")
+    pad = (input_ids == pad_token_id).int()
+    for side, flip in (("right", True), ("left", False)):
+        ends = pad.flip(1) if flip else pad
+        runs = ends.cumprod(dim=1).sum(dim=1)  # padding tokens at that end of each row
+        if int(runs.max() - runs.min()) >= (2 if ambiguous else 1):
+            rows = (runs > runs.min()).nonzero().flatten().tolist()
+            return (f"input_ids has runs of the pad token id {pad_token_id} (config.pad_token_id) "
+                    f"at the {'end' if flip else 'start'} of row{'s' if len(rows) > 1 else ''} "
+                    f"{rows[:8]} longer than in the others: a {side}-padded batch")
     return ""
 
 
-def check_no_unmasked_padding(tokens: Tokens, what: str) -> None:
+def check_no_unmasked_padding(tokens: Tokens, what: str, *, positions: bool = True) -> None:
     """Refuse a forward whose input looks padded but was given no attention mask, for ``what``
-    (a verb whose answer depends on which tokens are real).
+    (a verb whose answer depends on which tokens are real); ``positions``: ``what`` takes
+    ``positions=``, so ``absolute=True`` is a fix too.
 
     Raises:
         PositionError: ``tokens.unmasked_padding`` is set; the message says how to fix it.
@@ -211,8 +219,8 @@ def check_no_unmasked_padding(tokens: Tokens, what: str) -> None:
         raise PositionError(
             f"{what} depends on which tokens are real, but {tokens.unmasked_padding}, and no "
             f"attention_mask was given, so padding would count as tokens: pass the tokenizer's "
-            f"attention_mask (model(input_ids, attention_mask=mask)), or absolute=True to index "
-            f"the token axis as it is")
+            f"attention_mask (model(input_ids, attention_mask=mask))"
+            f"{', or absolute=True to index the token axis as it is' if positions else ''}")
 
 
 class MaskWatcher:
@@ -232,6 +240,8 @@ class MaskWatcher:
         self._ids_index = _positional_index(model, "input_ids")
         config = getattr(model, "config", None)
         self._pad = getattr(config, "pad_token_id", None)
+        self._ambiguous = self._pad is not None and self._pad in (
+            getattr(config, "bos_token_id", None), getattr(config, "eos_token_id", None))
 
     @property
     def current(self) -> Tensor | None:
@@ -244,7 +254,8 @@ class MaskWatcher:
             found = _argument(args, kwargs, "attention_mask", self._index)
         mask = found if isinstance(found, Tensor) else None
         ids = _argument(args, kwargs, "input_ids", self._ids_index) if mask is None else None
-        self.tokens = Tokens(mask, _past(kwargs), unmasked_padding(ids, self._pad))
+        self.tokens = Tokens(mask, _past(kwargs), unmasked_padding(ids, self._pad,
+                                                                   self._ambiguous))
 
     def layout(self, key: str, op: str | None, shape: Sequence[int], seq_dim: int | None = None,
                *, heads: bool = False) -> Layout:

@@ -31,7 +31,7 @@ from hookscope.engine.checks import (
     check_options,
 )
 from hookscope.engine.hooks import OwnedHook, in_recompute
-from hookscope.engine.layout import MaskWatcher
+from hookscope.engine.layout import MaskWatcher, check_no_unmasked_padding
 from hookscope.engine.select import Target, as_patterns, unwrap
 from hookscope.engine.session import HookSession, OnUnfired
 from hookscope.engine.values import (
@@ -45,7 +45,7 @@ from hookscope.engine.values import (
 from hookscope.errors import CaptureError, warn
 from hookscope.record.grads import converter, require_grad_mode, watch_inputs, watch_output
 from hookscope.record.records import CallInputs, Entry, RecordKey, Records
-from hookscope.record.reductions import Reduce, Reduction, reduction
+from hookscope.record.reductions import REDUCTIONS, Reduce, Reduction, reduction
 from hookscope.util.nested import get_part, iter_tensors, map_tensors
 
 __all__ = ["Capture", "CaptureOptions", "CallInputs", "capture", "run"]  # CallInputs: records.py
@@ -242,7 +242,7 @@ class Capture(HookSession, Records):
 
         def convert(grad: Tensor) -> Tensor:
             grad = base(grad)
-            return reduce(grad, _mask_of(frozen, grad))
+            return reduce(grad, _mask_of(frozen, grad, reduce))
         return convert
 
     def _snapshot_fn(self) -> Callable[[Any, _Slot], Any]:
@@ -260,7 +260,7 @@ class Capture(HookSession, Records):
                 if to is not None or dtype is not None:
                     kept = kept.to(device=to, dtype=dtype)
                 if reduce is not None:
-                    kept = reduce(kept, _mask_of(watcher, kept))
+                    kept = reduce(kept, _mask_of(watcher, kept, reduce))
                 if not copy_on_write.shares_memory(kept, t):
                     return kept
             if clone is None:
@@ -401,9 +401,17 @@ def _first_tensor(outputs: list[Any]) -> Tensor | None:
     return next(iter_tensors(outputs[:1]), None)
 
 
-def _mask_of(watcher: MaskWatcher, t: Tensor) -> Tensor | None:
+def _mask_of(watcher: MaskWatcher, t: Tensor, reduce: Reduction) -> Tensor | None:
     """The attention mask ``(batch, seq)`` of the running forward for output ``t``, on ``t``'s
-    device, or None when the model was called without one."""
+    device, or None when the model was called without one.
+
+    Raises:
+        PositionError: ``reduce`` is one of the named token reductions (``"first"``,
+            ``"last"``, ``"mean"``) and the input looks padded without a mask
+            (``engine.layout.check_no_unmasked_padding``)."""
+    if reduce in REDUCTIONS.values():
+        check_no_unmasked_padding(watcher.tokens, "a reduction over tokens (reduce='first', "
+                                  "'last' or 'mean')", positions=False)
     mask = watcher.mask_for(t.shape)
     return None if mask is None else mask.to(t.device)
 
