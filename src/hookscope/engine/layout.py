@@ -16,7 +16,8 @@ no known layout and needs ``seq_dim=``; it is refused with its shape named.
 past + seq)`` under a KV cache (transformers' ``generate()`` passes it covering the cached
 tokens), ``(batch, seq)`` otherwise; ``Layout.mask`` is its last ``seq`` columns, the tokens of
 this forward. ``Tokens.past`` is the number of tokens the cache held before this forward: from
-the mask's width, else the ``cache_position`` argument, else ``past_key_values.get_seq_length()``.
+the mask's width, else the ``cache_position`` argument, else the cache's ``get_seq_length()`` (``past_key_values``,
+or ``cache`` in transformers 5).
 
 **Padding without a mask.** ``Tokens.unmasked_padding`` says why the input looks padded though no
 mask was given: the model's ``config.pad_token_id`` fills the end (or start) of some rows of a
@@ -277,12 +278,13 @@ def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, index: i
 
 
 def _past(kwargs: dict[str, Any]) -> int:
-    """Tokens a KV cache held before this forward: ``cache_position[0]`` (transformers passes it
-    from ``generate()``), else ``past_key_values.get_seq_length()``; 0 without either."""
+    """Tokens a KV cache held before this forward: ``cache_position[0]`` (transformers 4 passes
+    it from ``generate()``), else the ``get_seq_length()`` of ``past_key_values`` (4) or
+    ``cache`` (5); 0 without either."""
     position = kwargs.get("cache_position")
     if isinstance(position, Tensor) and position.numel():
         return int(position.flatten()[0])
-    cache = kwargs.get("past_key_values")
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))  # transformers 4 / 5 names
     length = getattr(cache, "get_seq_length", None)
     if callable(length):
         try:

@@ -77,7 +77,8 @@ def layout_positions(positions: Positions, layout: Layout, key: str, *, absolute
     so far, the cached tokens included (``layout.sequence_mask``, or ``past + seq`` positions
     without a mask): ``0`` is the prompt's first token, edited only in the forward that
     computes it, and ``-1`` the last token, the new one in every forward; positions outside
-    this forward select nothing in it.
+    this forward, or that the sequence has not reached yet (``positions=10`` before the 11th
+    token), select nothing in it.
 
     Raises:
         PositionError: as ``resolve_positions``; the input looks padded but no mask was given
@@ -85,7 +86,7 @@ def layout_positions(positions: Positions, layout: Layout, key: str, *, absolute
     """
     if not absolute and positions is not None:
         check_no_unmasked_padding(layout.tokens, f"positions={positions!r} on '{key}'")
-    if over == "forward" or layout.past == 0:
+    if over == "forward":
         return resolve_positions(positions, (layout.rows, layout.length), layout.mask,
                                  absolute=absolute)
     mask = layout.sequence_mask
@@ -95,9 +96,25 @@ def layout_positions(positions: Positions, layout: Layout, key: str, *, absolute
         raise PositionError(f"a boolean positions mask with over='sequence' covers the whole "
                             f"sequence so far, ({layout.rows}, {width}) on '{key}'; got "
                             f"{tuple(positions.shape)}")
-    rows, columns = resolve_positions(positions, (layout.rows, width), mask, absolute=absolute)
+    if isinstance(positions, Tensor) and positions.dtype == torch.bool or \
+            positions is None or isinstance(positions, slice):
+        rows, columns = resolve_positions(positions, (layout.rows, width), mask, absolute=absolute)
+    else:  # each position on its own: one the sequence has not reached yet selects nothing
+        found = [resolve_positions(p, (layout.rows, width), mask, absolute=absolute)
+                 for p in _ints(positions) if _reached(p, width, mask, absolute)]
+        if not found:
+            return (torch.zeros(0, dtype=torch.long),) * 2
+        rows, columns = torch.cat([r for r, _ in found]), torch.cat([c for _, c in found])
+        order = torch.sort(rows, stable=True).indices  # row-major, positions in the order given
+        rows, columns = rows[order], columns[order]
     here = columns >= layout.past
     return rows[here], columns[here] - layout.past
+
+
+def _reached(position: int, width: int, mask: Tensor | None, absolute: bool) -> bool:
+    """True when every row of a sequence of ``width`` tokens so far has ``position``."""
+    counts = [width] if mask is None or absolute else (mask != 0).sum(dim=1).tolist()
+    return all(-n <= position < n for n in counts)
 
 
 def check_over(over: object) -> None:
