@@ -307,7 +307,9 @@ def patch(model: nn.Module, *, source: Source,
             else ``seq_dim``).
         attention_mask: this run's ``(batch, seq)`` mask; ``None``: the one the model is called
             with, if any.
-        source_attention_mask: the source run's mask, to count source positions by.
+        source_attention_mask: the source run's mask, to count source positions by; ``None``:
+            the mask the source's capture saw its model called with (``Records.tokens``, kept
+            with each record), none for a loaded file.
         absolute: count positions on the token axis as it is (both runs), padding included.
         heads: patch only these attention heads (every real position of them when
             ``positions`` is ``None``), on ``"path::scaled_dot_product_attention"`` addresses.

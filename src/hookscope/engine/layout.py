@@ -16,8 +16,8 @@ no known layout and needs ``seq_dim=``; it is refused with its shape named.
 past + seq)`` under a KV cache (transformers' ``generate()`` passes it covering the cached
 tokens), ``(batch, seq)`` otherwise; ``Layout.mask`` is its last ``seq`` columns, the tokens of
 this forward. ``Tokens.past`` is the number of tokens the cache held before this forward: from
-the mask's width, else the ``cache_position`` argument, else the cache's ``get_seq_length()`` (``past_key_values``,
-or ``cache`` in transformers 5).
+the mask's width, else the ``cache_position`` argument, else the cache's ``get_seq_length()``
+(``past_key_values``, or ``cache`` in transformers 5).
 
 **Padding without a mask.** ``Tokens.unmasked_padding`` says why the input looks padded though no
 mask was given: the model's ``config.pad_token_id`` fills the end (or start) of some rows of a
@@ -29,6 +29,7 @@ prompt may end with it) the runs must differ by two tokens or more.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,18 +58,31 @@ class Tokens:
         mask: the ``attention_mask`` given (``(batch, past + seq)``; nonzero = real token), or
             ``None``.
         past: tokens held by the KV cache before this forward (0 without a cache).
-        unmasked_padding: why the input looks padded without a mask (see the module
-            docstring), or ``""``.
+        input_ids: the ``input_ids`` given, kept (by reference) only when there was no mask,
+            for ``unmasked_padding``.
+        pad_token_id: the model's ``config.pad_token_id``, or ``None``.
+        ambiguous: the pad id is also the model's bos/eos id.
     """
 
     mask: Tensor | None = None
     past: int = 0
-    unmasked_padding: str = ""
+    input_ids: Tensor | None = None
+    pad_token_id: int | None = None
+    ambiguous: bool = False
+
+    @functools.cached_property
+    def unmasked_padding(self) -> str:
+        """Why the input looks padded without a mask (``unmasked_padding``), or ``""``;
+        computed when first asked, not in every forward."""
+        if self.mask is not None or self.input_ids is None:
+            return ""
+        return unmasked_padding(self.input_ids, self.pad_token_id, self.ambiguous)
 
     @property
     def known(self) -> bool:
-        """True when the forward said anything about its tokens (a mask, a cache, padding)."""
-        return self.mask is not None or self.past != 0 or bool(self.unmasked_padding)
+        """True when the forward said anything about its tokens (a mask, a cache, token ids
+        that may hold padding)."""
+        return self.mask is not None or self.past != 0 or self.input_ids is not None
 
 
 NO_TOKENS = Tokens()
@@ -254,9 +268,11 @@ class MaskWatcher:
         if found is None:
             found = _argument(args, kwargs, "attention_mask", self._index)
         mask = found if isinstance(found, Tensor) else None
-        ids = _argument(args, kwargs, "input_ids", self._ids_index) if mask is None else None
-        self.tokens = Tokens(mask, _past(kwargs), unmasked_padding(ids, self._pad,
-                                                                   self._ambiguous))
+        ids = None
+        if mask is None and self._pad is not None:
+            given = _argument(args, kwargs, "input_ids", self._ids_index)
+            ids = given if isinstance(given, Tensor) and given.dim() == 2 else None
+        self.tokens = Tokens(mask, _past(kwargs), ids, self._pad, self._ambiguous)
 
     def layout(self, key: str, op: str | None, shape: Sequence[int], seq_dim: int | None = None,
                *, heads: bool = False) -> Layout:
