@@ -84,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
                      for row in rows], COLUMNS)
     if result.unmatched:
         say(f"ran in one model only: {', '.join(result.unmatched)}")
+    for diff in result.diffs:
+        if diff.structure:  # compared on the parts both have; name the rest
+            say(f"{_name(diff)}, call {diff.call_index}: the outputs differ in structure "
+                f"({diff.structure}); the figures are of the parts both have")
     if first is None:
         say(f"all {len(rows)} compared calls within atol={result.atol:g}, rtol={result.rtol:g}")
         return 0

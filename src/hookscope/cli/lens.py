@@ -66,21 +66,14 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError(f"--top-k {args.top_k} is more tokens than the vocabulary has ({vocab}): "
                         f"give --top-k 1 … {vocab}")
     decode = _decoder(loaded.tokenizer)
-    position = _last_position(mask, args.sample, ids.shape[1])
-    table = lens.table(args.top_k, row=args.sample, position=position, decode=decode)
+    position = lens.position(args.sample)  # the last real token: the rule of every verb
+    table = lens.table(args.top_k, row=args.sample, decode=decode)
     lens.plot(file, row=args.sample, decode=decode,  # written only once the run has succeeded
               title=f"logit lens of {args.model}, input {args.sample}")
     say(f"wrote {file}")
     print(f"top {args.top_k} next tokens at position {position} of input {args.sample}")
     print(table)
     return 0
-
-
-def _last_position(mask: torch.Tensor | None, row: int, length: int) -> int:
-    """The index of the last real (unpadded) token of batch ``row``."""
-    if mask is None:
-        return length - 1
-    return int(mask[row].nonzero().max())
 
 
 def _token_ids(inputs: Inputs) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -47,7 +47,10 @@ def sdpa_probabilities(query: Tensor, key: Tensor, attn_mask: Tensor | None = No
     others get ``-inf``), a float one is added; ``is_causal`` masks keys after the query
     (top-left aligned); ``enable_gqa`` repeats each key head for its group of query heads.
     Dropout is not applied: these are the probabilities before it. A query row with every key
-    masked gives NaN, as the reference does. Half-precision inputs are computed in float32.
+    masked (``-inf``: the padding queries of a left-padded causal batch) holds zeros, as
+    ``F.scaled_dot_product_attention`` computes it since torch 2.5 (its ``_safe_softmax``: the
+    output there is 0), not the NaN of the documentation's reference code; a NaN in
+    ``query``/``key`` still gives NaN. Half-precision inputs are computed in float32.
 
     Args:
         query: ``(batch, heads, query, E)``, or any leading dims ``(..., query, E)``.
@@ -77,7 +80,8 @@ def sdpa_probabilities(query: Tensor, key: Tensor, attn_mask: Tensor | None = No
     if enable_gqa:
         key = key.repeat_interleave(query.size(-3) // key.size(-3), -3)
     scores = query @ key.transpose(-2, -1) * factor  # (batch, heads, query, key)
-    return torch.softmax(scores + bias, dim=-1)
+    attends_nothing = torch.isneginf(bias).all(dim=-1, keepdim=True)  # (..., query, 1)
+    return torch.softmax(scores + bias, dim=-1).masked_fill(attends_nothing, 0.0)
 
 
 def attention(model: nn.Module, *args: Any, layers: str | Sequence[str], **kwargs: Any

@@ -42,7 +42,7 @@ from hookscope.errors import ArgumentTypeError, ArgumentValueError, HookscopeErr
 from hookscope.record.capture import capture
 from hookscope.record.records import CallInputs
 from hookscope.util.figures import new_figure, save_figure
-from hookscope.util.nested import get_part, iter_tensors, map_tensors
+from hookscope.util.nested import Keys, get_part, iter_tensors, iter_tensors_with_keys, map_tensors
 
 Tensor = torch.Tensor
 Key = tuple[str, int]
@@ -74,6 +74,10 @@ class LayerDiff:
         close: every element satisfies ``|a - b| <= atol + rtol * |a|`` (NaN equals NaN).
         shape_b: shapes of the output tensors in run B when they differ from run A's (then
             ``max_abs`` and ``rel`` are ``inf`` and ``cosine`` NaN); ``None`` when they agree.
+        structure: how the two outputs differ in structure where they share parts, e.g.
+            ``"[1]: a tensor (1, 4, 6, 6) in B, absent (None) in A"`` (an SDPA attention returns
+            no weights where an eager one does); the figures are then of the parts both have.
+            ``""`` when the structures agree.
     """
 
     path: str
@@ -84,6 +88,7 @@ class LayerDiff:
     cosine: float
     close: bool
     shape_b: tuple[tuple[int, ...], ...] | None = None
+    structure: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,11 +259,11 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
     (targets_a, names_a), (targets_b, names_b) = _targets(model_a, patterns), _targets(model_b, patterns)
     common = [key for key in targets_a if key in targets_b]
     _require_pairs(targets_a, targets_b, common)
-    reference: dict[Key, list[Tensor]] = {}
+    reference: dict[Key, dict[Keys, Tensor]] = {}
     order: list[Key] = []
 
     def keep(key: Key, output: Any) -> None:
-        reference[key] = [t.detach().clone() for t in _values(key[0], output)]
+        reference[key] = {k: t.detach().clone() for k, t in _values(key[0], output).items()}
         order.append(key)
 
     diffs: dict[Key, LayerDiff] = {}
@@ -385,8 +390,8 @@ def _local(model_b: nn.Module, module: nn.Module, inputs: CallInputs) -> tuple[T
     return (None, "it returned no tensor") if found is None else (found.detach(), "")
 
 
-def _parts(t: Tensor | None) -> list[Tensor]:
-    return [] if t is None else [comparable(t, "compare")]
+def _parts(t: Tensor | None) -> dict[Keys, Tensor]:
+    return {} if t is None else {(): comparable(t, "compare")}
 
 
 def _precision(module_a: nn.Module, module_b: nn.Module, *outputs: Tensor | None) -> str:
@@ -469,14 +474,35 @@ def _watching(model: nn.Module, names: ModuleIndex, targets: list[Target],
     return Observer(model, targets, forward=hook_for, names=names)
 
 
-def _values(key: str, output: Any) -> list[Tensor]:
-    """The tensors of an output as real values (``comparable``: quantized dequantized, a DTensor
-    as its global tensor, complex as real and imaginary parts); integer and bool ones too.
+def _values(key: str, output: Any) -> dict[Keys, Tensor]:
+    """The tensors of an output by their place in it (``(1,)``: its second element), as real
+    values (``comparable``: quantized dequantized, a DTensor as its global tensor, complex as
+    real and imaginary parts); integer and bool ones too.
 
     Raises:
         HookscopeError: a tensor is a meta tensor or a FakeTensor (no values to compare).
     """
-    return [comparable(t, key) for t in iter_tensors(output)]
+    return {keys: comparable(t, key) for keys, t in iter_tensors_with_keys(output)}
+
+
+def _shared(a: dict[Keys, Tensor], b: dict[Keys, Tensor]) -> tuple[list[Tensor], list[Tensor], str]:
+    """The parts to compare of two outputs and how their structures differ (``""``: alike).
+
+    Parts are matched by place; where the two share some places but not all (a tuple with
+    attention weights in one run and ``None`` in the other), only the shared ones are
+    compared and the rest is named. Outputs sharing no place (a tensor against a tuple) are
+    matched in order, as before."""
+    common = [k for k in a if k in b]
+    if not common or len(common) == len(a) == len(b):
+        return list(a.values()), list(b.values()), ""
+    notes = [f"{_place(k)}: a tensor {tuple(t.shape)} in {side}, absent in {other}"
+             for parts, side, other in ((a, "A", "B"), (b, "B", "A"))
+             for k, t in parts.items() if k not in common]
+    return [a[k] for k in common], [b[k] for k in common], "; ".join(notes)
+
+
+def _place(keys: Keys) -> str:
+    return "".join(f"[{k!r}]" if isinstance(k, str) else f"[{k}]" for k in keys) or "the output"
 
 
 def _cast_inputs(model: nn.Module, inputs: Any) -> Any:
@@ -488,8 +514,9 @@ def _cast_inputs(model: nn.Module, inputs: Any) -> Any:
                        if t.is_floating_point() else t.to(device), inputs)
 
 
-def _diff(key: Key, a_parts: list[Tensor], b_parts: list[Tensor], atol: float,
+def _diff(key: Key, a_values: dict[Keys, Tensor], b_values: dict[Keys, Tensor], atol: float,
           rtol: float) -> LayerDiff:
+    a_parts, b_parts, structure = _shared(a_values, b_values)
     shape = tuple(a_parts[0].shape) if a_parts else ()
     if [t.shape for t in a_parts] != [t.shape for t in b_parts]:
         return LayerDiff(key[0], key[1], shape, math.inf, math.inf, math.nan, False,
@@ -504,7 +531,7 @@ def _diff(key: Key, a_parts: list[Tensor], b_parts: list[Tensor], atol: float,
     max_abs = float(error.max()) if error.numel() else 0.0
     close = bool(torch.isclose(b, a, rtol=rtol, atol=atol, equal_nan=True).all())
     return LayerDiff(key[0], key[1], shape, max_abs, _ratio(float(error.norm()), float(a.norm())),
-                     _cosine(a, b), close)
+                     _cosine(a, b), close, structure=structure)
 
 
 def _ratio(numerator: float, denominator: float) -> float:

@@ -20,10 +20,12 @@ import torch
 from torch import nn
 
 from hookscope.engine.checks import check_tensor, check_token_ids
+from hookscope.engine.layout import NO_TOKENS, Tokens, layout_of
 from hookscope.engine.run import untouched
 from hookscope.engine.select import as_patterns, resolve
 from hookscope.errors import ArgumentValueError, CaptureError
 from hookscope.record.capture import capture
+from hookscope.record.positions import layout_positions
 from hookscope.util.figures import new_figure, save_figure
 
 __all__ = ["LogitLens", "logit_lens"]
@@ -43,10 +45,32 @@ class LogitLens:
         log_probs: ``(len(layers), batch, seq, vocab)`` float32 log-probabilities of the next
             token read from each layer's residual stream.
         layers: record names of the blocks read, ``named_modules()`` order.
+        tokens: the forward's ``Tokens`` (its ``attention_mask``), from the capture's record:
+            positions count among each row's real tokens.
     """
 
     log_probs: Tensor
     layers: list[str]
+    tokens: Tokens = NO_TOKENS
+
+    def position(self, row: int = 0, position: int = -1) -> int:
+        """The index on the token axis of ``position`` of batch ``row``, counted among the row's
+        real tokens when the mask is known: ``-1`` is the last real token, whichever side the
+        batch is padded on (``record.positions``, the rule of every verb).
+
+        Raises:
+            ArgumentValueError: ``row`` is not a row of the batch.
+            PositionError: the row lacks the position; the input looks padded but no mask was
+                given (``engine.layout.check_no_unmasked_padding``).
+        """
+        batch = int(self.log_probs.shape[1])
+        if not -batch <= row < batch:
+            raise ArgumentValueError(f"row={row} is not a row of this batch of {batch}: give "
+                                     f"0 … {batch - 1}")
+        row %= batch
+        layout = layout_of("logit lens", None, self.log_probs.shape[1:], tokens=self.tokens)
+        rows, columns = layout_positions(position, layout, "the logit lens")
+        return int(columns[rows == row][0])
 
     def top(self, k: int = 5) -> tuple[Tensor, Tensor]:
         """The ``k`` most likely tokens: ``(probabilities, token ids)``, each ``(layers, batch,
@@ -57,8 +81,11 @@ class LogitLens:
     def table(self, k: int = 3, *, row: int = 0, position: int = -1,
               decode: Callable[[int], str] | None = None) -> str:
         """The top ``k`` tokens at one ``position`` of batch ``row``, one line per layer, as
-        ``token (probability)``; ``decode`` turns an id into text (``tokenizer.decode``)."""
+        ``token (probability)``; ``decode`` turns an id into text (``tokenizer.decode``).
+        ``position`` counts among the row's real tokens (``position``): the default ``-1`` is
+        the last real token, never a right-padded row's padding."""
         probabilities, ids = self.top(k)
+        position = self.position(row, position)
         width = max(len(layer) for layer in self.layers)
         show = decode or str
         lines = [f"{layer:<{width}}  " + "  ".join(f"{show(int(i))!s:>6} ({p:.3f})" for p, i in
@@ -141,7 +168,7 @@ def logit_lens(model: nn.Module, input_ids: Tensor, *, layers: str | Sequence[st
         hidden = _width(unembed)
         log_probs = torch.stack([torch.log_softmax(unembed(norm(_residual(acts, key, hidden))).float(),
                                                    dim=-1) for key in keys])
-    lens = LogitLens(log_probs, keys)
+    lens = LogitLens(log_probs, keys, acts.tokens(keys[0]))
     if plot is not None:
         lens.plot(plot)
     return lens

@@ -29,21 +29,23 @@ from hookscope.editing.sweep import (
     Sweep,
     _all_positions,
     _forward,
+    _heads,
     _length,
-    _mask,
     _number,
     _plain,
-    _rows,
     _sequence_tensor,
+    cells,
     check_metric,
     check_sweep_positions,
 )
+from hookscope.engine.checks import check_flag, check_int
+from hookscope.engine.layout import Layout
 from hookscope.engine.run import untouched
 from hookscope.engine.select import as_patterns, resolve
 from hookscope.errors import EditError
 from hookscope.record.capture import capture
 from hookscope.record.grads import gradient_pass
-from hookscope.record.positions import Axes, resolve_positions
+from hookscope.record.positions import tokens_first
 
 __all__ = ["attribution_patching"]
 
@@ -52,6 +54,7 @@ Tensor = torch.Tensor
 
 def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: Metric, *,
                          layers: str | Sequence[str], positions: Sequence[int] | None = None,
+                         heads: bool = False, seq_dim: int | None = None,
                          plot: str | os.PathLike[str] | None = None) -> Sweep:
     """Estimate ``patching_sweep``'s table from one clean forward, one corrupted forward and one
     backward (Nanda 2023; Syed et al. 2023, arXiv:2310.10348).
@@ -64,8 +67,10 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
 
     ``values[i, j] = corrupted + sum((a_clean - a_corrupted) * d metric / d a)`` over the rows
     and channels of ``layers[i]`` at ``positions[j]`` (the positions as ``patching_sweep``
-    resolves them, among real tokens when an ``attention_mask`` is given), so the table reads
-    as the exact sweep's. The gradient is taken with respect to each layer's output (a zero
+    resolves them: on each value's token axis, among the real tokens of its own run's
+    ``attention_mask``, both read from the records' layouts, ``engine.layout``), so the table
+    reads as the exact sweep's; with ``heads=True``, ``values[i, j, k]`` sums over head ``k``
+    only. The gradient is taken with respect to each layer's output (a zero
     added to it), so frozen weights and integer inputs need nothing; no parameter's ``.grad``
     changes, and the model is left as it was found (``engine.run.untouched``). Call
     ``model.eval()`` first.
@@ -76,30 +81,41 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
         metric: ``metric(output) -> Tensor`` of one element, differentiable (a logit
             difference, ``.mean()`` over the batch).
         layers: patterns of the layers; each must output a ``(batch, seq, ...)`` tensor (a
-            part selects one of a structured output, ``"layers.*[0]"``) and run once.
+            part selects one of a structured output, ``"layers.*[0]"``) or be a function-level
+            address whose token axis is known (the query axis of
+            ``"path::scaled_dot_product_attention"``'s ``(batch, heads, query, head_dim)``) or
+            given by ``seq_dim``, and run once.
         positions: positions (ints); ``None``: every position of the corrupted input that
             the clean input has too (a warning names the positions left out when the
             corrupted input is longer, as in ``patching_sweep``).
+        heads: estimate each head on its own (``values`` gets a heads axis), as
+            ``patching_sweep(heads=True)``; the layers must have a heads axis.
+        seq_dim: the token axis of the values, overriding their known layout.
         plot: write the heat map PNG there (``Sweep.plot``); missing parent folders are
             created, as in ``patching_sweep``.
 
     Returns:
-        A ``Sweep`` (``values`` float64 ``(len(layers), len(positions))``; ``clean`` and
-        ``corrupted`` are the two runs' metrics).
+        A ``Sweep`` (``values`` float64 ``(len(layers), len(positions))``, ``(len(layers),
+        len(positions), len(heads))`` with ``heads``; ``clean`` and ``corrupted`` are the two
+        runs' metrics).
 
     Raises:
         SelectorError: a pattern matches no module.
         ArgumentTypeError, ArgumentValueError: at the call, ``positions`` not a list of ints,
             or (token-id inputs) a position outside either input.
-        PositionError: a position does not exist in a row of either input.
+        PositionError: a position does not exist in a row of either input; a function's value
+            of unknown layout without ``seq_dim``; ``heads=True`` on a value without a heads
+            axis; a padded input without its attention mask.
         EditError: a layer's output is not a ``(batch, seq, ...)`` tensor or the layer runs
             more than once; ``metric`` does not return one differentiable number.
     """
     keys = list(dict.fromkeys(t.key for t in resolve(model, as_patterns(layers))))
     check_metric(metric)
+    check_flag("heads", heads)
+    if seq_dim is not None:
+        check_int("seq_dim", seq_dim)
     clean, corrupted = _plain(clean), _plain(corrupted)
     check_sweep_positions(positions, clean, corrupted)
-    clean_mask, corrupted_mask = _mask(clean), _mask(corrupted)
     with untouched(model):
         with torch.no_grad(), capture(model, *keys, on_unfired="error") as acts:
             clean_metric = _number(metric(_forward(model, clean)))
@@ -107,19 +123,21 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
         with gradient_pass(model, EditError):
             found: dict[str, list[tuple[Tensor, Tensor]]] = {key: [] for key in keys}
             with edit(model, {key: _zero_added(found[key], key) for key in keys},
-                      on_unfired="error"):
+                      on_unfired="error"), capture(model, *keys, on_unfired="error") as live_acts:
                 value = _differentiable(metric(_forward(model, corrupted)))
             grads = torch.autograd.grad(value, [_once(found[key], key)[1] for key in keys],
                                         allow_unused=True)
-    first = keys[0]  # its outputs (batch, seq, ...) in both runs give the two lengths
+    # what each value holds (token and heads axes, the mask of its run), from its record
+    layouts = {key: (acts.layout(key, seq_dim=seq_dim, heads=heads),
+                     live_acts.layout(key, seq_dim=seq_dim, heads=heads)) for key in keys}
+    first = keys[0]
     chosen = list(positions) if positions is not None else _all_positions(
-        _length(sources[first], Axes(1), clean_mask),
-        _length(_once(found[first], first)[0], Axes(1), corrupted_mask))
-    rows = _rows(corrupted)
-    values = torch.tensor([[_estimate(sources[key], _once(found[key], key)[0], grad, p, rows,
-                                      (clean_mask, corrupted_mask)) for p in chosen]
-                           for key, grad in zip(keys, grads)], dtype=torch.float64)
-    sweep = Sweep(values + _number(value), keys, chosen, clean_metric, _number(value))
+        *(_length(layout) for layout in layouts[first]))
+    head_list = _heads({key: clean for key, (clean, _) in layouts.items()}) if heads else None
+    values = torch.stack([torch.stack([_estimate(key, sources[key], _once(found[key], key)[0],
+                                                 grad, p, layouts[key], heads) for p in chosen])
+                          for key, grad in zip(keys, grads)])
+    sweep = Sweep(values + _number(value), keys, chosen, clean_metric, _number(value), head_list)
     if plot is not None:
         sweep.plot(plot)
     return sweep
@@ -154,15 +172,20 @@ def _differentiable(value: Any) -> Tensor:
     return value
 
 
-def _estimate(source: Tensor, live: Tensor, grad: Tensor | None, position: int, rows: int,
-              masks: tuple[Tensor | None, Tensor | None]) -> float:
-    """``sum((clean - corrupted) * grad)`` over the rows and channels patched at ``position``."""
-    clean_mask, corrupted_mask = masks
-    dest_rows, dest_columns = resolve_positions(position, (rows, live.shape[1]), corrupted_mask)
-    src_rows, src_columns = resolve_positions(position, source.shape, clean_mask)
+def _estimate(key: str, source: Tensor, live: Tensor, grad: Tensor | None, position: int,
+              layouts: tuple[Layout, Layout], heads: bool) -> Tensor:
+    """``sum((clean - corrupted) * grad)`` over the rows and channels patched at ``position``
+    (float64; per head, ``(heads,)``, with ``heads``), each run's tokens counted by its layout."""
+    (src_rows, src_columns), (dest_rows, dest_columns) = cells(key, position, layouts)
+    clean_layout, live_layout = layouts
+    count = clean_layout.shape[clean_layout.heads] if heads and clean_layout.heads is not None else 0
     if grad is None:  # the metric does not depend on this layer
-        return 0.0
+        return torch.zeros(count, dtype=torch.float64) if heads else torch.zeros((), dtype=torch.float64)
     dest = (dest_rows.to(live.device), dest_columns.to(live.device))
-    change = source[src_rows, src_columns].to(device=live.device, dtype=torch.float64) - \
-        live[dest].double()
-    return float((change * grad[dest].double()).sum())
+    clean = tokens_first(source, clean_layout)[src_rows, src_columns]  # (n, [heads,] ...)
+    change = clean.to(device=live.device, dtype=torch.float64) - \
+        tokens_first(live, live_layout)[dest].double()
+    product = (change * tokens_first(grad, live_layout)[dest].double()).cpu()
+    if heads:
+        return product.transpose(0, 1).flatten(1).sum(dim=1)
+    return product.sum()

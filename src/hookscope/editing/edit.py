@@ -50,13 +50,14 @@ from hookscope.engine.checks import (
     check_positions,
 )
 from hookscope.engine.hooks import in_recompute
+from hookscope.engine.layout import MaskWatcher
 from hookscope.engine.names import ModuleIndex
 from hookscope.engine.names import index as module_index
 from hookscope.engine.select import Target, as_patterns, unwrap
 from hookscope.engine.session import HookSession, OnUnfired, resolve_each
 from hookscope.engine.values import plain, restore_like, special
 from hookscope.errors import ArgumentTypeError, EditError, warn
-from hookscope.record.positions import Heads, MaskWatcher, Positions
+from hookscope.record.positions import Heads, Over, Positions, check_over
 from hookscope.util.nested import get_part, iter_tensors, set_part
 
 __all__ = ["Edit", "edit", "ablate", "patch", "steer"]
@@ -211,7 +212,7 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
            how: Literal["zero", "mean", "resample"] = "zero", reference: Source | None = None,
            positions: Positions = None, attention_mask: Tensor | None = None,
            absolute: bool = False, heads: Heads = None, seq_dim: int | None = None,
-           on_unfired: OnUnfired = "warn") -> Edit:
+           over: Over = "forward", on_unfired: OnUnfired = "warn") -> Edit:
     """Knock out the outputs of selected modules (every tensor in them, or the selected part).
 
     Args:
@@ -234,6 +235,11 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
         heads: only these attention heads (an int or a list; negative from the end), on
             addresses whose value has a heads axis: ``"path::scaled_dot_product_attention"``.
         seq_dim: the token axis of each selected value, overriding its known layout.
+        over: under a KV cache (``generate()``), what ``positions`` count: ``"forward"`` the
+            tokens of each forward pass (so ``positions=0`` is every newly generated token),
+            ``"sequence"`` the whole sequence so far, the cached tokens included
+            (``positions=0`` is the prompt's first token only, ``-1`` the newest token in each
+            forward); the same without a cache (see ``hookscope.positions``).
         on_unfired: as in ``edit``.
 
     Returns:
@@ -250,7 +256,7 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
             on a function's value of unknown layout without ``seq_dim``.
     """
     patterns = as_patterns(patterns, "patterns")
-    _check_where(positions, absolute, seq_dim)
+    _check_where(positions, absolute, seq_dim, over)
     if how not in ("zero", "mean", "resample"):
         raise EditError(f"how={how!r} is not one of 'zero', 'mean', 'resample'")
     rule: Rule = edit_rules.zero
@@ -263,7 +269,7 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
     if positions is None and heads is None:
         return Edit(model, [(p, rule) for p in patterns], on_unfired=on_unfired)
     watcher = MaskWatcher(unwrap(model)[0], attention_mask)
-    where = edit_rules.Where(heads, seq_dim, absolute)
+    where = edit_rules.Where(heads, seq_dim, absolute, over)
     return Edit(model, [(p, edit_rules.at_positions(rule, positions, watcher, where))
                         for p in patterns], on_unfired=on_unfired, watcher=watcher)
 
@@ -274,7 +280,7 @@ def patch(model: nn.Module, *, source: Source,
           positions: Positions | Mapping[int, int] = None,
           attention_mask: Tensor | None = None, source_attention_mask: Tensor | None = None,
           absolute: bool = False, heads: Heads = None, seq_dim: int | None = None,
-          on_unfired: OnUnfired = "warn") -> Edit:
+          over: Over = "forward", on_unfired: OnUnfired = "warn") -> Edit:
     """Activation patching: give call ``k`` of each selected module call ``k``'s value in ``source``.
 
     ::
@@ -301,11 +307,18 @@ def patch(model: nn.Module, *, source: Source,
             else ``seq_dim``).
         attention_mask: this run's ``(batch, seq)`` mask; ``None``: the one the model is called
             with, if any.
-        source_attention_mask: the source run's mask, to count source positions by.
+        source_attention_mask: the source run's mask, to count source positions by; ``None``:
+            the mask the source's capture saw its model called with (``Records.tokens``, kept
+            with each record), none for a loaded file.
         absolute: count positions on the token axis as it is (both runs), padding included.
         heads: patch only these attention heads (every real position of them when
             ``positions`` is ``None``), on ``"path::scaled_dot_product_attention"`` addresses.
         seq_dim: the token axis of each selected value, overriding its known layout.
+        over: under a KV cache (``generate()``), what ``positions`` count: ``"forward"`` the
+            tokens of each forward pass (so ``positions=0`` is every newly generated token),
+            ``"sequence"`` the whole sequence so far, the cached tokens included
+            (``positions=0`` is the prompt's first token only, ``-1`` the newest token in each
+            forward); the same without a cache (see ``hookscope.positions``).
         on_unfired: as in ``edit``.
 
     Returns:
@@ -321,7 +334,7 @@ def patch(model: nn.Module, *, source: Source,
         PositionError: in the forward pass, a position that a row of either run lacks; as in
             ``ablate`` for ``heads`` and ``seq_dim``.
     """
-    _check_where(positions, absolute, seq_dim)
+    _check_where(positions, absolute, seq_dim, over)
     records = SourceReader(source, "source")
     pairs = edit_rules.layer_pairs(records, layers, source_layers)
     names = module_index(model)  # one index for the source pairs and the session
@@ -332,7 +345,7 @@ def patch(model: nn.Module, *, source: Source,
     destination, origin = ((list(positions), list(positions.values()))
                            if isinstance(positions, Mapping) else (positions, positions))
     watcher = MaskWatcher(unwrap(model)[0], attention_mask)
-    where = edit_rules.Where(heads, seq_dim, absolute)
+    where = edit_rules.Where(heads, seq_dim, absolute, over)
     rule = edit_rules.patch_positions_rule(records, source_of, destination, origin, watcher,
                                             source_attention_mask, where)
     return Edit(model, [(p, rule) for p, _ in pairs], on_unfired=on_unfired, watcher=watcher,
@@ -342,7 +355,7 @@ def patch(model: nn.Module, *, source: Source,
 def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0,
           positions: Positions = None, attention_mask: Tensor | None = None,
           absolute: bool = False, heads: Heads = None, seq_dim: int | None = None,
-          on_unfired: OnUnfired = "warn") -> Edit:
+          over: Over = "forward", on_unfired: OnUnfired = "warn") -> Edit:
     """Add ``scale * vector`` to the output of each selected module (a steering direction).
 
     The vector broadcasts over the leading dimensions: a ``(d_model,)`` vector is added to every
@@ -364,6 +377,11 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
         heads: only these attention heads, on ``"path::scaled_dot_product_attention"``
             addresses (give a ``(head_dim,)`` vector there).
         seq_dim: the token axis of each selected value, overriding its known layout.
+        over: under a KV cache (``generate()``), what ``positions`` count: ``"forward"`` the
+            tokens of each forward pass (so ``positions=0`` is every newly generated token),
+            ``"sequence"`` the whole sequence so far, the cached tokens included
+            (``positions=0`` is the prompt's first token only, ``-1`` the newest token in each
+            forward); the same without a cache (see ``hookscope.positions``).
         on_unfired: as in ``edit``.
 
     Returns:
@@ -380,7 +398,7 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
             position; as in ``ablate`` for ``heads`` and ``seq_dim``.
     """
     check_number("scale", scale)
-    _check_where(positions, absolute, seq_dim)
+    _check_where(positions, absolute, seq_dim, over)
     edits_part = positions is not None or heads is not None
     watcher = MaskWatcher(unwrap(model)[0], attention_mask) if edits_part else None
     rules = []
@@ -393,17 +411,19 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
         rule = edit_rules.steer_rule(vector.detach() * scale)
         if watcher is not None:
             rule = edit_rules.at_positions(rule, positions, watcher,
-                                            edit_rules.Where(heads, seq_dim, absolute))
+                                            edit_rules.Where(heads, seq_dim, absolute, over))
         rules.append((pattern, rule))
     return Edit(model, rules, on_unfired=on_unfired, watcher=watcher)
 
 
 # ------------------------------------------------------------------------------- rules
-def _check_where(positions: object, absolute: object, seq_dim: object) -> None:
-    """The checks of ``positions``, ``absolute`` and ``seq_dim`` every editing verb shares, at
-    the call (they were once met only in the forward, or never when ``positions`` was None)."""
+def _check_where(positions: object, absolute: object, seq_dim: object, over: object) -> None:
+    """The checks of ``positions``, ``absolute``, ``seq_dim`` and ``over`` every editing verb
+    shares, at the call (they were once met only in the forward, or never when ``positions``
+    was None)."""
     check_positions("positions", positions)
     check_flag("absolute", absolute)
+    check_over(over)
     if seq_dim is not None:
         check_int("seq_dim", seq_dim)
 

@@ -16,19 +16,19 @@ from torch import nn
 
 from hookscope.editing.sources import SourceReader
 from hookscope.engine.checks import check_flag, check_nonempty
+from hookscope.engine.layout import NO_TOKENS, Layout, MaskWatcher, Tokens, layout_of
 from hookscope.engine.names import ModuleIndex
 from hookscope.engine.select import Target, as_patterns, resolve
 from hookscope.errors import ArgumentTypeError, EditError
 from hookscope.record.positions import (
-    Axes,
     Heads,
-    MaskWatcher,
+    Over,
     Positions,
+    check_over,
+    layout_positions,
     resolve_heads,
-    resolve_positions,
     selected,
     tokens_first,
-    value_axes,
 )
 from hookscope.util.nested import get_part, iter_tensors_with_keys, map_tensors
 
@@ -132,22 +132,25 @@ def patch_positions_rule(records: SourceReader, source_of: dict[str, Target], de
                          origin: Positions, watcher: MaskWatcher, source_mask: Tensor | None,
                          where: Where) -> Rule:
     """Patch rule that writes the source's ``origin`` positions (of the selected heads) into
-    this run's ``destination``, each on its value's token axis."""
+    this run's ``destination``, each on its value's token axis, each counted by the layout of
+    its own run: this forward's (``watcher``) and the source record's (``Records.tokens``: the
+    mask its capture saw), unless ``source_mask`` is given."""
     _check_selection(destination, where)
     def rule(value: Any, target: Target, call: int) -> Any:
         def replace(live: Tensor, keys: tuple[int | str, ...]) -> Tensor:
             name = f"{target.key}{_suffix(keys)}"
             origin_target = source_of.get(target.key, target)
             recorded = records.leaf(origin_target, call, keys)
-            axes = where.axes(name, target.op, live.shape)
-            source_axes = where.axes(name, origin_target.op, recorded.shape)
-            rows, columns = resolve_positions(destination, _batch_seq(live.shape, axes),
-                                              watcher.mask_for(_batch_seq(live.shape, axes)),
-                                              absolute=where.absolute)
-            src_rows, src_columns = resolve_positions(origin, _batch_seq(recorded.shape, source_axes),
-                                                      source_mask, absolute=where.absolute)
+            layout = where.layout(name, target.op, live.shape, watcher.tokens)
+            recorded_tokens = (Tokens(source_mask) if source_mask is not None
+                               else records.tokens(origin_target, call))
+            source_layout = where.layout(name, origin_target.op, recorded.shape, recorded_tokens)
+            rows, columns = layout_positions(destination, layout, name, absolute=where.absolute,
+                                             over=where.over)
+            src_rows, src_columns = layout_positions(origin, source_layout, f"the source's {name}",
+                                                     absolute=where.absolute)
             new = live.clone()
-            view, source = tokens_first(new, axes), tokens_first(recorded, source_axes)
+            view, source = tokens_first(new, layout), tokens_first(recorded, source_layout)
             if not torch.equal(rows.cpu(), src_rows.cpu()) or source.shape[2:] != view.shape[2:]:
                 raise EditError(
                     f"cannot patch call {call} of '{name}' at positions: they select "
@@ -173,36 +176,41 @@ def patch_positions_rule(records: SourceReader, source_of: dict[str, Target], de
 class Where:
     """Where an edit applies inside each value: ``heads`` (``None``: all), the token axis given
     by ``seq_dim`` (``None``: the value's known layout), positions ``absolute`` or counted
-    among real tokens."""
+    among real tokens, ``over`` each forward's tokens or the whole sequence so far."""
 
     heads: Heads = None
     seq_dim: int | None = None
     absolute: bool = False
+    over: Over = "forward"
 
     def __post_init__(self) -> None:
         check_flag("absolute", self.absolute)
+        check_over(self.over)
         if self.seq_dim is not None and (not isinstance(self.seq_dim, int) or isinstance(self.seq_dim, bool)):
             raise ArgumentTypeError(f"seq_dim must be an int (the token axis, e.g. seq_dim=2) or "
                                     f"None; got {type(self.seq_dim).__name__} {self.seq_dim!r}")
 
-    def axes(self, name: str, op: str | None, shape: Sequence[int]) -> Axes:
-        return value_axes(name, op, shape, self.seq_dim, heads=self.heads is not None)
+    def layout(self, name: str, op: str | None, shape: Sequence[int],
+               tokens: Tokens = NO_TOKENS) -> Layout:
+        """The value's layout (``engine.layout.layout_of``), with ``seq_dim`` and heads."""
+        return layout_of(name, op, shape, self.seq_dim, heads=self.heads is not None,
+                         tokens=tokens)
 
 
 def at_positions(rule: Rule, positions: Positions, watcher: MaskWatcher, where: Where) -> Rule:
     """``rule`` applied at ``positions`` of each value's token axis and at ``where.heads`` of
-    its heads axis only; elsewhere the output is kept. Empty ``positions``/``heads`` are
-    refused here, at construction (``EmptySelectionError``)."""
+    its heads axis only, counted by the layout of the running forward (``watcher``); elsewhere
+    the output is kept. Empty ``positions``/``heads`` are refused here, at construction
+    (``EmptySelectionError``)."""
     _check_selection(positions, where)
     def positioned(value: Any, target: Target, call: int) -> Any:
         new = rule(value, target, call)
 
         def keep_outside(live: Tensor, keys: tuple[int | str, ...]) -> Tensor:
             name = f"{target.key}{_suffix(keys)}"
-            axes = where.axes(name, target.op, live.shape)
-            chosen = selected(live.shape, axes, positions, where.heads, name,
-                              watcher.mask_for(_batch_seq(live.shape, axes)),
-                              absolute=where.absolute)
+            layout = where.layout(name, target.op, live.shape, watcher.tokens)
+            chosen = selected(layout, positions, where.heads, name, absolute=where.absolute,
+                              over=where.over)
             return torch.where(chosen.to(live.device), get_part(new, keys) if keys else new, live)
         return _map_with_keys(keep_outside, value)
     return positioned
@@ -213,10 +221,6 @@ def _check_selection(positions: Positions, where: Where) -> None:
     select nothing and are refused, as ``capture(model)`` without a pattern is."""
     check_nonempty("positions", positions, "positions=[-1] (None: every position)")
     check_nonempty("heads", where.heads, "heads=[0] (None: every head)")
-
-
-def _batch_seq(shape: Sequence[int], axes: Axes) -> tuple[int, int]:
-    return int(shape[0]), int(shape[axes.seq])
 
 
 def layer_pairs(records: SourceReader, layers: str | Sequence[str] | Mapping[str, str] | None,

@@ -15,6 +15,7 @@ from typing import Any, Union
 
 import torch
 
+from hookscope.engine.layout import Tokens
 from hookscope.engine.select import Target
 from hookscope.errors import CaptureError, EditError
 from hookscope.record.capture import Capture
@@ -92,6 +93,11 @@ class SourceReader:
             raise EditError(f"the {self.role}'s record of call {call} of '{target.key}'"
                             f"{_suffix(keys)} is a {type(leaf).__name__}, not a tensor")
         return leaf
+
+    def tokens(self, target: Target, call: int) -> Tokens:
+        """The ``Tokens`` (the mask its capture saw) of the forward that made call ``call``."""
+        name = target.key if self.source.counts.get(target.key) else target.path
+        return self.source.tokens(name, call)
 
     def _value(self, target: Target, call: int) -> Any:
         name = target.key if self.source.counts.get(target.key) else target.path

@@ -29,11 +29,12 @@ from hookscope.engine.checks import (
     check_nonempty,
     check_positions,
 )
+from hookscope.engine.layout import Layout
 from hookscope.engine.run import untouched
 from hookscope.engine.select import as_patterns, resolve
 from hookscope.errors import ArgumentTypeError, ArgumentValueError, EditError, PositionError, warn
 from hookscope.record.capture import capture
-from hookscope.record.positions import Axes, resolve_positions, tokens_first, value_axes
+from hookscope.record.positions import layout_positions, tokens_first
 from hookscope.util.extras import require
 from hookscope.util.figures import new_figure, save_figure
 from hookscope.util.nested import map_tensors
@@ -221,9 +222,7 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
     _check_arguments(metric, heads, progress, batch_size)
     clean, corrupted = _plain(clean), _plain(corrupted)
     check_sweep_positions(positions, clean, corrupted)
-    ops = {t.key: t.op for t in targets}
-    keys = list(ops)
-    clean_mask, corrupted_mask = _mask(clean), _mask(corrupted)
+    keys = list({t.key: t for t in targets})
     rows = _rows(corrupted)
     with untouched(model), torch.no_grad():
         with capture(model, *keys, on_unfired="error") as acts:
@@ -231,13 +230,12 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
         with capture(model, *keys, on_unfired="error") as corrupted_acts:
             corrupted_metric = _number(metric(_forward(model, corrupted)))
         sources = {key: _sequence_tensor(acts[key], key) for key in keys}
-        axes = {key: value_axes(key, ops[key], sources[key].shape, seq_dim, heads=heads)
-                for key in keys}
+        # what each value holds (token and heads axes, the mask of its run), from its record
+        layouts = {key: (acts.layout(key, seq_dim=seq_dim, heads=heads),
+                         corrupted_acts.layout(key, seq_dim=seq_dim, heads=heads)) for key in keys}
         chosen = list(positions) if positions is not None else _all_positions(
-            _length(sources[keys[0]], axes[keys[0]], clean_mask),
-            _length(_sequence_tensor(corrupted_acts[keys[0]], keys[0]), axes[keys[0]],
-                    corrupted_mask))
-        head_list = _heads(sources, axes) if heads else None
+            *(_length(layout) for layout in layouts[keys[0]]))
+        head_list = _heads({key: clean for key, (clean, _) in layouts.items()}) if heads else None
         each_head: list[int | None] = [None] if head_list is None else list(head_list)
         cells: list[Cell] = [(p, h) for p in chosen for h in each_head]
         copies = batch_size or max(1, DEFAULT_ROWS // rows)
@@ -247,8 +245,7 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
         with bar:
             values = torch.tensor([[v for chunk in chunks
                                     for v in _run_chunk(model, corrupted, key, sources[key],
-                                                        axes[key], chunk, metric,
-                                                        (clean_mask, corrupted_mask), bar)]
+                                                        layouts[key], chunk, metric, bar)]
                                    for key in keys], dtype=torch.float64)
     if head_list is not None:
         values = values.reshape(len(keys), len(chosen), len(head_list))
@@ -293,30 +290,46 @@ def _check_arguments(metric: object, heads: object, progress: object, batch_size
         check_int("batch_size", batch_size, minimum=1)
 
 
-def _run_chunk(model: nn.Module, corrupted: Any, key: str, source: Tensor, axes: Axes,
-               chunk: list[Cell], metric: Metric, masks: tuple[Tensor | None, Tensor | None],
+def _run_chunk(model: nn.Module, corrupted: Any, key: str, source: Tensor,
+               layouts: tuple[Layout, Layout], chunk: list[Cell], metric: Metric,
                bar: Any) -> list[float]:
     """One forward of ``len(chunk)`` copies of ``corrupted``, copy ``j`` patched at ``chunk[j]``
     (a position and a head or ``None``) in ``key``; the metric of each copy."""
     rows = _rows(corrupted)
-    with edit(model, {key: _patcher(source, axes, chunk, rows, *masks)}, on_unfired="error"):
+    with edit(model, {key: _patcher(key, source, layouts, chunk, rows)}, on_unfired="error"):
         output = _forward(model, _repeat(corrupted, len(chunk), rows))
     bar.update()
     return [_number(metric(_copy_of(output, j, len(chunk), rows))) for j in range(len(chunk))]
 
 
-def _patcher(source: Tensor, axes: Axes, chunk: list[Cell], rows: int, clean_mask: Tensor | None,
-             corrupted_mask: Tensor | None) -> Callable[[Any], Tensor]:
+def cells(key: str, position: int, layouts: tuple[Layout, Layout]
+          ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """The ``(rows, columns)`` of ``position`` in the clean and in the corrupted run, each
+    counted by its own run's layout (its token axis and its mask).
+
+    Raises:
+        PositionError: a row of either run lacks the position.
+        EditError: the two runs select a different number of tokens (other batch sizes).
+    """
+    clean, corrupted = (layout_positions(position, layout, key) for layout in layouts)
+    if clean[0].numel() != corrupted[0].numel():
+        raise EditError(f"position {position} of '{key}' selects {clean[0].numel()} tokens in the "
+                        f"clean run and {corrupted[0].numel()} in the corrupted one: give inputs "
+                        f"with the same batch size")
+    return clean, corrupted
+
+
+def _patcher(key: str, source: Tensor, layouts: tuple[Layout, Layout], chunk: list[Cell],
+             rows: int) -> Callable[[Any], Tensor]:
     """The edit of one forward: copy ``j`` (rows ``j*rows`` …) patched at ``chunk[j]``."""
-    clean_view = tokens_first(source, axes)  # (batch, seq, [heads,] ...)
+    clean_view = tokens_first(source, layouts[0])  # (batch, seq, [heads,] ...)
+    where = [cells(key, position, layouts) for position, _ in chunk]
 
     def fn(value: Any) -> Tensor:
         new = _sequence_tensor(value, "the patched layer").clone()
-        view = tokens_first(new, axes)
-        for j, (position, head) in enumerate(chunk):
-            dest_rows, dest_columns = resolve_positions(position, (rows, view.shape[1]),
-                                                        corrupted_mask)
-            src_rows, src_columns = resolve_positions(position, clean_view.shape[:2], clean_mask)
+        view = tokens_first(new, layouts[1])
+        for j, ((_, head), ((src_rows, src_columns), (dest_rows, dest_columns))) in \
+                enumerate(zip(chunk, where)):
             at_head = () if head is None else (head,)
             view[(j * rows + dest_rows.to(new.device), dest_columns.to(new.device), *at_head)] = \
                 clean_view[(src_rows, src_columns, *at_head)].to(device=new.device, dtype=new.dtype)
@@ -324,14 +337,15 @@ def _patcher(source: Tensor, axes: Axes, chunk: list[Cell], rows: int, clean_mas
     return fn
 
 
-def _length(value: Tensor, axes: Axes, mask: Tensor | None) -> int:
-    """The real token count of every row of an input (its token axis without a mask).
+def _length(layout: Layout) -> int:
+    """The real token count of every row of a run (its token axis without a mask).
 
     Raises:
         PositionError: the rows have different real lengths.
     """
+    mask = layout.mask
     if mask is None:
-        return int(value.shape[axes.seq])
+        return layout.length
     lengths = set((mask != 0).sum(dim=1).tolist())
     if len(lengths) != 1:
         raise PositionError(f"the rows have {sorted(lengths)} real tokens, so 'every "
@@ -350,8 +364,8 @@ def _all_positions(clean: int, corrupted: int) -> list[int]:
     return list(range(min(clean, corrupted)))
 
 
-def _heads(sources: dict[str, Tensor], axes: dict[str, Axes]) -> list[int]:
-    counts = {key: int(t.shape[axes[key].heads or 0]) for key, t in sources.items()}
+def _heads(layouts: dict[str, Layout]) -> list[int]:
+    counts = {key: layout.shape[layout.heads or 0] for key, layout in layouts.items()}
     if len(set(counts.values())) != 1:
         raise EditError(f"heads=True needs one head count across the layers, but they have "
                         f"{counts}; sweep layers with the same number of heads together")
@@ -390,11 +404,6 @@ def _forward(model: nn.Module, inputs: Any) -> Any:
     if isinstance(inputs, tuple):
         return model(*inputs)
     return model(inputs)
-
-
-def _mask(inputs: Any) -> Tensor | None:
-    mask = inputs.get("attention_mask") if isinstance(inputs, dict) else None
-    return mask if isinstance(mask, Tensor) else None
 
 
 def _rows(inputs: Any) -> int:

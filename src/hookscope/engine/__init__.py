@@ -5,8 +5,9 @@ module object, its own thread, not a checkpoint recompute, never in a copy); ``s
 life cycle every verb shares (resolve once, register, remove on every exit path, explain unfired
 hooks); ``select``, ``names`` and ``wrappers`` turn patterns into modules; ``function_mode`` and
 ``function_names`` reach the torch functions a forward calls; ``early_stop`` cuts a forward short;
-``values`` and ``copy_on_write`` hold a value a hook saw; ``run`` is what a batch means to the
-model; ``diagnose`` says why a hook could not or did not fire.
+``values`` and ``copy_on_write`` hold a value a hook saw; ``layout`` says what a value holds
+(token and heads axes, the mask and KV-cache length of its forward), for every verb; ``run`` is
+what a batch means to the model; ``diagnose`` says why a hook could not or did not fire.
 
 Imports only ``hookscope.errors`` and ``hookscope.util``.
 """

@@ -31,6 +31,7 @@ from hookscope.engine.checks import (
     check_options,
 )
 from hookscope.engine.hooks import OwnedHook, in_recompute
+from hookscope.engine.layout import MaskWatcher, check_no_unmasked_padding
 from hookscope.engine.select import Target, as_patterns, unwrap
 from hookscope.engine.session import HookSession, OnUnfired
 from hookscope.engine.values import (
@@ -43,9 +44,8 @@ from hookscope.engine.values import (
 )
 from hookscope.errors import CaptureError, warn
 from hookscope.record.grads import converter, require_grad_mode, watch_inputs, watch_output
-from hookscope.record.positions import MaskWatcher
 from hookscope.record.records import CallInputs, Entry, RecordKey, Records
-from hookscope.record.reductions import Reduce, Reduction, reduction
+from hookscope.record.reductions import REDUCTIONS, Reduce, Reduction, reduction
 from hookscope.util.nested import get_part, iter_tensors, map_tensors
 
 __all__ = ["Capture", "CaptureOptions", "CallInputs", "capture", "run"]  # CallInputs: records.py
@@ -108,8 +108,10 @@ class Capture(HookSession, Records):
         self.aliases = {alias + t.key[len(t.path):]: t.key for t in self.targets for alias in t.aliases}
         self._options = options
         self._grad_convert = converter(options.to, options.dtype)  # applied to each arriving gradient
-        # a reduction reads the attention mask of the running forward, as extract gives it
-        self._mask = None if options.reduce is None else MaskWatcher(unwrap(model)[0])
+        # the tokens (attention mask, KV cache length) of the running forward: kept with each
+        # record (Records.tokens, .layout), and read by a reduction, as extract gives them
+        self._mask = MaskWatcher(unwrap(model)[0])
+        self._tokens_seen = False  # a forward so far said something about its tokens
         self.unfired = dict.fromkeys(self._slots, NOT_ENTERED)
 
     def __enter__(self) -> Capture:
@@ -129,8 +131,7 @@ class Capture(HookSession, Records):
 
     def _register(self) -> None:
         self._snapshot = self._snapshot_fn()  # one per session, shared by every hook
-        if self._mask is not None:
-            self._hook(unwrap(self.model)[0], self._mask.hook, pre=True, with_kwargs=True)
+        self._hook(unwrap(self.model)[0], self._watch_tokens, pre=True, with_kwargs=True)
         on_modules = []
         for slot in self._slots.values():
             if slot.target.op is None:
@@ -147,6 +148,19 @@ class Capture(HookSession, Records):
                 self._register_module(module, slots)
         if self._options.early_stop:
             self._stop_early()
+
+    def _watch_tokens(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The root's pre-hook: read this forward's ``Tokens`` and, once any forward has said
+        something about its tokens, note from which call on each record has them (one
+        ``(len(outputs), tokens)`` per record per forward; nothing for a model called without
+        a mask or cache)."""
+        self._mask.hook(module, args, kwargs)
+        tokens = self._mask.tokens
+        if not (tokens.known or self._tokens_seen):
+            return
+        self._tokens_seen = True
+        for slot in self._slots.values():
+            slot.runs.append((len(slot.outputs), tokens))
 
     def _register_module(self, module: nn.Module, slots: list[_Slot]) -> None:
         """The hooks of one module whose records need more than the output as it is (inputs,
@@ -222,13 +236,13 @@ class Capture(HookSession, Records):
         ``reduce`` with this forward's attention mask (bound now: the backward pass may come
         after other forwards), so a gradient has the shape of its reduced output."""
         reduce, base = self._options.reduce, self._grad_convert
-        if reduce is None or self._mask is None:
+        if reduce is None:
             return base
         frozen = copy.copy(self._mask)  # the watcher's mask as of this call
 
         def convert(grad: Tensor) -> Tensor:
             grad = base(grad)
-            return reduce(grad, _mask_of(frozen, grad))
+            return reduce(grad, _mask_of(frozen, grad, reduce))
         return convert
 
     def _snapshot_fn(self) -> Callable[[Any, _Slot], Any]:
@@ -245,8 +259,8 @@ class Capture(HookSession, Records):
             if converts:
                 if to is not None or dtype is not None:
                     kept = kept.to(device=to, dtype=dtype)
-                if reduce is not None and watcher is not None:
-                    kept = reduce(kept, _mask_of(watcher, kept))
+                if reduce is not None:
+                    kept = reduce(kept, _mask_of(watcher, kept, reduce))
                 if not copy_on_write.shares_memory(kept, t):
                     return kept
             if clone is None:
@@ -387,9 +401,17 @@ def _first_tensor(outputs: list[Any]) -> Tensor | None:
     return next(iter_tensors(outputs[:1]), None)
 
 
-def _mask_of(watcher: MaskWatcher, t: Tensor) -> Tensor | None:
+def _mask_of(watcher: MaskWatcher, t: Tensor, reduce: Reduction) -> Tensor | None:
     """The attention mask ``(batch, seq)`` of the running forward for output ``t``, on ``t``'s
-    device, or None when the model was called without one."""
+    device, or None when the model was called without one.
+
+    Raises:
+        PositionError: ``reduce`` is one of the named token reductions (``"first"``,
+            ``"last"``, ``"mean"``) and the input looks padded without a mask
+            (``engine.layout.check_no_unmasked_padding``)."""
+    if reduce in REDUCTIONS.values():
+        check_no_unmasked_padding(watcher.tokens, "a reduction over tokens (reduce='first', "
+                                  "'last' or 'mean')", positions=False)
     mask = watcher.mask_for(t.shape)
     return None if mask is None else mask.to(t.device)
 

@@ -30,11 +30,12 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hookscope.engine.checks import check_options
+from hookscope.engine.layout import layout_of
 from hookscope.engine.select import Target, unwrap
 from hookscope.engine.session import Observer, OnUnfired
 from hookscope.errors import CaptureError, HookscopeError
 from hookscope.record.capture import Capture, capture, capture_options
-from hookscope.record.positions import tokens_first, value_axes
+from hookscope.record.positions import tokens_first
 from hookscope.util.files import write_atomic
 
 __all__ = ["Step", "GenerationRecord", "GenerationCapture", "capture_generation"]
@@ -141,7 +142,7 @@ class GenerationCapture:
         position comes from the first step that computed it (no duplicates from the cache).
 
         The tokens are taken from the value's token axis, as ``positions=`` does
-        (``record.positions.value_axes``): dim 1 of a module output ``(batch, seq, ...)``; the
+        (``engine.layout.layout_of``): dim 1 of a module output ``(batch, seq, ...)``; the
         query axis of ``"...::scaled_dot_product_attention"``, whose ``(batch, heads, query,
         head_dim)`` value is returned as ``(batch, positions, heads, head_dim)``.
 
@@ -156,7 +157,7 @@ class GenerationCapture:
             CaptureError: ``path`` never ran; its output is not a tensor whose token axis
                 holds the tokens fed (select a tensor part, e.g. ``"layer[0]"``); the batch
                 changed between steps (beam search).
-            PositionError: as ``value_axes``: ``seq_dim`` is out of range or the batch axis;
+            PositionError: as ``layout_of``: ``seq_dim`` is out of range or the batch axis;
                 ``path`` is a function of unknown layout and ``seq_dim`` is not given.
         """
         records = self.records(path)
@@ -238,8 +239,7 @@ def _tokens_at_dim1(path: str, op: str | None, record: GenerationRecord,
     value = record.value
     if not isinstance(value, Tensor) or (op is None and seq_dim is None):
         return record
-    axes = value_axes(path, op, tuple(value.shape), seq_dim)
-    return replace(record, value=tokens_first(value, axes))
+    return replace(record, value=tokens_first(value, layout_of(path, op, value.shape, seq_dim)))
 
 
 def _fed_tokens(path: str, record: GenerationRecord) -> Tensor:

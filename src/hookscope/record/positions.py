@@ -10,12 +10,17 @@ of a right-padded batch, and ``0`` the first real token of a left-padded one. A 
 never selected. Pass ``absolute=True`` to index dim 1 as it is, padding included, on purpose.
 Without a mask, positions index dim 1 as it is (negative from its end), as Python indexing does.
 
-**Which axis holds the tokens** (``value_axes``): a module's output is ``(batch, seq, ...)`` by
-convention; the value ``scaled_dot_product_attention`` returns is ``(batch, heads, query,
-head_dim)`` (its query axis is always the second to last), so its tokens are dim 2 and its heads
-dim 1; any other value a function returns (``"path::fn"`` addresses) has no known layout and
-needs ``seq_dim=``, else it is refused with its shape named. ``heads=`` selects heads where the
-layout has a heads axis.
+**Which axis holds the tokens**, and which tokens are real, is the value's ``Layout``
+(``hookscope.engine.layout``: one description, read by every verb): dim 1 of a module output,
+the query axis (dim 2) of ``scaled_dot_product_attention``'s ``(batch, heads, query,
+head_dim)``, ``seq_dim=`` for any other function's value; the mask is that of the forward that
+produced the value (a capture keeps it with each record, so a capture used as ``source=``
+brings its own). ``heads=`` selects heads where the layout has a heads axis.
+
+**Under a KV cache** (``generate()``), positions count the tokens of each forward pass by
+default (``over="forward"``): ``positions=0`` is the first token of every forward, i.e. every
+new token after the prompt. ``over="sequence"`` counts over the whole sequence so far, the
+cached tokens included: ``0`` is the prompt's first token only, ``-1`` the newest token.
 
 Forms of ``positions``:
 
@@ -29,91 +34,23 @@ Forms of ``positions``:
 
 from __future__ import annotations
 
-import inspect
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from torch import nn
 
-from hookscope.errors import PositionError
+from hookscope.engine.layout import Layout, check_no_unmasked_padding
+from hookscope.errors import ArgumentValueError, PositionError
 
-__all__ = ["Positions", "Heads", "Axes", "MaskWatcher", "resolve_positions", "take_positions",
-           "value_axes", "selected", "resolve_heads", "tokens_first"]
+__all__ = ["Positions", "Heads", "Over", "resolve_positions", "take_positions", "layout_positions",
+           "selected", "resolve_heads", "tokens_first", "check_over"]
 
 Tensor = torch.Tensor
 Positions = int | Sequence[int] | slice | Tensor | None
 Heads = int | Sequence[int] | None
-
-#: functions whose value has a known layout: its token axis is the second to last (the queries
-#: of ``(batch, heads, query, head_dim)``), its heads axis dim 1 when it has four dims
-_QUERY_LAST_BUT_ONE = frozenset({"scaled_dot_product_attention"})
-
-
-@dataclass(frozen=True)
-class Axes:
-    """Where the tokens and (if any) the attention heads are in one value.
-
-    Attributes:
-        seq: the token axis (``1`` for a ``(batch, seq, ...)`` module output, ``2`` for
-            scaled_dot_product_attention's ``(batch, heads, query, head_dim)``).
-        heads: the heads axis, or ``None`` when the value has none hookscope knows.
-    """
-
-    seq: int
-    heads: int | None = None
-
-
-def value_axes(key: str, op: str | None, shape: Sequence[int], seq_dim: int | None = None,
-               *, heads: bool = False) -> Axes:
-    """The token (and heads) axes of the value recorded as ``key``, of ``shape``.
-
-    Args:
-        key: the record name, for messages (``"h.0.attn::scaled_dot_product_attention"``).
-        op: the function of a ``"path::fn"`` address (``"softmax#1"``), ``None`` for a module.
-        shape: the value's shape.
-        seq_dim: the token axis given by the user (negative counts from the end); wins.
-        heads: the caller selects heads, so the value must have a heads axis.
-
-    Raises:
-        PositionError: ``seq_dim`` is the batch axis or out of range; ``op`` is a function whose
-            layout hookscope does not know and no ``seq_dim`` is given; ``heads`` and the
-            value has no heads axis (the message names the shape and the fix).
-    """
-    dims = len(shape)
-    known = op is not None and op.split("#")[0] in _QUERY_LAST_BUT_ONE and dims >= 3
-    head_axis = 1 if known and dims == 4 else None
-    if seq_dim is not None:
-        if not -dims <= seq_dim < dims or seq_dim % dims == 0:
-            raise PositionError(f"seq_dim={seq_dim} is not a token axis of '{key}', shape "
-                                f"{tuple(shape)}: give one of 1 … {dims - 1} (dim 0 is the batch)")
-        axes = Axes(seq_dim % dims, head_axis)
-    elif known:
-        axes = Axes(dims - 2, head_axis)
-    elif op is None:
-        if dims < 3:  # (batch, features): dim 1 is features, as reduce="first" refuses it
-            raise PositionError(
-                f"positions index the token axis, dim 1 of a (batch, seq, ...) module output, but "
-                f"'{key}' has shape {tuple(shape)}, without one (dim 1 of a (batch, features) "
-                f"output is features, not tokens); select a module that returns (batch, seq, "
-                f"features), or give seq_dim=1 if dim 1 really holds the tokens")
-        axes = Axes(1)
-    else:
-        raise PositionError(
-            f"positions on '{key}': it is the value of the function {op.split('#')[0]}, shape "
-            f"{tuple(shape)}, and hookscope knows the token axis only of module outputs ((batch, "
-            f"seq, ...)) and of scaled_dot_product_attention ((batch, heads, query, head_dim)); "
-            f"give seq_dim=N, the axis that holds the tokens")
-    if heads and axes.heads is None:
-        path = key.split("::")[0].split("[")[0]  # the module, without parts
-        raise PositionError(
-            f"heads= on '{key}', shape {tuple(shape)}: this value has no heads axis (the heads "
-            f"of an attention module's output are already mixed); select the attention's "
-            f"'{path}::scaled_dot_product_attention', shape (batch, heads, query, head_dim)")
-    return axes
-
+#: what positions count: the tokens of each forward pass, or the whole sequence so far
+Over = Literal["forward", "sequence"]
 
 def resolve_heads(heads: Heads, count: int, key: str) -> Tensor:
     """``heads`` (an int or a sequence of ints, negative from the end) as int64 indices.
@@ -129,40 +66,100 @@ def resolve_heads(heads: Heads, count: int, key: str) -> Tensor:
     return torch.tensor([h % count for h in wanted], dtype=torch.long)
 
 
-def selected(shape: Sequence[int], axes: Axes, positions: Positions, heads: Heads, key: str,
-             attention_mask: Tensor | None = None, *, absolute: bool = False) -> Tensor:
-    """A boolean tensor that broadcasts to ``shape``: True where ``positions`` (on the token
-    axis; ``None``: all of it) and ``heads`` (on the heads axis; ``None``: all) meet; CPU.
+def layout_positions(positions: Positions, layout: Layout, key: str, *, absolute: bool = False,
+                     over: Over = "forward") -> tuple[Tensor, Tensor]:
+    """The ``(rows, columns)`` that ``positions`` selects on the token axis of a value of
+    ``layout``: counted among the real tokens of ``layout.mask`` (the mask of the forward that
+    produced the value) unless ``absolute``; columns index the value's token axis.
+
+    ``over="forward"`` counts the tokens of this forward pass (under a KV cache, only the new
+    ones: ``0`` is each forward's first token). ``over="sequence"`` counts the whole sequence
+    so far, the cached tokens included (``layout.sequence_mask``, or ``past + seq`` positions
+    without a mask): ``0`` is the prompt's first token, edited only in the forward that
+    computes it, and ``-1`` the last token, the new one in every forward; positions outside
+    this forward, or that the sequence has not reached yet (``positions=10`` before the 11th
+    token), select nothing in it.
 
     Raises:
-        PositionError: as ``resolve_positions`` and ``resolve_heads``.
+        PositionError: as ``resolve_positions``; the input looks padded but no mask was given
+            (``engine.layout.check_no_unmasked_padding``) and ``positions`` is not ``None``.
     """
-    batch, seq = int(shape[0]), int(shape[axes.seq])
+    if not absolute and positions is not None:
+        check_no_unmasked_padding(layout.tokens, f"positions={positions!r} on '{key}'")
+    if over == "forward":
+        return resolve_positions(positions, (layout.rows, layout.length), layout.mask,
+                                 absolute=absolute)
+    mask = layout.sequence_mask
+    width = layout.past + layout.length
+    if isinstance(positions, Tensor) and positions.dtype == torch.bool and \
+            positions.shape[-1] == layout.length:
+        raise PositionError(f"a boolean positions mask with over='sequence' covers the whole "
+                            f"sequence so far, ({layout.rows}, {width}) on '{key}'; got "
+                            f"{tuple(positions.shape)}")
+    if isinstance(positions, Tensor) and positions.dtype == torch.bool or \
+            positions is None or isinstance(positions, slice):
+        rows, columns = resolve_positions(positions, (layout.rows, width), mask, absolute=absolute)
+    else:  # each position on its own: one the sequence has not reached yet selects nothing
+        found = [resolve_positions(p, (layout.rows, width), mask, absolute=absolute)
+                 for p in _ints(positions) if _reached(p, width, mask, absolute)]
+        if not found:
+            return (torch.zeros(0, dtype=torch.long),) * 2
+        rows, columns = torch.cat([r for r, _ in found]), torch.cat([c for _, c in found])
+        order = torch.sort(rows, stable=True).indices  # row-major, positions in the order given
+        rows, columns = rows[order], columns[order]
+    here = columns >= layout.past
+    return rows[here], columns[here] - layout.past
+
+
+def _reached(position: int, width: int, mask: Tensor | None, absolute: bool) -> bool:
+    """True when every row of a sequence of ``width`` tokens so far has ``position``."""
+    counts = [width] if mask is None or absolute else (mask != 0).sum(dim=1).tolist()
+    return all(-n <= position < n for n in counts)
+
+
+def check_over(over: object) -> None:
+    """Refuse an ``over=`` that is neither ``"forward"`` nor ``"sequence"``, at the call."""
+    if over not in ("forward", "sequence"):
+        raise ArgumentValueError(f"over={over!r}: give over='forward' (positions count the tokens "
+                                 f"of each forward pass) or over='sequence' (the whole sequence "
+                                 f"so far, a KV cache's tokens included)")
+
+
+def selected(layout: Layout, positions: Positions, heads: Heads, key: str, *,
+             absolute: bool = False, over: Over = "forward") -> Tensor:
+    """A boolean tensor that broadcasts to ``layout.shape``: True where ``positions`` (on the
+    token axis, as ``layout_positions`` resolves them; ``None``: all of it) and ``heads`` (on
+    the heads axis; ``None``: all) meet; CPU.
+
+    Raises:
+        PositionError: as ``layout_positions`` and ``resolve_heads``.
+    """
+    shape = layout.shape
+    batch, seq = layout.rows, layout.length
     sizes = [1] * len(shape)
-    sizes[0], sizes[axes.seq] = batch, seq
+    sizes[0], sizes[layout.seq] = batch, seq
     tokens = torch.ones(batch, seq, dtype=torch.bool)
     if positions is not None:
-        rows, columns = resolve_positions(positions, (batch, seq), attention_mask,
-                                          absolute=absolute)
+        rows, columns = layout_positions(positions, layout, key, absolute=absolute, over=over)
         tokens = torch.zeros(batch, seq, dtype=torch.bool)
         tokens[rows.cpu(), columns.cpu()] = True
     chosen = tokens.reshape(sizes)
-    if heads is not None and axes.heads is not None:
-        count = int(shape[axes.heads])
+    if heads is not None and layout.heads is not None:
+        count = int(shape[layout.heads])
         head_sizes = [1] * len(shape)
-        head_sizes[axes.heads] = count
+        head_sizes[layout.heads] = count
         picked = torch.zeros(count, dtype=torch.bool)
         picked[resolve_heads(heads, count, key)] = True
         chosen = chosen & picked.reshape(head_sizes)
     return chosen
 
 
-def tokens_first(t: Tensor, axes: Axes) -> Tensor:
+def tokens_first(t: Tensor, layout: Layout) -> Tensor:
     """A view of ``t`` as ``(batch, seq, heads, ...)`` (``(batch, seq, ...)`` without heads);
     writing into it writes into ``t``."""
-    if axes.heads is None:
-        return t.movedim(axes.seq, 1)
-    return t.movedim((axes.seq, axes.heads), (1, 2))
+    if layout.heads is None:
+        return t.movedim(layout.seq, 1)
+    return t.movedim((layout.seq, layout.heads), (1, 2))
 
 
 def resolve_positions(positions: Positions, shape: Sequence[int], attention_mask: Tensor | None = None,
@@ -288,43 +285,3 @@ def _from_bool(selected: Tensor, batch: int, seq: int, mask: Tensor | None,
                 f"padding on purpose")
     rows, columns = selected.nonzero(as_tuple=True)
     return rows, columns
-
-
-class MaskWatcher:
-    """Keeps the ``attention_mask`` the root module was called with in the current forward pass.
-
-    Register ``watcher.hook`` as a forward pre-hook with ``with_kwargs=True`` on the root; the
-    mask is read by name (``attention_mask``) whether passed by keyword or by position.
-    ``current`` is ``None`` when the call has none. An explicit mask given at construction wins.
-    """
-
-    def __init__(self, model: nn.Module, given: Tensor | None = None):
-        self.given = given
-        self.current: Tensor | None = given
-        self._index = _positional_index(model, "attention_mask")
-
-    def hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self.given is not None:
-            return
-        found = kwargs.get("attention_mask")
-        if found is None and self._index is not None and len(args) > self._index:
-            found = args[self._index]
-        self.current = found if isinstance(found, Tensor) else None
-
-    def mask_for(self, shape: Sequence[int]) -> Tensor | None:
-        """The mask of an output of ``shape`` ``(batch, seq, ...)``: the current mask, or, when
-        it is wider (a KV cache: it covers the past tokens too, as transformers' ``generate()``
-        passes it), its last ``seq`` columns, which are the tokens of this forward."""
-        mask = self.current
-        if (mask is not None and mask.dim() == 2 and len(shape) >= 2 and mask.shape[0] == shape[0]
-                and mask.shape[1] > shape[1]):
-            return mask[:, mask.shape[1] - shape[1]:]
-        return mask
-
-
-def _positional_index(model: nn.Module, name: str) -> int | None:
-    try:
-        names = list(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return None
-    return names.index(name) if name in names else None

@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from hookscope.engine.function_names import bind_arguments
+from hookscope.engine.layout import NO_TOKENS, Layout, Tokens, layout_of
 from hookscope.engine.record_key import Part, RecordKey
 from hookscope.engine.values import check_has_values, outside_inference
 from hookscope.errors import ArgumentTypeError, CaptureError, HookscopeError
@@ -68,7 +69,7 @@ class Entry:
     without a call); the capture session appends to the lists."""
 
     __slots__ = ("_key", "name", "module", "function", "outputs", "inputs", "grads", "grad_inputs",
-                 "broken")
+                 "broken", "runs")
 
     def __init__(self, key: RecordKey | None, module: nn.Module | None = None,
                  name: str | None = None):
@@ -83,6 +84,19 @@ class Entry:
         self.grads: list[GradRecord] = []
         self.grad_inputs: list[GradRecord] = []
         self.broken: set[int] = set()  # calls whose value was overwritten in place
+        # (first call, Tokens) of each forward pass that said anything about its tokens (a
+        # mask, a KV cache, padding), and of every one after the first such: calls from
+        # ``first call`` on were made with those tokens
+        self.runs: list[tuple[int, Tokens]] = []
+
+    def tokens(self, call: int) -> Tokens:
+        """The ``Tokens`` (mask, cache length) of the forward pass that made call ``call``."""
+        found = NO_TOKENS
+        for start, tokens in self.runs:
+            if start > call:
+                break
+            found = tokens
+        return found
 
     @property
     def key(self) -> RecordKey:
@@ -96,7 +110,7 @@ class Entry:
         raise NotImplementedError(f"{type(self).__name__} was built without a RecordKey")
 
     def clear(self) -> None:
-        for kept in (self.outputs, self.inputs, self.grads, self.grad_inputs):
+        for kept in (self.outputs, self.inputs, self.grads, self.grad_inputs, self.runs):
             kept.clear()
         self.broken.clear()
 
@@ -227,6 +241,35 @@ class Records:
         k = self._index(path, entry, call)
         args, kwargs = entry.inputs[k] = outside_inference(entry.inputs[k])  # once: kept converted
         return CallInputs(args, kwargs, _bind(entry, args, kwargs))
+
+    def tokens(self, path: str, call: int = 0) -> Tokens:
+        """The ``Tokens`` of the forward pass that made call ``call`` of ``path``: the
+        ``attention_mask`` the model was called with (``None`` without one, and in a loaded
+        file, which keeps no masks) and the KV cache's length before it.
+
+        Raises:
+            CaptureError: ``path`` or ``call`` does not exist.
+        """
+        entry = self._entry(path)
+        return entry.tokens(self._index(path, entry, call))
+
+    def layout(self, key: str | RecordKey, call: int = 0, seq_dim: int | None = None, *,
+               heads: bool = False) -> Layout:
+        """What call ``call`` of the tensor recorded at ``key`` holds: its token and heads axes and
+        the mask of the forward that produced it (``hookscope.engine.layout.layout_of``).
+
+        Raises:
+            CaptureError: as reading ``acts[key]``; the record is not a tensor.
+            PositionError: as ``layout_of`` (a function of unknown layout without ``seq_dim``).
+        """
+        address = RecordKey.parse(key) if isinstance(key, str) else key
+        name, parts = self._name_for(address)
+        value = get_part(self._value(name, call), parts)
+        if not isinstance(value, Tensor):
+            raise CaptureError(f"'{address}' is a {type(value).__name__}, not a tensor; give a "
+                               f"part that is one, e.g. '{address}[0]'")
+        return layout_of(str(address), address.op, value.shape, seq_dim, heads=heads,
+                         tokens=self.tokens(name, call))
 
     def grad(self, path: str, call: int = 0) -> Any:
         """d(loss)/d(output) of call ``call`` of ``path``; same structure and shapes as the output.

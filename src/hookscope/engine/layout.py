@@ -1,0 +1,318 @@
+"""What a recorded value holds: its batch, token and heads axes, and the attention mask and
+KV-cache length of the forward pass that produced it. The one place every verb reads them from.
+
+A ``Layout`` is made by ``layout_of`` from a value's address and shape and the ``Tokens`` of its
+forward pass; ``Tokens`` are what a ``MaskWatcher`` (a forward pre-hook on the root module) saw
+the model called with. A capture keeps the ``Tokens`` of each call with its record
+(``Records.layout``), so a capture used as ``source=`` brings its own mask; an edit reads them
+from the forward it is editing.
+
+**Axes.** A module's output is ``(batch, seq, ...)`` by convention (token axis 1);
+``scaled_dot_product_attention`` returns ``(batch, heads, query, head_dim)``: tokens on dim 2
+(the second to last), heads on dim 1. Any other function's value (``"path::fn"`` addresses) has
+no known layout and needs ``seq_dim=``; it is refused with its shape named.
+
+**Mask.** ``Tokens.mask`` is the ``attention_mask`` the model was called with, ``(batch,
+past + seq)`` under a KV cache (transformers' ``generate()`` passes it covering the cached
+tokens), ``(batch, seq)`` otherwise; ``Layout.mask`` is its last ``seq`` columns, the tokens of
+this forward. ``Tokens.past`` is the number of tokens the cache held before this forward: from
+the mask's width, else the ``cache_position`` argument, else the cache's ``get_seq_length()``
+(``past_key_values``, or ``cache`` in transformers 5).
+
+**Padding without a mask.** ``Tokens.unmasked_padding`` says why the input looks padded though no
+mask was given: the model's ``config.pad_token_id`` fills the end (or start) of some rows of a
+batch of several rows more than of others. Verbs whose answer depends on padding refuse it
+(``check_no_unmasked_padding``); a single row, or rows whose runs of the pad id are alike, is
+never refused, and where the pad id is also the model's bos/eos id (GPT-2's often is, and a
+prompt may end with it) the runs must differ by two tokens or more.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookscope.errors import PositionError
+
+__all__ = ["Layout", "Tokens", "MaskWatcher", "layout_of", "unmasked_padding",
+           "check_no_unmasked_padding"]
+
+Tensor = torch.Tensor
+
+#: functions whose value has a known layout: its token axis is the second to last (the queries
+#: of ``(batch, heads, query, head_dim)``), its heads axis dim 1 when it has four dims
+QUERY_LAST_BUT_ONE = frozenset({"scaled_dot_product_attention"})
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """The tokens of one forward pass as the model was called.
+
+    Attributes:
+        mask: the ``attention_mask`` given (``(batch, past + seq)``; nonzero = real token), or
+            ``None``.
+        past: tokens held by the KV cache before this forward (0 without a cache).
+        input_ids: the ``input_ids`` given, kept (by reference) only when there was no mask,
+            for ``unmasked_padding``.
+        pad_token_id: the model's ``config.pad_token_id``, or ``None``.
+        ambiguous: the pad id is also the model's bos/eos id.
+    """
+
+    mask: Tensor | None = None
+    past: int = 0
+    input_ids: Tensor | None = None
+    pad_token_id: int | None = None
+    ambiguous: bool = False
+
+    @functools.cached_property
+    def unmasked_padding(self) -> str:
+        """Why the input looks padded without a mask (``unmasked_padding``), or ``""``;
+        computed when first asked, not in every forward."""
+        if self.mask is not None or self.input_ids is None:
+            return ""
+        return unmasked_padding(self.input_ids, self.pad_token_id, self.ambiguous)
+
+    @property
+    def known(self) -> bool:
+        """True when the forward said anything about its tokens (a mask, a cache, token ids
+        that may hold padding)."""
+        return self.mask is not None or self.past != 0 or self.input_ids is not None
+
+
+NO_TOKENS = Tokens()
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What one value holds: where its batch, tokens and heads are, and which tokens are real.
+
+    Attributes:
+        shape: the value's shape.
+        seq: the token axis (``1`` for a module's ``(batch, seq, ...)`` output, ``2`` for
+            scaled_dot_product_attention's ``(batch, heads, query, head_dim)``).
+        heads: the heads axis, or ``None`` when the value has none hookscope knows.
+        tokens: the ``Tokens`` of the forward that produced the value.
+        batch: the batch axis, always 0.
+    """
+
+    shape: tuple[int, ...]
+    seq: int
+    heads: int | None = None
+    tokens: Tokens = NO_TOKENS
+    batch: int = 0
+
+    @property
+    def rows(self) -> int:
+        """The batch size."""
+        return int(self.shape[self.batch])
+
+    @property
+    def length(self) -> int:
+        """The tokens of this forward (the token axis' size)."""
+        return int(self.shape[self.seq])
+
+    @property
+    def past(self) -> int:
+        """Tokens before this forward (a KV cache's); the mask's extra width when it is wider."""
+        mask = self.tokens.mask
+        if mask is not None and mask.dim() == 2 and mask.shape[1] > self.length:
+            return int(mask.shape[1]) - self.length
+        return self.tokens.past
+
+    @property
+    def mask(self) -> Tensor | None:
+        """``(batch, seq)``: the mask of this forward's tokens (the last ``seq`` columns of a
+        wider one), or ``None`` when the model was called without one."""
+        mask = self.tokens.mask
+        if (mask is not None and mask.dim() == 2 and mask.shape[0] == self.rows
+                and mask.shape[1] > self.length):
+            return mask[:, mask.shape[1] - self.length:]
+        return mask
+
+    @property
+    def sequence_mask(self) -> Tensor | None:
+        """``(batch, past + seq)``: the mask of the whole sequence so far (the cached tokens
+        and this forward's), or ``None`` when the model was called without a mask covering
+        the cache."""
+        mask = self.tokens.mask
+        if mask is not None and mask.dim() == 2 and mask.shape[1] == self.past + self.length:
+            return mask
+        return None
+
+
+def layout_of(key: str, op: str | None, shape: Sequence[int], seq_dim: int | None = None, *,
+              heads: bool = False, tokens: Tokens = NO_TOKENS) -> Layout:
+    """The layout of the value recorded as ``key``, of ``shape``.
+
+    Args:
+        key: the record name, for messages (``"h.0.attn::scaled_dot_product_attention"``).
+        op: the function of a ``"path::fn"`` address (``"softmax#1"``), ``None`` for a module.
+        shape: the value's shape.
+        seq_dim: the token axis given by the user (negative counts from the end); wins.
+        heads: the caller selects heads, so the value must have a heads axis.
+        tokens: the forward's mask and cache length (``MaskWatcher.tokens``,
+            ``Records.tokens``).
+
+    Raises:
+        PositionError: ``seq_dim`` is the batch axis or out of range; ``op`` is a function whose
+            layout hookscope does not know and no ``seq_dim`` is given; ``heads`` and the
+            value has no heads axis (the message names the shape and the fix).
+    """
+    dims, size = len(shape), tuple(int(s) for s in shape)
+    known = op is not None and op.split("#")[0] in QUERY_LAST_BUT_ONE and dims >= 3
+    head_axis = 1 if known and dims == 4 else None
+    if seq_dim is not None:
+        if not -dims <= seq_dim < dims or seq_dim % dims == 0:
+            raise PositionError(f"seq_dim={seq_dim} is not a token axis of '{key}', shape "
+                                f"{size}: give one of 1 … {dims - 1} (dim 0 is the batch)")
+        layout = Layout(size, seq_dim % dims, head_axis, tokens)
+    elif known:
+        layout = Layout(size, dims - 2, head_axis, tokens)
+    elif op is None:
+        if dims < 3:  # (batch, features): dim 1 is features, as reduce="first" refuses it
+            raise PositionError(
+                f"positions index the token axis, dim 1 of a (batch, seq, ...) module output, but "
+                f"'{key}' has shape {size}, without one (dim 1 of a (batch, features) "
+                f"output is features, not tokens); select a module that returns (batch, seq, "
+                f"features), or give seq_dim=1 if dim 1 really holds the tokens")
+        layout = Layout(size, 1, None, tokens)
+    else:
+        raise PositionError(
+            f"positions on '{key}': it is the value of the function {op.split('#')[0]}, shape "
+            f"{size}, and hookscope knows the token axis only of module outputs ((batch, "
+            f"seq, ...)) and of scaled_dot_product_attention ((batch, heads, query, head_dim)); "
+            f"give seq_dim=N, the axis that holds the tokens")
+    if heads and layout.heads is None:
+        path = key.split("::")[0].split("[")[0]  # the module, without parts
+        raise PositionError(
+            f"heads= on '{key}', shape {size}: this value has no heads axis (the heads "
+            f"of an attention module's output are already mixed); select the attention's "
+            f"'{path}::scaled_dot_product_attention', shape (batch, heads, query, head_dim)")
+    return layout
+
+
+def unmasked_padding(input_ids: Any, pad_token_id: Any, ambiguous: bool = False) -> str:
+    """Why ``input_ids`` ``(batch, seq)`` looks padded with ``pad_token_id``: the runs of it at
+    the end (or start) of the rows differ in length, as a tokenizer pads a batch to one length;
+    ``""`` when it does not (one row; no pad id; runs alike in every row).
+
+    ``ambiguous``: the pad id is also a real token the model uses (its ``bos``/``eos`` id, as
+    GPT-2's pad id often is), so one such token at a row's end may be real: the runs must then
+    differ by two or more.
+    """
+    if (not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.shape[0] < 2
+            or input_ids.is_floating_point() or not isinstance(pad_token_id, int)
+            or isinstance(pad_token_id, bool)):
+        return ""
+    pad = (input_ids == pad_token_id).int()
+    for side, flip in (("right", True), ("left", False)):
+        ends = pad.flip(1) if flip else pad
+        runs = ends.cumprod(dim=1).sum(dim=1)  # padding tokens at that end of each row
+        if int(runs.max() - runs.min()) >= (2 if ambiguous else 1):
+            rows = (runs > runs.min()).nonzero().flatten().tolist()
+            return (f"input_ids has runs of the pad token id {pad_token_id} (config.pad_token_id) "
+                    f"at the {'end' if flip else 'start'} of row{'s' if len(rows) > 1 else ''} "
+                    f"{rows[:8]} longer than in the others: a {side}-padded batch")
+    return ""
+
+
+def check_no_unmasked_padding(tokens: Tokens, what: str, *, positions: bool = True) -> None:
+    """Refuse a forward whose input looks padded but was given no attention mask, for ``what``
+    (a verb whose answer depends on which tokens are real); ``positions``: ``what`` takes
+    ``positions=``, so ``absolute=True`` is a fix too.
+
+    Raises:
+        PositionError: ``tokens.unmasked_padding`` is set; the message says how to fix it.
+    """
+    if tokens.unmasked_padding and tokens.mask is None:
+        raise PositionError(
+            f"{what} depends on which tokens are real, but {tokens.unmasked_padding}, and no "
+            f"attention_mask was given, so padding would count as tokens: pass the tokenizer's "
+            f"attention_mask (model(input_ids, attention_mask=mask))"
+            f"{', or absolute=True to index the token axis as it is' if positions else ''}")
+
+
+class MaskWatcher:
+    """Keeps the ``Tokens`` the root module was called with in the current forward pass.
+
+    Register ``watcher.hook`` as a forward pre-hook with ``with_kwargs=True`` on the root; the
+    mask is read by name (``attention_mask``) whether passed by keyword or by position, the
+    cache length from ``cache_position`` or ``past_key_values``, the padding from
+    ``input_ids`` and ``config.pad_token_id``. ``tokens.mask`` is ``None`` when the call has no
+    mask. An explicit mask given at construction wins.
+    """
+
+    def __init__(self, model: nn.Module, given: Tensor | None = None):
+        self.given = given
+        self.tokens = Tokens(given)
+        self._index = _positional_index(model, "attention_mask")
+        self._ids_index = _positional_index(model, "input_ids")
+        config = getattr(model, "config", None)
+        self._pad = getattr(config, "pad_token_id", None)
+        self._ambiguous = self._pad is not None and self._pad in (
+            getattr(config, "bos_token_id", None), getattr(config, "eos_token_id", None))
+
+    @property
+    def current(self) -> Tensor | None:
+        """The mask of the running forward (``tokens.mask``)."""
+        return self.tokens.mask
+
+    def hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        found = self.given
+        if found is None:
+            found = _argument(args, kwargs, "attention_mask", self._index)
+        mask = found if isinstance(found, Tensor) else None
+        ids = None
+        if mask is None and self._pad is not None:
+            given = _argument(args, kwargs, "input_ids", self._ids_index)
+            ids = given if isinstance(given, Tensor) and given.dim() == 2 else None
+        self.tokens = Tokens(mask, _past(kwargs), ids, self._pad, self._ambiguous)
+
+    def layout(self, key: str, op: str | None, shape: Sequence[int], seq_dim: int | None = None,
+               *, heads: bool = False) -> Layout:
+        """``layout_of`` a value of the running forward."""
+        return layout_of(key, op, shape, seq_dim, heads=heads, tokens=self.tokens)
+
+    def mask_for(self, shape: Sequence[int]) -> Tensor | None:
+        """The mask of a ``(batch, seq, ...)`` output of the running forward (``Layout.mask``)."""
+        if len(shape) < 2:
+            return self.tokens.mask
+        return Layout(tuple(int(s) for s in shape), 1, None, self.tokens).mask
+
+
+def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, index: int | None) -> Any:
+    found = kwargs.get(name)
+    if found is None and index is not None and len(args) > index:
+        found = args[index]
+    return found
+
+
+def _past(kwargs: dict[str, Any]) -> int:
+    """Tokens a KV cache held before this forward: ``cache_position[0]`` (transformers 4 passes
+    it from ``generate()``), else the ``get_seq_length()`` of ``past_key_values`` (4) or
+    ``cache`` (5); 0 without either."""
+    position = kwargs.get("cache_position")
+    if isinstance(position, Tensor) and position.numel():
+        return int(position.flatten()[0])
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))  # transformers 4 / 5 names
+    length = getattr(cache, "get_seq_length", None)
+    if callable(length):
+        try:
+            return int(length())
+        except (TypeError, ValueError, RuntimeError):
+            return 0
+    return 0
+
+
+def _positional_index(model: nn.Module, name: str) -> int | None:
+    try:
+        names = list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names.index(name) if name in names else None
