@@ -173,6 +173,14 @@ def test_the_stream_order_resume_and_memory_bound(made: tuple[Path, _Encoder], s
         buffer_tokens=block * per, block_tokens=block, seed=0)
     again.load_state_dict(state)
     assert torch.equal(torch.cat([head, _read(again)]), expected)
+    # batches made by the stream itself: the same tokens in the same order, resumable too
+    batched = view.stream(buffer_tokens=block * per, block_tokens=block, seed=seed,
+                          batch_size=cut)
+    parts = list(DataLoader(batched, batch_size=None))
+    assert [len(p) for p in parts[:-1]] == [cut] * (len(parts) - 1) and 0 < len(parts[-1]) <= cut
+    assert torch.equal(torch.cat(parts), expected)
+    batched.load_state_dict({**batched.state_dict(), "position": cut * (len(parts) // 2)})
+    assert torch.equal(torch.cat(list(batched)), expected[cut * (len(parts) // 2):])
 
 
 def test_stream_arguments_are_checked(made: tuple[Path, _Encoder]) -> None:

@@ -128,11 +128,11 @@ class TokenView:
         return TokenView(self.store, info)._raw(0, int(self._starts[-1])).numpy() \
             if self._starts[-1] else np.zeros(0, np.int64)
 
-    def stream(self, *, buffer_tokens: int = 2**16, block_tokens: int = 256,
-               seed: int = 0) -> TokenStream:
+    def stream(self, *, buffer_tokens: int = 2**16, block_tokens: int = 256, seed: int = 0,
+               batch_size: int | None = None) -> TokenStream:
         """A shuffled, resumable stream of these tokens (``TokenStream``)."""
         return TokenStream(self, buffer_tokens=buffer_tokens, block_tokens=block_tokens,
-                           seed=seed)
+                           seed=seed, batch_size=batch_size)
 
 
 class TokenStream(torch.utils.data.IterableDataset[Tensor]):
@@ -151,15 +151,24 @@ class TokenStream(torch.utils.data.IterableDataset[Tensor]):
     concatenated in the permuted order (``windows()``), then indexed by that permutation.
     ``set_epoch(e)`` gives another order per epoch.
 
+    With ``batch_size=B`` the stream yields ``(B, *shape)`` tensors itself (the same tokens in
+    the same order, the last batch shorter), one gather per batch instead of one item per token:
+    read it with ``DataLoader(stream, batch_size=None)``, many times faster than a ``DataLoader``
+    collating single tokens (``bench/throughput.py``).
+
     Read with one DataLoader worker at most (the default, ``num_workers=0``): several would each
     yield every token.
     """
 
-    def __init__(self, view: TokenView, *, buffer_tokens: int, block_tokens: int, seed: int):
+    def __init__(self, view: TokenView, *, buffer_tokens: int, block_tokens: int, seed: int,
+                 batch_size: int | None = None):
         """Raises:
-            ValueError: ``block_tokens`` or ``buffer_tokens`` is not a positive int, or the
-                buffer holds less than one block.
+            ValueError: ``block_tokens``, ``buffer_tokens`` or ``batch_size`` is not a positive
+                int, or the buffer holds less than one block.
         """
+        if batch_size is not None and (type(batch_size) is not int or batch_size <= 0):
+            raise ValueError(f"batch_size must be None or a positive int, not {batch_size!r:.40}")
+        self.batch_size = batch_size
         for name, value in (("buffer_tokens", buffer_tokens), ("block_tokens", block_tokens)):
             if type(value) is not int or value <= 0:
                 raise ValueError(f"{name} must be a positive int, not {value!r:.40}")
@@ -169,6 +178,7 @@ class TokenStream(torch.utils.data.IterableDataset[Tensor]):
         self.view, self.seed, self.block = view, int(seed), block_tokens
         self.blocks_per_window = buffer_tokens // block_tokens
         self.position, self.epoch = 0, 0
+        self._buffer: Tensor | None = None  # the window's tokens, reused window after window
 
     def __len__(self) -> int:
         return len(self.view)
@@ -201,18 +211,53 @@ class TokenStream(torch.utils.data.IterableDataset[Tensor]):
             raise StoreError(f"a TokenStream is read by one DataLoader worker (each of "
                              f"{info.num_workers} would yield every token): pass num_workers=0 "
                              f"or 1")
-        done = 0
+        if self.batch_size is None:
+            for window, order in self._windows():
+                for k in order:
+                    self.position += 1
+                    yield window[int(k)].clone()  # the buffer is reused
+            return
+        pending: list[Tensor] = []  # tokens of a batch that a window's end cut short
+        for window, order in self._windows():
+            at = 0  # into order
+            while at < len(order):
+                need = self.batch_size - sum(len(p) for p in pending)
+                pending.append(window[torch.from_numpy(order[at:at + need])])
+                at += len(pending[-1])
+                if sum(len(p) for p in pending) == self.batch_size:
+                    yield self._batch(pending)
+        if pending:
+            yield self._batch(pending)
+
+    def _batch(self, pending: list[Tensor]) -> Tensor:
+        batch = pending[0] if len(pending) == 1 else torch.cat(pending)
+        pending.clear()
+        self.position += len(batch)
+        return batch
+
+    def _windows(self) -> Iterator[tuple[Tensor, np.ndarray]]:
+        """Each window from ``position`` (when iteration starts) on: its tokens (the only ones
+        in memory) and the order of those still to yield."""
+        done, start = 0, self.position
         for w, blocks in enumerate(self.windows()):
             size = sum(len(b) for b in blocks)
-            if done + size <= self.position:
-                done += size
-                continue
-            order = np.random.default_rng([self.seed, self.epoch, w]).permutation(size)
-            window = torch.cat([self.view.read(b) for b in blocks])  # the tokens in memory
-            for k in order[self.position - done:]:
-                self.position += 1
-                yield window[int(k)]
+            if done + size > start:
+                order = np.random.default_rng([self.seed, self.epoch, w]).permutation(size)
+                yield self._read_window(blocks, size), order[max(start - done, 0):]
             done += size
+
+    def _read_window(self, blocks: list[np.ndarray], size: int) -> Tensor:
+        """The tokens of ``blocks``, concatenated into one buffer kept across windows (fresh
+        memory for each window would cost its page faults again: on a 2-core machine they
+        took longer than the reads)."""
+        shape = (self.blocks_per_window * self.block, *self.view._row_shape)
+        if self._buffer is None or self._buffer.shape != shape:
+            self._buffer = torch.empty(shape, dtype=self.view.info.dtype)
+        at = 0
+        for block in blocks:
+            self._buffer[at:at + len(block)] = self.view.read(block)
+            at += len(block)
+        return self._buffer[:size]
 
 
 def pad_rows(rows: list[Tensor]) -> tuple[Tensor, Tensor]:
