@@ -608,8 +608,8 @@ def store_folder(path: str | os.PathLike[str], error: type[HookscopeError]) -> P
         return Path(path)
     if found["scheme"].lower() == "file":
         return Path(found["rest"])
-    raise error(f"{text!r:.100} is a {found['scheme']}:// URL, and stores are local folders for "
-                f"now (as a path it would make a local folder named "
+    raise error(f"{text!r:.100} is a URL ({found['scheme']}://), and stores are local folders "
+                f"for now (as a path it would make a local folder named "
                 f"{found['scheme'] + ':'!r}); write the store to a local folder and copy it "
                 f"there (e.g. `aws s3 sync STORE {text:.60}`), and read it from a local copy")
 
