@@ -209,3 +209,17 @@ def test_extraction_cases_store_the_rows_of_the_bare_loop(monkeypatch):
         path = folder.name
         del folder  # the run's store goes with its result
         assert not Path(path).exists()
+
+
+def test_throughput_rows_exist_and_are_against_the_raw_limits(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench.throughput import main
+
+    table = main(["--mib", "2", "--out", str(tmp_path / "t.md")])
+    names = [name for name, _, _, _ in table]
+    assert names[:2] == ["raw sequential write + fsync (limit)", "raw sequential read, warm (limit)"]
+    assert len(names) == 9 and all(rate > 0 and ratio > 0 for _, rate, ratio, _ in table)
+    raw_w, raw_r = table[0][1], table[1][1]
+    assert math.isclose(table[2][2], table[2][1] / raw_w)  # store write against raw write
+    assert math.isclose(table[4][2], table[4][1] / raw_r)  # store read against raw read
+    assert (tmp_path / "t.md").read_text().count("\n| ") == 10  # header + 9 rows

@@ -1,7 +1,8 @@
 """Activations of whole data sets on disk: ``extract`` (the loop), ``data`` (what a data
 argument means), ``ranks`` (torchrun), ``writer`` (shards and manifests), ``folder`` (which
-files of an output folder belong to a store), ``manifest`` (the schema) and ``reader``
-(``Store``). The format is in the README.
+files of an output folder belong to a store), ``manifest`` (the schema), ``reader``
+(``Store``) and ``tokens`` (token views and the shuffled token stream). The format is in the
+README.
 
 Imports ``record``, the engine, ``errors`` and ``util``.
 """
@@ -18,6 +19,7 @@ from hookscope.store.reader import (
     open_store,
     read_manifest,
 )
+from hookscope.store.tokens import TokenStream, TokenView, pad_rows
 
 __all__ = ["FORMAT", "LayerInfo", "LayerView", "ShardInfo", "Store", "StoreDataset", "chunk_sums",
-           "dtype_name", "open_store", "read_manifest"]
+           "dtype_name", "open_store", "pad_rows", "read_manifest", "TokenStream", "TokenView"]

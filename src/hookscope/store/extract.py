@@ -56,7 +56,14 @@ from hookscope.store.batches import BatchSource
 from hookscope.store.folder import check_output, prepare_output, writing
 from hookscope.store.manifest import COLUMN_PREFIX, tensor_specs
 from hookscope.store.ranks import Ranks
-from hookscope.store.reader import _ST_DTYPES, LayerInfo, Store, dtype_name, open_store
+from hookscope.store.reader import (
+    _ST_DTYPES,
+    LayerInfo,
+    Store,
+    dtype_name,
+    open_store,
+    store_folder,
+)
 from hookscope.store.writer import (
     BackgroundWriter,
     ShardData,
@@ -94,7 +101,8 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
         layers: patterns as in ``hookscope.select``; each selected module (or output part,
             ``"lstm[0]"``) becomes one store layer. Its output must hold one tensor whose dim 0
             is the batch.
-        out: the store folder to create; its missing parent folders are created too (the
+        out: the store folder to create (a path or a ``file://`` URL; other URLs such as
+            ``s3://`` are refused, not yet supported); its missing parent folders are created too (the
             Python API's rule for ``out=``/``plot=``, as in ``patching_sweep`` and
             ``logit_lens``; the CLI refuses a missing parent unless ``--parents``).
         reduce: ``None`` keeps each row whole: with an attention mask, a ``(batch, seq, ...)``
@@ -148,7 +156,8 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
     _check_arguments(model, out, dtype, batch_size, shard_bytes, shard_seconds, model_spec,
                      {"resume": resume, "overwrite": overwrite, "progress": progress,
                       "early_stop": early_stop})
-    folder, keys = Path(out), [t.key for t in resolve(model, as_patterns(layers))]
+    folder = store_folder(out, ExtractError)
+    keys = [t.key for t in resolve(model, as_patterns(layers))]
     reducer, source = reduction(reduce), BatchSource(data, batch_size)
     if resume and overwrite:
         raise ExtractError("resume=True continues the store in place and overwrite=True deletes "
@@ -432,7 +441,21 @@ def _rows(job: _Job, batch: Any, ids: list[Any] | None) -> Rows:
         acts.check_writes()
         _check_calls(acts, job.keys)
     rows = {key: _layer_rows(key, _one_tensor(key, acts[key]), n, mask, job) for key in job.keys}
-    return {**rows, **_columns(batch, ids, n)}
+    return {**rows, **_columns(batch, ids, n), **_token_ids(kwargs, mask, rows)}
+
+
+def _token_ids(kwargs: dict[str, Any], mask: Tensor | None, rows: Rows) -> Rows:
+    """The ``@token`` column: when a layer is stored as tokens (ragged, padding dropped by the
+    ``attention_mask``) and the batch gives ``input_ids`` of the mask's ``(batch, seq)`` shape,
+    the ids of the real tokens, flat, with their counts per row: token ``t`` of row ``i`` of
+    the column is the id of token ``t`` of row ``i`` of every ragged layer (``Store.tokens``)."""
+    ids = kwargs.get("input_ids")
+    if mask is None or not isinstance(ids, Tensor) or ids.shape != mask.shape or \
+            ids.is_floating_point() or all(lengths is None for _, lengths in rows.values()):
+        return {}
+    keep = mask.bool()
+    return {COLUMN_PREFIX + "token": (ids[keep].to("cpu", torch.int64),
+                                      keep.sum(dim=1).to("cpu", torch.int64))}
 
 
 def _columns(batch: Any, ids: list[Any] | None, n: int) -> Rows:

@@ -7,7 +7,11 @@ alone. A store owns exactly:
   torchrun run) when they parse, pass the schema and carry one run id (``"run"``, 32 hex digits
   the writer draws when a store is started and keeps on resume);
 - the shards a manifest lists, when the file there is a regular file whose size agrees with the
-  manifest and, before anything is deleted, whose sha256 agrees too;
+  manifest and, before anything is deleted, whose sha256 agrees too; before a resume appends to
+  them, whose safetensors metadata carries the run id and, for the last shard a manifest lists
+  (the one written last), whose final chunk agrees with its ``chunk_sum``: a few KiB per shard
+  instead of every byte, so resuming a large store does not re-read it (damage elsewhere is
+  caught by the read-time chunk checks and ``Store.verify()``);
 - shards that a crash left unlisted, when their safetensors metadata carries the manifest's run
   id (the writer writes it into every shard);
 - its temporary files ``.NAME.tmp-RUN-PID-RANDOM`` (``NAME`` a manifest's or a shard's), when
@@ -40,6 +44,7 @@ from hookscope.store.manifest import (
     parse_json,
     read_regular,
 )
+from hookscope.store.reader import chunk_sums
 
 MANIFEST = "manifest.json"
 _MANIFEST_NAME = re.compile(r"manifest(-r\d{4})?\.json")
@@ -67,11 +72,12 @@ def check_output(folder: Path, *, resume: bool, overwrite: bool) -> None:
             f"continue an interrupted run pass resume=True (--resume); to replace the store in "
             f"it pass overwrite=True (--overwrite); or choose another output folder.")
     flag = "resume=True (--resume)" if resume else "overwrite=True (--overwrite)"
-    owned = owned_files(folder, flag, deleting=True)  # resume appends to the listed shards
+    owned = owned_files(folder, flag, deleting=overwrite, resuming=resume)
     foreign = [n for n in names if n not in owned]
     changed = [n for n in foreign if n in listed_shards(folder)]
-    note = (f" ({_listing(changed)}: listed by the manifest, but a link, or its size or sha256 "
-            f"differ: edited or replaced since it was written; restore it from a copy)"
+    note = (f" ({_listing(changed)}: listed by the manifest, but a link, or its size, sha256, "
+            f"run id or final chunk differ: edited or replaced since it was written; restore it "
+            f"from a copy)"
             if changed else "")
     if foreign:
         raise StoreExistsError(
@@ -121,14 +127,19 @@ def writing(folder: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def owned_files(folder: Path, flag: str, *, deleting: bool = False) -> set[str]:
+def owned_files(folder: Path, flag: str, *, deleting: bool = False,
+                resuming: bool = False) -> set[str]:
     """Return the names in ``folder`` that its store owns (see the module docstring).
 
     Args:
         flag: the option asking (for the error); ``""`` when the folder was checked already.
-        deleting: the files are to be deleted or appended to (overwrite, resume): a listed
-            shard is the store's only when its sha256 agrees with the manifest too (reads it;
-            the digest is kept while the file's inode, size and mtime stay the same).
+        deleting: the files are to be deleted (overwrite): a listed shard is the store's only
+            when its sha256 agrees with the manifest too (reads it; the digest is kept while the
+            file's inode, size and mtime stay the same).
+        resuming: a resume is to append to the listed shards: a listed shard is the store's
+            only when its metadata carries the run id, and the last one a manifest lists only
+            when its final chunk agrees with its ``chunk_sum`` too (reads the header and one
+            chunk, ``CHUNK_BYTES`` at most, not the shards).
 
     Raises:
         StoreExistsError: ``folder`` holds files but no manifest, a manifest that is not a valid
@@ -146,9 +157,12 @@ def owned_files(folder: Path, flag: str, *, deleting: bool = False) -> set[str]:
                 f"holds {_listing(files)}). Choose another output folder.")
     listed = {entry["file"]: entry for m in manifests.values() for entry in m["shards"]}
     owned = {n for n in names - set(listed) if _regular(folder / n) and (
-        n in manifests or _is_temporary(folder, n, run) or _is_unlisted_shard(folder / n, run))}
+        n in manifests or _is_temporary(folder, n, run) or _is_run_shard(folder / n, run))}
+    last = {m["shards"][-1]["file"]: int(m["chunk_bytes"]) for m in manifests.values()
+            if m["shards"]}
     owned.update(n for n, entry in listed.items()
-                 if _is_listed_shard(folder / n, entry, deleting))
+                 if _is_listed_shard(folder / n, entry, deleting) and
+                 (not resuming or _resumable(folder / n, entry, run, last.get(n))))
     return owned
 
 
@@ -200,6 +214,31 @@ def _is_listed_shard(path: Path, entry: dict[str, Any], deleting: bool) -> bool:
                                    status.st_mtime_ns) == entry["sha256"]
 
 
+def _resumable(path: Path, entry: dict[str, Any], run: str | None,
+               chunk_bytes: int | None) -> bool:
+    """True when a listed shard (its size agreeing) may be appended to: its metadata carries
+    run id ``run`` (when the store has one) and, with ``chunk_bytes`` (the manifest's last
+    shard), its final chunk agrees with the manifest's last ``chunk_sum``. Reads the header
+    and at most one chunk."""
+    if run is not None and not _is_run_shard(path, run):
+        return False
+    if chunk_bytes is None:
+        return True
+    status = path.stat()
+    return _tail_sum(str(path), status.st_ino, status.st_size, status.st_mtime_ns,
+                     chunk_bytes) == str(entry["chunk_sum"][-1])
+
+
+@functools.lru_cache(maxsize=256)
+def _tail_sum(path: str, inode: int, size: int, mtime_ns: int, chunk_bytes: int) -> str:
+    """``chunk_sum`` of the final chunk of the ``size``-byte file at ``path`` (cached while its
+    inode, size and mtime stay the same: a resume checks the folder twice)."""
+    begin = (size - 1) // chunk_bytes * chunk_bytes
+    with open(path, "rb") as f:
+        tail = os.pread(f.fileno(), size - begin, begin)
+    return chunk_sums(tail, len(tail), chunk_bytes)[0] if len(tail) == size - begin else ""
+
+
 @functools.lru_cache(maxsize=256)
 def _sha256(path: str, inode: int, size: int, mtime_ns: int) -> str:
     """sha256 of the file at ``path`` (cached while its inode, size and mtime stay the same)."""
@@ -228,9 +267,10 @@ def _is_temporary(folder: Path, name: str, run: str | None) -> bool:
     return bool(manifest.get("run") == match["run"])
 
 
-def _is_unlisted_shard(path: Path, run: str | None) -> bool:
-    """True for a shard a crash left unlisted: a regular file named as a shard whose safetensors
-    metadata says it is a hookscope shard of run ``run``."""
+def _is_run_shard(path: Path, run: str | None) -> bool:
+    """True for a shard of run ``run`` (one a crash left unlisted, or a listed one before a
+    resume): a regular file named as a shard whose safetensors metadata says it is a hookscope
+    shard of that run. Reads the header only."""
     if run is None or not SHARD_NAME.fullmatch(path.name) or not _regular(path):
         return False
     try:

@@ -32,7 +32,7 @@ VERSION = 1
 DTYPES = {"float64": ("F64", 8), "float32": ("F32", 4), "float16": ("F16", 2),
           "bfloat16": ("BF16", 2), "int64": ("I64", 8), "int32": ("I32", 4), "int16": ("I16", 2),
           "int8": ("I8", 1), "uint8": ("U8", 1), "bool": ("BOOL", 1)}
-COLUMNS = ("id", "label")  # per-row columns besides the layers (README, "Store format")
+COLUMNS = ("id", "label", "token")  # per-row columns besides the layers (README, "Store format")
 COLUMN_PREFIX = "@"  # a column's tensor in a shard is "@id", "@label"; no layer name starts so
 SHARD_NAME = re.compile(r"shard-(r\d{4}-)?\d{5}\.safetensors")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -204,14 +204,18 @@ def _check_layers(file: Path, layers: dict[str, Any], what: str = "layers") -> N
 
 
 def _check_columns(file: Path, columns: dict[str, Any]) -> None:
-    """``columns``: ``id``/``label`` specs as layers have them; a ragged one holds UTF-8 text."""
+    """``columns``: ``id``/``label``/``token`` specs as layers have them; a ragged ``id`` or
+    ``label`` holds UTF-8 text, ``token`` the int64 token ids of each row's real tokens."""
     for name in columns:
         if name not in COLUMNS:
             raise corrupt(file, f"columns[{name!r}]", f"is not a column hookscope writes "
                                                       f"({', '.join(COLUMNS)})")
     _check_layers(file, columns, "columns")
     for name, spec in columns.items():
-        if spec["ragged"] and (spec["shape"] != [None] or spec["dtype"] != "uint8"):
+        if name == "token" and (spec["shape"] != [None] or spec["dtype"] != "int64"):
+            raise corrupt(file, "columns['token']", "holds token ids: shape [null], dtype int64")
+        if name != "token" and spec["ragged"] and (spec["shape"] != [None] or
+                                                   spec["dtype"] != "uint8"):
             raise corrupt(file, f"columns[{name!r}]", "is ragged, so it must be text: shape "
                                                       "[null], dtype uint8")
 

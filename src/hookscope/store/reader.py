@@ -21,18 +21,19 @@ import hashlib
 import mmap
 import operator
 import os
+import re
 import stat
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import safetensors
 import torch
 
-from hookscope.errors import StoreCorruptError, StoreError
+from hookscope.errors import HookscopeError, StoreCorruptError, StoreError
 from hookscope.store.manifest import (
     COLUMN_PREFIX,
     FORMAT,
@@ -45,6 +46,9 @@ from hookscope.store.manifest import (
     read_regular,
     tensor_specs,
 )
+
+if TYPE_CHECKING:
+    from hookscope.store.tokens import TokenView
 
 __all__ = ["FORMAT", "LayerInfo", "LayerView", "ShardInfo", "Store", "StoreDataset", "chunk_sums",
            "open_store", "read_manifest"]
@@ -387,6 +391,8 @@ class LayerView:
 def _column_text(name: str, info: LayerInfo) -> str:
     """``ids: text``, ``ids: data-set indices``, ``labels: int64``, ``labels: 3 float32``: a
     column as ``repr`` shows it."""
+    if name == "token":
+        return "tokens: token ids"
     kind = "text" if info.ragged else "data-set indices" if name == "id" else \
         dtype_name(info.dtype) if not info.shape else f"{row_shape(info)} {dtype_name(info.dtype)}"
     return f"{name}s: {kind}"
@@ -503,6 +509,30 @@ class Store:
         ``None`` when the data had none."""
         return self._column("label")
 
+    @property
+    def token_ids(self) -> list[Tensor] | None:
+        """Each row's token ids, real tokens only (a ``(tokens_i,)`` int64 tensor per row,
+        aligned with the rows of every ragged layer: token ``t`` of a row is the one whose id
+        is ``token_ids[row][t]``), or ``None`` when the data gave no ``input_ids`` beside an
+        ``attention_mask`` (or no layer was stored per token). The attention mask is these
+        rows' lengths: padding is not stored."""
+        info = self.columns.get("token")
+        return None if info is None else LayerView(self, info)[:]  # type: ignore[return-value]
+
+    def tokens(self, layer: str, *, exclude: Sequence[int] = ()) -> TokenView:
+        """A flat ``(tokens, *shape)`` view over the rows of ragged ``layer`` (``TokenView``):
+        padding is never stored, and tokens whose id is in ``exclude`` (e.g. BOS) are left
+        out. ``.ids`` and ``.rows`` give each token's id and row; ``.stream(buffer_tokens=,
+        seed=)`` a shuffled, resumable stream a ``DataLoader`` reads
+        (``hookscope.store.tokens``).
+
+        Raises:
+            StoreError: no such layer, the layer is not ragged, or ``exclude`` without stored
+                token ids.
+        """
+        from hookscope.store.tokens import TokenView  # the module builds on this one
+        return TokenView(self, self[layer].info, exclude)
+
     def _column(self, name: str) -> Tensor | list[str] | None:
         info = self.columns.get(name)
         if info is None:
@@ -517,9 +547,26 @@ class Store:
         """Total bytes of the shard files."""
         return sum(s.bytes for s in self.shards)
 
-    def dataset(self, layer: str) -> StoreDataset:
-        """Return a ``torch.utils.data.Dataset`` whose item ``i`` is row ``i`` of ``layer``."""
-        return StoreDataset(self[layer])
+    def dataset(self, layer: str, *, ragged: bool = False) -> StoreDataset:
+        """Return a ``torch.utils.data.Dataset`` whose item ``i`` is row ``i`` of ``layer``.
+
+        A ragged layer's rows hold different numbers of tokens, which a ``DataLoader``'s
+        default collate cannot stack: pass ``ragged=True`` and ``collate_fn=pad_rows``
+        (``hookscope.store.pad_rows``: padded rows and their mask), or read tokens with
+        ``store.tokens(layer)``.
+
+        Raises:
+            StoreError: no such layer, or ``layer`` is ragged and ``ragged`` is False.
+        """
+        view = self[layer]
+        if view.info.ragged and not ragged:
+            raise StoreError(
+                f"layer {layer!r} is ragged: its rows hold different numbers of tokens, so a "
+                f"DataLoader cannot stack them (torch: 'stack expects each tensor to be equal "
+                f"size'). For tokens: store.tokens({layer!r}) (a flat (tokens, d) view; "
+                f".stream() shuffles them); for whole rows: DataLoader(store.dataset({layer!r}, "
+                f"ragged=True), collate_fn=hookscope.store.pad_rows)")
+        return StoreDataset(view)
 
     def verify(self) -> None:
         """Check every shard as reading does (size, header against the manifest with byte
@@ -548,6 +595,25 @@ class Store:
             k += 1
 
 
+_URL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>.*)", re.S)
+
+
+def store_folder(path: str | os.PathLike[str], error: type[HookscopeError]) -> Path:
+    """The local folder ``path`` names: a path, or a ``file://`` URL. Any other URL
+    (``s3://``, ``gs://``, ``memory://``) raises ``error`` before anything is written: taken as
+    a path it would make a local folder named ``s3:``."""
+    text = os.fspath(path)
+    found = _URL.fullmatch(text) if isinstance(text, str) else None
+    if found is None:
+        return Path(path)
+    if found["scheme"].lower() == "file":
+        return Path(found["rest"])
+    raise error(f"{text!r:.100} is a URL ({found['scheme']}://), and stores are local folders "
+                f"for now (as a path it would make a local folder named "
+                f"{found['scheme'] + ':'!r}); write the store to a local folder and copy it "
+                f"there (e.g. `aws s3 sync STORE {text:.60}`), and read it from a local copy")
+
+
 def open_store(path: str | os.PathLike[str], *, allow_incomplete: bool = False,
                verify_reads: bool = True) -> Store:
     """Open the store in folder ``path`` for reading; rows are memory-mapped, not loaded.
@@ -563,10 +629,11 @@ def open_store(path: str | os.PathLike[str], *, allow_incomplete: bool = False,
         ``store[layer][i:j]`` tensors, ``store.dataset(layer)``, ``store.verify()``.
 
     Raises:
-        StoreError: ``path`` is not a store, or its extraction did not finish.
+        StoreError: ``path`` is not a store, or its extraction did not finish, or is a URL
+            other than ``file://`` (``s3://``, ...: not supported yet).
         StoreCorruptError: the manifest is damaged, or a shard is missing or has the wrong size.
     """
-    folder = Path(path)
+    folder = store_folder(path, StoreError)
     if not folder.exists():
         raise StoreError(f"{folder} does not exist: give the folder that hookscope.extract / "
                          f"`hookscope extract --out` wrote")
