@@ -36,6 +36,7 @@ from hookscope.errors import StoreCorruptError, StoreError
 from hookscope.store.manifest import (
     COLUMN_PREFIX,
     FORMAT,
+    MAX_MANIFEST_BYTES,
     check_header,
     check_manifest,
     check_metadata,
@@ -284,7 +285,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
     """
     inside(path.parent, path.name, path, "name")
     try:
-        data = parse_json(read_regular(path))
+        data = parse_json(read_regular(path, max_bytes=MAX_MANIFEST_BYTES))
     except (OSError, ValueError) as err:
         raise StoreCorruptError(f"cannot read {path}: {err}. The file is damaged; extract the "
                                 f"store again (overwrite=True / --overwrite).") from err
