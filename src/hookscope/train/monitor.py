@@ -450,8 +450,9 @@ class Monitor:
                 continue
             self.latest[target.key] = record
             self._write(record)
-            if self.writer is not None:
-                self._contained("writer", lambda r=record: _to_tensorboard(self.writer, r))  # type: ignore[misc]
+            if self.writer is not None and self._contained(
+                    "writer", lambda r=record: _to_tensorboard(self.writer, r)) is None:  # type: ignore[misc]
+                self.writer = None  # one warning for a writer that fails: not one per record
 
     # -- the records file --------------------------------------------------------------------
 
@@ -562,13 +563,16 @@ def _update_ratio(before: list[Tensor], params: list[nn.Parameter]) -> float | N
     return math.sqrt(delta) / math.sqrt(size) if size > 0 else math.inf if delta > 0 else 0.0
 
 
-def _to_tensorboard(writer: Any, record: dict[str, Any]) -> None:
+def _to_tensorboard(writer: Any, record: dict[str, Any]) -> bool:
+    """Write ``record``'s numbers with ``writer.add_scalar``; return True (``_contained`` gives
+    None when it raised)."""
     for kind in ("activation", "gradient"):
         for stat, value in (record[kind] or {}).items():
             writer.add_scalar(f"{record['module']}/{kind}/{stat}", value, record["step"])
     for name in ("grad_norm", "update_ratio"):
         if record[name] is not None:
             writer.add_scalar(f"{record['module']}/{name}", record[name], record["step"])
+    return True
 
 
 def _event(bundle: ReplayBundle, origin: NonFiniteOrigin | None, path: Path | None) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Private: the monitor's JSON Lines file, where each record is appended whole or not at all.
 
-A record is one ``os.write`` of its line (``util.files.write_all``) at the end of the file. When
+A record is one write of its line (``util.files.write_all``) at the end of the file. When
 the disk is full the write fails, possibly after writing part of the line; the file is then cut
 back to the end of the last whole record (``ftruncate`` needs no free space), so a reader never
 meets a torn line in the middle of the file, and the records after the disk has room again
@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hookscope.util.files import write_all
+from hookscope.util import files
 
 
 class RecordsFile:
@@ -41,7 +41,7 @@ class RecordsFile:
             raise ValueError(f"{self.path} is closed")
         data = (json.dumps(record) + "\n").encode()
         try:
-            write_all(self._fd, data)
+            files.write_all(self._fd, data)  # the one door to the disk (tests inject faults)
         except OSError:
             try:
                 os.ftruncate(self._fd, self._size)

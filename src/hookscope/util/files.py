@@ -88,7 +88,7 @@ def write_bytes(file: str | os.PathLike[str], data: bytes) -> None:
     ``write_all``; for ``write_atomic``'s temporary file."""
     fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     try:
-        write_all(fd, data)
+        write_all(fd, data)  # looked up here at each call: a test may replace it
     finally:
         os.close(fd)
 
