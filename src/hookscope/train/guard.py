@@ -160,7 +160,8 @@ def replay(bundle: ReplayBundle | str | Path, model: nn.Module) -> NonFiniteOrig
     Raises:
         ArgumentTypeError: ``model`` is not a module, ``bundle`` neither a bundle nor a path.
         BundleError: the bundle is damaged, not hookscope's, or its state dict does not fit
-            ``model`` (``model`` untouched); as ``find_nonfinite`` (``model``'s state put back).
+            ``model`` (``model`` untouched); or its step raises in ``model`` (its state put
+            back); as ``find_nonfinite``.
     """
     check_model(model)
     root, _ = unwrap(model)
@@ -178,9 +179,14 @@ def replay(bundle: ReplayBundle | str | Path, model: nn.Module) -> NonFiniteOrig
                 return find_nonfinite(root, *inputs.args, backward=True,
                                       loss_fn=lambda output: _output_loss(output, grads),
                                       **inputs.kwargs)
-    except BaseException:
+    except BaseException as err:
         root.load_state_dict(before)  # a replay that fails leaves the weights as they were
-        raise
+        if isinstance(err, HookscopeError) or not isinstance(err, Exception):
+            raise
+        raise BundleError(f"the bundle's step does not run on {type(root).__name__} "
+                          f"({type(err).__name__}: {str(err)[:300]}); replay the bundle on the "
+                          f"model that recorded it, in the same train/eval mode (the model's "
+                          f"weights were put back)") from err
 
 
 def _check_fits(state: dict[str, Tensor], root: nn.Module) -> None:
