@@ -217,7 +217,7 @@ def test_a_bundle_of_another_model_is_refused_before_loading(bundle_bytes: bytes
 
 
 def test_replay_of_none_names_the_fix() -> None:
-    with pytest.raises(ArgumentTypeError, match="bundle must be a ReplayBundle or the path"):
+    with pytest.raises(ArgumentTypeError, match="bundle must be a path, e.g. a ReplayBundle"):
         hookscope.replay(None, _model())  # type: ignore[arg-type]
     with pytest.raises(ArgumentTypeError, match="model"):
         hookscope.replay("x.safetensors", None)  # type: ignore[arg-type]

@@ -32,6 +32,7 @@ import numpy as np
 import safetensors
 import torch
 
+from hookscope.engine.checks import check_path
 from hookscope.errors import StoreCorruptError, StoreError
 from hookscope.store.manifest import (
     COLUMN_PREFIX,
@@ -564,9 +565,11 @@ def open_store(path: str | os.PathLike[str], *, allow_incomplete: bool = False,
         ``store[layer][i:j]`` tensors, ``store.dataset(layer)``, ``store.verify()``.
 
     Raises:
+        ArgumentTypeError: ``path`` is not a path (``None``, a number).
         StoreError: ``path`` is not a store, or its extraction did not finish.
         StoreCorruptError: the manifest is damaged, or a shard is missing or has the wrong size.
     """
+    check_path("path", path, "hookscope.open_store('acts/') (the folder extract wrote)")
     folder = Path(path)
     if not folder.exists():
         raise StoreError(f"{folder} does not exist: give the folder that hookscope.extract / "

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 import safetensors.torch
 import torch
 
-from hookscope.errors import ArgumentTypeError, BundleError
+from hookscope.engine.checks import check_path
+from hookscope.errors import BundleError
 from hookscope.util.files import read_regular, write_atomic, write_bytes
 
 if TYPE_CHECKING:
@@ -108,10 +109,8 @@ def read_bundle(path: Any) -> dict[str, Any]:
         ArgumentTypeError: ``path`` is not a ``str`` or ``os.PathLike``.
         BundleError: naming the file and what is wrong (see ``ReplayBundle.load``).
     """
-    if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes):
-        raise ArgumentTypeError(f"bundle must be a ReplayBundle or the path of one (a "
-                                f"nonfinite-step-<N>{SUFFIX} file of the monitor's run_dir); got "
-                                f"{type(path).__name__} {path!r:.40}")
+    check_path("bundle", path, f"a ReplayBundle or 'runs/exp1/nonfinite-step-<N>{SUFFIX}' "
+                               f"(written by hookscope.monitor)")
     path = Path(path)
     if os.path.dirname(os.path.realpath(path)) != os.path.realpath(path.parent):
         raise BundleError(f"{path} is a link leading outside its folder; hookscope reads only a "
