@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import hookscope
+from hookscope.cli.main import main
 from hookscope.errors import MonitorFaultWarning, NonFiniteStepError, NonFiniteStepWarning
 from hookscope.util import files
 from tests.models import Temperature
@@ -101,7 +102,8 @@ def _same_weights(a: nn.Module, b: nn.Module) -> bool:
                                                  strict=True))
 
 
-def test_full_disk_mid_run_neither_stops_nor_changes_training(tmp_path: Path, disk: Disk) -> None:
+def test_full_disk_mid_run_neither_stops_nor_changes_training(
+        tmp_path: Path, disk: Disk, capsys: pytest.CaptureFixture[str]) -> None:
     plain, watched = _model(), _model()
     _train(plain, STEPS)
     with warnings.catch_warnings(record=True) as caught:
@@ -119,6 +121,8 @@ def test_full_disk_mid_run_neither_stops_nor_changes_training(tmp_path: Path, di
     assert "the disk is full" in events[0]["error"]
     assert sorted({r["step"] for r in lines if "module" in r}) == [0, 3, 4]
     assert [e["where"] for e in mon.events] == ["records"]
+    assert main(["monitor-report", str(tmp_path)]) == 0
+    assert "step 1: the monitor's records failed (" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("guard", ["raise", "warn", "skip"])

@@ -129,7 +129,12 @@ def draw_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         HookscopeError: no records file, or no sampled step in it.
         MissingExtraError: matplotlib is not installed.
     """
-    records, events = read_run(run_dir)
+    return draw_records(*read_run(run_dir), run_dir, out)
+
+
+def draw_records(records: list[dict[str, Any]], events: list[dict[str, Any]],
+                 run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """``draw_run`` of what ``read_run(run_dir)`` returned (the CLI reads the folder once)."""
     if not records:
         raise HookscopeError(f"{run_dir} has no sampled step yet: the monitor writes statistics at "
                              "steps 0, every, 2*every, ... (every=0 writes none)")
