@@ -166,7 +166,8 @@ class Monitor:
         step_index: the step in progress (0-based).
         overflows: steps a GradScaler skipped for non-finite gradients (with ``scaler``).
         latest: ``{module: record}`` of the last sampled step.
-        events: the guard's findings, as written to the records file.
+        events: the guard's findings and the monitor's own faults (``{"event": "fault"}``),
+            as written to the records file.
         records_file: the JSON Lines file, or None.
     """
 
