@@ -300,3 +300,15 @@ def test_gradscaler_statistics_are_of_the_true_gradient() -> None:
                                                            rel=1e-5, abs=1e-9)
         norm = torch.nn.utils.get_total_norm([p.grad for p in module.parameters()])
         assert record["grad_norm"] == pytest.approx(float(norm), rel=1e-6)
+
+
+def test_a_file_in_the_bundles_place_is_never_replaced(tmp_path: Path) -> None:
+    (tmp_path / "nonfinite-step-1.safetensors").write_bytes(b"the user's file")
+    with pytest.warns(MonitorFaultWarning, match="bundle failed .FileExistsError: .* exists and "
+                                                 "is not this run's"):
+        with pytest.warns(NonFiniteStepWarning):
+            mon = _train(_model(), 3, mon_args={"run_dir": tmp_path, "guard": "skip"}, nan_at=1)
+    assert (tmp_path / "nonfinite-step-1.safetensors").read_bytes() == b"the user's file"
+    assert mon is not None
+    assert [(e["event"], e.get("where"), e.get("bundle")) for e in mon.events] == [
+        ("fault", "bundle", None), ("nonfinite", None, None)]

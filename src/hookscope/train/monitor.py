@@ -320,7 +320,8 @@ class Monitor:
 
     def _fault(self, where: str, err: BaseException, then: str = "") -> None:
         """One ``MonitorFaultWarning`` and one ``fault`` event for ``err`` in ``where``."""
-        error = advice(err) if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
+        error = advice(err) if isinstance(err, OSError) and err.errno is not None else \
+            f"{type(err).__name__}: {err}"
         event = {"event": "fault", "step": self.step_index, "rank": self.rank, "where": where,
                  "error": error[:500]}
         self.events.append(event)
@@ -418,16 +419,22 @@ class Monitor:
             self._skip_step()
         # the finding is raised or recorded whatever the replay or the disk does
         origin = self._contained("replay", lambda: replay(bundle, copy.deepcopy(self.root)))
-        path = None
-        if self.run_dir is not None:
-            suffix = f"-rank{self.rank}" if self.records_file and "rank" in self.records_file.name else ""
-            path = self._contained("bundle", lambda: bundle.save(
-                self.run_dir / f"nonfinite-step-{bundle.step}{suffix}{BUNDLE_SUFFIX}"))  # type: ignore[operator]
+        path = self._contained("bundle", lambda: self._save(bundle)) if self.run_dir else None
         event = _event(bundle, origin, path)
         self.events.append(event)
         self._write(event)
         self._alarm(_message(bundle, origin, path, self.latest.get(event["module"] or "")),
                     origin, bundle.step, path)
+
+    def _save(self, bundle: ReplayBundle) -> Path:
+        """Write ``bundle`` into the run folder; a file of that name is never replaced (it is
+        not this run's: a run writes a bundle per step once)."""
+        suffix = f"-rank{self.rank}" if self.records_file and "rank" in self.records_file.name else ""
+        path = self.run_dir / f"nonfinite-step-{bundle.step}{suffix}{BUNDLE_SUFFIX}"  # type: ignore[operator]
+        if path.exists() or path.is_symlink():
+            raise FileExistsError(f"{path} exists and is not this run's: hookscope never "
+                                  f"replaces a file it did not write")
+        return bundle.save(path)
 
     def _alarm(self, message: str, origin: NonFiniteOrigin | None, step: int, path: Path | None) -> None:
         if self.guard == "raise":
