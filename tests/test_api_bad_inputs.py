@@ -298,6 +298,26 @@ ROWS = [
     Row("attribution_patching", "position past the input", "positions",
         lambda m: hs.attribution_patching(m, IDS, IDS, _metric, layers="transformer.h.0",
                                           positions=[99]), gpt2=True),
+    # issue 35: steer's overflow and layout, 1-D ids, open_store, replay, tree, remove_hooks
+    Row("steer", "vector sparse", r"vectors\['fc1'\].*to_dense",
+        lambda m: hs.steer(m, {"fc1": torch.ones(20).to_sparse()})),
+    Row("steer", "scale overflows", r"scale \* vectors\['fc1'\] \(scale=1e\+308\)",
+        lambda m: hs.steer(m, {"fc1": torch.ones(20)}, scale=1e308)),
+    Row("logit_lens", "1-D ids", r"input_ids has shape \(5,\).*input_ids\[None\]",
+        lambda m: hs.logit_lens(m, IDS[0]), gpt2=True),
+    Row("open_store", "path None", "path must be a path", lambda m: hs.open_store(None)),  # type: ignore[arg-type]
+    Row("open_store", "path int", "path must be a path", lambda m: hs.open_store(5)),  # type: ignore[arg-type]
+    Row("replay", "bundle None", "bundle must be a path", lambda m: hs.replay(None, m)),  # type: ignore[arg-type]
+    Row("replay", "model None", "model", lambda m: hs.replay("b.safetensors", None)),  # type: ignore[arg-type]
+    Row("replay", "bundle missing", "nofile.safetensors",
+        lambda m: hs.replay("nofile.safetensors", m)),
+    Row("tree", "flag str", "ops", lambda m: hs.tree(m, X, ops="yes")),  # type: ignore[arg-type]
+    Row("tree", "flag int", "ops", lambda m: hs.tree(m, ops=1)),  # type: ignore[arg-type]
+    Row("remove_hooks", "flag str", "include_global",
+        lambda m: hs.remove_hooks(m, include_global="yes")),  # type: ignore[arg-type]
+    Row("remove_hooks", "flag int", "include_internal",
+        lambda m: hs.remove_hooks(m, include_internal=1)),  # type: ignore[arg-type]
+    Row("remove_hooks", "model None", "model", lambda m: hs.remove_hooks(None)),  # type: ignore[arg-type]
 ]
 
 
@@ -396,7 +416,7 @@ def test_figures(gpt2: nn.Module, tmp_path: Any, capsys: pytest.CaptureFixture[s
         print(f"\nAPI bad calls: tried {len(ROWS)} / clean {counts['clean']} / raw "
               f"{counts['raw']} / silent {counts['silent']}")
     assert counts == {"clean": len(ROWS), "raw": 0, "silent": 0}
-    assert len({r.verb for r in ROWS}) == 18
+    assert len({r.verb for r in ROWS}) == 22
 
 
 # ---------------------------------------------------------------- generated inputs

@@ -78,7 +78,7 @@ def test_guard_names_step_module_direction_and_the_bundle_reproduces_it(tmp_path
                                         "class": "Temperature", "call": 0, "direction": "forward",
                                         "op": "div", "tensor": "output", "bundle": None}
     bundle = Path(event["bundle"])
-    assert bundle == tmp_path / "nonfinite-step-200.pt"
+    assert bundle == tmp_path / "nonfinite-step-200.safetensors"
     fresh = TinyTransformer()  # other weights: the bundle brings the step's own
     fresh.scale.temperature = 0.0
     again = hookscope.replay(bundle, fresh)

@@ -44,13 +44,14 @@ def test_rank_one_names_its_module_and_rank_zero_names_the_all_reduce(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     torchrun(tmp_path, "raise")
     assert sorted(p.name for p in tmp_path.iterdir()) == [  # one file per rank, no collision
-        f"nonfinite-step-{ZERO_AT}-rank1.pt", "outcome-rank0.json", "outcome-rank1.json",
+        f"nonfinite-step-{ZERO_AT}-rank1.safetensors", "outcome-rank0.json", "outcome-rank1.json",
         "records-rank0.jsonl", "records-rank1.jsonl"]
     ranks = [lines(tmp_path / f"records-rank{r}.jsonl") for r in (0, 1)]
     events = [[r for r in records if r.get("event") == "nonfinite"] for records in ranks]
     assert events[1] == [{"event": "nonfinite", "step": ZERO_AT, "rank": 1, "module": "2",
                           "class": "Temperature", "call": 0, "direction": "forward", "op": "div",
-                          "tensor": "output", "bundle": str(tmp_path / f"nonfinite-step-{ZERO_AT}-rank1.pt")}]
+                          "tensor": "output",
+                          "bundle": str(tmp_path / f"nonfinite-step-{ZERO_AT}-rank1.safetensors")}]
     assert events[0] == [{"event": "nonfinite", "step": ZERO_AT, "rank": 0, "module": None,
                           "class": None, "call": None, "direction": "all-reduce", "op": None,
                           "tensor": None, "bundle": None}]
@@ -77,7 +78,7 @@ def test_rank_one_names_its_module_and_rank_zero_names_the_all_reduce(
 
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), Temperature(), nn.Linear(8, 2))
     model[2].temperature = 0.0  # the bundle holds inputs and weights, not this attribute
-    assert hookscope.replay(tmp_path / f"nonfinite-step-{ZERO_AT}-rank1.pt", model).path == "2"
+    assert hookscope.replay(tmp_path / f"nonfinite-step-{ZERO_AT}-rank1.safetensors", model).path == "2"
     assert torch.isfinite(model[0].weight).all()
 
 

@@ -115,7 +115,7 @@ def test_trainer_nan_at_step_k_is_named_with_its_module(tmp_path: Path) -> None:
     assert "step 5: first non-finite output: 'transformer.h.0.mlp.act' (Scaled)" in str(caught.value)
     assert all(torch.isfinite(p).all() for p in gpt2.parameters())  # raised before optimizer.step
     assert hookscope.hooks(gpt2) == []  # the callback closed the monitor
-    bundle = tmp_path / "run" / "nonfinite-step-5.pt"
+    bundle = tmp_path / "run" / "nonfinite-step-5.safetensors"
     assert caught.value.bundle == bundle  # type: ignore[attr-defined]
     recorded = hookscope.ReplayBundle.load(bundle)
     assert torch.equal(recorded.inputs.kwargs["input_ids"], seen[5]["input_ids"])  # step 5's batch

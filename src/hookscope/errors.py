@@ -68,6 +68,17 @@ class NonFiniteStepWarning(UserWarning):
     """The training guard found a non-finite value in a step, with ``guard="warn"``/``"skip"``."""
 
 
+class MonitorFaultWarning(UserWarning):
+    """``hookscope.monitor`` could not do part of its own work (write records or a replay
+    bundle, summarise a value, hook an optimizer it does not know); training went on, and the
+    fault is an ``{"event": "fault"}`` record in ``mon.events`` and the run folder."""
+
+
+class BundleError(HookscopeError, ValueError):
+    """A replay bundle is damaged, not hookscope's, or does not fit the model; nothing of the
+    model was touched."""
+
+
 class FusedModuleWarning(UserWarning):
     """A selected module is a placeholder left by fusion (``fuse_modules``): its output is not
     what its name says."""

@@ -8,7 +8,7 @@ from typing import Any
 
 from hookscope.cli._common import add_parents_argument, add_positional, check_output_path, say
 from hookscope.diagnostics.nonfinite import INPUT
-from hookscope.train.report import draw_run, read_run
+from hookscope.train.report import draw_records, read_run
 
 HELP = ("draw a hookscope.monitor run folder as a PNG: modules x steps heat maps of activation "
         "absmax and zero fraction, gradient norms, the guard's events")
@@ -25,12 +25,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Draw the run; print the picture's path and the guard's findings; exit 1 when it fired."""
     check_output_path(args.out, "--out", parents=args.parents)
-    path = draw_run(args.run_dir, args.out)
-    _, events = read_run(args.run_dir)
+    records, events = read_run(args.run_dir)
+    path = draw_records(records, events, args.run_dir, args.out)
     fired = [e for e in events if e["event"] == "nonfinite"]
     skipped = sum(e["event"] == "overflow_skipped" for e in events)
     for event in fired:
         print(_finding(event))
+    for event in events:
+        if event["event"] == "fault":  # the monitor's own work failed; training went on
+            lost = f", {event['lost']} record(s) lost" if "lost" in event else ""
+            print(f"step {event.get('step')}: the monitor's {event.get('where')} failed "
+                  f"({event.get('error')}){lost}")
     if skipped:
         print(f"{skipped} step(s) skipped by the GradScaler (overflow)")
     print(path)

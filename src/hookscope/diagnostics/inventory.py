@@ -22,6 +22,7 @@ from typing import Any
 from torch import nn
 from torch.nn.modules import module as torch_module
 
+from hookscope.engine.checks import check_flag, check_model
 from hookscope.engine.hooks import owner
 from hookscope.engine.names import index
 
@@ -100,7 +101,13 @@ def remove_hooks(model: nn.Module, *, include_global: bool = False,
 
     Returns:
         The number of hooks removed.
+
+    Raises:
+        ArgumentTypeError: ``model`` is not a module, a flag is not a bool.
     """
+    check_model(model)
+    check_flag("include_global", include_global)
+    check_flag("include_internal", include_internal)
     removed = 0
     tables: list[tuple[nn.Module | None, dict[int, Any]]] = [
         (module, getattr(module, attr)) for _, module in _all_modules(model) for attr in _HOOK_DICTS.values()]

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from hookscope.engine import diagnose
+from hookscope.engine.checks import check_flag
 from hookscope.engine.function_mode import FunctionCall
 from hookscope.engine.function_names import functional_hint
 from hookscope.engine.names import ModuleIndex, index
@@ -109,6 +110,7 @@ def tree(model: nn.Module, *args: Any, ops: bool = False, **kwargs: Any) -> list
             model ran code compiled before the hooks existed (the message gives the fix).
         Whatever the forward pass raises on a bad example input.
     """
+    check_flag("ops", ops)
     diagnose.preflight(model)
     if not (args or kwargs):
         names = index(model)

@@ -388,9 +388,10 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
         An ``Edit`` context manager.
 
     Raises:
-        ArgumentTypeError: ``scale`` is not a real number; a complex vector; ``positions``,
+        ArgumentTypeError: ``scale`` is not a real number; a complex or sparse vector; ``positions``,
             ``absolute`` or ``seq_dim`` of the wrong type (at the call).
-        ArgumentValueError: ``scale`` or a vector is NaN or infinite (at the call).
+        ArgumentValueError: ``scale`` or a vector is NaN or infinite, or ``scale * vector``
+            overflows to infinity (``scale=1e308``) (at the call).
         EmptySelectionError: a vector with no values, ``torch.zeros(0)`` (at the call).
         EditError: a vector is not a tensor; in the forward pass: the selected output is not a
             tensor or the vector does not broadcast to it.
@@ -408,7 +409,9 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
             raise EditError(f"the steering vector for '{pattern}' is a {type(vector).__name__}; "
                             f"give a tensor, e.g. torch.tensor(values) of shape (d_model,)")
         _check_vector(f"vectors[{pattern!r}]", vector)
-        rule = edit_rules.steer_rule(vector.detach() * scale)
+        scaled = vector.detach() * scale
+        check_finite(f"scale * vectors[{pattern!r}] (scale={scale:g})", scaled)  # an overflow
+        rule = edit_rules.steer_rule(scaled)
         if watcher is not None:
             rule = edit_rules.at_positions(rule, positions, watcher,
                                             edit_rules.Where(heads, seq_dim, absolute, over))
@@ -429,7 +432,10 @@ def _check_where(positions: object, absolute: object, seq_dim: object, over: obj
 
 
 def _check_vector(name: str, vector: Tensor) -> None:
-    """A steering vector: real, finite, with at least one value."""
+    """A steering vector: dense, real, finite, with at least one value."""
+    if vector.layout != torch.strided:
+        raise ArgumentTypeError(f"{name} is a {vector.layout} tensor: a steering vector is added "
+                                f"to dense activations; pass {name.split('[')[0]}[...].to_dense()")
     if vector.is_complex():
         raise ArgumentTypeError(f"{name} is complex ({vector.dtype}): it would be cast to the "
                                 f"real output, dropping its imaginary part; give a real vector")

@@ -239,10 +239,15 @@ def check_token_ids(name: str, ids: object, vocab_size: int) -> None:
 
     Raises:
         ArgumentTypeError: not a tensor, or a floating, complex or bool tensor.
-        ArgumentValueError: an id below 0 or at least ``vocab_size``.
+        ArgumentValueError: not 2-D ``(batch, seq)``; an id below 0 or at least ``vocab_size``.
     """
     check_tensor(name, ids, "tokenizer(text, return_tensors='pt').input_ids, (batch, seq)")
     assert isinstance(ids, torch.Tensor)
+    if ids.dim() != 2:
+        fix = f"{name}[None] (one sequence as a batch of one)" if ids.dim() == 1 else \
+            "a (batch, seq) tensor, as the tokenizer returns"
+        raise ArgumentValueError(f"{name} has shape {tuple(ids.shape)}, but token ids are "
+                                 f"(batch, seq): pass {fix}")
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise ArgumentTypeError(f"{name} must hold integer token ids (torch.long); got dtype "
                                 f"{ids.dtype}: convert with {name}.long() only if the values "
@@ -282,6 +287,13 @@ def check_positions(name: str, value: object, length: int | None = None) -> None
                                      f"use positions in {-length} … {length - 1}")
 
 
+def check_path(name: str, value: object, example: str) -> None:
+    """Raise ``ArgumentTypeError`` unless ``value`` is a path (``str`` or ``os.PathLike``; a
+    ``bytes`` path is refused too: hookscope names files by text)."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise ArgumentTypeError(f"{name} must be a path, e.g. {example}; got {_got(value)}")
+
+
 def check_run_dir(name: str, value: object) -> None:
     """Raise unless ``value`` is ``None`` or a path (``str``/``os.PathLike``) that is a folder
     or does not exist yet (it is created); an existing file cannot hold a run.
@@ -292,10 +304,8 @@ def check_run_dir(name: str, value: object) -> None:
     """
     if value is None:
         return
-    if not isinstance(value, (str, os.PathLike)):
-        raise ArgumentTypeError(f"{name} must be a folder path, e.g. {name}='runs/exp1'; got "
-                                f"{_got(value)}")
-    path = Path(value)
+    check_path(name, value, f"{name}='runs/exp1'")
+    path = Path(value)  # type: ignore[arg-type]
     for folder in (path, *path.parents):
         if folder.exists() and not folder.is_dir():
             raise ArgumentValueError(f"{name}={str(value)!r}: {str(folder)!r} is a file, not a "

@@ -39,6 +39,7 @@ from typing import Any
 from hookscope.errors import StoreCorruptError, StoreExistsError
 from hookscope.store.manifest import (
     FORMAT,
+    MAX_MANIFEST_BYTES,
     SHARD_NAME,
     check_manifest,
     parse_json,
@@ -47,8 +48,8 @@ from hookscope.store.manifest import (
 from hookscope.store.reader import chunk_sums
 
 MANIFEST = "manifest.json"
-_MANIFEST_NAME = re.compile(r"manifest(-r\d{4})?\.json")
-TEMPORARY = re.compile(r"\.(?P<target>.+)\.tmp-(?P<run>[0-9a-f]{32})-\d+-[0-9a-f]{8}")
+_MANIFEST_NAME = re.compile(r"manifest(-r[0-9]{4})?\.json")  # ASCII digits: see SHARD_NAME
+TEMPORARY = re.compile(r"\.(?P<target>.+)\.tmp-(?P<run>[0-9a-f]{32})-[0-9]+-[0-9a-f]{8}")
 
 
 def check_output(folder: Path, *, resume: bool, overwrite: bool) -> None:
@@ -176,7 +177,7 @@ def _manifest(folder: Path, name: str, flag: str) -> dict[str, Any]:
     try:
         if (folder / name).is_symlink():
             raise StoreCorruptError(f"{folder / name} is a symbolic link")
-        manifest = parse_json(read_regular(folder / name))
+        manifest = parse_json(read_regular(folder / name, max_bytes=MAX_MANIFEST_BYTES))
         check_manifest(manifest, folder / name)
     except (OSError, ValueError) as err:
         raise StoreExistsError(
@@ -260,7 +261,7 @@ def _is_temporary(folder: Path, name: str, run: str | None) -> bool:
     if not _MANIFEST_NAME.fullmatch(match["target"]) or not _regular(folder / name):
         return False
     try:  # the first manifest, written but not yet renamed: its content proves it
-        manifest = parse_json(read_regular(folder / name))
+        manifest = parse_json(read_regular(folder / name, max_bytes=MAX_MANIFEST_BYTES))
         check_manifest(manifest, folder / name)
     except (OSError, ValueError):
         return False

@@ -14,17 +14,16 @@ and the field, so a damaged or hostile manifest can neither crash a reader with 
 
 from __future__ import annotations
 
-import errno
 import json
 import math
 import os
 import re
-import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from hookscope.errors import StoreCorruptError
+from hookscope.util.files import read_regular as read_regular  # the store readers' import
 
 FORMAT = "hookscope.store"
 VERSION = 1
@@ -34,11 +33,20 @@ DTYPES = {"float64": ("F64", 8), "float32": ("F32", 4), "float16": ("F16", 2),
           "int8": ("I8", 1), "uint8": ("U8", 1), "bool": ("BOOL", 1)}
 COLUMNS = ("id", "label", "token")  # per-row columns besides the layers (README, "Store format")
 COLUMN_PREFIX = "@"  # a column's tensor in a shard is "@id", "@label"; no layer name starts so
-SHARD_NAME = re.compile(r"shard-(r\d{4}-)?\d{5}\.safetensors")
+# ASCII digits only ([0-9]): ``\d`` matches any Unicode digit, so a user's file named with
+# Arabic-Indic or full-width digits would pass for hookscope's (and ``--overwrite`` delete it)
+SHARD_NAME = re.compile(r"shard-(r[0-9]{4}-)?[0-9]{5}\.safetensors")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _CHUNK_SUM = re.compile(r"[0-9a-f]{16}")
 RUN_ID = re.compile(r"[0-9a-f]{32}")
 MAX_COUNT = 2**53  # every count and size of a manifest: exact in any JSON reader (RFC 7493)
+# the largest manifest read: one 16-hex-digit checksum (19 bytes in JSON) per 4 MiB chunk lets
+# 64 MiB describe ~14 TB of shards; a larger file is refused before any byte of it is read
+MAX_MANIFEST_BYTES = 64 * 2**20
+# rows a store may hold beyond one per byte of its shards: a zero-width layer's rows take no
+# bytes, and a reader allocates per row (``store.ids``' row numbers: 8 bytes each), so rows are
+# bounded by the files' sizes (checked against the disk when the store opens) plus this many
+FREE_ROWS = 2**20
 _FIX = ("the manifest is damaged or was not written by hookscope; restore it from a copy or "
         "extract the store again (overwrite=True / --overwrite)")
 
@@ -110,6 +118,11 @@ def check_manifest(data: Any, file: Path) -> None:
         names.add(entry["file"])
     if rows != stop:
         raise corrupt(file, "rows", f"is {rows} but the shards hold {stop} rows")
+    nbytes = sum(entry["bytes"] for entry in shards)
+    if rows > nbytes + FREE_ROWS:
+        raise corrupt(file, "rows", f"is {rows}, but the shards' {nbytes} bytes hold at most "
+                                    f"{nbytes + FREE_ROWS} rows (one per byte, and {FREE_ROWS} "
+                                    f"rows of zero-width layers)")
     _check_batches(file, data, shards)
 
 
@@ -304,19 +317,6 @@ def check_metadata(metadata: Any, run: str | None, name: str) -> None:
             raise corrupt(name, f"header.__metadata__.{key}",
                           f"is {metadata.get(key)!r:.80}, the manifest's is {want!r}: the shard "
                           f"belongs to another store")
-
-
-def read_regular(path: Path, limit: int = -1) -> bytes:
-    """Return the bytes of ``path`` (at most ``limit``) after checking it is a regular file:
-    a FIFO or device named like a store file would block or never end, a folder cannot be read.
-
-    Raises:
-        OSError: ``path`` is missing, unreadable, or not a regular file (``EINVAL``).
-    """
-    with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        return f.read(limit)
 
 
 def inside(folder: Path, name: str, file: Path, field: str) -> Path:

@@ -33,10 +33,12 @@ import numpy as np
 import safetensors
 import torch
 
+from hookscope.engine.checks import check_path
 from hookscope.errors import HookscopeError, StoreCorruptError, StoreError
 from hookscope.store.manifest import (
     COLUMN_PREFIX,
     FORMAT,
+    MAX_MANIFEST_BYTES,
     check_header,
     check_manifest,
     check_metadata,
@@ -288,7 +290,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
     """
     inside(path.parent, path.name, path, "name")
     try:
-        data = parse_json(read_regular(path))
+        data = parse_json(read_regular(path, max_bytes=MAX_MANIFEST_BYTES))
     except (OSError, ValueError) as err:
         raise StoreCorruptError(f"cannot read {path}: {err}. The file is damaged; extract the "
                                 f"store again (overwrite=True / --overwrite).") from err
@@ -629,10 +631,12 @@ def open_store(path: str | os.PathLike[str], *, allow_incomplete: bool = False,
         ``store[layer][i:j]`` tensors, ``store.dataset(layer)``, ``store.verify()``.
 
     Raises:
+        ArgumentTypeError: ``path`` is not a path (``None``, a number).
         StoreError: ``path`` is not a store, or its extraction did not finish, or is a URL
             other than ``file://`` (``s3://``, ...: not supported yet).
         StoreCorruptError: the manifest is damaged, or a shard is missing or has the wrong size.
     """
+    check_path("path", path, "hookscope.open_store('acts/') (the folder extract wrote)")
     folder = store_folder(path, StoreError)
     if not folder.exists():
         raise StoreError(f"{folder} does not exist: give the folder that hookscope.extract / "

@@ -26,9 +26,11 @@ import torch
 from torch import nn
 
 from hookscope.diagnostics.nonfinite import NonFiniteOrigin, find_nonfinite
-from hookscope.engine.run import RngState, input_device, untouched
+from hookscope.engine.checks import check_model
+from hookscope.engine.run import RngState, input_device, state_snapshot, untouched
 from hookscope.engine.select import unwrap
-from hookscope.errors import HookscopeError
+from hookscope.errors import BundleError, HookscopeError
+from hookscope.train.bundle import decode, read_bundle, write_bundle
 from hookscope.util.nested import iter_tensors
 
 Tensor = torch.Tensor
@@ -79,32 +81,44 @@ class ReplayBundle:
     state: dict[str, Tensor]
 
     def save(self, path: str | Path) -> Path:
-        """Write the bundle with ``torch.save`` (plain tensors, lists and dicts: it loads with
-        ``weights_only=True``) and return the path."""
-        path = Path(path)
-        i = self.inputs
-        torch.save({"step": self.step, "rank": self.rank, "args": list(i.args), "kwargs": i.kwargs,
-                    "rng_cpu": i.rng.cpu, "rng_cuda": i.rng.cuda,
-                    "autocast": list(i.autocast) if i.autocast else None,
-                    "output_grads": self.output_grads, "state": self.state}, path)
-        return path
+        """Write the bundle to ``path`` (a safetensors file, see ``hookscope.train.bundle``)
+        atomically (temporary file, fsync, rename) and return the path.
+
+        Raises:
+            BundleError: the step's inputs hold a value a bundle cannot hold (not a tensor,
+                number, string, None, list, tuple or dict of them).
+            OSError: the file cannot be written (the disk is full); nothing is left behind.
+        """
+        return write_bundle(self, Path(path))
 
     @classmethod
     def load(cls, path: str | Path, map_location: torch.device | str | None = None) -> ReplayBundle:
-        """Read a bundle written by ``save`` (tensors onto ``map_location`` when given).
+        """Read and check a bundle written by ``save`` (tensors onto ``map_location`` when
+        given); nothing is unpickled.
 
         Raises:
-            HookscopeError: the file is not a hookscope replay bundle.
+            ArgumentTypeError: ``path`` is not a path.
+            BundleError: the file is missing, not a regular file, a link leading out of its
+                folder, truncated, damaged (checksum), not a hookscope bundle, or breaks the
+                schema (the message names the field).
         """
-        data = torch.load(path, map_location=map_location, weights_only=True)
-        if not isinstance(data, dict) or "output_grads" not in data:
-            raise HookscopeError(f"{path} is not a replay bundle written by hookscope.monitor "
-                                 "(no 'output_grads'); pass the nonfinite-step-*.pt file of the run")
-        autocast = tuple(data["autocast"]) if data["autocast"] else None
-        rng = RngState(data["rng_cpu"].cpu(),
-                       [s.cpu() for s in data["rng_cuda"]] if data["rng_cuda"] else None)
-        inputs = StepInputs(tuple(data["args"]), data["kwargs"], rng, autocast)
-        return cls(data["step"], data["rank"], inputs, data["output_grads"], data["state"])
+        data = read_bundle(path)
+        if map_location is not None:
+            data = {**data, "tensors": {k: v.to(map_location) for k, v in data["tensors"].items()}}
+        return cls.from_parts(data)
+
+    @classmethod
+    def from_parts(cls, data: dict[str, Any]) -> ReplayBundle:
+        """The bundle of ``read_bundle``'s checked parts (tensors by name, the JSON fields)."""
+        tensors, fields = data["tensors"], data["fields"]
+        state = {key: tensors[name] for key, name in fields["state"].items()}
+        grads = [None if name is None else tensors[name] for name in fields["output_grads"]]
+        rng = RngState(tensors[fields["rng_cpu"]],
+                       None if fields["rng_cuda"] is None else [tensors[n] for n in fields["rng_cuda"]])
+        autocast = tuple(fields["autocast"]) if fields["autocast"] is not None else None
+        inputs = StepInputs(tuple(decode(fields["args"], tensors)), decode(fields["kwargs"], tensors),
+                            rng, autocast)
+        return cls(fields["step"], fields["rank"], inputs, grads, state)
 
 
 def gradients_finite(params: Iterable[nn.Parameter]) -> bool:
@@ -120,15 +134,19 @@ def gradients_finite(params: Iterable[nn.Parameter]) -> bool:
 def replay(bundle: ReplayBundle | str | Path, model: nn.Module) -> NonFiniteOrigin | None:
     """Re-run a recorded training step on ``model`` and return where NaN/Inf first appeared.
 
-    ``model`` gets the bundle's weights (``load_state_dict``: its parameters and buffers are
-    overwritten; pass a copy to keep yours), then ``find_nonfinite(model, ..., backward=True)``
+    The bundle is checked whole first (file, checksum, schema; nothing is unpickled) and its
+    state dict against ``model``'s (the same keys, shapes and dtypes): a damaged bundle, or one
+    of another model, is ``BundleError`` with ``model`` untouched. Then ``model`` gets the
+    bundle's weights (``load_state_dict``: its parameters and buffers are overwritten; pass a
+    copy to keep yours; when the replay itself fails they are put back), then
+    ``find_nonfinite(model, ..., backward=True)``
     runs the step's forward under its autocast state and RNG state, and back-propagates the
     gradient the real step delivered to the outputs (see the module docstring). The RNG states
     are put back afterwards.
 
     Args:
-        bundle: a ``ReplayBundle`` or the path of one (``nonfinite-step-<N>.pt`` in a run
-            folder); tensors are loaded onto the device of ``model``'s first parameter.
+        bundle: a ``ReplayBundle`` or the path of one (``nonfinite-step-<N>.safetensors`` in a
+            run folder); tensors are loaded onto the device of ``model``'s first parameter.
         model: a model of the same architecture (the state dict must load strictly).
 
     Returns:
@@ -140,21 +158,53 @@ def replay(bundle: ReplayBundle | str | Path, model: nn.Module) -> NonFiniteOrig
         held NaN/Inf (``bad_label`` names the input, ``first_bad`` the indices).
 
     Raises:
-        HookscopeError: ``bundle`` is not a replay bundle; as ``find_nonfinite``.
-        RuntimeError: (torch) the state dict does not fit ``model``.
+        ArgumentTypeError: ``model`` is not a module, ``bundle`` neither a bundle nor a path.
+        BundleError: the bundle is damaged, not hookscope's, or its state dict does not fit
+            ``model`` (``model`` untouched); or its step raises in ``model`` (its state put
+            back); as ``find_nonfinite``.
     """
+    check_model(model)
     root, _ = unwrap(model)
     if not isinstance(bundle, ReplayBundle):
-        device = input_device(root)
-        bundle = ReplayBundle.load(bundle, map_location=device)
-    root.load_state_dict(bundle.state)
-    inputs = bundle.inputs
-    grads = bundle.output_grads
-    with untouched(root):  # puts the RNG states back afterwards
-        inputs.rng.restore()
-        with _autocast(inputs.autocast):
-            return find_nonfinite(root, *inputs.args, backward=True,
-                                  loss_fn=lambda output: _output_loss(output, grads), **inputs.kwargs)
+        bundle = ReplayBundle.load(bundle, map_location=input_device(root))
+    _check_fits(bundle.state, root)
+    before = state_snapshot(root)
+    try:
+        root.load_state_dict(bundle.state)
+        inputs = bundle.inputs
+        grads = bundle.output_grads
+        with untouched(root):  # puts the RNG states back afterwards
+            inputs.rng.restore()
+            with _autocast(inputs.autocast):
+                return find_nonfinite(root, *inputs.args, backward=True,
+                                      loss_fn=lambda output: _output_loss(output, grads),
+                                      **inputs.kwargs)
+    except BaseException as err:
+        root.load_state_dict(before)  # a replay that fails leaves the weights as they were
+        if isinstance(err, HookscopeError) or not isinstance(err, Exception):
+            raise
+        raise BundleError(f"the bundle's step does not run on {type(root).__name__} "
+                          f"({type(err).__name__}: {str(err)[:300]}); replay the bundle on the "
+                          f"model that recorded it, in the same train/eval mode (the model's "
+                          f"weights were put back)") from err
+
+
+def _check_fits(state: dict[str, Tensor], root: nn.Module) -> None:
+    """Raise ``BundleError`` unless ``state`` has ``root``'s state-dict keys, shapes, dtypes."""
+    mine = root.state_dict()
+    if set(state) != set(mine):
+        missing, extra = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
+        raise BundleError(f"the bundle's state dict does not fit the model ({type(root).__name__})"
+                          f": missing {missing[:5]}, unexpected {extra[:5]}; replay the bundle on "
+                          f"the architecture that recorded it (the model was not changed)")
+    for key, tensor in state.items():
+        if not isinstance(tensor, Tensor) or tensor.shape != mine[key].shape \
+                or tensor.dtype != mine[key].dtype:
+            what = (f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, Tensor)
+                    else type(tensor).__name__)
+            raise BundleError(f"the bundle's state dict entry {key!r} is {what}, the model's "
+                              f"{tuple(mine[key].shape)} {mine[key].dtype}; replay the bundle on "
+                              f"the model that recorded it (the model was not changed)")
 
 
 def _autocast(state: tuple[str, str] | None) -> AbstractContextManager[Any]:

@@ -21,16 +21,24 @@ What runs when:
 
 Only statistics are kept (``latest``: the last record of each module, and ``events``); the
 records go to ``RUN_DIR/records.jsonl``, so memory does not grow with the number of steps.
+
+Faults: the monitor never makes training wrong nor stops it. A failure of its own work (the
+disk is full when a record or a bundle is written, a value its statistics cannot summarise, an
+optimizer whose step it cannot hook, a ``writer`` that raises) is one ``MonitorFaultWarning``
+and one ``{"event": "fault", "step", "rank", "where", "error"}`` in ``events`` and in the
+records (written once the file takes writes again; ``lost`` counts the records that could not
+be), and the step goes on and is counted. Only the guard's own finding stops a step
+(``NonFiniteStepError``, ``guard="raise"``), whatever the disk does.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 from torch import nn
@@ -46,10 +54,12 @@ from hookscope.errors import (
     ArgumentTypeError,
     ArgumentValueError,
     HookscopeError,
+    MonitorFaultWarning,
     NonFiniteStepError,
     NonFiniteStepWarning,
     warn,
 )
+from hookscope.train.bundle import SUFFIX as BUNDLE_SUFFIX
 from hookscope.train.guard import (
     ReplayBundle,
     StepInputs,
@@ -58,9 +68,12 @@ from hookscope.train.guard import (
     gradients_finite,
     replay,
 )
+from hookscope.train.records_file import RecordsFile
+from hookscope.util.files import advice
 from hookscope.util.nested import get_part, iter_tensors
 
 Tensor = torch.Tensor
+T = TypeVar("T")
 GuardMode = Literal["raise", "warn", "skip"]
 STATS = ("mean", "std", "absmax", "frac_zeros", "frac_nonfinite", "count")
 
@@ -81,7 +94,10 @@ def monitor(model: nn.Module, layers: str | list[str] = "**", *, every: int = 10
     output (``"activation"``) and of the gradient of the loss with respect to that output
     (``"gradient"``): ``mean``, ``std`` (population, ``ddof=0``: ``torch.std(x,
     correction=0)``), ``absmax``, ``frac_zeros`` (dead units), ``frac_nonfinite``, ``count``
-    (elements), float64 as in ``hookscope.stats``; and of its
+    (elements), float64 as in ``hookscope.stats``; with ``scaler``, the gradient statistics
+    are of the true gradient (each gradient divided by ``scaler.get_scale()`` in force during
+    its backward; the record's ``loss_scale`` gives it, 1.0 without a scaler), as ``grad_norm``
+    (read after ``scaler.step`` unscaled the ``.grad``) is; and of its
     parameters: ``grad_norm`` (L2 over all ``.grad``, read at the end of the step) and
     ``update_ratio`` = ||W_after - W_before|| / ||W_before|| (L2 over all its parameters).
 
@@ -89,11 +105,11 @@ def monitor(model: nn.Module, layers: str | list[str] = "**", *, every: int = 10
     (or, with ``scaler``, a non-finite output: gradient overflows there are the scaler's and
     are only counted in ``overflows``). It then replays the step with ``find_nonfinite`` and
     names the step, module, call, direction (forward/backward), op and tensor; the replay bundle
-    is written to ``RUN_DIR/nonfinite-step-<N>.pt`` for ``hookscope.replay(path, model)``.
+    is written to ``RUN_DIR/nonfinite-step-<N>.safetensors`` for ``hookscope.replay(path, model)``.
 
     DDP under ``torchrun``: each rank guards its own step (its own gradients, checked at the end
     of its backward, before DDP's all-reduce writes the averaged ones) and writes its own files
-    (``records-rank<R>.jsonl``, ``nonfinite-step-<N>-rank<R>.pt``); messages and events carry
+    (``records-rank<R>.jsonl``, ``nonfinite-step-<N>-rank<R>.safetensors``); messages and events carry
     the rank. Before ``optimizer.step`` every rank checks the all-reduced gradients once more
     (one fused norm): a rank whose own step was finite reports ``direction="all-reduce"``
     (another rank's step was not; that rank names the module) and raises, warns or skips too.
@@ -115,7 +131,10 @@ def monitor(model: nn.Module, layers: str | list[str] = "**", *, every: int = 10
         layers: ``hookscope.select`` patterns of the modules to take statistics of.
         every: take statistics at steps 0, every, 2*every, ...; 0: none (guard only).
         optimizer: hook its ``step()``: steps are counted, and a fired guard acts before the
-            weights change. Not with ``scaler`` (skipped steps never call it).
+            weights change. Not with ``scaler`` (skipped steps never call it). A wrapper that
+            steps another optimizer without torch's step hooks (Opacus's ``DPOptimizer``) is
+            hooked through the optimizer it steps (``original_optimizer``); one with neither is
+            a ``MonitorFaultWarning``, and the loop counts steps with ``mon.step()``.
         scaler: the ``torch.amp.GradScaler`` of the loop (call ``mon.step()`` after
             ``scaler.update()``).
         run_dir: folder for ``records.jsonl`` (``records-rank<R>.jsonl`` in a process group
@@ -147,7 +166,8 @@ class Monitor:
         step_index: the step in progress (0-based).
         overflows: steps a GradScaler skipped for non-finite gradients (with ``scaler``).
         latest: ``{module: record}`` of the last sampled step.
-        events: the guard's findings, as written to the records file.
+        events: the guard's findings and the monitor's own faults (``{"event": "fault"}``),
+            as written to the records file.
         records_file: the JSON Lines file, or None.
     """
 
@@ -177,7 +197,8 @@ class Monitor:
         self._overflowed = False
         self._pending: ReplayBundle | None = None
         self._sample: _Sample | None = None
-        self._file: IO[str] | None = None
+        self._file: RecordsFile | None = None
+        self._unwritten: dict[str, Any] | None = None  # the fault event of records not written
         self._root_session: Observer | None = None
         self._handles: list[Any] = []
 
@@ -213,10 +234,18 @@ class Monitor:
                                       explain_unfired=False)
         self._root_session.__enter__()
         if self._optimizer is not None:
-            # one at a time: a failure on the second still leaves the first to close()
-            self._handles.append(on_optimizer_step(self._optimizer, self._before_update, pre=True))
-            self._handles.append(on_optimizer_step(self._optimizer, self._end_step, pre=False))
-        self._start_sample_if_due()
+            stepped = _stepped_optimizer(self._optimizer)
+            if stepped is None:
+                self._fault("optimizer", TypeError(
+                    f"{type(self._optimizer).__name__} has no torch step hooks and steps no "
+                    f"torch.optim.Optimizer (original_optimizer)"),
+                    "steps are not counted by its step(): call mon.step() after each one")
+                self._optimizer = None
+            else:
+                # one at a time: a failure on the second still leaves the first to close()
+                self._handles.append(on_optimizer_step(stepped, self._before_update, pre=True))
+                self._handles.append(on_optimizer_step(stepped, self._end_step, pre=False))
+        self._contained("statistics", self._start_sample_if_due)
 
     def close(self) -> None:
         """Stop watching: replay a guard still pending (it may raise), then remove every hook,
@@ -227,9 +256,9 @@ class Monitor:
             for handle in self._handles:
                 handle.remove()
             self._handles = []
-            if self._sample is not None:
-                self._sample.session.__exit__(None, None, None)
-                self._sample = None
+            sample, self._sample = self._sample, None
+            if sample is not None:
+                sample.session.__exit__(None, None, None)
             if self._root_session is not None:
                 self._root_session.__exit__(None, None, None)
                 self._root_session = None
@@ -263,28 +292,56 @@ class Monitor:
         self._before_update()
 
     def _end_step(self) -> None:
-        if self._sample is not None:
-            self._finish_sample(self._sample)
-            self._sample = None
-        if self._overflowed:
-            self.overflows += 1
-            self._write({"event": "overflow_skipped", "step": self.step_index, "rank": self.rank,
-                         "scale": float(self.scaler.get_scale())})
-            self._overflowed = False
-        self.step_index += 1
-        self._start_sample_if_due()
-        if self._file is not None:
-            self._file.flush()
+        """After the weights changed: nothing here may raise (see "Faults" above)."""
+        sample, self._sample = self._sample, None  # ended once, whatever follows
+        try:
+            if sample is not None:
+                self._finish_sample(sample)
+            if self._overflowed:
+                self._overflowed = False
+                self.overflows += 1
+                scale = self._contained("statistics", lambda: float(self.scaler.get_scale()))
+                self._write({"event": "overflow_skipped", "step": self.step_index,
+                             "rank": self.rank, "scale": scale})
+        finally:
+            self.step_index += 1
+        self._contained("statistics", self._start_sample_if_due)
+
+    # -- faults ------------------------------------------------------------------------------
+
+    def _contained(self, where: str, work: Callable[[], T]) -> T | None:
+        """``work()``; a fault in it (hookscope's own, never the training's) is one warning and
+        one event, and None is returned."""
+        try:
+            return work()
+        except Exception as err:  # the monitor never stops training (module docstring)
+            self._fault(where, err)
+            return None
+
+    def _fault(self, where: str, err: BaseException, then: str = "") -> None:
+        """One ``MonitorFaultWarning`` and one ``fault`` event for ``err`` in ``where``."""
+        error = advice(err) if isinstance(err, OSError) and err.errno is not None else \
+            f"{type(err).__name__}: {err}"
+        event = {"event": "fault", "step": self.step_index, "rank": self.rank, "where": where,
+                 "error": error[:500]}
+        self.events.append(event)
+        self._write(event)
+        warn(f"hookscope.monitor, step {self.step_index}: {where} failed ({error:.300}); training "
+             f"goes on{', ' + then if then else ''}; the event is in mon.events and the records",
+             MonitorFaultWarning)
 
     # -- the guard ---------------------------------------------------------------------------
 
     def _forward_begins(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.guard is not None:  # only a replay needs the step's inputs and RNG
-            self._inputs = StepInputs.now(args, kwargs, self._device_type)
+            self._inputs = self._contained(
+                "guard", lambda: StepInputs.now(args, kwargs, self._device_type))
 
     def _forward_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if self.guard is None:
-            return
+        if self.guard is not None:
+            self._contained("guard", lambda: self._watch_outputs(output))
+
+    def _watch_outputs(self, output: Any) -> None:
         tensors = grad_outputs(output)
         grads: list[Tensor | None] = [None] * len(tensors)
         self._out_grads = grads
@@ -298,7 +355,7 @@ class Monitor:
             grads[i] = grad
             if not self._queued:
                 self._queued = True
-                after_backward(self._check)
+                after_backward(lambda: self._contained("guard", self._check))
         return hook
 
     def _check(self) -> None:
@@ -313,7 +370,8 @@ class Monitor:
         if self.scaler is not None and forward_ok:  # the scaler skips this step on purpose
             self._overflowed = True
             return
-        assert self._inputs is not None  # a backward through the root's output follows a forward
+        if self._inputs is None:  # the forward's fault was reported: no replay, still the finding
+            raise HookscopeError("non-finite gradients, but the step's inputs were not kept")
         self._pending = ReplayBundle(self.step_index, self.rank, self._inputs,
                                      list(self._out_grads), state_snapshot(self.root))
         if self.guard == "skip":
@@ -334,7 +392,8 @@ class Monitor:
         another rank, whose own guard names the module."""
         if self._pending is not None:
             self._resolve_pending()
-        elif self.world > 1 and self.guard is not None and not gradients_finite(self._params):
+        elif self.world > 1 and self.guard is not None and self._contained(
+                "guard", lambda: gradients_finite(self._params)) is False:
             if self.scaler is not None:  # the scaler skips this step on every rank
                 self._overflowed = True
                 return
@@ -358,16 +417,24 @@ class Monitor:
             return
         if self.guard == "skip":  # again: DDP's all-reduce may have refilled the gradients
             self._skip_step()
-        origin = replay(bundle, copy.deepcopy(self.root))
-        path = None
-        if self.run_dir is not None:
-            suffix = f"-rank{self.rank}" if self.records_file and "rank" in self.records_file.name else ""
-            path = bundle.save(self.run_dir / f"nonfinite-step-{bundle.step}{suffix}.pt")
+        # the finding is raised or recorded whatever the replay or the disk does
+        origin = self._contained("replay", lambda: replay(bundle, copy.deepcopy(self.root)))
+        path = self._contained("bundle", lambda: self._save(bundle)) if self.run_dir else None
         event = _event(bundle, origin, path)
         self.events.append(event)
         self._write(event)
         self._alarm(_message(bundle, origin, path, self.latest.get(event["module"] or "")),
                     origin, bundle.step, path)
+
+    def _save(self, bundle: ReplayBundle) -> Path:
+        """Write ``bundle`` into the run folder; a file of that name is never replaced (it is
+        not this run's: a run writes a bundle per step once)."""
+        suffix = f"-rank{self.rank}" if self.records_file and "rank" in self.records_file.name else ""
+        path = self.run_dir / f"nonfinite-step-{bundle.step}{suffix}{BUNDLE_SUFFIX}"  # type: ignore[operator]
+        if path.exists() or path.is_symlink():
+            raise FileExistsError(f"{path} exists and is not this run's: hookscope never "
+                                  f"replaces a file it did not write")
+        return bundle.save(path)
 
     def _alarm(self, message: str, origin: NonFiniteOrigin | None, step: int, path: Path | None) -> None:
         if self.guard == "raise":
@@ -380,38 +447,67 @@ class Monitor:
 
     def _start_sample_if_due(self) -> None:
         if self.every and self.step_index % self.every == 0:
-            self._sample = _Sample(self.root, self.targets)
+            self._sample = _Sample(self.root, self.targets, self.scaler, self._contained)
 
     def _finish_sample(self, sample: _Sample) -> None:
         sample.session.__exit__(None, None, None)
         for target in self.targets:
-            record = sample.record(target, self.step_index, self.rank)
+            record = self._contained(f"statistics of {target.key!r}",
+                                     lambda t=target: sample.record(t, self.step_index, self.rank))  # type: ignore[misc]
+            if record is None:
+                continue
             self.latest[target.key] = record
             self._write(record)
-            if self.writer is not None:
-                _to_tensorboard(self.writer, record)
+            if self.writer is not None and self._contained(
+                    "writer", lambda r=record: _to_tensorboard(self.writer, r)) is None:  # type: ignore[misc]
+                self.writer = None  # one warning for a writer that fails: not one per record
 
     # -- the records file --------------------------------------------------------------------
 
-    def _open_file(self) -> IO[str] | None:
+    def _open_file(self) -> RecordsFile | None:
         if self.records_file is None:
             return None
         self.records_file.parent.mkdir(parents=True, exist_ok=True)
         try:
-            return self.records_file.open("x", encoding="utf-8")
+            return RecordsFile(self.records_file)
         except FileExistsError:
             raise HookscopeError(f"{self.records_file} exists: each run writes its own folder; "
                                  "pass a new run_dir (or delete the old run)") from None
 
     def _write(self, record: dict[str, Any]) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+        """Append ``record``; a failure is one warning and one fault event (``lost`` counts the
+        records not written), written before the next record the file takes."""
+        if self._file is None:
+            return
+        try:
+            if self._unwritten is not None:
+                self._file.append(self._unwritten)
+                self._unwritten = None
+            self._file.append(record)
+        except Exception as err:  # the disk is full: training goes on
+            if self._unwritten is None:
+                error = advice(err) if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
+                self._unwritten = {"event": "fault", "step": self.step_index, "rank": self.rank,
+                                   "where": "records", "error": error[:500], "lost": 0}
+                self.events.append(self._unwritten)
+                warn(f"hookscope.monitor, step {self.step_index}: {self.records_file} cannot be "
+                     f"written ({error:.300}); training goes on, and the records are dropped "
+                     f"until the file takes writes again (then a 'fault' event counts them)",
+                     MonitorFaultWarning)
+            self._unwritten["lost"] += 1
 
 
 class _Sample:
-    """One sampled step: hooks on the selected modules and the weights they started with."""
+    """One sampled step: hooks on the selected modules and the weights they started with.
 
-    def __init__(self, root: nn.Module, targets: list[Target]):
+    ``scaler``: the loop's GradScaler (or None): each gradient is divided by its scale in force
+    during the backward, so the statistics are of the true gradient. ``contained``: the
+    monitor's fault handler, around each hook's work."""
+
+    def __init__(self, root: nn.Module, targets: list[Target], scaler: Any,
+                 contained: Callable[[str, Callable[[], Any]], Any]):
+        self.scaler, self.contained = scaler, contained
+        self.scales: set[float] = set()
         self.activations = {t.key: RunningStats() for t in targets}
         self.gradients = {t.key: RunningStats() for t in targets}
         self.before = {t.key: detached_clones(t.module.parameters()) for t in targets}
@@ -421,15 +517,28 @@ class _Sample:
     def _hook(self, target: Target) -> Any:
         activations, gradients = self.activations[target.key], self.gradients[target.key]
 
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
+        def observe(output: Any) -> None:
             tensor = next((t for t in iter_tensors(get_part(output, target.parts))
                            if t.is_floating_point()), None)
             if tensor is None:
                 return
             activations.update(tensor)
             if tensor.requires_grad:
-                on_tensor_grad(tensor, gradients.update)
+                on_tensor_grad(tensor, lambda g: self.contained(
+                    f"statistics of {target.key!r}", lambda: gradients.update(self._true(g))))
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self.contained(f"statistics of {target.key!r}", lambda: observe(output))
         return hook
+
+    def _true(self, grad: Tensor) -> Tensor:
+        """``grad`` with the GradScaler's scale in force divided out (float32, as the scaler's
+        own ``unscale_`` does)."""
+        if self.scaler is None:
+            return grad
+        scale = float(self.scaler.get_scale())
+        self.scales.add(scale)
+        return grad.float() / scale
 
     def record(self, target: Target, step: int, rank: int) -> dict[str, Any]:
         """The JSON record of ``target`` for this step."""
@@ -438,6 +547,7 @@ class _Sample:
         return {"step": step, "rank": rank, "module": target.key,
                 "activation": _summary(self.activations[target.key]),
                 "gradient": _summary(self.gradients[target.key]),
+                "loss_scale": max(self.scales, default=1.0),
                 "grad_norm": float(torch.nn.utils.get_total_norm(grads)) if grads else None,
                 "update_ratio": _update_ratio(self.before[target.key], params)}
 
@@ -461,13 +571,16 @@ def _update_ratio(before: list[Tensor], params: list[nn.Parameter]) -> float | N
     return math.sqrt(delta) / math.sqrt(size) if size > 0 else math.inf if delta > 0 else 0.0
 
 
-def _to_tensorboard(writer: Any, record: dict[str, Any]) -> None:
+def _to_tensorboard(writer: Any, record: dict[str, Any]) -> bool:
+    """Write ``record``'s numbers with ``writer.add_scalar``; return True (``_contained`` gives
+    None when it raised)."""
     for kind in ("activation", "gradient"):
         for stat, value in (record[kind] or {}).items():
             writer.add_scalar(f"{record['module']}/{kind}/{stat}", value, record["step"])
     for name in ("grad_norm", "update_ratio"):
         if record[name] is not None:
             writer.add_scalar(f"{record['module']}/{name}", record[name], record["step"])
+    return True
 
 
 def _event(bundle: ReplayBundle, origin: NonFiniteOrigin | None, path: Path | None) -> dict[str, Any]:
@@ -520,6 +633,19 @@ def _check_arguments(every: int, optimizer: Any, scaler: Any, guard: Any) -> Non
         raise HookscopeError("optimizer= and scaler= together: a step the GradScaler skips never "
                              "calls optimizer.step, so its hooks cannot count it; pass scaler= only "
                              "and call mon.step() after scaler.update()")
+
+
+def _stepped_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The optimizer whose ``step()`` runs torch's step hooks: ``optimizer`` itself, or the one
+    a wrapper without them steps (Opacus's ``DPOptimizer``: ``original_optimizer``, stepped
+    after the privacy noise is added); None when there is neither."""
+    for _ in range(8):  # wrappers of wrappers, never a cycle
+        if hasattr(optimizer, "_optimizer_step_pre_hooks"):
+            return optimizer  # type: ignore[no-any-return]
+        optimizer = getattr(optimizer, "original_optimizer", None)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            return None
+    return None
 
 
 def _rank() -> tuple[int, int]:

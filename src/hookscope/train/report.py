@@ -5,20 +5,30 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
-from hookscope.errors import HookscopeError, SpecError
+from hookscope.errors import HookscopeError, SpecError, warn
 from hookscope.util.figures import new_figure, save_figure
+from hookscope.util.files import advice, read_regular
+
+MAX_RECORDS_BYTES = 2**30  # a records file larger than this (1 GiB) is refused before reading
 
 
 def read_run(run_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``(records, events)`` of every ``records*.jsonl`` file in ``run_dir`` (all ranks).
 
+    A run folder is read as a store is: each records file must be a regular file of the folder
+    (a FIFO, a folder or a link leading out of it is refused before it is opened) of at most
+    ``MAX_RECORDS_BYTES``, and every field is checked for its type before use. A torn last line
+    (no newline at its end: the process died, or the disk filled, while writing it) is skipped
+    with a warning that says so.
+
     Raises:
         SpecError: ``run_dir`` holds no records file.
-        HookscopeError: a line of a records file is not a JSON object (the message names the
-            file and the line).
+        HookscopeError: a records file cannot be read, or a line of it is not a monitor record
+            (the message names the file, the line and the field).
     """
     files = sorted(Path(run_dir).glob("records*.jsonl"))
     if not files:
@@ -29,21 +39,83 @@ def read_run(run_dir: str | Path) -> tuple[list[dict[str, Any]], list[dict[str, 
 
 
 def _records(file: Path) -> list[dict[str, Any]]:
-    """The JSON objects of ``file``, one a line; a line that is not one names the file and line."""
-    records = []
-    for number, line in enumerate(file.read_text("utf-8", errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
+    """The checked records of ``file``, one a line (see ``read_run``)."""
+    if os.path.dirname(os.path.realpath(file)) != os.path.realpath(file.parent):
+        raise HookscopeError(f"{file} is a link leading outside the run folder; hookscope reads "
+                             f"only the folder's own files: {_FIX}")
+    try:
+        text = read_regular(file, max_bytes=MAX_RECORDS_BYTES).decode("utf-8", errors="replace")
+    except OSError as err:
+        raise HookscopeError(f"cannot read {file}: {advice(err)}; {_FIX}") from err
+    lines = text.split("\n")
+    torn = lines.pop()  # "" when the file ends with a newline, as every whole record does
+    records = [_record(file, number, line) for number, line in enumerate(lines, 1) if line.strip()]
+    if torn.strip():
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            record = err
-        if not isinstance(record, dict):
-            raise HookscopeError(f"{file}, line {number}: not a monitor record (a JSON object): "
-                                 f"{line[:60]!r}; the file is damaged or not written by "
-                                 f"hookscope.monitor: pass the run_dir the monitor wrote")
-        records.append(record)
+            records.append(_record(file, len(lines) + 1, torn))
+        except HookscopeError:
+            warn(f"{file}: skipped 1 torn line at its end (line {len(lines) + 1}, no newline: "
+                 f"the run stopped while writing it); read the {len(records)} records before it",
+                 UserWarning)
     return records
+
+
+_FIX = "pass the run_dir the monitor wrote (the file is damaged or not written by hookscope.monitor)"
+_NUMBER = (int, float)
+
+
+def _record(file: Path, number: int, line: str) -> dict[str, Any]:
+    """Line ``number`` of ``file`` as a record whose fields ``draw_run`` and the CLI read are
+    of their types."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError) as err:
+        record = err
+    if not isinstance(record, dict):
+        raise HookscopeError(f"{file}, line {number}: not a monitor record (a JSON object): "
+                             f"{line[:60]!r}; {_FIX}")
+    problem = _event_problem(record) if "event" in record else _stats_problem(record)
+    if problem:
+        raise HookscopeError(f"{file}, line {number}: field {problem}; {_FIX}")
+    return record
+
+
+def _is_step(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _stats_problem(record: dict[str, Any]) -> str | None:
+    if not _is_step(record.get("step")):
+        return "step must be a whole number >= 0"
+    if not isinstance(record.get("module"), str):
+        return "module must be a module name"
+    for kind in ("activation", "gradient"):
+        summary = record.get(kind)
+        if summary is not None and not (isinstance(summary, dict) and all(
+                isinstance(v, _NUMBER) and not isinstance(v, bool) for v in summary.values())
+                and {"absmax", "frac_zeros"} <= summary.keys()):
+            return f"{kind} must be null or an object of numbers (absmax, frac_zeros, ...)"
+    for name in ("grad_norm", "update_ratio"):
+        value = record.get(name)
+        if value is not None and (not isinstance(value, _NUMBER) or isinstance(value, bool)):
+            return f"{name} must be null or a number"
+    return None
+
+
+def _event_problem(record: dict[str, Any]) -> str | None:
+    if not isinstance(record["event"], str):
+        return "event must be a string"
+    if record["event"] in ("nonfinite", "overflow_skipped", "fault") and \
+            not _is_step(record.get("step")):
+        return "step must be a whole number >= 0"
+    if record["event"] == "nonfinite":
+        for key in ("rank", "module", "direction", "tensor", "op", "bundle", "class"):
+            if key not in record:
+                return f"{key} is missing"
+        if not all(record[k] is None or isinstance(record[k], str)
+                   for k in ("module", "direction", "tensor", "op", "bundle")):
+            return "module, direction, tensor, op and bundle must be null or strings"
+    return None
 
 
 def draw_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -57,7 +129,12 @@ def draw_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         HookscopeError: no records file, or no sampled step in it.
         MissingExtraError: matplotlib is not installed.
     """
-    records, events = read_run(run_dir)
+    return draw_records(*read_run(run_dir), run_dir, out)
+
+
+def draw_records(records: list[dict[str, Any]], events: list[dict[str, Any]],
+                 run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """``draw_run`` of what ``read_run(run_dir)`` returned (the CLI reads the folder once)."""
     if not records:
         raise HookscopeError(f"{run_dir} has no sampled step yet: the monitor writes statistics at "
                              "steps 0, every, 2*every, ... (every=0 writes none)")

@@ -12,7 +12,9 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import stat
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 _ADVICE = {
@@ -68,6 +70,29 @@ def write_atomic(file: str | os.PathLike[str], write: Callable[[str], Any], *,
         raise
 
 
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to the file descriptor ``fd`` (``os.write`` again after a short
+    write); the one place hookscope's appends reach the disk.
+
+    Raises:
+        OSError: the disk is full (``ENOSPC``) or the write fails otherwise; part of ``data``
+            may be written (a caller that needs whole records truncates back).
+    """
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def write_bytes(file: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` as the whole content of ``file`` (created or truncated) through
+    ``write_all``; for ``write_atomic``'s temporary file."""
+    fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        write_all(fd, data)  # looked up here at each call: a test may replace it
+    finally:
+        os.close(fd)
+
+
 def fsync_folder(folder: str | os.PathLike[str]) -> None:
     """Make a rename in ``folder`` durable (fsync of the folder itself)."""
     fd = os.open(folder, os.O_RDONLY)
@@ -75,3 +100,23 @@ def fsync_folder(folder: str | os.PathLike[str]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def read_regular(path: Path, limit: int = -1, *, max_bytes: int | None = None) -> bytes:
+    """Return the bytes of ``path`` (at most ``limit``) after checking it is a regular file:
+    a FIFO or device named like a store file would block or never end, a folder cannot be read.
+    With ``max_bytes``, a file larger than that is refused before any byte is read (its size
+    from ``fstat``; a sparse file reads as its full size).
+
+    Raises:
+        OSError: ``path`` is missing, unreadable, not a regular file (``EINVAL``), or larger
+            than ``max_bytes`` (``EFBIG``).
+    """
+    with open(path, "rb", opener=lambda p, flags: os.open(p, flags | os.O_NONBLOCK)) as f:
+        status = os.fstat(f.fileno())
+        if not stat.S_ISREG(status.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        if max_bytes is not None and status.st_size > max_bytes:
+            raise OSError(errno.EFBIG, f"{status.st_size} bytes, more than the {max_bytes} a "
+                                       f"hookscope file of this kind may have", str(path))
+        return f.read(limit)
