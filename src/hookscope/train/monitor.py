@@ -176,6 +176,7 @@ class Monitor:
         self._queued = False
         self._overflowed = False
         self._pending: ReplayBundle | None = None
+        self._findings: dict[tuple[Any, ...] | None, int] = {}  # finding_key -> first step
         self._sample: _Sample | None = None
         self._file: IO[str] | None = None
         self._root_session: Observer | None = None
@@ -340,7 +341,7 @@ class Monitor:
                 return
             event = {"event": "nonfinite", "step": self.step_index, "rank": self.rank,
                      "module": None, "class": None, "call": None, "direction": "all-reduce",
-                     "op": None, "tensor": None, "bundle": None}
+                     "op": None, "tensor": None, "parameters": [], "bundle": None}
             self.events.append(event)
             self._write(event)
             if self.guard == "skip":
@@ -359,6 +360,8 @@ class Monitor:
         if self.guard == "skip":  # again: DDP's all-reduce may have refilled the gradients
             self._skip_step()
         origin = replay(bundle, copy.deepcopy(self.root))
+        if self._seen_before(bundle, origin):
+            return
         path = None
         if self.run_dir is not None:
             suffix = f"-rank{self.rank}" if self.records_file and "rank" in self.records_file.name else ""
@@ -368,6 +371,22 @@ class Monitor:
         self._write(event)
         self._alarm(_message(bundle, origin, path, self.latest.get(event["module"] or "")),
                     origin, bundle.step, path)
+
+    def _seen_before(self, bundle: ReplayBundle, origin: NonFiniteOrigin | None) -> bool:
+        """True when a previous step of this run had the same finding (``finding_key``): the
+        step is recorded as an event ``{"same_as_step": first step, "bundle": None}`` and
+        neither a bundle nor a warning is written again (NaN weights would fire every step).
+        Under ``guard="raise"`` every finding raises (a caught error must not hide the next)."""
+        if self.guard == "raise":
+            return False
+        key = finding_key(origin)
+        first = self._findings.setdefault(key, bundle.step)
+        if first == bundle.step:
+            return False
+        event = _event(bundle, origin, None) | {"same_as_step": first}
+        self.events.append(event)
+        self._write(event)
+        return True
 
     def _alarm(self, message: str, origin: NonFiniteOrigin | None, step: int, path: Path | None) -> None:
         if self.guard == "raise":
@@ -472,12 +491,22 @@ def _to_tensorboard(writer: Any, record: dict[str, Any]) -> None:
 
 def _event(bundle: ReplayBundle, origin: NonFiniteOrigin | None, path: Path | None) -> dict[str, Any]:
     where: dict[str, Any] = {"module": None, "class": None, "call": None, "direction": None,
-                             "op": None, "tensor": None}
+                             "op": None, "tensor": None, "parameters": []}
     if origin is not None:
         where = {"module": origin.path, "class": origin.class_name, "call": origin.call_index,
-                 "direction": origin.phase, "op": origin.op, "tensor": origin.bad_label}
+                 "direction": origin.phase, "op": origin.op, "tensor": origin.bad_label,
+                 "parameters": origin.parameter_names}
     return {"event": "nonfinite", "step": bundle.step, "rank": bundle.rank, **where,
             "bundle": str(path) if path is not None else None}
+
+
+def finding_key(origin: NonFiniteOrigin | None) -> tuple[Any, ...] | None:
+    """What makes a guard finding new: the module, direction, op, tensor and whether the
+    module's own parameters are non-finite (not the step, call or counts: NaN weights spread
+    from weight to bias between steps and stay the same finding). None: a finite replay."""
+    if origin is None:
+        return None
+    return (origin.path, origin.phase, origin.op, origin.bad_label, bool(origin.parameters))
 
 
 def _message(bundle: ReplayBundle, origin: NonFiniteOrigin | None, path: Path | None,
