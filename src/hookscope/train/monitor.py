@@ -35,9 +35,10 @@ from typing import IO, Any, Literal
 import torch
 from torch import nn
 
+from hookscope.diagnostics.histogram import Histogram
 from hookscope.diagnostics.nonfinite import NonFiniteOrigin
 from hookscope.diagnostics.stats import RunningStats
-from hookscope.engine.checks import check_run_dir
+from hookscope.engine.checks import check_int, check_run_dir
 from hookscope.engine.hooks import after_backward, on_optimizer_step, on_tensor_grad
 from hookscope.engine.run import detached_clones, input_device, state_snapshot
 from hookscope.engine.select import Target, as_patterns, unwrap
@@ -68,7 +69,7 @@ STATS = ("mean", "std", "absmax", "frac_zeros", "frac_nonfinite", "count")
 def monitor(model: nn.Module, layers: str | list[str] = "**", *, every: int = 100,
             optimizer: torch.optim.Optimizer | None = None, scaler: Any = None,
             run_dir: str | Path | None = None, guard: GuardMode | None = "raise",
-            writer: Any = None) -> Monitor:
+            writer: Any = None, hist: int = 0) -> Monitor:
     """Watch a training loop: per-module statistics every ``every`` steps and a NaN guard.
 
     Use it as a context (``with hookscope.monitor(...) as mon:``) or hold the object and call
@@ -126,6 +127,12 @@ def monitor(model: nn.Module, layers: str | list[str] = "**", *, every: int = 10
             the scaler skips the step), or None (no guard).
         writer: a TensorBoard ``SummaryWriter`` (anything with ``add_scalar(tag, value,
             step)``): every statistic as ``<module>/<activation|gradient>/<stat>``.
+        hist: > 0: each record also holds ``"activation_hist"``, a ``Histogram`` of ``hist``
+            bins of the activation over the sampled step (``Histogram.as_dict()``: ``lo``,
+            ``hi``, ``counts``, ``below``, ``above``, ``nonfinite``), equal to ``torch.histc``.
+            A module's edges are fixed at its first sampled call (that output's finite
+            ``[min, max]``) and kept for the run, so steps compare bin for bin; later values
+            outside are counted in ``below``/``above``. 0: none.
 
     Raises:
         ArgumentTypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, ``scaler`` lacks a
@@ -137,7 +144,7 @@ def monitor(model: nn.Module, layers: str | list[str] = "**", *, every: int = 10
         SelectorError: a pattern matches no module.
     """
     return Monitor(model, layers, every=every, optimizer=optimizer, scaler=scaler,
-                   run_dir=run_dir, guard=guard, writer=writer)
+                   run_dir=run_dir, guard=guard, writer=writer, hist=hist)
 
 
 class Monitor:
@@ -153,8 +160,11 @@ class Monitor:
 
     def __init__(self, model: nn.Module, layers: str | list[str], *, every: int,
                  optimizer: torch.optim.Optimizer | None, scaler: Any, run_dir: str | Path | None,
-                 guard: GuardMode | None, writer: Any):
+                 guard: GuardMode | None, writer: Any, hist: int = 0):
         _check_arguments(every, optimizer, scaler, guard)
+        check_int("hist", hist, minimum=0)
+        self.hist = hist
+        self._hist_ranges: dict[str, tuple[float, float]] = {}  # module -> edges fixed at its first sample
         check_run_dir("run_dir", run_dir)
         self.root, _ = unwrap(model)
         self.every, self.guard, self.scaler, self.writer = every, guard, scaler, writer
@@ -400,6 +410,8 @@ class Monitor:
     def _start_sample_if_due(self) -> None:
         if self.every and self.step_index % self.every == 0:
             self._sample = _Sample(self.root, self.targets)
+            if self.hist:
+                self._sample.count_histograms(self.hist, self._hist_ranges)
 
     def _finish_sample(self, sample: _Sample) -> None:
         sample.session.__exit__(None, None, None)
@@ -434,8 +446,24 @@ class _Sample:
         self.activations = {t.key: RunningStats() for t in targets}
         self.gradients = {t.key: RunningStats() for t in targets}
         self.before = {t.key: detached_clones(t.module.parameters()) for t in targets}
+        self.histograms: dict[str, Histogram] = {}
+        self._hist: tuple[int, dict[str, tuple[float, float]]] | None = None
         self.session = Observer(root, targets, forward=self._hook, explain_unfired=False)
         self.session.__enter__()
+
+    def count_histograms(self, bins: int, ranges: dict[str, tuple[float, float]]) -> None:
+        """Also histogram each activation in ``bins`` bins, with the edges in ``ranges``; a
+        module not in it gets its first call's finite range, written into ``ranges``."""
+        self._hist = (bins, ranges)
+
+    def _histogram(self, key: str, tensor: Tensor) -> None:
+        assert self._hist is not None
+        bins, ranges = self._hist
+        if key not in self.histograms:
+            h = Histogram(bins, *ranges[key]) if key in ranges else Histogram.fitting(bins, tensor)
+            ranges[key] = (h.lo, h.hi)
+            self.histograms[key] = h
+        self.histograms[key].update(tensor)
 
     def _hook(self, target: Target) -> Any:
         activations, gradients = self.activations[target.key], self.gradients[target.key]
@@ -446,6 +474,8 @@ class _Sample:
             if tensor is None:
                 return
             activations.update(tensor)
+            if self._hist is not None:
+                self._histogram(target.key, tensor)
             if tensor.requires_grad:
                 on_tensor_grad(tensor, gradients.update)
         return hook
@@ -454,11 +484,15 @@ class _Sample:
         """The JSON record of ``target`` for this step."""
         params = list(target.module.parameters())
         grads = [p.grad for p in params if p.grad is not None]
-        return {"step": step, "rank": rank, "module": target.key,
+        record = {"step": step, "rank": rank, "module": target.key,
                 "activation": _summary(self.activations[target.key]),
                 "gradient": _summary(self.gradients[target.key]),
                 "grad_norm": float(torch.nn.utils.get_total_norm(grads)) if grads else None,
                 "update_ratio": _update_ratio(self.before[target.key], params)}
+        if self._hist is not None:
+            h = self.histograms.get(target.key)
+            record["activation_hist"] = h.as_dict() if h is not None else None
+        return record
 
 
 def _summary(stats: RunningStats) -> dict[str, float] | None:
