@@ -131,13 +131,14 @@ def test_monitor_records_a_histogram_with_edges_fixed_at_the_first_sample(tmp_pa
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     xs = [torch.randn(16, 4) * (1 + step) for step in range(4)]
     seen: list[torch.Tensor] = []
-    model[0].register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    handle = model[0].register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
     with hookscope.monitor(model, ["0"], every=2, optimizer=optimizer, run_dir=tmp_path,
                            hist=10) as mon:
         for x in xs:
             optimizer.zero_grad()
             model(x).square().sum().backward()
             optimizer.step()
+    handle.remove()
     records = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     hists = [r["activation_hist"] for r in records if r.get("module") == "0"]
     assert [r["step"] for r in records if r.get("module") == "0"] == [0, 2]
