@@ -107,6 +107,8 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("monitor-report", ["monitor-report", "full"], 2, "records.jsonl"),
     ("show", ["show", "nosuchstore"], 2, "nosuchstore"),
     ("show", ["show", "full"], 2, "full"),
+    ("probe", ["probe", "nosuchstore"], 2, "nosuchstore"),
+    ("probe", ["probe", "full"], 2, "full"),
     # gradcam and lens: a spec, layer, input or output they cannot use
     *[(verb, [verb, "nosuch.py:build", *rest], 2, "nosuch.py") for verb, rest in [
         ("gradcam", [*IN, *L]), ("lens", IN)]],

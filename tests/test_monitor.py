@@ -76,7 +76,8 @@ def test_guard_names_step_module_direction_and_the_bundle_reproduces_it(tmp_path
     (event,) = [r for r in lines(tmp_path / "records.jsonl") if r.get("event") == "nonfinite"]
     assert event | {"bundle": None} == {"event": "nonfinite", "step": 200, "rank": 0, "module": "scale",
                                         "class": "Temperature", "call": 0, "direction": "forward",
-                                        "op": "div", "tensor": "output", "bundle": None}
+                                        "op": "div", "tensor": "output", "parameters": [],
+                                        "bundle": None}
     bundle = Path(event["bundle"])
     assert bundle == tmp_path / "nonfinite-step-200.safetensors"
     fresh = TinyTransformer()  # other weights: the bundle brings the step's own

@@ -50,11 +50,11 @@ def test_rank_one_names_its_module_and_rank_zero_names_the_all_reduce(
     events = [[r for r in records if r.get("event") == "nonfinite"] for records in ranks]
     assert events[1] == [{"event": "nonfinite", "step": ZERO_AT, "rank": 1, "module": "2",
                           "class": "Temperature", "call": 0, "direction": "forward", "op": "div",
-                          "tensor": "output",
+                          "tensor": "output", "parameters": [],
                           "bundle": str(tmp_path / f"nonfinite-step-{ZERO_AT}-rank1.safetensors")}]
     assert events[0] == [{"event": "nonfinite", "step": ZERO_AT, "rank": 0, "module": None,
                           "class": None, "call": None, "direction": "all-reduce", "op": None,
-                          "tensor": None, "bundle": None}]
+                          "tensor": None, "parameters": [], "bundle": None}]
     raised = [json.loads((tmp_path / f"outcome-rank{r}.json").read_text())["raised"] for r in (0, 1)]
     assert [r["step"] for r in raised] == [ZERO_AT, ZERO_AT]  # both stop before the NaN update
     assert raised[1]["message"].startswith(

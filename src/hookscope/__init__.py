@@ -60,6 +60,7 @@ from hookscope.record.generation import GenerationCapture, capture_generation
 from hookscope.record.grads import NoGrad
 from hookscope.record.records import RecordKey, Records, load
 from hookscope.store.extract import extract
+from hookscope.store.probe import ProbeResult, probe
 from hookscope.store.reader import Store, open_store
 from hookscope.train.guard import ReplayBundle, replay
 from hookscope.train.monitor import Monitor, monitor
@@ -68,6 +69,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ArgumentTypeError",
+    "ProbeResult",
+    "probe",
     "ArgumentValueError",
     "AttentionError",
     "BundleError",

@@ -46,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(batch, seq, d_model) tokens, or the DIM given")
     parser.add_argument("--early-stop", action="store_true",
                         help="stop each forward once every selected layer has returned")
+    parser.add_argument("--hist", type=positive_int, default=None, metavar="BINS",
+                        help="also a histogram of BINS equal-width bins of each output (equal to "
+                             "torch.histc); edges from a first pass over the inputs, or --hist-range")
+    parser.add_argument("--hist-range", type=float, nargs=2, default=None, metavar=("LO", "HI"),
+                        help="the histograms' outer edges (values outside are counted as below/above)")
     parser.add_argument("--json", action="store_true", help="print the statistics as JSON")
 
 
@@ -59,15 +64,33 @@ def run(args: argparse.Namespace) -> int:
                           else _input_batches(args, loaded))
     per_channel: bool | int = (False if args.per_channel is None
                                else True if args.per_channel == "auto" else args.per_channel)
+    if args.hist_range is not None and args.hist is None:
+        raise SpecError("--hist-range needs --hist BINS: pass the number of bins too")
+    if args.hist is not None and args.hist_range is None:
+        batches = list(batches) if args.data is None else batches  # read twice: edges, then counts
     result = stats(loaded.module, batches, layers=args.layer or "**", per_channel=per_channel,
-                   early_stop=args.early_stop)
+                   early_stop=args.early_stop, hist=args.hist,
+                   hist_range=tuple(args.hist_range) if args.hist_range else None)
     say(described)
     if args.json:
-        print_json({path: running.as_dict() for path, running in result.items()})
-    else:
-        print_table([row for path, running in result.items() for row in _rows(path, running)],
-                    COLUMNS if per_channel is False else ("path", "channel", *COLUMNS[1:]))
+        print_json({path: _as_dict(running) for path, running in result.items()})
+        return 0
+    print_table([row for path, running in result.items() for row in _rows(path, running)],
+                COLUMNS if per_channel is False else ("path", "channel", *COLUMNS[1:]))
+    if args.hist is not None:
+        print_table([{"path": path, "lo": h.lo, "hi": h.hi, "below": h.below, "above": h.above,
+                      "histogram": h.sparkline()}
+                     for path, running in result.items() if (h := running.histogram) is not None],
+                    ("path", "lo", "hi", "below", "above", "histogram"))
     return 0
+
+
+def _as_dict(running: RunningStats) -> dict[str, Any]:
+    """``running.as_dict()``, with its histogram's numbers under ``"histogram"`` when it has one."""
+    values = running.as_dict()
+    if running.histogram is not None:
+        values["histogram"] = running.histogram.as_dict()
+    return values
 
 
 def _input_batches(args: argparse.Namespace, loaded: LoadedModel) -> tuple[Iterable[Any], str]:

@@ -113,6 +113,10 @@ class NonFiniteOrigin:
         bad_count: number of NaN/Inf elements in ``outputs``.
         bad_label: label of the first output tensor that holds them.
         first_bad: indices of up to 8 non-finite elements in that tensor, in row-major order.
+        parameters: the module's own parameters and buffers (``recurse=False``: not its
+            submodules') that hold NaN/Inf, labelled by their local name (``"weight"``,
+            ``"running_var"``); ``()`` when they are all finite. When not empty they are the
+            cause and are named first: ``weight of 'fc1' holds 3 NaN``.
     """
 
     path: str
@@ -125,6 +129,12 @@ class NonFiniteOrigin:
     bad_count: int
     bad_label: str
     first_bad: tuple[tuple[int, ...], ...]
+    parameters: tuple[TensorSummary, ...] = ()
+
+    @property
+    def parameter_names(self) -> list[str]:
+        """Qualified names (``state_dict`` keys) of ``parameters``: ``["fc1.weight"]``."""
+        return [f"{self.path}.{s.label}" if self.path else s.label for s in self.parameters]
 
     def __str__(self) -> str:
         if self.path == INPUT:
@@ -139,7 +149,21 @@ class NonFiniteOrigin:
                  f"{self.phase}{op}: {self.bad_count} NaN/Inf in {self.bad_label}, first at "
                  f"{', '.join(str(list(p)) for p in self.first_bad)}"]
         lines += [f"  in  {s}" for s in self.inputs] + [f"  out {s}" for s in self.outputs]
-        return "\n".join(lines)
+        return "\n".join(_parameter_lines(self.parameters, where, self.class_name) + lines)
+
+
+def _parameter_lines(parameters: tuple[TensorSummary, ...], where: str,
+                     class_name: str) -> list[str]:
+    """The lines that name a module's non-finite parameters and buffers, before its output:
+    ``non-finite parameter: weight of 'fc1' (Linear) holds 3 NaN``."""
+    if not parameters:
+        return []
+    held = "; ".join(f"{s.label} of {where} holds " + ", ".join(
+        f"{count} {kind}" for count, kind in ((s.nan, "NaN"), (s.posinf, "+Inf"),
+                                              (s.neginf, "-Inf")) if count)
+        for s in parameters)
+    return [f"non-finite parameter: {held} ({class_name}); it made the output below"] + [
+        f"  param {s}" for s in parameters]
 
 
 def find_nonfinite(model: nn.Module, *args: Any, backward: bool = False,
@@ -301,7 +325,8 @@ class _Tracker:
         if not all(_is_finite(t) for _, t in labelled):
             outputs = tuple(TensorSummary.of(label, t) for label, t in labelled)
             self.found = _origin(self.paths[module], type(module).__name__, call.index, "forward",
-                                 call.op, call.input_summaries(), outputs, [t for _, t in labelled])
+                                 call.op, call.input_summaries(), outputs, [t for _, t in labelled],
+                                 own_nonfinite(module))
         self.busy = False
 
     def note_op(self, name: str, args: Any, output: Any) -> None:
@@ -338,7 +363,7 @@ class _Tracker:
                 call.index if call is not None else 0, "backward", node.name(),
                 tuple(TensorSummary.of(label, g) for label, g in incoming),
                 tuple(TensorSummary.of(label, g) for label, g in produced),
-                [g for _, g in produced])
+                [g for _, g in produced], own_nonfinite(module) if module is not None else ())
         return hook
 
 
@@ -359,14 +384,24 @@ class _OpWatcher(TorchFunctionMode):
 
 def _origin(path: str, class_name: str, index: int, phase: str, op: str | None,
             inputs: tuple[TensorSummary, ...], outputs: tuple[TensorSummary, ...],
-            tensors: list[Tensor]) -> NonFiniteOrigin:
+            tensors: list[Tensor],
+            parameters: tuple[TensorSummary, ...] = ()) -> NonFiniteOrigin:
     first = next(i for i, t in enumerate(tensors) if not _is_finite(t))
     bad = ~torch.isfinite(tensors[first].detach())
     positions = torch.nonzero(bad)[:MAX_POSITIONS].tolist()
     return NonFiniteOrigin(
         path=path, class_name=class_name, call_index=index, phase=phase, op=op, inputs=inputs,
         outputs=outputs, bad_count=sum(s.nonfinite for s in outputs),
-        bad_label=outputs[first].label, first_bad=tuple(tuple(p) for p in positions))
+        bad_label=outputs[first].label, first_bad=tuple(tuple(p) for p in positions),
+        parameters=parameters)
+
+
+def own_nonfinite(module: nn.Module) -> tuple[TensorSummary, ...]:
+    """Summaries of ``module``'s own parameters and buffers (``recurse=False``) that hold
+    NaN/Inf, labelled by local name (``"weight"``); ``()`` when all are finite."""
+    named = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+    return tuple(TensorSummary.of(name, t) for name, t in named
+                 if t is not None and not _is_finite(t))
 
 
 def _labelled(obj: Any, name: str) -> Iterator[tuple[str, Tensor]]:

@@ -23,10 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope.diagnostics.histogram import Histogram
 from hookscope.engine.checks import check_flag, check_int, check_iterable
 from hookscope.engine.run import model_inputs, untouched
 from hookscope.engine.select import Target, as_patterns
-from hookscope.engine.session import HookSession
+from hookscope.engine.session import HookSession, OnUnfired
 from hookscope.engine.values import check_has_values, keepable
 from hookscope.errors import ArgumentValueError, HookscopeError
 from hookscope.util.nested import get_part, iter_tensors
@@ -61,6 +62,7 @@ class RunningStats:
         self.m2 = torch.zeros((), dtype=torch.float64)
         self.min = torch.full((), float("inf"), dtype=torch.float64)
         self.max = torch.full((), float("-inf"), dtype=torch.float64)
+        self.histogram: Histogram | None = None  # set by stats(..., hist=N)
 
     @property
     def nonfinite(self) -> Tensor:
@@ -181,7 +183,8 @@ class RunningStats:
 
 
 def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "**", *,
-          per_channel: PerChannel = False, early_stop: bool = False) -> dict[str, RunningStats]:
+          per_channel: PerChannel = False, early_stop: bool = False, hist: int | None = None,
+          hist_range: tuple[float, float] | None = None) -> dict[str, RunningStats]:
     """Run ``model`` over ``batches`` and return streaming statistics of each selected output
     (count, mean, population std with ``ddof=0``, min, max, fractions of zeros and NaN/Inf).
 
@@ -211,6 +214,14 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
             layer, e.g. ``1`` for Conv1d's ``(batch, channels, length)``.
         early_stop: stop each forward once every selected module has returned (the rest of
             the model does not run; see ``capture``).
+        hist: also a ``Histogram`` of ``hist`` equal-width bins of each output (over all
+            elements, whatever ``per_channel``), in ``RunningStats.histogram``; it equals
+            ``torch.histc`` of the same values (``diagnostics.histogram``). Fixed memory.
+        hist_range: the histograms' outer edges ``(lo, hi)`` for every layer (values outside
+            are counted in ``below``/``above``). ``None``: each layer's ``[min, max]`` from a
+            first pass over ``batches`` (the statistics' own pass), then a second pass counts;
+            ``batches`` must then be re-iterable (a list, a DataLoader), and the histogram
+            equals ``torch.histc(values, hist)`` with its default range.
 
     Returns:
         ``{path: RunningStats}`` in ``named_modules()`` order (keys keep output parts:
@@ -224,26 +235,68 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
             bool nor an int (``"yes"``), at the call.
         ArgumentValueError: an output lacks the ``per_channel`` dimension asked for (in the
             forward that meets it).
-        HookscopeError: the model is TorchScript, ``batches`` is empty, or an output is complex.
+        HookscopeError: the model is TorchScript, ``batches`` is empty, or an output is complex;
+            ``hist`` without ``hist_range`` over a one-pass iterator (a generator).
     """
     patterns = as_patterns(layers)
     check_flag("early_stop", early_stop)
     check_iterable("batches", batches, "a DataLoader or [x]")
     if not isinstance(per_channel, bool):
         check_int("per_channel", per_channel)
+    fixed = _fixed_range(hist, hist_range, batches)
     session = _StatsSession(model, patterns, per_channel, early_stop)
-    count = 0
-    with untouched(model), session, torch.no_grad():
-        for batch in batches:
-            args, kwargs = model_inputs(batch)
-            session.mask = kwargs.get("attention_mask")
-            with session.forward_boundary():
-                model(*args, **kwargs)
-            count += 1
-        if count == 0:
-            raise HookscopeError("batches was empty: pass at least one batch (a tensor, a dict "
-                                 "of keyword inputs, or a tuple (inputs, labels))")
+    if hist is not None and fixed is not None:
+        session.histograms = {t.key: Histogram(hist, *fixed) for t in session.targets}
+    with untouched(model), torch.no_grad():
+        with session:
+            _run_batches(model, session, batches)
+        if hist is not None and fixed is None:  # the second pass: edges from the first
+            counting = _StatsSession(model, patterns, per_channel, early_stop, "ignore")
+            counting.histograms = {key: Histogram.spanning(hist, float(r.min.min()),
+                                                           float(r.max.max()))
+                                   for key, r in session.results.items()}
+            counting.count_stats = False
+            with counting:
+                _run_batches(model, counting, batches)
+            session.histograms = counting.histograms
+    for key, histogram in session.histograms.items():
+        session.results[key].histogram = histogram
     return session.results
+
+
+def _fixed_range(hist: int | None, hist_range: tuple[float, float] | None,
+                 batches: Iterable[Any]) -> tuple[float, float] | None:
+    """Check ``stats``' histogram arguments (at the call, before any forward); return the
+    given ``(lo, hi)`` or None (no histogram, or edges from a first pass)."""
+    if hist is None:
+        if hist_range is not None:
+            raise ArgumentValueError("hist_range= without hist=: pass hist=<number of bins> too")
+        return None
+    check_int("hist", hist, minimum=1)
+    if hist_range is None:
+        if iter(batches) is batches:
+            raise HookscopeError("hist= without hist_range= takes the bin edges from a first pass "
+                                 "over batches, but batches is a one-pass iterator: pass a list "
+                                 "or a DataLoader, or hist_range=(lo, hi)")
+        return None
+    if not (isinstance(hist_range, (tuple, list)) and len(hist_range) == 2):
+        raise ArgumentValueError(f"hist_range={hist_range!r}: pass two numbers (lo, hi)")
+    Histogram(hist, hist_range[0], hist_range[1])  # checks bins and edges
+    return float(hist_range[0]), float(hist_range[1])
+
+
+def _run_batches(model: nn.Module, session: _StatsSession, batches: Iterable[Any]) -> None:
+    """One forward per batch under ``session`` (its hooks do the counting)."""
+    count = 0
+    for batch in batches:
+        args, kwargs = model_inputs(batch)
+        session.mask = kwargs.get("attention_mask")
+        with session.forward_boundary():
+            model(*args, **kwargs)
+        count += 1
+    if count == 0:
+        raise HookscopeError("batches was empty: pass at least one batch (a tensor, a dict "
+                             "of keyword inputs, or a tuple (inputs, labels))")
 
 
 class _StatsSession(HookSession):
@@ -252,12 +305,14 @@ class _StatsSession(HookSession):
     _unfired_consequence = "their statistics are empty (count 0)"
 
     def __init__(self, model: nn.Module, patterns: list[str], per_channel: PerChannel,
-                 early_stop: bool):
-        super().__init__(model, patterns, "warn")
+                 early_stop: bool, on_unfired: OnUnfired = "warn"):
+        super().__init__(model, patterns, on_unfired)
         self._early_stop = early_stop
         self.results = {t.key: RunningStats() for t in self.targets}
         self._per_channel = per_channel
         self.mask: Tensor | None = None  # (batch, seq) attention mask of the batch running now
+        self.histograms: dict[str, Histogram] = {}  # the keys whose outputs are also counted
+        self.count_stats = True  # False: a second pass that only counts the histograms
 
     def _register(self) -> None:
         for target in self.targets:
@@ -279,6 +334,10 @@ class _StatsSession(HookSession):
             mask = self.mask
             if mask is not None and tensor.dim() >= 2 and tensor.shape[:2] == mask.shape:
                 tensor = tensor[mask.to(tensor.device).bool()]  # (tokens, ...): padding dropped
+            if target.key in self.histograms:
+                self.histograms[target.key].update(tensor)
+            if not self.count_stats:
+                return
             if int(running.count.sum()) == 0:
                 running.channel_dim = _channel_dim_for(tensor, per_channel)
             running.update(tensor)

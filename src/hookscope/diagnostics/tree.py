@@ -27,6 +27,7 @@ from hookscope.engine.names import ModuleIndex, index
 from hookscope.engine.run import untouched
 from hookscope.engine.select import Target, is_container, select
 from hookscope.engine.session import Observer
+from hookscope.engine.standard_names import standard_names
 from hookscope.errors import HookscopeError, SelectorError
 from hookscope.util.nested import iter_tensors
 
@@ -114,7 +115,8 @@ def tree(model: nn.Module, *args: Any, ops: bool = False, **kwargs: Any) -> list
     diagnose.preflight(model)
     if not (args or kwargs):
         names = index(model)
-        return [_row(path, names, None) for path in names.modules]
+        standard = standard_names(names)
+        return [_row(path, names, None, standard=standard) for path in names.modules]
     return tree_of_call(model, lambda: model(*args, **kwargs), ops=ops)
 
 
@@ -136,7 +138,8 @@ def tree_of_call(model: nn.Module, call: Callable[[], Any], *, ops: bool = False
     why = diagnose.explain_no_hooks(model, {path for path, seen in ran.items() if seen})
     if why is not None and len(names.modules) > 1:
         raise HookscopeError(f"cannot count calls: {why}")
-    return [_row(path, names, ran, calls.get(path)) for path in names.modules]
+    standard = standard_names(names)
+    return [_row(path, names, ran, calls.get(path), standard) for path in names.modules]
 
 
 def filter_rows(rows: Sequence[TreeRow], model: nn.Module, pattern: str | None = None,
@@ -239,7 +242,8 @@ def _op_recorder(calls: dict[str, list[str]]) -> Callable[[FunctionCall], None]:
 
 
 def _row(path: str, names: ModuleIndex, ran: dict[str, list[str]] | None,
-         functions: dict[str, list[str]] | None = None) -> TreeRow:
+         functions: dict[str, list[str]] | None = None,
+         standard: dict[str, list[str]] | None = None) -> TreeRow:
     module = names.modules[path]
     container = is_container(module) and path != ""
     calls = None if ran is None or container else len(ran[path])
@@ -248,6 +252,8 @@ def _row(path: str, names: ModuleIndex, ran: dict[str, list[str]] | None,
         _never_ran_note(path, module, ran) if ran is not None and calls == 0 else "")]
     if path in names.aliases:
         notes.append(f"also named {', '.join(names.aliases[path])} (one module)")
+    if standard and path in standard:
+        notes.append(f"standard name: {', '.join(standard[path])}")
     if _count(module.parameters(recurse=False)) is None:
         notes.append("lazy: parameters are created by the first forward; give an input to see them")
     return TreeRow(path=path, class_name=type(module).__name__,

@@ -46,6 +46,7 @@ from hookscope.engine.checks import check_iterable, check_nonempty
 from hookscope.engine.function_names import split_address
 from hookscope.engine.names import ModuleIndex, index
 from hookscope.engine.record_key import ROOT, RecordKey, record_name
+from hookscope.engine.standard_names import is_standard, resolve_standard
 from hookscope.engine.wrappers import unwrap
 from hookscope.errors import SelectorError
 
@@ -75,12 +76,14 @@ class Target:
     per module (``python -m bench.dispatch``).
     """
 
-    __slots__ = ("path", "module", "parts", "aliases", "op", "wide", "key")
+    __slots__ = ("path", "module", "parts", "aliases", "op", "wide", "key", "standard")
 
     def __init__(self, path: str, module: nn.Module, parts: tuple[int | str, ...] = (),
-                 aliases: tuple[str, ...] = (), op: str | None = None, wide: bool = False):
+                 aliases: tuple[str, ...] = (), op: str | None = None, wide: bool = False,
+                 standard: tuple[str, ...] = ()):
         self.path, self.module, self.parts, self.aliases = path, module, parts, aliases
         self.op, self.wide, self.key = op, wide, record_name(path, op, parts)
+        self.standard = standard  # the standard names it was selected by: ("resid_post.3",)
 
     def __repr__(self) -> str:
         return (f"Target(path={self.path!r}, module={type(self.module).__name__}, "
@@ -139,6 +142,9 @@ def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str], *,
             known = chosen.get((target.path, target.parts, target.op))
             if known is None or known.wide and not target.wide:  # a name typed too: not wide
                 chosen[(target.path, target.parts, target.op)] = target
+            if known is not None:  # resid_pre.3 and resid_post.2: one module, both names kept
+                kept = chosen[(target.path, target.parts, target.op)]
+                kept.standard = tuple(dict.fromkeys(known.standard + target.standard))
     return sorted(chosen.values(), key=lambda t: order[t.path])
 
 
@@ -148,6 +154,10 @@ def _resolve_address(names: ModuleIndex, pattern: str) -> list[Target]:
     wide = base.startswith(("re:", "type:")) or "*" in base or "?" in base
     if op is None:
         modules, aliases = names.modules, names.aliases  # one Target per module: no call each
+        standard = _standard(names, pattern)
+        if standard is not None:
+            return [Target(path, modules[path], parts, aliases.get(path, ()), None, wide, (label,))
+                    for label, path, parts in standard]
         return [Target(path, modules[path], parts, aliases.get(path, ()), None, wide)
                 for path, parts in _resolve_one(names, pattern)]
     _, parts = _split_parts("_" + op_parts)
@@ -178,10 +188,22 @@ def _split_parts(pattern: str) -> tuple[str, tuple[int | str, ...]]:
     return _INNER_INDEX.sub(lambda m: "." + m.group(2).strip(), pattern), tuple(parts)
 
 
+def _standard(names: ModuleIndex, pattern: str) -> list[tuple[str, str, tuple[int | str, ...]]] | None:
+    """``[(standard name, path, parts)]`` when ``pattern`` is a standard name (``resid_post.3``,
+    ``engine.standard_names``) that is not also a real path of the model; else None."""
+    base, parts = _split_parts(pattern)
+    if not is_standard(base) or names.path_of(base) is not None:
+        return None
+    return [(label, path, own + parts) for label, path, own in resolve_standard(names, base)]
+
+
 def _resolve_one(names: ModuleIndex, pattern: str) -> list[tuple[str, tuple[int | str, ...]]]:
     base, parts = _split_parts(pattern)
     if base in ("", ROOT):
         return [("", parts)]
+    standard = _standard(names, pattern)
+    if standard is not None:
+        return [(path, own) for _, path, own in standard]
     base, parts = _fold_children(names, base, parts)
     if base.startswith("re:"):
         paths = _match_regex(base[3:], names)

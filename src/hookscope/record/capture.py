@@ -106,6 +106,7 @@ class Capture(HookSession, Records):
         self._slots = {t.key: _Slot(t) for t in self.targets}
         Records.__init__(self, self._slots.values(), kept)
         self.aliases = {alias + t.key[len(t.path):]: t.key for t in self.targets for alias in t.aliases}
+        self.aliases |= {name: t.key for t in self.targets for name in t.standard}  # acts["resid_post.3"]
         self._options = options
         self._grad_convert = converter(options.to, options.dtype)  # applied to each arriving gradient
         # the tokens (attention mask, KV cache length) of the running forward: kept with each

@@ -43,9 +43,10 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch import nn
 
+from hookscope.diagnostics.histogram import Histogram
 from hookscope.diagnostics.nonfinite import NonFiniteOrigin
 from hookscope.diagnostics.stats import RunningStats
-from hookscope.engine.checks import check_run_dir
+from hookscope.engine.checks import check_int, check_run_dir
 from hookscope.engine.hooks import after_backward, on_optimizer_step, on_tensor_grad
 from hookscope.engine.run import detached_clones, input_device, state_snapshot
 from hookscope.engine.select import Target, as_patterns, unwrap
@@ -81,7 +82,7 @@ STATS = ("mean", "std", "absmax", "frac_zeros", "frac_nonfinite", "count")
 def monitor(model: nn.Module, layers: str | list[str] = "**", *, every: int = 100,
             optimizer: torch.optim.Optimizer | None = None, scaler: Any = None,
             run_dir: str | Path | None = None, guard: GuardMode | None = "raise",
-            writer: Any = None) -> Monitor:
+            writer: Any = None, hist: int = 0) -> Monitor:
     """Watch a training loop: per-module statistics every ``every`` steps and a NaN guard.
 
     Use it as a context (``with hookscope.monitor(...) as mon:``) or hold the object and call
@@ -145,6 +146,12 @@ def monitor(model: nn.Module, layers: str | list[str] = "**", *, every: int = 10
             the scaler skips the step), or None (no guard).
         writer: a TensorBoard ``SummaryWriter`` (anything with ``add_scalar(tag, value,
             step)``): every statistic as ``<module>/<activation|gradient>/<stat>``.
+        hist: > 0: each record also holds ``"activation_hist"``, a ``Histogram`` of ``hist``
+            bins of the activation over the sampled step (``Histogram.as_dict()``: ``lo``,
+            ``hi``, ``counts``, ``below``, ``above``, ``nonfinite``), equal to ``torch.histc``.
+            A module's edges are fixed at its first sampled call (that output's finite
+            ``[min, max]``) and kept for the run, so steps compare bin for bin; later values
+            outside are counted in ``below``/``above``. 0: none.
 
     Raises:
         ArgumentTypeError: ``optimizer`` is not a ``torch.optim.Optimizer``, ``scaler`` lacks a
@@ -156,7 +163,7 @@ def monitor(model: nn.Module, layers: str | list[str] = "**", *, every: int = 10
         SelectorError: a pattern matches no module.
     """
     return Monitor(model, layers, every=every, optimizer=optimizer, scaler=scaler,
-                   run_dir=run_dir, guard=guard, writer=writer)
+                   run_dir=run_dir, guard=guard, writer=writer, hist=hist)
 
 
 class Monitor:
@@ -173,8 +180,11 @@ class Monitor:
 
     def __init__(self, model: nn.Module, layers: str | list[str], *, every: int,
                  optimizer: torch.optim.Optimizer | None, scaler: Any, run_dir: str | Path | None,
-                 guard: GuardMode | None, writer: Any):
+                 guard: GuardMode | None, writer: Any, hist: int = 0):
         _check_arguments(every, optimizer, scaler, guard)
+        check_int("hist", hist, minimum=0)
+        self.hist = hist
+        self._hist_ranges: dict[str, tuple[float, float]] = {}  # module -> edges fixed at its first sample
         check_run_dir("run_dir", run_dir)
         self.root, _ = unwrap(model)
         self.every, self.guard, self.scaler, self.writer = every, guard, scaler, writer
@@ -196,6 +206,7 @@ class Monitor:
         self._queued = False
         self._overflowed = False
         self._pending: ReplayBundle | None = None
+        self._findings: dict[tuple[Any, ...] | None, int] = {}  # finding_key -> first step
         self._sample: _Sample | None = None
         self._file: RecordsFile | None = None
         self._unwritten: dict[str, Any] | None = None  # the fault event of records not written
@@ -399,7 +410,7 @@ class Monitor:
                 return
             event = {"event": "nonfinite", "step": self.step_index, "rank": self.rank,
                      "module": None, "class": None, "call": None, "direction": "all-reduce",
-                     "op": None, "tensor": None, "bundle": None}
+                     "op": None, "tensor": None, "parameters": [], "bundle": None}
             self.events.append(event)
             self._write(event)
             if self.guard == "skip":
@@ -419,6 +430,8 @@ class Monitor:
             self._skip_step()
         # the finding is raised or recorded whatever the replay or the disk does
         origin = self._contained("replay", lambda: replay(bundle, copy.deepcopy(self.root)))
+        if self._seen_before(bundle, origin):
+            return
         path = self._contained("bundle", lambda: self._save(bundle)) if self.run_dir else None
         event = _event(bundle, origin, path)
         self.events.append(event)
@@ -436,6 +449,22 @@ class Monitor:
                                   f"replaces a file it did not write")
         return bundle.save(path)
 
+    def _seen_before(self, bundle: ReplayBundle, origin: NonFiniteOrigin | None) -> bool:
+        """True when a previous step of this run had the same finding (``finding_key``): the
+        step is recorded as an event ``{"same_as_step": first step, "bundle": None}`` and
+        neither a bundle nor a warning is written again (NaN weights would fire every step).
+        Under ``guard="raise"`` every finding raises (a caught error must not hide the next)."""
+        if self.guard == "raise":
+            return False
+        key = finding_key(origin)
+        first = self._findings.setdefault(key, bundle.step)
+        if first == bundle.step:
+            return False
+        event = _event(bundle, origin, None) | {"same_as_step": first}
+        self.events.append(event)
+        self._write(event)
+        return True
+
     def _alarm(self, message: str, origin: NonFiniteOrigin | None, step: int, path: Path | None) -> None:
         if self.guard == "raise":
             error = NonFiniteStepError(message)
@@ -448,6 +477,8 @@ class Monitor:
     def _start_sample_if_due(self) -> None:
         if self.every and self.step_index % self.every == 0:
             self._sample = _Sample(self.root, self.targets, self.scaler, self._contained)
+            if self.hist:
+                self._sample.count_histograms(self.hist, self._hist_ranges)
 
     def _finish_sample(self, sample: _Sample) -> None:
         sample.session.__exit__(None, None, None)
@@ -511,8 +542,24 @@ class _Sample:
         self.activations = {t.key: RunningStats() for t in targets}
         self.gradients = {t.key: RunningStats() for t in targets}
         self.before = {t.key: detached_clones(t.module.parameters()) for t in targets}
+        self.histograms: dict[str, Histogram] = {}
+        self._hist: tuple[int, dict[str, tuple[float, float]]] | None = None
         self.session = Observer(root, targets, forward=self._hook, explain_unfired=False)
         self.session.__enter__()
+
+    def count_histograms(self, bins: int, ranges: dict[str, tuple[float, float]]) -> None:
+        """Also histogram each activation in ``bins`` bins, with the edges in ``ranges``; a
+        module not in it gets its first call's finite range, written into ``ranges``."""
+        self._hist = (bins, ranges)
+
+    def _histogram(self, key: str, tensor: Tensor) -> None:
+        assert self._hist is not None
+        bins, ranges = self._hist
+        if key not in self.histograms:
+            h = Histogram(bins, *ranges[key]) if key in ranges else Histogram.fitting(bins, tensor)
+            ranges[key] = (h.lo, h.hi)
+            self.histograms[key] = h
+        self.histograms[key].update(tensor)
 
     def _hook(self, target: Target) -> Any:
         activations, gradients = self.activations[target.key], self.gradients[target.key]
@@ -523,6 +570,8 @@ class _Sample:
             if tensor is None:
                 return
             activations.update(tensor)
+            if self._hist is not None:
+                self._histogram(target.key, tensor)
             if tensor.requires_grad:
                 on_tensor_grad(tensor, lambda g: self.contained(
                     f"statistics of {target.key!r}", lambda: gradients.update(self._true(g))))
@@ -544,12 +593,16 @@ class _Sample:
         """The JSON record of ``target`` for this step."""
         params = list(target.module.parameters())
         grads = [p.grad for p in params if p.grad is not None]
-        return {"step": step, "rank": rank, "module": target.key,
+        record = {"step": step, "rank": rank, "module": target.key,
                 "activation": _summary(self.activations[target.key]),
                 "gradient": _summary(self.gradients[target.key]),
                 "loss_scale": max(self.scales, default=1.0),
                 "grad_norm": float(torch.nn.utils.get_total_norm(grads)) if grads else None,
                 "update_ratio": _update_ratio(self.before[target.key], params)}
+        if self._hist is not None:
+            h = self.histograms.get(target.key)
+            record["activation_hist"] = h.as_dict() if h is not None else None
+        return record
 
 
 def _summary(stats: RunningStats) -> dict[str, float] | None:
@@ -585,12 +638,22 @@ def _to_tensorboard(writer: Any, record: dict[str, Any]) -> bool:
 
 def _event(bundle: ReplayBundle, origin: NonFiniteOrigin | None, path: Path | None) -> dict[str, Any]:
     where: dict[str, Any] = {"module": None, "class": None, "call": None, "direction": None,
-                             "op": None, "tensor": None}
+                             "op": None, "tensor": None, "parameters": []}
     if origin is not None:
         where = {"module": origin.path, "class": origin.class_name, "call": origin.call_index,
-                 "direction": origin.phase, "op": origin.op, "tensor": origin.bad_label}
+                 "direction": origin.phase, "op": origin.op, "tensor": origin.bad_label,
+                 "parameters": origin.parameter_names}
     return {"event": "nonfinite", "step": bundle.step, "rank": bundle.rank, **where,
             "bundle": str(path) if path is not None else None}
+
+
+def finding_key(origin: NonFiniteOrigin | None) -> tuple[Any, ...] | None:
+    """What makes a guard finding new: the module, direction, op, tensor and whether the
+    module's own parameters are non-finite (not the step, call or counts: NaN weights spread
+    from weight to bias between steps and stay the same finding). None: a finite replay."""
+    if origin is None:
+        return None
+    return (origin.path, origin.phase, origin.op, origin.bad_label, bool(origin.parameters))
 
 
 def _message(bundle: ReplayBundle, origin: NonFiniteOrigin | None, path: Path | None,

@@ -123,7 +123,9 @@ def draw_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
     Panels: absmax of each module's activation (log10) and its zero fraction, modules (rows) x
     sampled steps (columns); each module's gradient norm over the steps (log scale). A red line
-    marks each step where the guard fired, a grey tick each step a GradScaler skipped.
+    marks each step where the guard fired, a grey tick each step a GradScaler skipped. A run
+    recorded with ``monitor(..., hist=N)`` adds a fourth panel: each module's activation
+    histogram at the last sampled step (fraction of its values per bin, over its fixed edges).
 
     Raises:
         HookscopeError: no records file, or no sampled step in it.
@@ -142,7 +144,8 @@ def draw_records(records: list[dict[str, Any]], events: list[dict[str, Any]],
     modules = list(dict.fromkeys(r["module"] for r in records))
     half = (steps[1] - steps[0]) / 2 if len(steps) > 1 else 0.5  # a column per sampled step
     figure = new_figure("hookscope monitor-report")
-    axes = figure.subplots(1, 3)
+    hists = {r["module"]: r for r in records if r.get("activation_hist")}  # last one per module
+    axes = figure.subplots(1, 4 if hists else 3)
     for ax, (title, value) in zip(axes[:2], (("activation absmax (log10)", _log_absmax),
                                              ("activation zero fraction", _zeros)), strict=True):
         grid = [[math.nan] * len(steps) for _ in modules]
@@ -163,13 +166,29 @@ def draw_records(records: list[dict[str, Any]], events: list[dict[str, Any]],
     axes[2].legend(fontsize=6)
     axes[2].set_title("gradient norm")
     axes[2].set_xlabel("step")
+    if hists:
+        _draw_histograms(axes[3], hists)
     for event in events:
         if event["event"] == "nonfinite":
-            for ax in axes:
+            for ax in axes[:3]:
                 ax.axvline(event["step"], color="red", linewidth=1.5)
         elif event["event"] == "overflow_skipped":
             axes[2].axvline(event["step"], color="grey", linewidth=0.5)
     return save_figure(figure, Path(out) if out is not None else Path(run_dir) / "monitor.png")
+
+
+def _draw_histograms(ax: Any, last: dict[str, dict[str, Any]]) -> None:
+    """One step line per module: the fraction of its activation values in each bin."""
+    for module, record in last.items():
+        h = record["activation_hist"]
+        total = sum(h["counts"]) + h["below"] + h["above"] + h["nonfinite"]
+        bins = len(h["counts"])
+        edges = [h["lo"] + (h["hi"] - h["lo"]) * i / bins for i in range(bins + 1)]
+        ax.stairs([c / max(total, 1) for c in h["counts"]], edges,
+                  label=f"{module} (step {record['step']})")
+    ax.legend(fontsize=6)
+    ax.set_title("activation histogram")
+    ax.set_xlabel("value")
 
 
 def _log_absmax(record: dict[str, Any]) -> float:

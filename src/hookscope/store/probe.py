@@ -1,0 +1,255 @@
+"""Linear probes on a store: does a layer's activation predict a label, more than chance?
+
+For each chosen layer, a multinomial logistic regression (a linear map to class logits, softmax
+cross-entropy, L2 penalty) is fitted on the training rows and scored on held-out rows. Memory
+is bounded: rows are read ``chunk`` at a time, the objective and its gradient are summed over
+the chunks, and ``torch.optim.LBFGS`` takes steps on that exact full-data objective, so the
+fit is the same as scikit-learn's ``LogisticRegression(C=C)`` (lbfgs solver) on the same data,
+which minimises ``C * sum(cross-entropy) + ||W||^2 / 2`` (the bias is not penalised). Features
+are standardised with the training rows' mean and standard deviation (one streamed pass).
+
+Selectivity (Hewitt and Liang, "Designing and Interpreting Probes with Control Tasks", EMNLP
+2019): the same probe is fitted to a *control task* whose labels carry no information about
+the activation beyond what memorising a type gives. Each type (``control_types``; default:
+each row its own type) gets a random label drawn from the task's label distribution, and
+``selectivity = accuracy - control_accuracy`` on the held-out rows. A probe that only
+memorises scores as high on the control task; a layer that encodes the label scores higher on
+the real one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hookscope.errors import ArgumentValueError, StoreError
+from hookscope.store.reader import Store, open_store
+
+Tensor = torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerProbe:
+    """One layer's probe.
+
+    Attributes:
+        layer: the store's layer name.
+        accuracy: held-out accuracy of the task probe, in [0, 1].
+        control_accuracy: held-out accuracy of the same probe on the control task.
+        selectivity: ``accuracy - control_accuracy``.
+        train_accuracy: accuracy on the training rows.
+        chance: accuracy of always answering the most frequent training label.
+        features: number of features (the row's elements).
+    """
+
+    layer: str
+    accuracy: float
+    control_accuracy: float
+    selectivity: float
+    train_accuracy: float
+    chance: float
+    features: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeResult:
+    """``probe``'s result: ``layers`` (one ``LayerProbe`` each, in the order asked), the
+    class names, and the rows used for training and testing."""
+
+    layers: list[LayerProbe]
+    classes: list[Any]
+    train_rows: int
+    test_rows: int
+
+    def __getitem__(self, layer: str) -> LayerProbe:
+        return next(p for p in self.layers if p.layer == layer)
+
+    def plot(self, out: str | Path) -> Path:
+        """Draw held-out accuracy and control accuracy per layer as a PNG; return its path.
+
+        Raises:
+            MissingExtraError: matplotlib is not installed.
+        """
+        from hookscope.util.figures import new_figure, save_figure
+        figure = new_figure("hookscope probe")
+        ax = figure.subplots()
+        xs = range(len(self.layers))
+        ax.plot(xs, [p.accuracy for p in self.layers], marker="o", label="task")
+        ax.plot(xs, [p.control_accuracy for p in self.layers], marker="x", label="control task")
+        ax.axhline(self.layers[0].chance if self.layers else 0, color="grey", linestyle=":",
+                   label="majority class")
+        ax.set_xticks(list(xs), [p.layer for p in self.layers], rotation=45, fontsize=6)
+        ax.set_ylabel("held-out accuracy")
+        ax.set_ylim(0, 1.05)
+        ax.legend()
+        return save_figure(figure, Path(out))
+
+
+def probe(store: Store | str | Path, layers: Sequence[str] | None = None, *,
+          labels: Sequence[Any] | Tensor | None = None, test_fraction: float = 0.2,
+          C: float = 1.0, max_iter: int = 100, chunk: int = 4096,
+          control_types: Sequence[Any] | Tensor | None = None, seed: int = 0) -> ProbeResult:
+    """Fit a logistic probe per layer of ``store`` and score it on held-out rows.
+
+    Args:
+        store: an open ``Store`` or its folder.
+        layers: layers to probe (default: every fixed-shape layer). Each row is flattened:
+            a ``(d,)`` row has ``d`` features, a ``(seq, d)`` row ``seq * d``.
+        labels: one label per row (ints or strings); default ``store.labels``.
+        test_fraction: share of rows held out (a seeded random split, the same for every layer).
+        C: inverse L2 strength, as scikit-learn's ``LogisticRegression(C=...)``.
+        max_iter: LBFGS iterations (each one streamed pass over the training rows, or a few).
+        chunk: rows read at once: the memory bound (``chunk * features`` float64 values).
+        control_types: one key per row for the control task (rows with the same key get the
+            same random label); default each row its own.
+        seed: the split's and the control labels' random seed.
+
+    Returns:
+        A ``ProbeResult`` (``result[layer].accuracy``, ``.selectivity``; ``result.plot(path)``).
+
+    Raises:
+        StoreError: the store has no labels and none are given, a layer is ragged or unknown,
+            or the number of labels is not the number of rows.
+        ArgumentValueError: ``test_fraction`` not in (0, 1), fewer than 2 classes, or a split
+            leaving no training or no test row.
+    """
+    store = store if isinstance(store, Store) else open_store(store)
+    targets, classes = _label_ids(store, labels)
+    if not 0 < test_fraction < 1:
+        raise ArgumentValueError(f"test_fraction={test_fraction!r}: pass a share in (0, 1), e.g. 0.2")
+    if len(classes) < 2:
+        raise ArgumentValueError(f"a probe needs at least 2 classes; the labels hold {classes!r}")
+    n = len(store)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    n_test = round(n * test_fraction)
+    test, train = order[:n_test].sort().values, order[n_test:].sort().values
+    if len(test) == 0 or len(train) == 0:
+        raise ArgumentValueError(f"{n} rows with test_fraction={test_fraction}: the split leaves "
+                                 "no test or no training row; use more rows")
+    control = _control_labels(targets, train, control_types, seed)
+    chosen = list(layers) if layers is not None else [
+        name for name, info in store.layers.items() if not info.ragged]
+    fits = []
+    for layer in chosen:
+        if layer not in store.layers or store.layers[layer].ragged:
+            raise StoreError(f"layer {layer!r}: probe reads fixed-shape layers; the store has "
+                             f"{[k for k, v in store.layers.items() if not v.ragged]}")
+        fits.append(_probe_layer(store, layer, targets, control, train, test, len(classes), C,
+                                 max_iter, chunk))
+    return ProbeResult(fits, classes, len(train), len(test))
+
+
+def _label_ids(store: Store, labels: Sequence[Any] | Tensor | None) -> tuple[Tensor, list[Any]]:
+    """``(class index per row (int64), class values sorted)``."""
+    given = store.labels if labels is None else labels
+    if given is None:
+        raise StoreError(f"store {store.path} has no labels: pass labels=[one per row] (or "
+                         "extract from (inputs, labels) batches)")
+    values = given.reshape(-1).tolist() if isinstance(given, Tensor) else list(given)
+    if len(values) != len(store):
+        raise StoreError(f"{len(values)} labels for {len(store)} rows: pass one label per row")
+    classes = sorted(set(values), key=str)
+    lookup = {value: i for i, value in enumerate(classes)}
+    return torch.tensor([lookup[v] for v in values], dtype=torch.int64), classes
+
+
+def _control_labels(targets: Tensor, train: Tensor, types: Sequence[Any] | Tensor | None,
+                    seed: int) -> Tensor:
+    """A random label per type, drawn from the training labels' distribution (Hewitt and Liang
+    2019), given to each row of that type."""
+    keys = (list(range(len(targets))) if types is None else
+            types.reshape(-1).tolist() if isinstance(types, Tensor) else list(types))
+    if len(keys) != len(targets):
+        raise StoreError(f"{len(keys)} control_types for {len(targets)} rows: pass one per row")
+    distinct = list(dict.fromkeys(keys))
+    g = torch.Generator().manual_seed(seed + 1)
+    drawn = targets[train][torch.randint(len(train), (len(distinct),), generator=g)]
+    label_of = dict(zip(distinct, drawn.tolist(), strict=True))
+    return torch.tensor([label_of[k] for k in keys], dtype=torch.int64)
+
+
+def _chunks(store: Store, layer: str, rows: Tensor, chunk: int) -> Iterator[tuple[Tensor, Tensor]]:
+    """``(row indices, float64 features (k, features))`` for ``rows``, ``chunk`` at a time."""
+    view = store[layer]
+    for start in range(0, len(rows), chunk):
+        index = rows[start:start + chunk]
+        block = view[index]
+        assert isinstance(block, Tensor)
+        yield index, block.reshape(len(index), -1).double()
+
+
+def _probe_layer(store: Store, layer: str, targets: Tensor, control: Tensor, train: Tensor,
+                 test: Tensor, classes: int, C: float, max_iter: int, chunk: int) -> LayerProbe:
+    mean, std = _moments(store, layer, train, chunk)
+
+    def scaled(rows: Tensor) -> Iterator[tuple[Tensor, Tensor]]:
+        for index, x in _chunks(store, layer, rows, chunk):
+            yield index, (x - mean) / std
+
+    task = _fit(scaled, train, targets, classes, C, max_iter)
+    ctrl = _fit(scaled, train, control, classes, C, max_iter)
+    counts = torch.bincount(targets[train], minlength=classes)
+    accuracy = _accuracy(task, scaled, test, targets)
+    control_accuracy = _accuracy(ctrl, scaled, test, control)
+    return LayerProbe(layer=layer, accuracy=accuracy, control_accuracy=control_accuracy,
+                      selectivity=accuracy - control_accuracy,
+                      train_accuracy=_accuracy(task, scaled, train, targets),
+                      chance=float(counts.max()) / len(train), features=mean.numel())
+
+
+def _moments(store: Store, layer: str, rows: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
+    """Mean and population std of each feature over ``rows`` (float64, one streamed pass);
+    a constant feature's std is 1 (it stays 0 after centring)."""
+    total = count = square = None
+    for _, x in _chunks(store, layer, rows, chunk):
+        total = x.sum(0) if total is None else total + x.sum(0)
+        count = len(x) if count is None else count + len(x)
+    assert total is not None and count is not None
+    mean = total / count
+    for _, x in _chunks(store, layer, rows, chunk):
+        part = (x - mean).square().sum(0)
+        square = part if square is None else square + part
+    assert square is not None
+    std = (square / count).sqrt()
+    return mean, torch.where(std > 0, std, torch.ones_like(std))
+
+
+def _fit(scaled: Any, train: Tensor, targets: Tensor, classes: int, C: float,
+         max_iter: int) -> tuple[Tensor, Tensor]:
+    """``(W (features, classes), b (classes,))`` minimising ``C * sum(CE) + ||W||^2 / 2`` by
+    LBFGS on the streamed full-data objective."""
+    first = next(iter(scaled(train[:1])))[1]
+    weight = torch.zeros(first.shape[1], classes, dtype=torch.float64, requires_grad=True)
+    bias = torch.zeros(classes, dtype=torch.float64, requires_grad=True)
+    optimizer = torch.optim.LBFGS([weight, bias], lr=1, max_iter=max_iter,
+                                  tolerance_grad=1e-9, tolerance_change=1e-12,
+                                  history_size=20, line_search_fn="strong_wolfe")
+
+    def closure() -> Tensor:
+        optimizer.zero_grad()
+        total = 0.5 * weight.square().sum()
+        total.backward()  # type: ignore[no-untyped-call]
+        value = float(total.detach())
+        for index, x in scaled(train):
+            loss = C * torch.nn.functional.cross_entropy(x @ weight + bias, targets[index],
+                                                         reduction="sum")
+            loss.backward()  # type: ignore[no-untyped-call]  # adds up chunk by chunk: bounded memory
+            value += float(loss.detach())
+        return torch.tensor(value, dtype=torch.float64)
+
+    with torch.enable_grad():
+        optimizer.step(closure)  # type: ignore[no-untyped-call]
+    return weight.detach(), bias.detach()
+
+
+def _accuracy(fit: tuple[Tensor, Tensor], scaled: Any, rows: Tensor, targets: Tensor) -> float:
+    weight, bias = fit
+    right = 0
+    for index, x in scaled(rows):
+        right += int(((x @ weight + bias).argmax(1) == targets[index]).sum())
+    return right / len(rows) if len(rows) else math.nan
