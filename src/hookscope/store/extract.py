@@ -40,9 +40,9 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from hookscope.engine.kinds import kind_of, rows_for, values_for
 from hookscope.engine.run import input_device, model_inputs, untouched
 from hookscope.engine.select import as_patterns, resolve
-from hookscope.engine.values import check_has_values
 from hookscope.errors import (
     ExtractError,
     ExtractInterrupted,
@@ -431,7 +431,7 @@ def _rows(job: _Job, batch: Any, ids: list[Any] | None) -> Rows:
             job.model(*args, **kwargs)
         acts.check_writes()
         _check_calls(acts, job.keys)
-    rows = {key: _layer_rows(key, _one_tensor(key, acts[key]), n, mask, job) for key in job.keys}
+    rows = {key: _layer_rows(key, acts[key], n, mask, job) for key in job.keys}
     return {**rows, **_columns(batch, ids, n)}
 
 
@@ -533,8 +533,23 @@ def _one_tensor(key: str, output: Any) -> Tensor:
         f"{describe_keys(output)})")
 
 
-def _layer_rows(key: str, t: Tensor, n: int, mask: Tensor | None, job: _Job
+def _layer_rows(key: str, output: Any, n: int, mask: Tensor | None, job: _Job
                 ) -> tuple[Tensor, Tensor | None]:
+    """``(rows, None)`` or ``(flat tokens, lengths)`` of one layer's output. A value whose kind
+    has rows of its own (a nested tensor, a PackedSequence: ``engine.kinds``) is stored ragged,
+    one row per input in input order, real tokens only."""
+    kind = kind_of(output)
+    ragged = rows_for(output)
+    if kind is not None and ragged is not None:
+        if job.reducer is not None:
+            raise ExtractError(f"'{key}' returned {kind.what} [kind: {kind.name}]; store it with "
+                               f"reduce=None (ragged rows: each input's real tokens)")
+        tokens, counts = ragged
+        if len(counts) != n:
+            raise ExtractError(f"'{key}' returned {len(counts)} sequences for a batch of {n}")
+        _check_storable(key, tokens)
+        return tokens.detach(), counts
+    t = values_for(_one_tensor(key, output), key, "extract", ExtractError)
     if t.dim() == 0 or t.shape[0] != n:
         raise ExtractError(f"'{key}' returned shape {tuple(t.shape)}, whose first dimension is "
                            f"not the batch size {n}; a store keeps one row per input, so select "
@@ -557,7 +572,7 @@ def _layer_rows(key: str, t: Tensor, n: int, mask: Tensor | None, job: _Job
 def _check_storable(key: str, t: Tensor) -> None:
     """Raise unless a store can hold ``t``: real data (not a meta tensor or FakeTensor) of a dtype safetensors
     and the manifest know (not complex, float8, uint16..64 or quantized)."""
-    check_has_values(t, key, "store", ExtractError)
+    values_for(t, key, "extract", ExtractError)
     if t.dtype not in _ST_DTYPES:
         fix = ("store its real and imaginary parts: a model wrapper returning "
                "torch.view_as_real(output)" if t.is_complex() else
