@@ -48,7 +48,9 @@ from hookscope.errors import (
     ExtractInterrupted,
     HookNeverFiredError,
     HookscopeError,
+    MisalignedLabelsWarning,
     SelectorError,
+    warn,
 )
 from hookscope.record.capture import Capture, capture
 from hookscope.record.reductions import Reduce, Reduction, reduction, reduction_name
@@ -432,13 +434,17 @@ def _rows(job: _Job, batch: Any, ids: list[Any] | None) -> Rows:
         acts.check_writes()
         _check_calls(acts, job.keys)
     rows = {key: _layer_rows(key, acts[key], n, mask, job) for key in job.keys}
-    return {**rows, **_columns(batch, ids, n)}
+    tokens = mask if job.reducer is None else None  # ragged layers: token labels go ragged too
+    return {**rows, **_columns(batch, ids, n, tokens)}
 
 
-def _columns(batch: Any, ids: list[Any] | None, n: int) -> Rows:
+def _columns(batch: Any, ids: list[Any] | None, n: int, mask: Tensor | None = None) -> Rows:
     """The ``@id`` and ``@label`` rows of a batch of ``n`` rows: ``ids`` (data-set indices or
     ``row_id`` strings) and, for a ``(inputs, labels, ...)`` batch, its labels (a tensor whose
-    dim 0 is the batch, or ``n`` strings)."""
+    dim 0 is the batch, or ``n`` strings). Token labels ``(batch, seq)`` of a padded batch
+    whose layers are stored ragged (``mask``: its ``attention_mask``) do not line up with the
+    stored tokens: ``MisalignedLabelsWarning`` says so (a store's numeric columns are not
+    ragged)."""
     columns: Rows = {}
     if ids is not None:
         columns[COLUMN_PREFIX + "id"] = _column("the data set's row ids", ids, n)
@@ -451,6 +457,15 @@ def _columns(batch: Any, ids: list[Any] | None, n: int) -> Rows:
                     f"shape {tuple(labels.shape)}; a store keeps one label per row: give a "
                     f"tensor whose dim 0 is the batch ({n}) of a dtype a store holds, or yield "
                     f"the inputs alone")
+            if (mask is not None and labels.dim() >= 2 and labels.shape[:2] == mask.shape
+                    and not bool(mask.bool().all())):
+                warn("the labels of this (inputs, labels) batch are token labels "
+                     f"{tuple(labels.shape)} of a padded batch (attention_mask), whose layers are "
+                     "stored ragged (real tokens only): store.labels keeps each row padded, so "
+                     "label j of a row is not the label of its stored token j. The labels of row "
+                     "i's stored tokens are labels[i][attention_mask[i].bool()]; or extract "
+                     "unpadded (packed) rows, whose labels line up token for token",
+                     MisalignedLabelsWarning)
             columns[COLUMN_PREFIX + "label"] = (labels.detach().cpu(), None)
         else:
             columns[COLUMN_PREFIX + "label"] = _column("the labels of an (inputs, labels) batch",
