@@ -399,7 +399,8 @@ def _is_finite(tensor: Tensor) -> bool:
     if not (tensor.is_floating_point() or tensor.is_complex()):
         return True
     values = tensor.detach()
-    if values.layout != torch.strided or values.is_nested:  # nested, sparse: their values
+    if values.layout != torch.strided or values.is_nested or values.is_meta or type(values) is not Tensor:
+        # nested, sparse, quantized: their values; meta and FakeTensors: refused (no values)
         values = values_for(values, "a value", "nonfinite")
     return bool(torch.isfinite(values.sum())) or bool(torch.isfinite(values).all())
 

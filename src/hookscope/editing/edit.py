@@ -133,7 +133,7 @@ class Edit(HookSession):
                 if new is not None:
                     edit_rules.check_fits(self._patterns[index], target, call, value, new)
                 return new
-            new = apply_edit(fitted, old)  # quantized, DTensor, nested, sparse: back in old's form
+            new = apply_edit(fitted, old, target.key, EditError)  # back in old's form
             if new is None:
                 return None
             return set_part(output, target.parts, new) if target.parts else new

@@ -160,7 +160,8 @@ def _channels_last(value: Any) -> bool:
             and value.is_contiguous(memory_format=torch.channels_last))
 
 
-_NO_VALUES = {verb: v.NO_VALUES_FIX for verb in ("save", "stats", "extract", "compare", "nonfinite")}
+_NO_VALUES = {verb: v.NO_VALUES_FIX
+              for verb in ("save", "stats", "extract", "compare", "nonfinite", "edit")}
 _COMPLEX_STATS = ("select a module after it that returns its .real or .abs(), or capture it "
                   "(hookscope.capture) instead")
 _NESTED_SAVE = ("save its sequences yourself ({f'seq{i}': s for i, s in "
@@ -170,7 +171,7 @@ _NESTED_SAVE = ("save its sequences yourself ({f'seq{i}': s for i, s in "
 KINDS: tuple[Kind, ...] = (
     Kind("None", "None (the module returned nothing here)", lambda x: x is None,
          values=None, refuses={verb: "select a part of the output that holds a tensor"
-                               for verb in ("save", "stats", "extract", "compare")}),
+                               for verb in ("save", "stats", "extract", "edit")}),
     Kind("PackedSequence", "a PackedSequence (rows are the real tokens of all sequences, time "
          "step by time step, longest first: not the batch)",
          lambda x: isinstance(x, PackedSequence), values=_packed_values, rows=_packed_rows,
@@ -273,11 +274,20 @@ def rows_for(value: Any) -> tuple[Tensor, Tensor] | None:
     return None if kind is None or kind.rows is None else kind.rows(value)
 
 
-def apply_edit(fn: Edit, value: Any) -> Any:
+def apply_edit(fn: Edit, value: Any, where: str, error: type[HookscopeError] = HookscopeError) -> Any:
     """``fn`` applied to ``value`` as its kind says (``Kind.apply``); a structure is given to
-    ``fn`` as it is."""
+    ``fn`` as it is.
+
+    Raises:
+        HookscopeError (or ``error``): the kind refuses edits (None, no values), before ``fn``.
+    """
     kind = kind_of(value)
-    return fn(value) if kind is None else kind.apply(fn, value)
+    if kind is None:
+        return fn(value)
+    if kind.name == "meta/fake":
+        v.check_has_values(value, where, "edit", error)
+    refuse(kind, value, where, "edit", error)
+    return kind.apply(fn, value)
 
 
 def inside(value: Any, parts: tuple[int | str, ...], name: str) -> bool:

@@ -308,6 +308,10 @@ class Records:
             tensors[str(key)] = t.clone() if ptr in seen else t
             seen.add(ptr)
         if not tensors:
+            if any(self.counts.values()):
+                raise HookscopeError("nothing to save: the selected modules ran but returned no "
+                                     "tensor (None) [kind: None]; select a module (or a part of "
+                                     "its output) that returns a tensor")
             raise HookscopeError("nothing to save: no selected module ran inside the capture block")
         meta = {"hookscope.calls": json.dumps({p: n for p, n in self.counts.items() if n})}
         meta.update(metadata or {})
