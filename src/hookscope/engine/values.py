@@ -1,6 +1,8 @@
 """Private: turn a tensor a hook sees into one that can be kept after the call.
 
-Two kinds of tensor cannot be kept as they are:
+The helpers below are what rows of the kinds table (``engine.kinds.KINDS``, read by every verb)
+call; capture's hot path uses ``special``/``keepable`` directly. These tensors are not kept as
+they are:
 
 - **quantized** tensors (``torch.quint8``/``qint8``/``qint32`` outputs of eager-mode quantized
   or fused modules, e.g. ``ConvReLU2d`` after ``torch.ao.quantization.convert``): most tensor
