@@ -57,7 +57,7 @@ def test_modules_that_never_ran_are_marked() -> None:
     rows = _by_path(tree(UnusedBranch(), torch.randn(2, 4)))
     assert rows["aux_head"].calls == 0 and rows["relu"].calls == 0
     assert rows["aux_head"].note == ("never ran: the model's forward ran without calling it "
-                                     "(a functional call such as F.relu, or a branch not taken)")
+                                     "(F.linear: address it as '::linear', or a branch not taken)")
     assert rows["head"].note == "" and rows["head"].calls == 1
 
 

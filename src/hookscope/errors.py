@@ -148,6 +148,12 @@ class GradcamError(HookscopeError, ValueError):
     is not class scores, or a target class is out of range."""
 
 
+class MisalignedLabelsWarning(UserWarning):
+    """``extract`` stores a padded batch's layers ragged (real tokens only), but its labels are
+    one ``(batch, seq)`` row of token labels per input, padding included: label ``j`` of a row
+    is not the id of stored token ``j``."""
+
+
 class PositionError(HookscopeError, IndexError):
     """``positions=`` names a token position that does not exist, or marks padding (see
     ``hookscope.positions``)."""

@@ -33,11 +33,11 @@ from hookscope.diagnostics.pairing import (
 )
 from hookscope.engine import diagnose
 from hookscope.engine.checks import check_number
+from hookscope.engine.kinds import comparable
 from hookscope.engine.names import ModuleIndex
 from hookscope.engine.run import input_device, untouched
 from hookscope.engine.select import Target, as_patterns
 from hookscope.engine.session import Observer, resolve_checked
-from hookscope.engine.values import comparable
 from hookscope.errors import ArgumentTypeError, ArgumentValueError, HookscopeError, SelectorError
 from hookscope.record.capture import capture
 from hookscope.record.records import CallInputs

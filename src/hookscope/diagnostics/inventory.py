@@ -3,10 +3,12 @@
 Some hooks are part of how a model computes, and removing them silently changes its results:
 ``weight_norm``/``spectral_norm`` recompute the weight in a forward pre-hook, lazy modules
 (``LazyLinear``) create their parameters in one, and DDP/FSDP, quantization observers,
-accelerate, peft and transformers register their own. ``hooks(model)`` says who registered each
-hook (the package its function comes from) and marks those as **internal**; ``remove_hooks``
-leaves internal hooks in place unless ``include_internal=True`` (see pytorch#70455, #2847 for the
-'clear every hook dictionary' recipe that breaks them).
+accelerate, peft, transformers and Opacus (its per-sample gradient hooks are the DP mechanism)
+register their own: any hook whose function an installed library defines (``engine.origin``).
+``hooks(model)`` says who registered each hook (the package its function comes from) and marks
+those as **internal**; ``remove_hooks`` leaves internal hooks in place unless
+``include_internal=True`` (see pytorch#70455, #2847 for the 'clear every hook dictionary' recipe
+that breaks them).
 
 Reading torch's private hook dictionaries is confined to ``_HOOK_DICTS`` and ``_GLOBAL_DICTS``;
 ``tests/test_hooks_inventory.py`` fails loudly if torch renames them.
@@ -25,12 +27,13 @@ from torch.nn.modules import module as torch_module
 from hookscope.engine.checks import check_flag, check_model
 from hookscope.engine.hooks import owner
 from hookscope.engine.names import index
+from hookscope.engine.origin import KNOWN_LIBRARIES, library_of
 
 __all__ = ["HookInfo", "hooks", "remove_hooks", "INTERNAL_PACKAGES"]
 
-# Packages whose hooks implement model behaviour (their functions' top-level package).
-INTERNAL_PACKAGES = frozenset({"torch", "accelerate", "peft", "transformers", "deepspeed",
-                               "fairscale", "torchao", "bitsandbytes", "apex"})
+# Packages whose hooks implement model behaviour, wherever they are installed; any other
+# installed library's hooks are internal too (``engine.origin.library_of``).
+INTERNAL_PACKAGES = KNOWN_LIBRARIES
 
 # kind -> attribute of nn.Module holding {handle id: hook}
 _HOOK_DICTS = {
@@ -63,7 +66,7 @@ class HookInfo:
         registered_by: the top-level package the hook's function comes from (``"torch"`` for
             ``WeightNorm`` or a lazy module's ``_infer_parameters``, ``"peft"``, ``"hookscope"``),
             or ``"user code (MODULE)"`` for anything else (a notebook's ``__main__``).
-        internal: True when ``registered_by`` is in ``INTERNAL_PACKAGES``: the hook is part of
+        internal: True when ``registered_by`` is a library (``engine.origin``): the hook is part of
             how the model computes, and ``remove_hooks`` keeps it unless asked.
     """
 
@@ -161,10 +164,13 @@ def _registered_by(fn: Any) -> str:
     if not isinstance(module, str) or (not inspect.isfunction(target) and not inspect.isclass(target)):
         module = type(target).__module__  # a callable object (WeightNorm): its class decides
     package = module.partition(".")[0]
-    if package in INTERNAL_PACKAGES or package == "hookscope":
+    if package == "hookscope":
         return package
-    return f"user code ({module})"
+    library = library_of(module)
+    return f"user code ({module})" if library is None else library
 
 
 def _is_internal(owner: str) -> bool:
-    return owner in INTERNAL_PACKAGES
+    """True for a hook a library registered (it is part of how the model works: Opacus'
+    per-sample gradients, WeightNorm); hookscope's and the user's own are not."""
+    return owner != "hookscope" and not owner.startswith("user code")

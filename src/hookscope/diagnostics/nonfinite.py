@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from hookscope.engine import diagnose
 from hookscope.engine.checks import check_callable, check_flag
+from hookscope.engine.kinds import values_for
 from hookscope.engine.names import index
 from hookscope.engine.run import untouched
 from hookscope.engine.select import Target, unwrap
@@ -71,16 +72,23 @@ class TensorSummary:
     @classmethod
     def of(cls, label: str, tensor: Tensor) -> TensorSummary:
         """Summarise ``tensor`` (any shape and dtype; integers are always finite)."""
-        values = tensor.detach()
-        if not values.is_floating_point():
-            values = values.double()
-        finite = torch.isfinite(values)
-        kept = values[finite].double()
+        values = values_for(tensor, label, "nonfinite").detach()
+        shape = tuple(tensor.shape) if tensor.layout == torch.strided and not tensor.is_nested \
+            else tuple(values.shape)
+        if values.is_complex():  # an element is NaN (or +-Inf) when either part is
+            parts = torch.view_as_real(values)
+            nan = torch.isnan(parts).any(-1)
+            posinf, neginf = ((parts == inf).any(-1) & ~nan for inf in (math.inf, -math.inf))
+            kept = parts[torch.isfinite(values)].double()
+        else:
+            if not values.is_floating_point():
+                values = values.double()
+            nan, posinf, neginf = torch.isnan(values), values == math.inf, values == -math.inf
+            kept = values[torch.isfinite(values)].double()
         has_any = kept.numel() > 0
         return cls(
-            label=label, shape=tuple(tensor.shape), dtype=str(tensor.dtype).replace("torch.", ""),
-            nan=int(torch.isnan(values).sum()), posinf=int((values == math.inf).sum()),
-            neginf=int((values == -math.inf).sum()),
+            label=label, shape=shape, dtype=str(tensor.dtype).replace("torch.", ""),
+            nan=int(nan.sum()), posinf=int(posinf.sum()), neginf=int(neginf.sum()),
             min=float(kept.min()) if has_any else math.nan,
             max=float(kept.max()) if has_any else math.nan,
             mean=float(kept.mean()) if has_any else math.nan)
@@ -426,6 +434,9 @@ def _is_finite(tensor: Tensor) -> bool:
     if not (tensor.is_floating_point() or tensor.is_complex()):
         return True
     values = tensor.detach()
+    if values.layout != torch.strided or values.is_nested or values.is_meta or type(values) is not Tensor:
+        # nested, sparse, quantized: their values; meta and FakeTensors: refused (no values)
+        values = values_for(values, "a value", "nonfinite")
     return bool(torch.isfinite(values.sum())) or bool(torch.isfinite(values).all())
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from hookscope.engine.values import comparable
+from hookscope.engine.kinds import comparable
 from hookscope.errors import ArgumentValueError, HookscopeError
 
 Tensor = torch.Tensor

@@ -25,10 +25,11 @@ from torch import nn
 
 from hookscope.diagnostics.histogram import Histogram
 from hookscope.engine.checks import check_flag, check_int, check_iterable
+from hookscope.engine.kinds import kind_of, values_for
 from hookscope.engine.run import model_inputs, untouched
 from hookscope.engine.select import Target, as_patterns
 from hookscope.engine.session import HookSession, OnUnfired
-from hookscope.engine.values import check_has_values, keepable
+from hookscope.engine.values import check_has_values, check_not_transformed, keepable
 from hookscope.errors import ArgumentValueError, HookscopeError
 from hookscope.util.nested import get_part, iter_tensors
 
@@ -327,8 +328,13 @@ class _StatsSession(HookSession):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             ran.add(target.path)
             part = get_part(output, parts) if parts else output
-            tensors = [keepable(t, target.key) for t in iter_tensors(part)]  # quantized: dequantized
-            tensor = _summarised(tensors, target.key)
+            if kind_of(part) is not None:  # a tensor, a PackedSequence: as its kind reads it
+                if isinstance(part, Tensor):
+                    check_not_transformed(part, target.key)
+                tensor: Tensor | None = values_for(part, target.key, "stats")
+            else:
+                tensors = [keepable(t, target.key) for t in iter_tensors(part)]  # quantized: dequantized
+                tensor = _summarised(tensors, target.key)
             if tensor is None:
                 return
             mask = self.mask

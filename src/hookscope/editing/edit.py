@@ -50,12 +50,12 @@ from hookscope.engine.checks import (
     check_positions,
 )
 from hookscope.engine.hooks import in_recompute
+from hookscope.engine.kinds import apply_edit, inside, kind_of
 from hookscope.engine.layout import MaskWatcher
 from hookscope.engine.names import ModuleIndex
 from hookscope.engine.names import index as module_index
 from hookscope.engine.select import Target, as_patterns, unwrap
 from hookscope.engine.session import HookSession, OnUnfired, resolve_each
-from hookscope.engine.values import plain, restore_like, special
 from hookscope.errors import ArgumentTypeError, EditError, warn
 from hookscope.record.positions import Heads, Over, Positions, check_over
 from hookscope.util.nested import get_part, iter_tensors, set_part
@@ -120,15 +120,23 @@ class Edit(HookSession):
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             call = self._next_call(index, target)
             old = _part(output, target)
-            if isinstance(old, torch.Tensor) and special(old):  # quantized, DTensor: edit the
-                new = rule(plain(old), target, call)  # real (global) numbers, return old's form
-                new = None if new is None else restore_like(new, old)
-            else:
+            if edit_rules.is_positional(rule) and inside(output, target.parts, "PackedSequence"):
+                raise EditError(
+                    f"cannot edit positions of '{target.key}': it lies inside a PackedSequence, "
+                    f"whose rows are the real tokens of all sequences time step by time step "
+                    f"[kind: PackedSequence], not (batch, seq); select the PackedSequence itself "
+                    f"('{target.key.rsplit('[', 1)[0]}'), which hookscope edits per sequence")
+            if kind_of(old) is None:
                 _refuse_quantized(old, target)
-                new = rule(old, target, call)
+
+            def fitted(value: Any) -> Any:  # the rule on the value as its kind presents it
+                new = rule(value, target, call)
+                if new is not None:
+                    edit_rules.check_fits(self._patterns[index], target, call, value, new)
+                return new
+            new = apply_edit(fitted, old, target.key, EditError)  # back in old's form
             if new is None:
                 return None
-            edit_rules.check_fits(self._patterns[index], target, call, old, new)
             return set_part(output, target.parts, new) if target.parts else new
         return hook
 
@@ -432,13 +440,11 @@ def _check_where(positions: object, absolute: object, seq_dim: object, over: obj
 
 
 def _check_vector(name: str, vector: Tensor) -> None:
-    """A steering vector: dense, real, finite, with at least one value."""
+    """A steering vector: dense, finite, with at least one value (complex only for a complex
+    output: checked when it is added)."""
     if vector.layout != torch.strided:
         raise ArgumentTypeError(f"{name} is a {vector.layout} tensor: a steering vector is added "
                                 f"to dense activations; pass {name.split('[')[0]}[...].to_dense()")
-    if vector.is_complex():
-        raise ArgumentTypeError(f"{name} is complex ({vector.dtype}): it would be cast to the "
-                                f"real output, dropping its imaginary part; give a real vector")
     check_nonempty(name, vector, "a vector of shape (d_model,)")
     check_finite(name, vector)
 

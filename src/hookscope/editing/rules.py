@@ -7,6 +7,7 @@ selected output part of one call of ``target``. ``edit.py`` builds the sessions;
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,6 +92,10 @@ def steer_rule(vector: Tensor) -> Rule:
             raise EditError(f"cannot add a vector of shape {tuple(vector.shape)} to the output of "
                             f"'{target.key}', shape {tuple(value.shape)}: give a vector that "
                             f"broadcasts to its trailing dimensions, e.g. {_example_shape(value)}")
+        if vector.is_complex() and not value.is_complex():
+            raise EditError(f"cannot add the complex vector ({vector.dtype}) to the output of "
+                            f"'{target.key}', which is real ({value.dtype}): its imaginary part "
+                            f"would be dropped; give a real vector")
         if value.dtype in _NO_ARITHMETIC:  # float8: added in float32, rounded back to float8
             return (value.float() + vector.to(value.device, torch.float32)).to(value.dtype)
         return value + vector.to(device=value.device, dtype=value.dtype)
@@ -213,7 +218,16 @@ def at_positions(rule: Rule, positions: Positions, watcher: MaskWatcher, where: 
                               over=where.over)
             return torch.where(chosen.to(live.device), get_part(new, keys) if keys else new, live)
         return _map_with_keys(keep_outside, value)
+    _POSITIONAL.add(positioned)
     return positioned
+
+
+_POSITIONAL: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+
+
+def is_positional(rule: Rule) -> bool:
+    """True for a rule made by ``at_positions`` (it reads a token axis)."""
+    return rule in _POSITIONAL
 
 
 def _check_selection(positions: Positions, where: Where) -> None:

@@ -151,19 +151,24 @@ _CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 
 
 def functional_counterpart(module: nn.Module) -> str | None:
-    """The ``torch.nn.functional`` name of a parameter-free built-in module (an activation,
-    pooling, dropout, softmax), or ``None`` for others.
+    """The ``torch.nn.functional`` name of what a module computes, when ``F`` has one: the
+    name a forward that applies the functional form (with the module's own weights, if any)
+    instead of calling the module is addressed by (``"parent::conv1d"``); ``None`` otherwise.
 
     ``ReLU`` -> ``"relu"``, ``LeakyReLU`` -> ``"leaky_relu"``, ``MaxPool2d`` -> ``"max_pool2d"``,
-    ``LogSoftmax`` -> ``"log_softmax"``, ``SiLU`` -> ``"silu"``: the name a forward that applies
-    the functional form instead of calling the module is addressed by (``"parent::relu"``).
+    ``LogSoftmax`` -> ``"log_softmax"``, ``SiLU`` and transformers' ``SiLUActivation`` ->
+    ``"silu"``, ``Conv1d`` -> ``"conv1d"`` (Mamba's mixer calls ``F.conv1d`` with
+    ``conv1d.weight``), ``Linear`` -> ``"linear"``, ``BatchNorm1d`` -> ``"batch_norm"``.
     """
-    cls = type(module)
-    stateful = next(module.parameters(), None) is not None or next(module.children(), None)
-    if stateful is not None or not cls.__module__.startswith("torch.nn.modules"):
-        return None  # a Linear or Conv2d that never ran is rarely replaced by F.linear
-    name = _ACRONYMS.sub(lambda m: m.group(1).capitalize() + "lu", cls.__name__)
-    return _CAMEL.sub("_", name).lower()
+    name = type(module).__name__.removesuffix("Activation")
+    name = _CAMEL.sub("_", _ACRONYMS.sub(lambda m: m.group(1).capitalize() + "lu", name)).lower()
+    for candidate in (name, _DIMENSION.sub("", name)):
+        if candidate and callable(getattr(torch.nn.functional, candidate, None)):
+            return candidate
+    return None
+
+
+_DIMENSION = re.compile(r"\d+d$")  # batch_norm1d -> batch_norm, instance_norm2d -> instance_norm
 
 
 def functional_hint(parent: str, module: nn.Module) -> str:

@@ -1,6 +1,8 @@
 """Private: turn a tensor a hook sees into one that can be kept after the call.
 
-Two kinds of tensor cannot be kept as they are:
+The helpers below are what rows of the kinds table (``engine.kinds.KINDS``, read by every verb)
+call; capture's hot path uses ``special``/``keepable`` directly. These tensors are not kept as
+they are:
 
 - **quantized** tensors (``torch.quint8``/``qint8``/``qint32`` outputs of eager-mode quantized
   or fused modules, e.g. ``ConvReLU2d`` after ``torch.ao.quantization.convert``): most tensor
@@ -38,7 +40,7 @@ from hookscope.util.nested import iter_tensors, map_tensors
 
 __all__ = ["keepable", "special", "kept_note", "check_not_transformed", "quantized_note",
            "requantize_like", "plain", "restore_like", "outside_inference", "is_dtensor",
-           "holds_no_values", "check_has_values", "no_values_reason", "comparable", "NO_VALUES_FIX"]
+           "holds_no_values", "check_has_values", "no_values_reason", "NO_VALUES_FIX"]
 
 Tensor = torch.Tensor
 _functorch = torch._C._functorch
@@ -161,18 +163,6 @@ def check_has_values(t: Tensor, where: str, doing: str,
     if holds_no_values(t):
         raise error(f"'{where}' returned {no_values_reason(t)}, which holds no values to "
                     f"{doing}; {NO_VALUES_FIX}")
-
-
-def comparable(t: Tensor, where: str) -> Tensor:
-    """``t``'s values as a real tensor to compare elementwise: ``plain`` values, complex ones
-    as ``torch.view_as_real`` (``(..., 2)``: real and imaginary parts).
-
-    Raises:
-        HookscopeError: ``t`` is a meta tensor or a FakeTensor (see ``check_has_values``).
-    """
-    check_has_values(t, where, "compare")
-    t = plain(t)
-    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def check_not_transformed(t: torch.Tensor, where: str) -> None:

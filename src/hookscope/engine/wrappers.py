@@ -10,13 +10,16 @@ through every one of them, so names are the model's own (``layers.0.fc``, not
 way: peft's ``PeftModel`` holds its tuner as ``base_model`` and the tuner (``LoraModel``) holds the
 user's model as ``model``, so ``base_model.model.layers.0.q_proj`` is ``layers.0.q_proj``.
 
-A module is a wrapper when its only child sits under a wrapper attribute (``module``, ``model``,
-``base_model``, ``_orig_mod`` or ``_<anything>_module``, e.g. ``_fsdp_wrapped_module``) and either
-its class is a known wrapper kind (by class name, so no framework is imported) or its
-``forward`` returns ``self.<attribute>(...)``, or returns ``self.<getter>()(...)`` where the getter
+A module is a wrapper when it has one child and its ``forward`` returns
+``self.<attribute>(...)`` (it delegates: Opacus' ``GradSampleModule`` returns
+``self._module(*args, **kwargs)``), or returns ``self.<getter>()(...)`` where the getter
 (peft's ``get_base_model``) gives back the child or a module the child wraps; the source is read
-without running the forward. A module that changes its child's result
-(``return self.module(x) * 2``) is not a wrapper: its output is its own.
+without running the forward; and either the child's attribute is a conventional wrapper name
+(``module``, ``model``, ``base_model``, ``_orig_mod`` or ``_<anything>_module``, e.g.
+``_fsdp_wrapped_module``) or the class comes from an installed library (``engine.origin``: a
+user's own ``self.body(x)`` keeps its names). Wrappers whose forward does more (gathering,
+sharding, compiled frames) are known by class name under a conventional attribute. A module
+that changes its child's result (``return self.module(x) * 2``) is not a wrapper: its output is its own.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import textwrap
 from torch import nn
 
 from hookscope.engine.checks import check_model
+from hookscope.engine.origin import library_of
 
 __all__ = ["wrapped_attribute", "unwrap"]
 
@@ -49,11 +53,14 @@ def wrapped_attribute(module: nn.Module) -> str | None:
     if len(children) != 1:
         return None
     attribute, child = next(iter(children.items()))
-    if child is None or not _ATTRIBUTE.fullmatch(attribute):
+    if child is None:
         return None
     cls = type(module)
-    if (any(c.__name__ in _KNOWN for c in cls.__mro__) or _delegates(cls, attribute)
-            or _getter_returns_wrapped(module, child)):
+    conventional = _ATTRIBUTE.fullmatch(attribute) is not None
+    if not conventional and library_of(cls.__module__) is None:
+        return None  # the user's own class delegating to 'self.body': its names are the user's
+    if (conventional and any(c.__name__ in _KNOWN for c in cls.__mro__)) or _delegates(cls, attribute) \
+            or _getter_returns_wrapped(module, child):
         return attribute
     return None
 

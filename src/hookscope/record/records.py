@@ -25,9 +25,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from hookscope.engine.function_names import bind_arguments
+from hookscope.engine.kinds import describe, values_for
 from hookscope.engine.layout import NO_TOKENS, Layout, Tokens, layout_of
 from hookscope.engine.record_key import Part, RecordKey
-from hookscope.engine.values import check_has_values, outside_inference
+from hookscope.engine.values import outside_inference
 from hookscope.errors import ArgumentTypeError, CaptureError, HookscopeError
 from hookscope.record.grads import NO_GRADIENT_YET, GradRecord
 from hookscope.util.files import write_atomic
@@ -345,12 +346,15 @@ class Records:
         tensors: dict[str, Tensor] = {}
         seen: set[int] = set()
         for key, tensor in self.items():
-            _check_savable(str(key), tensor)
-            t = tensor.detach().cpu().contiguous()
+            t = _savable(str(key), tensor).detach().cpu().contiguous()
             ptr = t.untyped_storage().data_ptr()
             tensors[str(key)] = t.clone() if ptr in seen else t
             seen.add(ptr)
         if not tensors:
+            if any(self.counts.values()):
+                raise HookscopeError("nothing to save: the selected modules ran but returned no "
+                                     "tensor (None) [kind: None]; select a module (or a part of "
+                                     "its output) that returns a tensor")
             raise HookscopeError("nothing to save: no selected module ran inside the capture block")
         meta = {"hookscope.calls": json.dumps({p: n for p, n in self.counts.items() if n})}
         meta.update(metadata or {})
@@ -450,14 +454,21 @@ def _check_key(key: object) -> None:
                             f"List what was recorded with list(acts)")
 
 
-def _check_savable(key: str, t: Tensor) -> None:
-    """Raise unless safetensors can write ``t``: it has values and a dtype it knows."""
-    check_has_values(t, key, "save")
+def _savable(key: str, t: Tensor) -> Tensor:
+    """``t``'s values as its kind keeps them for a file (``engine.kinds``: a sparse tensor's
+    dense values, a quantized one's dequantized values).
+
+    Raises:
+        HookscopeError: its kind cannot be saved (no values; a nested tensor), or safetensors
+            has no type for its dtype (``torch.complex128``).
+    """
+    t = values_for(t, key, "save")
     if t.dtype not in _SAVABLE:
         fix = ("capture with dtype=torch.complex64, or save torch.view_as_real of it yourself"
                if t.is_complex() else "capture with dtype=torch.float32")
         raise HookscopeError(f"cannot save '{key}': it is {t.dtype}, which safetensors files "
                              f"cannot hold; {fix}")
+    return t
 
 
 # the dtypes a safetensors file holds (its torch adapter's table; complex128 is not among them)
@@ -484,7 +495,7 @@ def _rebuild(leaves: dict[tuple[Part, ...], Tensor]) -> Any:
 def _brief(value: Any) -> str:
     """A value in a few characters: ``2x5 int64`` for a tensor, ``None``, ``True``, else its type."""
     if isinstance(value, Tensor):
-        return f"{'x'.join(map(str, value.shape)) or 'scalar'} {str(value.dtype).removeprefix('torch.')}"
+        return f"{describe(value) or 'scalar'} {str(value.dtype).removeprefix('torch.')}"
     if value is None or isinstance(value, (bool, int, float)):
         return repr(value)
     return type(value).__name__
@@ -494,7 +505,7 @@ def _shapes(outputs: list[Any]) -> str:
     if not outputs:
         return "never ran"
     first = outputs[0]
-    shape = "x".join(map(str, first.shape)) if isinstance(first, Tensor) else type(first).__name__
+    shape = describe(first)
     return shape if len(outputs) == 1 else f"{len(outputs)} calls, first {shape}"
 
 

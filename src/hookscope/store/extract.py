@@ -40,15 +40,17 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from hookscope.engine.kinds import kind_of, rows_for, values_for
 from hookscope.engine.run import input_device, model_inputs, untouched
 from hookscope.engine.select import as_patterns, resolve
-from hookscope.engine.values import check_has_values
 from hookscope.errors import (
     ExtractError,
     ExtractInterrupted,
     HookNeverFiredError,
     HookscopeError,
+    MisalignedLabelsWarning,
     SelectorError,
+    warn,
 )
 from hookscope.record.capture import Capture, capture
 from hookscope.record.reductions import Reduce, Reduction, reduction, reduction_name
@@ -440,8 +442,9 @@ def _rows(job: _Job, batch: Any, ids: list[Any] | None) -> Rows:
             job.model(*args, **kwargs)
         acts.check_writes()
         _check_calls(acts, job.keys)
-    rows = {key: _layer_rows(key, _one_tensor(key, acts[key]), n, mask, job) for key in job.keys}
-    return {**rows, **_columns(batch, ids, n), **_token_ids(kwargs, mask, rows)}
+    rows = {key: _layer_rows(key, acts[key], n, mask, job) for key in job.keys}
+    tokens = mask if job.reducer is None else None  # ragged layers: token labels go ragged too
+    return {**rows, **_columns(batch, ids, n, tokens), **_token_ids(kwargs, mask, rows)}
 
 
 def _token_ids(kwargs: dict[str, Any], mask: Tensor | None, rows: Rows) -> Rows:
@@ -458,10 +461,13 @@ def _token_ids(kwargs: dict[str, Any], mask: Tensor | None, rows: Rows) -> Rows:
                                       keep.sum(dim=1).to("cpu", torch.int64))}
 
 
-def _columns(batch: Any, ids: list[Any] | None, n: int) -> Rows:
+def _columns(batch: Any, ids: list[Any] | None, n: int, mask: Tensor | None = None) -> Rows:
     """The ``@id`` and ``@label`` rows of a batch of ``n`` rows: ``ids`` (data-set indices or
     ``row_id`` strings) and, for a ``(inputs, labels, ...)`` batch, its labels (a tensor whose
-    dim 0 is the batch, or ``n`` strings)."""
+    dim 0 is the batch, or ``n`` strings). Token labels ``(batch, seq)`` of a padded batch
+    whose layers are stored ragged (``mask``: its ``attention_mask``) do not line up with the
+    stored tokens: ``MisalignedLabelsWarning`` says so (a store's numeric columns are not
+    ragged)."""
     columns: Rows = {}
     if ids is not None:
         columns[COLUMN_PREFIX + "id"] = _column("the data set's row ids", ids, n)
@@ -474,6 +480,15 @@ def _columns(batch: Any, ids: list[Any] | None, n: int) -> Rows:
                     f"shape {tuple(labels.shape)}; a store keeps one label per row: give a "
                     f"tensor whose dim 0 is the batch ({n}) of a dtype a store holds, or yield "
                     f"the inputs alone")
+            if (mask is not None and labels.dim() >= 2 and labels.shape[:2] == mask.shape
+                    and not bool(mask.bool().all())):
+                warn("the labels of this (inputs, labels) batch are token labels "
+                     f"{tuple(labels.shape)} of a padded batch (attention_mask), whose layers are "
+                     "stored ragged (real tokens only): store.labels keeps each row padded, so "
+                     "label j of a row is not the label of its stored token j. The labels of row "
+                     "i's stored tokens are labels[i][attention_mask[i].bool()]; or extract "
+                     "unpadded (packed) rows, whose labels line up token for token",
+                     MisalignedLabelsWarning)
             columns[COLUMN_PREFIX + "label"] = (labels.detach().cpu(), None)
         else:
             columns[COLUMN_PREFIX + "label"] = _column("the labels of an (inputs, labels) batch",
@@ -556,8 +571,23 @@ def _one_tensor(key: str, output: Any) -> Tensor:
         f"{describe_keys(output)})")
 
 
-def _layer_rows(key: str, t: Tensor, n: int, mask: Tensor | None, job: _Job
+def _layer_rows(key: str, output: Any, n: int, mask: Tensor | None, job: _Job
                 ) -> tuple[Tensor, Tensor | None]:
+    """``(rows, None)`` or ``(flat tokens, lengths)`` of one layer's output. A value whose kind
+    has rows of its own (a nested tensor, a PackedSequence: ``engine.kinds``) is stored ragged,
+    one row per input in input order, real tokens only."""
+    kind = kind_of(output)
+    ragged = rows_for(output)
+    if kind is not None and ragged is not None:
+        if job.reducer is not None:
+            raise ExtractError(f"'{key}' returned {kind.what} [kind: {kind.name}]; store it with "
+                               f"reduce=None (ragged rows: each input's real tokens)")
+        tokens, counts = ragged
+        if len(counts) != n:
+            raise ExtractError(f"'{key}' returned {len(counts)} sequences for a batch of {n}")
+        _check_storable(key, tokens)
+        return tokens.detach(), counts
+    t = values_for(_one_tensor(key, output), key, "extract", ExtractError)
     if t.dim() == 0 or t.shape[0] != n:
         raise ExtractError(f"'{key}' returned shape {tuple(t.shape)}, whose first dimension is "
                            f"not the batch size {n}; a store keeps one row per input, so select "
@@ -580,7 +610,7 @@ def _layer_rows(key: str, t: Tensor, n: int, mask: Tensor | None, job: _Job
 def _check_storable(key: str, t: Tensor) -> None:
     """Raise unless a store can hold ``t``: real data (not a meta tensor or FakeTensor) of a dtype safetensors
     and the manifest know (not complex, float8, uint16..64 or quantized)."""
-    check_has_values(t, key, "store", ExtractError)
+    values_for(t, key, "extract", ExtractError)
     if t.dtype not in _ST_DTYPES:
         fix = ("store its real and imaginary parts: a model wrapper returning "
                "torch.view_as_real(output)" if t.is_complex() else
