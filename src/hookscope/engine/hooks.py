@@ -31,6 +31,7 @@ the tables) does nothing.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -116,10 +117,10 @@ def owner(value: Any) -> OwnedHook | None:
     return held if isinstance(held, OwnedHook) and value == held.__call__ else None
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]
-def _untraced(function: Callable[..., Any], module: nn.Module, args: tuple[Any, ...]) -> Any:
+def _outside_graph(function: Callable[..., Any], module: nn.Module, args: tuple[Any, ...]) -> Any:
     """Run a session's hook ``function`` where ``torch.compile`` traces a hooked call: outside
-    the graph (dynamo splits the graph there), on the real values.
+    the graph (dynamo splits the graph there), on the real values, once ``_untraced`` is this
+    function wrapped in ``torch.compiler.disable`` (``_ready_for_compile``).
 
     Traced instead, a hook that dynamo cannot trace (a gradient watch, a version counter, a
     storage comparison) breaks the graph inside ``OwnedHook.__call__``, whose frame dynamo then
@@ -127,6 +128,23 @@ def _untraced(function: Callable[..., Any], module: nn.Module, args: tuple[Any, 
     dynamo's recompile limit (8) and print its warning (issue 25). Disabled, this one shared
     function is never compiled, so no hook adds a recompile."""
     return function(module, *args)
+
+
+_untraced = _outside_graph
+
+
+def _ready_for_compile() -> None:
+    """Wrap ``_untraced`` in ``torch.compiler.disable`` once ``torch._dynamo`` is loaded (by
+    ``torch.compile`` or anything else), called whenever hooks are registered.
+
+    Not at import: ``torch.compiler.disable`` imports ``torch._dynamo``, ``torch._inductor`` and
+    sympy, 820 modules and 1.5-3.5 s that every ``import hookscope`` paid (issue 32). A model
+    is compiled by ``torch.compile``, which loads ``torch._dynamo`` first; only a model first
+    compiled inside a block whose hooks were registered before ``torch._dynamo`` was loaded
+    traces ``_outside_graph`` itself (a graph break in it, as before issue 25)."""
+    global _untraced
+    if _untraced is _outside_graph and "torch._dynamo" in sys.modules:
+        _untraced = torch.compiler.disable(_outside_graph)
 
 
 def register(module: nn.Module, hook: OwnedHook | Callable[..., Any], *, pre: bool = False,
@@ -145,6 +163,7 @@ def register(module: nn.Module, hook: OwnedHook | Callable[..., Any], *, pre: bo
             recompute (see ``OwnedHook``).
     """
     owned = hook if isinstance(hook, OwnedHook) else OwnedHook(hook, module, in_recompute=in_recompute)
+    _ready_for_compile()
     if pre:
         handle = module.register_forward_pre_hook(owned.__call__, with_kwargs=with_kwargs,
                                                   prepend=prepend)
@@ -178,6 +197,7 @@ class ModuleHooks:
     def add(self, owned: OwnedHook, *, pre: bool = False, with_kwargs: bool = False) -> None:
         """Register ``owned`` on ``owned.module`` as a forward (``pre``: forward-pre) hook,
         last in its table; ``with_kwargs`` as torch's."""
+        _ready_for_compile()
         module = owned.module
         key = RemovableHandle.next_id
         RemovableHandle.next_id = key + 1
@@ -193,6 +213,7 @@ class ModuleHooks:
     def add_forward(self, hooks: list[OwnedHook]) -> None:
         """``add`` each of ``hooks`` as a plain forward hook (no kwargs), in one loop: a
         capture of every module registers one per module."""
+        _ready_for_compile()
         key = RemovableHandle.next_id
         RemovableHandle.next_id = key + len(hooks)  # the ids are taken before any is written
         entries = self.entries
