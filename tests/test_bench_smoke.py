@@ -209,3 +209,21 @@ def test_extraction_cases_store_the_rows_of_the_bare_loop(monkeypatch):
         path = folder.name
         del folder  # the run's store goes with its result
         assert not Path(path).exists()
+
+
+def test_compiled_capture_rows_run_with_two_graphs_per_model(monkeypatch):
+    """``python -m bench.compiled --quick``: every module captured inside the fullgraph
+    compiled model, a ratio against the compiled forward of the same run, two graphs."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench import compiled
+
+    threads = torch.get_num_threads()
+    try:
+        rows = compiled.main(["--quick", "--runs", "2", "--backend", "eager",
+                              "--threads", str(threads)])
+    finally:
+        torch._dynamo.reset()
+    assert [row["workload"] for row in rows] == ["gpt2", "resnet"]
+    for row in rows:
+        assert row["graphs"] == 2 and row["modules"] > 10
+        assert math.isfinite(row["ratio"]) and row["ratio"] > 0

@@ -304,12 +304,20 @@ class MaskWatcher:
         self._index = _positional_index(model, "attention_mask")
 
     def hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.current = self.find(module, args, kwargs)
+
+    def find(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
+        """The mask of the call ``(args, kwargs)`` (``given`` when set), or None."""
         if self.given is not None:
-            return
+            return self.given
         found = kwargs.get("attention_mask")
         if found is None and self._index is not None and len(args) > self._index:
             found = args[self._index]
-        self.current = found if isinstance(found, Tensor) else None
+        return found if isinstance(found, Tensor) else None
+
+    def set(self, mask: Tensor | None) -> None:
+        """Make ``mask`` the current one (a compiled call's, ``engine.compiled``)."""
+        self.current = mask
 
     def mask_for(self, shape: Sequence[int]) -> Tensor | None:
         """The mask of an output of ``shape`` ``(batch, seq, ...)``: the current mask, or, when
