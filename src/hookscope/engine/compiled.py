@@ -53,8 +53,9 @@ _hook_codes: list[Any] = []  # code objects of hooks' __call__ (eager_when_calle
 
 
 def prepare() -> None:
-    """Define the ``hookscope::keep`` operator (once, 30 ms, no compiler module loaded), and,
-    when ``torch._dynamo`` is loaded, make code compiled from now on check the hook tables."""
+    """Define the ``hookscope::keep`` operator (once, 30 ms) and make code that dynamo compiles
+    from now on check the hook tables; ``engine.hooks`` calls it once ``torch._dynamo`` is
+    loaded, before it gives any hook a key."""
     if not _op:
         _op.append(_define())
     if not _checked and (dynamo := sys.modules.get("torch._dynamo")) is not None:

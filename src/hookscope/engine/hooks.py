@@ -185,10 +185,10 @@ def _outside_graph(function: Callable[..., Any], module: nn.Module, args: tuple[
 _untraced = _outside_graph
 
 
-def _ready_for_compile() -> None:
+def _ready_for_compile() -> bool:
     """Wrap ``_untraced`` in ``torch.compiler.disable`` once ``torch._dynamo`` is loaded (by
     ``torch.compile`` or anything else), and set up ``engine.compiled``; called whenever hooks
-    are registered.
+    are registered. Return whether ``torch._dynamo`` is loaded.
 
     Not at import: ``torch.compiler.disable`` imports ``torch._dynamo``, ``torch._inductor`` and
     sympy, 820 modules and 1.5-3.5 s that every ``import hookscope`` paid (issue 32). A model
@@ -196,9 +196,12 @@ def _ready_for_compile() -> None:
     compiled inside a block whose hooks were registered before ``torch._dynamo`` was loaded
     traces ``_outside_graph`` itself (a graph break in it, as before issue 25)."""
     global _untraced
-    compiled.prepare()
-    if _untraced is _outside_graph and "torch._dynamo" in sys.modules:
+    if "torch._dynamo" not in sys.modules:
+        return False
+    if _untraced is _outside_graph:
+        compiled.prepare()
         _untraced = torch.compiler.disable(_outside_graph)  # type: ignore[no-untyped-call]
+    return True
 
 
 def register(module: nn.Module, hook: OwnedHook | Callable[..., Any], *, pre: bool = False,
@@ -250,15 +253,16 @@ class ModuleHooks:
         self.keyed: list[OwnedHook] = []  # hooks with a compiled sink (``engine.compiled``)
 
     def _open(self, owned: OwnedHook) -> None:
-        if owned.pick is not None:
-            owned.key = compiled.open_sink(owned.module, owned.kept)
-            self.keyed.append(owned)
+        """Give ``owned`` its compiled sink when it has a ``pick`` and dynamo is loaded (a
+        process that has not loaded it compiles nothing: eager blocks pay nothing for it)."""
+        owned.key = compiled.open_sink(owned.module, owned.kept)
+        self.keyed.append(owned)
 
     def add(self, owned: OwnedHook, *, pre: bool = False, with_kwargs: bool = False) -> None:
         """Register ``owned`` on ``owned.module`` as a forward (``pre``: forward-pre) hook,
         last in its table; ``with_kwargs`` as torch's."""
-        _ready_for_compile()
-        self._open(owned)
+        if _ready_for_compile() and owned.pick is not None:
+            self._open(owned)
         module = owned.module
         key = RemovableHandle.next_id
         RemovableHandle.next_id = key + 1
@@ -274,12 +278,13 @@ class ModuleHooks:
     def add_forward(self, hooks: list[OwnedHook]) -> None:
         """``add`` each of ``hooks`` as a plain forward hook (no kwargs), in one loop: a
         capture of every module registers one per module."""
-        _ready_for_compile()
+        keyed = _ready_for_compile()
         key = RemovableHandle.next_id
         RemovableHandle.next_id = key + len(hooks)  # the ids are taken before any is written
         entries = self.entries
         for owned in hooks:
-            self._open(owned)
+            if keyed and owned.pick is not None:
+                self._open(owned)
             table = owned.module._forward_hooks
             table[key] = owned.__call__
             entries.append((table, key))
