@@ -223,3 +223,21 @@ def test_throughput_rows_exist_and_are_against_the_raw_limits(monkeypatch, tmp_p
     assert math.isclose(table[2][2], table[2][1] / raw_w)  # store write against raw write
     assert math.isclose(table[4][2], table[4][1] / raw_r)  # store read against raw read
     assert (tmp_path / "t.md").read_text().count("\n| ") == 10  # header + 9 rows
+
+
+def test_compiled_capture_rows_run_with_two_graphs_per_model(monkeypatch):
+    """``python -m bench.compiled --quick``: every module captured inside the fullgraph
+    compiled model, a ratio against the compiled forward of the same run, two graphs."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench import compiled
+
+    threads = torch.get_num_threads()
+    try:
+        rows = compiled.main(["--quick", "--runs", "2", "--backend", "eager",
+                              "--threads", str(threads)])
+    finally:
+        torch._dynamo.reset()
+    assert [row["workload"] for row in rows] == ["gpt2", "resnet"]
+    for row in rows:
+        assert row["graphs"] == 2 and row["modules"] > 10
+        assert math.isfinite(row["ratio"]) and row["ratio"] > 0

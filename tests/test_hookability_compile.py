@@ -28,7 +28,12 @@ def _compiled_mlp() -> tuple[nn.Sequential, nn.Module]:
 def test_capture_on_a_warmed_up_compiled_model_explains_and_gives_the_fix() -> None:
     model, compiled = _compiled_mlp()
     x = torch.randn(16, 8)
-    compiled(x)  # compiles, without hooks
+    # compiled, without hooks, as dynamo compiles by default (before any hookscope block set
+    # skip_nnmodule_hook_guards to False, engine.compiled): the code ignores new hooks
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
+        compiled(x)
+        with torch.no_grad():
+            compiled(x)  # compare runs under no_grad: warm that variant up too
     with pytest.warns(HookNeverFiredWarning, match=r"Call torch\._dynamo\.reset\(\) first") as record:
         with hookscope.capture(compiled, "type:Linear") as acts:
             compiled(x)
@@ -36,8 +41,6 @@ def test_capture_on_a_warmed_up_compiled_model_explains_and_gives_the_fix() -> N
     assert "0 (Linear) never ran through its hooks although the torch.compile'd model" in message
     assert "2 (Linear)" in message and acts.counts == {"0": 0, "2": 0}
 
-    with torch.no_grad():
-        compiled(x)  # compare runs under no_grad: warm that variant up too, without hooks
     with pytest.raises(HookscopeError, match=r"cannot compare: the torch\.compile'd model ran "
                                              r"but none of its modules' hooks fired.*Call "
                                              r"torch\._dynamo\.reset\(\) first"):
@@ -46,7 +49,8 @@ def test_capture_on_a_warmed_up_compiled_model_explains_and_gives_the_fix() -> N
     with torch.no_grad():
         inf_model[2].weight[0, 0] = float("inf")
     inf_compiled = torch.compile(inf_model, backend="eager")
-    inf_compiled(x)
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
+        inf_compiled(x)
     found = find_nonfinite(inf_compiled, x)  # runs the eager module: its hooks fire
     assert found is not None and (found.path, found.class_name, found.op) == ("2", "Linear", "linear")
 
@@ -65,4 +69,21 @@ def test_hooks_registered_before_the_first_call_fire_and_stats_see_them() -> Non
     result = stats(compiled, batches, layers="0")  # first call happens with the hooks on
     expected = torch.cat([model[0](b) for b in batches]).detach().double()
     assert result["0"].as_dict()["mean"] == pytest.approx(float(expected.mean()), rel=1e-9)
+    torch._dynamo.reset()
+
+
+def test_hooks_added_after_the_first_compiled_call_take_effect_once_hookscope_set_up_dynamo() -> None:
+    """Issue 32: once a block has run in a process that loaded torch._dynamo, code compiled
+    later checks the hook tables (skip_nnmodule_hook_guards=False): a capture opened after the
+    first compiled call records, values equal eager, no torch._dynamo.reset()."""
+    model, compiled = _compiled_mlp()
+    x = torch.randn(16, 8)
+    with hookscope.capture(model, "0", on_unfired="ignore"):  # any block sets dynamo up
+        pass
+    assert torch._dynamo.config.skip_nnmodule_hook_guards is False
+    compiled(x)  # compiles, without hooks
+    with hookscope.capture(compiled, "type:Linear", on_unfired="error") as acts:
+        compiled(x)
+    assert acts.counts == {"0": 1, "2": 1}
+    assert torch.equal(acts["2"], model[2](model[1](model[0](x))).detach())
     torch._dynamo.reset()

@@ -38,10 +38,13 @@ def _compiled(name: str, backend: str, warm: bool) -> tuple[nn.Module, nn.Module
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         compiled = torch.compile(model, backend=backend)
-        if warm:  # compiles without hooks, with and without grad (the verbs use both)
-            compiled(x)
-            with torch.no_grad():
+        if warm:  # compiles without hooks, with and without grad (the verbs use both), as
+            # dynamo does by default (before a hookscope block set skip_nnmodule_hook_guards to
+            # False, engine.compiled): that code ignores hooks added later
+            with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
                 compiled(x)
+                with torch.no_grad():
+                    compiled(x)
     return model, compiled, x, paths
 
 

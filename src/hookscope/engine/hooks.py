@@ -8,9 +8,12 @@ A hook on a module is run by more than the calls its ``with`` block means:
   runs the same hooks;
 - **export tracing**: ``torch.export.export`` runs (or dynamo-traces) hooks on FakeTensors,
   which hold no values: a hook refuses then (``diagnose.refuse_export_trace``);
-- **torch.compile**: dynamo traces the hooks of a model compiled while a block is open; a hook
-  that would break the graph runs outside it instead (``_untraced``), or dynamo would recompile
-  the hook's frame once per module;
+- **torch.compile**: dynamo traces the hooks of a model compiled while a block is open. A hook
+  that reads only what the call gives it (``pick``: a capture's record, a witness) runs in the
+  graph as one opaque operator that hands it the real value at run time
+  (``engine.compiled``: no graph break, ``fullgraph=True`` works, no recompile per block); any
+  other hook runs outside the graph (``_untraced``), or dynamo would recompile the hook's frame
+  once per module;
 - **recomputation**: activation checkpointing (``torch.utils.checkpoint``, reentrant or not, HF
   ``gradient_checkpointing_enable()``) runs the forward of the checkpointed part again during
   backward. That is not a new call of the module.
@@ -31,6 +34,7 @@ the tables) does nothing.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -39,10 +43,11 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from hookscope.engine import compiled
 from hookscope.engine.diagnose import refuse_export_trace
 
-__all__ = ["OwnedHook", "ModuleHooks", "register", "owner", "on_tensor_grad", "on_node",
-           "on_optimizer_step", "after_backward", "in_recompute"]
+__all__ = ["OwnedHook", "output_of", "nothing", "ModuleHooks", "register", "owner",
+           "on_tensor_grad", "on_node", "on_optimizer_step", "after_backward", "in_recompute"]
 
 _graph_task_id = torch._C._current_graph_task_id
 _get_ident = threading.get_ident
@@ -64,6 +69,12 @@ class OwnedHook:
             the graph (``_untraced``), so no hook makes dynamo recompile per module.
         thread: the ident of the session's thread (default: the calling thread); a session
             making hundreds of hooks asks once.
+        pick: ``pick(module, args[, kwargs][, output])`` takes from a call the value that
+            ``function`` reads (a forward hook that only reads the output: ``output_of``), a
+            tensor, None or a flat tuple/list of tensors: ``on_kept(value)`` (default:
+            ``function(module, (), value)``) then runs for calls inside a ``torch.compile``
+            graph, on a copy of the real value, without breaking the graph (``engine.compiled``).
+        on_kept: see ``pick``.
 
     Attributes:
         recomputes: forwards re-run during backward that reached this hook.
@@ -71,10 +82,12 @@ class OwnedHook:
     """
 
     __slots__ = ("function", "module", "thread", "in_recompute", "traceable", "recomputes",
-                 "foreign_calls")
+                 "foreign_calls", "pick", "on_kept", "key")
 
     def __init__(self, function: Callable[..., Any], module: nn.Module, *, in_recompute: bool = False,
-                 traceable: bool = False, thread: int | None = None):
+                 traceable: bool = False, thread: int | None = None,
+                 pick: Callable[..., Any] | None = None,
+                 on_kept: Callable[[Any], Any] | None = None):
         self.function = function
         self.module = module
         self.thread = threading.get_ident() if thread is None else thread  # the session's
@@ -82,6 +95,27 @@ class OwnedHook:
         self.traceable = traceable
         self.recomputes = 0
         self.foreign_calls = 0
+        self.pick = pick
+        self.on_kept = on_kept
+        self.key: int | None = None  # set while registered, when ``pick`` is
+
+    def kept(self, value: Any) -> None:
+        """Run ``function`` on ``value``, what ``pick`` took from a compiled call (a copy, from
+        ``engine.compiled``'s operator), with the checks of an eager call that a compiled
+        call can still make (thread, recompute)."""
+        if _get_ident() != self.thread:
+            self.foreign_calls += 1
+            return
+        if _graph_task_id() != -1:
+            self.recomputes += 1
+            if not self.in_recompute:
+                return
+        if self.on_kept is not None:
+            self.on_kept(value)
+        elif self.pick is nothing:  # a pre-hook noting the call
+            self.function(self.module, ())
+        else:  # a forward hook reading its output (``output_of``)
+            self.function(self.module, (), value)
 
     def __call__(self, module: nn.Module, *args: Any) -> Any:
         # a subclass with an inlined hot path (capture's _PlainHook) makes these same four
@@ -92,6 +126,11 @@ class OwnedHook:
         if compiling:  # traced into a compiled graph: calls are the model's
             if _exporting():  # torch.export: FakeTensors, no values to record
                 raise refuse_export_trace()
+            if self.key is not None and self.pick is not None:
+                flat = compiled.flat_output(self.pick(module, *args))
+                if flat is not None:  # one opaque operator in the graph
+                    compiled.keep(flat[0], flat[1], self.key)
+                    return None
             if self.traceable:
                 return self.function(module, *args)
             return _untraced(self.function, module, args)
@@ -102,6 +141,20 @@ class OwnedHook:
             return None
         self.recomputes += 1  # a forward inside backward: a checkpoint recompute
         return self.function(module, *args) if self.in_recompute else None
+
+
+compiled.eager_when_called(OwnedHook.__call__.__code__)
+
+
+def output_of(module: nn.Module, *args: Any) -> Any:
+    """``pick`` for a forward hook that reads the output only: ``function(module, (), output)``."""
+    return args[-1]
+
+
+def nothing(module: nn.Module, *args: Any) -> None:
+    """``pick`` for a forward pre-hook that reads nothing of the call (a witness noting that a
+    module ran): ``function(module, ())``."""
+    return None
 
 
 def owner(value: Any) -> OwnedHook | None:
@@ -116,10 +169,10 @@ def owner(value: Any) -> OwnedHook | None:
     return held if isinstance(held, OwnedHook) and value == held.__call__ else None
 
 
-@torch.compiler.disable  # type: ignore[untyped-decorator]
-def _untraced(function: Callable[..., Any], module: nn.Module, args: tuple[Any, ...]) -> Any:
+def _outside_graph(function: Callable[..., Any], module: nn.Module, args: tuple[Any, ...]) -> Any:
     """Run a session's hook ``function`` where ``torch.compile`` traces a hooked call: outside
-    the graph (dynamo splits the graph there), on the real values.
+    the graph (dynamo splits the graph there), on the real values, once ``_untraced`` is this
+    function wrapped in ``torch.compiler.disable`` (``_ready_for_compile``).
 
     Traced instead, a hook that dynamo cannot trace (a gradient watch, a version counter, a
     storage comparison) breaks the graph inside ``OwnedHook.__call__``, whose frame dynamo then
@@ -127,6 +180,28 @@ def _untraced(function: Callable[..., Any], module: nn.Module, args: tuple[Any, 
     dynamo's recompile limit (8) and print its warning (issue 25). Disabled, this one shared
     function is never compiled, so no hook adds a recompile."""
     return function(module, *args)
+
+
+_untraced = _outside_graph
+
+
+def _ready_for_compile() -> bool:
+    """Wrap ``_untraced`` in ``torch.compiler.disable`` once ``torch._dynamo`` is loaded (by
+    ``torch.compile`` or anything else), and set up ``engine.compiled``; called whenever hooks
+    are registered. Return whether ``torch._dynamo`` is loaded.
+
+    Not at import: ``torch.compiler.disable`` imports ``torch._dynamo``, ``torch._inductor`` and
+    sympy, 820 modules and 1.5-3.5 s that every ``import hookscope`` paid (issue 32). A model
+    is compiled by ``torch.compile``, which loads ``torch._dynamo`` first; only a model first
+    compiled inside a block whose hooks were registered before ``torch._dynamo`` was loaded
+    traces ``_outside_graph`` itself (a graph break in it, as before issue 25)."""
+    global _untraced
+    if "torch._dynamo" not in sys.modules:
+        return False
+    if _untraced is _outside_graph:
+        compiled.prepare()
+        _untraced = torch.compiler.disable(_outside_graph)  # type: ignore[no-untyped-call]
+    return True
 
 
 def register(module: nn.Module, hook: OwnedHook | Callable[..., Any], *, pre: bool = False,
@@ -145,6 +220,7 @@ def register(module: nn.Module, hook: OwnedHook | Callable[..., Any], *, pre: bo
             recompute (see ``OwnedHook``).
     """
     owned = hook if isinstance(hook, OwnedHook) else OwnedHook(hook, module, in_recompute=in_recompute)
+    _ready_for_compile()
     if pre:
         handle = module.register_forward_pre_hook(owned.__call__, with_kwargs=with_kwargs,
                                                   prepend=prepend)
@@ -169,15 +245,24 @@ class ModuleHooks:
             of copies by id.
     """
 
-    __slots__ = ("entries", "flags")
+    __slots__ = ("entries", "flags", "keyed")
 
     def __init__(self) -> None:
         self.entries: list[tuple[dict[int, Any], int]] = []
         self.flags: list[tuple[dict[int, Any], int]] = []
+        self.keyed: list[OwnedHook] = []  # hooks with a compiled sink (``engine.compiled``)
+
+    def _open(self, owned: OwnedHook) -> None:
+        """Give ``owned`` its compiled sink when it has a ``pick`` and dynamo is loaded (a
+        process that has not loaded it compiles nothing: eager blocks pay nothing for it)."""
+        owned.key = compiled.open_sink(owned.module, owned.kept)
+        self.keyed.append(owned)
 
     def add(self, owned: OwnedHook, *, pre: bool = False, with_kwargs: bool = False) -> None:
         """Register ``owned`` on ``owned.module`` as a forward (``pre``: forward-pre) hook,
         last in its table; ``with_kwargs`` as torch's."""
+        if _ready_for_compile() and owned.pick is not None:
+            self._open(owned)
         module = owned.module
         key = RemovableHandle.next_id
         RemovableHandle.next_id = key + 1
@@ -193,10 +278,13 @@ class ModuleHooks:
     def add_forward(self, hooks: list[OwnedHook]) -> None:
         """``add`` each of ``hooks`` as a plain forward hook (no kwargs), in one loop: a
         capture of every module registers one per module."""
+        keyed = _ready_for_compile()
         key = RemovableHandle.next_id
         RemovableHandle.next_id = key + len(hooks)  # the ids are taken before any is written
         entries = self.entries
         for owned in hooks:
+            if keyed and owned.pick is not None:
+                self._open(owned)
             table = owned.module._forward_hooks
             table[key] = owned.__call__
             entries.append((table, key))
@@ -206,8 +294,13 @@ class ModuleHooks:
         """Remove every hook added (again: nothing happens)."""
         for table, key in self.entries:
             table.pop(key, None)
+        for owned in self.keyed:
+            if owned.key is not None:
+                compiled.close_sink(owned.key)
+                owned.key = None
         self.entries.clear()
         self.flags.clear()
+        self.keyed.clear()
 
 
 def on_tensor_grad(tensor: torch.Tensor, function: Callable[[torch.Tensor], Any]) -> RemovableHandle:

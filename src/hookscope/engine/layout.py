@@ -274,6 +274,18 @@ class MaskWatcher:
             ids = given if isinstance(given, Tensor) and given.dim() == 2 else None
         self.tokens = Tokens(mask, _past(kwargs), ids, self._pad, self._ambiguous)
 
+    def find(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
+        """The mask of the call ``(args, kwargs)`` (``given`` when set), or None: what a compiled
+        graph passes out of the root's pre-hook (``engine.compiled``)."""
+        if self.given is not None:
+            return self.given
+        found = _argument(args, kwargs, "attention_mask", self._index)
+        return found if isinstance(found, Tensor) else None
+
+    def set(self, mask: Tensor | None) -> None:
+        """Make ``Tokens(mask)`` the running forward's (a compiled call's mask, ``find``)."""
+        self.tokens = Tokens(mask)
+
     def layout(self, key: str, op: str | None, shape: Sequence[int], seq_dim: int | None = None,
                *, heads: bool = False) -> Layout:
         """``layout_of`` a value of the running forward."""

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.engine import copy_on_write
+from hookscope.engine import compiled, copy_on_write
 from hookscope.engine.checks import (
     check_device,
     check_dtype,
@@ -30,7 +30,7 @@ from hookscope.engine.checks import (
     check_model,
     check_options,
 )
-from hookscope.engine.hooks import OwnedHook, in_recompute
+from hookscope.engine.hooks import OwnedHook, in_recompute, nothing, output_of
 from hookscope.engine.layout import MaskWatcher, check_no_unmasked_padding
 from hookscope.engine.select import Target, as_patterns, unwrap
 from hookscope.engine.session import HookSession, OnUnfired
@@ -119,9 +119,36 @@ class Capture(HookSession, Records):
         for option in ("grads", "grad_inputs"):
             if getattr(self._options, option):
                 require_grad_mode(f"{option}=True")
+        self._refuse_in_fullgraph()
         self.unfired = {}
         entered: Capture = super().__enter__()
         return entered
+
+    def _refuse_in_fullgraph(self) -> None:
+        """Refuse, on entry, what a ``torch.compile(fullgraph=True)`` graph cannot hold: these
+        hooks run outside the graph (``engine.hooks._untraced``), which splits it, and
+        fullgraph forbids a split (torch would raise its own ``Unsupported`` at the call)."""
+        if not compiled.fullgraph(self.model):
+            return
+        options = self._options
+        why = {
+            "inputs=True": "the pre-hook keeps arguments and keywords of any structure, which "
+                           "the graph's one operator (tensors only) cannot carry",
+            "grads=True": "a gradient hook on a value made inside a compiled graph needs "
+                          "compiled autograd",
+            "grad_inputs=True": "a gradient hook on a value made inside a compiled graph needs "
+                                "compiled autograd",
+            "early_stop=True": "it ends the forward with an exception, which a graph cannot hold",
+        }
+        # (function addresses are refused on any compiled model: engine.function_names)
+        refused = [name for name in why if getattr(options, name.split("=")[0])]
+        if refused:
+            first = refused[0]
+            raise CaptureError(
+                f"{first} cannot run inside torch.compile(model, fullgraph=True): {why[first]}. "
+                f"Compile with fullgraph=False (each hooked module then splits the graph, and "
+                f"values equal eager), or capture on the eager model (compiled._orig_mod); "
+                f"captures of outputs (to=, dtype=, reduce=, clone=) run inside the full graph")
 
     @property
     def records(self) -> Records:
@@ -132,7 +159,9 @@ class Capture(HookSession, Records):
 
     def _register(self) -> None:
         self._snapshot = self._snapshot_fn()  # one per session, shared by every hook
-        self._hook(unwrap(self.model)[0], self._watch_tokens, pre=True, with_kwargs=True)
+        # a compiled call passes its mask on through ``pick``/``on_kept`` (engine.compiled)
+        self._own(OwnedHook(self._watch_tokens, unwrap(self.model)[0], pick=self._mask.find,
+                            on_kept=self._compiled_tokens), pre=True, with_kwargs=True)
         on_modules = []
         for slot in self._slots.values():
             if slot.target.op is None:
@@ -151,17 +180,34 @@ class Capture(HookSession, Records):
             self._stop_early()
 
     def _watch_tokens(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """The root's pre-hook: read this forward's ``Tokens`` and, once any forward has said
-        something about its tokens, note from which call on each record has them (one
-        ``(len(outputs), tokens)`` per record per forward; nothing for a model called without
-        a mask or cache)."""
+        """The root's pre-hook: read this forward's ``Tokens`` (``_note_tokens``)."""
         self._mask.hook(module, args, kwargs)
+        self._note_tokens()
+
+    def _compiled_tokens(self, mask: Tensor | None) -> None:
+        """The root's pre-hook inside a compiled graph: the call's mask only."""
+        self._mask.set(mask)
+        self._note_tokens()
+
+    def _note_tokens(self) -> None:
+        """Once any forward has said something about its tokens, note from which call on each
+        record has them (one ``(len(outputs), tokens)`` per record per forward; nothing for a
+        model called without a mask or cache)."""
         tokens = self._mask.tokens
         if not (tokens.known or self._tokens_seen):
             return
         self._tokens_seen = True
         for slot in self._slots.values():
             slot.runs.append((len(slot.outputs), tokens))
+
+    def _hook(self, module: nn.Module, function: Callable[..., Any], *, pre: bool = False,
+              with_kwargs: bool = False, in_recompute: bool = False) -> None:
+        """``HookSession._hook``; a capture's own hooks are made elsewhere, so a pre-hook without
+        kwargs here is a witness noting that a module ran: a compiled graph holds it
+        (``engine.compiled``)."""
+        pick = nothing if pre and not with_kwargs else None
+        self._own(OwnedHook(function, module, in_recompute=in_recompute, pick=pick), pre=pre,
+                  with_kwargs=with_kwargs)
 
     def _register_module(self, module: nn.Module, slots: list[_Slot]) -> None:
         """The hooks of one module whose records need more than the output as it is (inputs,
@@ -170,7 +216,10 @@ class Capture(HookSession, Records):
             self._hook(module, _inputs_hook(slots, self._options.clone), pre=True, with_kwargs=True)
         # with grads, a checkpoint recompute reaches the hook: under reentrant checkpointing
         # the gradient flows only through the recomputed output (_regrad)
-        self._hook(module, self._make_hook(slots), in_recompute=self._options.grads)
+        # without grads the hook reads the output only: a compiled graph holds it (output_of)
+        grads = self._options.grads
+        self._own(OwnedHook(self._make_hook(slots), module, in_recompute=grads,
+                            pick=None if grads else output_of))
         if self._options.grad_inputs:
             self._hook(module, watch_inputs([s.grad_inputs for s in slots], self._grad_convert),
                        pre=True, with_kwargs=True)
@@ -371,7 +420,8 @@ class _PlainHook(OwnedHook):
     __slots__ = ("outputs", "slot", "snapshot")
 
     def __init__(self, slot: _Slot, snapshot: Callable[[Any, _Slot], Any], thread: int):
-        super().__init__(self._record, slot.target.module, traceable=True, thread=thread)
+        super().__init__(self._record, slot.target.module, traceable=True, thread=thread,
+                         pick=output_of, on_kept=self._kept)
         self.outputs, self.slot, self.snapshot = slot.outputs, slot, snapshot
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
@@ -393,6 +443,17 @@ class _PlainHook(OwnedHook):
 
     def _record(self, module: nn.Module, args: Any, output: Any) -> None:
         self.outputs.append(self.snapshot(output, self.slot))
+
+    def _kept(self, output: Any) -> None:
+        """A compiled call's output (``engine.compiled``): already a detached copy of its own,
+        so a plain tensor is kept as it is."""
+        if type(output) is Tensor and not output.is_quantized:
+            self.outputs.append(output)
+        else:
+            self.outputs.append(self.snapshot(output, self.slot))
+
+
+compiled.eager_when_called(_PlainHook.__call__.__code__)
 
 
 def _first_tensor(outputs: list[Any]) -> Tensor | None:

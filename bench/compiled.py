@@ -1,0 +1,98 @@
+"""Capture inside ``torch.compile(model, fullgraph=True)``: every module, against the compiled
+forward without hooks (issue 32: goal at most 1.05x).
+
+``python -m bench.compiled`` compiles the GPT-2-small-sized model and the ResNet-50-sized CNN of
+``bench.models`` (random weights, from a config) with ``fullgraph=True``, warms both graphs (with
+the capture's hooks, without them), then times, in interleaved rounds, the compiled forward
+without hooks and the same forward inside ``hookscope.capture(compiled, *every module)``. The
+ratio is the median of the per-round ratios (each round measures both cases), so it is against
+the baseline measured in the same run. Wall time (``time.perf_counter``): inductor's kernels run
+on torch's intra-op threads. It also prints how many graphs dynamo compiled (goal: 2 per model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from bench import models
+
+#: per-model goal of the every-module capture, as a ratio to the compiled forward
+GOAL = 1.05
+
+
+def _time(body: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    body()
+    return time.perf_counter() - start
+
+
+def measure(name: str, model: nn.Module, example: tuple[Any, ...], *, backend: str,
+            runs: int) -> dict[str, Any]:
+    """Time the compiled forward of ``model`` on ``example`` without hooks and inside an
+    every-module capture; return the figures (seconds, ratio, graphs compiled, modules)."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    import hookscope
+
+    torch._dynamo.reset()
+    paths = models.computing_modules(model, *example)
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+
+    def captured() -> Any:
+        with hookscope.capture(compiled, *paths) as acts:
+            compiled(*example)
+        return acts
+
+    with torch.no_grad():
+        started = time.perf_counter()
+        acts = captured()  # compiles the graph with the hooks
+        compiled(*example)  # and the one without
+        compile_s = time.perf_counter() - started
+        assert all(acts.counts[p] >= 1 for p in paths), "a module was not captured"
+        bare, hooked = [], []
+        for _ in range(runs):
+            bare.append(_time(lambda: compiled(*example)))
+            hooked.append(_time(captured))
+    ratios = [h / b for h, b in zip(hooked, bare)]
+    return {"workload": name, "modules": len(paths), "graphs": counter.frame_count,
+            "compile_s": compile_s, "bare_ms": 1e3 * statistics.median(bare),
+            "capture_ms": 1e3 * statistics.median(hooked), "ratio": statistics.median(ratios)}
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = argparse.ArgumentParser(prog="python -m bench.compiled", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny models (checks that it runs)")
+    parser.add_argument("--runs", type=int, default=9, help="timed rounds (default 9)")
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    parser.add_argument("--only", nargs="+", choices=("gpt2", "resnet"), default=["gpt2", "resnet"])
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    size = models.TINY if args.quick else models.FULL
+    built = {"gpt2": lambda: (models.gpt2(size), (models.tokens(size),)),
+             "resnet": lambda: (models.resnet(size), (models.images(size),))}
+    rows = []
+    print(f"backend {args.backend}, fullgraph=True, {args.threads} threads, {args.runs} rounds; "
+          f"goal <= {GOAL}x")
+    for name in args.only:
+        model, example = built[name]()
+        row = measure(name, model.eval(), example, backend=args.backend, runs=args.runs)
+        rows.append(row)
+        print(f"{name}: compiled forward {row['bare_ms']:.1f} ms, every-module capture "
+              f"({row['modules']} modules) {row['capture_ms']:.1f} ms: x{row['ratio']:.3f} "
+              f"({'meets' if row['ratio'] <= GOAL else 'misses'} the goal); graphs compiled "
+              f"{row['graphs']}, compile {row['compile_s']:.0f} s")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
