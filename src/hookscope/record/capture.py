@@ -117,8 +117,7 @@ class Capture(HookSession, Records):
             if getattr(self._options, option):
                 require_grad_mode(f"{option}=True")
         self.unfired = {}
-        entered: Capture = super().__enter__()
-        return entered
+        return super().__enter__()  # nothing of ours runs after it (engine.interrupts)
 
     @property
     def records(self) -> Records:

@@ -186,7 +186,10 @@ class Monitor:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.close()
+        try: self.close()  # noqa: E701 - one line (engine.interrupts)
+        except BaseException:
+            self.close()  # idempotent: what an exception (Ctrl-C) halfway through left
+            raise
 
     def open(self) -> Monitor:
         """Start watching (hooks, records file); return self.
@@ -196,12 +199,10 @@ class Monitor:
         """
         if self._root_session is not None:
             raise HookscopeError("this monitor is already open: open it once, or build a new one")
-        try:
-            self._start()
+        try: self._start(); return self  # noqa: E701, E702 - one line (engine.interrupts)
         except BaseException:
             self.close()  # nothing it registered or opened outlives a failed open
             raise
-        return self
 
     def _start(self) -> None:
         self._file = self._open_file()
@@ -381,6 +382,7 @@ class Monitor:
     def _start_sample_if_due(self) -> None:
         if self.every and self.step_index % self.every == 0:
             self._sample = _Sample(self.root, self.targets)
+            self._sample.session.__enter__()  # held first: close() exits it, whatever happens
 
     def _finish_sample(self, sample: _Sample) -> None:
         sample.session.__exit__(None, None, None)
@@ -416,7 +418,6 @@ class _Sample:
         self.gradients = {t.key: RunningStats() for t in targets}
         self.before = {t.key: detached_clones(t.module.parameters()) for t in targets}
         self.session = Observer(root, targets, forward=self._hook, explain_unfired=False)
-        self.session.__enter__()
 
     def _hook(self, target: Target) -> Any:
         activations, gradients = self.activations[target.key], self.gradients[target.key]
