@@ -37,21 +37,17 @@ __all__ = ["KeptOut", "open_block", "close_block"]
 
 
 class KeptOut:
-    """The hook-table entries of one block: ``add`` each handle the block registers."""
+    """The hook-table entries of one block: the handles in ``handles`` (the block's own list,
+    read live: a handle is left out of copies from the moment the block records it) and the
+    entries given to ``add_entry``."""
 
-    __slots__ = ("tables",)
+    __slots__ = ("tables", "handles")
 
-    def __init__(self) -> None:
-        # id(table) -> (the table, ids of the block's handles in it); changed by the block's
+    def __init__(self, handles: list[RemovableHandle]) -> None:
+        # id(table) -> (the table, ids of the block's entries in it); changed by the block's
         # thread, read by a reducer in any thread (a lookup and set membership: atomic)
         self.tables: dict[int, tuple[Any, set[int]]] = {}
-
-    def add(self, handle: RemovableHandle) -> None:
-        """Leave the entries of ``handle`` (in each table it was registered in) out of copies."""
-        for ref in (handle.hooks_dict_ref, *handle.extra_dict_ref):
-            table = ref()
-            if table is not None:
-                self.add_entry(table, handle.id)
+        self.handles = handles
 
     def add_entry(self, table: Any, key: int) -> None:
         """Leave entry ``key`` of hook table ``table`` out of copies (``hooks.ModuleHooks``
@@ -63,7 +59,10 @@ class KeptOut:
 
     def ids_in(self, table: Any) -> set[int]:
         entry = self.tables.get(id(table))
-        return entry[1] if entry is not None and entry[0] is table else _NONE
+        ids = entry[1] if entry is not None and entry[0] is table else _NONE
+        handles = {handle.id for handle in list(self.handles)
+                   if any(ref() is table for ref in (handle.hooks_dict_ref, *handle.extra_dict_ref))}
+        return ids | handles if handles else ids
 
 
 _NONE: set[int] = set()

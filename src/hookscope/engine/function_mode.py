@@ -133,9 +133,10 @@ class FunctionWatcher:
         self._watches.setdefault(module, []).append(entry)
         return entry
 
-    def install(self) -> list[RemovableHandle]:
-        """Add the forward pre-hooks and hooks on watched modules and their direct children."""
-        handles: list[RemovableHandle] = []
+    def install(self, handles: list[RemovableHandle]) -> None:
+        """Add the forward pre-hooks and hooks on watched modules and their direct children,
+        appending each handle to ``handles`` (the caller removes them) on the line that makes it:
+        no exception comes between a registration and its record."""
         # On a child that is watched too, the parent's frame is suspended before the child's
         # frame is pushed (prepend) and resumed after it is popped (appended).
         suspending = {child: None for module, watches in self._watches.items()
@@ -153,7 +154,6 @@ class FunctionWatcher:
             handles.append(register(module, enter, pre=True))
             handles.append(register(module, self._leave_hook(), prepend=True, always_call=True,
                                     in_recompute=again))
-        return handles
 
     def close(self) -> None:
         """Take the mode off torch's mode stack wherever it is (a forward interrupted inside a
@@ -295,9 +295,10 @@ class FunctionHooks:
         enter the session afterwards, which installs the hooks and removes them on exit."""
         return self._watcher.watch(module, on_call, names=names, deep=deep)
 
-    def install(self) -> list[RemovableHandle]:
-        """Add the hooks (see ``FunctionWatcher.install``); the caller removes the handles."""
-        return self._watcher.install()
+    def install(self, handles: list[RemovableHandle]) -> None:
+        """Add the hooks (see ``FunctionWatcher.install``) into ``handles``; the caller removes
+        them."""
+        self._watcher.install(handles)
 
     def close(self) -> None:
         """Leave the mode if a forward was interrupted (see ``FunctionWatcher.close``)."""

@@ -97,7 +97,7 @@ class HookSession:
         self._stops_before = 0  # forwards of this model cut short before the block began
         self._active = False  # hooks registered (until removed, also by an interrupt)
         self._entered = False  # __enter__ completed and __exit__ not yet called
-        self._left_out = copies.KeptOut()  # this block's hooks, left out of copies
+        self._left_out = copies.KeptOut(self._handles)  # this block's hooks, left out of copies
         self._copies_open = False  # whether copies.open_block(self._left_out) is in force
 
     def __enter__(self) -> Self:
@@ -116,11 +116,10 @@ class HookSession:
         self._active = True
         self._stops_before = stops(unwrap(self.model)[0])
         with interrupts.deferred(undo=self._remove):  # an interrupt: nothing stays registered
+            self._copies_open = True  # first: an exception inside open_block still closes it
             copies.open_block(self._left_out)
-            self._copies_open = True
             self._register()
-            for handle in self._functions.install():
-                self._add(handle)
+            self._functions.install(self._handles)
             if self._explain_unfired:  # witnesses serve only the explanation on exit
                 near = diagnose.witnesses(self.model, self._module_index(), self.targets)
                 for path, module in near.items():
@@ -178,8 +177,9 @@ class HookSession:
         return True if stopped else None
 
     def _register(self) -> None:
-        """Add this session's hooks with ``self._add``; mark a selected module that runs by
-        adding its path to ``self._ran``."""
+        """Add this session's hooks (``self._own``, ``self._hook``; a handle straight into
+        ``self._handles`` on the line that makes it, so no exception comes between); mark a
+        selected module that runs by adding its path to ``self._ran``."""
         raise NotImplementedError
 
     def forward_boundary(self) -> AbstractContextManager[None]:
@@ -193,7 +193,7 @@ class HookSession:
         call at the end of ``_register``, so the stop runs after this session's hooks."""
         root, _ = unwrap(self.model)
         self._stopper = EarlyStop(root, (t.module for t in self.targets))
-        self._stopper.register(self._add)
+        self._stopper.register(self._handles.append)
 
     def _finish(self) -> None:
         """Run after every hook is removed, before the unfired report."""
@@ -207,11 +207,6 @@ class HookSession:
         if self._names is None:
             self._names = index(self.model)
         return self._names
-
-    def _add(self, handle: RemovableHandle) -> None:
-        """Own ``handle``, just registered: removed on exit, left out of copies until then."""
-        self._handles.append(handle)
-        self._left_out.add(handle)
 
     @property
     def functions(self) -> FunctionHooks:
@@ -231,7 +226,7 @@ class HookSession:
         if not self._active:
             raise HookscopeError("hook_grad_node adds a hook until the block exits: call it "
                                  "inside the `with` block of this session")
-        self._add(on_node(node, function))
+        self._handles.append(on_node(node, function))  # recorded as made
 
     def _hook(self, module: nn.Module, function: Hook, *, pre: bool = False, with_kwargs: bool = False,
               in_recompute: bool = False) -> None:
@@ -290,9 +285,9 @@ class HookSession:
                 handle.remove()
             self._handles.clear()
             self._functions.close()
-            if self._copies_open:
-                self._copies_open = False
+            if self._copies_open:  # cleared once closed: close_block is idempotent, may rerun
                 copies.close_block(self._left_out)
+                self._copies_open = False
             self._active = False
             interrupts.unguard(self)
 
