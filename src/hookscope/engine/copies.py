@@ -75,29 +75,38 @@ def open_block(kept: KeptOut) -> None:
     """A block opens: until ``close_block(kept)``, copies and pickles of hook tables leave the
     entries in ``kept`` out (module docstring). The first open block registers the ``copyreg``
     entry."""
+    with _lock: _open_block(kept)  # noqa: E701 - one line: see _open_block
+
+
+def _open_block(kept: KeptOut) -> None:
+    """``open_block`` under the lock. The ``with`` and its body share one line: alone on its
+    line, the lock's release is a line of its own where an exception (raised at a line, or
+    async) would skip it and leave the lock held for good (engine.interrupts)."""
     global _open, _previous
-    with _lock:
-        if not _open:
-            _previous = copyreg.dispatch_table.get(OrderedDict)
-            copyreg.pickle(OrderedDict, _reduce)
-        _open = [*_open, kept]
+    if not _open:
+        _previous = copyreg.dispatch_table.get(OrderedDict)
+        copyreg.pickle(OrderedDict, _reduce)
+    _open = [*_open, kept]
 
 
 def close_block(kept: KeptOut) -> None:
     """The block of ``kept`` closes (its hooks are removed); the last one removes the
     ``copyreg`` entry and puts back the user's earlier reducer, unless the user replaced it
     meanwhile."""
+    with _lock: _close_block(kept)  # noqa: E701 - one line: see _open_block
+
+
+def _close_block(kept: KeptOut) -> None:
     global _open, _previous
-    with _lock:
-        _open = [other for other in _open if other is not kept]
-        kept.tables.clear()
-        if not _open:
-            if copyreg.dispatch_table.get(OrderedDict) is _reduce:
-                if _previous is None:
-                    del copyreg.dispatch_table[OrderedDict]
-                else:
-                    copyreg.dispatch_table[OrderedDict] = _previous
-            _previous = None
+    _open = [other for other in _open if other is not kept]
+    kept.tables.clear()
+    if not _open:
+        if copyreg.dispatch_table.get(OrderedDict) is _reduce:
+            if _previous is None:
+                del copyreg.dispatch_table[OrderedDict]
+            else:
+                copyreg.dispatch_table[OrderedDict] = _previous
+        _previous = None
 
 
 def _reduce(table: OrderedDict[Any, Any]) -> Any:

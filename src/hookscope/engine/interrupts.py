@@ -74,30 +74,35 @@ def guard(block: object, cleanup: Callable[[], object]) -> None:
     ``__exit__`` calls ``cleanup()`` (which removes its hooks) before the KeyboardInterrupt.
     Does nothing outside the main thread, when SIGINT is ignored, or when its handler was not
     set from Python (it could not be put back)."""
+    if _in_main_thread():
+        with _lock: _guard(block, cleanup)  # noqa: E701 - one line: see copies._open_block
+
+
+def _guard(block: object, cleanup: Callable[[], object]) -> None:
     global _previous
-    if not _in_main_thread():
+    current = signal.getsignal(signal.SIGINT)
+    if current is None or current == signal.SIG_IGN:  # set outside Python, or nothing to do
         return
-    with _lock:
-        current = signal.getsignal(signal.SIGINT)
-        if current is None or current == signal.SIG_IGN:  # set outside Python, or nothing to do
-            return
-        _guarded[id(block)] = cleanup
-        if current is not _handler:
-            _previous = current
-            signal.signal(signal.SIGINT, _handler)
+    _guarded[id(block)] = cleanup
+    if current is not _handler:
+        _previous = current
+        signal.signal(signal.SIGINT, _handler)
 
 
 def unguard(block: object) -> None:
     """``block``'s hooks are gone; the last block to go (in the main thread) puts the previous
     handler back. Idempotent; from another thread it only forgets ``block``."""
+    with _lock: _unguard(block)  # noqa: E701 - one line: see copies._open_block
+
+
+def _unguard(block: object) -> None:
     global _previous
-    with _lock:
-        _guarded.pop(id(block), None)
-        if _guarded or not _in_main_thread():
-            return
-        if _previous is not _UNSET and signal.getsignal(signal.SIGINT) is _handler:
-            signal.signal(signal.SIGINT, _previous)
-        _previous = _UNSET
+    _guarded.pop(id(block), None)
+    if _guarded or not _in_main_thread():
+        return
+    if _previous is not _UNSET and signal.getsignal(signal.SIGINT) is _handler:
+        signal.signal(signal.SIGINT, _previous)
+    _previous = _UNSET
 
 
 @contextmanager
