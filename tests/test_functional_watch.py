@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from hookscope.engine.function_mode import FunctionCall, FunctionWatcher
 from hookscope.engine.function_names import function_name
@@ -28,7 +29,8 @@ def watched(model: nn.Module, module: nn.Module, *args: Any, names: set[str] | N
         return on_call(call) if on_call else None
     watcher = FunctionWatcher()
     watcher.watch(module, record, names=names, deep=deep)
-    handles = watcher.install()
+    handles: list[RemovableHandle] = []
+    watcher.install(handles)
     try:
         return model(*args), seen
     finally:
@@ -76,7 +78,8 @@ def test_nested_watches_each_see_their_own_calls() -> None:
     watcher = FunctionWatcher()
     watcher.watch(net.conv1, lambda c: seen["conv1"].append(c.name))
     watcher.watch(net, lambda c: seen["root"].append(c.name), names={"relu"})
-    handles = watcher.install()
+    handles: list[RemovableHandle] = []
+    watcher.install(handles)
     net(x)
     for handle in handles:
         handle.remove()
@@ -121,7 +124,8 @@ def test_unwatched_modules_carry_no_hook_and_no_mode_is_left() -> None:
     net = SeedLeNet()
     watcher = FunctionWatcher()
     watcher.watch(net.conv1, lambda c: None)
-    handles = watcher.install()
+    handles: list[RemovableHandle] = []
+    watcher.install(handles)
     hooked = {n for n, m in net.named_modules() if m._forward_pre_hooks or m._forward_hooks}
     for handle in handles:
         handle.remove()
@@ -173,7 +177,8 @@ def test_generated_forwards_report_exactly_their_own_calls(steps: list[str], run
     seen: list[FunctionCall] = []
     watcher = FunctionWatcher()
     watcher.watch(model, seen.append)
-    handles = watcher.install()
+    handles: list[RemovableHandle] = []
+    watcher.install(handles)
     x = torch.randn(2, 4)
     for _ in range(runs):
         model(x)

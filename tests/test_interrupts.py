@@ -30,7 +30,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 import hookscope
-from hookscope.engine.hooks import OwnedHook
+from hookscope.engine.hooks import owner
 from tests.models import ReluBlocks
 
 pytestmark = pytest.mark.skipif(
@@ -71,7 +71,7 @@ def _leaks(model: nn.Module) -> list[str]:
     found = [f"{h.path}: {h.kind} ({h.source})" for h in hookscope.hooks(model)
              if h.source == "hookscope"]
     found += [f"{path}.{table}" for path, module in model.named_modules() for table in _TABLES
-              if any(isinstance(v, OwnedHook) for v in getattr(module, table).values())]
+              if any(owner(v) is not None for v in getattr(module, table).values())]
     found += [_MODE] * torch._C._len_torch_function_stack()
     if not torch.is_grad_enabled():  # a verb's torch.no_grad() left on by the interrupt
         found.append("gradients left disabled")
@@ -320,3 +320,135 @@ def test_an_interrupt_whose_keyboardinterrupt_was_swallowed_is_raised_at_exit() 
     with hookscope.capture(model, "blocks.*") as acts:  # the next block works as ever
         model(x)
     assert len(acts.calls("blocks.0")) == 1
+
+
+# ---------------------------------------------------------------- an interrupt at every line
+
+class LineInterrupt:
+    """A ``sys.settrace`` function counting the line events of hookscope's own code (every
+    file under ``src/hookscope``) while a block runs; with ``at=k`` it raises
+    ``KeyboardInterrupt`` at the kth, as a signal handler raising or an async exception
+    (``PyThreadState_SetAsyncExc``) would there, with no SIGINT handler involved. (A trace
+    function that raises is unset by Python: exactly one interrupt per run.)"""
+
+    def __init__(self, at: int = 0) -> None:
+        self.at, self.count = at, 0
+        self.where = ""
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> Any:
+        return self._line if frame.f_code.co_filename.startswith(_HOOKSCOPE) else None
+
+    def _line(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "line":
+            self.count += 1
+            if self.count == self.at:
+                self.where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
+                raise KeyboardInterrupt(self.where)
+        return self._line
+
+    def run(self, block: Callable[[], Any]) -> None:
+        previous = sys.gettrace()
+        sys.settrace(self)
+        try:
+            block()
+        finally:
+            sys.settrace(previous)
+
+
+def _line_blocks() -> dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], Any]]]:
+    """``kind -> (make a model, run one block on it)``: each verb, from the call to the end."""
+    from tests.models import tiny_gpt2
+
+    x = torch.randn(2, 5, 8)
+    gpt2 = tiny_gpt2(n_layer=1)
+    ids = torch.tensor([[1, 2, 3]])
+
+    def hooked(block: Callable[[nn.Module], Any]) -> Callable[[nn.Module], Any]:
+        def go(model: nn.Module) -> Any:
+            with block(model):
+                model(x)
+        return go
+
+    def nan_model() -> nn.Module:
+        model = ReluBlocks()
+        with torch.no_grad():
+            model.blocks[1].up.weight[0, 0] = float("inf")
+        return model
+
+    def generate(model: nn.Module) -> None:
+        with hookscope.capture_generation(model, "transformer.h.0", on_unfired="ignore"):
+            model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)  # type: ignore[operator]
+
+    def monitored(model: nn.Module) -> None:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        try:
+            with hookscope.monitor(model, "blocks.*", every=2, optimizer=optimizer, guard="raise"):
+                for _ in range(3):
+                    optimizer.zero_grad()
+                    model(x).square().mean().backward()
+                    optimizer.step()
+        finally:
+            hooks = (optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks)
+            assert all(not table for table in hooks), "the monitor left an optimizer hook"
+
+    return {
+        "capture": (ReluBlocks, hooked(lambda m: hookscope.capture(m, "blocks.*", "head"))),
+        "capture ::relu": (ReluBlocks, hooked(lambda m: hookscope.capture(m, "blocks.*::relu"))),
+        "edit": (ReluBlocks, hooked(lambda m: hookscope.edit(
+            m, {"blocks.0": lambda o: o * 2, "blocks.1::relu": lambda o: o + 1}))),
+        "run": (ReluBlocks, lambda m: hookscope.run(m, x, layers=["blocks.*", "head::linear"])),
+        "stats": (ReluBlocks, lambda m: hookscope.stats(m, [x, x], ["blocks.*"])),
+        "find_nonfinite": (nan_model, lambda m: hookscope.find_nonfinite(m, x, backward=True)),
+        "capture_generation": (lambda: gpt2, generate),
+        "monitor": (ReluBlocks, monitored),
+    }
+
+
+def _sample(total: int, size: int) -> list[int]:
+    """Every line when there are at most ``size``; else the first and last 40 (entering and
+    leaving) and evenly spaced ones between."""
+    if total <= size:
+        return list(range(1, total + 1))
+    middle = size - 80
+    return sorted({*range(1, 41), *range(total - 39, total + 1),
+                   *(41 + i * (total - 80) // middle for i in range(middle))})
+
+
+@pytest.mark.parametrize("kind", ["capture", "capture ::relu", "edit", "run", "stats",
+                                  "find_nonfinite", "capture_generation", "monitor"])
+def test_an_interrupt_at_any_line_of_hookscope_leaves_nothing_behind(kind: str) -> None:
+    """Issue 35: a KeyboardInterrupt raised at the kth line hookscope runs in a block (k over
+    every line, or 240 of them spread from entering to leaving) ends the block with that
+    interrupt and leaves no hook, function mode, copyreg entry, SIGINT handler or grad mode
+    behind, and the model computes what it did before."""
+    make, block = _line_blocks()[kind]
+    model = make()
+    block(model)  # the first run imports lazily; later ones run the same lines
+    counted, again = LineInterrupt(), LineInterrupt()
+    counted.run(lambda: block(make()))
+    again.run(lambda: block(make()))
+    assert counted.count == again.count > 20
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    left: list[tuple[str, list[str]]] = []
+    try:
+        for at in _sample(counted.count, 240):
+            model = make()
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            interrupt = LineInterrupt(at)
+            with pytest.raises(KeyboardInterrupt):
+                interrupt.run(lambda: block(model))  # noqa: B023 - run at once
+            leaks = _leaks(model)
+            if kind != "monitor":  # the others leave the weights as they were
+                leaks += [f"{k} changed" for k, v in model.state_dict().items()
+                          if not torch.equal(v, before[k])]
+            if leaks:
+                left.append((interrupt.where, leaks))
+                hookscope.remove_hooks(model)
+                while torch._C._len_torch_function_stack():
+                    torch._C._pop_torch_function_stack()
+                copyreg.dispatch_table.pop(OrderedDict, None)
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                torch.set_grad_enabled(True)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert left == [], f"{len(left)} of {len(_sample(counted.count, 240))} lines left something: {left[:5]}"

@@ -95,6 +95,13 @@ class StoreCorruptError(HookscopeError, OSError):
     """A store's shard or manifest fails its checksum or cannot be parsed."""
 
 
+class ConcurrentModelError(HookscopeError, RuntimeError):
+    """A verb that leaves the model as it was found ran a training-mode forward while another
+    thread ran the same modules: their buffers (BatchNorm statistics) hold both threads' updates,
+    and hookscope left them rather than overwrite the other thread's (``engine.run.untouched``).
+    Run the verb on ``model.eval()`` or on ``copy.deepcopy(model)``."""
+
+
 class SpecError(HookscopeError, ValueError):
     """A model or input spec names nothing usable: unknown name, missing file, wrong shape."""
 

@@ -31,6 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 from hookscope.engine import diagnose
 from hookscope.engine.checks import check_callable, check_flag
+from hookscope.engine.function_mode import entered
 from hookscope.engine.kinds import values_for
 from hookscope.engine.names import index
 from hookscope.engine.run import untouched
@@ -219,7 +220,7 @@ def find_nonfinite(model: nn.Module, *args: Any, backward: bool = False,
     bad_input = input_origin(args, kwargs)
     tracker = _Tracker(root, record_nodes=backward)
     with untouched(root), tracker.observing() as session:  # one session: forward hooks, then the node hooks
-        with _OpWatcher(tracker):
+        with entered(_OpWatcher(tracker)):  # the engine takes it off however the call ends
             output = root(*args, **kwargs)
             if tracker.found is not None:
                 return tracker.found

@@ -37,21 +37,17 @@ __all__ = ["KeptOut", "open_block", "close_block"]
 
 
 class KeptOut:
-    """The hook-table entries of one block: ``add`` each handle the block registers."""
+    """The hook-table entries of one block: the handles in ``handles`` (the block's own list,
+    read live: a handle is left out of copies from the moment the block records it) and the
+    entries given to ``add_entry``."""
 
-    __slots__ = ("tables",)
+    __slots__ = ("tables", "handles")
 
-    def __init__(self) -> None:
-        # id(table) -> (the table, ids of the block's handles in it); changed by the block's
+    def __init__(self, handles: list[RemovableHandle]) -> None:
+        # id(table) -> (the table, ids of the block's entries in it); changed by the block's
         # thread, read by a reducer in any thread (a lookup and set membership: atomic)
         self.tables: dict[int, tuple[Any, set[int]]] = {}
-
-    def add(self, handle: RemovableHandle) -> None:
-        """Leave the entries of ``handle`` (in each table it was registered in) out of copies."""
-        for ref in (handle.hooks_dict_ref, *handle.extra_dict_ref):
-            table = ref()
-            if table is not None:
-                self.add_entry(table, handle.id)
+        self.handles = handles
 
     def add_entry(self, table: Any, key: int) -> None:
         """Leave entry ``key`` of hook table ``table`` out of copies (``hooks.ModuleHooks``
@@ -63,7 +59,10 @@ class KeptOut:
 
     def ids_in(self, table: Any) -> set[int]:
         entry = self.tables.get(id(table))
-        return entry[1] if entry is not None and entry[0] is table else _NONE
+        ids = entry[1] if entry is not None and entry[0] is table else _NONE
+        handles = {handle.id for handle in list(self.handles)
+                   if any(ref() is table for ref in (handle.hooks_dict_ref, *handle.extra_dict_ref))}
+        return ids | handles if handles else ids
 
 
 _NONE: set[int] = set()
@@ -76,29 +75,38 @@ def open_block(kept: KeptOut) -> None:
     """A block opens: until ``close_block(kept)``, copies and pickles of hook tables leave the
     entries in ``kept`` out (module docstring). The first open block registers the ``copyreg``
     entry."""
+    with _lock: _open_block(kept)  # noqa: E701 - one line: see _open_block
+
+
+def _open_block(kept: KeptOut) -> None:
+    """``open_block`` under the lock. The ``with`` and its body share one line: alone on its
+    line, the lock's release is a line of its own where an exception (raised at a line, or
+    async) would skip it and leave the lock held for good (engine.interrupts)."""
     global _open, _previous
-    with _lock:
-        if not _open:
-            _previous = copyreg.dispatch_table.get(OrderedDict)
-            copyreg.pickle(OrderedDict, _reduce)
-        _open = [*_open, kept]
+    if not _open:
+        _previous = copyreg.dispatch_table.get(OrderedDict)
+        copyreg.pickle(OrderedDict, _reduce)
+    _open = [*_open, kept]
 
 
 def close_block(kept: KeptOut) -> None:
     """The block of ``kept`` closes (its hooks are removed); the last one removes the
     ``copyreg`` entry and puts back the user's earlier reducer, unless the user replaced it
     meanwhile."""
+    with _lock: _close_block(kept)  # noqa: E701 - one line: see _open_block
+
+
+def _close_block(kept: KeptOut) -> None:
     global _open, _previous
-    with _lock:
-        _open = [other for other in _open if other is not kept]
-        kept.tables.clear()
-        if not _open:
-            if copyreg.dispatch_table.get(OrderedDict) is _reduce:
-                if _previous is None:
-                    del copyreg.dispatch_table[OrderedDict]
-                else:
-                    copyreg.dispatch_table[OrderedDict] = _previous
-            _previous = None
+    _open = [other for other in _open if other is not kept]
+    kept.tables.clear()
+    if not _open:
+        if copyreg.dispatch_table.get(OrderedDict) is _reduce:
+            if _previous is None:
+                del copyreg.dispatch_table[OrderedDict]
+            else:
+                copyreg.dispatch_table[OrderedDict] = _previous
+        _previous = None
 
 
 def _reduce(table: OrderedDict[Any, Any]) -> Any:

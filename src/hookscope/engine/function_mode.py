@@ -27,6 +27,7 @@ reach everything the forward computes after it.
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import GeneratorType
@@ -41,7 +42,7 @@ from hookscope.engine.diagnose import other_threads
 from hookscope.engine.function_names import bind_arguments, function_name, parse_op
 from hookscope.engine.hooks import OwnedHook, in_recompute, register
 
-__all__ = ["FunctionCall", "FunctionWatcher", "FunctionHooks", "Watch"]
+__all__ = ["FunctionCall", "FunctionWatcher", "FunctionHooks", "Watch", "entered", "take_off"]
 
 OnCall = Callable[["FunctionCall"], Any]
 
@@ -132,9 +133,10 @@ class FunctionWatcher:
         self._watches.setdefault(module, []).append(entry)
         return entry
 
-    def install(self) -> list[RemovableHandle]:
-        """Add the forward pre-hooks and hooks on watched modules and their direct children."""
-        handles: list[RemovableHandle] = []
+    def install(self, handles: list[RemovableHandle]) -> None:
+        """Add the forward pre-hooks and hooks on watched modules and their direct children,
+        appending each handle to ``handles`` (the caller removes them) on the line that makes it:
+        no exception comes between a registration and its record."""
         # On a child that is watched too, the parent's frame is suspended before the child's
         # frame is pushed (prepend) and resumed after it is popped (appended).
         suspending = {child: None for module, watches in self._watches.items()
@@ -152,18 +154,18 @@ class FunctionWatcher:
             handles.append(register(module, enter, pre=True))
             handles.append(register(module, self._leave_hook(), prepend=True, always_call=True,
                                     in_recompute=again))
-        return handles
 
     def close(self) -> None:
         """Take the mode off torch's mode stack wherever it is (a forward interrupted inside a
         watched module leaves it entered, maybe under modes entered after it, which stay in
         their order); nothing is popped when it is not there."""
         self._frames.clear()
-        if self._entered and _depth(self._mode) is None:  # interrupted: torch holds it aside
-            for stash in _stashes(self._mode):
-                stash.close()  # puts it back on the stack now, not when garbage-collected
+        if self._entered:
+            take_off(self._mode)
+        else:
+            _take_off(self._mode)
         self._entered = False
-        _take_off(self._mode)
+        _reporting.active = False  # an exception between its set and reset left it on
 
     # ---------------------------------------------------------------- hooks
     def _enter_hook(self, watches: list[Watch]) -> Callable[[nn.Module, Any], None]:
@@ -215,13 +217,13 @@ class FunctionWatcher:
                  kwargs: dict[str, Any]) -> Any:
         """Run ``func`` and report it to the innermost running watched forward."""
         output = func(*args, **kwargs)
-        if not self._frames or _REPORTING[0]:
+        if not self._frames or _reporting.active:
             return output
-        _REPORTING[0] = True  # torch calls made by on_call are hookscope's, not the module's
+        _reporting.active = True  # torch calls made by on_call are hookscope's, not the module's
         try:
             return self._report(self._frames[-1], func, args, kwargs, output)
         finally:
-            _REPORTING[0] = False
+            _reporting.active = False
 
     def _report(self, frame: _Frame, func: Callable[..., Any], args: tuple[Any, ...],
                 kwargs: dict[str, Any], output: Any) -> Any:
@@ -239,9 +241,17 @@ class FunctionWatcher:
         return output
 
 
-# True while some watcher's on_call runs: the torch calls it makes are seen by the modes of other
-# watchers still on the stack (two sessions watching one forward), which must pass them through.
-_REPORTING = [False]
+class _Reporting(threading.local):
+    """``active`` is True while some watcher's ``on_call`` runs in this thread: the torch calls
+    it makes are seen by the modes of other watchers still on this thread's stack (two sessions
+    watching one forward), which must pass them through. Per thread, as torch's function-mode
+    stack is: a capture of ``a::relu`` in one thread and an edit of ``b::relu`` in another never
+    see each other's flag (one flag per process lost edits and captures: issue 35)."""
+
+    active = False
+
+
+_reporting = _Reporting()
 
 
 class FunctionHooks:
@@ -285,9 +295,10 @@ class FunctionHooks:
         enter the session afterwards, which installs the hooks and removes them on exit."""
         return self._watcher.watch(module, on_call, names=names, deep=deep)
 
-    def install(self) -> list[RemovableHandle]:
-        """Add the hooks (see ``FunctionWatcher.install``); the caller removes the handles."""
-        return self._watcher.install()
+    def install(self, handles: list[RemovableHandle]) -> None:
+        """Add the hooks (see ``FunctionWatcher.install``) into ``handles``; the caller removes
+        them."""
+        self._watcher.install(handles)
 
     def close(self) -> None:
         """Leave the mode if a forward was interrupted (see ``FunctionWatcher.close``)."""
@@ -329,6 +340,40 @@ class _Frame:
         seen = self.counts.get(key, 0)
         self.counts[key] = seen + 1
         return seen
+
+
+class entered:  # noqa: N801 - used as a function: ``with entered(mode):``
+    """Have ``mode`` (a ``TorchFunctionMode``) on this thread's torch function-mode stack for
+    the block: the one way hookscope enters a mode of its own for a whole block
+    (``find_nonfinite``). However the block ends (an exception, a KeyboardInterrupt at any
+    line, one inside the mode's own ``__torch_function__`` while torch holds it aside), the
+    mode is taken off (``take_off``), modes entered after it staying in their order. torch's
+    function-mode stack is per thread, so a mode entered here never sees another thread's
+    calls."""
+
+    def __init__(self, mode: TorchFunctionMode):
+        self.mode = mode
+
+    def __enter__(self) -> None:
+        try: torch._C._push_on_torch_function_stack(self.mode)  # noqa: E701 (engine.interrupts)
+        except BaseException:
+            take_off(self.mode)
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        try: take_off(self.mode)  # noqa: E701
+        except BaseException:
+            take_off(self.mode)  # idempotent: what an exception halfway left
+            raise
+
+
+def take_off(mode: TorchFunctionMode) -> None:
+    """Take ``mode`` off torch's function-mode stack wherever it is, also when an interrupt
+    left it held aside by torch (``_stashes``); nothing when it is not there."""
+    if _depth(mode) is None:  # interrupted: torch may hold it aside
+        for stash in _stashes(mode):
+            stash.close()  # puts it back on the stack now, not when garbage-collected
+    _take_off(mode)
 
 
 def _on_top(mode: TorchFunctionMode) -> bool:

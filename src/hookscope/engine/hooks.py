@@ -221,13 +221,12 @@ def register(module: nn.Module, hook: OwnedHook | Callable[..., Any], *, pre: bo
     """
     owned = hook if isinstance(hook, OwnedHook) else OwnedHook(hook, module, in_recompute=in_recompute)
     _ready_for_compile()
+    # returned as made: no line runs between the registration and the caller's record of it
     if pre:
-        handle = module.register_forward_pre_hook(owned.__call__, with_kwargs=with_kwargs,
-                                                  prepend=prepend)
-    else:
-        handle = module.register_forward_hook(owned.__call__, with_kwargs=with_kwargs,
-                                              prepend=prepend, always_call=always_call)
-    return handle
+        return module.register_forward_pre_hook(owned.__call__, with_kwargs=with_kwargs,
+                                                prepend=prepend)
+    return module.register_forward_hook(owned.__call__, with_kwargs=with_kwargs,
+                                        prepend=prepend, always_call=always_call)
 
 
 class ModuleHooks:
@@ -267,13 +266,14 @@ class ModuleHooks:
         key = RemovableHandle.next_id
         RemovableHandle.next_id = key + 1
         table = module._forward_pre_hooks if pre else module._forward_hooks
-        table[key] = owned.__call__  # a bound method: see owner()
+        # each entry recorded before it is written: an exception between leaves nothing unrecorded
         self.entries.append((table, key))
         if with_kwargs:
             flags = module._forward_pre_hooks_with_kwargs if pre else module._forward_hooks_with_kwargs
-            flags[key] = True
             self.entries.append((flags, key))
             self.flags.append((flags, key))
+            flags[key] = True
+        table[key] = owned.__call__  # a bound method: see owner()
 
     def add_forward(self, hooks: list[OwnedHook]) -> None:
         """``add`` each of ``hooks`` as a plain forward hook (no kwargs), in one loop: a
@@ -286,8 +286,8 @@ class ModuleHooks:
             if keyed and owned.pick is not None:
                 self._open(owned)
             table = owned.module._forward_hooks
+            entries.append((table, key))  # recorded before written, as add()
             table[key] = owned.__call__
-            entries.append((table, key))
             key += 1
 
     def remove(self) -> None:

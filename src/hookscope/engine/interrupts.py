@@ -17,9 +17,36 @@ its hooks are removed) hookscope's handler stands in for the SIGINT handler:
 - anywhere else (the body of the block, the model's forward) it delivers at once.
 
 Delivering means calling the handler that was there before (``KeyboardInterrupt`` by default),
-so the user gets exactly the interrupt they asked for. When the last guarded block closes, the
-previous handler is put back (unless the user installed another one meanwhile). Other threads
-need nothing: Python runs signal handlers only in the main thread.
+so the user gets exactly the interrupt they asked for.
+
+Threads: Python runs signal handlers only in the main thread, and only the main thread may set
+one, so the stand-in belongs to the main thread. Its state (the guarded blocks, the handler it
+stands in for) is read and changed under one lock, counted per block (any number of blocks at
+once), and the handler is set and put back only from the main thread: a block in a worker
+thread never touches ``signal`` (it needs nothing: no signal handler interrupts it), and a
+main-thread block that a worker exits leaves the handler to the next main-thread block (the
+stand-in only delivers while nothing is guarded). When the last guarded block closes, the
+handler that was there before the first one is put back exactly (a user's function,
+``default_int_handler``, ``SIG_DFL``), unless the user installed another one meanwhile. Under
+``SIG_IGN`` (a background shell's job) or a handler set outside Python nothing is installed:
+there is no interrupt to hold back, or no way to put the handler back.
+
+Every other way a block ends (an exception raised at a line by a trace function or a signal
+handler, a ``PyThreadState_SetAsyncExc``, an exception of a user's callback) is handled by the
+blocks themselves. Their ``__enter__`` and ``__exit__`` are written::
+
+    def __exit__(self, *exc):
+        try: return self._close(*exc)  # the first line: `try` and its body on one line
+        except BaseException:
+            self._remove()  # idempotent: removes what an exception in _close left
+            raise
+
+In Python 3.11+ a ``try:`` alone on its line is a no-op outside the protected range, so an
+exception raised at its line event would skip the handler; sharing the body's line, the first
+line event of the method is inside it. On success no other line of the method runs after the
+body returned. So one exception at any line of hookscope's code (``tests/test_interrupts.py``
+raises one at every line) still removes everything. An exception at the call itself, before
+the method's first line (an async exception at its entry), is beyond any Python code.
 """
 
 from __future__ import annotations
@@ -34,51 +61,57 @@ from typing import Any
 
 __all__ = ["guard", "unguard", "deferred"]
 
-_guarded: dict[int, Callable[[], None]] = {}  # id(block) -> its cleanup, main thread only
-_previous: Any = None  # the SIGINT handler before the first guarded block
+_lock = threading.RLock()  # guards _guarded and _previous (any thread may unguard)
+_guarded: dict[int, Callable[[], object]] = {}  # id(block) -> its cleanup (main-thread blocks)
+_UNSET: Any = object()
+_previous: Any = _UNSET  # the SIGINT handler before the first guarded block
 _busy = 0  # depth of deferred sections running in the main thread
 _pending: list[int] = []  # signals noted during a deferred section
 
 
-def guard(block: object, cleanup: Callable[[], None]) -> None:
+def guard(block: object, cleanup: Callable[[], object]) -> None:
     """From now until ``unguard(block)``, an interrupt of ``block``'s ``__enter__`` or
     ``__exit__`` calls ``cleanup()`` (which removes its hooks) before the KeyboardInterrupt.
     Does nothing outside the main thread, when SIGINT is ignored, or when its handler was not
     set from Python (it could not be put back)."""
+    if _in_main_thread():
+        with _lock: _guard(block, cleanup)  # noqa: E701 - one line: see copies._open_block
+
+
+def _guard(block: object, cleanup: Callable[[], object]) -> None:
     global _previous
-    if not _in_main_thread():
-        return
     current = signal.getsignal(signal.SIGINT)
     if current is None or current == signal.SIG_IGN:  # set outside Python, or nothing to do
         return
     _guarded[id(block)] = cleanup
-    try:
-        if current is not _handler:
-            _previous = current
-            signal.signal(signal.SIGINT, _handler)
-    except BaseException:
-        unguard(block)
-        raise
+    if current is not _handler:
+        _previous = current
+        signal.signal(signal.SIGINT, _handler)
 
 
 def unguard(block: object) -> None:
-    """``block``'s hooks are gone; the last block to go puts the previous handler back."""
+    """``block``'s hooks are gone; the last block to go (in the main thread) puts the previous
+    handler back. Idempotent; from another thread it only forgets ``block``."""
+    with _lock: _unguard(block)  # noqa: E701 - one line: see copies._open_block
+
+
+def _unguard(block: object) -> None:
     global _previous
     _guarded.pop(id(block), None)
-    if _guarded:
+    if _guarded or not _in_main_thread():
         return
-    if signal.getsignal(signal.SIGINT) is _handler:
+    if _previous is not _UNSET and signal.getsignal(signal.SIGINT) is _handler:
         signal.signal(signal.SIGINT, _previous)
-    _previous = None
+    _previous = _UNSET
 
 
 @contextmanager
-def deferred(undo: Callable[[], None] | None = None) -> Iterator[None]:
+def deferred(undo: Callable[[], object] | None = None) -> Iterator[None]:
     """Hold back SIGINT until the section ends (in a guarded main thread), then deliver it; if
     that raises (a ``KeyboardInterrupt`` by default; it replaces an exception of the section),
     ``undo()`` runs before the exception leaves. Sections nest: the outermost one delivers."""
     global _busy
-    if not _guarded or not _in_main_thread():
+    if not _in_main_thread() or not _guarded:
         yield
         return
     _busy += 1
@@ -101,6 +134,9 @@ def _handler(signum: int, frame: FrameType | None) -> None:
     if _busy:
         _pending.append(signum)
         return
+    if not _guarded:  # every block closed (one exited by a worker thread): just deliver
+        _deliver(signum, frame)
+        return
     try:
         _deliver(signum, frame)
     except BaseException:  # the KeyboardInterrupt: it must not leave a half-entered block
@@ -110,7 +146,7 @@ def _handler(signum: int, frame: FrameType | None) -> None:
         raise
 
 
-def _interrupted_block(frame: FrameType | None) -> Callable[[], None] | None:
+def _interrupted_block(frame: FrameType | None) -> Callable[[], object] | None:
     """The cleanup of the guarded block whose ``__enter__``/``__exit__`` is on the stack."""
     while frame is not None:
         if frame.f_code.co_name in ("__enter__", "__exit__"):
@@ -123,10 +159,11 @@ def _interrupted_block(frame: FrameType | None) -> Callable[[], None] | None:
 
 def _deliver(signum: int, frame: FrameType | None) -> None:
     """Hand the signal to the handler hookscope stood in for (or to the current one)."""
-    handler = _previous if signal.getsignal(signal.SIGINT) is _handler else None
-    if handler is None:  # not standing in any more: the real handler gets it
+    if signal.getsignal(signal.SIGINT) is not _handler:  # not standing in: the real one gets it
         signal.raise_signal(signum)
-    elif callable(handler):
+        return
+    handler = signal.default_int_handler if _previous is _UNSET else _previous
+    if callable(handler):
         handler(signum, frame)
     elif handler == signal.SIG_DFL:
         signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -24,10 +24,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from hookscope.engine import interrupts
 from hookscope.engine.checks import check_model
-from hookscope.errors import HookscopeError
+from hookscope.engine.hooks import OwnedHook, register
+from hookscope.errors import ConcurrentModelError, HookscopeError
 
 __all__ = ["RngState", "detached_clones", "input_device", "model_inputs", "state_snapshot",
            "untouched"]
@@ -66,32 +68,47 @@ def _first_item(batch: Any) -> str:
 
 
 class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
-    """Leave each model as it was found when the block ends: returned, raised or interrupted.
+    """Leave each model as it was found when the block ends: returned, raised or interrupted,
+    without ever writing into what another thread changes meanwhile.
 
     A forward in training mode is not read-only: BatchNorm updates ``running_mean``,
     ``running_var`` and ``num_batches_tracked``, spectral norm advances its power iteration
-    (``_u``, ``_v``), dropout draws from the global RNG. On exit every buffer holds its old
-    values again (the same tensor object, refilled in place, so references to it stay valid),
-    every module its ``training`` flag, every parameter its ``requires_grad`` and ``.grad``
-    (the same tensor object, with the same values: each ``.grad`` is taken off the parameter
-    for the block, so a backward inside accumulates into a fresh one, never into the user's),
-    the CPU and CUDA RNGs their states, and autograd its grad mode (a KeyboardInterrupt inside
-    a verb's ``torch.no_grad()`` exit would leave gradients off). The model's mode is not
-    changed on entry: the block sees train-mode behaviour (dropout) if the model is in it. A
-    KeyboardInterrupt (SIGINT) arriving while the state is restored is held back until the
-    restore is done (``engine.interrupts``).
+    (``_u``, ``_v``), dropout draws from the global RNG. On exit each buffer whose values changed
+    holds its old values again (the same tensor object, refilled in place, so references to it
+    stay valid), each module whose ``training`` flag changed gets it back, each parameter whose
+    ``requires_grad`` changed too; the CPU and CUDA RNGs get their states back and autograd its
+    grad mode (a KeyboardInterrupt inside a verb's ``torch.no_grad()`` exit would leave
+    gradients off). Only what changed is written: an unchanged model is only read. The model's
+    mode is not changed on entry: the block sees train-mode behaviour (dropout) if the model is
+    in it. A KeyboardInterrupt (SIGINT) arriving while the state is restored is held back until
+    the restore is done (``engine.interrupts``).
+
+    ``.grad`` is never touched: every verb's backward is ``torch.autograd.grad``, which writes no
+    ``.grad``, so a thread training the model (``zero_grad``, ``backward``, ``optimizer.step``)
+    while another runs ``stats``/``tree``/``find_nonfinite`` on it keeps its own gradients
+    (setting them aside and back raced with its backward and crashed the process: issue 35).
+
+    Threads: a buffer changed during the block may be another thread's doing (a trainer's
+    forward updating BatchNorm statistics). An owned forward pre-hook on each module holding
+    buffers counts the calls of other threads (``hooks.OwnedHook.foreign_calls``); a changed
+    buffer of a module another thread ran is left as it is (restoring it would overwrite that
+    thread's updates), and leaving the block raises ``ConcurrentModelError`` naming the modules
+    when the verb's own forward ran in training mode there too (the statistics then hold both
+    threads' updates). In eval mode a forward changes no buffer, so nothing is refused.
 
     Parameters are not copied, so a forward that writes its own weights in place (an
     ``.data.copy_`` in ``forward``, a codebook updated by the forward) keeps that write:
     restoring it would need a copy of every weight (twice the model's memory, 14 GB more for a
     7B model in bf16) in every verb, for a kind of forward that changes the model even without
-    hookscope. ``.grad`` costs nothing: it is set aside, not copied.
+    hookscope.
 
-    Cost: one clone of every buffer. Buffers of lazy modules that are not yet materialised are
-    left alone (the forward materialises them, as any forward).
+    Cost: one clone of every buffer, one comparison per buffer on exit. Buffers of lazy modules
+    that are not yet materialised are left alone (the forward materialises them, as any
+    forward).
 
     Raises:
         ArgumentTypeError: a model is not an ``nn.Module`` (raised at the call, nothing read).
+        ConcurrentModelError: on exit, see Threads above.
     """
 
     def __init__(self, *models: nn.Module):
@@ -103,61 +120,121 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
         self._grad = True
 
     def __enter__(self) -> None:
+        # one line each (engine.interrupts): an exception at any line restores and unhooks
+        try: self._open()  # noqa: E701
+        except BaseException:
+            self._finish()
+            raise
+
+    def _open(self) -> None:
         with interrupts.deferred(undo=self._finish):  # interrupted: as if never entered
             self._grad = torch.is_grad_enabled()
-            self._kept = [_State(model) for model in self._models]
             self._rng = RngState.now()
             interrupts.guard(self, self._finish)
+            for model in self._models:
+                self._kept.append(_State(model))
 
-    def __exit__(self, *exc: object) -> None:
-        with interrupts.deferred():
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:
+        try: self._close(exc)  # noqa: E701
+        except BaseException:
             self._finish()
+            raise
 
-    def _finish(self) -> None:
+    def _close(self, exc: BaseException | None) -> None:
+        with interrupts.deferred():
+            shared = self._finish()
+        if shared and exc is None:
+            raise ConcurrentModelError(
+                f"another thread ran {', '.join(repr(p) for p in shared[:4])}"
+                f"{' …' if len(shared) > 4 else ''} while this verb ran a training-mode forward "
+                "of it: the buffers there (BatchNorm statistics) now hold both threads' updates, "
+                "and hookscope left them as they are rather than overwrite the other thread's. "
+                "Run the verb on model.eval() (a forward in eval mode changes no buffer) or on "
+                "copy.deepcopy(model) while another thread trains it")
+
+    def _finish(self) -> list[str]:
         """Restore the state (idempotent) and stop guarding: also what an interrupt of
-        ``__exit__`` runs before its KeyboardInterrupt leaves."""
-        self._restore()
-        interrupts.unguard(self)
-
-    def _restore(self) -> None:
+        ``__exit__`` runs before its KeyboardInterrupt leaves. Returns the paths of modules with
+        changed buffers that another thread ran (left as they are)."""
+        shared = []
         for state in self._kept:
-            state.restore()
+            shared += state.restore()
+        self._kept = []
         if self._rng is not None:
             self._rng.restore()
-        torch.set_grad_enabled(self._grad)
+            self._rng = None
+        if torch.is_grad_enabled() != self._grad:
+            torch.set_grad_enabled(self._grad)
+        interrupts.unguard(self)
+        return shared
 
 
 class _State:
-    """Buffers (object and a clone), training flags, ``requires_grad`` and ``.grad`` (set
-    aside on entry: the parameter has none during the block).
+    """Buffers (object and a clone), training flags and ``requires_grad``, and owned pre-hooks
+    counting other threads' calls of each module holding buffers.
 
-    Every buffer is copied back, changed or not: BatchNorm's kernel updates its running
-    statistics without bumping their version counter, so versions cannot tell."""
+    Every buffer is compared on exit, not only those whose version changed: BatchNorm's kernel
+    updates its running statistics without bumping their version counter."""
 
     def __init__(self, model: nn.Module):
+        self.flags: list[tuple[nn.Module, bool]] = []
+        self.buffers: list[tuple[nn.Module, str, Tensor, Tensor]] = []
+        self.params: list[tuple[nn.Parameter, bool]] = []
+        self.watch: dict[nn.Module, tuple[OwnedHook, RemovableHandle]] = {}
+        self.paths = {m: p for p, m in model.named_modules(remove_duplicate=False)}
         modules = list(model.modules())
         self.flags = [(m, m.training) for m in modules]
         kept = [(m, name, b) for m in modules for name, b in m._buffers.items()
                 if b is not None and not isinstance(b, nn.parameter.UninitializedBuffer)]
         clones = detached_clones(b for _, _, b in kept)
         self.buffers = [(m, name, b, c) for (m, name, b), c in zip(kept, clones, strict=True)]
-        self.params = [(p, p.requires_grad, p.grad) for p in model.parameters()]
-        for p, _, grad in self.params:
-            if grad is not None:
-                p.grad = None  # set aside: a backward in the block never adds into the user's
+        self.params = [(p, p.requires_grad) for p in model.parameters()]
+        self.trained: set[nn.Module] = set()  # modules this thread ran in training mode
+        for module in dict.fromkeys(m for m, _, _ in kept):
+            counter = OwnedHook(self._ran, module, traceable=True)
+            self.watch[module] = (counter, register(module, counter, pre=True))
 
-    def restore(self) -> None:
+    def _ran(self, module: nn.Module, args: Any) -> None:
+        if module.training:
+            self.trained.add(module)
+
+    def restore(self) -> list[str]:
+        """Put back what changed (idempotent); return the paths of modules whose changed
+        buffers were left because another thread ran them."""
+        for _, handle in self.watch.values():
+            handle.remove()
+        shared: dict[str, None] = {}
         for module, training in self.flags:
-            module.training = training
+            if module.training != training:
+                module.training = training
         with torch.inference_mode():  # writes a normal buffer, and one made in inference mode
             for module, name, buffer, values in self.buffers:
+                if module._buffers.get(name) is buffer and _same(buffer, values):
+                    continue
+                counter = self.watch.get(module)
+                if counter is not None and counter[0].foreign_calls:  # maybe the other's doing
+                    if module in self.trained:  # and ours: both updates are in it
+                        shared[self.paths.get(module, "?")] = None
+                    continue
                 module._buffers[name] = buffer
                 buffer.copy_(values)
-        for param, requires_grad, grad in self.params:
+        for param, requires_grad in self.params:
             if param.requires_grad != requires_grad:
                 param.requires_grad_(requires_grad)
-            if param.grad is not grad:
-                param.grad = grad
+        self.buffers, self.flags, self.params = [], [], []
+        return list(shared)
+
+
+def _same(tensor: Tensor, values: Tensor) -> bool:
+    """Whether ``tensor`` still holds ``values`` (NaN equal to NaN: nothing to write back; a
+    ``meta`` tensor holds no values)."""
+    if tensor.is_meta or values.is_meta:
+        return tensor.shape == values.shape
+    if tensor.shape != values.shape or tensor.dtype != values.dtype or tensor.device != values.device:
+        return False
+    return bool(torch.equal(tensor, values)) or (tensor.is_floating_point() and bool(
+        torch.allclose(tensor, values, rtol=0, atol=0, equal_nan=True)))
 
 
 class RngState:

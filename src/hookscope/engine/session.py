@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from torch import nn
 from torch.utils.hooks import RemovableHandle
@@ -95,40 +95,56 @@ class HookSession:
         self._ran: set[str] = set()  # paths of selected modules and witnesses that ran
         self._stopper: EarlyStop | None = None  # set by _register for early_stop=True
         self._stops_before = 0  # forwards of this model cut short before the block began
-        self._active = False
-        self._left_out = copies.KeptOut()  # this block's hooks, left out of copies
+        self._active = False  # hooks registered (until removed, also by an interrupt)
+        self._entered = False  # __enter__ completed and __exit__ not yet called
+        self._left_out = copies.KeptOut(self._handles)  # this block's hooks, left out of copies
         self._copies_open = False  # whether copies.open_block(self._left_out) is in force
 
-    def __enter__(self) -> Any:
+    def __enter__(self) -> Self:
         if self._active:
             raise HookscopeError(f"this {type(self).__name__} is already active: enter it once, "
                                  f"and build a new one for another block")
-        interrupts.guard(self, self._remove)  # an interrupt from here on removes our hooks first
-        self._active = True
-        self._stops_before = stops(unwrap(self.model)[0])
-        try:
-            with interrupts.deferred(undo=self._remove):  # an interrupt: nothing stays registered
-                copies.open_block(self._left_out)
-                self._copies_open = True
-                self._register()
-                for handle in self._functions.install():
-                    self._add(handle)
-                if self._explain_unfired:  # witnesses serve only the explanation on exit
-                    near = diagnose.witnesses(self.model, self._module_index(), self.targets)
-                    for path, module in near.items():
-                        self._hook(module, self._witness(path), pre=True)
+        # One line each (engine.interrupts): an exception at any line, a KeyboardInterrupt or
+        # an exception of a user's callback alike, leaves nothing registered.
+        try: return self._open()  # noqa: E701
         except BaseException:
             self._remove()
             raise
+
+    def _open(self) -> Self:
+        interrupts.guard(self, self._remove)  # an interrupt from here on removes our hooks first
+        self._active = True
+        self._stops_before = stops(unwrap(self.model)[0])
+        with interrupts.deferred(undo=self._remove):  # an interrupt: nothing stays registered
+            self._copies_open = True  # first: an exception inside open_block still closes it
+            copies.open_block(self._left_out)
+            self._register()
+            self._functions.install(self._handles)
+            if self._explain_unfired:  # witnesses serve only the explanation on exit
+                near = diagnose.witnesses(self.model, self._module_index(), self.targets)
+                for path, module in near.items():
+                    self._hook(module, self._witness(path), pre=True)
+        self._entered = True
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool | None:
+        # as __enter__: an exception anywhere in leaving still removes every hook; a second
+        # exit (a caller's cleanup after its own failure) does nothing
+        try: return self._close(exc)  # noqa: E701
+        except BaseException:
+            self._remove()
+            raise
+
+    def _close(self, exc: BaseException | None) -> bool | None:
+        entered, self._entered = self._entered, False
         # hooks gone before exit: an interrupt at the end of __enter__ removed them, and its
         # KeyboardInterrupt was swallowed (raised inside a gc callback, as hypothesis installs,
         # or a __del__), so the block ran unhooked: deliver the interrupt here
-        lost = not self._active and exc is None
+        lost = entered and not self._active and exc is None
         self._remove()
+        if not entered:  # never entered, or left already: nothing to report twice
+            return None
         if lost:
             raise KeyboardInterrupt("an interrupt removed this block's hooks while it was "
                                     "entered, and its KeyboardInterrupt was lost on the way")
@@ -161,8 +177,9 @@ class HookSession:
         return True if stopped else None
 
     def _register(self) -> None:
-        """Add this session's hooks with ``self._add``; mark a selected module that runs by
-        adding its path to ``self._ran``."""
+        """Add this session's hooks (``self._own``, ``self._hook``; a handle straight into
+        ``self._handles`` on the line that makes it, so no exception comes between); mark a
+        selected module that runs by adding its path to ``self._ran``."""
         raise NotImplementedError
 
     def forward_boundary(self) -> AbstractContextManager[None]:
@@ -176,7 +193,7 @@ class HookSession:
         call at the end of ``_register``, so the stop runs after this session's hooks."""
         root, _ = unwrap(self.model)
         self._stopper = EarlyStop(root, (t.module for t in self.targets))
-        self._stopper.register(self._add)
+        self._stopper.register(self._handles.append)
 
     def _finish(self) -> None:
         """Run after every hook is removed, before the unfired report."""
@@ -190,11 +207,6 @@ class HookSession:
         if self._names is None:
             self._names = index(self.model)
         return self._names
-
-    def _add(self, handle: RemovableHandle) -> None:
-        """Own ``handle``, just registered: removed on exit, left out of copies until then."""
-        self._handles.append(handle)
-        self._left_out.add(handle)
 
     @property
     def functions(self) -> FunctionHooks:
@@ -214,7 +226,7 @@ class HookSession:
         if not self._active:
             raise HookscopeError("hook_grad_node adds a hook until the block exits: call it "
                                  "inside the `with` block of this session")
-        self._add(on_node(node, function))
+        self._handles.append(on_node(node, function))  # recorded as made
 
     def _hook(self, module: nn.Module, function: Hook, *, pre: bool = False, with_kwargs: bool = False,
               in_recompute: bool = False) -> None:
@@ -273,9 +285,9 @@ class HookSession:
                 handle.remove()
             self._handles.clear()
             self._functions.close()
-            if self._copies_open:
-                self._copies_open = False
+            if self._copies_open:  # cleared once closed: close_block is idempotent, may rerun
                 copies.close_block(self._left_out)
+                self._copies_open = False
             self._active = False
             interrupts.unguard(self)
 

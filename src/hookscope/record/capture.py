@@ -121,8 +121,7 @@ class Capture(HookSession, Records):
                 require_grad_mode(f"{option}=True")
         self._refuse_in_fullgraph()
         self.unfired = {}
-        entered: Capture = super().__enter__()
-        return entered
+        return super().__enter__()  # nothing of ours runs after it (engine.interrupts)
 
     def _refuse_in_fullgraph(self) -> None:
         """Refuse, on entry, what a ``torch.compile(fullgraph=True)`` graph cannot hold: these

@@ -89,15 +89,19 @@ class GenerationCapture:
 
     def __enter__(self) -> GenerationCapture:
         # the labels first: their hooks run before the capture's, so before an early stop
+        # one line for the last step and the return: nothing of ours runs between them, so an
+        # exception at any line leaves both sessions closed (engine.interrupts)
         with ExitStack() as stack:
             stack.enter_context(self._labels)
             stack.enter_context(self.capture)
-            self._stack = stack.pop_all()
-        return self
+            self._stack = stack.pop_all(); return self  # noqa: E702
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool | None:
-        return self._stack.__exit__(exc_type, exc, tb)
+        try: return self._stack.__exit__(exc_type, exc, tb)  # noqa: E701 - see __enter__
+        except BaseException:
+            self._stack.close()  # what an exception in the first exit left (exits are idempotent)
+            raise
 
     def _label(self, target: Target) -> Callable[..., None]:
         calls, steps = self._step_of_call[target.key], self.steps

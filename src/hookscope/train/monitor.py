@@ -218,7 +218,10 @@ class Monitor:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.close()
+        try: self.close()  # noqa: E701 - one line (engine.interrupts)
+        except BaseException:
+            self.close()  # idempotent: what an exception (Ctrl-C) halfway through left
+            raise
 
     def open(self) -> Monitor:
         """Start watching (hooks, records file); return self.
@@ -228,12 +231,10 @@ class Monitor:
         """
         if self._root_session is not None:
             raise HookscopeError("this monitor is already open: open it once, or build a new one")
-        try:
-            self._start()
+        try: self._start(); return self  # noqa: E701, E702 - one line (engine.interrupts)
         except BaseException:
             self.close()  # nothing it registered or opened outlives a failed open
             raise
-        return self
 
     def _start(self) -> None:
         self._file = self._open_file()
@@ -477,6 +478,7 @@ class Monitor:
     def _start_sample_if_due(self) -> None:
         if self.every and self.step_index % self.every == 0:
             self._sample = _Sample(self.root, self.targets, self.scaler, self._contained)
+            self._sample.session.__enter__()  # held first: close() exits it, whatever happens
             if self.hist:
                 self._sample.count_histograms(self.hist, self._hist_ranges)
 
@@ -545,7 +547,6 @@ class _Sample:
         self.histograms: dict[str, Histogram] = {}
         self._hist: tuple[int, dict[str, tuple[float, float]]] | None = None
         self.session = Observer(root, targets, forward=self._hook, explain_unfired=False)
-        self.session.__enter__()
 
     def count_histograms(self, bins: int, ranges: dict[str, tuple[float, float]]) -> None:
         """Also histogram each activation in ``bins`` bins, with the edges in ``ranges``; a
