@@ -10,7 +10,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-.PHONY: setup demo test bench docs
+# Tests run on every core (pytest-xdist; a file's tests stay on one worker, so its module-scoped
+# fixtures are built once); hypothesis runs its deterministic "ci" profile (tests/conftest.py).
+# `make fuzz` runs only the property tests, with fresh random examples, ten times as many.
+PYTEST_WORKERS ?= auto
+
+.PHONY: setup demo test fuzz bench docs
 setup: $(VENV)/.installed
 
 demo: setup
@@ -20,7 +25,10 @@ test: setup
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/mypy src/hookscope
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile
+
+fuzz: setup
+	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) -m hypothesis --hypothesis-profile=fuzz
 
 # the docs site (docs/ + the API reference from the docstrings) in build/site
 docs: setup

@@ -59,3 +59,30 @@ def test_layer_takes_several_values_and_repeats(tmp_path: Path, capsys: pytest.C
                  "--json"]) == 0
     assert [r["path"] for r in json.loads(capsys.readouterr().out)] == ["0", "1"]
     assert sorted(p.name for p in out.iterdir()) == ["0.png", "1.png"]
+
+
+def test_head_keeps_only_those_heads_in_the_summary_and_the_maps(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    import hookscope
+    from hookscope.zoo.inputs import load_inputs
+    from hookscope.zoo.models import load_model
+
+    out = tmp_path / "maps"
+    assert main(["attention", MODEL, "--input", "randn:2,5,16", "--layer", "1", "--head", "3", "1",
+                 "--out", str(out), "--json"]) == 0
+    [row] = json.loads(capsys.readouterr().out)
+    loaded = load_model(MODEL)  # the same model and input (seeded) as the command's
+    x = load_inputs(["randn:2,5,16"], loaded).args[0]
+    with torch.no_grad():
+        value = hookscope.attention(loaded.module, x, layers="1")["1"][0, [3, 1]]  # (2 heads, 5, 5)
+    entropy = -(value * value.clamp_min(1e-12).log()).sum(-1).mean()
+    assert row["shape"] == [2, 5, 5]
+    assert row["entropy"] == pytest.approx(float(entropy), rel=1e-5)
+    assert row["max"] == pytest.approx(float(value.max()))
+    assert sorted(p.name for p in out.iterdir()) == ["1.png"]
+    assert main(["attention", MODEL, "--input", "randn:2,5,16", "--layer", "1", "--head", "4",
+                 "--out", str(tmp_path / "none")]) == 2
+    assert "--head 4 is not a head of 1 (4 heads): give 0 … 3" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()

@@ -172,6 +172,17 @@ def test_the_table_covers_every_verb() -> None:
     assert not missing, f"add bad invocations of {sorted(missing)} to CASES"
 
 
+def test_help_and_the_docs_table_name_every_verb(capsys: pytest.CaptureFixture[str]) -> None:
+    verbs = [v.replace("_", "-") for v in _verbs()]
+    assert "attention" in verbs and "monitor-report" in verbs
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    first = capsys.readouterr().out.split("\n\n")[1]  # the description, after the usage line
+    assert first == f"Look inside PyTorch models by module name: {', '.join(verbs)}."
+    table = (Path(__file__).parent.parent / "docs" / "cli.md").read_text()
+    assert [v for v in verbs if f"| `hookscope {v} " not in table] == []
+
+
 def test_help_states_the_rule(capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["--help"], ["capture", "--help"]):
         with pytest.raises(SystemExit) as done:

@@ -25,7 +25,7 @@ IMAGE = ["--image-size", "32", "--mean", "0.5,0.5,0.5", "--std", "0.5,0.5,0.5"]
 
 def _photos(folder: Path, count: int, seed: int = 0) -> list[Path]:
     """``count`` random 32x32 RGB PNGs (the model's size: no resampling) named out of order,
-    one in a sub-folder, with a text file beside them that is not an image."""
+    one in a sub-folder, with a text file beside them that is not an image and hidden images."""
     rng = np.random.default_rng(seed)
     names = [f"sub/{i:02d}.png" if i == 1 else f"{(7 * i) % count:02d}-{i}.png"
              for i in range(count)]
@@ -33,6 +33,11 @@ def _photos(folder: Path, count: int, seed: int = 0) -> list[Path]:
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         Image.fromarray(rng.integers(0, 256, (32, 32, 3), np.uint8)).save(folder / name)
     (folder / "notes.txt").write_text("not an image")
+    # hidden files and folders are no input: a notebook's checkpoint copy, macOS's '._' file
+    (folder / ".ipynb_checkpoints").mkdir()
+    Image.fromarray(rng.integers(0, 256, (32, 32, 3), np.uint8)).save(
+        folder / ".ipynb_checkpoints" / "00-0-checkpoint.png")
+    (folder / "._00-0.png").write_bytes(b"\x00\x05\x16\x07 AppleDouble, not a picture")
     return sorted((folder / n for n in names), key=lambda p: p.relative_to(folder).as_posix())
 
 
@@ -116,3 +121,17 @@ def test_an_empty_folder_and_both_sources_are_usage_errors(
     assert main(["stats", "tests.models:LeNet", *IMAGE, "--input", "randn:1,3,32,32",
                  "--data", str(tmp_path)]) == 2
     assert "exactly one of them" in capsys.readouterr().err
+
+
+def test_hidden_folders_are_no_class_of_data(tmp_path: Path) -> None:
+    from hookscope.zoo.data import load_data
+    from hookscope.zoo.models import load_model
+
+    for name in ("cat/1.png", "dog/2.png", ".ipynb_checkpoints/3.png", "dog/.ipynb_checkpoints/4.png",
+                 ".git/5.png"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.zeros((32, 32, 3), np.uint8)).save(tmp_path / name)
+    model = load_model("tests.models:LeNet", image_size=32, mean=(0.5,) * 3, std=(0.5,) * 3)
+    files = load_data(tmp_path, model, batch_size=2).dataset
+    assert [files.row_id(i) for i in range(len(files))] == ["cat/1.png", "dog/2.png"]
+    assert [files[i][1] for i in range(len(files))] == ["cat", "dog"]

@@ -191,3 +191,19 @@ def test_cli_pair_auto_reports_the_origin_and_plots(tmp_path: Path,
     assert [r["verdict"] for r in data["rows"]] == ["close", "close", "close", "origin"]
     with Image.open(tmp_path / "diff.png") as image:
         assert image.size == (1600, 800)
+
+
+def linear_norm_longer() -> nn.Sequential:
+    """linear_norm with one more layer: model B has a module model A lacks."""
+    return nn.Sequential(*linear_norm(), nn.Linear(E, E))
+
+
+def test_cli_pair_auto_names_the_unpaired_and_ends_with_a_verdict(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    spec = "tests.test_compare_pairing:linear_norm"
+    assert main(["diff", spec, f"{spec}_longer", "--input", "randn:3,16", "--pair", "auto"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[-2].endswith("; unpaired in A: 0, in B: 1 (4:0)")  # path:call
+    assert lines[-1] == "all 4 paired calls close (each within its tolerance)"
+    assert main(["diff", spec, f"{spec}_wrong_eps", "--input", "randn:3,16", "--pair", "auto"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1].startswith("first origin: 3 (B: 3), local max_abs ")

@@ -161,4 +161,6 @@ def test_cli_diff_of_a_renamed_port_is_a_usage_error_naming_pair(
     err = capsys.readouterr().err
     assert "only 0 of 6 selected modules" in err and "--pair auto" in err
     assert main([*argv, "--pair", "auto"]) == 0  # the same weights: every pair is close
-    assert "paired 6 calls (auto, confidence 1.00); unpaired in A: 0, in B: 0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "paired 6 calls (auto, confidence 1.00); unpaired in A: 0, in B: 0" in err
+    assert err.splitlines()[-1] == "all 6 paired calls close (each within its tolerance)"

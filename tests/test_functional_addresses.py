@@ -138,6 +138,9 @@ def test_a_module_that_ran_without_the_call_is_explained(lenet: tuple[SeedLeNet,
     with pytest.raises(HookNeverFiredError, match=r"never made call 4 of relu"):
         with hookscope.capture(net, "::relu#4", on_unfired="error"):
             net(x)
+    with pytest.raises(HookNeverFiredError, match=r"'conv1' ran 1 time .* it made: conv2d \(calls"):
+        with hookscope.capture(net, "conv1::relu", on_unfired="error"):
+            net(x)
     with pytest.raises(SelectorError, match=r"'::relu#x'.*'#N' for its N-th call"):
         hookscope.capture(net, "::relu#x")
     with pytest.raises(SelectorError, match="no module or state_dict key named 'conv9'"):
@@ -221,3 +224,20 @@ def test_capture_inside_an_edit_of_the_same_call_sees_the_edited_value(
     assert torch.equal(acts["::relu", 2], expected[2])
     assert torch.equal(y, net.fc3(torch.zeros(2, 84)))
     assert acts.counts == {"::relu": 4}  # neither session saw the other's own torch calls
+
+
+def test_an_address_that_matched_no_call_names_the_calls_the_forward_made() -> None:
+    """GPT-2-style attention makes scaled_dot_product_attention, not softmax: the reason names
+    the calls its own forward made (in order, each once), not those of its children."""
+    block = Block(FusedSelfAttention())
+    with hookscope.capture(block, "attn::softmax", on_unfired="ignore") as acts:
+        block(torch.randn(2, 5, 16))
+    reason = acts.unfired["attn::softmax"]
+    made = reason.split("it made: ", 1)[1].split(" (calls made inside", 1)[0].split(", ")
+    # qkv and out are child nn.Linear modules: their linear calls are theirs, not listed
+    assert made == ["shape", "view", "permute", "dim", "unbind", "scaled_dot_product_attention",
+                    "transpose", "flatten"]
+    identity = nn.Sequential(nn.Identity())
+    with hookscope.capture(identity, "0::relu", on_unfired="ignore") as acts:
+        identity(torch.randn(2, 3))
+    assert "never made any relu; it made no torch call of its own (" in acts.unfired["0::relu"]

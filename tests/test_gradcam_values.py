@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -74,8 +75,16 @@ def test_gradcam_errors_say_what_to_do() -> None:
         hookscope.gradcam(model, x, "conv*")
     with pytest.raises(GradcamError, match=r"out of range: the model has 10 classes"):
         hookscope.gradcam(model, x, "conv2", target=10)
-    with pytest.raises(GradcamError, match=r"add the batch dimension with x\[None\]"):
+    with pytest.raises(GradcamError, match=r"got shape \(3, 32, 32\): one image without its batch "
+                                           r"dimension: pass x\[None\]"):
         hookscope.gradcam(model, x[0], "conv2")
+    for vectors in (torch.randn(1, 4), torch.randn(4)):  # x[None] would not make these images
+        with pytest.raises(GradcamError, match=rf"got shape {re.escape(str(tuple(vectors.shape)))}: "
+                                               rf"{vectors.dim()}-D input has no height and width") as err:
+            hookscope.gradcam(model, vectors, "conv2")
+        assert "x[None]" not in str(err.value) and "attribution_patching" in str(err.value)
+    with pytest.raises(GradcamError, match=r"a video or a stack of batches: pass one batch of frames"):
+        hookscope.gradcam(model, x[None], "conv2")
     with pytest.raises(GradcamError, match=r"ran 2 times .*call=k"):
         hookscope.gradcam(model, x, "pool")
     assert hookscope.gradcam(model, x, "pool", call=0).shape == (1, 32, 32)

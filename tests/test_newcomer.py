@@ -59,6 +59,23 @@ def test_an_edit_returning_another_dtype_is_refused() -> None:
             model(x)
 
 
+def test_a_float32_sae_spliced_into_a_bfloat16_model_is_told_to_cast() -> None:
+    model, x = _mlp().to(torch.bfloat16), torch.randn(3, 10, dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    sae = nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 20))  # float32
+    with pytest.raises(EditError) as caught:
+        with hookscope.edit(model, {"0": lambda out: sae(out.float())}):
+            model(x)
+    message = str(caught.value)
+    assert "dtype torch.bfloat16 on cpu, but the edit returned a Tensor of shape (3, 20), dtype " \
+           "torch.float32 on cpu" in message
+    assert "Return it as the module's dtype (torch.bfloat16): new.to(output.dtype), or convert " \
+           "what made it once, e.g. sae.to(output.dtype)" in message
+    with hookscope.edit(model, {"0": lambda out: sae(out.float()).to(out.dtype)}):  # the fix works
+        edited = model(x)
+    assert torch.equal(edited, model[2](model[1](sae(model[0](x).float()).to(torch.bfloat16))))
+
+
 def test_edits_of_structured_outputs_are_checked_part_by_part() -> None:
     lstm, x = nn.LSTM(4, 6, batch_first=True), torch.randn(2, 3, 4)
     container = nn.Sequential(lstm)

@@ -124,6 +124,26 @@ def test_resume_keeps_ids_and_labels_aligned_with_rows(tmp_path: Path) -> None:
     store.verify()
 
 
+def test_resume_says_what_it_kept_and_its_bar_counts_the_whole_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    labels = _LABELS["str"]
+    with pytest.raises(RuntimeError, match="disk gone"):
+        extract(_mlp(), _Failing(labels, 7), "fc1", tmp_path / "s", batch_size=2,
+                shard_bytes=100, progress=False)
+    manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    kept, shards = manifest["rows"], len(manifest["shards"])
+    batches = manifest["shards"][-1]["batches"][1]
+    assert capsys.readouterr().err == ""
+    extract(_mlp(), _Labelled(labels), "fc1", tmp_path / "s", batch_size=2, shard_bytes=100,
+            resume=True)
+    err = capsys.readouterr().err
+    assert f"extract: resume: kept {kept} rows in {shards} shards of {tmp_path / 's'} (batches 0 … " \
+           f"{batches - 1}); extracting from batch {batches}\n" in err
+    assert f"{kept}/11 " in err and "11/11 " in err  # the bar starts at the kept rows
+    extract(_mlp(), _Labelled(labels), "fc1", tmp_path / "s", batch_size=2, resume=True)
+    assert f"{tmp_path / 's'} is complete (11 rows in" in capsys.readouterr().err
+
+
 def test_a_resume_with_another_batch_size_names_the_flag_and_the_fix(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="disk gone"):
         extract(_mlp(), _Failing(_LABELS["int"], 6), "fc1", tmp_path / "s", batch_size=2,

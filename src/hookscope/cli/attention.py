@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="folder for the PNGs, one per module (default: attention/)")
     parser.add_argument("--sample", type=non_negative_int, default=0, metavar="ROW",
                         help="batch row (input) to draw (default 0)")
+    parser.add_argument("--head", type=non_negative_int, nargs="+", metavar="H",
+                        help="only these heads (one or more), in the summary and the PNGs "
+                             "(default: every head)")
     parser.add_argument("--no-plot", action="store_true", help="print the summary only")
     parser.add_argument("--overwrite", action="store_true", help="replace existing PNGs")
     add_parents_argument(parser)
@@ -70,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
     with torch.no_grad():
         probabilities = hookscope.attention(loaded.module, *inputs.args, layers=args.layer,
                                             **inputs.kwargs)
+    probabilities = {path: _heads(path, value, args.head) for path, value in probabilities.items()}
+    heads = args.head or None
     tokens = _tokens(loaded, inputs, args.sample)
     files = {} if args.no_plot else plan_png_files(Path(args.out), probabilities, args.overwrite, "--out")
     rows = [_summary(path, value[args.sample], tokens, files.get(path))
@@ -78,13 +83,25 @@ def run(args: argparse.Namespace) -> int:
         value = probabilities[path][args.sample]
         count = len(tokens) if tokens else value.shape[-1]
         attention_grid(value[:, :count, :count], file, title=f"{path}  ({args.model}, input "
-                       f"{args.sample})", tokens=tokens)
+                       f"{args.sample})", tokens=tokens, heads=heads)
         say(f"wrote {file}")
     if args.json:
         print_json(rows)
     else:
         print_table(rows, COLUMNS)
     return 0
+
+
+def _heads(path: str, value: torch.Tensor, heads: list[int] | None) -> torch.Tensor:
+    """``value`` ``(batch, heads, query, key)`` with only the ``--head`` heads, in their order."""
+    if heads is None:
+        return value
+    count = value.shape[1]
+    outside = [h for h in heads if h >= count]
+    if outside:
+        raise SpecError(f"--head {outside[0]} is not a head of {path} ({count} heads): give "
+                        f"0 … {count - 1}")
+    return value[:, heads]
 
 
 def _tokens(loaded: LoadedModel, inputs: Inputs, sample: int) -> list[str] | None:

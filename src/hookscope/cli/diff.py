@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 from hookscope.cli._common import (
@@ -131,7 +132,7 @@ def _report_pairs(result: Comparison, args: argparse.Namespace) -> int:
     else:
         print_table(rows, ("a", "b", "call", "max_abs", "rel", "cosine", "local", "verdict"))
     say(f"paired {len(rows)} calls ({pairing.how}, confidence {pairing.confidence:.2f}); "
-        f"unpaired in A: {len(pairing.unpaired_a)}, in B: {len(pairing.unpaired_b)}")
+        f"unpaired in A: {_names(pairing.unpaired_a)}, in B: {_names(pairing.unpaired_b)}")
     if args.plot is not None:
         say(f"wrote {plot_errors(result, args.plot / 'diff.png')}")
     first = result.first_divergent
@@ -139,7 +140,24 @@ def _report_pairs(result: Comparison, args: argparse.Namespace) -> int:
         say(f"first origin: {origin.path_a} (B: {origin.path_b}), local max_abs "
             f"{origin.local.max_abs if origin.local else math.nan:.4g}; first difference: "
             f"{first.path if first else None}")
+    elif first is not None:
+        say(f"first difference: {first.path}, call {first.call_index} (max_abs "
+            f"{first.max_abs:.4g}), and no pair is its origin: each differs only by what it "
+            f"was given")
+    else:
+        say(f"all {len(rows)} paired calls close (each within its tolerance)")
     return 0 if first is None and origin is None else 1
+
+
+_LISTED = 8  # unpaired names the text lists (--json lists all)
+
+
+def _names(unpaired: Sequence[str]) -> str:
+    """``"2 (h.0.mlp, h.1.mlp)"``: the count, then up to ``_LISTED`` names."""
+    if not unpaired:
+        return "0"
+    rest = f", … {len(unpaired) - _LISTED} more (--json lists all)" if len(unpaired) > _LISTED else ""
+    return f"{len(unpaired)} ({', '.join(unpaired[:_LISTED])}{rest})"
 
 
 def _shape(shape: tuple[int, ...] | list[int]) -> str:

@@ -75,18 +75,17 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the parser of the whole command, one sub-parser per verb."""
+    verbs = {name.replace("_", "-"): module for name, module in _verbs().items()}
     parser = _Parser(
         prog="hookscope",
-        description="Look inside PyTorch models by module name: tree, capture, attention, "
-                    "nan, diff, stats, extract, show.",
+        description=f"Look inside PyTorch models by module name: {', '.join(verbs)}.",
         epilog=EXIT_CODES, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"hookscope {hookscope.__version__}")
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an error")
     sub = parser.add_subparsers(dest="verb", metavar="COMMAND")
-    for name, module in _verbs().items():
-        # a module monitor_report.py is the verb monitor-report
-        verb_parser = sub.add_parser(name.replace("_", "-"), help=module.HELP, description=module.HELP,
+    for name, module in verbs.items():  # a module monitor_report.py is the verb monitor-report
+        verb_parser = sub.add_parser(name, help=module.HELP, description=module.HELP,
                                      epilog=EXIT_CODES,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
         verb_parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,

@@ -128,7 +128,7 @@ def gradcam(model: nn.Module, x: Tensor, layer: str,
     check_tensor("x", x, "images of shape (batch, channels, height, width)")
     if x.dim() != 4:
         raise GradcamError(f"x must be images (batch, channels, height, width); got shape "
-                           f"{tuple(x.shape)}: add the batch dimension with x[None]")
+                           f"{tuple(x.shape)}: {_not_images(x)}")
     with untouched(model), gradient_pass(model, GradcamError):
         x = grad_leaf(x)  # gradients reach the layer even if the weights are frozen
         with capture(model, key, grads=True, on_unfired="error") as acts:
@@ -152,6 +152,18 @@ def gradcam(model: nn.Module, x: Tensor, layer: str,
     cam = _WEIGHTINGS[method](features.float(), grads.float())[:, None]  # (batch, 1, h, w)
     cam = F.interpolate(cam, size=tuple(x.shape[-2:]), mode="bilinear", align_corners=False)[:, 0]
     return _unit_range(cam)
+
+
+def _not_images(x: Tensor) -> str:
+    """The fix for an input that is not a batch of images, by its number of dimensions."""
+    if x.dim() == 3:
+        return "one image without its batch dimension: pass x[None]"
+    if x.dim() == 5:
+        return "a video or a stack of batches: pass one batch of frames, x.flatten(0, 1)"
+    return (f"{x.dim()}-D input has no height and width to map (a batch of vectors or token ids "
+            f"is not an image): Grad-CAM explains image models. For a vector or token model use "
+            f"hookscope.attribution_patching (which input position or module matters) or, with "
+            f"attention, hookscope.rollout")
 
 
 def _check_gradient_reaches(model: nn.Module, key: str, grads: Tensor) -> None:

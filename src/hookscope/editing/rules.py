@@ -295,7 +295,21 @@ def check_fits(pattern: str, target: Target, call: int, old: Any, new: Any) -> N
                 or edited.device != tensor.device):
             at = f" at {_suffix(keys)}" if keys else ""
             raise EditError(f"{where}{at} {_describe(tensor)}, but the edit returned "
-                            f"{_describe(edited)}. {fix}")
+                            f"{_describe(edited)}. {_cast(tensor, edited) or fix}")
+
+
+def _cast(old: Tensor, new: Tensor) -> str | None:
+    """The fix for an edit whose tensor has the right shape but another dtype or device (a
+    float32 sparse autoencoder spliced into a bfloat16 model), or ``None``."""
+    moves = [f"output.{what}" for what in ("dtype", "device")
+             if getattr(old, what) != getattr(new, what)]
+    if old.shape != new.shape or not moves:
+        return None
+    wanted = " ".join(str(getattr(old, m.split(".")[1])) for m in moves)
+    return (f"Return it as the module's {' and '.join(m.split('.')[1] for m in moves)} "
+            f"({wanted}): new.to({', '.join(moves)}), or convert what made it once, e.g. "
+            f"sae.to({', '.join(moves)}) for a sparse autoencoder run on the output; or None to "
+            f"keep the output.")
 
 
 def _kind(value: Any) -> str:

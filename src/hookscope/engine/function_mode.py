@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import gc
 import threading
-from collections.abc import Callable, Generator, Iterable, Mapping
+from collections.abc import Callable, Collection, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import GeneratorType
 from typing import Any
@@ -90,6 +90,8 @@ class Watch:
             during backward (edits, so the recompute equals the real forward); such a forward
             is never counted in ``module_calls``.
         module_calls: the module's forward calls seen so far (its own thread's, not recomputes).
+        made: the names of the calls its own forward made, in order of their first call (so a
+            target that matched none can name what the forward did call).
         enter: the installed forward pre-hook that opens the module's frame (its
             ``foreign_calls`` count the module's calls in other threads); ``None`` until
             ``FunctionWatcher.install``.
@@ -101,6 +103,7 @@ class Watch:
     deep: bool = False
     in_recompute: bool = False
     module_calls: int = field(default=0, init=False)
+    made: dict[str, None] = field(default_factory=dict, init=False)
     enter: OwnedHook | None = field(default=None, init=False)
 
 
@@ -229,8 +232,10 @@ class FunctionWatcher:
                 kwargs: dict[str, Any], output: Any) -> Any:
         name = function_name(func)
         for watch, module_call in zip(frame.watches, frame.module_calls):
-            if (frame.suspended and not watch.deep) or (watch.names is not None
-                                                        and name not in watch.names):
+            if frame.suspended and not watch.deep:
+                continue
+            watch.made.setdefault(name)
+            if watch.names is not None and name not in watch.names:
                 continue
             occurrence = frame.count(watch, name)
             call = FunctionCall(watch.module, name, func, args, kwargs, output, module_call,
@@ -318,9 +323,22 @@ class FunctionHooks:
         what = f"call {occurrence} of {name}" if occurrence is not None else f"any {name}"
         where = f"'{path}'" if path else "the model"
         return (f"{where} ran {watch.module_calls} time{'s' if watch.module_calls > 1 else ''} "
-                f"but its own forward never made {what} (calls made inside its children are "
-                f"theirs: address the child that makes it). 'hookscope tree MODEL --input X "
-                f"--ops' lists the calls of every module's own forward")
+                f"but its own forward never made {what}; {_made(watch.made)} (calls made inside "
+                f"its children are theirs: address the child that makes it). 'hookscope tree "
+                f"MODEL --input X --ops' lists the calls of every module's own forward")
+
+
+_NAMED = 12  # calls an unfired reason names (then a count)
+
+
+def _made(made: Collection[str]) -> str:
+    """``"it made: a, b, c"``: the calls a forward made, listed for an address that matched none
+    (GPT-2's attention makes ``scaled_dot_product_attention``, no ``softmax``)."""
+    if not made:
+        return "it made no torch call of its own"
+    names = list(made)
+    rest = f", … {len(names) - _NAMED} more" if len(names) > _NAMED else ""
+    return f"it made: {', '.join(names[:_NAMED])}{rest}"
 
 
 class _Frame:

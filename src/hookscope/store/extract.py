@@ -269,6 +269,7 @@ def _extract(job: _Job, folder: Path, header: dict[str, Any], *,
             start = _resume_batch(prior, start)
             todo, specs = _first_batch(job, start, stop, prior)
             header["layers"], header["columns"] = _split(specs)
+        _say_resumed(job, folder, prior, start)
         error = None
     except Exception as err:  # noqa: BLE001  (shared with the other ranks, then re-raised)
         error = err
@@ -347,7 +348,7 @@ def _nbytes(t: Tensor) -> int:
 def _write_batches(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Rows]], start: int,
                    staging: Staging) -> None:
     background = BackgroundWriter(writer, staging)
-    bar = _Progress(job, start)
+    bar = _Progress(job, start, writer.manifest["rows"])
     layers = tensor_specs(writer.manifest)
     shard, started = ShardData(batches=(start, start)), time.monotonic()
     try:
@@ -395,14 +396,16 @@ class _Progress:
     """tqdm bar over rows with the MB/s of rows produced; a no-op when disabled.
 
     The first batch was computed before the bar existed (as a check), so the MB/s clock starts
-    at the first update and counts the bytes of the batches after it.
+    at the first update and counts the bytes of the batches after it. A resumed run's bar
+    starts at the rows the store kept, out of the whole run's.
     """
 
-    def __init__(self, job: _Job, start: int):
+    def __init__(self, job: _Job, start: int, kept: int):
         shown = job.progress and job.ranks.rank == 0
-        total = job.source.rows(start, job.ranks.batch_range(job.source.count)[1])
-        self.bar = tqdm(total=total, unit="row", desc="extract", file=sys.stderr, disable=not shown,
-                        dynamic_ncols=True)
+        first, stop = job.ranks.batch_range(job.source.count)
+        total = job.source.rows(first, stop)  # kept rows (a resumed run's) count as done
+        self.bar = tqdm(total=total, initial=kept, unit="row", desc="extract", file=sys.stderr,
+                        disable=not shown, dynamic_ncols=True)
         self.bytes, self.since = 0, 0.0
 
     def update(self, rows: Rows) -> None:
@@ -690,6 +693,21 @@ def _flag(key: str, value: Any) -> str:
         cli = f"{flag} {' '.join(value) if isinstance(value, list) else value}"
     api = f"torch.{value}" if key == "dtype" and value else repr(value)
     return f"{cli} ({name}={api})"
+
+
+def _say_resumed(job: _Job, folder: Path, prior: dict[str, Any] | None, start: int) -> None:
+    """Tell (stderr, where the bar is shown) what a resumed run kept and where it goes on."""
+    if prior is None or not (job.progress and job.ranks.rank == 0):
+        return
+    shards = len(prior["shards"])
+    kept = f"{prior['rows']} rows in {shards} shard{'s' if shards != 1 else ''}"
+    if prior["complete"]:
+        said = f"{folder} is complete ({kept}): nothing to extract"
+    elif shards:
+        said = f"kept {kept} of {folder} (batches 0 … {start - 1}); extracting from batch {start}"
+    else:
+        said = f"{folder} holds no finished shard: extracting from batch {start}"
+    print(f"extract: resume: {said}", file=sys.stderr, flush=True)
 
 
 def _resume_batch(prior: dict[str, Any] | None, start: int) -> int:

@@ -157,8 +157,11 @@ def preprocess_image(rgb: np.ndarray, preprocess: ImagePreprocess,
 
 def image_files(folder: Path) -> list[Path]:
     """Every image file (``IMAGE_SUFFIXES``, any case) below ``folder``, sub-folders included,
-    sorted by the path relative to ``folder``: the order of ``--input DIR`` and ``--data DIR``."""
+    sorted by the path relative to ``folder``: the order of ``--input DIR`` and ``--data DIR``.
+    Hidden files and folders (a name starting with ``.``: ``.ipynb_checkpoints/``, ``.git/``,
+    macOS's ``._cat.jpg``) are left out, as ``ls`` leaves them out: they are no class, no input."""
     return sorted((p for p in folder.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES
+                   and not any(part.startswith(".") for part in p.relative_to(folder).parts)
                    and p.is_file()), key=lambda p: p.relative_to(folder).as_posix())
 
 

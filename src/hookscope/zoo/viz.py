@@ -179,7 +179,7 @@ def histogram(values: torch.Tensor, file: str | Path, *, title: str) -> Path:
 
 
 def attention_grid(probabilities: torch.Tensor, file: str | Path, *, title: str,
-                   tokens: list[str] | None = None) -> Path:
+                   tokens: list[str] | None = None, heads: list[int] | None = None) -> Path:
     """Draw each head's attention probabilities as a heat map, heads in a grid.
 
     Args:
@@ -189,32 +189,34 @@ def attention_grid(probabilities: torch.Tensor, file: str | Path, *, title: str,
         title: figure title, e.g. ``"encoder.layer.2"``.
         tokens: labels of the positions, drawn on both axes (queries down, keys across) when
             there are at most 40 of them; ``None`` for indices.
+        heads: the head number of each map, for its title (``--head 3 7``: the maps are heads 3
+            and 7); ``None``: 0, 1, ...
 
     Returns:
         ``file`` as a ``Path``, ``FIGURE_SIZE_PX`` wide and as tall as the grid needs.
     """
     values = probabilities.detach().float().cpu()  # (heads, query, key)
-    heads, queries, keys = values.shape
-    columns = math.ceil(math.sqrt(heads * 4 / 3))
-    rows = math.ceil(heads / columns)
+    count, queries, keys = values.shape
+    columns = math.ceil(math.sqrt(count * 4 / 3))
+    rows = math.ceil(count / columns)
     width = FIGURE_SIZE_PX[0] / DPI
     figure = require("matplotlib.figure", "--plot").Figure(
         figsize=(width, width * rows / columns + 0.6), dpi=DPI)
     grid = figure.subplots(rows, columns, squeeze=False)
     labelled = tokens is not None and len(tokens) <= 40
     for head, axes in enumerate(grid.flat):
-        if head >= heads:
+        if head >= count:
             axes.axis("off")
             continue
         axes.imshow(values[head].numpy(), cmap="viridis", vmin=0.0, vmax=1.0,
                     interpolation="nearest")
-        axes.set_title(f"head {head}", fontsize=9)
+        axes.set_title(f"head {heads[head] if heads else head}", fontsize=9)
         if labelled and tokens is not None:
             axes.set_xticks(range(keys), tokens[:keys], rotation=90, fontsize=6)
             axes.set_yticks(range(queries), tokens[:queries], fontsize=6)
         else:
             axes.tick_params(labelsize=6)
-    figure.suptitle(f"{title}   {heads} heads, {queries} queries (rows) x {keys} keys "
+    figure.suptitle(f"{title}   {count} heads, {queries} queries (rows) x {keys} keys "
                     f"(columns), probability 0..1", fontsize=12)
     figure.tight_layout(rect=(0, 0, 1, 0.96))
     return save_figure(figure, Path(file))
