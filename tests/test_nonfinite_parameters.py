@@ -96,18 +96,18 @@ def test_guard_warn_writes_one_bundle_per_new_finding_over_23_steps(tmp_path: Pa
     fired = [w for w in caught if w.category is hookscope.NonFiniteStepWarning]
     assert len(fired) == 1  # 20 steps fired (3..22), one finding
     assert "non-finite parameter: weight of 'fc1' holds 3 NaN (Linear)" in str(fired[0].message)
-    assert sorted(p.name for p in tmp_path.glob("nonfinite-step-*.pt")) == ["nonfinite-step-3.pt"]
+    assert sorted(p.name for p in tmp_path.glob("nonfinite-step-*.safetensors")) == ["nonfinite-step-3.safetensors"]
     assert [e["step"] for e in mon.events] == list(range(3, 23))
     first, *later = mon.events
     assert (first["module"], first["direction"], first["op"], first["parameters"]) == (
         "fc1", "forward", "linear", ["fc1.weight"])
-    assert first["bundle"] == str(tmp_path / "nonfinite-step-3.pt") and "same_as_step" not in first
+    assert first["bundle"] == str(tmp_path / "nonfinite-step-3.safetensors") and "same_as_step" not in first
     assert all(e["same_as_step"] == 3 and e["bundle"] is None and e["module"] == "fc1"
                for e in later)
     assert later[0]["parameters"] == ["fc1.weight", "fc1.bias"]  # step 3's update spread the NaN
     written = [json.loads(line) for line in (tmp_path / "records.jsonl").read_text().splitlines()]
     assert [r for r in written if r["event"] == "nonfinite"] == mon.events
-    again = hookscope.replay(tmp_path / "nonfinite-step-3.pt", mlp())
+    again = hookscope.replay(tmp_path / "nonfinite-step-3.safetensors", mlp())
     assert again is not None and again.parameter_names == ["fc1.weight"]
     assert again.parameters[0].nan == 3
 
@@ -130,7 +130,7 @@ def test_a_second_different_finding_gets_its_own_bundle(tmp_path: Path) -> None:
                 model(x).square().sum().backward()
                 optimizer.step()
     assert len([w for w in caught if w.category is hookscope.NonFiniteStepWarning]) == 2
-    assert sorted(p.name for p in tmp_path.glob("nonfinite-step-*.pt")) == [
-        "nonfinite-step-1.pt", "nonfinite-step-4.pt"]
+    assert sorted(p.name for p in tmp_path.glob("nonfinite-step-*.safetensors")) == [
+        "nonfinite-step-1.safetensors", "nonfinite-step-4.safetensors"]
     assert [(e["step"], e["module"], e.get("same_as_step")) for e in mon.events] == [
         (1, "fc2", None), (2, "fc2", 1), (3, "fc2", 1), (4, "fc1", None), (5, "fc1", 4)]
