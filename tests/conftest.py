@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import signal
 import weakref
@@ -131,3 +132,25 @@ def minilm() -> object:
         return load_model("minilm")
     except hookscope.HookscopeError as err:
         pytest.skip(str(err))
+
+
+class _Kept(logging.Handler):
+    """Keeps the messages logged to torch._dynamo's logger (it does not propagate to root)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.fixture
+def dynamo_warnings() -> Iterator[list[str]]:
+    """The warnings torch._dynamo logs during the test (recompiles, graph breaks)."""
+    kept, logger = _Kept(), logging.getLogger("torch._dynamo")
+    logger.addHandler(kept)
+    try:
+        yield kept.messages
+    finally:
+        logger.removeHandler(kept)

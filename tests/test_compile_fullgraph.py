@@ -4,7 +4,6 @@ graph with the hooks, one without), never once per block (``engine.compiled``)."
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -45,25 +44,12 @@ OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 
-class _Kept(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-@pytest.fixture
-def dynamo_warnings() -> Iterator[list[str]]:
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> Iterator[None]:
+    """Each test compiles from nothing and leaves nothing compiled behind."""
     torch._dynamo.reset()
-    kept, logger = _Kept(), logging.getLogger("torch._dynamo")
-    logger.addHandler(kept)
-    try:
-        yield kept.messages
-    finally:
-        logger.removeHandler(kept)
-        torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
 
 
 def _call(model: nn.Module, inputs: dict[str, Tensor]) -> Any:

@@ -6,7 +6,6 @@ would break it (``engine.hooks._untraced``), and the values stay those of the ea
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 
 import pytest
@@ -61,27 +60,6 @@ def _eager_outputs(model: Tower, x: Tensor) -> list[Tensor]:
             kept.append(block.lin(out))
             out = torch.relu(kept[-1])
     return kept
-
-
-class _Kept(logging.Handler):
-    """Keeps the messages logged to torch._dynamo's logger (it does not propagate to root)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
-@pytest.fixture
-def dynamo_warnings() -> Iterator[list[str]]:
-    kept, logger = _Kept(), logging.getLogger("torch._dynamo")
-    logger.addHandler(kept)
-    try:
-        yield kept.messages
-    finally:
-        logger.removeHandler(kept)
 
 
 @pytest.mark.parametrize("options", [{"dtype": torch.float64}, {"grads": True}, {"clone": False}, {}],

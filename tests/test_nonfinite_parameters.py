@@ -96,7 +96,8 @@ def test_guard_warn_writes_one_bundle_per_new_finding_over_23_steps(tmp_path: Pa
     fired = [w for w in caught if w.category is hookscope.NonFiniteStepWarning]
     assert len(fired) == 1  # 20 steps fired (3..22), one finding
     assert "non-finite parameter: weight of 'fc1' holds 3 NaN (Linear)" in str(fired[0].message)
-    assert sorted(p.name for p in tmp_path.glob("nonfinite-step-*.safetensors")) == ["nonfinite-step-3.safetensors"]
+    bundles = sorted(p.name for p in tmp_path.glob("nonfinite-step-*.safetensors"))
+    assert bundles == ["nonfinite-step-3.safetensors"]
     assert [e["step"] for e in mon.events] == list(range(3, 23))
     first, *later = mon.events
     assert (first["module"], first["direction"], first["op"], first["parameters"]) == (
