@@ -27,9 +27,16 @@ class _To(nn.Module):
         return x.to(self.dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_a_complex_output_is_named_by_its_kind_with_the_fix(tmp_path: Path, dtype: torch.dtype) -> None:
+    model = nn.Sequential(_To(dtype))
+    with pytest.raises(ExtractError, match=rf"cannot store '0': it is a complex tensor \[kind: "
+                                           rf"complex, {dtype}\]; .*torch.view_as_real\(output\)"):
+        extract(model, [torch.ones(2, 3)], "0", tmp_path / "s", progress=False)
+    assert not (tmp_path / "s").exists() or os.listdir(tmp_path / "s") == []
+
+
 @pytest.mark.parametrize(("dtype", "fix"), [
-    (torch.complex64, r"torch.view_as_real\(output\)"),
-    (torch.complex128, r"torch.view_as_real\(output\)"),
     *((dtype, r"dtype=torch.float32") for dtype in FLOAT8),
     (torch.uint32, r"output.to\(torch.int64\)"),
     (torch.uint16, r"output.to\(torch.int64\)")])
@@ -75,7 +82,8 @@ def test_stats_of_integer_and_bool_outputs_are_counted_not_skipped() -> None:
 
 
 @pytest.mark.parametrize(("dtype", "message"), [
-    (torch.complex64, r"'0' returned torch.complex64: cannot take statistics of a complex tensor"),
+    (torch.complex64, r"cannot take statistics of '0': it is a complex tensor \[kind: complex, "
+                      r"torch.complex64\]; select a module after it that returns its \.real"),
     (None, r"'0' returned a meta tensor .*which holds no values")])
 def test_stats_of_complex_or_meta_outputs_are_refused(dtype: torch.dtype | None,
                                                       message: str) -> None:

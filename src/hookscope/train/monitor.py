@@ -268,9 +268,9 @@ class Monitor:
             for handle in self._handles:
                 handle.remove()
             self._handles = []
-            sample, self._sample = self._sample, None
-            if sample is not None:
-                sample.session.__exit__(None, None, None)
+            if self._sample is not None:  # held until its session has exited (idempotent):
+                self._sample.session.__exit__(None, None, None)  # an interrupt on these lines
+                self._sample = None  # leaves it to the retried close()
             if self._root_session is not None:
                 self._root_session.__exit__(None, None, None)
                 self._root_session = None
@@ -305,10 +305,9 @@ class Monitor:
 
     def _end_step(self) -> None:
         """After the weights changed: nothing here may raise (see "Faults" above)."""
-        sample, self._sample = self._sample, None  # ended once, whatever follows
         try:
-            if sample is not None:
-                self._finish_sample(sample)
+            if self._sample is not None:
+                self._finish_sample(self._sample)
             if self._overflowed:
                 self._overflowed = False
                 self.overflows += 1
@@ -483,7 +482,10 @@ class Monitor:
                 self._sample.count_histograms(self.hist, self._hist_ranges)
 
     def _finish_sample(self, sample: _Sample) -> None:
+        """Exit the sampled step's session, then let go of it (held until then, so an
+        interrupt before the exit leaves it to ``close()``), then write its records."""
         sample.session.__exit__(None, None, None)
+        self._sample = None  # ended once, whatever follows
         for target in self.targets:
             record = self._contained(f"statistics of {target.key!r}",
                                      lambda t=target: sample.record(t, self.step_index, self.rank))  # type: ignore[misc]
