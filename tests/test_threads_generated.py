@@ -8,10 +8,13 @@ must be 0. The switch interval is cut to 10 µs so the two threads interleave in
 from __future__ import annotations
 
 import copy
+import os
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -233,3 +236,45 @@ def test_blocks_racing_in_threads_leave_the_users_sigint_handler(handler: str) -
         signal.raise_signal(signal.SIGINT)
         assert got == [signal.SIGINT]
     assert _leftovers(shared) == ["SIGINT handler " + repr(wanted)] * (handler != "default")
+
+
+_FIRST_USE = {
+    # a thread's first compile loads torch._dynamo while another thread opens blocks: the
+    # module is in sys.modules half made (AttributeError 'partially initialized module')
+    "dynamo loading in another thread": """
+t = threading.Thread(target=lambda: __import__("torch._dynamo")); t.start()
+while t.is_alive():
+    run(m0)
+""",
+    # two threads' first blocks once dynamo is loaded: both defined the hookscope::keep
+    # operator ('Library object has been destroyed')
+    "two first blocks at once": """
+import torch._dynamo
+ts = [threading.Thread(target=lambda m=m: [run(m) for _ in range(20)]) for m in (m0, m1)]
+[t.start() for t in ts]; [t.join() for t in ts]
+""",
+}
+
+
+@pytest.mark.parametrize("race", sorted(_FIRST_USE))
+def test_compile_set_up_races_raise_nothing(race: str) -> None:
+    """The attack of the merged main (issue 35): 3 of 3 and 3 of 4 runs raised; the set-up
+    waits for torch._dynamo's import and runs once, under a lock."""
+    code = """
+import threading, torch, hookscope
+from torch import nn
+m0, m1 = nn.Sequential(nn.Linear(4, 4)), nn.Sequential(nn.Linear(4, 4))
+x, errors = torch.randn(2, 4), []
+def run(m):
+    try:
+        with hookscope.capture(m, "0") as acts:
+            m(x)
+        assert torch.equal(acts["0"], m(x))
+    except Exception as err:
+        errors.append(repr(err))
+""" + _FIRST_USE[race] + "\nprint(len(errors), errors[:1])\n"
+    src = Path(__file__).resolve().parents[1] / "src"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(src)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[0] == "0", done.stdout

@@ -195,13 +195,24 @@ def _ready_for_compile() -> bool:
     is compiled by ``torch.compile``, which loads ``torch._dynamo`` first; only a model first
     compiled inside a block whose hooks were registered before ``torch._dynamo`` was loaded
     traces ``_outside_graph`` itself (a graph break in it, as before issue 25)."""
-    global _untraced
     if "torch._dynamo" not in sys.modules:
         return False
     if _untraced is _outside_graph:
+        # another thread may still be importing it (in sys.modules, half made): an import
+        # statement waits for that to finish; one thread sets up, under a lock
+        import torch._dynamo  # noqa: F401
+        with _compile_lock: _set_up_for_compile()  # noqa: E701 - one line: see copies._open_block
+    return True
+
+
+_compile_lock = threading.Lock()
+
+
+def _set_up_for_compile() -> None:
+    global _untraced
+    if _untraced is _outside_graph:
         compiled.prepare()
         _untraced = torch.compiler.disable(_outside_graph)  # type: ignore[no-untyped-call]
-    return True
 
 
 def register(module: nn.Module, hook: OwnedHook | Callable[..., Any], *, pre: bool = False,
