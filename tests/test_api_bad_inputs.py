@@ -174,6 +174,10 @@ ROWS = [
     Row("stats", "flag str", "early_stop", lambda m: hs.stats(m, [X], "fc1", early_stop="yes")),  # type: ignore[arg-type]
     Row("stats", "batches None", "batches", lambda m: hs.stats(m, None, "fc1")),  # type: ignore[arg-type]
     Row("stats", "per_channel str", "per_channel", lambda m: hs.stats(m, [X], "fc1", per_channel="yes")),  # type: ignore[arg-type]
+    # the attack of the merged main: an allocator's RuntimeError (800 GB) or an overflow
+    Row("stats", "hist 10**11", "hist", lambda m: hs.stats(m, [X], "fc1", hist=10**11)),
+    Row("stats", "hist 2**62", "hist", lambda m: hs.stats(m, [X], "fc1", hist=2**62)),
+    Row("stats", "hist 10**300", "hist", lambda m: hs.stats(m, [X], "fc1", hist=10**300)),
     # find_nonfinite
     Row("find_nonfinite", "model None", "model", lambda m: hs.find_nonfinite(None, X)),  # type: ignore[arg-type]
     Row("find_nonfinite", "flag str", "backward", lambda m: hs.find_nonfinite(m, X, backward="yes")),  # type: ignore[arg-type]
@@ -258,6 +262,7 @@ ROWS = [
     Row("monitor", "empty selection", "layers", lambda m: hs.monitor(m, [], every=1)),
     Row("monitor", "every negative", "every", lambda m: hs.monitor(m, "fc1", every=-1)),
     Row("monitor", "every str", "every", lambda m: hs.monitor(m, "fc1", every="10")),  # type: ignore[arg-type]
+    Row("monitor", "hist 10**11", "hist", lambda m: hs.monitor(m, "fc1", every=1, hist=10**11)),
     Row("monitor", "guard", "guard", lambda m: hs.monitor(m, "fc1", guard="loud")),  # type: ignore[arg-type]
     Row("monitor", "optimizer str", "optimizer", lambda m: hs.monitor(m, "fc1", optimizer="sgd")),  # type: ignore[arg-type]
     Row("monitor", "scaler str", "scaler", lambda m: hs.monitor(m, "fc1", scaler="amp")),

@@ -91,3 +91,28 @@ def test_damaged_run_folders_are_one_named_error(run_text: str, tmp_path: Path, 
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert sorted(os.listdir(tmp_path / "run")) == ["records.jsonl"]  # no PNG, nothing written
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    ("notes.txt", "the picture is a PNG; give a file name ending in .png"),
+    ("keep.png", "exists; pass --overwrite to replace it"),
+    ("fifo.png", "exists and is not a regular file")])
+def test_report_out_never_replaces_a_users_file(run_text: str, tmp_path: Path, name: str,
+                                                message: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The attack of the merged main: ``--out notes.txt`` and ``--out keep.png`` replaced the
+    user's files with the picture, and a FIFO with a regular file."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "records.jsonl").write_text(run_text)
+    out = tmp_path / name
+    if name.startswith("fifo"):
+        os.mkfifo(out)
+    else:
+        out.write_text("the user's own")
+    assert main(["monitor-report", str(tmp_path / "run"), "--out", str(out)]) == 2
+    assert message in capsys.readouterr().err
+    assert out.is_fifo() if name.startswith("fifo") else out.read_text() == "the user's own"
+    if name == "keep.png":  # replaced on purpose
+        assert main(["monitor-report", str(tmp_path / "run"), "--out", str(out),
+                     "--overwrite"]) == 0
+        assert out.read_bytes().startswith(b"\x89PNG")

@@ -113,6 +113,9 @@ def test_ragged_rows_through_a_dataloader(made: tuple[Path, _Encoder]) -> None:
         assert mask[i].tolist() == [True] * n + [False] * (longest - n)
         assert torch.equal(padded[i, :n], weight[_real(i)]) and not padded[i, n:].any()
     assert len(list(DataLoader(store.dataset("head"), batch_size=8))) == 5  # fixed: as before
+    for wrong in (["head"], 0, None):  # the attack: a list was a raw "unhashable type: 'list'"
+        with pytest.raises(StoreError, match=r"a store's layer is named by a str; .*'embed'"):
+            store.dataset(wrong)  # type: ignore[arg-type]
 
 
 def _by_hand(tokens: torch.Tensor, seed: int, block: int, buffer: int) -> torch.Tensor:

@@ -30,6 +30,11 @@ Tensor = torch.Tensor
 CHUNK = 1 << 24  # float32 counts are exact up to 2**24: histc is applied to chunks this long
 
 
+#: the most bins a histogram may have: 2**20 counts are 8 MiB per layer (``stats(hist=10**11)``
+#: asked the allocator for 800 GB)
+MAX_BINS = 2**20
+
+
 class Histogram:
     """Counts of a stream of values in ``bins`` equal-width bins between ``lo`` and ``hi``.
 
@@ -46,8 +51,9 @@ class Histogram:
     """
 
     def __init__(self, bins: int, lo: float, hi: float) -> None:
-        if not isinstance(bins, int) or isinstance(bins, bool) or bins < 1:
-            raise ArgumentValueError(f"bins={bins!r}: pass a whole number of bins >= 1, e.g. 50")
+        if not isinstance(bins, int) or isinstance(bins, bool) or not 1 <= bins <= MAX_BINS:
+            raise ArgumentValueError(f"bins={bins!r:.20}: pass a whole number of bins from 1 to "
+                                     f"{MAX_BINS}, e.g. 50")
         if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
             raise ArgumentValueError(f"histogram range ({lo!r}, {hi!r}): pass finite edges with "
                                      "lo < hi, e.g. (-4.0, 4.0)")

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.diagnostics.histogram import Histogram
+from hookscope.diagnostics.histogram import MAX_BINS, Histogram
 from hookscope.engine.checks import check_flag, check_int, check_iterable
 from hookscope.engine.kinds import kind_of, values_for
 from hookscope.engine.run import model_inputs, untouched
@@ -273,7 +273,7 @@ def _fixed_range(hist: int | None, hist_range: tuple[float, float] | None,
         if hist_range is not None:
             raise ArgumentValueError("hist_range= without hist=: pass hist=<number of bins> too")
         return None
-    check_int("hist", hist, minimum=1)
+    check_int("hist", hist, minimum=1, maximum=MAX_BINS)
     if hist_range is None:
         if iter(batches) is batches:
             raise HookscopeError("hist= without hist_range= takes the bin edges from a first pass "

@@ -158,19 +158,22 @@ def check_tensor(name: str, value: object, example: str) -> None:
         raise ArgumentTypeError(f"{name} must be a tensor, e.g. {example}; got {_got(value)}")
 
 
-def check_int(name: str, value: object, *, minimum: int | None = None) -> None:
+def check_int(name: str, value: object, *, minimum: int | None = None,
+              maximum: int | None = None) -> None:
     """Raise unless ``value`` is an ``int`` (not a ``bool``: ``True`` is not a count) that is
-    at least ``minimum`` when one is given.
+    at least ``minimum`` and at most ``maximum`` when they are given.
 
     Raises:
         ArgumentTypeError: not an ``int`` (``"1"``, ``2.5``, ``True``).
-        ArgumentValueError: below ``minimum`` (``batch_size=0``).
+        ArgumentValueError: below ``minimum`` (``batch_size=0``) or above ``maximum``.
     """
     if not isinstance(value, int) or isinstance(value, bool):
         raise ArgumentTypeError(f"{name} must be an int; got {_got(value)} (write {name}=1, "
                                 f"not a string, float or bool)")
     if minimum is not None and value < minimum:
         raise ArgumentValueError(f"{name}={value} is below {minimum}: pass an int >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise ArgumentValueError(f"{name}={value!r:.20} is above {maximum}: pass an int <= {maximum}")
 
 
 def check_number(name: str, value: object, *, minimum: float | None = None) -> None:

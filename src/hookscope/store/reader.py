@@ -470,6 +470,9 @@ class Store:
         return self._rows
 
     def __getitem__(self, layer: str) -> LayerView:
+        if not isinstance(layer, str):
+            raise StoreError(f"a store's layer is named by a str; got {type(layer).__name__} "
+                             f"{layer!r:.100}: pass one of {list(self.layers)}")
         if layer not in self.layers:
             if self._shards:  # a layer cut from the manifest: the shard header still holds it
                 self._shards[0].open()

@@ -43,7 +43,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch import nn
 
-from hookscope.diagnostics.histogram import Histogram
+from hookscope.diagnostics.histogram import MAX_BINS, Histogram
 from hookscope.diagnostics.nonfinite import NonFiniteOrigin
 from hookscope.diagnostics.stats import RunningStats
 from hookscope.engine.checks import check_int, check_run_dir
@@ -182,7 +182,7 @@ class Monitor:
                  optimizer: torch.optim.Optimizer | None, scaler: Any, run_dir: str | Path | None,
                  guard: GuardMode | None, writer: Any, hist: int = 0):
         _check_arguments(every, optimizer, scaler, guard)
-        check_int("hist", hist, minimum=0)
+        check_int("hist", hist, minimum=0, maximum=MAX_BINS)
         self.hist = hist
         self._hist_ranges: dict[str, tuple[float, float]] = {}  # module -> edges fixed at its first sample
         check_run_dir("run_dir", run_dir)
