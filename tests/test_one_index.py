@@ -3,6 +3,8 @@ the error note all read the ``ModuleIndex`` the session built once (issue 19).""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -87,3 +89,44 @@ def test_compare_builds_one_index_per_model(builds: list[nn.Module]) -> None:
     result = hookscope.compare(model_a, model_b, x, layers=["fc1", "fc2"])
     assert builds == [model_a, model_b]
     assert result.first_divergent is not None and result.first_divergent.path == "fc2"
+
+
+# ------------------------------------------------------------- one index per verb call (issue 34)
+def _logit_diff(out: object) -> torch.Tensor:
+    return out.logits[:, -1, 3].mean() - out.logits[:, -1, 5].mean()  # type: ignore[attr-defined]
+
+
+def test_a_sweep_over_layers_and_chunks_walks_the_model_once(builds: list[nn.Module]) -> None:
+    """3 layers x 5 positions in chunks of 1: 3 + layers x chunks = 18 walks before (issue 34),
+    one now; the values still equal a sweep with an index per session (test_sweep.py)."""
+    from tests.models import tiny_gpt2
+
+    model = tiny_gpt2(n_layer=3, pad=False)
+    clean = {"input_ids": torch.tensor([[3, 9, 14, 2, 8]])}
+    corrupted = {"input_ids": torch.tensor([[3, 9, 40, 2, 8]])}
+    sweep = hookscope.patching_sweep(model, clean, corrupted, layers="transformer.h.*",
+                                     metric=_logit_diff, batch_size=1, progress=False)
+    assert sweep.values.shape == (3, 5) and builds == [model]
+    builds.clear()
+    hookscope.attribution_patching(model, clean, corrupted, _logit_diff, layers="transformer.h.*")
+    assert builds == [model]
+
+
+def test_gradcam_and_extract_walk_the_model_once(builds: list[nn.Module], tmp_path: Path) -> None:
+    from tests.models import LeNet
+
+    model = LeNet().eval()
+    hookscope.gradcam(model, torch.randn(2, 3, 32, 32), "conv2")
+    assert builds == [model]
+    builds.clear()
+    hookscope.extract(model, [torch.randn(2, 3, 32, 32) for _ in range(3)], ["conv2", "fc1"],
+                      tmp_path / "s", progress=False)
+    assert builds == [model]
+
+
+def test_another_models_index_is_never_the_held_one(builds: list[nn.Module]) -> None:
+    first, second = MlpStack(), MlpStack()
+    with names.one_index(first):
+        assert names.index(first) is names.index(first)
+        assert names.index(second).root is second
+    assert builds == [first, second]

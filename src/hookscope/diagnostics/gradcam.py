@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hookscope.engine.checks import check_int, check_tensor
-from hookscope.engine.names import index
+from hookscope.engine.names import index, one_index_per_call
 from hookscope.engine.run import untouched
 from hookscope.engine.select import resolve
 from hookscope.errors import ArgumentTypeError, ArgumentValueError, GradcamError, SpecError
@@ -62,6 +62,7 @@ Method = Literal["gradcam", "gradcam++", "layercam"]
 MAX_PREFIX_TOKENS = 8
 
 
+@one_index_per_call
 def gradcam(model: nn.Module, x: Tensor, layer: str,
             target: int | Sequence[int] | Tensor | None = None, *, call: int | None = None,
             method: Method = "gradcam", grid: tuple[int, int] | None = None) -> Tensor:

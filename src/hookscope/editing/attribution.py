@@ -40,6 +40,7 @@ from hookscope.editing.sweep import (
 )
 from hookscope.engine.checks import check_flag, check_int
 from hookscope.engine.layout import Layout
+from hookscope.engine.names import one_index_per_call
 from hookscope.engine.run import untouched
 from hookscope.engine.select import as_patterns, resolve
 from hookscope.errors import EditError
@@ -52,6 +53,7 @@ __all__ = ["attribution_patching"]
 Tensor = torch.Tensor
 
 
+@one_index_per_call
 def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: Metric, *,
                          layers: str | Sequence[str], positions: Sequence[int] | None = None,
                          heads: bool = False, seq_dim: int | None = None,

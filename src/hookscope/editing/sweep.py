@@ -30,6 +30,7 @@ from hookscope.engine.checks import (
     check_positions,
 )
 from hookscope.engine.layout import Layout
+from hookscope.engine.names import one_index_per_call
 from hookscope.engine.run import untouched
 from hookscope.engine.select import as_patterns, resolve
 from hookscope.errors import ArgumentTypeError, ArgumentValueError, EditError, PositionError, warn
@@ -156,6 +157,7 @@ class Sweep:
         return figure
 
 
+@one_index_per_call
 def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str | Sequence[str],
                    metric: Metric, positions: Sequence[int] | None = None, heads: bool = False,
                    seq_dim: int | None = None, batch_size: int | None = None,

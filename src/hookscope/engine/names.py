@@ -18,7 +18,12 @@ maps all of them:
 
 from __future__ import annotations
 
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -26,7 +31,7 @@ from torch.nn.utils import parametrize
 
 from hookscope.engine.wrappers import unwrap, wrapped_attribute
 
-__all__ = ["ModuleIndex", "index"]
+__all__ = ["ModuleIndex", "index", "one_index", "one_index_per_call"]
 
 
 @dataclass
@@ -69,7 +74,46 @@ class ModuleIndex:
         return path
 
 
+T = TypeVar("T")
+_held = threading.local()  # .index: the ModuleIndex of this thread's open ``one_index`` block
+
+
 def index(model: nn.Module) -> ModuleIndex:
+    """Every name of every module of ``model`` (see the module docstring): inside a
+    ``one_index(model)`` block of this thread, the index built when it opened; else a new walk."""
+    held: ModuleIndex | None = getattr(_held, "index", None)
+    if held is not None and held.root is unwrap(model)[0]:
+        return held
+    return _walk(model)
+
+
+@contextmanager
+def one_index(model: nn.Module) -> Iterator[ModuleIndex]:
+    """Build ``model``'s index once for a verb that opens several sessions (a sweep's layers and
+    chunks, Grad-CAM's passes, extract's batches): every ``index(model)`` of this thread inside
+    the block returns it. The verb holds the model for the block's length, so its structure does
+    not change; another thread's blocks walk their own."""
+    previous = getattr(_held, "index", None)
+    _held.index = _walk(model)
+    try:
+        yield _held.index
+    finally:
+        _held.index = previous
+
+
+def one_index_per_call(verb: Callable[..., T]) -> Callable[..., T]:
+    """Decorate a verb whose first argument is the model: its whole call runs in
+    ``one_index(model)`` (a value that is not a module is left to the verb's own check)."""
+    @functools.wraps(verb)
+    def call(model: Any, *args: Any, **kwargs: Any) -> T:
+        if not isinstance(model, nn.Module):
+            return verb(model, *args, **kwargs)
+        with one_index(model):
+            return verb(model, *args, **kwargs)
+    return call
+
+
+def _walk(model: nn.Module) -> ModuleIndex:
     """Walk ``model`` once and return every name of every module (see the module docstring).
 
     Every attribute path of every module is visited (shared modules once per path), depth first

@@ -41,6 +41,7 @@ from torch import nn
 from tqdm import tqdm
 
 from hookscope.engine.kinds import kind_of, rows_for, values_for
+from hookscope.engine.names import one_index_per_call
 from hookscope.engine.run import input_device, model_inputs, untouched
 from hookscope.engine.select import as_patterns, resolve
 from hookscope.errors import (
@@ -84,6 +85,7 @@ SHARD_SECONDS = 60.0
 Rows = dict[str, tuple[Tensor, Tensor | None]]  # key -> (rows or flat tokens, token counts)
 
 
+@one_index_per_call
 def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str | os.PathLike[str],
             *, reduce: Reduce = None, dtype: torch.dtype | None = None, batch_size: int = 32,
             shard_bytes: int = SHARD_BYTES, shard_seconds: float = SHARD_SECONDS,
