@@ -113,16 +113,21 @@ def test_import_hookscope_loads_no_model_spec_or_picture_machinery() -> None:
         assert f"'{heavy}'" not in loaded
 
 
-def test_earlier_import_paths_still_work() -> None:
-    code = ("import hookscope; from hookscope.models import load_model; "
-            "from hookscope.inputs import load_inputs; from hookscope.tree import format_tree; "
-            "from hookscope.stats import RunningStats; from hookscope.store import Store; "
-            "import hookscope.zoo.models as z; "
-            "print(callable(hookscope.tree), callable(hookscope.stats), z.load_model is load_model, "
-            "z.__spec__.name)")
+def test_every_module_has_one_path() -> None:
+    """No aliases (issue 34): hookscope has no earlier release to stay compatible with, and a
+    module reachable under two names is two places to look."""
+    code = ("import importlib, sys, hookscope\n"
+            "for old in ('models', 'inputs', 'tree', 'positions', 'stats', 'capture'):\n"
+            "    try:\n"
+            "        module = importlib.import_module('hookscope.' + old)\n"
+            "    except ModuleNotFoundError:\n"
+            "        continue\n"
+            "    print(old, module.__name__)\n"
+            "print(sorted(k for k, m in sys.modules.items() if k.startswith('hookscope') "
+            "and getattr(m, '__name__', k) != k))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={"PYTHONPATH": str(SRC.parent)}).stdout.split()
-    assert out == ["True", "True", "True", "hookscope.zoo.models"]
+                         env={"PYTHONPATH": str(SRC.parent)}).stdout.split("\n")
+    assert out[:-1] == ["[]"]
 
 
 # ------------------------------------------------------------------ every way into torch's hooks

@@ -4,16 +4,10 @@ Select modules by the names you already see, capture every call, never fail sile
 diagnose, and extract activations of whole data sets to disk.
 
 The layers are sub-packages (``engine`` <- ``record`` <- ``editing`` / ``diagnostics`` /
-``store`` <- ``zoo`` <- ``cli``; ``errors`` and ``util`` everywhere): see the README's
-Development section. ``import hookscope`` loads no model spec, input or picture machinery
-(``hookscope.zoo``, transformers, PIL, matplotlib).
+``store`` <- ``zoo`` <- ``cli``; ``errors`` and ``util`` everywhere): see docs/development.md.
+``import hookscope`` loads no model spec, input or picture machinery (``hookscope.zoo``,
+transformers, PIL, matplotlib).
 """
-
-import importlib
-import importlib.abc
-import importlib.machinery
-import sys
-from types import ModuleType
 
 from hookscope.diagnostics.attention import attention, attention_gradients
 from hookscope.diagnostics.compare import Comparison, LayerDiff, PairDiff, compare, plot_errors
@@ -149,44 +143,3 @@ __all__ = [
     "tree",
 ]
 
-
-# Module paths of earlier releases that the README documents or users import, -> where they live
-# now. Loaded modules are aliased at once (so ``import hookscope.tree`` never rebinds the
-# ``hookscope.tree`` function to a module); the zoo's are loaded on first import.
-_MOVED = {
-    "attention": "diagnostics.attention", "capture": "record.capture", "compare": "diagnostics.compare",
-    "diagnose": "engine.diagnose", "edit": "editing.edit", "extract": "store.extract",
-    "generation": "record.generation", "gradcam": "diagnostics.gradcam", "grads": "record.grads",
-    "hooks": "diagnostics.inventory", "names": "engine.names", "nonfinite": "diagnostics.nonfinite",
-    "positions": "record.positions", "records": "record.records", "reductions": "record.reductions",
-    "select": "engine.select", "stats": "diagnostics.stats", "sweep": "editing.sweep",
-    "tree": "diagnostics.tree", "wrappers": "engine.wrappers",
-}
-_MOVED_LAZY = {"inputs": "zoo.inputs", "models": "zoo.models", "predictions": "zoo.predictions",
-               "viz": "zoo.viz"}
-for _old, _new in _MOVED.items():
-    sys.modules.setdefault(f"{__name__}.{_old}", sys.modules[f"{__name__}.{_new}"])
-
-
-class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """``import hookscope.models`` (an earlier path) imports ``hookscope.zoo.models``."""
-
-    def find_spec(self, fullname: str, path: object = None, target: object = None
-                  ) -> importlib.machinery.ModuleSpec | None:
-        prefix, _, name = fullname.rpartition(".")
-        if prefix != __name__ or name not in _MOVED_LAZY:
-            return None
-        return importlib.machinery.ModuleSpec(fullname, self)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        module = importlib.import_module(f"{__name__}.{_MOVED_LAZY[spec.name.rpartition('.')[2]]}")
-        spec.loader_state = module.__spec__  # the import system replaces it; exec_module restores it
-        return module
-
-    def exec_module(self, module: ModuleType) -> None:
-        """The module ran under its own name in ``create_module``; give it back its own spec,
-        which the import system replaced by the earlier path's."""
-        module.__spec__ = module.__spec__.loader_state if module.__spec__ else None
-
-
-sys.meta_path.append(_MovedModules())

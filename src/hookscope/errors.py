@@ -163,7 +163,7 @@ class MisalignedLabelsWarning(UserWarning):
 
 class PositionError(HookscopeError, IndexError):
     """``positions=`` names a token position that does not exist, or marks padding (see
-    ``hookscope.positions``)."""
+    ``hookscope.record.positions``)."""
 
 
 def warn(message: str, category: type[Warning]) -> None:

@@ -13,7 +13,7 @@ heads, query, head_dim)``; ``seq_dim=`` for any other function's value), counted
 real tokens of each row whenever an attention mask is known (the ``attention_mask`` the model is
 called with, read by a pre-hook on the root, or the one given), so a padded batch never has a
 padding position edited; ``absolute=True`` indexes the axis as it is. ``heads=`` edits only those
-attention heads of a value with a heads axis. See ``hookscope.positions``.
+attention heads of a value with a heads axis. See ``hookscope.record.positions``.
 
 Output edits are forward hooks that return the new output; input edits (``edit(...,
 inputs=True)``) are forward pre-hooks (``with_kwargs=True``) that return ``(args, kwargs)``. Every
@@ -233,7 +233,7 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
         reference: for ``"mean"``/``"resample"``: a ``Capture`` of the same modules on
             reference inputs, a dict from ``hookscope.load``, or a file ``Capture.save`` wrote.
         positions: only these token positions, counted among real tokens when an attention mask
-            is known (see ``hookscope.positions``); ``None``: every position. The token axis is
+            is known (see ``hookscope.record.positions``); ``None``: every position. The token axis is
             dim 1 of a module's output, the query axis (dim 2) of a
             ``"path::scaled_dot_product_attention"`` value ``(batch, heads, query, head_dim)``,
             ``seq_dim`` for any other function's value (refused without it).
@@ -247,7 +247,7 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
             tokens of each forward pass (so ``positions=0`` is every newly generated token),
             ``"sequence"`` the whole sequence so far, the cached tokens included
             (``positions=0`` is the prompt's first token only, ``-1`` the newest token in each
-            forward); the same without a cache (see ``hookscope.positions``).
+            forward); the same without a cache (see ``hookscope.record.positions``).
         on_unfired: as in ``edit``.
 
     Returns:
@@ -308,7 +308,7 @@ def patch(model: nn.Module, *, source: Source,
         source_layers: the source layer of each of ``layers``, in the same order (each pattern
             must select as many modules as its partner); ``None``: the same layers.
         positions: patch only these token positions, counted among real tokens when a mask is
-            known (see ``hookscope.positions``); a mapping ``{position: source position}``
+            known (see ``hookscope.record.positions``); a mapping ``{position: source position}``
             takes each from another position of the source. With positions, the source may
             have another sequence length (another prompt). The token axis is found as in
             ``ablate`` (dim 1 of a module's output, the query axis of scaled_dot_product_attention,
@@ -326,7 +326,7 @@ def patch(model: nn.Module, *, source: Source,
             tokens of each forward pass (so ``positions=0`` is every newly generated token),
             ``"sequence"`` the whole sequence so far, the cached tokens included
             (``positions=0`` is the prompt's first token only, ``-1`` the newest token in each
-            forward); the same without a cache (see ``hookscope.positions``).
+            forward); the same without a cache (see ``hookscope.record.positions``).
         on_unfired: as in ``edit``.
 
     Returns:
@@ -377,7 +377,7 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
         scale: multiplier of every vector.
         positions: only these token positions, counted among real tokens when an attention mask
             is known: ``-1`` is the last real token of each row, right- or left-padded (see
-            ``hookscope.positions``); an int, a list of ints, a slice or a boolean mask;
+            ``hookscope.record.positions``); an int, a list of ints, a slice or a boolean mask;
             ``None``: everywhere. The token axis is found as in ``ablate``.
         attention_mask: ``(batch, seq)`` mask to count positions by; ``None``: the one the model
             is called with (keyword or positional ``attention_mask``), if any.
@@ -389,7 +389,7 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
             tokens of each forward pass (so ``positions=0`` is every newly generated token),
             ``"sequence"`` the whole sequence so far, the cached tokens included
             (``positions=0`` is the prompt's first token only, ``-1`` the newest token in each
-            forward); the same without a cache (see ``hookscope.positions``).
+            forward); the same without a cache (see ``hookscope.record.positions``).
         on_unfired: as in ``edit``.
 
     Returns:
