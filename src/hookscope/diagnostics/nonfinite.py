@@ -23,6 +23,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -219,33 +220,53 @@ def find_nonfinite(model: nn.Module, *args: Any, backward: bool = False,
     root, _ = unwrap(model)
     bad_input = input_origin(args, kwargs)
     tracker = _Tracker(root, record_nodes=backward)
-    with untouched(root), tracker.observing() as session:  # one session: forward hooks, then the node hooks
-        with entered(_OpWatcher(tracker)):  # the engine takes it off however the call ends
-            output = root(*args, **kwargs)
-            if tracker.found is not None:
-                return tracker.found
-            if bad_input is not None and (tracker.carried or
-                                          not all(_is_finite(t) for t in iter_tensors(output))):
-                return bad_input  # no module made it: it came in with the input
-            if not backward:
-                return None
-            loss = loss_fn(output) if loss_fn is not None else _sum_floats(output)
-        if bad_input is not None and not _is_finite(loss):
-            return bad_input
-        loss_origin = tracker.loss_origin(loss)
-        if loss_origin is not None:
-            return loss_origin
-        leaves: list[Tensor] = [p for p in root.parameters() if p.requires_grad]
-        leaves += [t for t in iter_tensors((args, kwargs)) if t.requires_grad and t.is_leaf]
-        if loss.grad_fn is None or not leaves:
-            raise HookscopeError(
-                "backward=True needs a loss that requires grad, but it has no autograd graph: run "
-                "find_nonfinite outside torch.no_grad()/torch.inference_mode(), with parameters or "
-                "inputs that require grad (model.requires_grad_(True))")
-        for node in tracker.owners:
-            session.hook_grad_node(node, tracker.node_hook(node))
-        torch.autograd.grad(loss, leaves, allow_unused=True)
+    search = partial(_search, tracker, root, args, kwargs, bad_input, backward, loss_fn)
+    # one session: forward hooks, then the node hooks. One line (engine.interrupts): an
+    # interrupt at any line of ours still runs every exit
+    with untouched(root), tracker.observing() as session: return search(session)  # noqa: E701
+
+
+def _search(tracker: _Tracker, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+            bad_input: NonFiniteOrigin | None, backward: bool,
+            loss_fn: Callable[[Any], Tensor] | None, session: Observer) -> NonFiniteOrigin | None:
+    """``find_nonfinite``'s search inside its session: the forward under the op watcher, then
+    (``backward=True``, nothing found) the gradients with the node hooks."""
+    forward = partial(_forward, tracker, root, args, kwargs, bad_input, backward, loss_fn)
+    with entered(_OpWatcher(tracker)): found, loss = forward()  # noqa: E701 - one line, as above
+    if found is not None or loss is None:
+        return found
+    if bad_input is not None and not _is_finite(loss):
+        return bad_input
+    loss_origin = tracker.loss_origin(loss)
+    if loss_origin is not None:
+        return loss_origin
+    leaves: list[Tensor] = [p for p in root.parameters() if p.requires_grad]
+    leaves += [t for t in iter_tensors((args, kwargs)) if t.requires_grad and t.is_leaf]
+    if loss.grad_fn is None or not leaves:
+        raise HookscopeError(
+            "backward=True needs a loss that requires grad, but it has no autograd graph: run "
+            "find_nonfinite outside torch.no_grad()/torch.inference_mode(), with parameters or "
+            "inputs that require grad (model.requires_grad_(True))")
+    for node in tracker.owners:
+        session.hook_grad_node(node, tracker.node_hook(node))
+    torch.autograd.grad(loss, leaves, allow_unused=True)
     return tracker.found
+
+
+def _forward(tracker: _Tracker, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+             bad_input: NonFiniteOrigin | None, backward: bool,
+             loss_fn: Callable[[Any], Tensor] | None) -> tuple[NonFiniteOrigin | None, Tensor | None]:
+    """The forward (and the loss) under the op watcher: ``(origin, None)`` when the forward
+    settled it (``origin`` None: all finite and no backward wanted), else ``(None, loss)``."""
+    output = root(*args, **kwargs)
+    if tracker.found is not None:
+        return tracker.found, None
+    if bad_input is not None and (tracker.carried or
+                                  not all(_is_finite(t) for t in iter_tensors(output))):
+        return bad_input, None  # no module made it: it came in with the input
+    if not backward:
+        return None, None
+    return None, loss_fn(output) if loss_fn is not None else _sum_floats(output)
 
 
 def input_origin(args: tuple[Any, ...], kwargs: dict[str, Any]) -> NonFiniteOrigin | None:
@@ -297,10 +318,10 @@ class _Tracker:
         """The session of the hooks on every module (each call's inputs and output), open
         for the forward and the backward (``hook_grad_node``); every hook is removed on exit."""
         targets = [Target(path, module) for module, path in self.paths.items()]
-        with Observer(self.root, targets, pre=lambda t: self._pre_hook,
-                      forward=lambda t: self._post_hook, with_kwargs=True,
-                      explain_unfired=False) as session:
-            yield session
+        observer = Observer(self.root, targets, pre=lambda t: self._pre_hook,
+                            forward=lambda t: self._post_hook, with_kwargs=True,
+                            explain_unfired=False)
+        with observer as session: yield session  # noqa: E701 - one line (engine.interrupts)
 
     def loss_origin(self, loss: Tensor) -> NonFiniteOrigin | None:
         """Report ``loss_fn`` itself when it turned a finite output into a non-finite loss."""

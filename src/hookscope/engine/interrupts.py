@@ -47,6 +47,11 @@ line event of the method is inside it. On success no other line of the method ru
 body returned. So one exception at any line of hookscope's code (``tests/test_interrupts.py``
 raises one at every line) still removes everything. An exception at the call itself, before
 the method's first line (an async exception at its entry), is beyond any Python code.
+
+The same holds where hookscope's own code enters a block with a ``with`` statement: the exit
+runs at the ``with`` line after the body's last line, outside the protected range, so an
+exception raised at that line event would skip it. Such a ``with`` keeps its body on its own
+line (``with session: run(session)``), or its body is a function called on that line.
 """
 
 from __future__ import annotations

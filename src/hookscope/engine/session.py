@@ -108,6 +108,7 @@ class HookSession:
         # an exception of a user's callback alike, leaves nothing registered.
         try: return self._open()  # noqa: E701
         except BaseException:
+            self._entered = False  # a failed entry is no block: leaving it reports nothing
             self._remove()
             raise
 

@@ -665,8 +665,8 @@ def run(model: nn.Module, *args: Any, layers: str | Sequence[str],
     _refuse_options_as_keywords(model, kwargs)
     args, kwargs = _as_keywords(model, args, kwargs)
     output = None
-    with capture(model, *patterns, **(options or {})) as acts:
-        output = model(*args, **kwargs)
+    block = capture(model, *patterns, **(options or {}))
+    with block as acts: output = model(*args, **kwargs)  # noqa: E701 - one line (engine.interrupts)
     return output, acts
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
@@ -85,23 +84,32 @@ class GenerationCapture:
         self._step_of_call: dict[str, list[int]] = {t.key: [] for t in self.capture.targets}
         self._labels = _StepLabels(self, self.capture.targets)
         self._seen = 0
-        self._stack = ExitStack()
 
     def __enter__(self) -> GenerationCapture:
-        # the labels first: their hooks run before the capture's, so before an early stop
-        # one line for the last step and the return: nothing of ours runs between them, so an
-        # exception at any line leaves both sessions closed (engine.interrupts)
-        with ExitStack() as stack:
-            stack.enter_context(self._labels)
-            stack.enter_context(self.capture)
-            self._stack = stack.pop_all(); return self  # noqa: E702
+        # the labels first: their hooks run before the capture's, so before an early stop.
+        # One line (engine.interrupts): an exception at any line, a KeyboardInterrupt included,
+        # leaves neither session entered; leaving a session never entered does nothing.
+        try: self._labels.__enter__(); self.capture.__enter__(); return self  # noqa: E701, E702
+        except BaseException as exc:
+            self._abort(exc)
+            raise
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool | None:
-        try: return self._stack.__exit__(exc_type, exc, tb)  # noqa: E701 - see __enter__
-        except BaseException:
-            self._stack.close()  # what an exception in the first exit left (exits are idempotent)
+        try: return self._leave(exc_type, exc, tb)  # noqa: E701 - see __enter__
+        except BaseException as error:
+            self._abort(error)  # what an exception in the first exit left (exits are idempotent)
             raise
+
+    def _leave(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+               tb: TracebackType | None) -> bool | None:
+        stopped = self.capture.__exit__(exc_type, exc, tb)  # True: our early stop ended the block
+        self._labels.__exit__(*((None, None, None) if stopped else (exc_type, exc, tb)))
+        return stopped
+
+    def _abort(self, exc: BaseException) -> None:
+        self.capture.__exit__(type(exc), exc, exc.__traceback__)
+        self._labels.__exit__(type(exc), exc, exc.__traceback__)
 
     def _label(self, target: Target) -> Callable[..., None]:
         calls, steps = self._step_of_call[target.key], self.steps

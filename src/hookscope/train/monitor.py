@@ -262,21 +262,29 @@ class Monitor:
     def close(self) -> None:
         """Stop watching: replay a guard still pending (it may raise), then remove every hook,
         end a sampled step without writing it, and close the records file."""
+        # each part in a finally of its own: one that raises (a pending guard, an interrupt
+        # lost inside a sampled step, reported by its session's exit) never keeps the others
+        # from running; each clears its field after it succeeded, so a retried close() redoes
+        # only what failed
         try:
             self._resolve_pending()
         finally:
-            for handle in self._handles:
-                handle.remove()
-            self._handles = []
-            if self._sample is not None:  # held until its session has exited (idempotent):
-                self._sample.session.__exit__(None, None, None)  # an interrupt on these lines
-                self._sample = None  # leaves it to the retried close()
-            if self._root_session is not None:
-                self._root_session.__exit__(None, None, None)
-                self._root_session = None
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+            try:
+                for handle in self._handles:
+                    handle.remove()
+                self._handles = []
+                if self._sample is not None:  # held until its session has exited (idempotent)
+                    self._sample.session.__exit__(None, None, None)
+                    self._sample = None
+            finally:
+                try:
+                    if self._root_session is not None:
+                        self._root_session.__exit__(None, None, None)
+                        self._root_session = None
+                finally:
+                    if self._file is not None:
+                        self._file.close()
+                        self._file = None
 
     def step(self) -> None:
         """End the step in progress (call once per optimizer step, after ``optimizer.step()``
