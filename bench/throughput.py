@@ -22,6 +22,7 @@ reads >= 0.8x raw read, extract <= 1.0x (bare loop + raw write).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 import time
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float, float, str]]:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mib", type=int, default=256, help="MiB of rows")
     parser.add_argument("--out", type=Path, help="also write the table (markdown) here")
+    parser.add_argument("--json", type=Path, help="also write the settings and rows (JSON) here")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     rows = args.mib * 2**20 // (4 * WIDTH) // 64 * 64
@@ -131,13 +133,18 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float, float, str]]:
         stream = view.stream(buffer_tokens=2**14, block_tokens=1024, seed=0, batch_size=4096)
         row("token stream, batch_size=4096 (DataLoader batch_size=None)",
             _timed(lambda: [b for b in DataLoader(stream, batch_size=None)]), raw_r)
-    lines = [f"{nbytes / 2**20:.0f} MiB of float32 rows ({WIDTH} wide), one run, same disk",
-             "", "| row | MB/s | x limit | note |", "|---|---|---|---|"]
+    settings = (f"{nbytes / 2**20:.0f} MiB of float32 rows ({WIDTH} wide), one run, same disk; "
+                "writes fsync'ed, reads from a warm page cache; MB/s = 10^6 bytes/s")
+    lines = [settings, "", "| row | MB/s | x limit | note |", "|---|---|---|---|"]
     lines += [f"| {name} | {rate:.0f} | x{ratio:.2f} | {note} |" for name, rate, ratio, note in table]
     text = "\n".join(lines)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
+    if args.json:
+        rows = [{"row": name, "mb_s": rate, "ratio": ratio, "note": note}
+                for name, rate, ratio, note in table]
+        args.json.write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
     return table
 
 
