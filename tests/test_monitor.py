@@ -243,6 +243,35 @@ def test_an_infinite_forward_under_the_scaler_is_reported() -> None:
     assert mon.overflows == 0
 
 
+def test_an_infinite_loss_outside_the_model_is_named_as_the_loss(tmp_path: Path) -> None:
+    """A +inf loss computed outside the model (the model's output is finite) was reported as
+    '1 NaN, 0 +Inf' of the replay's surrogate loss; the finding is the loss, with the +Inf its
+    gradient carried into the model's output (issue 34)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Softplus())  # output > 0: inf * output = +inf
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(hookscope.NonFiniteStepWarning) as caught:
+        with hookscope.monitor(model, every=0, optimizer=optimizer, run_dir=tmp_path,
+                               guard="skip") as mon:
+            optimizer.zero_grad()
+            loss = model(torch.randn(2, 4)).sum() * float("inf")
+            assert float(loss.detach()) == math.inf
+            loss.backward()
+            optimizer.step()
+    message = str(caught[0].message)
+    assert message.splitlines()[0] == (
+        "step 0: the loss computed outside the model is non-finite: the gradient it sent into "
+        "the model's output holds 6 +Inf (grad of output 0, first at [0, 0], [0, 1], [0, 2], "
+        "[1, 0], [1, 1], [1, 2]); no module made it: check the loss function (a log or division "
+        "of 0, an overflow, a non-finite target or weight)")
+    assert message.splitlines()[1].endswith(", 0 NaN, 6 +Inf, 0 -Inf")
+    origin = hookscope.replay(tmp_path / "nonfinite-step-0.safetensors", model)
+    assert origin is not None and (origin.path, origin.phase, origin.bad_count) == (
+        "<loss>", "backward", 6)
+    assert (origin.outputs[0].nan, origin.outputs[0].posinf, origin.outputs[0].neginf) == (0, 6, 0)
+    assert (mon.events[0]["module"], mon.events[0]["direction"]) == ("<loss>", "backward")
+
+
 def test_bf16_autocast_replays_under_autocast(tmp_path: Path) -> None:
     model = small(Temperature())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
