@@ -160,8 +160,9 @@ def replay(bundle: ReplayBundle | str | Path, model: nn.Module) -> NonFiniteOrig
         bundle does not hold, e.g. a non-deterministic kernel or a second forward per backward).
         ``path == "<loss>"`` (``class_name`` ``"loss outside the model"``): the gradient
         reaching the outputs was already non-finite, i.e. the loss computed outside the model
-        was (``outputs`` summarise those gradients: a +inf loss's are +Inf, not NaN). ``path == "<input>"``: the step's batch already
-        held NaN/Inf (``bad_label`` names the input, ``first_bad`` the indices).
+        was (``outputs`` summarise those gradients: a +inf loss's are +Inf, not NaN).
+        ``path == "<input>"``: the step's batch already held NaN/Inf (``bad_label`` names the
+        input, ``first_bad`` the indices).
 
     Raises:
         ArgumentTypeError: ``model`` is not a module, ``bundle`` neither a bundle nor a path.
