@@ -44,7 +44,7 @@ from hookscope.util.nested import iter_tensors
 Tensor = torch.Tensor
 MAX_POSITIONS = 8
 INPUT = "<input>"  # NonFiniteOrigin.path when the model's inputs already hold NaN/Inf
-LOSS = "<loss>"  # NonFiniteOrigin.path when the loss (loss_fn's, or one outside the model) is
+LOSS = "<loss>"  # NonFiniteOrigin.path when the loss (loss_fn's, or one outside the model) is NaN/Inf
 OUTSIDE = "loss outside the model"  # its class_name when only the loss's gradient is known
 
 
