@@ -208,7 +208,10 @@ class _Shard:
         self.closed = True
         if self._mm is not None:
             mm, self._mm = self._mm, None
-            mm.close()
+            try:
+                mm.close()
+            except BufferError:  # a read in another thread holds a view: unmapped when it ends
+                pass
 
     def _header(self, mm: mmap.mmap) -> tuple[dict[str, Any], int]:
         """Read, check (chunk sums, then against the manifest) and return the safetensors header
