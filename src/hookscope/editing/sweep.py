@@ -227,7 +227,8 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
 
     Returns:
         A ``Sweep``: ``values[i, j]`` (``values[i, j, k]`` with heads) is the metric with
-        ``sweep.layers[i]`` patched at ``sweep.positions[j]`` (head ``sweep.heads[k]``).
+        ``sweep.layers[i]`` patched at ``sweep.positions[j]`` (head ``sweep.heads[k]``); with
+        ``all_positions``, ``values[i, 0]`` is the metric with every one of them patched.
 
     Raises:
         SelectorError: a pattern matches no module.
