@@ -164,6 +164,7 @@ class _Shard:
         self._data_start = 0
         self._checked = bytearray(len(info.chunk_sums))
         self._offsets: dict[str, np.ndarray] = {}
+        self.closed = False
 
     def __getstate__(self) -> dict[str, Any]:  # a DataLoader worker reopens the file itself
         return {**self.__dict__, "_mm": None, "_offsets": {}}
@@ -185,7 +186,15 @@ class _Shard:
                                     f"replaced; {_REDO}")
 
     def open(self) -> mmap.mmap:
-        """Map the file and check its header against the manifest (once)."""
+        """Map the file and check its header against the manifest (once).
+
+        Raises:
+            StoreError: the store was closed.
+        """
+        if self.closed:
+            folder = self.path.parent
+            raise StoreError(f"store {folder} is closed: open it again with "
+                             f"hookscope.open_store({str(folder)!r}) to read its rows")
         if self._mm is None:
             self.check_size()
             with open(self.path, "rb") as f:
@@ -193,6 +202,16 @@ class _Shard:
             self._entries, self._data_start = self._header(mm)
             self._mm = mm
         return self._mm
+
+    def close(self) -> None:
+        """Unmap the file (its pages leave the process's RSS); a later ``open`` raises."""
+        self.closed = True
+        if self._mm is not None:
+            mm, self._mm = self._mm, None
+            try:
+                mm.close()
+            except BufferError:  # a read in another thread holds a view: unmapped when it ends
+                pass
 
     def _header(self, mm: mmap.mmap) -> tuple[dict[str, Any], int]:
         """Read, check (chunk sums, then against the manifest) and return the safetensors header
@@ -445,6 +464,12 @@ class StoreDataset(torch.utils.data.Dataset[Tensor]):
 class Store:
     """A store opened for reading (``hookscope.open_store``); see ``LayerView`` for row access.
 
+    Shards are memory-mapped on their first read and stay mapped until ``close()``: the pages
+    read count in the process's RSS (clean file pages, which the kernel may drop under memory
+    pressure), so reading a whole store grows RSS by the bytes touched. ``close()`` (or ``with
+    hookscope.open_store(path) as store:``) unmaps them; reading a closed store is
+    ``StoreError``. A ``DataLoader`` worker maps the shards it reads itself.
+
     Besides the layers, a store may hold per-row columns (``store.columns``): ``ids``, what each
     row was (a file path relative to the data folder, a data-set index) and ``labels`` (a folder
     label, the ``y`` of ``(x, y)`` batches). ``repr(store)`` describes it in a few lines.
@@ -465,6 +490,19 @@ class Store:
                                manifest.get("run")) for info in self.shards]
         self._starts = [s.rows[0] for s in self.shards]
         self._rows = self.shards[-1].rows[1] if self.shards else 0
+
+    def close(self) -> None:
+        """Unmap every shard, so the pages read leave the process's RSS; closing twice is
+        fine. Afterwards, reading rows (``store[layer][i]``, ``store.tokens``, ``verify()``)
+        raises ``StoreError``."""
+        for shard in self._shards:
+            shard.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __len__(self) -> int:
         return self._rows
@@ -631,7 +669,8 @@ def open_store(path: str | os.PathLike[str], *, allow_incomplete: bool = False,
 
     Returns:
         A ``Store``: ``store.layers`` (``{path: LayerInfo}``), ``len(store)`` rows,
-        ``store[layer][i:j]`` tensors, ``store.dataset(layer)``, ``store.verify()``.
+        ``store[layer][i:j]`` tensors, ``store.dataset(layer)``, ``store.verify()``;
+        ``store.close()`` (or a ``with`` block) unmaps the shards read.
 
     Raises:
         ArgumentTypeError: ``path`` is not a path (``None``, a number).
