@@ -37,14 +37,46 @@ def layer(path: Path) -> str:
 
 
 def imports(source: str) -> list[tuple[str, list[str]]]:
-    """``(module, names)`` for each hookscope import, at top level or inside a function."""
+    """``(module, names)`` for each hookscope import, at top level or inside a function, however
+    spelled: ``import``, ``from ... import``, ``importlib.import_module("...")`` and
+    ``__import__("...")`` (an f-string counts by its constant start: ``f"hookscope.cli.{n}"``)."""
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hookscope"):
             found.append((node.module, [alias.name for alias in node.names]))
         elif isinstance(node, ast.Import):
             found += [(a.name, []) for a in node.names if a.name.startswith("hookscope")]
+        elif isinstance(node, ast.Call) and _call_name(node.func) in ("import_module", "__import__"):
+            module = _leading_text(node.args[0]) if node.args else ""
+            if module.startswith("hookscope"):  # a computed rest: some module below that start
+                found.append((module + "*" if module.endswith(".") else module, []))
     return found
+
+
+def _call_name(func: ast.expr) -> str:
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+
+
+def _leading_text(arg: ast.expr) -> str:
+    """The constant start of a string argument: all of ``"a.b"``, ``"a.b."`` of ``f"a.b.{n}"``."""
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value
+    if isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant):
+        return str(arg.values[0].value)
+    return ""
+
+
+def module_all(path: Path) -> list[str] | None:
+    """The names of ``path``'s ``__all__`` (read, not imported), or None when it has none."""
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__"
+                                                for t in node.targets):
+            return [element.value for element in node.value.elts]  # type: ignore[attr-defined]
+    return None
+
+
+#: each package's face: the names its ``__init__`` offers the other packages
+FACES = {p.parent.name: set(module_all(p) or ()) for p in SRC.glob("*/__init__.py")}
 
 
 def violations(path: Path, source: str) -> list[str]:
@@ -58,6 +90,8 @@ def violations(path: Path, source: str) -> list[str]:
                 found.append(f"{module} imports the public API from inside the library")
             continue
         other = parts[1] if parts[1] in RANK else "errors"
+        if other != own and other in FACES:
+            found += _past_the_face(own, other, parts, names)
         if other != own and RANK[other] >= RANK[own]:
             found.append(f"{own} imports {module} (layer {other})")
         if other != own and any(p.startswith("_") for p in parts[2:]):
@@ -65,6 +99,17 @@ def violations(path: Path, source: str) -> list[str]:
         if other != own and any(n.startswith("_") for n in names):
             found.append(f"{own} imports private names {names} of {module}")
     return found
+
+
+def _past_the_face(own: str, other: str, parts: list[str], names: list[str]) -> list[str]:
+    """An import by ``own`` of ``hookscope.<other>...`` that does not go through ``other``'s face:
+    an inner module (``hookscope.engine.select``), or a name its ``__all__`` does not offer (a
+    module: ``from hookscope.engine import diagnose``)."""
+    module = ".".join(parts)
+    if len(parts) > 2:
+        return [f"{own} imports {module}, an inner module of {other}: import from hookscope.{other}"]
+    return [f"{own} imports {name} from {module}, which its face (__all__) does not offer"
+            for name in names if name not in FACES[other]]
 
 
 def hook_api_calls(source: str) -> list[int]:
@@ -85,16 +130,55 @@ def test_only_the_door_calls_torchs_hook_api(path: Path) -> None:
 
 def test_the_checks_can_fail() -> None:
     engine = SRC / "engine" / "select.py"
-    assert violations(engine, "from hookscope.record.capture import capture") == [
-        "engine imports hookscope.record.capture (layer record)"]
-    assert violations(SRC / "store" / "x.py", "from hookscope.editing.edit import edit") == [
-        "store imports hookscope.editing.edit (layer editing)"]
-    assert violations(SRC / "cli" / "x.py", "from hookscope.engine.session import _witness") == [
-        "cli imports private names ['_witness'] of hookscope.engine.session"]
-    assert violations(engine, "def f():\n    import hookscope.zoo.viz") == [
-        "engine imports hookscope.zoo.viz (layer zoo)"]
+    assert violations(engine, "from hookscope.record import capture") == [
+        "engine imports hookscope.record (layer record)"]
+    assert violations(SRC / "store" / "x.py", "from hookscope.editing import edit") == [
+        "store imports hookscope.editing (layer editing)"]
+    assert violations(SRC / "cli" / "x.py", "from hookscope.engine import _witness") == [
+        "cli imports _witness from hookscope.engine, which its face (__all__) does not offer",
+        "cli imports private names ['_witness'] of hookscope.engine"]
+    assert violations(engine, "def f():\n    import hookscope.zoo") == [
+        "engine imports hookscope.zoo (layer zoo)"]
     assert hook_api_calls("def f(m):\n    m.register_forward_hook(print)") == [2]
     assert layer(SRC / "store" / "new_file.py") == "store" and layer(SRC / "errors.py") == "errors"
+
+
+def test_the_face_check_sees_every_import_past_a_face() -> None:
+    """Issue 34 item 3: another package's inner module, however imported, and a name (or a
+    module) that the package's ``__all__`` does not offer."""
+    record = SRC / "record" / "x.py"
+    inner = "record imports hookscope.engine.{}, an inner module of engine: import from hookscope.engine"
+    assert violations(record, "from hookscope.engine.select import select") == [inner.format("select")]
+    assert violations(record, "import hookscope.engine.hooks as h") == [inner.format("hooks")]
+    assert violations(record, "import importlib\nimportlib.import_module('hookscope.engine.names')") == [
+        inner.format("names")]
+    assert violations(record, "def f():\n    return __import__('hookscope.engine.kinds')") == [
+        inner.format("kinds")]
+    assert violations(SRC / "cli" / "x.py", "import_module(f'hookscope.zoo.{name}')") == [
+        "cli imports hookscope.zoo.*, an inner module of zoo: import from hookscope.zoo"]
+    assert violations(record, "from hookscope.engine import diagnose, select") == [
+        "record imports diagnose from hookscope.engine, which its face (__all__) does not offer"]
+    # a package's own modules, and the faces, pass
+    assert violations(SRC / "cli" / "main.py", "import_module(f'hookscope.cli.{name}')") == []
+    assert violations(record, "from hookscope.engine import HookSession\nfrom hookscope.util import "
+                              "map_tensors\nfrom hookscope.record.records import Records") == []
+
+
+@pytest.mark.parametrize("path", [p for p in FILES if p.name != "__main__.py"],
+                         ids=lambda p: str(p.relative_to(SRC)))
+def test_every_module_says_what_it_offers(path: Path) -> None:
+    """Each module declares ``__all__`` (ruff's F822 holds each name to a definition); each
+    package's face offers only names that one of its modules offers."""
+    offered = module_all(path)
+    assert offered is not None and len(offered) == len(set(offered))
+    if path.name != "__init__.py":
+        return
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("hookscope."):
+            home = SRC.joinpath(*node.module.split(".")[1:])
+            home = home / "__init__.py" if home.is_dir() else home.with_suffix(".py")
+            assert {a.name for a in node.names} <= set(module_all(home) or ()), node.module
+            assert {a.name for a in node.names} <= set(offered)
 
 
 def test_every_package_has_a_layer() -> None:

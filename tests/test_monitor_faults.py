@@ -22,6 +22,7 @@ from torch.nn import functional as F
 import hookscope
 from hookscope.cli.main import main
 from hookscope.errors import MonitorFaultWarning, NonFiniteStepError, NonFiniteStepWarning
+from hookscope.train import records_file
 from hookscope.util import files
 from tests.models import Temperature
 
@@ -59,6 +60,7 @@ class Disk:
 def disk(monkeypatch: pytest.MonkeyPatch) -> Iterator[Disk]:
     fake = Disk()
     monkeypatch.setattr(files, "write_all", fake)
+    monkeypatch.setattr(records_file, "write_all", fake)  # its one name for the door
     yield fake
 
 

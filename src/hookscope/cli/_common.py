@@ -15,7 +15,13 @@ from typing import Any
 import torch
 
 from hookscope.errors import SpecError
-from hookscope.zoo.models import LoadedModel, load_model
+from hookscope.zoo import LoadedModel, load_model
+
+__all__ = ["add_image_arguments", "add_layer_argument", "add_model_arguments",
+           "add_parents_argument", "add_positional", "add_several", "byte_count", "check_output_path",
+           "device", "dimension", "image_options", "image_size", "load_model_timed", "non_negative_float",
+           "non_negative_int", "positive_float", "positive_int", "print_json", "print_table",
+           "refuse_repeats", "say"]
 
 MODEL_HELP = ("efficientnet-lite0, minilm, pkg.module:factory, file.py:factory, hf:DIR, timm:NAME; "
               "suffixes @bf16/@fp16/@fp32, @weights.safetensors")

@@ -26,9 +26,9 @@ from hookscope.cli._common import (
     say,
 )
 from hookscope.errors import SpecError
-from hookscope.zoo.inputs import Inputs, load_inputs
-from hookscope.zoo.models import LoadedModel
-from hookscope.zoo.viz import attention_grid, plan_png_files
+from hookscope.zoo import Inputs, LoadedModel, attention_grid, load_inputs, plan_png_files
+
+__all__ = ["HELP", "add_arguments", "run"]
 
 HELP = "attention probabilities of selected modules (eager softmax or fused SDPA) as heat maps"
 

@@ -26,12 +26,12 @@ from hookscope.cli._common import (
     print_table,
     say,
 )
-from hookscope.diagnostics.stats import RunningStats
+from hookscope.diagnostics import RunningStats
 from hookscope.errors import SelectorError, SpecError
-from hookscope.record.records import RecordKey
-from hookscope.zoo.inputs import Inputs, load_inputs
-from hookscope.zoo.models import LoadedModel
-from hookscope.zoo.predictions import Prediction, predict
+from hookscope.record import RecordKey
+from hookscope.zoo import Inputs, LoadedModel, Prediction, load_inputs, predict
+
+__all__ = ["HELP", "add_arguments", "run"]
 
 HELP = "run a model once and show every call of the selected modules: prediction, stats, PNGs"
 
@@ -152,7 +152,7 @@ def _metadata(args: argparse.Namespace, loaded: LoadedModel,
 
 
 def _plot(args: argparse.Namespace, acts: hookscope.Capture, inputs: Inputs) -> list[Path]:
-    from hookscope.zoo.viz import plot_activations  # matplotlib only when asked
+    from hookscope.zoo import plot_activations
     tensors = {str(key).replace(":", ".call"): tensor for key, tensor in acts.items()}
     image = inputs.images[0] if inputs.images else None
     files = plot_activations(tensors, args.plot, image=image, overwrite=args.overwrite)

@@ -19,10 +19,11 @@ from hookscope.cli._common import (
     print_table,
     say,
 )
-from hookscope.diagnostics.compare import OUTPUT, Comparison, LayerDiff, compare, plot_errors
+from hookscope.diagnostics import OUTPUT, Comparison, LayerDiff, compare, plot_errors
 from hookscope.errors import SpecError
-from hookscope.zoo.inputs import load_inputs
-from hookscope.zoo.models import load_model
+from hookscope.zoo import load_inputs, load_model
+
+__all__ = ["HELP", "add_arguments", "run"]
 
 HELP = ("compare two models (or one model in two dtypes: MODEL and MODEL@bf16) layer by layer "
         "on the same input; exit 1 when a layer differs beyond the tolerance")

@@ -27,10 +27,11 @@ from hookscope.cli._common import (
 )
 from hookscope.cli.show import print_store
 from hookscope.errors import ExtractInterrupted
-from hookscope.record.reductions import NAMES
-from hookscope.store.extract import SHARD_BYTES, SHARD_SECONDS, check_output, extract
-from hookscope.zoo.data import load_data
-from hookscope.zoo.models import load_model
+from hookscope.record import NAMES
+from hookscope.store import SHARD_BYTES, SHARD_SECONDS, check_output, extract
+from hookscope.zoo import load_data, load_model
+
+__all__ = ["HELP", "add_arguments", "resume_command", "run"]
 
 HELP = "run a model over a data set and store chosen layers' activations (resumable, torchrun)"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -24,8 +24,9 @@ from hookscope.cli._common import (
     say,
 )
 from hookscope.errors import SpecError
-from hookscope.zoo.inputs import load_inputs
-from hookscope.zoo.viz import plan_png_files
+from hookscope.zoo import load_inputs, plan_png_files
+
+__all__ = ["HELP", "add_arguments", "run"]
 
 HELP = "Grad-CAM / Grad-CAM++ / LayerCAM of one layer over each input image, as PNG overlays"
 

@@ -35,7 +35,9 @@ from hookscope.errors import (
     StoreError,
     StoreExistsError,
 )
-from hookscope.util.files import advice
+from hookscope.util import advice
+
+__all__ = ["build_parser", "main", "run"]
 
 # Verbs appear in --help in this order; any verb not listed follows alphabetically.
 ORDER = ("tree", "capture", "attention", "gradcam", "lens", "nan", "diff", "stats", "extract", "show")

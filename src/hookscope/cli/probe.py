@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 
 from hookscope.cli._common import positive_int, print_table
-from hookscope.store.probe import probe
+from hookscope.store import probe
+
+__all__ = ["HELP", "add_arguments", "run"]
 
 HELP = ("fit a logistic probe per layer of a store on its labels: held-out accuracy, control "
         "task accuracy and selectivity (Hewitt and Liang 2019)")

@@ -44,17 +44,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hookscope.engine.checks import check_int, check_tensor
-from hookscope.engine.names import index, one_index_per_call
-from hookscope.engine.run import untouched
-from hookscope.engine.select import resolve
+from hookscope.engine import check_int, check_tensor, index, one_index_per_call, resolve, untouched
 from hookscope.errors import ArgumentTypeError, ArgumentValueError, GradcamError, SpecError
-from hookscope.record.capture import capture
-from hookscope.record.grads import grad_leaf, gradient_pass
-from hookscope.util.extras import require
-from hookscope.util.figures import DPI, save_figure
+from hookscope.record import capture, grad_leaf, gradient_pass
+from hookscope.util import DPI, require, save_figure
 
-__all__ = ["gradcam", "save_gradcam_overlay", "class_scores"]
+__all__ = ["gradcam", "save_gradcam_overlay", "class_scores", "check_class_target"]
 
 Tensor = torch.Tensor
 Method = Literal["gradcam", "gradcam++", "layercam"]

@@ -24,10 +24,7 @@ from typing import Any
 from torch import nn
 from torch.nn.modules import module as torch_module
 
-from hookscope.engine.checks import check_flag, check_model
-from hookscope.engine.hooks import owner
-from hookscope.engine.names import index
-from hookscope.engine.origin import KNOWN_LIBRARIES, library_of
+from hookscope.engine import KNOWN_LIBRARIES, check_flag, check_model, index, library_of, owner
 
 __all__ = ["HookInfo", "hooks", "remove_hooks", "INTERNAL_PACKAGES"]
 

@@ -30,16 +30,22 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from hookscope.engine import diagnose
-from hookscope.engine.checks import check_callable, check_flag
-from hookscope.engine.function_mode import entered
-from hookscope.engine.kinds import values_for
-from hookscope.engine.names import index
-from hookscope.engine.run import untouched
-from hookscope.engine.select import Target, unwrap
-from hookscope.engine.session import Observer
+from hookscope.engine import (
+    Observer,
+    Target,
+    check_callable,
+    check_flag,
+    entered,
+    index,
+    preflight,
+    untouched,
+    unwrap,
+    values_for,
+)
 from hookscope.errors import HookscopeError
-from hookscope.util.nested import iter_tensors
+from hookscope.util import iter_tensors
+
+__all__ = ["INPUT", "NonFiniteOrigin", "TensorSummary", "find_nonfinite", "input_origin", "own_nonfinite"]
 
 Tensor = torch.Tensor
 MAX_POSITIONS = 8
@@ -216,7 +222,7 @@ def find_nonfinite(model: nn.Module, *args: Any, backward: bool = False,
     check_flag("backward", backward)
     if loss_fn is not None:
         check_callable("loss_fn", loss_fn, "lambda out: out.logits.sum()")
-    diagnose.preflight(model)
+    preflight(model)
     root, _ = unwrap(model)
     bad_input = input_origin(args, kwargs)
     tracker = _Tracker(root, record_nodes=backward)

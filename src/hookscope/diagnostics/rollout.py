@@ -26,7 +26,7 @@ from torch import nn
 
 from hookscope.diagnostics.attention import attention, attention_gradients
 from hookscope.diagnostics.gradcam import check_class_target, class_scores
-from hookscope.engine.checks import check_flag
+from hookscope.engine import check_flag
 from hookscope.errors import AttentionError
 
 __all__ = ["rollout"]

@@ -39,7 +39,14 @@ from torch import nn
 
 from hookscope.editing import rules as edit_rules
 from hookscope.editing.sources import Source, SourceReader
-from hookscope.engine.checks import (
+from hookscope.engine import (
+    HookSession,
+    MaskWatcher,
+    ModuleIndex,
+    OnUnfired,
+    Target,
+    apply_edit,
+    as_patterns,
     check_arity,
     check_callable,
     check_finite,
@@ -48,17 +55,16 @@ from hookscope.engine.checks import (
     check_nonempty,
     check_number,
     check_positions,
+    in_recompute,
+    inside,
+    kind_of,
+    resolve_each,
+    unwrap,
 )
-from hookscope.engine.hooks import in_recompute
-from hookscope.engine.kinds import apply_edit, inside, kind_of
-from hookscope.engine.layout import MaskWatcher
-from hookscope.engine.names import ModuleIndex
-from hookscope.engine.names import index as module_index
-from hookscope.engine.select import Target, as_patterns, unwrap
-from hookscope.engine.session import HookSession, OnUnfired, resolve_each
+from hookscope.engine import index as module_index
 from hookscope.errors import ArgumentTypeError, EditError, warn
-from hookscope.record.positions import Heads, Over, Positions, check_over
-from hookscope.util.nested import get_part, iter_tensors, set_part
+from hookscope.record import Heads, Over, Positions, check_over
+from hookscope.util import get_part, iter_tensors, set_part
 
 __all__ = ["Edit", "edit", "ablate", "patch", "steer"]
 

@@ -30,8 +30,8 @@ from hookscope.engine.select import Target
 from hookscope.engine.wrappers import wrapped_attribute
 from hookscope.errors import FusedModuleWarning, HookscopeError
 
-__all__ = ["preflight", "check_targets", "witnesses", "explain_unfired", "explain_no_hooks",
-           "locate_error", "refuse_export_trace", "COMPILED"]
+__all__ = ["preflight", "check_targets", "witnesses", "explain_unfired", "explain_no_hooks", "locate_error",
+           "refuse_export_trace", "COMPILED", "other_threads"]
 
 COMPILED = "<torch.compile wrapper>"  # witness key of an OptimizedModule around the model
 

@@ -50,7 +50,7 @@ from hookscope.engine.standard_names import is_standard, resolve_standard
 from hookscope.engine.wrappers import unwrap
 from hookscope.errors import SelectorError
 
-__all__ = ["Target", "select", "resolve", "unwrap", "is_container", "ROOT"]
+__all__ = ["Target", "select", "resolve", "unwrap", "is_container", "ROOT", "as_patterns"]
 
 _PART = re.compile(r"\[([^\[\]]+)\]$")
 _INNER_INDEX = re.compile(r"\[\s*(['\"]?)([^\[\]'\"]+)\1\s*\](?=[.\[]|$)")

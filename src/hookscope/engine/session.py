@@ -45,6 +45,8 @@ from hookscope.errors import (
     warn,
 )
 
+__all__ = ["HookSession", "Observer", "OnUnfired", "resolve_checked", "resolve_each"]
+
 OnUnfired = Literal["warn", "error", "ignore"]
 
 

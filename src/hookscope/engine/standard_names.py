@@ -38,6 +38,8 @@ from torch import nn
 from hookscope.engine.names import ModuleIndex
 from hookscope.errors import SelectorError
 
+__all__ = ["Structure", "blocks_of", "is_standard", "resolve_standard", "standard_names"]
+
 Part = int | str
 
 BLOCKS = ("h", "layers", "layer", "blocks")

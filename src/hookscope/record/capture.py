@@ -22,33 +22,43 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.engine import compiled, copy_on_write
-from hookscope.engine.checks import (
+from hookscope.engine import (
+    NO_VALUES_FIX,
+    HookSession,
+    MaskWatcher,
+    OnUnfired,
+    OwnedHook,
+    Target,
+    as_patterns,
     check_device,
     check_dtype,
     check_flag,
     check_model,
+    check_no_unmasked_padding,
     check_options,
-)
-from hookscope.engine.hooks import OwnedHook, in_recompute, nothing, output_of
-from hookscope.engine.layout import MaskWatcher, check_no_unmasked_padding
-from hookscope.engine.select import Target, as_patterns, unwrap
-from hookscope.engine.session import HookSession, OnUnfired
-from hookscope.engine.values import (
-    NO_VALUES_FIX,
+    eager_copy,
+    eager_when_called,
+    fullgraph,
     holds_no_values,
+    in_recompute,
     keepable,
     kept_note,
+    lazy_copy,
     no_values_reason,
+    nothing,
+    output_of,
+    shares_memory,
     special,
+    unwrap,
+    version_of,
 )
 from hookscope.errors import CaptureError, warn
 from hookscope.record.grads import converter, require_grad_mode, watch_inputs, watch_output
 from hookscope.record.records import CallInputs, Entry, RecordKey, Records
 from hookscope.record.reductions import REDUCTIONS, Reduce, Reduction, reduction
-from hookscope.util.nested import get_part, iter_tensors, map_tensors
+from hookscope.util import get_part, iter_tensors, map_tensors
 
-__all__ = ["Capture", "CaptureOptions", "CallInputs", "capture", "run"]  # CallInputs: records.py
+__all__ = ["Capture", "CaptureOptions", "CallInputs", "capture", "run", "capture_options"]
 
 Tensor = torch.Tensor
 
@@ -127,7 +137,7 @@ class Capture(HookSession, Records):
         """Refuse, on entry, what a ``torch.compile(fullgraph=True)`` graph cannot hold: these
         hooks run outside the graph (``engine.hooks._untraced``), which splits it, and
         fullgraph forbids a split (torch would raise its own ``Unsupported`` at the call)."""
-        if not compiled.fullgraph(self.model):
+        if not fullgraph(self.model):
             return
         options = self._options
         why = {
@@ -310,13 +320,13 @@ class Capture(HookSession, Records):
                     kept = kept.to(device=to, dtype=dtype)
                 if reduce is not None:
                     kept = reduce(kept, _mask_of(watcher, kept, reduce))
-                if not copy_on_write.shares_memory(kept, t):
+                if not shares_memory(kept, t):
                     return kept
             if clone is None:
-                return copy_on_write.keep(kept)
+                return lazy_copy(kept)
             if clone:
                 return kept.clone()
-            counter = copy_on_write.version(kept)
+            counter = version_of(kept)
             if counter is not None:  # inference tensors have no version counter
                 slot.versions.append((len(slot.outputs), kept, counter))
             return kept
@@ -424,7 +434,7 @@ class _PlainHook(OwnedHook):
         self.outputs, self.slot, self.snapshot = slot.outputs, slot, snapshot
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
-        # OwnedHook.__call__'s checks and copy_on_write.keep / values.special inlined (a frame
+        # OwnedHook.__call__'s checks and lazy_copy / values.special inlined (a frame
         # less per call: keep them in step); compiling first: dynamo must not trace on
         if _compiling() or module is not self.module or _get_ident() != self.thread or _graph_task_id() != -1:
             return OwnedHook.__call__(self, module, args, output)  # a copy, a thread, a recompute
@@ -452,7 +462,7 @@ class _PlainHook(OwnedHook):
             self.outputs.append(self.snapshot(output, self.slot))
 
 
-compiled.eager_when_called(_PlainHook.__call__.__code__)
+eager_when_called(_PlainHook.__call__.__code__)
 
 
 def _first_tensor(outputs: list[Any]) -> Tensor | None:
@@ -490,7 +500,7 @@ def _part(output: Any, slot: _Slot) -> Any:
 def _keep_input(t: Tensor, clone: bool | None) -> Tensor:
     """An input as the module received it, safe from later in-place writes (``engine.copy_on_write``)."""
     t = keepable(t, "an input")
-    return copy_on_write.copy(t) if clone else copy_on_write.keep(t)
+    return eager_copy(t) if clone else lazy_copy(t)
 
 
 def _regrad(slots: list[_Slot], output: Any, convert: Callable[[Tensor], Tensor]) -> None:

@@ -28,14 +28,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from hookscope.engine.checks import check_options
-from hookscope.engine.layout import layout_of
-from hookscope.engine.select import Target, unwrap
-from hookscope.engine.session import Observer, OnUnfired
+from hookscope.engine import Observer, OnUnfired, Target, check_options, layout_of, unwrap
 from hookscope.errors import CaptureError, HookscopeError
 from hookscope.record.capture import Capture, capture, capture_options
 from hookscope.record.positions import tokens_first
-from hookscope.util.files import write_atomic
+from hookscope.util import write_atomic
 
 __all__ = ["Step", "GenerationRecord", "GenerationCapture", "capture_generation"]
 

@@ -7,6 +7,9 @@ README.
 Imports ``record``, the engine, ``errors`` and ``util``.
 """
 
+from hookscope.store.extract import SHARD_BYTES, SHARD_SECONDS, extract
+from hookscope.store.folder import check_output
+from hookscope.store.probe import ProbeResult, probe
 from hookscope.store.reader import (
     FORMAT,
     LayerInfo,
@@ -21,5 +24,6 @@ from hookscope.store.reader import (
 )
 from hookscope.store.tokens import TokenStream, TokenView, pad_rows
 
-__all__ = ["FORMAT", "LayerInfo", "LayerView", "ShardInfo", "Store", "StoreDataset", "chunk_sums",
-           "dtype_name", "open_store", "pad_rows", "read_manifest", "TokenStream", "TokenView"]
+__all__ = ["FORMAT", "LayerInfo", "LayerView", "ProbeResult", "SHARD_BYTES", "SHARD_SECONDS", "ShardInfo",
+           "Store", "StoreDataset", "TokenStream", "TokenView", "check_output", "chunk_sums", "dtype_name",
+           "extract", "open_store", "pad_rows", "probe", "read_manifest"]

@@ -40,10 +40,17 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from hookscope.engine.kinds import kind_of, rows_for, values_for
-from hookscope.engine.names import one_index_per_call
-from hookscope.engine.run import input_device, model_inputs, untouched
-from hookscope.engine.select import as_patterns, resolve
+from hookscope.engine import (
+    as_patterns,
+    input_device,
+    kind_of,
+    model_inputs,
+    one_index_per_call,
+    resolve,
+    rows_for,
+    untouched,
+    values_for,
+)
 from hookscope.errors import (
     ExtractError,
     ExtractInterrupted,
@@ -53,8 +60,7 @@ from hookscope.errors import (
     SelectorError,
     warn,
 )
-from hookscope.record.capture import Capture, capture
-from hookscope.record.reductions import Reduce, Reduction, reduction, reduction_name
+from hookscope.record import Capture, Reduce, Reduction, capture, reduction, reduction_name
 from hookscope.store.batches import BatchSource
 from hookscope.store.folder import check_output, prepare_output, writing
 from hookscope.store.manifest import COLUMN_PREFIX, tensor_specs
@@ -75,9 +81,9 @@ from hookscope.store.writer import (
     join_parts,
     read_part,
 )
-from hookscope.util.nested import describe_keys, iter_tensors, map_tensors
+from hookscope.util import describe_keys, iter_tensors, map_tensors
 
-__all__ = ["Reduce", "check_output", "extract"]
+__all__ = ["Reduce", "check_output", "extract", "SHARD_BYTES", "SHARD_SECONDS"]
 
 Tensor = torch.Tensor
 SHARD_BYTES = 256 * 2**20

@@ -27,6 +27,8 @@ from transformers import TrainerCallback
 from hookscope.errors import HookscopeError
 from hookscope.train.monitor import GuardMode, Monitor, monitor
 
+__all__ = ["HookscopeCallback"]
+
 
 class HookscopeCallback(TrainerCallback):
     """A ``TrainerCallback`` that runs ``hookscope.monitor`` over ``Trainer.train()``.
