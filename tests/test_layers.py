@@ -220,7 +220,7 @@ def test_every_module_has_one_path() -> None:
 #: (``m.register_forward_hook``), an imported name (``from signal import signal``) or a string
 #: (``getattr(m, "register_forward_hook")``, ``importlib.import_module("copyreg")``).
 _HOOK_DOOR = {"engine/hooks.py"}
-_TABLES_READ = {"engine/hooks.py", "diagnostics/inventory.py"}  # hooks() lists, remove_hooks clears
+_TABLES_READ = _HOOK_DOOR  # hooks() lists them and remove_hooks clears them through the door
 WAYS_IN: dict[str, set[str]] = {
     **{name: _HOOK_DOOR for name in TORCH_HOOK_API | {"register_post_accumulate_grad_hook"}},
     **{table: _TABLES_READ for table in (
@@ -228,7 +228,7 @@ WAYS_IN: dict[str, set[str]] = {
         "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
         "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
         "_global_backward_pre_hooks", "_global_forward_hooks_always_called",
-        "_global_forward_hooks_with_kwargs")},
+        "_global_forward_hooks_with_kwargs", "_is_full_backward_hook", "_global_is_full_backward_hook")},
     # a function mode is entered only through engine.function_mode (nonfinite's watcher is a
     # TorchFunctionMode that function_mode.entered puts on and takes off)
     "TorchFunctionMode": {"engine/function_mode.py", "diagnostics/nonfinite.py"},

@@ -45,6 +45,8 @@ from hookscope.engine.hooks import (
     on_tensor_grad,
     output_of,
     owner,
+    registered,
+    unregister,
 )
 from hookscope.engine.kinds import apply_edit, comparable, describe, inside, kind_of, rows_for, values_for
 from hookscope.engine.layout import (
@@ -94,6 +96,7 @@ __all__ = ["FunctionCall", "HookSession", "KNOWN_LIBRARIES", "Layout", "MaskWatc
            "index", "input_device", "inside", "is_container", "keepable", "kept_note", "kind_of",
            "layout_of", "lazy_copy", "library_of", "locate_error", "model_inputs", "no_values_reason",
            "nothing", "on_optimizer_step", "on_tensor_grad", "one_index_per_call", "output_of",
-           "outside_inference", "owner", "preflight", "refuse_uninterceptable", "resolve", "resolve_checked",
-           "resolve_each", "rows_for", "select", "shares_memory", "special", "standard_names",
-           "state_snapshot", "untouched", "unwrap", "values_for", "version_of"]
+           "outside_inference", "owner", "preflight", "refuse_uninterceptable", "registered", "resolve",
+           "resolve_checked", "resolve_each", "rows_for", "select", "shares_memory", "special",
+           "standard_names", "state_snapshot", "unregister", "untouched", "unwrap", "values_for",
+           "version_of"]

@@ -41,13 +41,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
 from hookscope.engine import compiled
 from hookscope.engine.diagnose import refuse_export_trace
 
 __all__ = ["OwnedHook", "output_of", "nothing", "ModuleHooks", "register", "owner",
-           "on_tensor_grad", "on_node", "on_optimizer_step", "after_backward", "in_recompute"]
+           "on_tensor_grad", "on_node", "on_optimizer_step", "after_backward", "in_recompute",
+           "MODULE_TABLES", "GLOBAL_TABLES", "MODULE_FLAGS", "GLOBAL_FLAGS", "registered", "unregister"]
 
 _graph_task_id = torch._C._current_graph_task_id
 _get_ident = threading.get_ident
@@ -356,6 +358,52 @@ def after_backward(function: Callable[[], Any]) -> None:
     hooks take a forward run from it for a checkpoint recompute (``in_recompute``), so it must
     not run forwards of its own; an exception it raises leaves ``backward()``."""
     torch.autograd.Variable._execution_engine.queue_callback(function)
+
+
+# ------------------------------------------------------------------ torch's hook tables
+#: kind -> the attribute of a module holding its ``{handle id: hook}`` (torch's private tables;
+#: ``tests/test_hooks_inventory.py`` fails loudly if torch renames one)
+MODULE_TABLES = {"forward_pre": "_forward_pre_hooks", "forward": "_forward_hooks",
+                 "backward_pre": "_backward_pre_hooks", "backward": "_backward_hooks"}
+#: kind -> the attribute of ``torch.nn.modules.module`` holding the global module hooks
+GLOBAL_TABLES = {"global_forward_pre": "_global_forward_pre_hooks",
+                 "global_forward": "_global_forward_hooks",
+                 "global_backward_pre": "_global_backward_pre_hooks",
+                 "global_backward": "_global_backward_hooks"}
+#: tables keyed by the same ids that flag a hook (``with_kwargs=True``, ``always_call=True``)
+MODULE_FLAGS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+                "_forward_hooks_always_called")
+GLOBAL_FLAGS = ("_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called")
+
+
+def registered(module: nn.Module | None) -> list[tuple[str, int, Any]]:
+    """``(kind, handle id, hook)`` of each hook in ``module``'s own tables (``None``: torch's
+    global module hooks), table by table in ``MODULE_TABLES``/``GLOBAL_TABLES`` order. Reads
+    only: who registered them is not asked (``hooks(model)`` lists them)."""
+    owner_of, tables = (torch_module, GLOBAL_TABLES) if module is None else (module, MODULE_TABLES)
+    return [(kind, hook_id, hook) for kind, attr in tables.items()
+            for hook_id, hook in getattr(owner_of, attr).items()]
+
+
+def unregister(module: nn.Module | None, kind: str, hook_id: int) -> None:
+    """Remove hook ``hook_id`` of ``kind`` (a key of ``MODULE_TABLES``, or of ``GLOBAL_TABLES``
+    when ``module`` is None) whose handle is lost, leaving torch's tables as they were before it
+    was registered: its flags go too (torch's own ``RemovableHandle.remove`` leaves a global
+    hook's ``with_kwargs`` flag behind), and once no backward hook is left the "full backward
+    hook" mark goes back to unset (else a later ``register_backward_hook`` /
+    ``register_module_backward_hook`` raises 'Cannot use both regular backward hooks and full
+    backward hooks')."""
+    if module is None:
+        owner_of, table, flags = torch_module, GLOBAL_TABLES[kind], GLOBAL_FLAGS
+        mark = "_global_is_full_backward_hook"
+    else:
+        owner_of, table, flags, mark = module, MODULE_TABLES[kind], MODULE_FLAGS, "_is_full_backward_hook"
+    hooks = getattr(owner_of, table)
+    hooks.pop(hook_id, None)
+    for flag in flags:
+        getattr(owner_of, flag).pop(hook_id, None)
+    if kind.endswith("backward") and not hooks:
+        setattr(owner_of, mark, None)
 
 
 def in_recompute() -> bool:
