@@ -229,14 +229,16 @@ WAYS_IN: dict[str, set[str]] = {
         "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
         "_global_backward_pre_hooks", "_global_forward_hooks_always_called",
         "_global_forward_hooks_with_kwargs", "_is_full_backward_hook", "_global_is_full_backward_hook")},
-    # a function mode is entered only through engine.function_mode (nonfinite's watcher is a
-    # TorchFunctionMode that function_mode.entered puts on and takes off)
-    "TorchFunctionMode": {"engine/function_mode.py", "diagnostics/nonfinite.py"},
+    # a function mode is made and entered only in engine.function_mode (find_nonfinite's watcher
+    # is its each_call)
+    "TorchFunctionMode": {"engine/function_mode.py"},
     "TorchDispatchMode": set(),
-    # SIGINT: the engine's stand-in; the CLI's exit message and extract's graceful stop are the
-    # two handlers the issue names to move behind it (left as they are, see the README's note)
-    "signal": {"engine/interrupts.py", "cli/main.py", "store/extract.py"},
+    # SIGINT: the engine's stand-in, extract's graceful stop and the CLI's exit at an interrupt
+    "signal": {"engine/interrupts.py"},
     "copyreg": {"engine/copies.py"},
+    # the ownership check (not a checkpoint recompute) is the door's: capture's hot path had a
+    # copy of OwnedHook's checks; it is the door's RecordingHook now
+    "_current_graph_task_id": _HOOK_DOOR,
     "settrace": set(), "setprofile": set(),
 }
 
@@ -278,3 +280,49 @@ def test_the_door_test_sees_every_spelling() -> None:
     assert ways_in("t.register_post_accumulate_grad_hook(f)") == {
         "register_post_accumulate_grad_hook": [1]}
     assert ways_in("class M(TorchDispatchMode): pass") == {"TorchDispatchMode": [1]}
+
+
+# ------------------------------------------------------------------ the door's floor
+def _imported_files(path: Path) -> set[Path]:
+    """The hookscope files ``path`` imports directly: ``from pkg import module`` that module,
+    ``from pkg import name`` the package's face (``__init__``). (Python runs the package's
+    ``__init__`` first in both cases; a floor is what a module's own code needs.)"""
+    found = set()
+    for module, names in imports(path.read_text(encoding="utf-8")):
+        base = SRC.parent.joinpath(*module.split("."))
+        modules = [base / f"{name}.py" for name in names if (base / f"{name}.py").exists()]
+        if len(modules) < len(names) or not names:  # a face's names, or the module itself
+            modules.append(base / "__init__.py" if base.is_dir() else base.with_suffix(".py"))
+        found |= {m for m in modules if m.exists()}
+    return found
+
+
+def floor_of(path: Path) -> set[str]:
+    """Every hookscope file ``path`` stands on: what it imports, what those import, ... (itself
+    left out), as paths relative to ``src/hookscope``."""
+    seen: set[Path] = set()
+    todo = [path]
+    while todo:
+        for found in _imported_files(todo.pop()) - seen:
+            seen.add(found)
+            todo.append(found)
+    return {str(p.relative_to(SRC)) for p in seen - {path}}
+
+
+#: the ground floor: the door and the engine modules it owns stand only on these
+GROUND = {"engine/hooks.py", "engine/compiled.py", "engine/function_names.py", "errors.py"}
+
+
+@pytest.mark.parametrize("where", sorted({f for files in WAYS_IN.values() for f in files}))
+def test_every_door_stands_on_the_ground_floor(where: str) -> None:
+    """Issue 34 item 2: the door imported diagnose -> select -> names ..., floor 6 of the
+    engine's 8 (and function_mode, a door for function modes, stood on diagnose too): a way into
+    torch's hook machinery must not depend on the selection language or the sessions above it."""
+    assert floor_of(SRC / where) <= GROUND
+    assert floor_of(SRC / "engine" / "hooks.py") == {"engine/compiled.py", "errors.py"}
+
+
+def test_the_floor_is_read_through_every_import() -> None:
+    select = floor_of(SRC / "engine" / "select.py")
+    assert {"engine/names.py", "engine/wrappers.py", "engine/checks.py", "errors.py"} <= select
+    assert "engine/hooks.py" not in select

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import pkgutil
-import signal
 import sys
 import warnings
 from types import ModuleType
@@ -24,6 +22,7 @@ from typing import NoReturn, TextIO
 
 import hookscope
 from hookscope.cli._common import refuse_repeats
+from hookscope.engine import exit_at_interrupt
 from hookscope.errors import (
     ArgumentTypeError,
     ArgumentValueError,
@@ -103,14 +102,8 @@ def run() -> None:
     exit; a Ctrl-C that lands after the verb has returned (while Python shuts down) still
     exits 130 with one line instead of a traceback from an exit handler."""
     code = main()
-    signal.signal(signal.SIGINT, _interrupted_at_exit)
+    exit_at_interrupt("interrupted", 130)
     raise SystemExit(code)
-
-
-def _interrupted_at_exit(signum: int, frame: object) -> None:
-    sys.stdout.flush()
-    print("interrupted", file=sys.stderr, flush=True)
-    os._exit(130)
 
 
 def main(argv: list[str] | None = None) -> int:

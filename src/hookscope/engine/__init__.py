@@ -31,13 +31,14 @@ from hookscope.engine.checks import (
     check_tensor,
     check_token_ids,
 )
-from hookscope.engine.compiled import eager_when_called, fullgraph
+from hookscope.engine.compiled import eager_when_called
 from hookscope.engine.copy_on_write import eager_copy, lazy_copy, shares_memory, version_of
-from hookscope.engine.diagnose import explain_no_hooks, locate_error, preflight
-from hookscope.engine.function_mode import FunctionCall, Watch, entered
+from hookscope.engine.diagnose import explain_no_hooks, fullgraph, locate_error, preflight
+from hookscope.engine.function_mode import FunctionCall, Watch, each_call
 from hookscope.engine.function_names import bind_arguments, functional_hint, refuse_uninterceptable
 from hookscope.engine.hooks import (
     OwnedHook,
+    RecordingHook,
     after_backward,
     in_recompute,
     nothing,
@@ -48,6 +49,7 @@ from hookscope.engine.hooks import (
     registered,
     unregister,
 )
+from hookscope.engine.interrupts import GracefulStop, exit_at_interrupt
 from hookscope.engine.kinds import apply_edit, comparable, describe, inside, kind_of, rows_for, values_for
 from hookscope.engine.layout import (
     NO_TOKENS,
@@ -84,19 +86,19 @@ from hookscope.engine.values import (
 )
 from hookscope.engine.wrappers import unwrap
 
-__all__ = ["FunctionCall", "HookSession", "KNOWN_LIBRARIES", "Layout", "MaskWatcher", "ModuleIndex",
-           "NO_TOKENS", "NO_VALUES_FIX", "Observer", "OnUnfired", "OwnedHook", "Part", "RecordKey",
-           "RngState", "Target", "Tokens", "Watch", "after_backward", "apply_edit", "as_patterns",
-           "bind_arguments", "check_arity", "check_callable", "check_device", "check_dtype", "check_finite",
-           "check_flag", "check_has_values", "check_int", "check_iterable", "check_model",
-           "check_no_unmasked_padding", "check_nonempty", "check_not_transformed", "check_number",
-           "check_options", "check_path", "check_positions", "check_run_dir", "check_tensor",
-           "check_token_ids", "comparable", "describe", "detached_clones", "eager_copy", "eager_when_called",
-           "entered", "explain_no_hooks", "fullgraph", "functional_hint", "holds_no_values", "in_recompute",
-           "index", "input_device", "inside", "is_container", "keepable", "kept_note", "kind_of",
-           "layout_of", "lazy_copy", "library_of", "locate_error", "model_inputs", "no_values_reason",
-           "nothing", "on_optimizer_step", "on_tensor_grad", "one_index_per_call", "output_of",
-           "outside_inference", "owner", "preflight", "refuse_uninterceptable", "registered", "resolve",
-           "resolve_checked", "resolve_each", "rows_for", "select", "shares_memory", "special",
-           "standard_names", "state_snapshot", "unregister", "untouched", "unwrap", "values_for",
-           "version_of"]
+__all__ = ["FunctionCall", "RecordingHook", "GracefulStop", "exit_at_interrupt", "HookSession",
+           "KNOWN_LIBRARIES", "Layout", "MaskWatcher", "ModuleIndex", "NO_TOKENS", "NO_VALUES_FIX",
+           "Observer", "OnUnfired", "OwnedHook", "Part", "RecordKey", "RngState", "Target", "Tokens",
+           "Watch", "after_backward", "apply_edit", "as_patterns", "bind_arguments", "check_arity",
+           "check_callable", "check_device", "check_dtype", "check_finite", "check_flag", "check_has_values",
+           "check_int", "check_iterable", "check_model", "check_no_unmasked_padding", "check_nonempty",
+           "check_not_transformed", "check_number", "check_options", "check_path", "check_positions",
+           "check_run_dir", "check_tensor", "check_token_ids", "comparable", "describe", "detached_clones",
+           "eager_copy", "eager_when_called", "each_call", "explain_no_hooks", "fullgraph",
+           "functional_hint", "holds_no_values", "in_recompute", "index", "input_device", "inside",
+           "is_container", "keepable", "kept_note", "kind_of", "layout_of", "lazy_copy", "library_of",
+           "locate_error", "model_inputs", "no_values_reason", "nothing", "on_optimizer_step",
+           "on_tensor_grad", "one_index_per_call", "output_of", "outside_inference", "owner", "preflight",
+           "refuse_uninterceptable", "registered", "resolve", "resolve_checked", "resolve_each", "rows_for",
+           "select", "shares_memory", "special", "standard_names", "state_snapshot", "unregister",
+           "untouched", "unwrap", "values_for", "version_of"]

@@ -28,6 +28,7 @@ from hookscope.engine import (
     MaskWatcher,
     OnUnfired,
     OwnedHook,
+    RecordingHook,
     Target,
     as_patterns,
     check_device,
@@ -37,7 +38,6 @@ from hookscope.engine import (
     check_no_unmasked_padding,
     check_options,
     eager_copy,
-    eager_when_called,
     fullgraph,
     holds_no_values,
     in_recompute,
@@ -181,7 +181,9 @@ class Capture(HookSession, Records):
             # the hot path: one record of its whole output per module (each module is selected
             # once), registered in bulk in module order
             thread = threading.get_ident()
-            self._own_forward([_PlainHook(slot, self._snapshot, thread) for slot in on_modules])
+            self._own_forward([RecordingHook(slot.outputs, slot.target.module,
+                                             _snapshot_of(self._snapshot, slot), thread)
+                               for slot in on_modules])
         else:
             for module, slots in _by_module(on_modules).items():
                 self._register_module(module, slots)
@@ -248,7 +250,7 @@ class Capture(HookSession, Records):
     # ----------------------------------------------------------------- hooks
     def _plain_options(self) -> bool:
         """True when no option asks for more than the output as it is: a module with one
-        record of its whole output then takes the hot path (``_PlainHook``)."""
+        record of its whole output then takes the hot path (``engine.RecordingHook``)."""
         options = self._options
         return options.clone is None and not (options.inputs or options.grads or options.grad_inputs
                                               or options.to is not None or options.dtype is not None
@@ -417,52 +419,9 @@ def _by_module(slots: list[_Slot]) -> dict[nn.Module, list[_Slot]]:
     return grouped
 
 
-class _PlainHook(OwnedHook):
-    """The hot path of a capture: one record of a module's whole output, no options.
-
-    ``OwnedHook``'s checks (own module, own thread, not a recompute, not traced) and the
-    copy-on-write keep (``engine.copy_on_write``) are inlined in one ``__call__``: per call this costs
-    about what a bare hook appending ``detach()`` costs. Every other call (a copy of the module,
-    another thread, a recompute, a torch.compile trace) goes through ``OwnedHook.__call__``.
-    """
-
-    __slots__ = ("outputs", "slot", "snapshot")
-
-    def __init__(self, slot: _Slot, snapshot: Callable[[Any, _Slot], Any], thread: int):
-        super().__init__(self._record, slot.target.module, traceable=True, thread=thread,
-                         pick=output_of, on_kept=self._kept)
-        self.outputs, self.slot, self.snapshot = slot.outputs, slot, snapshot
-
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
-        # OwnedHook.__call__'s checks and lazy_copy / values.special inlined (a frame
-        # less per call: keep them in step); compiling first: dynamo must not trace on
-        if _compiling() or module is not self.module or _get_ident() != self.thread or _graph_task_id() != -1:
-            return OwnedHook.__call__(self, module, args, output)  # a copy, a thread, a recompute
-        # no functorch transform running: no output can be a transform's wrapper (a cheaper
-        # test than asking the output); under one, snapshot() asks the output itself
-        if (type(output) is Tensor and not output.requires_grad and not output.is_quantized
-                and not _transforms_active()):
-            try:
-                self.outputs.append(_lazy_clone(output))
-                return None
-            except (NotImplementedError, RuntimeError):  # no copy-on-write storage
-                pass
-        self.outputs.append(self.snapshot(output, self.slot))
-        return None
-
-    def _record(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.outputs.append(self.snapshot(output, self.slot))
-
-    def _kept(self, output: Any) -> None:
-        """A compiled call's output (``engine.compiled``): already a detached copy of its own,
-        so a plain tensor is kept as it is."""
-        if type(output) is Tensor and not output.is_quantized:
-            self.outputs.append(output)
-        else:
-            self.outputs.append(self.snapshot(output, self.slot))
-
-
-eager_when_called(_PlainHook.__call__.__code__)
+def _snapshot_of(snapshot: Callable[[Any, _Slot], Any], slot: _Slot) -> Callable[[Any], Any]:
+    """``snapshot`` for ``slot``'s outputs: what its ``RecordingHook`` keeps of an output."""
+    return lambda output: snapshot(output, slot)
 
 
 def _first_tensor(outputs: list[Any]) -> Tensor | None:
@@ -528,11 +487,6 @@ def _inputs_hook(slots: list[_Slot], clone: bool | None) -> Callable[..., None]:
     return hook
 
 
-_transforms_active = torch._C._are_functorch_transforms_active
-_compiling = torch.compiler.is_compiling
-_get_ident = threading.get_ident
-_graph_task_id = torch._C._current_graph_task_id
-_lazy_clone = torch._lazy_clone
 
 
 def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool = False,

@@ -27,9 +27,7 @@ import contextlib
 import itertools
 import os
 import secrets
-import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -41,6 +39,7 @@ from torch import nn
 from tqdm import tqdm
 
 from hookscope.engine import (
+    GracefulStop,
     as_patterns,
     input_device,
     kind_of,
@@ -180,7 +179,7 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
         job = _Job(model, keys, reducer, dtype, source, ranks, progress, shard_bytes, shard_seconds,
                    early_stop)
         # the stop first: hookscope's own interrupt guards (untouched, capture) stand in for it
-        with _GracefulStop() as job.stop, untouched(model), torch.no_grad():
+        with GracefulStop(_STOP_MESSAGE) as job.stop, untouched(model), torch.no_grad():
             model.eval()  # untouched: once around the loop; restores the mode too
             _extract(job, folder, header, resume=resume, overwrite=overwrite)
     finally:
@@ -229,36 +228,11 @@ class _Job:
     device: torch.device | None = None  # where inputs go (input_device), found once per run
     batch_bytes: int = 0  # bytes of the first batch's rows, to size the staging slabs
     session: Capture | None = None  # the capture open across the batches after the first
-    stop: _GracefulStop | None = None  # set while the run is on: a Ctrl-C asks it to stop
+    stop: GracefulStop | None = None  # set while the run is on: a Ctrl-C asks it to stop
 
-
-class _GracefulStop:
-    """Within the block (main thread, Python's default SIGINT handler in place), the first
-    Ctrl-C only asks the run to stop once the batch in progress is stored, so the rows of the
-    open shard are written, not lost; a second Ctrl-C raises ``KeyboardInterrupt`` at once (the
-    open shard's rows are lost, the written shards stay). Elsewhere it does nothing."""
-
-    def __init__(self) -> None:
-        self.asked, self.installed = False, False
-
-    def __enter__(self) -> _GracefulStop:
-        if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            signal.signal(signal.SIGINT, self._handler)
-            self.installed = True
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.installed:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        if self.asked:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            raise KeyboardInterrupt
-        self.asked = True
-        print("\nextract: Ctrl-C: stopping once this batch is stored (Ctrl-C again to stop at "
-              "once, losing the rows of the open shard)", file=sys.stderr, flush=True)
+#: what a first Ctrl-C says (``engine.GracefulStop``): the run ends once the batch is stored
+_STOP_MESSAGE = ("\nextract: Ctrl-C: stopping once this batch is stored (Ctrl-C again to stop at "
+                 "once, losing the rows of the open shard)")
 
 
 def _extract(job: _Job, folder: Path, header: dict[str, Any], *,
