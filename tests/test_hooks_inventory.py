@@ -6,6 +6,7 @@ import copy
 import functools
 import warnings
 
+import pytest
 import torch
 import torch.ao.quantization as tq
 from torch import nn
@@ -14,7 +15,15 @@ from torch.nn.utils import weight_norm
 from torch.nn.utils.weight_norm import WeightNorm
 
 import hookscope
-from hookscope.engine.hooks import GLOBAL_FLAGS, GLOBAL_TABLES, MODULE_FLAGS, MODULE_TABLES
+from hookscope.engine.hooks import (
+    GLOBAL_FLAGS,
+    GLOBAL_TABLES,
+    MODULE_FLAGS,
+    MODULE_TABLES,
+    ModuleHooks,
+    OwnedHook,
+    register,
+)
 from tests.models import MlpStack
 
 
@@ -163,3 +172,27 @@ def test_28_quantization_observers_are_internal_and_calibration_still_records() 
     prepared(torch.full((1, 1, 8, 8), 3.0))
     observer = prepared.quant.activation_post_process
     assert float(observer.max_val) == 3.0  # the observer still sees calibration data
+
+
+@pytest.mark.parametrize(("pre", "with_kwargs"), [(False, False), (True, False), (False, True), (True, True)])
+def test_the_doors_bulk_hooks_are_what_torchs_registration_writes(pre: bool, with_kwargs: bool) -> None:
+    """Issue 34 item 2: ``ModuleHooks`` writes torch's tables beside ``register`` (in the door,
+    for speed): the same tables, the same flags, the hook in the same place as torch's
+    ``register_forward_(pre_)hook`` puts it, and ``remove`` leaves them as they were."""
+    def tables(module: nn.Module) -> dict[str, list[object]]:
+        return {attr: list(getattr(module, attr).values())
+                for attr in (*MODULE_TABLES.values(), *MODULE_FLAGS)}
+
+    by_torch, by_door = nn.Linear(2, 2), nn.Linear(2, 2)
+    empty = tables(by_door)
+    hook = OwnedHook(lambda *a: None, by_torch)
+    handle = register(by_torch, hook, pre=pre, with_kwargs=with_kwargs)
+    bulk = ModuleHooks()
+    owned = OwnedHook(lambda *a: None, by_door)
+    bulk.add(owned, pre=pre, with_kwargs=with_kwargs)
+    expected = {attr: [owned.__call__ if v == hook.__call__ else v for v in values]
+                for attr, values in tables(by_torch).items()}
+    assert tables(by_door) == expected and expected != empty
+    handle.remove()
+    bulk.remove()
+    assert tables(by_door) == empty == tables(by_torch)
