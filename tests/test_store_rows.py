@@ -188,7 +188,7 @@ def test_a_class_folder_gives_relative_paths_and_folder_labels(
     expected = _write_class_folders(tmp_path / "photos")
     out = tmp_path / "s"
     argv = ["extract", "tests.models:LeNet", "--image-size", "32", "--data",
-            str(tmp_path / "photos"), "--layer", "fc1", "--batch-size", "3", "--out", str(out),
+            str(tmp_path / "photos"), "--layers", "fc1", "--batch-size", "3", "--out", str(out),
             "--no-progress"]
     torch.manual_seed(0)  # LeNet's weights, here and below
     assert main(argv) == 0

@@ -89,20 +89,20 @@ def add_positional(parser: argparse.ArgumentParser, dest: str, metavar: str, hel
 
 
 def add_several(parser: argparse.ArgumentParser, flag: str, **options: Any) -> None:
-    """Add ``flag`` taking one or more values, repeatable (``--layer A B --layer C``)."""
+    """Add ``flag`` taking one or more values, repeatable (``--layers A B --layers C``)."""
     parser.add_argument(flag, action="extend", nargs="+", **options)
     several = parser.get_default("several") or ()
     parser.set_defaults(several=(*several, flag))
 
 
 def add_layer_argument(parser: argparse.ArgumentParser, *, required: bool, help: str) -> None:
-    """Add ``--layer PATTERN [PATTERN ...]`` (repeatable)."""
-    add_several(parser, "--layer", required=required, metavar="PATTERN", help=help)
+    """Add ``--layers PATTERN [PATTERN ...]`` (repeatable)."""
+    add_several(parser, "--layers", required=required, metavar="PATTERN", help=help)
 
 
 class _StoreOnce(argparse._StoreAction):
     """A single-value flag given twice is a usage error, not "the last one wins" silently
-    (``gradcam --layer 0 --layer 1`` once drew layer 1 only)."""
+    (``gradcam --layers 0 --layers 1`` once drew layer 1 only)."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
@@ -114,7 +114,7 @@ class _StoreOnce(argparse._StoreAction):
 
 
 def refuse_repeats(parser: argparse.ArgumentParser) -> None:
-    """Make every single-value option of ``parser`` (``--out DIR``, ``--layer PATH`` where one
+    """Make every single-value option of ``parser`` (``--out DIR``, ``--layers PATH`` where one
     is taken) refuse a repetition; options of several values (``add_several``) still extend."""
     for action in parser._actions:
         if type(action) is argparse._StoreAction and action.option_strings:

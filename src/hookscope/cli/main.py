@@ -47,7 +47,7 @@ EXIT_CODES = """exit codes:
        check found a problem (nan: a non-finite value, diff: a difference, show --verify:
        a damaged or incomplete store, monitor-report: the guard fired)
   2    usage: the command line asks for something that is not there or cannot be used (a
-       flag's value, the model spec, an input, a --layer address matching nothing in the
+       flag's value, the model spec, an input, a --layers address matching nothing in the
        model, an output path); nothing was written
   130  interrupted (Ctrl-C)"""
 

@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError("--hist-range needs --hist BINS: pass the number of bins too")
     if args.hist is not None and args.hist_range is None:
         batches = list(batches) if args.data is None else batches  # read twice: edges, then counts
-    result = stats(loaded.module, batches, layers=args.layer or "**", per_channel=per_channel,
+    result = stats(loaded.module, batches, layers=args.layers or "**", per_channel=per_channel,
                    early_stop=args.early_stop, hist=args.hist,
                    hist_range=tuple(args.hist_range) if args.hist_range else None)
     say(described)

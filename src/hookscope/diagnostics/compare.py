@@ -457,7 +457,7 @@ def _require_pairs(targets_a: dict[str, Target], targets_b: dict[str, Target],
         f"--pair auto), or by name rules, pair={{'h.{{i}}.attn': 'layers.{{i}}.attn'}} (hookscope "
         f"diff --pair 'h.{{i}}.attn=layers.{{i}}.attn'); or compare the submodules that "
         f"correspond, compare(model_a.encoder, model_b.backbone, x), or select names both have "
-        f"with layers=[...] (--layer)")
+        f"with layers=[...] (--layers)")
 
 
 def _require_hooks_fired(model: nn.Module, fired: bool) -> None:

@@ -102,12 +102,12 @@ def is_container(module: nn.Module) -> bool:
     return getattr(type(module), "forward", None) is nn.Module.forward
 
 
-def select(model: nn.Module, *patterns: str) -> dict[str, nn.Module]:
-    """Return the submodules that ``patterns`` name, keyed by path, in ``named_modules()`` order.
+def select(model: nn.Module, *layers: str) -> dict[str, nn.Module]:
+    """Return the submodules that the patterns ``layers`` name, keyed by path, in ``named_modules()`` order.
 
     Args:
         model: root module (wrappers are looked through, see the module docstring).
-        *patterns: exact paths, ``state_dict()`` keys, globs, ``re:``, ``type:`` patterns.
+        *layers: patterns: exact paths, ``state_dict()`` keys, globs, ``re:``, ``type:`` patterns.
             Output parts in brackets are accepted and ignored here.
 
     Returns:
@@ -119,7 +119,7 @@ def select(model: nn.Module, *patterns: str) -> dict[str, nn.Module]:
             in front), or names a container such as ``ModuleList`` exactly (the message gives
             the pattern of its children and how many modules that matches).
     """
-    return {t.path: t.module for t in resolve(model, patterns)}
+    return {t.path: t.module for t in resolve(model, layers)}
 
 
 def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str], *,
@@ -129,7 +129,7 @@ def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str], *,
     session builds it once); else it is built here. Raises ``SelectorError`` as ``select`` does."""
     if isinstance(patterns, str):
         patterns = [patterns]
-    check_nonempty("patterns", patterns, "'conv2', 'blocks.*', 'type:Linear' or '**' for every module")
+    check_nonempty("layers", patterns, "'conv2', 'blocks.*', 'type:Linear' or '**' for every module")
     names = index(model) if names is None else names
     if len(patterns) == 1 and isinstance(patterns[0], str):  # already distinct, in module order
         return _resolve_address(names, patterns[0].strip())

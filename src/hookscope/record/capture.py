@@ -1,8 +1,8 @@
 """Capture: record what selected modules return (and take, and receive as gradient) on every call.
 
-``capture(model, *patterns)`` is a context manager (a ``HookSession``, see ``engine.session``). On
-entry it resolves the patterns (errors come before anything is registered), then adds one forward
-hook per selected module; on exit it removes every hook it added, also on an exception or
+``capture(model, *layers)`` is a context manager (a ``HookSession``, see ``engine.session``). On
+entry it resolves the patterns ``layers`` (errors come before anything is registered), then adds
+one forward hook per selected module; on exit it removes every hook it added, also on an exception or
 ``KeyboardInterrupt``, and reports each selected module whose hook never fired.
 
 Captured values stay equal to what the module returned at that moment, even when a later in-place
@@ -109,9 +109,9 @@ class Capture(HookSession, Records):
     Raises (on reading): as ``Records``.
     """
 
-    def __init__(self, model: nn.Module, patterns: Sequence[str], options: CaptureOptions,
+    def __init__(self, model: nn.Module, layers: Sequence[str], options: CaptureOptions,
                  on_unfired: OnUnfired = "warn"):
-        HookSession.__init__(self, model, patterns, on_unfired)
+        HookSession.__init__(self, model, layers, on_unfired)
         kept = [name for name in ("inputs", "grads", "grad_inputs") if getattr(options, name)]
         self._slots = {t.key: _Slot(t) for t in self.targets}
         Records.__init__(self, self._slots.values(), kept)
@@ -489,11 +489,11 @@ def _inputs_hook(slots: list[_Slot], clone: bool | None) -> Callable[..., None]:
 
 
 
-def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool = False,
+def capture(model: nn.Module, *layers: str, inputs: bool = False, grads: bool = False,
             grad_inputs: bool = False, to: torch.device | str | None = None,
             dtype: torch.dtype | None = None, reduce: Reduce = None, clone: bool | None = None,
             early_stop: bool = False, on_unfired: OnUnfired = "warn") -> Capture:
-    """Record the output of every call of each module that ``patterns`` select.
+    """Record the output of every call of each module that ``layers`` select.
 
     Use it as a context manager; hooks exist only inside the ``with`` block::
 
@@ -503,7 +503,7 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
 
     Args:
         model: root module; ``DataParallel``/``DDP``/``torch.compile`` wrappers are looked through.
-        *patterns: paths, ``state_dict()`` keys, globs, ``re:``/``type:`` patterns, optionally
+        *layers: patterns: paths, ``state_dict()`` keys, globs, ``re:``/``type:`` patterns, optionally
             with output parts (``"lstm[0]"``); see ``hookscope.select``. A function-level
             address ``PATTERN::NAME`` records every call of function ``NAME`` made by the own
             forward of the modules selected (``"::relu"``, ``"h.*.attn::softmax"``;
@@ -580,7 +580,7 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
     options = CaptureOptions(inputs=inputs, grads=grads, grad_inputs=grad_inputs, to=to, dtype=dtype,
                              reduce=reducer,
                              clone=clone, early_stop=early_stop)
-    return Capture(model, patterns, options, on_unfired)
+    return Capture(model, layers, options, on_unfired)
 
 
 def _check_options(*, to: object, dtype: object, clone: object, **flags: object) -> None:
@@ -637,7 +637,7 @@ def run(model: nn.Module, *args: Any, layers: str | Sequence[str],
 def capture_options() -> set[str]:
     """The names of ``capture``'s keyword options (what ``run(options=)`` and
     ``capture_generation(**options)`` may hold)."""
-    return set(inspect.signature(capture).parameters) - {"model", "patterns"}
+    return set(inspect.signature(capture).parameters) - {"model", "layers"}
 
 
 def _refuse_options_as_keywords(model: nn.Module, kwargs: dict[str, Any]) -> None:

@@ -634,7 +634,7 @@ def _class_name(model: nn.Module) -> str:
 
 
 # manifest ``extract`` field -> (the argument of ``extract``, the CLI flag)
-_ARGUMENTS = {"layers": ("layers", "--layer"), "reduce": ("reduce", "--reduce"),
+_ARGUMENTS = {"layers": ("layers", "--layers"), "reduce": ("reduce", "--reduce"),
               "dtype": ("dtype", "--dtype"), "batch_size": ("batch_size", "--batch-size"),
               "batches": ("data", "--data")}
 
