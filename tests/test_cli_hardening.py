@@ -252,7 +252,8 @@ def test_pickled_input_is_refused_in_hookscopes_words(models: Path, tmp_path: Pa
 
 @pytest.mark.slow
 def test_manifest_model_class_is_the_same_in_every_process(models: Path, tmp_path: Path) -> None:
-    code = ("from hookscope.zoo.models import load_model; from hookscope.store.extract import _class_name; "
+    code = ("from hookscope.zoo.models import load_model; "
+            "from hookscope.store.extraction import _class_name; "
             f"print(_class_name(load_model({f'{models}:own'!r}).module))")
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}"}
     seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

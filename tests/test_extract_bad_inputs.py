@@ -13,7 +13,7 @@ from torch.utils.data import TensorDataset
 
 from hookscope.cli.main import main
 from hookscope.errors import ExtractError
-from hookscope.store.extract import extract
+from hookscope.store.extraction import extract
 
 DATA = TensorDataset(torch.zeros(4, 2))
 

@@ -11,7 +11,7 @@ import torch
 
 import hookscope
 from hookscope.cli.main import main
-from hookscope.store.extract import extract
+from hookscope.store.extraction import extract
 from hookscope.store.reader import open_store
 from hookscope.zoo.data import load_data
 from hookscope.zoo.models import load_model

@@ -3,7 +3,6 @@ from the first batch's rows, and preparing them starts no OpenMP team beside the
 
 from __future__ import annotations
 
-import importlib
 import os
 import time
 from pathlib import Path
@@ -13,12 +12,11 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
+import hookscope.store.extraction as extract_module
 from hookscope.store import extract
 from hookscope.store.writer import Staging
 from tests.models import LeNet
 
-# the module: hookscope.store.extract is the function extract (the store's face)
-extract_module = importlib.import_module("hookscope.store.extract")
 MIB = 2**20
 
 

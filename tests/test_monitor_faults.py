@@ -201,7 +201,7 @@ def test_a_writer_that_raises_is_one_warning_and_training_goes_on(tmp_path: Path
 
 def test_a_fault_in_its_own_statistics_is_one_warning(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from hookscope.diagnostics.stats import RunningStats
+    from hookscope.diagnostics.statistics import RunningStats
     update = RunningStats.update
     calls = []
 

@@ -8,7 +8,7 @@ from torch import nn
 
 import hookscope
 from hookscope import SelectorError
-from hookscope.engine.select import resolve
+from hookscope.engine.selection import resolve
 from tests.models import LeNet, MlpStack, ModuleListBlocks, TupleOutput
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hookscope.cli.main import main
-from hookscope.diagnostics.stats import stats
+from hookscope.diagnostics.statistics import stats
 from hookscope.zoo.inputs import load_inputs
 from hookscope.zoo.models import load_model
 

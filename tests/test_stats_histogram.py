@@ -15,7 +15,7 @@ from torch import nn
 import hookscope
 from hookscope.cli.main import main
 from hookscope.diagnostics.histogram import Histogram
-from hookscope.diagnostics.stats import stats
+from hookscope.diagnostics.statistics import stats
 from hookscope.errors import ArgumentValueError, HookscopeError
 from hookscope.train.report import draw_run
 from tests.models import LeNet

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from hookscope.cli.main import main
 from hookscope.errors import ExtractError, StoreCorruptError
-from hookscope.store.extract import extract
+from hookscope.store.extraction import extract
 from hookscope.store.reader import open_store
 from hookscope.zoo.data import load_data
 from hookscope.zoo.models import load_model

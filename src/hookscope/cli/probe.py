@@ -1,5 +1,5 @@
 """``hookscope probe STORE``: a logistic probe per layer of a store, held-out accuracy and the
-control task's (``hookscope.store.probe``)."""
+control task's (``hookscope.store.probes``)."""
 
 from __future__ import annotations
 

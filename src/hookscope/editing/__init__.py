@@ -6,7 +6,7 @@ Imports ``record``, the engine, ``errors`` and ``util``.
 """
 
 from hookscope.editing.attribution import attribution_patching
-from hookscope.editing.edit import Edit, ablate, edit, patch, steer
+from hookscope.editing.edits import Edit, ablate, edit, patch, steer
 from hookscope.editing.sweep import Sweep, patching_sweep
 
 __all__ = ["Edit", "Sweep", "ablate", "attribution_patching", "edit", "patch", "patching_sweep", "steer"]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.editing.edit import edit
+from hookscope.editing.edits import edit
 from hookscope.editing.sweep import (
     Metric,
     Sweep,

@@ -1,7 +1,7 @@
 """Private: the rules that edits apply inside their hooks, and the check that an edit fits.
 
 A rule maps ``(value, target, call)`` to the new value (or ``None`` to keep it): ``value`` is the
-selected output part of one call of ``target``. ``edit.py`` builds the sessions; the rules of
+selected output part of one call of ``target``. ``edits.py`` builds the sessions; the rules of
 ``ablate``, ``patch`` and ``steer`` live here, each a small closure over what it needs.
 """
 

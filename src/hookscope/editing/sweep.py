@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from hookscope.editing.edit import edit
+from hookscope.editing.edits import edit
 from hookscope.engine import (
     Layout,
     as_patterns,

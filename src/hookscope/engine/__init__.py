@@ -70,9 +70,9 @@ from hookscope.engine.run import (
     state_snapshot,
     untouched,
 )
-from hookscope.engine.select import Target, as_patterns, is_container, resolve, select
+from hookscope.engine.selection import Target, as_patterns, is_container, resolve, select
 from hookscope.engine.session import HookSession, Observer, OnUnfired, resolve_checked, resolve_each
-from hookscope.engine.standard_names import standard_names
+from hookscope.engine.standard_naming import standard_names
 from hookscope.engine.values import (
     NO_VALUES_FIX,
     check_has_values,

@@ -26,7 +26,7 @@ from torch import nn
 
 from hookscope.engine.function_names import functional_hint
 from hookscope.engine.names import ModuleIndex
-from hookscope.engine.select import Target
+from hookscope.engine.selection import Target
 from hookscope.engine.wrappers import wrapped_attribute
 from hookscope.errors import FusedModuleWarning, HookscopeError
 

@@ -36,7 +36,7 @@ from hookscope.engine.function_mode import FunctionHooks
 from hookscope.engine.function_names import refuse_uninterceptable
 from hookscope.engine.hooks import ModuleHooks, OwnedHook, on_node, other_threads
 from hookscope.engine.names import ModuleIndex, index
-from hookscope.engine.select import Target, resolve, unwrap
+from hookscope.engine.selection import Target, resolve, unwrap
 from hookscope.errors import (
     ArgumentValueError,
     HookNeverFiredError,

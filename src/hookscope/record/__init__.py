@@ -4,7 +4,7 @@ gradients (``grads``), generation steps (``generation``), reductions and token p
 Imports the engine, ``errors`` and ``util``.
 """
 
-from hookscope.record.capture import Capture, capture, run
+from hookscope.record.captures import Capture, capture, run
 from hookscope.record.generation import GenerationCapture, capture_generation
 from hookscope.record.grads import NoGrad, grad_leaf, gradient_pass
 from hookscope.record.positions import (

@@ -30,7 +30,7 @@ from torch import nn
 
 from hookscope.engine import Observer, OnUnfired, Target, check_options, layout_of, unwrap
 from hookscope.errors import CaptureError, HookscopeError
-from hookscope.record.capture import Capture, capture, capture_options
+from hookscope.record.captures import Capture, capture, capture_options
 from hookscope.record.positions import tokens_first
 from hookscope.util import write_atomic
 

@@ -7,9 +7,9 @@ README.
 Imports ``record``, the engine, ``errors`` and ``util``.
 """
 
-from hookscope.store.extract import SHARD_BYTES, SHARD_SECONDS, extract
+from hookscope.store.extraction import SHARD_BYTES, SHARD_SECONDS, extract
 from hookscope.store.folder import check_output
-from hookscope.store.probe import ProbeResult, probe
+from hookscope.store.probes import ProbeResult, probe
 from hookscope.store.reader import (
     FORMAT,
     LayerInfo,

@@ -6,7 +6,7 @@ imports transformers)."""
 from typing import Any
 
 from hookscope.train.guard import ReplayBundle, replay
-from hookscope.train.monitor import Monitor, monitor
+from hookscope.train.monitoring import Monitor, monitor
 from hookscope.train.report import draw_records, read_run
 
 __all__ = ["HookscopeCallback", "Monitor", "ReplayBundle", "draw_records", "monitor", "read_run", "replay"]

@@ -25,7 +25,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from hookscope.errors import HookscopeError
-from hookscope.train.monitor import GuardMode, Monitor, monitor
+from hookscope.train.monitoring import GuardMode, Monitor, monitor
 
 __all__ = ["HookscopeCallback"]
 

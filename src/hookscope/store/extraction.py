@@ -502,7 +502,7 @@ def _first_capture(job: _Job, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     alike, a selected layer that never ran (``SelectorError`` when it is a function address
     that matches nothing in the model, ``ExtractError`` otherwise) or ran more than once."""
     hint = ("'hookscope tree MODEL --input X' lists what runs, with --ops the function "
-            "addresses; in Python hookscope.diagnostics.tree.tree_of_call(model, lambda: model(x), "
+            "addresses; in Python hookscope.diagnostics.module_tree.tree_of_call(model, lambda: model(x), "
             "ops=True)")
     try:
         with capture(job.model, *job.keys, on_unfired="error",

@@ -46,7 +46,7 @@ from hookscope.engine.checks import check_iterable, check_nonempty
 from hookscope.engine.function_names import split_address
 from hookscope.engine.names import ModuleIndex, index
 from hookscope.engine.record_key import ROOT, RecordKey, record_name
-from hookscope.engine.standard_names import is_standard, resolve_standard
+from hookscope.engine.standard_naming import is_standard, resolve_standard
 from hookscope.engine.wrappers import unwrap
 from hookscope.errors import SelectorError
 
@@ -190,7 +190,7 @@ def _split_parts(pattern: str) -> tuple[str, tuple[int | str, ...]]:
 
 def _standard(names: ModuleIndex, pattern: str) -> list[tuple[str, str, tuple[int | str, ...]]] | None:
     """``[(standard name, path, parts)]`` when ``pattern`` is a standard name (``resid_post.3``,
-    ``engine.standard_names``) that is not also a real path of the model; else None."""
+    ``engine.standard_naming``) that is not also a real path of the model; else None."""
     base, parts = _split_parts(pattern)
     if not is_standard(base) or names.path_of(base) is not None:
         return None
