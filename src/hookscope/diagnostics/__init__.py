@@ -1,5 +1,7 @@
-"""Looking inside a model: ``tree``, ``stats``, ``nonfinite`` (the first NaN/Inf), ``compare``
-(two runs layer by layer), ``attention``, ``gradcam`` and the hook ``inventory``.
+"""Looking inside a model: ``module_tree``, ``statistics`` (and ``histogram``), ``nonfinite``
+(the first NaN/Inf), ``comparison`` (two runs layer by layer, ``pairing`` across
+implementations), ``attention_maps``, ``attention_rollout``, ``class_maps`` (Grad-CAM),
+``lens`` (the logit lens) and the hook ``inventory``.
 
 Imports ``record``, the engine, ``errors`` and ``util``.
 """

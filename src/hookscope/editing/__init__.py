@@ -1,6 +1,6 @@
-"""Changing what modules compute: ``edit`` (edit, ablate, patch, steer), the rules that fit a
+"""Changing what modules compute: ``edits`` (edit, ablate, patch, steer), the rules that fit a
 value to an output (``rules``), where patched values come from (``sources``), and activation
-patching sweeps (``sweep``).
+patching sweeps (``sweep``) and attribution patching (``attribution``).
 
 Imports ``record``, the engine, ``errors`` and ``util``.
 """

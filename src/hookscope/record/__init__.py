@@ -1,4 +1,4 @@
-"""Recording what modules compute: ``capture`` (the session) and ``records`` (the read API),
+"""Recording what modules compute: ``captures`` (``capture``, the session) and ``records`` (the read API),
 gradients (``grads``), generation steps (``generation``), reductions and token positions.
 
 Imports the engine, ``errors`` and ``util``.

@@ -1,5 +1,5 @@
-"""Training runs: ``monitor`` (statistics every N optimizer steps, the NaN guard), ``replay``
-(re-run a guarded step from its bundle), ``report`` (the PNG of a run folder), and
+"""Training runs: ``monitoring`` (``monitor``: statistics every N optimizer steps, the NaN guard),
+``guard`` (``replay``: re-run a guarded step from its bundle), ``report`` (the PNG of a run folder), and
 ``HookscopeCallback`` (the monitor in a Hugging Face ``Trainer``; imported on first use, as it
 imports transformers)."""
 
