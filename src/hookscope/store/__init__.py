@@ -1,9 +1,8 @@
-"""Activations of whole data sets on disk: ``extraction`` (``extract``, the loop), ``batches`` (what a data
-argument means), ``ranks`` (torchrun), ``writer`` (shards and manifests), ``folder`` (which
-files of an output folder belong to a store), ``manifest`` (the schema), ``reader``
-(``Store``), ``tokens`` (token views and the shuffled token stream) and ``probes`` (linear
-probes on a store). The format is in the
-README.
+"""Activations of whole data sets on disk: ``extraction`` (``extract``, the loop), ``batches``
+(what a data argument means), ``ranks`` (torchrun), ``writer`` (shards and manifests),
+``folder`` (which files of an output folder belong to a store), ``manifest`` (the schema),
+``reader`` (``Store``), ``tokens`` (token views and the shuffled token stream) and ``probes``
+(linear probes on a store). The format is in docs/extraction.md.
 
 Imports ``record``, the engine, ``errors`` and ``util``.
 """
