@@ -137,7 +137,8 @@ def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str], *,
     chosen: dict[tuple[str, tuple[int | str, ...], str | None], Target] = {}
     for pattern in patterns:
         if not isinstance(pattern, str):
-            raise SelectorError(f"layers are patterns, each a string; got {type(pattern).__name__} {pattern!r}")
+            raise SelectorError(f"layers are patterns, each a string; got {type(pattern).__name__} "
+                                f"{pattern!r}")
         for target in _resolve_address(names, pattern.strip()):
             known = chosen.get((target.path, target.parts, target.op))
             if known is None or known.wide and not target.wide:  # a name typed too: not wide
