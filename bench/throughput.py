@@ -33,8 +33,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from hookscope.store import open_store
-from hookscope.store.extract import extract
+from hookscope.store import extract, open_store
 from hookscope.store.folder import prepare_output
 from hookscope.store.writer import ShardData, StoreWriter
 

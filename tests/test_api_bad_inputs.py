@@ -68,8 +68,8 @@ ROWS = [
     Row("capture", "model None", "model", lambda m: hs.capture(None, "fc1")),  # type: ignore[arg-type]
     Row("capture", "model function", "model", lambda m: hs.capture(lambda x: x, "fc1")),  # type: ignore[arg-type]
     Row("capture", "bad layer", "nosuch", lambda m: hs.capture(m, "nosuch")),
-    Row("capture", "pattern not str", "patterns", lambda m: hs.capture(m, 5)),  # type: ignore[arg-type]
-    Row("capture", "empty selection", "patterns", lambda m: hs.capture(m)),
+    Row("capture", "pattern not str", "layers", lambda m: hs.capture(m, 5)),  # type: ignore[arg-type]
+    Row("capture", "empty selection", "layers", lambda m: hs.capture(m)),
     Row("capture", "flag str", "grads", lambda m: hs.capture(m, "fc1", grads="yes")),  # type: ignore[arg-type]
     Row("capture", "flag int", "inputs", lambda m: hs.capture(m, "fc1", inputs=1)),  # type: ignore[arg-type]
     Row("capture", "flag grad_inputs", "grad_inputs",
@@ -122,7 +122,7 @@ ROWS = [
     # ablate
     Row("ablate", "model None", "model", lambda m: hs.ablate(None, "fc1")),  # type: ignore[arg-type]
     Row("ablate", "bad layer", "nosuch", lambda m: hs.ablate(m, "nosuch")),
-    Row("ablate", "empty selection", "patterns", lambda m: hs.ablate(m, [])),
+    Row("ablate", "empty selection", "layers", lambda m: hs.ablate(m, [])),
     Row("ablate", "how", "how", lambda m: hs.ablate(m, "fc1", how="nope")),  # type: ignore[arg-type]
     Row("ablate", "no reference", "reference", lambda m: hs.ablate(m, "fc1", how="mean")),
     Row("ablate", "empty positions", "positions", lambda m: hs.ablate(m, "fc1", positions=[])),
@@ -248,7 +248,7 @@ ROWS = [
         lambda m: hs.capture_generation(None, "transformer.h.0")),  # type: ignore[arg-type]
     Row("capture_generation", "bad layer", "nosuch",
         lambda m: hs.capture_generation(m, "nosuch"), gpt2=True),
-    Row("capture_generation", "empty selection", "patterns",
+    Row("capture_generation", "empty selection", "layers",
         lambda m: hs.capture_generation(m), gpt2=True),
     Row("capture_generation", "bad device", "to",
         lambda m: hs.capture_generation(m, "transformer.h.0", to="nodevice"), gpt2=True),

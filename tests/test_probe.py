@@ -13,7 +13,7 @@ from torch.utils.data import TensorDataset
 import hookscope
 from hookscope.cli.main import main
 from hookscope.errors import StoreError
-from hookscope.store.probe import probe
+from hookscope.store.probes import probe
 
 sklearn_linear = pytest.importorskip("sklearn.linear_model")
 

@@ -12,7 +12,7 @@ from torch import nn
 
 import hookscope
 from hookscope.engine.names import index
-from hookscope.engine.standard_names import standard_names
+from hookscope.engine.standard_naming import standard_names
 from hookscope.errors import SelectorError
 
 transformers = pytest.importorskip("transformers")

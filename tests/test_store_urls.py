@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from hookscope.errors import ExtractError, StoreError
-from hookscope.store.extract import extract
+from hookscope.store.extraction import extract
 from hookscope.store.reader import open_store
 
 ROWS = torch.arange(12, dtype=torch.float32).reshape(6, 2)

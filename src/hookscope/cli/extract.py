@@ -1,4 +1,4 @@
-"""``hookscope extract MODEL --data PATH --layer P --out DIR``: a data set's activations to a store.
+"""``hookscope extract MODEL --data PATH --layers P --out DIR``: a data set's activations to a store.
 
 Runs under torchrun unchanged: ``torchrun --nproc_per_node=2 -m hookscope extract ...``.
 """
@@ -27,10 +27,11 @@ from hookscope.cli._common import (
 )
 from hookscope.cli.show import print_store
 from hookscope.errors import ExtractInterrupted
-from hookscope.record.reductions import NAMES
-from hookscope.store.extract import SHARD_BYTES, SHARD_SECONDS, check_output, extract
-from hookscope.zoo.data import load_data
-from hookscope.zoo.models import load_model
+from hookscope.record import NAMES
+from hookscope.store import SHARD_BYTES, SHARD_SECONDS, check_output, extract
+from hookscope.zoo import load_data, load_model
+
+__all__ = ["HELP", "add_arguments", "resume_command", "run"]
 
 HELP = "run a model over a data set and store chosen layers' activations (resumable, torchrun)"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     data = load_data(args.data, loaded, batch_size=args.batch_size)
     model = loaded.module.to(args.device or _default_device())
     try:
-        store = extract(model, data, args.layer, args.out,
+        store = extract(model, data, args.layers, args.out,
                         reduce=None if args.reduce == "none" else args.reduce,
                         dtype=_DTYPES[args.dtype] if args.dtype else None,
                         batch_size=args.batch_size, shard_bytes=args.shard_bytes,
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
 def resume_command(args: argparse.Namespace) -> str:
     """The command line that continues this run: its arguments, ``--resume`` instead of
     ``--overwrite`` (prefixed ``torchrun ... -m`` under torchrun)."""
-    words = [args.model, "--data", args.data, "--layer", *args.layer, "--out", args.out]
+    words = [args.model, "--data", args.data, "--layers", *args.layers, "--out", args.out]
     if args.image_size:
         words += ["--image-size", "x".join(str(n) for n in args.image_size)]
     for flag, value in (("--mean", args.mean), ("--std", args.std)):

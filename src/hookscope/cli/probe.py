@@ -1,12 +1,14 @@
 """``hookscope probe STORE``: a logistic probe per layer of a store, held-out accuracy and the
-control task's (``hookscope.store.probe``)."""
+control task's (``hookscope.store.probes``)."""
 
 from __future__ import annotations
 
 import argparse
 
-from hookscope.cli._common import positive_int, print_table
-from hookscope.store.probe import probe
+from hookscope.cli._common import add_several, positive_int, print_table
+from hookscope.store import probe
+
+__all__ = ["HELP", "add_arguments", "run"]
 
 HELP = ("fit a logistic probe per layer of a store on its labels: held-out accuracy, control "
         "task accuracy and selectivity (Hewitt and Liang 2019)")
@@ -15,8 +17,8 @@ HELP = ("fit a logistic probe per layer of a store on its labels: held-out accur
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the verb's options to ``parser``."""
     parser.add_argument("store", help="the folder hookscope extract wrote (with labels)")
-    parser.add_argument("--layer", action="append", default=None,
-                        help="a layer to probe (repeat; default every fixed-shape layer)")
+    add_several(parser, "--layers", metavar="LAYER",
+                help="layers of the store to probe (default every fixed-shape layer)")
     parser.add_argument("--test-fraction", type=float, default=0.2, metavar="F",
                         help="share of rows held out (default 0.2)")
     parser.add_argument("--C", type=float, default=1.0, dest="C",
@@ -30,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Probe each layer, print one row per layer."""
-    result = probe(args.store, args.layer, test_fraction=args.test_fraction, C=args.C,
+    result = probe(args.store, args.layers, test_fraction=args.test_fraction, C=args.C,
                    chunk=args.chunk, seed=args.seed)
     print_table([{"layer": p.layer, "accuracy": p.accuracy, "control": p.control_accuracy,
                   "selectivity": p.selectivity, "train": p.train_accuracy, "chance": p.chance,

@@ -10,7 +10,9 @@ from typing import Any
 from torch import Tensor
 
 from hookscope.cli._common import print_json, print_table, say
-from hookscope.store.reader import Store, dtype_name, open_store
+from hookscope.store import Store, dtype_name, open_store
+
+__all__ = ["HELP", "add_arguments", "describe", "print_store", "run"]
 
 HELP = "describe an activation store: layers, shapes, dtypes, rows, shards, bytes, completeness"
 

@@ -19,14 +19,19 @@ import numpy as np
 import torch
 from torch import nn
 
-from hookscope.engine.checks import check_tensor, check_token_ids
-from hookscope.engine.layout import NO_TOKENS, Tokens, layout_of
-from hookscope.engine.run import untouched
-from hookscope.engine.select import as_patterns, resolve
+from hookscope.engine import (
+    NO_TOKENS,
+    Tokens,
+    as_patterns,
+    check_tensor,
+    check_token_ids,
+    layout_of,
+    resolve,
+    untouched,
+)
 from hookscope.errors import ArgumentValueError, CaptureError
-from hookscope.record.capture import capture
-from hookscope.record.positions import layout_positions
-from hookscope.util.figures import new_figure, save_figure
+from hookscope.record import capture, layout_positions
+from hookscope.util import new_figure, save_figure
 
 __all__ = ["LogitLens", "logit_lens"]
 

@@ -40,10 +40,9 @@ from torch import nn
 
 from hookscope.errors import ArgumentTypeError, ArgumentValueError, EmptySelectionError
 
-__all__ = ["check_arity", "check_callable", "check_device", "check_dtype", "check_finite",
-           "check_flag", "check_int", "check_iterable", "check_model", "check_nonempty",
-           "check_number", "check_options", "check_positions", "check_run_dir", "check_tensor",
-           "check_token_ids"]
+__all__ = ["check_arity", "check_callable", "check_device", "check_dtype", "check_finite", "check_flag",
+           "check_int", "check_iterable", "check_model", "check_nonempty", "check_number", "check_options",
+           "check_positions", "check_run_dir", "check_tensor", "check_token_ids", "check_path"]
 
 
 def _got(value: object) -> str:

@@ -40,8 +40,8 @@ from torch import nn
 
 from hookscope.errors import PositionError
 
-__all__ = ["Layout", "Tokens", "MaskWatcher", "layout_of", "unmasked_padding",
-           "check_no_unmasked_padding"]
+__all__ = ["Layout", "Tokens", "MaskWatcher", "layout_of", "unmasked_padding", "check_no_unmasked_padding",
+           "NO_TOKENS"]
 
 Tensor = torch.Tensor
 

@@ -23,7 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from hookscope.errors import StoreCorruptError
-from hookscope.util.files import read_regular as read_regular  # the store readers' import
+from hookscope.util import read_regular as read_regular
+
+__all__ = ["COLUMN_PREFIX", "FORMAT", "MAX_MANIFEST_BYTES", "SHARD_NAME", "VERSION", "check_file_name",
+           "check_header", "check_manifest", "check_metadata", "corrupt", "inside", "parse_json",
+           "read_regular", "tensor_specs"]
 
 FORMAT = "hookscope.store"
 VERSION = 1

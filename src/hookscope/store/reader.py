@@ -33,7 +33,7 @@ import numpy as np
 import safetensors
 import torch
 
-from hookscope.engine.checks import check_path
+from hookscope.engine import check_path
 from hookscope.errors import HookscopeError, StoreCorruptError, StoreError
 from hookscope.store.manifest import (
     COLUMN_PREFIX,
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from hookscope.store.tokens import TokenView
 
 __all__ = ["FORMAT", "LayerInfo", "LayerView", "ShardInfo", "Store", "StoreDataset", "chunk_sums",
-           "open_store", "read_manifest"]
+           "open_store", "read_manifest", "CHUNK_BYTES", "MANIFEST", "dtype_name", "store_folder"]
 
 MANIFEST = "manifest.json"
 CHUNK_BYTES = 4 * 2**20  # granularity of the read-time checksums

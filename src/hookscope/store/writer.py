@@ -27,7 +27,7 @@ import torch
 from hookscope.errors import StoreCorruptError, StoreError
 from hookscope.store.manifest import FORMAT, VERSION, tensor_specs
 from hookscope.store.reader import _ST_DTYPES, CHUNK_BYTES, MANIFEST, ShardInfo, chunk_sums, read_manifest
-from hookscope.util.files import write_atomic
+from hookscope.util import write_atomic
 
 __all__ = ["BackgroundWriter", "ShardData", "Staging", "StoreWriter", "join_parts", "read_part"]
 

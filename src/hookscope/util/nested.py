@@ -14,6 +14,9 @@ from typing import Any
 
 import torch
 
+__all__ = ["Keys", "describe_keys", "get_part", "iter_tensors", "iter_tensors_with_keys", "map_tensors",
+           "set_part"]
+
 Tensor = torch.Tensor
 
 

@@ -28,10 +28,9 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from hookscope.engine.diagnose import locate_error
-from hookscope.engine.names import index
+from hookscope.engine import index, locate_error
 from hookscope.errors import HookscopeError, ModelCodeError, SpecError
-from hookscope.util.extras import require
+from hookscope.util import require
 from hookscope.zoo.models import IMAGENET_MEAN, IMAGENET_STD, ImagePreprocess, LoadedModel
 
 __all__ = ["Inputs", "load_inputs", "check_takes_images", "preprocess_image", "SAMPLES", "IMAGE_SUFFIXES",

@@ -5,7 +5,7 @@ and ``final_norm`` (TransformerLens's ``blocks.{i}.hook_resid_post``, nnterp's s
 name the same quantity on GPT-2, GPT-NeoX, Llama/Mistral/Qwen2, Gemma, Phi, BERT and ViT. Each
 resolves to the output (or an output part) of one module, so every verb that selects modules
 takes them: ``capture(model, "resid_post.3")``, ``steer(model, {"resid_post.*": v})``,
-``hookscope capture MODEL --layer attn_out.0``. ``{i}`` may be a number or ``*`` (every block).
+``hookscope capture MODEL --layers attn_out.0``. ``{i}`` may be a number or ``*`` (every block).
 A module whose real path is one of these names (a model with its own ``embed``) keeps it.
 
 How a name is resolved (the structural names looked for, first found wins; the tables below
@@ -37,6 +37,8 @@ from torch import nn
 
 from hookscope.engine.names import ModuleIndex
 from hookscope.errors import SelectorError
+
+__all__ = ["Structure", "blocks_of", "is_standard", "resolve_standard", "standard_names"]
 
 Part = int | str
 

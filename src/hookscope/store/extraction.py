@@ -27,9 +27,7 @@ import contextlib
 import itertools
 import os
 import secrets
-import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -40,10 +38,18 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from hookscope.engine.kinds import kind_of, rows_for, values_for
-from hookscope.engine.names import one_index_per_call
-from hookscope.engine.run import input_device, model_inputs, untouched
-from hookscope.engine.select import as_patterns, resolve
+from hookscope.engine import (
+    GracefulStop,
+    as_patterns,
+    input_device,
+    kind_of,
+    model_inputs,
+    one_index_per_call,
+    resolve,
+    rows_for,
+    untouched,
+    values_for,
+)
 from hookscope.errors import (
     ExtractError,
     ExtractInterrupted,
@@ -53,8 +59,7 @@ from hookscope.errors import (
     SelectorError,
     warn,
 )
-from hookscope.record.capture import Capture, capture
-from hookscope.record.reductions import Reduce, Reduction, reduction, reduction_name
+from hookscope.record import Capture, Reduce, Reduction, capture, reduction, reduction_name
 from hookscope.store.batches import BatchSource
 from hookscope.store.folder import check_output, prepare_output, writing
 from hookscope.store.manifest import COLUMN_PREFIX, tensor_specs
@@ -75,9 +80,9 @@ from hookscope.store.writer import (
     join_parts,
     read_part,
 )
-from hookscope.util.nested import describe_keys, iter_tensors, map_tensors
+from hookscope.util import describe_keys, iter_tensors, map_tensors
 
-__all__ = ["Reduce", "check_output", "extract"]
+__all__ = ["Reduce", "check_output", "extract", "SHARD_BYTES", "SHARD_SECONDS"]
 
 Tensor = torch.Tensor
 SHARD_BYTES = 256 * 2**20
@@ -174,7 +179,7 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
         job = _Job(model, keys, reducer, dtype, source, ranks, progress, shard_bytes, shard_seconds,
                    early_stop)
         # the stop first: hookscope's own interrupt guards (untouched, capture) stand in for it
-        with _GracefulStop() as job.stop, untouched(model), torch.no_grad():
+        with GracefulStop(_STOP_MESSAGE) as job.stop, untouched(model), torch.no_grad():
             model.eval()  # untouched: once around the loop; restores the mode too
             _extract(job, folder, header, resume=resume, overwrite=overwrite)
     finally:
@@ -223,36 +228,11 @@ class _Job:
     device: torch.device | None = None  # where inputs go (input_device), found once per run
     batch_bytes: int = 0  # bytes of the first batch's rows, to size the staging slabs
     session: Capture | None = None  # the capture open across the batches after the first
-    stop: _GracefulStop | None = None  # set while the run is on: a Ctrl-C asks it to stop
+    stop: GracefulStop | None = None  # set while the run is on: a Ctrl-C asks it to stop
 
-
-class _GracefulStop:
-    """Within the block (main thread, Python's default SIGINT handler in place), the first
-    Ctrl-C only asks the run to stop once the batch in progress is stored, so the rows of the
-    open shard are written, not lost; a second Ctrl-C raises ``KeyboardInterrupt`` at once (the
-    open shard's rows are lost, the written shards stay). Elsewhere it does nothing."""
-
-    def __init__(self) -> None:
-        self.asked, self.installed = False, False
-
-    def __enter__(self) -> _GracefulStop:
-        if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            signal.signal(signal.SIGINT, self._handler)
-            self.installed = True
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.installed:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        if self.asked:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            raise KeyboardInterrupt
-        self.asked = True
-        print("\nextract: Ctrl-C: stopping once this batch is stored (Ctrl-C again to stop at "
-              "once, losing the rows of the open shard)", file=sys.stderr, flush=True)
+#: what a first Ctrl-C says (``engine.GracefulStop``): the run ends once the batch is stored
+_STOP_MESSAGE = ("\nextract: Ctrl-C: stopping once this batch is stored (Ctrl-C again to stop at "
+                 "once, losing the rows of the open shard)")
 
 
 def _extract(job: _Job, folder: Path, header: dict[str, Any], *,
@@ -522,7 +502,7 @@ def _first_capture(job: _Job, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     alike, a selected layer that never ran (``SelectorError`` when it is a function address
     that matches nothing in the model, ``ExtractError`` otherwise) or ran more than once."""
     hint = ("'hookscope tree MODEL --input X' lists what runs, with --ops the function "
-            "addresses; in Python hookscope.diagnostics.tree.tree_of_call(model, lambda: model(x), "
+            "addresses; in Python hookscope.diagnostics.module_tree.tree_of_call(model, lambda: model(x), "
             "ops=True)")
     try:
         with capture(job.model, *job.keys, on_unfired="error",
@@ -654,7 +634,7 @@ def _class_name(model: nn.Module) -> str:
 
 
 # manifest ``extract`` field -> (the argument of ``extract``, the CLI flag)
-_ARGUMENTS = {"layers": ("layers", "--layer"), "reduce": ("reduce", "--reduce"),
+_ARGUMENTS = {"layers": ("layers", "--layers"), "reduce": ("reduce", "--reduce"),
               "dtype": ("dtype", "--dtype"), "batch_size": ("batch_size", "--batch-size"),
               "batches": ("data", "--data")}
 

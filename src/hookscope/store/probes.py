@@ -30,6 +30,8 @@ import torch
 from hookscope.errors import ArgumentValueError, StoreError
 from hookscope.store.reader import Store, open_store
 
+__all__ = ["LayerProbe", "ProbeResult", "probe"]
+
 Tensor = torch.Tensor
 
 
@@ -75,7 +77,7 @@ class ProbeResult:
         Raises:
             MissingExtraError: matplotlib is not installed.
         """
-        from hookscope.util.figures import new_figure, save_figure
+        from hookscope.util import new_figure, save_figure
         figure = new_figure("hookscope probe")
         ax = figure.subplots()
         xs = range(len(self.layers))
