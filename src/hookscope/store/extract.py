@@ -24,6 +24,8 @@ an output folder may hold ``hookscope.store.folder``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import itertools
 import os
 import secrets
@@ -59,6 +61,7 @@ from hookscope.store.batches import BatchSource
 from hookscope.store.folder import check_output, prepare_output, writing
 from hookscope.store.manifest import COLUMN_PREFIX, tensor_specs
 from hookscope.store.ranks import Ranks
+from hookscope.store.ray_engine import Engine, RayEngine, ShardMade, as_engine, check_data, write_on_ray
 from hookscope.store.reader import (
     _ST_DTYPES,
     LayerInfo,
@@ -74,10 +77,11 @@ from hookscope.store.writer import (
     StoreWriter,
     join_parts,
     read_part,
+    write_shard,
 )
 from hookscope.util.nested import describe_keys, iter_tensors, map_tensors
 
-__all__ = ["Reduce", "check_output", "extract"]
+__all__ = ["Reduce", "check_output", "extract", "write_batch_range"]
 
 Tensor = torch.Tensor
 SHARD_BYTES = 256 * 2**20
@@ -91,7 +95,7 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
             shard_bytes: int = SHARD_BYTES, shard_seconds: float = SHARD_SECONDS,
             resume: bool = False, overwrite: bool = False, progress: bool = True,
             model_spec: str | None = None,
-            early_stop: bool = False) -> Store:
+            early_stop: bool = False, engine: Engine = "local") -> Store:
     """Run ``model`` over ``data`` and store the output of each selected layer, row by row.
 
     Args:
@@ -129,6 +133,14 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
         model_spec: how the model was made, kept in the manifest (the CLI's ``MODEL``).
         early_stop: stop each forward once every selected layer has returned (the rest of the
             model does not run; same rows, less time for early layers; see ``capture``).
+        engine: ``"local"`` runs in this process (or in each torchrun rank); ``"ray"``, or a
+            ``RayEngine`` with options, hands the batches to Ray actors, each holding a copy of
+            ``model`` (pickled once, with cloudpickle), which load their own rows of ``data``
+            and write whole shards while this process writes the manifest: the store is the one
+            this process would write (``hookscope.store.ray_engine``, which says when it is
+            byte for byte the same). ``shard_seconds`` does not apply there (shards are sized
+            by ``shard_bytes`` alone, so a store is reproducible); a Ctrl-C keeps the shards
+            finished in order.
 
     Besides the layers, the store keeps what each row was (``store.ids``, ``store.labels``;
     README, "Store format"): for a DataLoader over a map-style data set, the data-set index of
@@ -166,13 +178,17 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
     if resume and overwrite:
         raise ExtractError("resume=True continues the store in place and overwrite=True deletes "
                            "it: pass one of them")
+    on_ray = as_engine(engine)
     ranks = Ranks.start()
     try:
+        if on_ray is not None and ranks.world_size > 1:
+            raise ExtractError("engine='ray' runs one driver that hands the batches to Ray "
+                               "actors; run it as one process, not under torchrun")
         config = {"layers": keys, "reduce": reduction_name(reduce), "batches": source.count,
                   "dtype": dtype_name(dtype) if dtype else None, "batch_size": source.batch_size}
         header = {"model": {"spec": model_spec, "class": _class_name(model)}, "extract": config}
         job = _Job(model, keys, reducer, dtype, source, ranks, progress, shard_bytes, shard_seconds,
-                   early_stop)
+                   early_stop, on_ray)
         # the stop first: hookscope's own interrupt guards (untouched, capture) stand in for it
         with _GracefulStop() as job.stop, untouched(model), torch.no_grad():
             model.eval()  # untouched: once around the loop; restores the mode too
@@ -220,6 +236,7 @@ class _Job:
     shard_bytes: int
     shard_seconds: float
     early_stop: bool = False
+    engine: RayEngine | None = None  # None: this process writes its shards itself
     device: torch.device | None = None  # where inputs go (input_device), found once per run
     batch_bytes: int = 0  # bytes of the first batch's rows, to size the staging slabs
     session: Capture | None = None  # the capture open across the batches after the first
@@ -266,6 +283,8 @@ def _extract(job: _Job, folder: Path, header: dict[str, Any], *,
         if resume and folder.is_dir():
             prior = read_part(folder, ranks.rank, ranks.world_size)
         _check_resume(prior, header)
+        if job.engine is not None:
+            check_data(job.source.count)
         if not (prior and prior["complete"]):
             start, stop = ranks.batch_range(job.source.count)
             start = _resume_batch(prior, start)
@@ -292,7 +311,10 @@ def _write_store(job: _Job, folder: Path, header: dict[str, Any], prior: dict[st
     if not (prior and prior["complete"]):
         writer = StoreWriter(folder, header, rank=ranks.rank, world_size=ranks.world_size,
                              resume_from=prior)
-        _write_all(job, writer, todo, start)
+        if job.engine is not None:
+            _write_on_ray(job, job.engine, folder, writer, prior, start)
+        else:
+            _write_all(job, writer, todo, start)
     ranks.barrier()
     if ranks.rank == 0 and ranks.world_size > 1:
         join_parts(folder, ranks.world_size)
@@ -347,6 +369,65 @@ def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _write_on_ray(job: _Job, engine: RayEngine, folder: Path, writer: StoreWriter,
+                  prior: dict[str, Any] | None, start: int) -> None:
+    """Write batches ``start:`` on Ray actors, this process listing their shards."""
+    if not write_on_ray(engine, _for_workers(job, folder, writer), writer, start,
+                        _batches_per_shard(job, prior), job.source.count or 0,
+                        progress=job.progress, stop=job.stop):
+        _interrupted(writer)
+    writer.finish()
+
+
+def _batches_per_shard(job: _Job, prior: dict[str, Any] | None) -> int:
+    """Batches per shard on Ray: those of the interrupted run's first shard, else as many as
+    one process puts in a shard when every batch has the first one's bytes (it closes a shard
+    once its rows reach ``shard_bytes``): ``ceil(shard_bytes / batch_bytes)``."""
+    if prior is not None and prior["shards"]:
+        first = prior["shards"][0]["batches"]
+        return int(first[1] - first[0])
+    if not job.batch_bytes:
+        return max(job.source.count or 1, 1)  # rows of no bytes never fill a shard
+    return max(1, -(-job.shard_bytes // job.batch_bytes))
+
+
+def _for_workers(job: _Job, folder: Path, writer: StoreWriter) -> functools.partial[ShardMade]:
+    """What a Ray actor runs for one shard: ``(file name, first batch, stop batch)`` ->
+    ``write_batch_range``'s result, over a copy of the job that holds no state of this run."""
+    copy = dataclasses.replace(job, ranks=Ranks(0, 1, False), engine=None, device=None,
+                               session=None, stop=None, progress=False)
+    device = "cuda" if job.engine is not None and job.engine.num_gpus > 0 else None
+    return functools.partial(write_batch_range, copy, folder, writer.run,
+                             tensor_specs(writer.manifest), device)
+
+
+def write_batch_range(job: _Job, folder: Path, run: str, layers: dict[str, Any],
+                      device: str | None, name: str, start: int, stop: int) -> ShardMade:
+    """Run batches ``start:stop`` and write their rows as the shard file ``folder/name`` (a
+    Ray actor's unit of work: the same per-batch code as ``_write_batches``), with the model
+    moved to ``device`` first unless it is ``None``.
+
+    Returns:
+        ``(rows, bytes, sha256, chunk sums)`` of the shard written.
+
+    Raises:
+        ExtractError: as ``extract`` does for a batch whose rows do not fit ``layers``.
+    """
+    if device is not None:
+        job.model.to(device)
+    staging = Staging(_slab_bytes(job))
+    shard = ShardData(batches=(start, start))
+    try:
+        with torch.no_grad(), capture(job.model.eval(), *job.keys, on_unfired="ignore",
+                                      early_stop=job.early_stop) as job.session:
+            for index, batch, ids in job.source.batches(start, stop):
+                _keep_batch(shard, index, _rows(job, batch, ids), layers, staging)
+        return (shard.rows, *write_shard(folder / name, shard, run))
+    finally:
+        job.session = None
+        staging.close()
+
+
 def _write_batches(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Rows]], start: int,
                    staging: Staging) -> None:
     background = BackgroundWriter(writer, staging)
@@ -355,8 +436,7 @@ def _write_batches(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Row
     shard, started = ShardData(batches=(start, start)), time.monotonic()
     try:
         for index, rows in todo:
-            _check_layers(rows, layers, index)
-            _append(shard, index, rows, staging)
+            _keep_batch(shard, index, rows, layers, staging)
             bar.update(rows)
             if shard.nbytes >= job.shard_bytes or \
                     time.monotonic() - started >= job.shard_seconds:
@@ -386,7 +466,10 @@ def _interrupted(writer: StoreWriter) -> None:
         f"same arguments and resume=True (--resume)", rows=rows, out=folder)
 
 
-def _append(shard: ShardData, index: int, rows: Rows, staging: Staging) -> None:
+def _keep_batch(shard: ShardData, index: int, rows: Rows, layers: dict[str, Any],
+                staging: Staging) -> None:
+    """Add batch ``index``'s rows to ``shard`` once they fit ``layers`` (every engine's step)."""
+    _check_layers(rows, layers, index)
     data, lengths = next(iter(rows.values()))
     n = len(lengths) if lengths is not None else int(data.shape[0])
     shard.append({k: staging.keep(d, shard) for k, (d, _) in rows.items()},

@@ -1,0 +1,201 @@
+"""Extraction on Ray Data: actors write whole shards, this process (the driver) the manifest.
+
+``extract(..., engine="ray")`` runs the same code as one process (``hookscope.store.extract``:
+the first batch checked here, then per batch ``_rows`` and ``_keep_batch``, and the shard file
+written by ``writer.write_shard``); only who runs which batches changes. The driver cuts the
+remaining batches into shards of a fixed number of batches, in order, names each shard file as
+one process would (``shard-00000.safetensors`` ...), and hands ``(file, first batch, stop
+batch)`` to a Ray Data ``map_batches`` over a pool of actors. Each actor holds a copy of the
+model and the data (pickled once with cloudpickle, ``ray.put``), loads its own batches by index
+(``BatchSource``), and writes its shard with the writer's protocol (temporary name, fsync,
+rename). The driver lists a shard in ``manifest.json`` once it and every shard before it are
+written, so after any crash the manifest lists complete shards from the first on, as one
+process's does, and ``resume`` goes on from there.
+
+A worker killed mid-shard (its process dies) is restarted by Ray and its shard is computed and
+written again under the same name (up to ``RayEngine.max_retries`` times): no shard is written
+twice under two names, and the temporary file it left is deleted when the run ends. Shards are
+``ceil(shard_bytes / first batch's bytes)`` batches each (or as many as the interrupted run's
+first shard, on resume), which is where one process closes its shards when every batch has the
+same bytes: the store is then byte for byte one process's, run id aside (each store draws
+its own, written in its manifest and each shard's metadata). With ragged rows (tokens) the
+rows, ids and order are the same and shards are cut by batch count. ``out`` must be a folder
+that every actor can write (one machine, or a file system all nodes mount).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from hookscope.errors import ExtractError, HookscopeError
+from hookscope.store.folder import remove_temporary
+from hookscope.store.writer import StoreWriter
+
+__all__ = ["Engine", "RayEngine", "ShardMade", "as_engine", "check_data", "write_on_ray"]
+
+ShardMade = tuple[int, int, str, tuple[str, ...]]  # rows, bytes, sha256, chunk sums
+Work = Callable[[str, int, int], ShardMade]  # (file name, first batch, stop batch) -> made
+
+
+@dataclass(frozen=True)
+class RayEngine:
+    """How ``extract(..., engine=RayEngine(...))`` uses Ray (``engine="ray"``: the defaults).
+
+    Attributes:
+        actors: Ray actors, each holding a copy of the model (default 2).
+        address: the cluster to join when Ray is not initialized yet (``ray.init(address)``;
+            ``None``: a running cluster named by ``RAY_ADDRESS``, else a new local one).
+        num_cpus: CPUs each actor reserves (Ray sets its torch threads to this; default 1).
+        num_gpus: GPUs each actor reserves (default 0); above 0 an actor moves its copy of
+            the model to ``cuda`` (its own GPU: Ray sets ``CUDA_VISIBLE_DEVICES``).
+        max_retries: times an actor that died is restarted and its shard computed again.
+    """
+
+    actors: int = 2
+    address: str | None = None
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    max_retries: int = 3
+
+
+Engine = str | RayEngine
+
+
+def as_engine(engine: Any) -> RayEngine | None:
+    """Return the Ray options that ``engine`` asks for, ``None`` for ``"local"``.
+
+    Raises:
+        ExtractError: ``engine`` is neither ``"local"``, ``"ray"`` nor a ``RayEngine`` with
+            positive counts; or Ray (``ray[data]``) is not installed.
+    """
+    if isinstance(engine, str) and engine == "local":
+        return None
+    if isinstance(engine, str) and engine == "ray":
+        engine = RayEngine()
+    if not isinstance(engine, RayEngine):
+        raise ExtractError(f"extract(engine={engine!r:.60}): engine must be 'local', 'ray' or a "
+                           f"hookscope.RayEngine(actors=...)")
+    if type(engine.actors) is not int or engine.actors < 1 or engine.num_cpus < 0 or \
+            engine.num_gpus < 0 or type(engine.max_retries) is not int or engine.max_retries < 0:
+        raise ExtractError(f"{engine}: actors must be a positive int, num_cpus, num_gpus and "
+                           f"max_retries >= 0, e.g. RayEngine(actors=2)")
+    try:
+        import ray.data  # noqa: F401  (the optional extra; imported here only)
+    except ImportError as err:
+        raise ExtractError("engine='ray' needs Ray Data: pip install 'hookscope[ray]'") from err
+    return engine
+
+
+def check_data(count: int | None) -> None:
+    """Raise ``ExtractError`` unless the data has a length (Ray cuts it into shards up front)."""
+    if count is None:
+        raise ExtractError("engine='ray' needs data with a length (a Dataset, or a DataLoader "
+                           "over one) so that the batches can be handed out by index")
+
+
+def write_on_ray(engine: RayEngine, work: Work, writer: StoreWriter, start: int,
+                 per_shard: int, count: int, *, progress: bool, stop: Any) -> bool:
+    """Write batches ``start:count`` as shards of ``per_shard`` batches on Ray actors, each
+    listed in ``writer``'s manifest once it and the ones before it are written.
+
+    Args:
+        work: what an actor runs for one shard (``extract.write_batch_range`` bound to the
+            run): ``(file name, first batch, stop batch) -> (rows, bytes, sha256, sums)``.
+        stop: the run's graceful stop (its ``asked`` ends the run after the next shard).
+
+    Returns:
+        ``True`` when every shard is listed, ``False`` when a Ctrl-C stopped the run first.
+
+    Raises:
+        HookscopeError: the one an actor raised (e.g. ``ExtractError`` for a batch whose rows
+            change shape), or ``ExtractError`` when Ray failed (an actor died too often, the
+            model or data cannot be pickled).
+    """
+    plan = [(writer.shard_name(j), first, min(first + per_shard, count))
+            for j, first in enumerate(range(start, count, per_shard))]
+    bar = tqdm(total=sum(b1 - b0 for _, b0, b1 in plan), unit="batch", desc="extract (ray)",
+               disable=not progress, dynamic_ncols=True)
+    done: dict[int, ShardMade] = {}
+    listed = 0  # shards of ``plan`` listed in the manifest
+    try:
+        for index, made in _run(engine, work, plan):
+            done[index] = made
+            while listed in done:  # in order: a manifest lists shards from the first on
+                (name, b0, b1), (rows, size, sha, sums) = plan[listed], done.pop(listed)
+                writer.add(name, rows, (b0, b1), size, sha, sums)
+                bar.update(b1 - b0)
+                listed += 1
+            if stop is not None and stop.asked:
+                return False
+    finally:
+        bar.close()
+    remove_temporary(writer.folder, writer.run)
+    return True
+
+
+def _run(engine: RayEngine, work: Work, plan: list[tuple[str, int, int]]
+         ) -> Iterator[tuple[int, ShardMade]]:
+    """Yield ``(index in plan, made)`` as the actors finish shards, in any order."""
+    import ray
+    import ray.data
+
+    if not plan:
+        return
+    if not ray.is_initialized():
+        ray.init(address=engine.address)
+    context = ray.data.DataContext.get_current()
+    bars, context.enable_progress_bars = context.enable_progress_bars, False  # ours is shown
+    try:
+        items = [{"index": j, "file": f, "start": b0, "stop": b1}
+                 for j, (f, b0, b1) in enumerate(plan)]
+        shards = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
+            _ShardWorker, fn_constructor_args=([ray.put(work)],),
+            batch_size=1, concurrency=engine.actors, num_cpus=engine.num_cpus,
+            num_gpus=engine.num_gpus, max_restarts=engine.max_retries,
+            max_task_retries=engine.max_retries)
+        for row in shards.iter_rows():
+            sums = tuple(str(row["chunk_sum"]).split(",")) if row["chunk_sum"] else ()
+            yield int(row["index"]), (int(row["rows"]), int(row["bytes"]), str(row["sha256"]),
+                                      sums)
+    except Exception as err:  # noqa: BLE001  (an actor's own error, or Ray's)
+        raise _cause(err) from None
+    finally:
+        context.enable_progress_bars = bars
+
+
+def _cause(err: BaseException) -> HookscopeError:
+    """The hookscope error an actor raised, found in Ray's wrapping of it, else an
+    ``ExtractError`` that says what Ray reported."""
+    seen: BaseException | None = err
+    while seen is not None:
+        cause = getattr(seen, "cause", None)  # ray.exceptions.RayTaskError keeps the original
+        for found in (cause, seen):
+            if isinstance(found, HookscopeError) and type(found).__module__.startswith("hookscope"):
+                return found
+        seen = seen.__cause__ or seen.__context__
+    return ExtractError(f"the Ray run failed: {type(err).__name__}: {str(err)[:2000]}; the "
+                        f"shards finished in order are listed, continue with resume=True "
+                        f"(--resume)")
+
+
+class _ShardWorker:
+    """A Ray actor's state: the run's work (model and data inside), unpickled once."""
+
+    def __init__(self, work: list[Any]):
+        import ray
+
+        self.work: Work = ray.get(work[0])
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        made = [self.work(str(f), int(b0), int(b1))
+                for f, b0, b1 in zip(batch["file"], batch["start"], batch["stop"])]
+        return {"index": batch["index"],
+                "rows": np.array([m[0] for m in made], dtype=np.int64),
+                "bytes": np.array([m[1] for m in made], dtype=np.int64),
+                "sha256": np.array([m[2] for m in made]),
+                "chunk_sum": np.array([",".join(m[3]) for m in made])}
