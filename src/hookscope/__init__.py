@@ -57,6 +57,7 @@ from hookscope.record.grads import NoGrad
 from hookscope.record.records import RecordKey, Records, load
 from hookscope.store.extract import extract
 from hookscope.store.probe import ProbeResult, probe
+from hookscope.store.ray_engine import RayEngine
 from hookscope.store.reader import Store, open_store
 from hookscope.train.guard import ReplayBundle, replay
 from hookscope.train.monitor import Monitor, monitor
@@ -122,6 +123,7 @@ __all__ = [
     "compare",
     "edit",
     "extract",
+    "RayEngine",
     "find_nonfinite",
     "gradcam",
     "hooks",

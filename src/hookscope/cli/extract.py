@@ -1,6 +1,7 @@
 """``hookscope extract MODEL --data PATH --layer P --out DIR``: a data set's activations to a store.
 
-Runs under torchrun unchanged: ``torchrun --nproc_per_node=2 -m hookscope extract ...``.
+Runs under torchrun unchanged: ``torchrun --nproc_per_node=2 -m hookscope extract ...``; with
+``--ray`` the batches go to Ray actors (``hookscope.store.ray_engine``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from hookscope.cli.show import print_store
 from hookscope.errors import ExtractInterrupted
 from hookscope.record.reductions import NAMES
 from hookscope.store.extract import SHARD_BYTES, SHARD_SECONDS, check_output, extract
+from hookscope.store.ray_engine import RayEngine
 from hookscope.zoo.data import load_data
 from hookscope.zoo.models import load_model
 
@@ -71,6 +73,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--early-stop", action="store_true",
                         help="stop each forward once every selected layer has returned")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--ray", action="store_true",
+                        help="run the batches on Ray actors that write their own shards (pip "
+                             "install 'hookscope[ray]'); this process writes the manifest")
+    parser.add_argument("--ray-address", metavar="ADDR", default=None,
+                        help="with --ray: the Ray cluster to join (default: RAY_ADDRESS, else "
+                             "a new local one)")
+    parser.add_argument("--ray-actors", type=positive_int, default=2, metavar="N",
+                        help="with --ray: actors, each holding a copy of the model (default 2)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,7 +96,9 @@ def run(args: argparse.Namespace) -> int:
                         batch_size=args.batch_size, shard_bytes=args.shard_bytes,
                         shard_seconds=args.shard_seconds, resume=args.resume,
                         overwrite=args.overwrite, progress=not args.no_progress,
-                        model_spec=args.model, early_stop=args.early_stop)
+                        model_spec=args.model, early_stop=args.early_stop,
+                        engine=RayEngine(actors=args.ray_actors, address=args.ray_address)
+                        if args.ray else "local")
     except ExtractInterrupted as stopped:
         say(f"interrupted: {stopped.rows} rows kept in {stopped.out} (the open shard's "
             f"included); resume with:\n  {resume_command(args)}")
@@ -110,7 +122,11 @@ def resume_command(args: argparse.Namespace) -> str:
     words += ["--dtype", args.dtype] if args.dtype else []
     words += ["--device", args.device] if args.device else []
     words += [flag for flag, on in (("--no-progress", args.no_progress),
-                                    ("--early-stop", args.early_stop), ("--json", args.json)) if on]
+                                    ("--early-stop", args.early_stop), ("--json", args.json),
+                                    ("--ray", args.ray)) if on]
+    if args.ray:
+        words += ["--ray-actors", str(args.ray_actors)]
+        words += ["--ray-address", args.ray_address] if args.ray_address else []
     world = int(os.environ.get("WORLD_SIZE", "1"))
     runner = f"torchrun --nproc_per_node={world} -m hookscope" if world > 1 else "hookscope"
     return f"{runner} extract {shlex.join([*words, '--resume'])}"

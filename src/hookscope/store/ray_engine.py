@@ -13,7 +13,8 @@ written, so after any crash the manifest lists complete shards from the first on
 process's does, and ``resume`` goes on from there.
 
 A worker killed mid-shard (its process dies) is restarted by Ray and its shard is computed and
-written again under the same name (up to ``RayEngine.max_retries`` times): no shard is written
+written again under the same name (Ray Data's policy for an actor pool: an actor that dies is
+restarted and its tasks run again, with no limit; an error the code raises is not retried): no shard is written
 twice under two names, and the temporary file it left is deleted when the run ends. Shards are
 ``ceil(shard_bytes / first batch's bytes)`` batches each (or as many as the interrupted run's
 first shard, on resume), which is where one process closes its shards when every batch has the
@@ -53,14 +54,12 @@ class RayEngine:
         num_cpus: CPUs each actor reserves (Ray sets its torch threads to this; default 1).
         num_gpus: GPUs each actor reserves (default 0); above 0 an actor moves its copy of
             the model to ``cuda`` (its own GPU: Ray sets ``CUDA_VISIBLE_DEVICES``).
-        max_retries: times an actor that died is restarted and its shard computed again.
     """
 
     actors: int = 2
     address: str | None = None
     num_cpus: float = 1.0
     num_gpus: float = 0.0
-    max_retries: int = 3
 
 
 Engine = str | RayEngine
@@ -80,10 +79,10 @@ def as_engine(engine: Any) -> RayEngine | None:
     if not isinstance(engine, RayEngine):
         raise ExtractError(f"extract(engine={engine!r:.60}): engine must be 'local', 'ray' or a "
                            f"hookscope.RayEngine(actors=...)")
-    if type(engine.actors) is not int or engine.actors < 1 or engine.num_cpus < 0 or \
-            engine.num_gpus < 0 or type(engine.max_retries) is not int or engine.max_retries < 0:
-        raise ExtractError(f"{engine}: actors must be a positive int, num_cpus, num_gpus and "
-                           f"max_retries >= 0, e.g. RayEngine(actors=2)")
+    if type(engine.actors) is not int or engine.actors < 1 or not engine.num_cpus >= 0 or \
+            not engine.num_gpus >= 0:
+        raise ExtractError(f"{engine}: actors must be a positive int, num_cpus and num_gpus "
+                           f"numbers >= 0, e.g. RayEngine(actors=2, num_cpus=1)")
     try:
         import ray.data  # noqa: F401  (the optional extra; imported here only)
     except ImportError as err:
@@ -154,10 +153,9 @@ def _run(engine: RayEngine, work: Work, plan: list[tuple[str, int, int]]
         items = [{"index": j, "file": f, "start": b0, "stop": b1}
                  for j, (f, b0, b1) in enumerate(plan)]
         shards = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
-            _ShardWorker, fn_constructor_args=([ray.put(work)],),
-            batch_size=1, concurrency=engine.actors, num_cpus=engine.num_cpus,
-            num_gpus=engine.num_gpus, max_restarts=engine.max_retries,
-            max_task_retries=engine.max_retries)
+            _ShardWorker, fn_constructor_args=(work,), batch_size=1,
+            compute=ray.data.ActorPoolStrategy(size=engine.actors), num_cpus=engine.num_cpus,
+            num_gpus=engine.num_gpus)
         for row in shards.iter_rows():
             sums = tuple(str(row["chunk_sum"]).split(",")) if row["chunk_sum"] else ()
             yield int(row["index"]), (int(row["rows"]), int(row["bytes"]), str(row["sha256"]),
@@ -186,10 +184,8 @@ def _cause(err: BaseException) -> HookscopeError:
 class _ShardWorker:
     """A Ray actor's state: the run's work (model and data inside), unpickled once."""
 
-    def __init__(self, work: list[Any]):
-        import ray
-
-        self.work: Work = ray.get(work[0])
+    def __init__(self, work: Work):
+        self.work = work
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         made = [self.work(str(f), int(b0), int(b1))

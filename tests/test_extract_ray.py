@@ -1,0 +1,176 @@
+"""extract(engine="ray") / extract --ray: Ray actors write the shards one process would write.
+
+One local Ray cluster for the module (4 logical CPUs on the 2-core machine, no dashboard). Every
+store is compared byte for byte, every file, with the store one process writes from the same
+model, data and options: both runs draw the same run id (``_same_run``), so no field is left out
+of the comparison (a store's run id is otherwise random: it is in the manifest and each shard).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch.utils.data import Dataset
+
+import hookscope.store.extract as extract_module
+from hookscope import RayEngine, extract
+from hookscope.cli.main import main
+from hookscope.errors import ExtractError
+from tests.models import MlpStack
+
+ray = pytest.importorskip("ray")
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = "0123456789abcdef0123456789abcdef"
+LAYERS = ["fc1", "fc2"]
+# 43 rows in 11 batches of 4; a batch's rows are 432 bytes (fc1 320, fc2 80, ids 32), so one
+# process closes a shard every 2 batches: 6 shards, the last of 3 rows
+OPTIONS = {"batch_size": 4, "shard_bytes": 600, "progress": False}
+
+
+class Rows(Dataset[torch.Tensor]):
+    """43 fixed rows of 10 features; with ``crash_at``, the process reading that row dies once
+    (``marker`` is created first, so its retry reads on), leaving the temporary file a worker
+    killed while writing a shard leaves; ``delay_s`` slows each row."""
+
+    def __init__(self, crash_at: int | None = None, marker: str = "", delay_s: float = 0.0):
+        self.x = torch.randn(43, 10, generator=torch.Generator().manual_seed(1))
+        self.crash_at, self.marker, self.delay_s = crash_at, marker, delay_s
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        time.sleep(self.delay_s)
+        if i == self.crash_at and not os.path.exists(self.marker):
+            Path(self.marker).touch()
+            folder = Path(self.marker).parent / "ray"
+            (folder / f".shard-00002.safetensors.tmp-{RUN}-{os.getpid()}-0badf00d").write_bytes(b"x")
+            os._exit(1)
+        return self.x[i]
+
+
+def model() -> MlpStack:
+    torch.manual_seed(0)
+    return MlpStack()
+
+
+class _FixedRun:
+    @staticmethod
+    def token_hex(nbytes: int) -> str:
+        return RUN
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    paths = os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": paths, "OMP_NUM_THREADS": "1"}})
+    try:
+        yield str(ray.get_runtime_context().gcs_address)
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture
+def _same_run(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every store this test starts draws the run id ``RUN``; one thread, as each actor has."""
+    monkeypatch.setattr(extract_module, "secrets", _FixedRun)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def _one_process(folder: Path) -> dict[str, bytes]:
+    extract(model(), Rows(), LAYERS, folder, **OPTIONS)
+    return _files(folder)
+
+
+@pytest.mark.usefixtures("_same_run")
+def test_cli_ray_writes_the_one_process_store_byte_for_byte(cluster: str, tmp_path: Path) -> None:
+    weights, rows = tmp_path / "mlp.safetensors", tmp_path / "rows.pt"
+    save_file(model().state_dict(), str(weights))
+    torch.save(Rows().x, rows)
+    args = ["extract", f"tests.models:MlpStack@{weights}", "--data", str(rows), "--layer", "fc1",
+            "--layer", "fc2", "--batch-size", "4", "--shard-bytes", "600", "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "one")]) == 0
+    assert main([*args, "--out", str(tmp_path / "ray"), "--ray", "--ray-actors", "2",
+                 "--ray-address", cluster]) == 0
+    one, on_ray = _files(tmp_path / "one"), _files(tmp_path / "ray")
+    assert list(on_ray) == ["manifest.json", *(f"shard-{k:05d}.safetensors" for k in range(6))]
+    assert on_ray == one
+
+
+@pytest.mark.usefixtures("_same_run")
+def test_killed_worker_is_retried_without_duplicate_or_orphan(cluster: str, tmp_path: Path) -> None:
+    marker = tmp_path / "crashed"
+    store = extract(model(), Rows(crash_at=21, marker=str(marker)), LAYERS, tmp_path / "ray",
+                    engine=RayEngine(actors=2), **OPTIONS)
+    assert marker.exists()  # the worker holding shard 2 (batches 4, 5: rows 16..23) died
+    assert _files(tmp_path / "ray") == _one_process(tmp_path / "one")  # its temporary file gone
+    store.verify()
+
+
+@pytest.mark.usefixtures("_same_run")
+def test_killed_driver_resumes_to_the_same_bytes(cluster: str, tmp_path: Path) -> None:
+    out = tmp_path / "ray"
+    code = (f"import ray, hookscope.store.extract as e, tests.test_extract_ray as t\n"
+            f"e.secrets = t._FixedRun\n"
+            f"ray.init(address={cluster!r}, log_to_driver=False)\n"
+            f"e.extract(t.model(), t.Rows(delay_s=0.1), t.LAYERS, {str(out)!r},\n"
+            f"          engine=t.RayEngine(actors=1), **t.OPTIONS)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    driver = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        listed = _wait_for_shards(out / "manifest.json", 2, driver)
+        driver.send_signal(signal.SIGKILL)
+    finally:
+        driver.kill()
+        driver.wait()
+    assert 2 <= listed < 6
+    store = extract(model(), Rows(), LAYERS, out, resume=True, engine=RayEngine(actors=2),
+                    **OPTIONS)
+    assert _files(out) == _one_process(tmp_path / "one")
+    store.verify()
+
+
+def _wait_for_shards(manifest: Path, count: int, driver: subprocess.Popen[bytes]) -> int:
+    """Wait until ``manifest`` lists ``count`` shards; return how many it lists then."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if driver.poll() is not None:
+            raise AssertionError(f"the driver ended first: {driver.stderr.read()[-3000:]!r}")
+        text = manifest.read_text() if manifest.exists() else ""
+        if text.count('"file"') >= count:
+            return text.count('"file"')
+        time.sleep(0.05)
+    raise AssertionError("the driver listed no shards in 120 s")
+
+
+def test_ray_refuses_data_without_a_length_before_writing(tmp_path: Path) -> None:
+    batches = (torch.randn(4, 10) for _ in range(3))
+    with pytest.raises(ExtractError, match=r"needs data with a length \(a Dataset"):
+        extract(model(), batches, LAYERS, tmp_path / "out", engine="ray", progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("engine", ["rays", RayEngine(actors=0), RayEngine(num_cpus=-1)])
+def test_bad_engine_is_named_with_the_fix(engine: object, tmp_path: Path) -> None:
+    with pytest.raises(ExtractError, match=r"engine must be 'local', 'ray'|RayEngine\(actors=2"):
+        extract(model(), Rows(), LAYERS, tmp_path / "out", engine=engine, progress=False)
+    assert not (tmp_path / "out").exists()
