@@ -143,7 +143,7 @@ def test_killed_driver_resumes_to_the_same_bytes(cluster: str, tmp_path: Path) -
         driver.kill()
         driver.wait()
     assert 2 <= listed < 6
-    store = extract(model(), Rows(), LAYERS, out, resume=True, engine=RayEngine(actors=2),
+    store = extract(model(), Rows(), LAYERS, out, resume=True, engine=RayEngine(actors=1),
                     **OPTIONS)
     assert _files(out) == _one_process(tmp_path / "one")
     store.verify()

@@ -1,27 +1,27 @@
 """Extraction on Ray Data: actors write whole shards, this process (the driver) the manifest.
 
-``extract(..., engine="ray")`` runs the same code as one process (``hookscope.store.extract``:
-the first batch checked here, then per batch ``_rows`` and ``_keep_batch``, and the shard file
-written by ``writer.write_shard``); only who runs which batches changes. The driver cuts the
-remaining batches into shards of a fixed number of batches, in order, names each shard file as
-one process would (``shard-00000.safetensors`` ...), and hands ``(file, first batch, stop
-batch)`` to a Ray Data ``map_batches`` over a pool of actors. Each actor holds a copy of the
-model and the data (pickled once with cloudpickle, ``ray.put``), loads its own batches by index
-(``BatchSource``), and writes its shard with the writer's protocol (temporary name, fsync,
+``extract(..., engine="ray")`` runs the code one process runs (``hookscope.store.extract``:
+the first batch is checked by the driver, then each batch goes through ``_rows`` and
+``_keep_batch`` and each shard through ``writer.write_shard``); only who runs which batches
+changes. The driver cuts the remaining batches into shards of a fixed number of batches, names
+each shard file as one process would (``shard-00000.safetensors`` ...), and hands ``(file,
+first batch, stop batch)`` to a Ray Data ``map_batches`` over a pool of actors. Each actor holds
+a copy of the model and the data (pickled once, with cloudpickle), loads its own batches by
+index (``BatchSource``) and writes its shard by the writer's protocol (temporary name, fsync,
 rename). The driver lists a shard in ``manifest.json`` once it and every shard before it are
 written, so after any crash the manifest lists complete shards from the first on, as one
 process's does, and ``resume`` goes on from there.
 
-A worker killed mid-shard (its process dies) is restarted by Ray and its shard is computed and
-written again under the same name (Ray Data's policy for an actor pool: an actor that dies is
-restarted and its tasks run again, with no limit; an error the code raises is not retried): no shard is written
-twice under two names, and the temporary file it left is deleted when the run ends. Shards are
-``ceil(shard_bytes / first batch's bytes)`` batches each (or as many as the interrupted run's
-first shard, on resume), which is where one process closes its shards when every batch has the
-same bytes: the store is then byte for byte one process's, run id aside (each store draws
-its own, written in its manifest and each shard's metadata). With ragged rows (tokens) the
-rows, ids and order are the same and shards are cut by batch count. ``out`` must be a folder
-that every actor can write (one machine, or a file system all nodes mount).
+A worker killed mid-shard is restarted by Ray and its shard computed and written again under
+the same name (Ray Data's policy for actor pools: an actor that dies is restarted, without a
+limit; an error the code raises is not retried but raised by the driver). No shard is written
+under two names, and the temporary file a killed worker left is deleted when the run ends.
+Shards hold ``ceil(shard_bytes / first batch's bytes)`` batches (on resume, as many as the
+interrupted run's first shard): where one process closes its shards when every batch has the
+same bytes, so the store is then byte for byte one process's, run id aside (each run draws its
+own, kept in its manifest and every shard's metadata). With ragged rows (tokens) the rows, ids
+and order are one process's and the shards are cut by batch count. ``out`` must be a folder
+every actor can write (one machine, or a file system all nodes mount).
 """
 
 from __future__ import annotations
