@@ -8,6 +8,7 @@ of the comparison (a store's run id is otherwise random: it is in the manifest a
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,14 +39,17 @@ LAYERS = ["fc1", "fc2"]
 OPTIONS = {"batch_size": 4, "shard_bytes": 600, "progress": False}
 
 
-class Rows(Dataset[torch.Tensor]):
+class Rows(Dataset[Any]):
     """43 fixed rows of 10 features; with ``crash_at``, the process reading that row dies once
     (``marker`` is created first, so its retry reads on), leaving the temporary file a worker
-    killed while writing a shard leaves; ``delay_s`` slows each row."""
+    killed while writing a shard leaves; ``delay_s`` slows each row; with ``text_from``, rows
+    are ``(x, label)``: 1 before that row, "cat" from it on."""
 
-    def __init__(self, crash_at: int | None = None, marker: str = "", delay_s: float = 0.0):
+    def __init__(self, crash_at: int | None = None, marker: str = "", delay_s: float = 0.0,
+                 text_from: int | None = None):
         self.x = torch.randn(43, 10, generator=torch.Generator().manual_seed(1))
         self.crash_at, self.marker, self.delay_s = crash_at, marker, delay_s
+        self.text_from = text_from
 
     def __len__(self) -> int:
         return len(self.x)
@@ -56,6 +61,8 @@ class Rows(Dataset[torch.Tensor]):
             folder = Path(self.marker).parent / "ray"
             (folder / f".shard-00002.safetensors.tmp-{RUN}-{os.getpid()}-0badf00d").write_bytes(b"x")
             os._exit(1)
+        if self.text_from is not None:
+            return self.x[i], 1 if i < self.text_from else "cat"
         return self.x[i]
 
 
@@ -160,6 +167,18 @@ def _wait_for_shards(manifest: Path, count: int, driver: subprocess.Popen[bytes]
             return text.count('"file"')
         time.sleep(0.05)
     raise AssertionError("the driver listed no shards in 120 s")
+
+
+def test_an_actors_error_is_raised_as_one_process_raises_it(cluster: str, tmp_path: Path) -> None:
+    data = Rows(text_from=28)  # batch 7 (rows 28..31) has text labels, the batches before ints
+    with pytest.raises(ExtractError, match="in batch 7") as alone:
+        extract(model(), data, LAYERS, tmp_path / "one", **OPTIONS)
+    with pytest.raises(ExtractError, match="in batch 7") as on_ray:
+        extract(model(), data, LAYERS, tmp_path / "ray", engine=RayEngine(actors=1), **OPTIONS)
+    assert type(on_ray.value) is ExtractError and str(on_ray.value) == str(alone.value)
+    manifest = json.loads((tmp_path / "ray" / "manifest.json").read_text())
+    assert not manifest["complete"]  # shard 3 (batches 6, 7) failed: shards 0..2 at most listed
+    assert [s["batches"] for s in manifest["shards"]] == [[0, 2], [2, 4], [4, 6]][:len(manifest["shards"])]
 
 
 def test_ray_refuses_data_without_a_length_before_writing(tmp_path: Path) -> None:

@@ -26,14 +26,15 @@ every actor can write (one machine, or a file system all nodes mount).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import pickle
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
-from hookscope.errors import ExtractError, HookscopeError
+from hookscope.errors import ExtractError
 from hookscope.store.folder import remove_temporary
 from hookscope.store.writer import StoreWriter
 
@@ -111,9 +112,10 @@ def write_on_ray(engine: RayEngine, work: Work, writer: StoreWriter, start: int,
         ``True`` when every shard is listed, ``False`` when a Ctrl-C stopped the run first.
 
     Raises:
-        HookscopeError: the one an actor raised (e.g. ``ExtractError`` for a batch whose rows
-            change shape), or ``ExtractError`` when Ray failed (an actor died too often, the
-            model or data cannot be pickled).
+        Exception: the one an actor raised, as one process raises it (e.g. ``ExtractError``
+            for a batch whose rows change shape, or the model's own error).
+        ExtractError: Ray itself failed (the model or the data cannot be pickled, the
+            cluster is gone).
     """
     plan = [(writer.shard_name(j), first, min(first + per_shard, count))
             for j, first in enumerate(range(start, count, per_shard))]
@@ -121,8 +123,9 @@ def write_on_ray(engine: RayEngine, work: Work, writer: StoreWriter, start: int,
                disable=not progress, dynamic_ncols=True)
     done: dict[int, ShardMade] = {}
     listed = 0  # shards of ``plan`` listed in the manifest
+    results = _run(engine, work, plan)
     try:
-        for index, made in _run(engine, work, plan):
+        for index, made in results:
             done[index] = made
             while listed in done:  # in order: a manifest lists shards from the first on
                 (name, b0, b1), (rows, size, sha, sums) = plan[listed], done.pop(listed)
@@ -132,13 +135,14 @@ def write_on_ray(engine: RayEngine, work: Work, writer: StoreWriter, start: int,
             if stop is not None and stop.asked:
                 return False
     finally:
+        results.close()  # a stop or an error ends Ray Data's run too
         bar.close()
     remove_temporary(writer.folder, writer.run)
     return True
 
 
 def _run(engine: RayEngine, work: Work, plan: list[tuple[str, int, int]]
-         ) -> Iterator[tuple[int, ShardMade]]:
+         ) -> Generator[tuple[int, ShardMade], None, None]:
     """Yield ``(index in plan, made)`` as the actors finish shards, in any order."""
     import ray
     import ray.data
@@ -157,28 +161,28 @@ def _run(engine: RayEngine, work: Work, plan: list[tuple[str, int, int]]
             compute=ray.data.ActorPoolStrategy(size=engine.actors), num_cpus=engine.num_cpus,
             num_gpus=engine.num_gpus)
         for row in shards.iter_rows():
+            if row["error"]:
+                raise pickle.loads(row["error"])
             sums = tuple(str(row["chunk_sum"]).split(",")) if row["chunk_sum"] else ()
             yield int(row["index"]), (int(row["rows"]), int(row["bytes"]), str(row["sha256"]),
                                       sums)
-    except Exception as err:  # noqa: BLE001  (an actor's own error, or Ray's)
-        raise _cause(err) from None
+    except ray.exceptions.RayError as err:
+        raise ExtractError(f"the Ray run failed ({type(err).__name__}: "
+                           f"{str(err).strip().splitlines()[0][:300]}); the shards finished in "
+                           f"order are listed: continue with resume=True (--resume)") from err
     finally:
         context.enable_progress_bars = bars
 
 
-def _cause(err: BaseException) -> HookscopeError:
-    """The hookscope error an actor raised, found in Ray's wrapping of it, else an
-    ``ExtractError`` that says what Ray reported."""
-    seen: BaseException | None = err
-    while seen is not None:
-        cause = getattr(seen, "cause", None)  # ray.exceptions.RayTaskError keeps the original
-        for found in (cause, seen):
-            if isinstance(found, HookscopeError) and type(found).__module__.startswith("hookscope"):
-                return found
-        seen = seen.__cause__ or seen.__context__
-    return ExtractError(f"the Ray run failed: {type(err).__name__}: {str(err)[:2000]}; the "
-                        f"shards finished in order are listed, continue with resume=True "
-                        f"(--resume)")
+def _pickled(err: Exception) -> bytes:
+    """``err`` pickled for the driver to raise (an ``ExtractError`` saying it, when it does not
+    pickle): Ray Data sends a task's exception back as text only."""
+    try:
+        text = pickle.dumps(err)
+        pickle.loads(text)
+        return text
+    except Exception:  # noqa: BLE001  (any error's text still reaches the driver)
+        return pickle.dumps(ExtractError(f"a Ray actor raised {type(err).__name__}: {err}"))
 
 
 class _ShardWorker:
@@ -188,9 +192,15 @@ class _ShardWorker:
         self.work = work
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        made = [self.work(str(f), int(b0), int(b1))
-                for f, b0, b1 in zip(batch["file"], batch["start"], batch["stop"])]
-        return {"index": batch["index"],
+        made, errors = [], []
+        for f, b0, b1 in zip(batch["file"], batch["start"], batch["stop"]):
+            try:  # the error one process would raise, raised again by the driver
+                made.append(self.work(str(f), int(b0), int(b1)))
+                errors.append(b"")
+            except Exception as err:  # noqa: BLE001  (sent to the driver, not retried)
+                made.append((0, 0, "", ()))
+                errors.append(_pickled(err))
+        return {"index": batch["index"], "error": np.array(errors, dtype=object),
                 "rows": np.array([m[0] for m in made], dtype=np.int64),
                 "bytes": np.array([m[1] for m in made], dtype=np.int64),
                 "sha256": np.array([m[2] for m in made]),
