@@ -8,6 +8,7 @@ of the comparison (a store's run id is otherwise random: it is in the manifest a
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ from torch.utils.data import Dataset
 
 import hookscope.store.extract as extract_module
 from hookscope import RayEngine, extract
+from hookscope.cli import extract as cli_extract
 from hookscope.cli.main import main
 from hookscope.errors import ExtractError
 from tests.models import MlpStack
@@ -179,6 +181,23 @@ def test_an_actors_error_is_raised_as_one_process_raises_it(cluster: str, tmp_pa
     manifest = json.loads((tmp_path / "ray" / "manifest.json").read_text())
     assert not manifest["complete"]  # shard 3 (batches 6, 7) failed: shards 0..2 at most listed
     assert [s["batches"] for s in manifest["shards"]] == [[0, 2], [2, 4], [4, 6]][:len(manifest["shards"])]
+
+
+def test_the_resume_command_keeps_the_ray_options() -> None:
+    parser = argparse.ArgumentParser()
+    cli_extract.add_arguments(parser)
+    args = parser.parse_args(["m.py:f", "--data", "d", "--layer", "fc1", "--out", "o", "--ray",
+                              "--ray-actors", "3", "--ray-address", "ray://head:10001"])
+    assert cli_extract.resume_command(args).endswith(
+        " --ray --ray-actors 3 --ray-address ray://head:10001 --resume")
+
+
+def test_ray_options_without_ray_are_a_usage_error(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["extract", "m.py:f", "--data", "d", "--layer", "fc1", "--out",
+                 str(tmp_path / "o"), "--ray-actors", "3"]) == 2
+    assert "add --ray, or leave them out" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def test_ray_refuses_data_without_a_length_before_writing(tmp_path: Path) -> None:

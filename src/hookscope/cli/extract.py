@@ -27,7 +27,7 @@ from hookscope.cli._common import (
     say,
 )
 from hookscope.cli.show import print_store
-from hookscope.errors import ExtractInterrupted
+from hookscope.errors import ArgumentValueError, ExtractInterrupted
 from hookscope.record.reductions import NAMES
 from hookscope.store.extract import SHARD_BYTES, SHARD_SECONDS, check_output, extract
 from hookscope.store.ray_engine import RayEngine
@@ -79,11 +79,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ray-address", metavar="ADDR", default=None,
                         help="with --ray: the Ray cluster to join (default: RAY_ADDRESS, else "
                              "a new local one)")
-    parser.add_argument("--ray-actors", type=positive_int, default=2, metavar="N",
+    parser.add_argument("--ray-actors", type=positive_int, default=None, metavar="N",
                         help="with --ray: actors, each holding a copy of the model (default 2)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.ray and (args.ray_actors or args.ray_address):
+        raise ArgumentValueError("--ray-actors and --ray-address choose how --ray runs: add --ray, "
+                                 "or leave them out to extract in this process")
     check_output_path(args.out, "--out", parents=args.parents, folder=True)
     check_output(Path(args.out), resume=args.resume, overwrite=args.overwrite)
     loaded = load_model(args.model, **image_options(args))
@@ -97,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
                         shard_seconds=args.shard_seconds, resume=args.resume,
                         overwrite=args.overwrite, progress=not args.no_progress,
                         model_spec=args.model, early_stop=args.early_stop,
-                        engine=RayEngine(actors=args.ray_actors, address=args.ray_address)
+                        engine=RayEngine(actors=args.ray_actors or 2, address=args.ray_address)
                         if args.ray else "local")
     except ExtractInterrupted as stopped:
         say(f"interrupted: {stopped.rows} rows kept in {stopped.out} (the open shard's "
@@ -124,9 +127,8 @@ def resume_command(args: argparse.Namespace) -> str:
     words += [flag for flag, on in (("--no-progress", args.no_progress),
                                     ("--early-stop", args.early_stop), ("--json", args.json),
                                     ("--ray", args.ray)) if on]
-    if args.ray:
-        words += ["--ray-actors", str(args.ray_actors)]
-        words += ["--ray-address", args.ray_address] if args.ray_address else []
+    words += ["--ray-actors", str(args.ray_actors)] if args.ray_actors else []
+    words += ["--ray-address", args.ray_address] if args.ray_address else []
     world = int(os.environ.get("WORLD_SIZE", "1"))
     runner = f"torchrun --nproc_per_node={world} -m hookscope" if world > 1 else "hookscope"
     return f"{runner} extract {shlex.join([*words, '--resume'])}"
