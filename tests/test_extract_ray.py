@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -198,6 +199,15 @@ def test_ray_options_without_ray_are_a_usage_error(tmp_path: Path,
                  str(tmp_path / "o"), "--ray-actors", "3"]) == 2
     assert "add --ray, or leave them out" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_model_that_does_not_pickle_is_refused_before_any_file(cluster: str,
+                                                                 tmp_path: Path) -> None:
+    locked = model()
+    locked.lock = threading.Lock()
+    with pytest.raises(ExtractError, match=r"keep no locks, open files or threads on them"):
+        extract(locked, Rows(), LAYERS, tmp_path / "out", engine=RayEngine(actors=1), **OPTIONS)
+    assert not (tmp_path / "out").exists()
 
 
 def test_ray_refuses_data_without_a_length_before_writing(tmp_path: Path) -> None:

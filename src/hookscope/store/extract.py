@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import itertools
 import os
 import secrets
@@ -61,7 +60,16 @@ from hookscope.store.batches import BatchSource
 from hookscope.store.folder import check_output, prepare_output, writing
 from hookscope.store.manifest import COLUMN_PREFIX, tensor_specs
 from hookscope.store.ranks import Ranks
-from hookscope.store.ray_engine import Engine, RayEngine, ShardMade, as_engine, check_data, write_on_ray
+from hookscope.store.ray_engine import (
+    Engine,
+    RayEngine,
+    ShardMade,
+    Work,
+    as_engine,
+    check_data,
+    share,
+    write_on_ray,
+)
 from hookscope.store.reader import (
     _ST_DTYPES,
     LayerInfo,
@@ -237,6 +245,7 @@ class _Job:
     shard_seconds: float
     early_stop: bool = False
     engine: RayEngine | None = None  # None: this process writes its shards itself
+    shared: Any = None  # on Ray: the reference of the job's copy the actors run (_worker_copy)
     device: torch.device | None = None  # where inputs go (input_device), found once per run
     batch_bytes: int = 0  # bytes of the first batch's rows, to size the staging slabs
     session: Capture | None = None  # the capture open across the batches after the first
@@ -290,6 +299,8 @@ def _extract(job: _Job, folder: Path, header: dict[str, Any], *,
             start = _resume_batch(prior, start)
             todo, specs = _first_batch(job, start, stop, prior)
             header["layers"], header["columns"] = _split(specs)
+            if job.engine is not None:  # pickled now: a model that cannot be fails here
+                job.shared = share(job.engine, _worker_copy(job))
         _say_resumed(job, folder, prior, start)
         error = None
     except Exception as err:  # noqa: BLE001  (shared with the other ranks, then re-raised)
@@ -372,7 +383,7 @@ def _nbytes(t: Tensor) -> int:
 def _write_on_ray(job: _Job, engine: RayEngine, folder: Path, writer: StoreWriter,
                   prior: dict[str, Any] | None, start: int) -> None:
     """Write batches ``start:`` on Ray actors, this process listing their shards."""
-    if not write_on_ray(engine, _for_workers(job, folder, writer), writer, start,
+    if not write_on_ray(engine, _for_workers(job, engine, folder, writer), writer, start,
                         _batches_per_shard(job, prior), job.source.count or 0,
                         progress=job.progress, stop=job.stop):
         _interrupted(writer)
@@ -391,14 +402,18 @@ def _batches_per_shard(job: _Job, prior: dict[str, Any] | None) -> int:
     return max(1, -(-job.shard_bytes // job.batch_bytes))
 
 
-def _for_workers(job: _Job, folder: Path, writer: StoreWriter) -> functools.partial[ShardMade]:
-    """What a Ray actor runs for one shard: ``(file name, first batch, stop batch)`` ->
-    ``write_batch_range``'s result, over a copy of the job that holds no state of this run."""
-    copy = dataclasses.replace(job, ranks=Ranks(0, 1, False), engine=None, device=None,
-                               session=None, stop=None, progress=False)
-    device = "cuda" if job.engine is not None and job.engine.num_gpus > 0 else None
-    return functools.partial(write_batch_range, copy, folder, writer.run,
-                             tensor_specs(writer.manifest), device)
+def _worker_copy(job: _Job) -> _Job:
+    """The job a Ray actor runs: this one without the state of this process's run."""
+    return dataclasses.replace(job, ranks=Ranks(0, 1, False), engine=None, shared=None,
+                               device=None, session=None, stop=None, progress=False)
+
+
+def _for_workers(job: _Job, engine: RayEngine, folder: Path, writer: StoreWriter) -> Work:
+    """What a Ray actor runs for one shard: ``write_batch_range`` over the shared copy of the
+    job, bound to this run's folder, run id and layers."""
+    device = "cuda" if engine.num_gpus > 0 else None
+    return write_batch_range, job.shared, (folder, writer.run, tensor_specs(writer.manifest),
+                                           device)
 
 
 def write_batch_range(job: _Job, folder: Path, run: str, layers: dict[str, Any],

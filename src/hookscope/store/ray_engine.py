@@ -26,6 +26,7 @@ every actor can write (one machine, or a file system all nodes mount).
 
 from __future__ import annotations
 
+import functools
 import pickle
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -38,10 +39,13 @@ from hookscope.errors import ExtractError
 from hookscope.store.folder import remove_temporary
 from hookscope.store.writer import StoreWriter
 
-__all__ = ["Engine", "RayEngine", "ShardMade", "as_engine", "check_data", "write_on_ray"]
+__all__ = ["Engine", "RayEngine", "ShardMade", "Work", "as_engine", "check_data", "share",
+           "write_on_ray"]
 
 ShardMade = tuple[int, int, str, tuple[str, ...]]  # rows, bytes, sha256, chunk sums
-Work = Callable[[str, int, int], ShardMade]  # (file name, first batch, stop batch) -> made
+# what an actor runs for a shard: (function, reference of its shared first argument, the
+# arguments after it); it calls function(shared, *arguments, file name, first, stop batch)
+Work = tuple[Callable[..., ShardMade], Any, tuple[Any, ...]]
 
 
 @dataclass(frozen=True)
@@ -98,14 +102,37 @@ def check_data(count: int | None) -> None:
                            "over one) so that the batches can be handed out by index")
 
 
+def share(engine: RayEngine, value: Any) -> Any:
+    """Put ``value`` (the model and the data inside) in Ray's object store once, for every
+    actor, joining the cluster first (``ray.init(engine.address)`` unless Ray is initialized);
+    return its reference.
+
+    Raises:
+        ExtractError: ``value`` does not pickle (nothing is written yet).
+    """
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=engine.address)
+    try:
+        return ray.put(value)
+    except Exception as err:  # noqa: BLE001  (cloudpickle raises TypeError, PicklingError, ...)
+        raise ExtractError(
+            f"engine='ray' sends the model and the data to the actors pickled, and they do not "
+            f"pickle ({type(err).__name__}: {str(err).strip().splitlines()[0][:200]}): keep no "
+            f"locks, open files or threads on them, or extract in this process "
+            f"(engine='local')") from err
+
+
 def write_on_ray(engine: RayEngine, work: Work, writer: StoreWriter, start: int,
                  per_shard: int, count: int, *, progress: bool, stop: Any) -> bool:
     """Write batches ``start:count`` as shards of ``per_shard`` batches on Ray actors, each
     listed in ``writer``'s manifest once it and the ones before it are written.
 
     Args:
-        work: what an actor runs for one shard (``extract.write_batch_range`` bound to the
-            run): ``(file name, first batch, stop batch) -> (rows, bytes, sha256, sums)``.
+        work: what an actor runs for one shard (``extract.write_batch_range`` over the
+            shared job, ``share``): ``... (file name, first batch, stop batch) -> (rows,
+            bytes, sha256, sums)``.
         stop: the run's graceful stop (its ``asked`` ends the run after the next shard).
 
     Returns:
@@ -114,8 +141,7 @@ def write_on_ray(engine: RayEngine, work: Work, writer: StoreWriter, start: int,
     Raises:
         Exception: the one an actor raised, as one process raises it (e.g. ``ExtractError``
             for a batch whose rows change shape, or the model's own error).
-        ExtractError: Ray itself failed (the model or the data cannot be pickled, the
-            cluster is gone).
+        ExtractError: Ray itself failed (the cluster is gone).
     """
     plan = [(writer.shard_name(j), first, min(first + per_shard, count))
             for j, first in enumerate(range(start, count, per_shard))]
@@ -149,8 +175,6 @@ def _run(engine: RayEngine, work: Work, plan: list[tuple[str, int, int]]
 
     if not plan:
         return
-    if not ray.is_initialized():
-        ray.init(address=engine.address)
     context = ray.data.DataContext.get_current()
     bars, context.enable_progress_bars = context.enable_progress_bars, False  # ours is shown
     try:
@@ -189,7 +213,12 @@ class _ShardWorker:
     """A Ray actor's state: the run's work (model and data inside), unpickled once."""
 
     def __init__(self, work: Work):
-        self.work = work
+        import ray
+
+        function, shared, arguments = work
+        if isinstance(shared, ray.ObjectRef):
+            shared = ray.get(shared)
+        self.work = functools.partial(function, shared, *arguments)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         made, errors = [], []
