@@ -83,8 +83,10 @@ class _FixedRun:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[str]:
     paths = os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    # each worker imports torch and hookscope as it starts, not when an actor is asked for
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": paths, "OMP_NUM_THREADS": "1"}})
+             runtime_env={"env_vars": {"PYTHONPATH": paths, "OMP_NUM_THREADS": "1"},
+                          "worker_process_setup_hook": f"{__name__}._warm"})
     try:
         yield str(ray.get_runtime_context().gcs_address)
     finally:
@@ -222,3 +224,7 @@ def test_bad_engine_is_named_with_the_fix(engine: object, tmp_path: Path) -> Non
     with pytest.raises(ExtractError, match=r"engine must be 'local', 'ray'|RayEngine\(actors=2"):
         extract(model(), Rows(), LAYERS, tmp_path / "out", engine=engine, progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def _warm() -> None:
+    """Ray's worker set-up hook: importing this module imports torch and hookscope."""
