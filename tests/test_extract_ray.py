@@ -30,7 +30,7 @@ from hookscope import RayEngine, extract
 from hookscope.cli import extract as cli_extract
 from hookscope.cli.main import main
 from hookscope.errors import ExtractError
-from tests.models import MlpStack
+from tests.models import MaskedTokens, MlpStack
 
 ray = pytest.importorskip("ray")
 
@@ -67,6 +67,17 @@ class Rows(Dataset[Any]):
         if self.text_from is not None:
             return self.x[i], 1 if i < self.text_from else "cat"
         return self.x[i]
+
+
+class Tokens(Dataset[dict[str, torch.Tensor]]):
+    """22 rows of 6 token ids, row ``i`` with ``i % 6 + 1`` real tokens (the rest padding)."""
+
+    def __len__(self) -> int:
+        return 22
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        ids = torch.randint(1, 50, (6,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "attention_mask": (torch.arange(6) <= i % 6).long()}
 
 
 def model() -> MlpStack:
@@ -112,6 +123,7 @@ def _one_process(folder: Path) -> dict[str, bytes]:
     return _files(folder)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("_same_run")
 def test_cli_ray_writes_the_one_process_store_byte_for_byte(cluster: str, tmp_path: Path) -> None:
     weights, rows = tmp_path / "mlp.safetensors", tmp_path / "rows.pt"
@@ -127,6 +139,7 @@ def test_cli_ray_writes_the_one_process_store_byte_for_byte(cluster: str, tmp_pa
     assert on_ray == one
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("_same_run")
 def test_killed_worker_is_retried_without_duplicate_or_orphan(cluster: str, tmp_path: Path) -> None:
     marker = tmp_path / "crashed"
@@ -137,6 +150,7 @@ def test_killed_worker_is_retried_without_duplicate_or_orphan(cluster: str, tmp_
     store.verify()
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("_same_run")
 def test_killed_driver_resumes_to_the_same_bytes(cluster: str, tmp_path: Path) -> None:
     out = tmp_path / "ray"
@@ -174,6 +188,7 @@ def _wait_for_shards(manifest: Path, count: int, driver: subprocess.Popen[bytes]
     raise AssertionError("the driver listed no shards in 120 s")
 
 
+@pytest.mark.slow
 def test_an_actors_error_is_raised_as_one_process_raises_it(cluster: str, tmp_path: Path) -> None:
     data = Rows(text_from=28)  # batch 7 (rows 28..31) has text labels, the batches before ints
     with pytest.raises(ExtractError, match="in batch 7") as alone:
@@ -201,6 +216,28 @@ def test_ray_options_without_ray_are_a_usage_error(tmp_path: Path,
                  str(tmp_path / "o"), "--ray-actors", "3"]) == 2
     assert "add --ray, or leave them out" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("_same_run")
+def test_ragged_rows_are_one_processs_rows_in_shards_of_a_batch_count(cluster: str,
+                                                                        tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    tokens = MaskedTokens()
+    # a batch's rows take 496, 656, 816, 496, 656 and 328 bytes (8 floats and an id per token,
+    # offsets and an id per row): one process closes a shard once it holds 1000, Ray cuts
+    # shards of ceil(1000 / 496) = 3 batches
+    options = {"batch_size": 4, "shard_bytes": 1000, "progress": False}
+    alone = extract(tokens, Tokens(), "mix", tmp_path / "one", **options)
+    on_ray = extract(tokens, Tokens(), "mix", tmp_path / "ray", engine=RayEngine(actors=1),
+                     **options)
+    assert [s.batches for s in alone.shards] == [(0, 2), (2, 4), (4, 6)]
+    assert [s.batches for s in on_ray.shards] == [(0, 3), (3, 6)]
+    assert len(on_ray) == len(alone) == 22 and on_ray.layers == alone.layers
+    assert all(torch.equal(on_ray["mix"][i], alone["mix"][i]) for i in range(22))
+    assert all(map(torch.equal, on_ray.token_ids, alone.token_ids))
+    assert torch.equal(on_ray.ids, alone.ids)
+    on_ray.verify()
 
 
 def test_a_model_that_does_not_pickle_is_refused_before_any_file(cluster: str,
