@@ -14,9 +14,11 @@ A shard is closed when it holds ``shard_bytes`` of rows or when ``shard_seconds`
 since it was started, whichever comes first, so a killed run loses at most about
 ``shard_seconds`` of work however small the data set is.
 
-Resume and torchrun both rest on one rule: batch ``k`` of the data is always the same batch. A
+Resume, torchrun and Ray rest on one rule: batch ``k`` of the data is always the same batch. A
 resumed run starts at the first batch of the shard that was in progress; under torchrun each
-rank takes a contiguous block of batches (``hookscope.store.ranks``). Reductions are
+rank takes a contiguous block of batches (``hookscope.store.ranks``); with ``engine="ray"``
+actors run ``write_batch_range`` (the same per-batch code) for one shard's batches each and
+this process lists their shards (``hookscope.store.ray_engine``). Reductions are
 ``hookscope.reductions``; writing, staging and the writer thread ``hookscope.store.writer``; what
 an output folder may hold ``hookscope.store.folder``.
 """
