@@ -182,7 +182,8 @@ def _run(engine: RayEngine, work: Work, plan: list[tuple[str, int, int]]
                  for j, (f, b0, b1) in enumerate(plan)]
         shards = ray.data.from_items(items, override_num_blocks=len(items)).map_batches(
             _ShardWorker, fn_constructor_args=(work,), batch_size=1,
-            compute=ray.data.ActorPoolStrategy(size=engine.actors), num_cpus=engine.num_cpus,
+            compute=ray.data.ActorPoolStrategy(size=min(engine.actors, len(plan))),  # no idle one
+            num_cpus=engine.num_cpus,
             num_gpus=engine.num_gpus)
         for row in shards.iter_rows():
             if row["error"]:
