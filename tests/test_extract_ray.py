@@ -175,7 +175,41 @@ def test_killed_driver_resumes_to_the_same_bytes(cluster: str, tmp_path: Path) -
     store.verify()
 
 
-def _wait_for_shards(manifest: Path, count: int, driver: subprocess.Popen[bytes]) -> int:
+@pytest.mark.slow
+@pytest.mark.usefixtures("_same_run")
+def test_ctrl_c_keeps_the_shards_listed_in_order_and_resume_finishes(cluster: str,
+                                                                     tmp_path: Path) -> None:
+    out = tmp_path / "ray"
+    code = (f"import signal, sys, ray, hookscope.store.extract as e, tests.test_extract_ray as t\n"
+            f"signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            f"e.secrets = t._FixedRun\n"
+            f"ray.init(address={cluster!r}, log_to_driver=False)\n"
+            f"try:\n"
+            f"    e.extract(t.model(), t.Rows(delay_s=0.1), t.LAYERS, {str(out)!r},\n"
+            f"              engine=t.RayEngine(actors=1), **t.OPTIONS)\n"
+            f"except e.ExtractInterrupted as stopped:\n"
+            f"    print('stopped:', stopped.rows, stopped)\n"
+            f"    sys.exit(130)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    driver = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        _wait_for_shards(out / "manifest.json", 1, driver)
+        driver.send_signal(signal.SIGINT)
+        stdout, stderr = driver.communicate(timeout=120)
+    finally:
+        driver.kill()
+    assert driver.returncode == 130, stderr[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert not manifest["complete"] and 1 <= len(manifest["shards"]) < 6
+    assert f"stopped: {manifest['rows']} extract interrupted: {manifest['rows']} rows" in stdout
+    store = extract(model(), Rows(), LAYERS, out, resume=True, engine=RayEngine(actors=1),
+                    **OPTIONS)
+    assert _files(out) == _one_process(tmp_path / "one")
+    store.verify()
+
+
+def _wait_for_shards(manifest: Path, count: int, driver: subprocess.Popen[Any]) -> int:
     """Wait until ``manifest`` lists ``count`` shards; return how many it lists then."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
