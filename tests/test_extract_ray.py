@@ -1,9 +1,10 @@
 """extract(engine="ray") / extract --ray: Ray actors write the shards one process would write.
 
-One local Ray cluster for the module (4 logical CPUs on the 2-core machine, no dashboard). Every
-store is compared byte for byte, every file, with the store one process writes from the same
-model, data and options: both runs draw the same run id (``_same_run``), so no field is left out
-of the comparison (a store's run id is otherwise random: it is in the manifest and each shard).
+One local Ray cluster for the module (4 logical CPUs on the 2-core machine, no dashboard). A store
+of fixed-size rows is compared byte for byte, every file, with the store one process writes from
+the same model, data and options: both runs draw the same run id (``_same_run``), so no field is
+left out of the comparison (a store's run id is otherwise random: it is in the manifest and each
+shard). The tests that start actors take seconds each (an actor imports torch): marked slow.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class Rows(Dataset[Any]):
     def __len__(self) -> int:
         return len(self.x)
 
-    def __getitem__(self, i: int) -> torch.Tensor:
+    def __getitem__(self, i: int) -> Any:
         time.sleep(self.delay_s)
         if i == self.crash_at and not os.path.exists(self.marker):
             Path(self.marker).touch()
@@ -86,6 +87,8 @@ def model() -> MlpStack:
 
 
 class _FixedRun:
+    """Stands for ``secrets`` in ``hookscope.store.extract``: the run id drawn is ``RUN``."""
+
     @staticmethod
     def token_hex(nbytes: int) -> str:
         return RUN
