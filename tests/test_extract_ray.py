@@ -97,10 +97,8 @@ class _FixedRun:
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[str]:
     paths = os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])
-    # each worker imports torch and hookscope as it starts, not when an actor is asked for
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": paths, "OMP_NUM_THREADS": "1"},
-                          "worker_process_setup_hook": f"{__name__}._warm"})
+             runtime_env={"env_vars": {"PYTHONPATH": paths, "OMP_NUM_THREADS": "1"}})
     try:
         yield str(ray.get_runtime_context().gcs_address)
     finally:
@@ -299,6 +297,3 @@ def test_bad_engine_is_named_with_the_fix(engine: object, tmp_path: Path) -> Non
         extract(model(), Rows(), LAYERS, tmp_path / "out", engine=engine, progress=False)
     assert not (tmp_path / "out").exists()
 
-
-def _warm() -> None:
-    """Ray's worker set-up hook: importing this module imports torch and hookscope."""
