@@ -243,6 +243,9 @@ def test_the_resume_command_keeps_the_ray_options() -> None:
                               "--ray-actors", "3", "--ray-address", "ray://head:10001"])
     assert cli_extract.resume_command(args).endswith(
         " --ray --ray-actors 3 --ray-address ray://head:10001 --resume")
+    # on CUDA each actor takes a GPU of its own and moves its copy of the model there
+    assert cli_extract._ray_engine(args, "cuda:0") == RayEngine(3, "ray://head:10001", num_gpus=1)
+    assert cli_extract._ray_engine(args, "cpu") == RayEngine(3, "ray://head:10001", num_gpus=0)
 
 
 def test_ray_options_without_ray_are_a_usage_error(tmp_path: Path,

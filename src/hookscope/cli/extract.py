@@ -75,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--ray", action="store_true",
                         help="run the batches on Ray actors that write their own shards (pip "
-                             "install 'hookscope[ray]'); this process writes the manifest")
+                             "install 'hookscope[ray]'), one GPU each when --device is CUDA; "
+                             "this process writes the manifest")
     parser.add_argument("--ray-address", metavar="ADDR", default=None,
                         help="with --ray: the Ray cluster to join (default: RAY_ADDRESS, else "
                              "a new local one)")
@@ -91,7 +92,8 @@ def run(args: argparse.Namespace) -> int:
     check_output(Path(args.out), resume=args.resume, overwrite=args.overwrite)
     loaded = load_model(args.model, **image_options(args))
     data = load_data(args.data, loaded, batch_size=args.batch_size)
-    model = loaded.module.to(args.device or _default_device())
+    where = args.device or _default_device()
+    model = loaded.module.to(where)
     try:
         store = extract(model, data, args.layer, args.out,
                         reduce=None if args.reduce == "none" else args.reduce,
@@ -100,8 +102,7 @@ def run(args: argparse.Namespace) -> int:
                         shard_seconds=args.shard_seconds, resume=args.resume,
                         overwrite=args.overwrite, progress=not args.no_progress,
                         model_spec=args.model, early_stop=args.early_stop,
-                        engine=RayEngine(actors=args.ray_actors or 2, address=args.ray_address)
-                        if args.ray else "local")
+                        engine=_ray_engine(args, where) if args.ray else "local")
     except ExtractInterrupted as stopped:
         say(f"interrupted: {stopped.rows} rows kept in {stopped.out} (the open shard's "
             f"included); resume with:\n  {resume_command(args)}")
@@ -132,6 +133,12 @@ def resume_command(args: argparse.Namespace) -> str:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     runner = f"torchrun --nproc_per_node={world} -m hookscope" if world > 1 else "hookscope"
     return f"{runner} extract {shlex.join([*words, '--resume'])}"
+
+
+def _ray_engine(args: argparse.Namespace, device: str) -> RayEngine:
+    """``--ray``'s options; on CUDA each actor takes a GPU of its own (the model's copy on it)."""
+    return RayEngine(actors=args.ray_actors or 2, address=args.ray_address,
+                     num_gpus=1.0 if str(device).startswith("cuda") else 0.0)
 
 
 def _default_device() -> str:
