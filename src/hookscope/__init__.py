@@ -76,7 +76,7 @@ from hookscope.record import (
     load,
     run,
 )
-from hookscope.store import ProbeResult, Store, extract, open_store, probe
+from hookscope.store import ProbeResult, RayEngine, Store, extract, open_store, probe
 from hookscope.train import Monitor, ReplayBundle, monitor, replay
 
 __version__ = "0.1.0"
@@ -140,6 +140,7 @@ __all__ = [
     "compare",
     "edit",
     "extract",
+    "RayEngine",
     "find_nonfinite",
     "gradcam",
     "hooks",

@@ -1,8 +1,9 @@
 """Activations of whole data sets on disk: ``extraction`` (``extract``, the loop), ``batches``
-(what a data argument means), ``ranks`` (torchrun), ``writer`` (shards and manifests),
-``folder`` (which files of an output folder belong to a store), ``manifest`` (the schema),
-``reader`` (``Store``), ``tokens`` (token views and the shuffled token stream) and ``probes``
-(linear probes on a store). The format is in docs/extraction.md.
+(what a data argument means), ``ranks`` (torchrun), ``ray_engine`` (Ray actors write shards, the
+driver lists them), ``writer`` (shards and manifests), ``folder`` (which files of an output
+folder belong to a store), ``manifest`` (the schema), ``reader`` (``Store``), ``tokens`` (token
+views and the shuffled token stream) and ``probes`` (linear probes on a store). The format is in
+docs/extraction.md.
 
 Imports ``record``, the engine, ``errors`` and ``util``.
 """
@@ -10,6 +11,7 @@ Imports ``record``, the engine, ``errors`` and ``util``.
 from hookscope.store.extraction import SHARD_BYTES, SHARD_SECONDS, extract
 from hookscope.store.folder import check_output
 from hookscope.store.probes import ProbeResult, probe
+from hookscope.store.ray_engine import RayEngine
 from hookscope.store.reader import (
     FORMAT,
     LayerInfo,
@@ -24,6 +26,6 @@ from hookscope.store.reader import (
 )
 from hookscope.store.tokens import TokenStream, TokenView, pad_rows
 
-__all__ = ["FORMAT", "LayerInfo", "LayerView", "ProbeResult", "SHARD_BYTES", "SHARD_SECONDS", "ShardInfo",
-           "Store", "StoreDataset", "TokenStream", "TokenView", "check_output", "chunk_sums", "dtype_name",
-           "extract", "open_store", "pad_rows", "probe", "read_manifest"]
+__all__ = ["FORMAT", "LayerInfo", "LayerView", "ProbeResult", "RayEngine", "SHARD_BYTES", "SHARD_SECONDS",
+           "ShardInfo", "Store", "StoreDataset", "TokenStream", "TokenView", "check_output", "chunk_sums",
+           "dtype_name", "extract", "open_store", "pad_rows", "probe", "read_manifest"]

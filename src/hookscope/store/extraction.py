@@ -14,9 +14,11 @@ A shard is closed when it holds ``shard_bytes`` of rows or when ``shard_seconds`
 since it was started, whichever comes first, so a killed run loses at most about
 ``shard_seconds`` of work however small the data set is.
 
-Resume and torchrun both rest on one rule: batch ``k`` of the data is always the same batch. A
+Resume, torchrun and Ray rest on one rule: batch ``k`` of the data is always the same batch. A
 resumed run starts at the first batch of the shard that was in progress; under torchrun each
-rank takes a contiguous block of batches (``hookscope.store.ranks``). Reductions are
+rank takes a contiguous block of batches (``hookscope.store.ranks``); with ``engine="ray"``
+actors run ``write_batch_range`` (the same per-batch code) for one shard's batches each and
+this process lists their shards (``hookscope.store.ray_engine``). Reductions are
 ``hookscope.reductions``; writing, staging and the writer thread ``hookscope.store.writer``; what
 an output folder may hold ``hookscope.store.folder``.
 """
@@ -24,6 +26,7 @@ an output folder may hold ``hookscope.store.folder``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import secrets
@@ -64,6 +67,16 @@ from hookscope.store.batches import BatchSource
 from hookscope.store.folder import check_output, prepare_output, writing
 from hookscope.store.manifest import COLUMN_PREFIX, tensor_specs
 from hookscope.store.ranks import Ranks
+from hookscope.store.ray_engine import (
+    Engine,
+    RayEngine,
+    ShardMade,
+    Work,
+    as_engine,
+    check_data,
+    share,
+    write_on_ray,
+)
 from hookscope.store.reader import (
     _ST_DTYPES,
     LayerInfo,
@@ -79,10 +92,11 @@ from hookscope.store.writer import (
     StoreWriter,
     join_parts,
     read_part,
+    write_shard,
 )
 from hookscope.util import describe_keys, iter_tensors, map_tensors
 
-__all__ = ["Reduce", "check_output", "extract", "SHARD_BYTES", "SHARD_SECONDS"]
+__all__ = ["Reduce", "check_output", "extract", "SHARD_BYTES", "SHARD_SECONDS", "write_batch_range"]
 
 Tensor = torch.Tensor
 SHARD_BYTES = 256 * 2**20
@@ -96,7 +110,7 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
             shard_bytes: int = SHARD_BYTES, shard_seconds: float = SHARD_SECONDS,
             resume: bool = False, overwrite: bool = False, progress: bool = True,
             model_spec: str | None = None,
-            early_stop: bool = False) -> Store:
+            early_stop: bool = False, engine: Engine = "local") -> Store:
     """Run ``model`` over ``data`` and store the output of each selected layer, row by row.
 
     Args:
@@ -134,6 +148,14 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
         model_spec: how the model was made, kept in the manifest (the CLI's ``MODEL``).
         early_stop: stop each forward once every selected layer has returned (the rest of the
             model does not run; same rows, less time for early layers; see ``capture``).
+        engine: ``"local"`` runs in this process (or in each torchrun rank); ``"ray"``, or a
+            ``RayEngine`` with options, hands the batches to Ray actors, each holding a copy of
+            ``model`` (pickled once, with cloudpickle), which load their own rows of ``data``
+            and write whole shards while this process writes the manifest: the store is the one
+            this process would write (``hookscope.store.ray_engine``, which says when it is
+            byte for byte the same). ``shard_seconds`` does not apply there (shards are sized
+            by ``shard_bytes`` alone, so a store is reproducible); a Ctrl-C keeps the shards
+            finished in order.
 
     Besides the layers, the store keeps what each row was (``store.ids``, ``store.labels``;
     README, "Store format"): for a DataLoader over a map-style data set, the data-set index of
@@ -171,13 +193,17 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
     if resume and overwrite:
         raise ExtractError("resume=True continues the store in place and overwrite=True deletes "
                            "it: pass one of them")
+    on_ray = as_engine(engine)
     ranks = Ranks.start()
     try:
+        if on_ray is not None and ranks.world_size > 1:
+            raise ExtractError("engine='ray' runs one driver that hands the batches to Ray "
+                               "actors; run it as one process, not under torchrun")
         config = {"layers": keys, "reduce": reduction_name(reduce), "batches": source.count,
                   "dtype": dtype_name(dtype) if dtype else None, "batch_size": source.batch_size}
         header = {"model": {"spec": model_spec, "class": _class_name(model)}, "extract": config}
         job = _Job(model, keys, reducer, dtype, source, ranks, progress, shard_bytes, shard_seconds,
-                   early_stop)
+                   early_stop, on_ray)
         # the stop first: hookscope's own interrupt guards (untouched, capture) stand in for it
         with GracefulStop(_STOP_MESSAGE) as job.stop, untouched(model), torch.no_grad():
             model.eval()  # untouched: once around the loop; restores the mode too
@@ -225,6 +251,8 @@ class _Job:
     shard_bytes: int
     shard_seconds: float
     early_stop: bool = False
+    engine: RayEngine | None = None  # None: this process writes its shards itself
+    shared: Any = None  # on Ray: the reference of the job's copy the actors run (_worker_copy)
     device: torch.device | None = None  # where inputs go (input_device), found once per run
     batch_bytes: int = 0  # bytes of the first batch's rows, to size the staging slabs
     session: Capture | None = None  # the capture open across the batches after the first
@@ -246,11 +274,15 @@ def _extract(job: _Job, folder: Path, header: dict[str, Any], *,
         if resume and folder.is_dir():
             prior = read_part(folder, ranks.rank, ranks.world_size)
         _check_resume(prior, header)
+        if job.engine is not None:
+            check_data(job.source.count)
         if not (prior and prior["complete"]):
             start, stop = ranks.batch_range(job.source.count)
             start = _resume_batch(prior, start)
             todo, specs = _first_batch(job, start, stop, prior)
             header["layers"], header["columns"] = _split(specs)
+            if job.engine is not None:  # pickled now: a model that cannot be fails here
+                job.shared = share(job.engine, _worker_copy(job))
         _say_resumed(job, folder, prior, start)
         error = None
     except Exception as err:  # noqa: BLE001  (shared with the other ranks, then re-raised)
@@ -272,7 +304,10 @@ def _write_store(job: _Job, folder: Path, header: dict[str, Any], prior: dict[st
     if not (prior and prior["complete"]):
         writer = StoreWriter(folder, header, rank=ranks.rank, world_size=ranks.world_size,
                              resume_from=prior)
-        _write_all(job, writer, todo, start)
+        if job.engine is not None:
+            _write_on_ray(job, job.engine, folder, writer, prior, start)
+        else:
+            _write_all(job, writer, todo, start)
     ranks.barrier()
     if ranks.rank == 0 and ranks.world_size > 1:
         join_parts(folder, ranks.world_size)
@@ -327,6 +362,69 @@ def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _write_on_ray(job: _Job, engine: RayEngine, folder: Path, writer: StoreWriter,
+                  prior: dict[str, Any] | None, start: int) -> None:
+    """Write batches ``start:`` on Ray actors, this process listing their shards."""
+    if not write_on_ray(engine, _for_workers(job, engine, folder, writer), writer, start,
+                        _batches_per_shard(job, prior), job.source.count or 0,
+                        progress=job.progress, stop=job.stop):
+        _interrupted(writer)
+    writer.finish()
+
+
+def _batches_per_shard(job: _Job, prior: dict[str, Any] | None) -> int:
+    """Batches per shard on Ray: those of the interrupted run's first shard, else as many as
+    one process puts in a shard when every batch has the first one's bytes (it closes a shard
+    once its rows reach ``shard_bytes``): ``ceil(shard_bytes / batch_bytes)``."""
+    if prior is not None and prior["shards"]:
+        first = prior["shards"][0]["batches"]
+        return int(first[1] - first[0])
+    if not job.batch_bytes:
+        return max(job.source.count or 1, 1)  # rows of no bytes never fill a shard
+    return max(1, -(-job.shard_bytes // job.batch_bytes))
+
+
+def _worker_copy(job: _Job) -> _Job:
+    """The job a Ray actor runs: this one without the state of this process's run."""
+    return dataclasses.replace(job, ranks=Ranks(0, 1, False), engine=None, shared=None,
+                               device=None, session=None, stop=None, progress=False)
+
+
+def _for_workers(job: _Job, engine: RayEngine, folder: Path, writer: StoreWriter) -> Work:
+    """What a Ray actor runs for one shard: ``write_batch_range`` over the shared copy of the
+    job, bound to this run's folder, run id and layers."""
+    device = "cuda" if engine.num_gpus > 0 else None
+    return write_batch_range, job.shared, (folder, writer.run, tensor_specs(writer.manifest),
+                                           device)
+
+
+def write_batch_range(job: _Job, folder: Path, run: str, layers: dict[str, Any],
+                      device: str | None, name: str, start: int, stop: int) -> ShardMade:
+    """Run batches ``start:stop`` and write their rows as the shard file ``folder/name`` (a
+    Ray actor's unit of work: the same per-batch code as ``_write_batches``), with the model
+    moved to ``device`` first unless it is ``None``.
+
+    Returns:
+        ``(rows, bytes, sha256, chunk sums)`` of the shard written.
+
+    Raises:
+        ExtractError: as ``extract`` does for a batch whose rows do not fit ``layers``.
+    """
+    if device is not None:
+        job.model.to(device)
+    staging = Staging(_slab_bytes(job))
+    shard = ShardData(batches=(start, start))
+    try:
+        with torch.no_grad(), capture(job.model.eval(), *job.keys, on_unfired="ignore",
+                                      early_stop=job.early_stop) as job.session:
+            for index, batch, ids in job.source.batches(start, stop):
+                _keep_batch(shard, index, _rows(job, batch, ids), layers, staging)
+        return (shard.rows, *write_shard(folder / name, shard, run))
+    finally:
+        job.session = None
+        staging.close()
+
+
 def _write_batches(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Rows]], start: int,
                    staging: Staging) -> None:
     background = BackgroundWriter(writer, staging)
@@ -335,8 +433,7 @@ def _write_batches(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Row
     shard, started = ShardData(batches=(start, start)), time.monotonic()
     try:
         for index, rows in todo:
-            _check_layers(rows, layers, index)
-            _append(shard, index, rows, staging)
+            _keep_batch(shard, index, rows, layers, staging)
             bar.update(rows)
             if shard.nbytes >= job.shard_bytes or \
                     time.monotonic() - started >= job.shard_seconds:
@@ -366,7 +463,10 @@ def _interrupted(writer: StoreWriter) -> None:
         f"same arguments and resume=True (--resume)", rows=rows, out=folder)
 
 
-def _append(shard: ShardData, index: int, rows: Rows, staging: Staging) -> None:
+def _keep_batch(shard: ShardData, index: int, rows: Rows, layers: dict[str, Any],
+                staging: Staging) -> None:
+    """Add batch ``index``'s rows to ``shard`` once they fit ``layers`` (every engine's step)."""
+    _check_layers(rows, layers, index)
     data, lengths = next(iter(rows.values()))
     n = len(lengths) if lengths is not None else int(data.shape[0])
     shard.append({k: staging.keep(d, shard) for k, (d, _) in rows.items()},

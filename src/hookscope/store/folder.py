@@ -252,6 +252,14 @@ def _sha256(path: str, inode: int, size: int, mtime_ns: int) -> str:
     return sha.hexdigest()
 
 
+def remove_temporary(folder: Path, run: str) -> None:
+    """Delete the temporary files of run ``run`` in ``folder``: those a writer killed while
+    writing left behind (a Ray actor killed mid-shard; its shard is written again)."""
+    for name in sorted(os.listdir(folder)):
+        if _is_temporary(folder, name, run):
+            (folder / name).unlink(missing_ok=True)
+
+
 def _is_temporary(folder: Path, name: str, run: str | None) -> bool:
     """True for a temporary file this store's writer made (see the module docstring)."""
     match = TEMPORARY.fullmatch(name)

@@ -29,7 +29,8 @@ from hookscope.store.manifest import FORMAT, VERSION, tensor_specs
 from hookscope.store.reader import _ST_DTYPES, CHUNK_BYTES, MANIFEST, ShardInfo, chunk_sums, read_manifest
 from hookscope.util import write_atomic
 
-__all__ = ["BackgroundWriter", "ShardData", "Staging", "StoreWriter", "join_parts", "read_part"]
+__all__ = ["BackgroundWriter", "ShardData", "Staging", "StoreWriter", "join_parts", "read_part",
+           "write_shard"]
 
 Tensor = torch.Tensor
 
@@ -92,7 +93,7 @@ def _shard_tensors(shard: ShardData) -> list[tuple[str, tuple[int, ...], torch.d
     return out
 
 
-def _write_shard(path: Path, shard: ShardData, run: str) -> tuple[int, str, tuple[str, ...]]:
+def write_shard(path: Path, shard: ShardData, run: str) -> tuple[int, str, tuple[str, ...]]:
     """Write ``shard`` as one safetensors file at ``path`` (atomically; its metadata and its
     temporary name carry the ``run`` id); return its size, sha256 and chunk checksums (computed
     from the written file, read back from the page cache)."""
@@ -286,12 +287,21 @@ class StoreWriter:
 
     def write(self, shard: ShardData) -> None:
         """Write ``shard`` as the next shard file, then the manifest that lists it."""
-        name = _shard_name(self.rank, self.world_size, len(self.manifest["shards"]))
-        size, sha, sums = _write_shard(self.folder / name, shard, self.run)
+        name = self.shard_name(0)
+        self.add(name, shard.rows, shard.batches, *write_shard(self.folder / name, shard, self.run))
+
+    def shard_name(self, ahead: int) -> str:
+        """The file name of the shard ``ahead`` places after the last one listed (0: the next)."""
+        return _shard_name(self.rank, self.world_size, len(self.manifest["shards"]) + ahead)
+
+    def add(self, name: str, rows: int, batches: tuple[int, int], size: int, sha: str,
+            sums: tuple[str, ...]) -> None:
+        """List the shard ``name`` (already written: ``write_shard``) as the next one, holding
+        ``rows`` rows of ``batches``, then replace the manifest."""
         start = self.manifest["rows"]
-        info = ShardInfo(name, (start, start + shard.rows), shard.batches, size, sha, sums)
+        info = ShardInfo(name, (start, start + rows), batches, size, sha, sums)
         self.manifest["shards"].append(info.to_json())
-        self.manifest["rows"] = start + shard.rows
+        self.manifest["rows"] = start + rows
         self._save()
 
     def finish(self) -> None:
