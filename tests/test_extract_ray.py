@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import hookscope.store.extract as extract_module
+import hookscope.store.extraction as extract_module
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -87,7 +87,7 @@ def model() -> MlpStack:
 
 
 class _FixedRun:
-    """Stands for ``secrets`` in ``hookscope.store.extract``: the run id drawn is ``RUN``."""
+    """Stands for ``secrets`` in ``hookscope.store.extraction``: the run id drawn is ``RUN``."""
 
     @staticmethod
     def token_hex(nbytes: int) -> str:
@@ -155,7 +155,7 @@ def test_killed_worker_is_retried_without_duplicate_or_orphan(cluster: str, tmp_
 @pytest.mark.usefixtures("_same_run")
 def test_killed_driver_resumes_to_the_same_bytes(cluster: str, tmp_path: Path) -> None:
     out = tmp_path / "ray"
-    code = (f"import ray, hookscope.store.extract as e, tests.test_extract_ray as t\n"
+    code = (f"import ray, hookscope.store.extraction as e, tests.test_extract_ray as t\n"
             f"e.secrets = t._FixedRun\n"
             f"ray.init(address={cluster!r}, log_to_driver=False)\n"
             f"e.extract(t.model(), t.Rows(delay_s=0.1), t.LAYERS, {str(out)!r},\n"
@@ -181,7 +181,7 @@ def test_killed_driver_resumes_to_the_same_bytes(cluster: str, tmp_path: Path) -
 def test_ctrl_c_keeps_the_shards_listed_in_order_and_resume_finishes(cluster: str,
                                                                      tmp_path: Path) -> None:
     out = tmp_path / "ray"
-    code = (f"import signal, sys, ray, hookscope.store.extract as e, tests.test_extract_ray as t\n"
+    code = (f"import signal, sys, ray, hookscope.store.extraction as e, tests.test_extract_ray as t\n"
             f"signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             f"e.secrets = t._FixedRun\n"
             f"ray.init(address={cluster!r}, log_to_driver=False)\n"

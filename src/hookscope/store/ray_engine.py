@@ -1,6 +1,6 @@
 """Extraction on Ray Data: actors write whole shards, this process (the driver) the manifest.
 
-``extract(..., engine="ray")`` runs the code one process runs (``hookscope.store.extract``:
+``extract(..., engine="ray")`` runs the code one process runs (``hookscope.store.extraction``:
 the first batch is checked by the driver, then each batch goes through ``_rows`` and
 ``_keep_batch`` and each shard through ``writer.write_shard``); only who runs which batches
 changes. The driver cuts the remaining batches into shards of a fixed number of batches, names
