@@ -33,7 +33,6 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,6 +56,7 @@ from hookscope.record.capture import Capture, capture
 from hookscope.record.reductions import Reduce, Reduction, reduction, reduction_name
 from hookscope.store.batches import BatchSource
 from hookscope.store.folder import check_output, prepare_output, writing
+from hookscope.store.fs import StorePath, location
 from hookscope.store.manifest import COLUMN_PREFIX, tensor_specs
 from hookscope.store.ranks import Ranks
 from hookscope.store.reader import (
@@ -65,7 +65,6 @@ from hookscope.store.reader import (
     Store,
     dtype_name,
     open_store,
-    store_folder,
 )
 from hookscope.store.writer import (
     BackgroundWriter,
@@ -90,8 +89,8 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
             *, reduce: Reduce = None, dtype: torch.dtype | None = None, batch_size: int = 32,
             shard_bytes: int = SHARD_BYTES, shard_seconds: float = SHARD_SECONDS,
             resume: bool = False, overwrite: bool = False, progress: bool = True,
-            model_spec: str | None = None,
-            early_stop: bool = False) -> Store:
+            model_spec: str | None = None, early_stop: bool = False,
+            storage_options: dict[str, Any] | None = None) -> Store:
     """Run ``model`` over ``data`` and store the output of each selected layer, row by row.
 
     Args:
@@ -105,8 +104,9 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
         layers: patterns as in ``hookscope.select``; each selected module (or output part,
             ``"lstm[0]"``) becomes one store layer. Its output must hold one tensor whose dim 0
             is the batch.
-        out: the store folder to create (a path or a ``file://`` URL; other URLs such as
-            ``s3://`` are refused, not yet supported); its missing parent folders are created too (the
+        out: the store folder to create, a path or any fsspec URL (``s3://bucket/acts``,
+            ``gs://``, ``memory://``, ``file://``; ``hookscope.store.fs`` says how a store keeps
+            its guarantees there); its missing parent folders are created too (the
             Python API's rule for ``out=``/``plot=``, as in ``patching_sweep`` and
             ``logit_lens``; the CLI refuses a missing parent unless ``--parents``).
         reduce: ``None`` keeps each row whole: with an attention mask, a ``(batch, seq, ...)``
@@ -129,6 +129,9 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
         model_spec: how the model was made, kept in the manifest (the CLI's ``MODEL``).
         early_stop: stop each forward once every selected layer has returned (the rest of the
             model does not run; same rows, less time for early layers; see ``capture``).
+        storage_options: for a URL ``out``, fsspec's options (credentials, ``client_kwargs``
+            such as an ``endpoint_url``); without them the environment's credentials apply.
+            Never written into the store.
 
     Besides the layers, the store keeps what each row was (``store.ids``, ``store.labels``;
     README, "Store format"): for a DataLoader over a map-style data set, the data-set index of
@@ -160,7 +163,7 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
     _check_arguments(model, out, dtype, batch_size, shard_bytes, shard_seconds, model_spec,
                      {"resume": resume, "overwrite": overwrite, "progress": progress,
                       "early_stop": early_stop})
-    folder = store_folder(out, ExtractError)
+    folder = location(out, ExtractError, storage_options)
     keys = [t.key for t in resolve(model, as_patterns(layers))]
     reducer, source = reduction(reduce), BatchSource(data, batch_size)
     if resume and overwrite:
@@ -179,7 +182,7 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
             _extract(job, folder, header, resume=resume, overwrite=overwrite)
     finally:
         ranks.stop()
-    return open_store(folder)
+    return open_store(out, storage_options=storage_options)
 
 
 def _check_arguments(model: Any, out: Any, dtype: Any, batch_size: Any, shard_bytes: Any,
@@ -255,7 +258,7 @@ class _GracefulStop:
               "once, losing the rows of the open shard)", file=sys.stderr, flush=True)
 
 
-def _extract(job: _Job, folder: Path, header: dict[str, Any], *,
+def _extract(job: _Job, folder: StorePath, header: dict[str, Any], *,
              resume: bool, overwrite: bool) -> None:
     ranks = job.ranks
     prior: dict[str, Any] | None = None
@@ -281,7 +284,7 @@ def _extract(job: _Job, folder: Path, header: dict[str, Any], *,
         _write_store(job, folder, header, prior, todo, start, resume=resume, overwrite=overwrite)
 
 
-def _write_store(job: _Job, folder: Path, header: dict[str, Any], prior: dict[str, Any] | None,
+def _write_store(job: _Job, folder: StorePath, header: dict[str, Any], prior: dict[str, Any] | None,
                  todo: Iterator[tuple[int, Rows]], start: int, *, resume: bool,
                  overwrite: bool) -> None:
     """Make the folder ready (rank 0), write this rank's rows, join the ranks' parts."""
@@ -697,7 +700,7 @@ def _flag(key: str, value: Any) -> str:
     return f"{cli} ({name}={api})"
 
 
-def _say_resumed(job: _Job, folder: Path, prior: dict[str, Any] | None, start: int) -> None:
+def _say_resumed(job: _Job, folder: StorePath, prior: dict[str, Any] | None, start: int) -> None:
     """Tell (stderr, where the bar is shown) what a resumed run kept and where it goes on."""
     if prior is None or not (job.progress and job.ranks.rank == 0):
         return
