@@ -283,10 +283,10 @@ class _Shard:
         return self._offsets[path]
 
     def verify(self) -> None:
-        """Check size, sha256 and every chunk sum (reads the whole file once; a remote shard is
-        downloaded to a temporary file, its size on disk, for the time of the check), that
-        safetensors' own parser accepts the file, then everything reading checks: header
-        against the manifest, ragged offsets."""
+        """Check size, sha256, the header against the manifest, every chunk sum, that
+        safetensors' own parser accepts the file, and ragged offsets. Reads the whole file once
+        (a remote shard is downloaded to a temporary file, its size on disk, for the time of the
+        check)."""
         self.check_size()
         with local_copy(self.path) as copy:
             sha, sums = hashlib.sha256(), []
@@ -297,10 +297,10 @@ class _Shard:
             if sha.hexdigest() != self.info.sha256:
                 raise StoreCorruptError(f"shard {self.info.file} of {self.path.parent} is "
                                         f"corrupt: its sha256 differs from the manifest's; {_REDO}")
+            entries = self.open()
             for k, found in enumerate(sums):
                 self._check_sum(k, found)
             self._check_with_safetensors(copy)
-        entries = self.open()
         for path in self.layers:
             if f"{path}:offsets" in entries:
                 self.offsets(path)
