@@ -166,12 +166,16 @@ def location(path: str | os.PathLike[str], error: type[HookscopeError],
 
 
 def listdir(folder: StorePath) -> list[str]:
-    """The names in ``folder``, sorted (``os.listdir`` for a local folder)."""
+    """The names in ``folder``, sorted (``os.listdir`` for a local folder; none for a remote
+    folder that holds nothing, which an object store does not keep)."""
     if isinstance(folder, Path):
         return sorted(os.listdir(folder))
     folder.fs.invalidate_cache(folder.path)
-    return sorted(str(entry).rstrip("/").rsplit("/", 1)[-1]
-                  for entry in folder.fs.ls(folder.path, detail=False)
+    try:
+        entries = folder.fs.ls(folder.path, detail=False)
+    except FileNotFoundError:
+        return []
+    return sorted(str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in entries
                   if str(entry).rstrip("/") != folder.path)
 
 

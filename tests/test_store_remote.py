@@ -1,0 +1,220 @@
+"""Stores at a URL (issue 33 item 1): one set of checks run on a local folder, on ``memory://``
+and on S3 through a real HTTP endpoint (moto's standalone server on 127.0.0.1, started here;
+s3fs as the client; fake credentials from the environment, the endpoint through
+``storage_options``). Each check compares with plain values: rows bitwise equal to the data and
+to a local store's, every listed shard whole whenever a manifest appears, files on the store."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import fsspec.core
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from hookscope.errors import ExtractError, StoreCorruptError, StoreExistsError
+from hookscope.store import writer
+from hookscope.store.extract import extract
+from hookscope.store.reader import open_store
+
+ROWS = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))  # 256 bytes a row
+SHARD = 2048  # 8 rows a shard: 5 shards
+KEY, SECRET = "hookscope-test-key", "hookscope-test-secret-do-not-store"
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    """moto's S3 server on a free port of 127.0.0.1 with one bucket, ``hookscope``; fake
+    credentials in the environment for the module's tests."""
+    from moto.server import ThreadedMotoServer
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("AWS_ACCESS_KEY_ID", KEY)
+        patch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+        patch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        fs, _ = fsspec.core.url_to_fs("s3://hookscope", client_kwargs={"endpoint_url": endpoint})
+        fs.mkdir("hookscope")
+        yield endpoint
+    server.stop()
+
+
+@dataclass
+class Place:
+    """Where a test's store goes: its URL (or path), the options to open it, and fsspec's file
+    system there, to touch the files as a crash or a user would."""
+
+    url: str
+    options: dict[str, Any] | None
+
+    @property
+    def fs(self) -> Any:
+        return fsspec.core.url_to_fs(self.url, **(self.options or {}))[0]
+
+    def file(self, name: str) -> str:
+        return fsspec.core.url_to_fs(f"{self.url}/{name}", **(self.options or {}))[1]
+
+
+@pytest.fixture(params=["local", "memory", "s3"])
+def place(request: pytest.FixtureRequest, tmp_path: Path) -> Place:
+    unique = uuid.uuid4().hex[:12]
+    if request.param == "local":
+        return Place(str(tmp_path / "store"), None)
+    if request.param == "memory":
+        return Place(f"memory://hookscope-tests/{unique}", None)
+    endpoint = request.getfixturevalue("s3_endpoint")
+    return Place(f"s3://hookscope/{unique}", {"client_kwargs": {"endpoint_url": endpoint}})
+
+
+def _extract(place: Place, rows: torch.Tensor = ROWS, **options: Any) -> Any:
+    return extract(nn.Sequential(nn.Identity()), TensorDataset(rows), "0", place.url,
+                   batch_size=4, shard_bytes=SHARD, progress=False,
+                   storage_options=place.options, **options)
+
+
+def _manifest(place: Place) -> dict[str, Any]:
+    return json.loads(place.fs.cat_file(place.file("manifest.json")))  # type: ignore[no-any-return]
+
+
+def test_round_trip_equals_the_data_and_a_local_store(place: Place, tmp_path: Path) -> None:
+    store = _extract(place)
+    local = _extract(Place(str(tmp_path / "local"), None))
+    assert len(store.shards) == 5 and str(store.path) == place.url
+    again = open_store(place.url, storage_options=place.options)
+    for view in (store["0"], again["0"]):
+        assert torch.equal(view[:], ROWS) and torch.equal(view[:], local["0"][:])
+        assert torch.equal(view[[39, 0, 17]], ROWS[[39, 0, 17]])
+    assert torch.equal(again.ids, torch.arange(40))  # type: ignore[arg-type]
+    names = sorted(os.path.basename(n) for n in place.fs.ls(place.file(""), detail=False))
+    assert names == ["manifest.json"] + [f"shard-{k:05d}.safetensors" for k in range(5)]
+    manifest = _manifest(place)
+    assert [e["bytes"] for e in manifest["shards"]] == [s.bytes for s in local.shards]
+    text = place.fs.cat_file(place.file("manifest.json")).decode()
+    assert KEY not in text and SECRET not in text and "127.0.0.1" not in text  # no credentials
+
+
+def test_every_manifest_lists_only_whole_shards(place: Place,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each time a manifest appears, every shard it lists is there with its size and sha256:
+    a reader, trusting only the manifest, never meets a half-written shard."""
+    seen: list[int] = []
+    write_atomic = writer.write_atomic
+
+    def checked(path: Any, write: Any, *, tag: str = "") -> None:
+        write_atomic(path, write, tag=tag)
+        if path.name == "manifest.json":
+            entries = _manifest(place)["shards"]
+            for entry in entries:
+                data = place.fs.cat_file(place.file(entry["file"]))
+                assert len(data) == entry["bytes"]
+            seen.append(len(entries))
+
+    monkeypatch.setattr(writer, "write_atomic", checked)
+    _extract(place)
+    assert seen == [0, 1, 2, 3, 4, 5, 5]  # the first, one per shard, the one marked complete
+
+
+def test_a_half_written_shard_is_invisible_and_resume_replaces_it(place: Place) -> None:
+    _interrupt(place, keep=2)
+    data = place.fs.cat_file(place.file("shard-00000.safetensors"))
+    place.fs.pipe_file(place.file("shard-00002.safetensors"), data[:len(data) // 2])
+    store = open_store(place.url, allow_incomplete=True, storage_options=place.options)
+    assert len(store) == 16 and torch.equal(store["0"][:], ROWS[:16])
+    store.verify()  # the store is its listed shards: the half shard is no part of it
+    resumed = _extract(place, resume=True)
+    assert torch.equal(resumed["0"][:], ROWS) and resumed.complete
+    resumed.verify()
+
+
+def _interrupt(place: Place, keep: int) -> None:
+    """A store of ``ROWS`` cut back to its first ``keep`` shards: what a killed run leaves."""
+    _extract(place)
+    manifest = _manifest(place)
+    for entry in manifest["shards"][keep:]:
+        place.fs.rm_file(place.file(entry["file"]))
+    kept = manifest["shards"][:keep]
+    manifest.update(complete=False, shards=kept, rows=kept[-1]["rows"][1])
+    place.fs.pipe_file(place.file("manifest.json"), json.dumps(manifest).encode())
+
+
+def test_resume_continues_an_interrupted_run_and_keeps_its_shards(place: Place) -> None:
+    _interrupt(place, keep=3)
+    before = {e["file"]: e["sha256"] for e in _manifest(place)["shards"]}
+    store = _extract(place, resume=True)
+    assert torch.equal(store["0"][:], ROWS) and store.complete and len(store.shards) == 5
+    assert {s.file: s.sha256 for s in store.shards[:3]} == before
+    again = _extract(place, resume=True)  # complete: nothing to extract, nothing rewritten
+    assert [s.sha256 for s in again.shards] == [s.sha256 for s in store.shards]
+
+
+def test_verify_finds_a_changed_byte_and_reading_finds_it_too(place: Place) -> None:
+    _extract(place).verify()
+    name = place.file("shard-00001.safetensors")
+    data = bytearray(place.fs.cat_file(name))
+    data[-3] ^= 0x40
+    place.fs.pipe_file(name, bytes(data))
+    store = open_store(place.url, storage_options=place.options)
+    with pytest.raises(StoreCorruptError, match=r"shard-00001.*sha256 differs.*Restore the file"):
+        store.verify()
+    with pytest.raises(StoreCorruptError, match=r"shard-00001.*fail their checksum"):
+        store["0"][8:16]
+    assert torch.equal(store["0"][:8], ROWS[:8])  # the other shards read as ever
+
+
+def test_overwrite_deletes_only_the_stores_files(place: Place) -> None:
+    _extract(place)
+    place.fs.pipe_file(place.file("notes.txt"), b"mine")
+    with pytest.raises(StoreExistsError, match=r"'notes.txt' is not part of the hookscope store.*"
+                                               r"Move it away"):
+        _extract(place, ROWS[:8], overwrite=True)
+    assert place.fs.cat_file(place.file("notes.txt")) == b"mine"
+    assert torch.equal(open_store(place.url, storage_options=place.options)["0"][:], ROWS)
+    place.fs.rm_file(place.file("notes.txt"))
+    assert torch.equal(_extract(place, ROWS[:8], overwrite=True)["0"][:], ROWS[:8])
+    assert place.fs.ls(place.file(""), detail=False).__len__() == 2  # manifest + 1 shard
+
+
+def test_a_non_empty_url_is_refused_without_resume_or_overwrite(place: Place) -> None:
+    _extract(place)
+    with pytest.raises(StoreExistsError, match=r"pass resume=True \(--resume\)"):
+        _extract(place)
+
+
+def test_storage_options_with_a_local_folder_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ExtractError, match="leave storage_options out"):
+        _extract(Place(str(tmp_path / "s"), {"key": KEY}))
+    assert not (tmp_path / "s").exists()
+
+
+def test_an_unknown_scheme_names_what_to_install(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ExtractError, match=r"Stores at a URL go through fsspec: install fsspec "
+                                           r"and the package for nosuch://"):
+        _extract(Place("nosuch://bucket/s", None))
+    assert os.listdir(tmp_path) == []  # no local folder named 'nosuch:'
+
+
+def test_the_cli_shows_and_verifies_a_store_on_s3(s3_endpoint: str) -> None:
+    place = Place(f"s3://hookscope/{uuid.uuid4().hex[:12]}",
+                  {"client_kwargs": {"endpoint_url": s3_endpoint}})
+    _extract(place)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "FSSPEC_S3_ENDPOINT_URL": s3_endpoint}
+    done = subprocess.run([sys.executable, "-m", "hookscope", "show", place.url, "--verify",
+                           "--json"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout)
+    assert (shown["path"], shown["rows"], shown["shards"]) == (place.url, 40, 5)
