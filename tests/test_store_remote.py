@@ -218,3 +218,24 @@ def test_the_cli_shows_and_verifies_a_store_on_s3(s3_endpoint: str) -> None:
     assert done.returncode == 0, done.stderr
     shown = json.loads(done.stdout)
     assert (shown["path"], shown["rows"], shown["shards"]) == (place.url, 40, 5)
+
+
+def test_the_cli_extracts_to_a_url_and_shows_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from hookscope.cli.main import main
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.py").write_text("import torch\n\ndef build():\n    torch.manual_seed(0)\n"
+                                   "    return torch.nn.Sequential(torch.nn.Linear(4, 3))\n")
+    data = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
+    torch.save(data, tmp_path / "x.pt")
+    url = f"memory://hookscope-tests/{uuid.uuid4().hex[:12]}"
+    assert main(["extract", "m.py:build", "--data", "x.pt", "--layer", "0", "--out", url,
+                 "--no-progress"]) == 0
+    assert "6 rows in 1 shard" in capsys.readouterr().out
+    assert main(["show", url, "--verify", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["rows"] == 6
+    torch.manual_seed(0)
+    with torch.no_grad():
+        expected = torch.nn.Linear(4, 3)(data)
+    assert torch.equal(open_store(url)["0"][:], expected)
+    assert sorted(os.listdir(tmp_path)) == ["m.py", "x.pt"]  # no local folder named 'memory:'
