@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 import uuid
@@ -20,7 +21,7 @@ import fsspec.core
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
 from hookscope.errors import ExtractError, StoreCorruptError, StoreExistsError
 from hookscope.store import writer
@@ -97,6 +98,8 @@ def test_round_trip_equals_the_data_and_a_local_store(place: Place, tmp_path: Pa
         assert torch.equal(view[:], ROWS) and torch.equal(view[:], local["0"][:])
         assert torch.equal(view[[39, 0, 17]], ROWS[[39, 0, 17]])
     assert torch.equal(again.ids, torch.arange(40))  # type: ignore[arg-type]
+    worker = pickle.loads(pickle.dumps(again.dataset("0")))  # as a DataLoader worker gets it
+    assert torch.equal(worker[33], ROWS[33])
     names = sorted(os.path.basename(n) for n in place.fs.ls(place.file(""), detail=False))
     assert names == ["manifest.json"] + [f"shard-{k:05d}.safetensors" for k in range(5)]
     manifest = _manifest(place)
@@ -239,3 +242,23 @@ def test_the_cli_extracts_to_a_url_and_shows_it(tmp_path: Path, monkeypatch: pyt
         expected = torch.nn.Linear(4, 3)(data)
     assert torch.equal(open_store(url)["0"][:], expected)
     assert sorted(os.listdir(tmp_path)) == ["m.py", "x.pt"]  # no local folder named 'memory:'
+
+
+def test_token_view_and_stream_read_as_from_a_local_store(place: Place, tmp_path: Path) -> None:
+    """Ragged rows, token ids, the flat token view and the shuffled stream (through a
+    DataLoader) read the same from every place as from a local folder."""
+    from tests.test_store_tokens import BOS, _Encoder, _Tokens
+    torch.manual_seed(0)
+    model = _Encoder()
+    stores = [extract(model, _Tokens(), "embed", url, batch_size=4, shard_bytes=1500,
+                      progress=False, storage_options=options)
+              for url, options in ((place.url, place.options), (str(tmp_path / "local"), None))]
+    remote, local = stores
+    assert len(remote.shards) == len(local.shards) > 3
+    assert remote.token_ids is not None and local.token_ids is not None
+    assert all(torch.equal(a, b) for a, b in zip(remote.token_ids, local.token_ids))
+    views = [s.tokens("embed", exclude=[BOS]) for s in stores]
+    assert torch.equal(views[0][:], views[1][:]) and torch.equal(views[0].ids, views[1].ids)
+    streams = [torch.stack(list(DataLoader(v.stream(buffer_tokens=40, block_tokens=8, seed=3),
+                                           batch_size=None))) for v in views]
+    assert torch.equal(streams[0], streams[1]) and streams[0].shape == (len(views[0]), 6)
