@@ -225,6 +225,19 @@ def test_throughput_rows_exist_and_are_against_the_raw_limits(monkeypatch, tmp_p
     assert (tmp_path / "t.md").read_text().count("\n| ") == 10  # header + 9 rows
 
 
+def test_throughput_rows_against_memory_are_the_local_rows_prefixed(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench.throughput import main
+
+    table = main(["--mib", "1", "--places", "memory"])
+    names = [name for name, _, _, _ in table]
+    assert names[:2] == ["memory: raw write, one PUT of the bytes (limit)",
+                         "memory: raw read, one GET of the bytes (limit)"]
+    assert len(names) == 9 and all(n.startswith("memory: ") for n in names)
+    assert all(rate > 0 and ratio > 0 for _, rate, ratio, _ in table)
+    assert math.isclose(table[4][2], table[4][1] / table[1][1])  # read against memory's GET
+
+
 def test_compiled_capture_rows_run_with_two_graphs_per_model(monkeypatch):
     """``python -m bench.compiled --quick``: every module captured inside the fullgraph
     compiled model, a ratio against the compiled forward of the same run, two graphs."""

@@ -1,8 +1,8 @@
 """Activations of whole data sets on disk: ``extract`` (the loop), ``data`` (what a data
 argument means), ``ranks`` (torchrun), ``writer`` (shards and manifests), ``folder`` (which
 files of an output folder belong to a store), ``manifest`` (the schema), ``reader``
-(``Store``) and ``tokens`` (token views and the shuffled token stream). The format is in the
-README.
+(``Store``), ``tokens`` (token views and the shuffled token stream) and ``fs`` (where the files
+live: a local folder or any fsspec URL, ``s3://``, ``memory://``). The format is in the README.
 
 Imports ``record``, the engine, ``errors`` and ``util``.
 """
