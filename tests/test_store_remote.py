@@ -6,6 +6,7 @@ to a local store's, every listed shard whole whenever a manifest appears, files 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
@@ -80,8 +81,8 @@ def place(request: pytest.FixtureRequest, tmp_path: Path) -> Place:
 
 
 def _extract(place: Place, rows: torch.Tensor = ROWS, **options: Any) -> Any:
+    options = {"batch_size": 4, "shard_bytes": SHARD, "progress": False, **options}
     return extract(nn.Sequential(nn.Identity()), TensorDataset(rows), "0", place.url,
-                   batch_size=4, shard_bytes=SHARD, progress=False,
                    storage_options=place.options, **options)
 
 
@@ -262,3 +263,57 @@ def test_token_view_and_stream_read_as_from_a_local_store(place: Place, tmp_path
     streams = [torch.stack(list(DataLoader(v.stream(buffer_tokens=40, block_tokens=8, seed=3),
                                            batch_size=None))) for v in views]
     assert torch.equal(streams[0], streams[1]) and streams[0].shape == (len(views[0]), 6)
+
+
+def test_remote_reads_cost_one_ranged_get_per_uncached_run_of_chunks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """What ``open_store`` says a remote read costs: the chunks a read spans that are not cached,
+    in one ranged GET; the cache holds ``REMOTE_CACHE_BYTES``, least recently used out first."""
+    from hookscope.store import reader
+    place = Place(f"memory://hookscope-tests/{uuid.uuid4().hex[:12]}", None)
+    _extract(place)
+    gets: list[tuple[str, int, int]] = []
+    read_range = reader.read_range
+
+    def counted(path: Any, begin: int, end: int) -> bytes:
+        gets.append((path.name, begin, end))
+        return read_range(path, begin, end)
+
+    monkeypatch.setattr(reader, "read_range", counted)
+    store = open_store(place.url)
+    assert torch.equal(store["0"][:], ROWS)
+    sizes = [s.bytes for s in store.shards]  # each under one chunk: one GET of each whole shard
+    assert gets == [(s.file, 0, s.bytes) for s in store.shards] and max(sizes) < reader.CHUNK_BYTES
+    assert torch.equal(store["0"][[3, 35]], ROWS[[3, 35]]) and len(gets) == 5  # all cached
+    monkeypatch.setattr(reader, "REMOTE_CACHE_BYTES", 1)  # keeps the last chunk only
+    small = open_store(place.url)
+    gets.clear()
+    assert torch.equal(small["0"][:], ROWS) and torch.equal(small["0"][:], ROWS)
+    assert len(gets) == 10  # every shard fetched again on the second pass
+
+
+def test_a_read_spanning_chunks_gets_them_in_one_request_each_checked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from hookscope.store import reader
+    monkeypatch.setattr(writer, "CHUNK_BYTES", 1024)  # 4 rows a chunk
+    monkeypatch.setattr(writer, "chunk_sums", functools.partial(reader.chunk_sums, chunk_bytes=1024))
+    place = Place(f"memory://hookscope-tests/{uuid.uuid4().hex[:12]}", None)
+    store = _extract(place, shard_bytes=ROWS.numel() * 4)  # one shard of 10+ chunks
+    (shard,) = store.shards
+    assert len(shard.chunk_sums) == -(-shard.bytes // 1024) > 10
+    gets: list[tuple[int, int]] = []
+    read_range = reader.read_range
+    monkeypatch.setattr(reader, "read_range", lambda path, begin, end:
+                        gets.append((begin, end)) or read_range(path, begin, end))
+    store = open_store(place.url)
+    assert torch.equal(store["0"][10:30], ROWS[10:30])
+    assert len(gets) == 2 and gets[1][1] - gets[1][0] > 5 * 1024  # the header's chunk, then one GET
+    name = place.file(shard.file)
+    data = bytearray(place.fs.cat_file(name))
+    data[-100] ^= 1  # in the last chunk
+    place.fs.pipe_file(name, bytes(data))
+    damaged = open_store(place.url)
+    assert torch.equal(damaged["0"][:8], ROWS[:8])
+    last = (len(data) - 1) // 1024 * 1024
+    with pytest.raises(StoreCorruptError, match=rf"bytes {last}\.\.{len(data)} fail their checksum"):
+        damaged["0"][36:]

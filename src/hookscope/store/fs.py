@@ -258,8 +258,9 @@ class ChunkCache:
     """The most recently read chunks of a store's remote shards, ``max_bytes`` in all (LRU).
 
     A remote read fetches whole chunks (``CHUNK_BYTES``, the checksum granularity: each fetched
-    chunk is checked once, as it arrives), so reading one row costs at least one ranged GET of a
-    chunk, and reading a layer's rows in order costs each chunk once while it stays cached.
+    chunk is checked once, as it arrives), the uncached chunks it spans in one ranged GET, so
+    reading one row costs at least one GET of a chunk, and reading a layer's rows in order costs
+    each chunk once while it stays cached.
     Safe across threads; a ``DataLoader`` worker gets an empty cache of its own.
     """
 
@@ -274,17 +275,19 @@ class ChunkCache:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["max_bytes"])  # type: ignore[misc]
 
-    def get(self, key: tuple[str, int], fetch: Callable[[], bytes]) -> bytes:
-        """The chunk ``key`` (file, index), from the cache or ``fetch()`` (then kept)."""
+    def get(self, key: tuple[str, int]) -> bytes | None:
+        """The chunk ``key`` (file, index) if it is cached (it becomes the most recent)."""
         with self._lock:
             if key in self._chunks:
                 self._chunks.move_to_end(key)
                 return self._chunks[key]
-        data = fetch()
+        return None
+
+    def put(self, key: tuple[str, int], data: bytes) -> None:
+        """Keep chunk ``key``, dropping the least recently used ones beyond ``max_bytes``."""
         with self._lock:
             if key not in self._chunks:
                 self._chunks[key] = data
                 self.nbytes += len(data)
             while self.nbytes > self.max_bytes and len(self._chunks) > 1:
                 self.nbytes -= len(self._chunks.popitem(last=False)[1])
-        return data

@@ -231,20 +231,30 @@ class _Shard:
             self._check_range(begin, end)
             return np.frombuffer(self._mm, np.uint8, end - begin, begin).copy()
         out = np.empty(end - begin, np.uint8)
-        size = self.chunk_bytes
-        for k in range(begin // size, -(-end // size)):
-            data = self.cache.get((str(self.path), k), lambda k=k: self._fetch(k))  # type: ignore[misc]
+        size, first = self.chunk_bytes, begin // self.chunk_bytes
+        for k, data in enumerate(self._chunks(first, -(-end // size)), first):
             lo, hi = max(begin, k * size), min(end, (k + 1) * size)
             out[lo - begin:hi - begin] = np.frombuffer(data, np.uint8, hi - lo, lo - k * size)
         return out
 
-    def _fetch(self, k: int) -> bytes:
-        """Chunk ``k`` of a remote shard: one ranged GET, checked against its sum."""
-        size = self.chunk_bytes
-        data = read_range(self.path, k * size, min((k + 1) * size, self.info.bytes))
-        if self.verify_reads:
-            self._check_sum(k, chunk_sums(data, len(data), size)[0])
-        return data
+    def _chunks(self, first: int, stop: int) -> list[bytes]:
+        """Chunks ``first:stop`` of a remote shard: cached ones from the cache, the others in
+        one ranged GET (from the first missing chunk to the last), each checked against its sum
+        as it arrives, then cached."""
+        size, key = self.chunk_bytes, str(self.path)
+        cached = [self.cache.get((key, k)) for k in range(first, stop)]
+        missing = [k for k, chunk in enumerate(cached, first) if chunk is None]
+        got: dict[int, bytes] = {}
+        if missing:
+            lo, hi = missing[0], missing[-1] + 1
+            data = read_range(self.path, lo * size, min(hi * size, self.info.bytes))
+            for k in range(lo, hi):
+                got[k] = data[(k - lo) * size:(k - lo + 1) * size]
+                if self.verify_reads:
+                    self._check_sum(k, chunk_sums(got[k], len(got[k]), size)[0])
+                self.cache.put((key, k), got[k])
+        return [got[k] if k in got else chunk  # type: ignore[misc]
+                for k, chunk in enumerate(cached, first)]
 
     def _check_range(self, begin: int, end: int) -> None:
         if not self.verify_reads or self._mm is None:
