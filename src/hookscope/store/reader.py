@@ -176,7 +176,7 @@ class _Shard:
         self._offsets: dict[str, np.ndarray] = {}
 
     def __getstate__(self) -> dict[str, Any]:  # a DataLoader worker reopens the file itself
-        return {**self.__dict__, "_mm": None, "_offsets": {}}
+        return {**self.__dict__, "_mm": None, "_entries": None, "_offsets": {}}
 
     def check_size(self) -> None:
         """Raise ``StoreCorruptError`` unless the file exists with the manifest's byte size."""
@@ -253,8 +253,7 @@ class _Shard:
                 if self.verify_reads:
                     self._check_sum(k, chunk_sums(got[k], len(got[k]), size)[0])
                 self.cache.put((key, k), got[k])
-        return [got[k] if k in got else chunk  # type: ignore[misc]
-                for k, chunk in enumerate(cached, first)]
+        return [chunk if chunk is not None else got[k] for k, chunk in enumerate(cached, first)]
 
     def _check_range(self, begin: int, end: int) -> None:
         if not self.verify_reads or self._mm is None:
