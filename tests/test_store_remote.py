@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from hookscope.errors import ExtractError, StoreCorruptError, StoreExistsError
+from hookscope.errors import ExtractError, StoreCorruptError, StoreError, StoreExistsError
 from hookscope.store import writer
 from hookscope.store.extract import extract
 from hookscope.store.reader import open_store
@@ -196,9 +196,12 @@ def test_a_non_empty_url_is_refused_without_resume_or_overwrite(place: Place) ->
         _extract(place)
 
 
-def test_storage_options_with_a_local_folder_are_refused(tmp_path: Path) -> None:
+def test_storage_options_with_a_local_folder_or_not_a_dict_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ExtractError, match="leave storage_options out"):
         _extract(Place(str(tmp_path / "s"), {"key": KEY}))
+    with pytest.raises(StoreError, match=r"storage_options must be a dict of fsspec options, "
+                                         r"e.g. \{'client_kwargs'.*not str"):
+        open_store("memory://x", storage_options="key=1")  # type: ignore[arg-type]
     assert not (tmp_path / "s").exists()
 
 

@@ -155,7 +155,9 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
             floating ``torch.dtype``, a ``batch_size``/``shard_bytes`` that is not a positive
             int, a flag that is not a bool), a reduce that returns no tensor, an output that is
             not one batch-first tensor, rows whose shape changes between batches, shuffled
-            data, or a resume with other arguments.
+            data, or a resume with other arguments; ``out`` a URL whose fsspec file system is not
+            installed (``s3fs`` for ``s3://``), or ``storage_options`` that is not a dict or comes
+            with a local folder.
         StoreCorruptError: ``resume`` finds a damaged manifest.
         ExtractInterrupted: a Ctrl-C stopped the run gracefully (a ``KeyboardInterrupt``; its
             ``rows`` were written, the open shard's included); ``resume=True`` continues.

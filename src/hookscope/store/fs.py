@@ -25,7 +25,6 @@ written anywhere by hookscope.
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import hashlib
 import os
 import re
@@ -46,9 +45,10 @@ _URL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>.*)", re.S)
 
 class RemotePath:
     """A file or folder at an fsspec URL, with the part of ``pathlib.Path``'s interface the store
-    uses (``/``, ``name``, ``parent``, ``exists``, ``is_dir``, ``is_file``, ``stat``, ``glob``,
-    ``iterdir``, ``mkdir``, ``unlink``). Each call is one request or more to the file system
-    (its listing cache is dropped first, so another process's writes are seen)."""
+    uses (``/``, ``name``, ``parent``, ``exists``, ``is_dir``, ``is_file``, ``is_symlink``,
+    ``stat``, ``mkdir``, ``unlink``; ``listdir`` lists a folder). Each call is one request or
+    more to the file system (its listing cache is dropped first, so another process's writes
+    are seen)."""
 
     def __init__(self, fs: Any, path: str, url: str):
         self.fs, self.path, self.url = fs, path.rstrip("/"), url.rstrip("/")
@@ -114,13 +114,6 @@ class RemotePath:
         return os.stat_result((mode | 0o644, 0, 0, 1, 0, 0, int(info["size"] or 0), 0, 0, 0),
                               {"st_mtime_ns": stamp})
 
-    def iterdir(self) -> Iterator[RemotePath]:
-        return iter([self / name for name in listdir(self)])
-
-    def glob(self, pattern: str) -> Iterator[RemotePath]:
-        """The folder's entries whose name matches ``pattern`` (one level, ``fnmatch``)."""
-        return iter([self / n for n in listdir(self) if fnmatch.fnmatchcase(n, pattern)])
-
     def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
         self.fs.makedirs(self.path, exist_ok=True)  # object stores have no empty folders
 
@@ -144,9 +137,14 @@ def location(path: str | os.PathLike[str], error: type[HookscopeError],
             refused for a local folder, where they would mean nothing.
 
     Raises:
-        error: ``storage_options`` with a local folder; fsspec, or the package for the
-            scheme (``s3fs`` for ``s3://``), is not installed; the scheme is unknown.
+        error: ``storage_options`` that is not a dict, or given with a local folder; fsspec, or
+            the package for the scheme (``s3fs`` for ``s3://``), is not installed; the scheme is
+            unknown.
     """
+    if storage_options is not None and not isinstance(storage_options, dict):
+        raise error(f"storage_options must be a dict of fsspec options, e.g. {{'client_kwargs': "
+                    f"{{'endpoint_url': 'http://127.0.0.1:9000'}}}}, not "
+                    f"{type(storage_options).__name__}")
     text = os.fspath(path)
     found = _URL.fullmatch(text) if isinstance(text, str) else None
     if found is None or found["scheme"].lower() == "file":
