@@ -109,6 +109,21 @@ def test_round_trip_equals_the_data_and_a_local_store(place: Place, tmp_path: Pa
     assert KEY not in text and SECRET not in text and "127.0.0.1" not in text  # no credentials
 
 
+def test_credentials_in_storage_options_are_used_and_never_stored(
+        s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    place = Place(f"s3://hookscope/{uuid.uuid4().hex[:12]}",
+                  {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": s3_endpoint},
+                   "skip_instance_cache": True})
+    store = _extract(place)
+    assert torch.equal(store["0"][:], ROWS)
+    for name in place.fs.ls(place.file(""), detail=False):
+        data = place.fs.cat_file(name)
+        assert KEY.encode() not in data and SECRET.encode() not in data
+        assert s3_endpoint.encode() not in data
+
+
 def test_every_manifest_lists_only_whole_shards(place: Place,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Each time a manifest appears, every shard it lists is there with its size and sha256:
@@ -151,6 +166,36 @@ def _interrupt(place: Place, keep: int) -> None:
     kept = manifest["shards"][:keep]
     manifest.update(complete=False, shards=kept, rows=kept[-1]["rows"][1])
     place.fs.pipe_file(place.file("manifest.json"), json.dumps(manifest).encode())
+
+
+class _Failing(TensorDataset):
+    """``ROWS``, but reading row 30 fails: a run that dies after its first three shards."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
+        if i == 30:
+            raise RuntimeError("the data source went away")
+        return super().__getitem__(i)  # type: ignore[no-any-return]
+
+
+def test_resume_continues_a_failed_run_reading_a_few_bytes_of_its_shards(
+        place: Place, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hookscope.store import folder
+    with pytest.raises(RuntimeError, match="went away"):
+        extract(nn.Sequential(nn.Identity()), _Failing(ROWS), "0", place.url, batch_size=4,
+                shard_bytes=SHARD, progress=False, storage_options=place.options)
+    manifest = _manifest(place)
+    assert not manifest["complete"] and manifest["rows"] == 24  # 3 shards of 8 rows
+    before = {e["file"]: e["sha256"] for e in manifest["shards"]}
+    read: list[int] = []
+    read_range = folder.read_range
+    monkeypatch.setattr(folder, "read_range", lambda path, begin, end:
+                        read.append(end - begin) or read_range(path, begin, end))
+    monkeypatch.setattr(folder, "open_read", None)  # whole-file reads (sha256): none
+    store = _extract(place, resume=True)
+    assert torch.equal(store["0"][:], ROWS) and store.complete and len(store.shards) == 5
+    assert {s.file: s.sha256 for s in store.shards[:3]} == before
+    largest = max(e["bytes"] for e in manifest["shards"])  # the last shard's final chunk
+    assert sum(read) < largest + 3 * 1024  # + the headers: a few KiB, not the shards' bytes
 
 
 def test_resume_continues_an_interrupted_run_and_keeps_its_shards(place: Place) -> None:
