@@ -11,6 +11,7 @@ import json
 import os
 import pickle
 import subprocess
+import tempfile
 import sys
 import uuid
 from collections.abc import Iterator
@@ -365,3 +366,31 @@ def test_a_read_spanning_chunks_gets_them_in_one_request_each_checked(
     last = (len(data) - 1) // 1024 * 1024
     with pytest.raises(StoreCorruptError, match=rf"bytes {last}\.\.{len(data)} fail their checksum"):
         damaged["0"][36:]
+
+
+def test_an_upload_that_fails_leaves_no_object_and_no_local_file(
+        place: Place, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The third shard's upload fails (a network error): its object never appears, the
+    manifest still lists the two shards before it, the local temporary file is gone, and a
+    resume completes the store."""
+    if "://" not in place.url:
+        pytest.skip("a local folder renames its temporary file (tests/test_extract_staging.py)")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    fs, pipe_file = place.fs, place.fs.pipe_file
+
+    def failing(path: str, data: bytes, **kwargs: Any) -> None:
+        if path.endswith("shard-00002.safetensors"):
+            raise ConnectionError("connection reset by peer")
+        pipe_file(path, data, **kwargs)
+
+    monkeypatch.setattr(fs, "pipe_file", failing)
+    with pytest.raises(ConnectionError):
+        _extract(place)
+    assert not fs.exists(place.file("shard-00002.safetensors"))
+    manifest = _manifest(place)
+    assert [e["file"] for e in manifest["shards"]] == ["shard-00000.safetensors",
+                                                       "shard-00001.safetensors"]
+    assert os.listdir(tmp_path / "tmp") == []
+    monkeypatch.setattr(fs, "pipe_file", pipe_file)
+    assert torch.equal(_extract(place, resume=True)["0"][:], ROWS)
