@@ -11,8 +11,8 @@ import json
 import os
 import pickle
 import subprocess
-import tempfile
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
