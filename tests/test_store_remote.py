@@ -394,3 +394,12 @@ def test_an_upload_that_fails_leaves_no_object_and_no_local_file(
     assert os.listdir(tmp_path / "tmp") == []
     monkeypatch.setattr(fs, "pipe_file", pipe_file)
     assert torch.equal(_extract(place, resume=True)["0"][:], ROWS)
+
+
+def test_a_file_url_is_the_local_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    store = _extract(Place(f"file://{tmp_path / 'store'}", None))
+    assert isinstance(store.path, Path) and store.path == tmp_path / "store"
+    assert torch.equal(open_store(tmp_path / "store")["0"][:], ROWS)
+    assert torch.equal(open_store(f"file://{tmp_path / 'store'}")["0"][:], ROWS)
+    assert os.listdir(tmp_path) == ["store"]  # no folder named 'file:'
