@@ -403,3 +403,16 @@ def test_a_file_url_is_the_local_folder(tmp_path: Path, monkeypatch: pytest.Monk
     assert torch.equal(open_store(tmp_path / "store")["0"][:], ROWS)
     assert torch.equal(open_store(f"file://{tmp_path / 'store'}")["0"][:], ROWS)
     assert os.listdir(tmp_path) == ["store"]  # no folder named 'file:'
+
+
+def test_a_probe_reads_a_store_at_a_url_as_a_local_one(place: Place, tmp_path: Path) -> None:
+    import hookscope
+    labels = (ROWS[:, 0] > 0).long()
+    results = []
+    for url, options in ((place.url, place.options), (str(tmp_path / "local"), None)):
+        extract(nn.Sequential(nn.Identity()), TensorDataset(ROWS, labels), "0", url,
+                batch_size=4, shard_bytes=SHARD, progress=False, storage_options=options)
+        store = open_store(url, storage_options=options)
+        assert torch.equal(store.labels, labels)  # type: ignore[arg-type]
+        results.append(hookscope.probe(store, max_iter=20)["0"])
+    assert results[0] == results[1] and results[0].train_accuracy == 1.0  # the same fit
