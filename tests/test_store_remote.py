@@ -110,6 +110,7 @@ def test_round_trip_equals_the_data_and_a_local_store(place: Place, tmp_path: Pa
     assert KEY not in text and SECRET not in text and "127.0.0.1" not in text  # no credentials
 
 
+@pytest.mark.slow
 def test_credentials_in_storage_options_are_used_and_never_stored(
         s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("AWS_ACCESS_KEY_ID")
@@ -260,6 +261,7 @@ def test_an_unknown_scheme_names_what_to_install(tmp_path: Path,
     assert os.listdir(tmp_path) == []  # no local folder named 'nosuch:'
 
 
+@pytest.mark.slow
 def test_the_cli_shows_and_verifies_a_store_on_s3(s3_endpoint: str) -> None:
     place = Place(f"s3://hookscope/{uuid.uuid4().hex[:12]}",
                   {"client_kwargs": {"endpoint_url": s3_endpoint}})
