@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import logging
 import os
 import tempfile
@@ -191,6 +192,7 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float, float, str]]:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mib", type=int, default=256, help="MiB of rows")
     parser.add_argument("--out", type=Path, help="also write the table (markdown) here")
+    parser.add_argument("--json", type=Path, help="also write the settings and rows (JSON) here")
     parser.add_argument("--places", nargs="+", choices=PLACES, default=["local"],
                         help="where the store goes: a local folder (default), memory://, S3 "
                              "(moto's server on 127.0.0.1; needs hookscope[test])")
@@ -212,13 +214,20 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float, float, str]]:
                     _Place("memory", f"memory://bench-{os.getpid()}") if name == "memory" else \
                     stack.enter_context(_s3())
                 _place_rows(place, data, row, table)
-    lines = [f"{nbytes / 2**20:.0f} MiB of float32 rows ({WIDTH} wide), one run, same disk",
-             "", "| row | MB/s | x limit | note |", "|---|---|---|---|"]
+    settings = (f"{nbytes / 2**20:.0f} MiB of float32 rows ({WIDTH} wide), one run, same disk; "
+                "writes fsync'ed, reads from a warm page cache; MB/s = 10^6 bytes/s"
+                + ("; memory:// and S3 (moto's server on 127.0.0.1): against one PUT and one GET "
+                   "of the bytes there" if args.places != ["local"] else ""))
+    lines = [settings, "", "| row | MB/s | x limit | note |", "|---|---|---|---|"]
     lines += [f"| {name} | {rate:.0f} | x{ratio:.2f} | {note} |" for name, rate, ratio, note in table]
     text = "\n".join(lines)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
+    if args.json:
+        rows = [{"row": name, "mb_s": rate, "ratio": ratio, "note": note}
+                for name, rate, ratio, note in table]
+        args.json.write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
     return table
 
 

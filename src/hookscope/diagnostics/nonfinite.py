@@ -44,6 +44,8 @@ from hookscope.util.nested import iter_tensors
 Tensor = torch.Tensor
 MAX_POSITIONS = 8
 INPUT = "<input>"  # NonFiniteOrigin.path when the model's inputs already hold NaN/Inf
+LOSS = "<loss>"  # NonFiniteOrigin.path when the loss (loss_fn's, or one outside the model) is NaN/Inf
+OUTSIDE = "loss outside the model"  # its class_name when only the loss's gradient is known
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +109,9 @@ class NonFiniteOrigin:
     """The module call where a NaN or Inf first appeared.
 
     Attributes:
-        path: qualified name of the module (``""`` for the root, ``"<loss>"`` for ``loss_fn``,
+        path: qualified name of the module (``""`` for the root, ``"<loss>"`` for ``loss_fn``
+            or, in a replay, the loss computed outside the model (``class_name`` ``"loss
+            outside the model"``, ``outputs`` the gradients it sent into the model's outputs),
             ``"<input>"`` when the model's inputs already hold NaN/Inf: ``bad_label`` then
             names the input, e.g. ``"args[0]"``, ``"kwargs['mask']"``, ``"args[1][0]"``).
         class_name: its class, e.g. ``"Linear"`` (``"input"`` for ``"<input>"``).
@@ -147,17 +151,24 @@ class NonFiniteOrigin:
         return [f"{self.path}.{s.label}" if self.path else s.label for s in self.parameters]
 
     def __str__(self) -> str:
+        first_at = ", ".join(str(list(p)) for p in self.first_bad)
         if self.path == INPUT:
             lines = [f"the model's input is already non-finite: {self.bad_count} NaN/Inf in "
-                     f"{self.bad_label}, first at {', '.join(str(list(p)) for p in self.first_bad)}; "
+                     f"{self.bad_label}, first at {first_at}; "
                      "no module made it: check the data (or the preprocessing) that produced it"]
             return "\n".join(lines + [f"  in  {s}" for s in self.outputs])
+        if self.class_name == OUTSIDE:
+            lines = [f"the loss computed outside the model is non-finite: the gradient it sent "
+                     f"into the model's output holds {_counts(self.outputs)} ({self.bad_label}, "
+                     f"first at {first_at}); no module made it: check the loss function (a log "
+                     f"or division of 0, an overflow, a non-finite target or weight)"]
+            return "\n".join(lines + [f"  out {s}" for s in self.outputs])
         where = f"'{self.path}'" if self.path else "the root module"
         op = f" (first in op {self.op})" if self.op else ""
         what = "output" if self.phase == "forward" else "gradient"
         lines = [f"first non-finite {what}: {where} ({self.class_name}), call {self.call_index}, "
                  f"{self.phase}{op}: {self.bad_count} NaN/Inf in {self.bad_label}, first at "
-                 f"{', '.join(str(list(p)) for p in self.first_bad)}"]
+                 f"{first_at}"]
         lines += [f"  in  {s}" for s in self.inputs] + [f"  out {s}" for s in self.outputs]
         return "\n".join(_parameter_lines(self.parameters, where, self.class_name) + lines)
 
@@ -168,12 +179,32 @@ def _parameter_lines(parameters: tuple[TensorSummary, ...], where: str,
     ``non-finite parameter: weight of 'fc1' (Linear) holds 3 NaN``."""
     if not parameters:
         return []
-    held = "; ".join(f"{s.label} of {where} holds " + ", ".join(
-        f"{count} {kind}" for count, kind in ((s.nan, "NaN"), (s.posinf, "+Inf"),
-                                              (s.neginf, "-Inf")) if count)
-        for s in parameters)
+    held = "; ".join(f"{s.label} of {where} holds {_counts((s,))}" for s in parameters)
     return [f"non-finite parameter: {held} ({class_name}); it made the output below"] + [
         f"  param {s}" for s in parameters]
+
+
+def _counts(summaries: tuple[TensorSummary, ...]) -> str:
+    """``"3 NaN, 1 +Inf"``: the non-zero counts of each kind over ``summaries``."""
+    totals = ((sum(s.nan for s in summaries), "NaN"), (sum(s.posinf for s in summaries), "+Inf"),
+              (sum(s.neginf for s in summaries), "-Inf"))
+    return ", ".join(f"{count} {kind}" for count, kind in totals if count)
+
+
+def loss_gradient_origin(grads: list[tuple[str, Tensor]]) -> NonFiniteOrigin | None:
+    """The origin ``"<loss>"`` (``class_name`` ``"loss outside the model"``, ``phase``
+    ``"backward"``) when a gradient the loss sent into the model's outputs holds NaN/Inf: the
+    loss was computed outside the model and only its gradient is known (``replay``); else None.
+
+    Args:
+        grads: ``(label, gradient)`` of each output that received one, e.g. ``("grad of
+            output 0", (batch, classes) float32)``.
+    """
+    bad = [(label, g) for label, g in grads if not _is_finite(g)]
+    if not bad:
+        return None
+    summaries = tuple(TensorSummary.of(label, g) for label, g in bad)
+    return _origin(LOSS, OUTSIDE, 0, "backward", None, (), summaries, [g for _, g in bad])
 
 
 def find_nonfinite(model: nn.Module, *args: Any, backward: bool = False,
@@ -327,7 +358,7 @@ class _Tracker:
         """Report ``loss_fn`` itself when it turned a finite output into a non-finite loss."""
         if bool(torch.isfinite(loss.detach()).all()):
             return None
-        return _origin("<loss>", "loss_fn", 0, "forward", None, (),
+        return _origin(LOSS, "loss_fn", 0, "forward", None, (),
                        (TensorSummary.of("loss", loss),), [loss])
 
     def _pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -388,7 +419,7 @@ class _Tracker:
             call = self.owners[node]
             module = call.module if call is not None else None
             self.found = _origin(
-                self.paths[module] if module is not None else "<loss>",
+                self.paths[module] if module is not None else LOSS,
                 type(module).__name__ if module is not None else "loss_fn",
                 call.index if call is not None else 0, "backward", node.name(),
                 tuple(TensorSummary.of(label, g) for label, g in incoming),

@@ -273,6 +273,12 @@ class ChunkCache:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["max_bytes"])  # type: ignore[misc]
 
+    def clear(self) -> None:
+        """Drop every chunk (``Store.close``)."""
+        with self._lock:
+            self._chunks.clear()
+            self.nbytes = 0
+
     def get(self, key: tuple[str, int]) -> bytes | None:
         """The chunk ``key`` (file, index) if it is cached (it becomes the most recent)."""
         with self._lock:

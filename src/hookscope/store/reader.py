@@ -174,6 +174,7 @@ class _Shard:
         self._data_start = 0
         self._checked = bytearray(len(info.chunk_sums))
         self._offsets: dict[str, np.ndarray] = {}
+        self.closed = False
 
     def __getstate__(self) -> dict[str, Any]:  # a DataLoader worker reopens the file itself
         return {**self.__dict__, "_mm": None, "_entries": None, "_offsets": {}}
@@ -196,7 +197,12 @@ class _Shard:
 
     def open(self) -> dict[str, dict[str, Any]]:
         """Map the file (a local one) and check its header against the manifest (once); return
-        the header's tensor entries."""
+        the header's tensor entries.
+
+        Raises:
+            StoreError: the store was closed.
+        """
+        self._check_open()
         if self._entries is None:
             self.check_size()
             if not isinstance(self.path, RemotePath):
@@ -204,6 +210,22 @@ class _Shard:
                     self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
             self._entries, self._data_start = self._header()
         return self._entries
+
+    def _check_open(self) -> None:
+        if self.closed:
+            folder = self.path.parent
+            raise StoreError(f"store {folder} is closed: open it again with "
+                             f"hookscope.open_store({str(folder)!r}) to read its rows")
+
+    def close(self) -> None:
+        """Unmap the file (its pages leave the process's RSS); a later ``open`` raises."""
+        self.closed = True
+        if self._mm is not None:
+            mm, self._mm = self._mm, None
+            try:
+                mm.close()
+            except BufferError:  # a read in another thread holds a view: unmapped when it ends
+                pass
 
     def _header(self) -> tuple[dict[str, Any], int]:
         """Read, check (chunk sums, then against the manifest) and return the safetensors header
@@ -295,7 +317,13 @@ class _Shard:
         """Check size, sha256, the header against the manifest, every chunk sum, that
         safetensors' own parser accepts the file, and ragged offsets. Reads the whole file once
         (a remote shard is downloaded to a temporary file, its size on disk, for the time of the
-        check)."""
+        check).
+
+        Raises:
+            StoreError: the store was closed.
+            StoreCorruptError: naming what differs.
+        """
+        self._check_open()
         self.check_size()
         with local_copy(self.path) as copy:
             sha, sums = hashlib.sha256(), []
@@ -488,6 +516,12 @@ class StoreDataset(torch.utils.data.Dataset[Tensor]):
 class Store:
     """A store opened for reading (``hookscope.open_store``); see ``LayerView`` for row access.
 
+    Shards are memory-mapped on their first read and stay mapped until ``close()``: the pages
+    read count in the process's RSS (clean file pages, which the kernel may drop under memory
+    pressure), so reading a whole store grows RSS by the bytes touched. ``close()`` (or ``with
+    hookscope.open_store(path) as store:``) unmaps them; reading a closed store is
+    ``StoreError``. A ``DataLoader`` worker maps the shards it reads itself.
+
     Besides the layers, a store may hold per-row columns (``store.columns``): ``ids``, what each
     row was (a file path relative to the data folder, a data-set index) and ``labels`` (a folder
     label, the ``y`` of ``(x, y)`` batches). ``repr(store)`` describes it in a few lines.
@@ -504,11 +538,25 @@ class Store:
             for name, spec in manifest.get("columns", {}).items()}
         self.shards = [ShardInfo.from_json(e) for e in manifest["shards"]]
         chunk = int(manifest["chunk_bytes"])
-        cache = ChunkCache(REMOTE_CACHE_BYTES)  # used by remote shards only
+        self._cache = ChunkCache(REMOTE_CACHE_BYTES)  # used by remote shards only
         self._shards = [_Shard(path, info, chunk, verify_reads, tensor_specs(manifest),
-                               manifest.get("run"), cache) for info in self.shards]
+                               manifest.get("run"), self._cache) for info in self.shards]
         self._starts = [s.rows[0] for s in self.shards]
         self._rows = self.shards[-1].rows[1] if self.shards else 0
+
+    def close(self) -> None:
+        """Unmap every shard, so the pages read leave the process's RSS (a store at a URL: drop
+        its cached chunks); closing twice is fine. Afterwards, reading rows
+        (``store[layer][i]``, ``store.tokens``, ``verify()``) raises ``StoreError``."""
+        for shard in self._shards:
+            shard.close()
+        self._cache.clear()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __len__(self) -> int:
         return self._rows
@@ -664,7 +712,8 @@ def open_store(path: str | os.PathLike[str], *, allow_incomplete: bool = False,
 
     Returns:
         A ``Store``: ``store.layers`` (``{path: LayerInfo}``), ``len(store)`` rows,
-        ``store[layer][i:j]`` tensors, ``store.dataset(layer)``, ``store.verify()``.
+        ``store[layer][i:j]`` tensors, ``store.dataset(layer)``, ``store.verify()``;
+        ``store.close()`` (or a ``with`` block) unmaps the shards read.
 
     Raises:
         ArgumentTypeError: ``path`` is not a path (``None``, a number).

@@ -25,7 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.diagnostics.nonfinite import NonFiniteOrigin, find_nonfinite
+from hookscope.diagnostics.nonfinite import (
+    LOSS,
+    NonFiniteOrigin,
+    find_nonfinite,
+    loss_gradient_origin,
+)
 from hookscope.engine.checks import check_model
 from hookscope.engine.run import RngState, input_device, state_snapshot, untouched
 from hookscope.engine.select import unwrap
@@ -153,9 +158,11 @@ def replay(bundle: ReplayBundle | str | Path, model: nn.Module) -> NonFiniteOrig
         The ``NonFiniteOrigin`` (module path, call, ``phase`` ``"forward"``/``"backward"``,
         op, tensor), or None when the replay is finite (the step depended on something the
         bundle does not hold, e.g. a non-deterministic kernel or a second forward per backward).
-        ``path == "<loss>"``: the gradient reaching the outputs was already non-finite, i.e. the
-        loss computed outside the model was. ``path == "<input>"``: the step's batch already
-        held NaN/Inf (``bad_label`` names the input, ``first_bad`` the indices).
+        ``path == "<loss>"`` (``class_name`` ``"loss outside the model"``): the gradient
+        reaching the outputs was already non-finite, i.e. the loss computed outside the model
+        was (``outputs`` summarise those gradients: a +inf loss's are +Inf, not NaN).
+        ``path == "<input>"``: the step's batch already held NaN/Inf (``bad_label`` names the
+        input, ``first_bad`` the indices).
 
     Raises:
         ArgumentTypeError: ``model`` is not a module, ``bundle`` neither a bundle nor a path.
@@ -176,9 +183,14 @@ def replay(bundle: ReplayBundle | str | Path, model: nn.Module) -> NonFiniteOrig
         with untouched(root):  # puts the RNG states back afterwards
             inputs.rng.restore()
             with _autocast(inputs.autocast):
-                return find_nonfinite(root, *inputs.args, backward=True,
-                                      loss_fn=lambda output: _output_loss(output, grads),
-                                      **inputs.kwargs)
+                origin = find_nonfinite(root, *inputs.args, backward=True,
+                                        loss_fn=lambda output: _output_loss(output, grads),
+                                        **inputs.kwargs)
+        if origin is not None and origin.path == LOSS and origin.phase == "forward":
+            # the forward was finite and the surrogate loss is not: the real loss's gradient was
+            return loss_gradient_origin([(f"grad of output {i}", g) for i, g in enumerate(grads)
+                                         if g is not None]) or origin
+        return origin
     except BaseException as err:
         root.load_state_dict(before)  # a replay that fails leaves the weights as they were
         if isinstance(err, HookscopeError) or not isinstance(err, Exception):
