@@ -418,3 +418,15 @@ def test_a_probe_reads_a_store_at_a_url_as_a_local_one(place: Place, tmp_path: P
         assert torch.equal(store.labels, labels)  # type: ignore[arg-type]
         results.append(hookscope.probe(store, max_iter=20)["0"])
     assert results[0] == results[1] and results[0].train_accuracy == 1.0  # the same fit
+
+
+def test_a_closed_store_refuses_reads_and_drops_its_chunks(place: Place) -> None:
+    with _extract(place) as store:
+        assert torch.equal(store["0"][:], ROWS)
+        assert store._cache.nbytes == (sum(s.bytes for s in store.shards) if "://" in place.url
+                                       else 0)  # a local store maps its shards instead
+    assert store._cache.nbytes == 0
+    with pytest.raises(StoreError, match=r"is closed: open it again with hookscope.open_store"):
+        store["0"][0]
+    with pytest.raises(StoreError, match="is closed"):
+        store.verify()
