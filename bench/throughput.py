@@ -30,6 +30,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -126,6 +127,17 @@ class _Place:
 
 
 @contextlib.contextmanager
+def _memory() -> Iterator[_Place]:
+    """A folder of its own in fsspec's in-process memory file system, deleted afterwards."""
+    root = f"memory://bench-{secrets.token_hex(8)}"
+    try:
+        yield _Place("memory", root)
+    finally:
+        fs, path = fsspec.core.url_to_fs(root)
+        fs.rm(path, recursive=True)
+
+
+@contextlib.contextmanager
 def _s3() -> Iterator[_Place]:
     """A bucket on moto's standalone S3 server on a free port of 127.0.0.1 (fake credentials)."""
     from moto.server import ThreadedMotoServer
@@ -211,7 +223,7 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float, float, str]]:
         for name in args.places:
             with contextlib.ExitStack() as stack:
                 place = _Place("local", tmp) if name == "local" else \
-                    _Place("memory", f"memory://bench-{os.getpid()}") if name == "memory" else \
+                    stack.enter_context(_memory()) if name == "memory" else \
                     stack.enter_context(_s3())
                 _place_rows(place, data, row, table)
     settings = (f"{nbytes / 2**20:.0f} MiB of float32 rows ({WIDTH} wide), one run, same disk; "
