@@ -225,6 +225,19 @@ def test_throughput_rows_exist_and_are_against_the_raw_limits(monkeypatch, tmp_p
     assert (tmp_path / "t.md").read_text().count("\n| ") == 10  # header + 9 rows
 
 
+def test_throughput_rows_against_memory_are_the_local_rows_prefixed(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench.throughput import main
+
+    table = main(["--mib", "1", "--places", "memory"])
+    names = [name for name, _, _, _ in table]
+    assert names[:2] == ["memory: raw write, one PUT of the bytes (limit)",
+                         "memory: raw read, one GET of the bytes (limit)"]
+    assert len(names) == 9 and all(n.startswith("memory: ") for n in names)
+    assert all(rate > 0 and ratio > 0 for _, rate, ratio, _ in table)
+    assert math.isclose(table[4][2], table[4][1] / table[1][1])  # read against memory's GET
+
+
 def test_sections_measured_alone_merge_into_results_and_render_again(bench_main, tmp_path):
     """``--only compiled`` then ``--only throughput`` into one folder: both sections (and their
     goals) end in one results.json and RESULTS.md; ``--render`` rewrites the same RESULTS.md.

@@ -21,12 +21,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import hookscope.store.extraction as extract_module
 import pytest
 import torch
 from safetensors.torch import save_file
 from torch.utils.data import Dataset
 
+import hookscope.store.extraction as extract_module
 from hookscope import RayEngine, extract
 from hookscope.cli import extract as cli_extract
 from hookscope.cli.main import main

@@ -27,9 +27,9 @@ from hookscope.cli._common import (
     say,
 )
 from hookscope.cli.show import print_store
-from hookscope.errors import ArgumentValueError, ExtractInterrupted
+from hookscope.errors import ArgumentValueError, ExtractInterrupted, SpecError
 from hookscope.record import NAMES
-from hookscope.store import SHARD_BYTES, SHARD_SECONDS, RayEngine, check_output, extract
+from hookscope.store import SHARD_BYTES, SHARD_SECONDS, RayEngine, check_output, extract, location
 from hookscope.zoo import load_data, load_model
 
 __all__ = ["HELP", "add_arguments", "resume_command", "run"]
@@ -47,7 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "tensor file (.pt/.npy/.safetensors) with rows along dim 0")
     add_layer_argument(parser, required=True,
                        help="module paths or patterns, one or more; each becomes a store layer")
-    parser.add_argument("--out", required=True, metavar="DIR", help="store folder to create")
+    parser.add_argument("--out", required=True, metavar="DIR",
+                        help="store folder to create, or a URL (s3://, gs://, ...; credentials "
+                             "from the environment)")
     parser.add_argument("--reduce", choices=("none", *NAMES), default="none",
                         help="none: whole rows (tokens without padding); mean: over dim 1 of "
                              "(batch, seq, d) tokens, over dims 2.. (pixels) of (batch, c, h, w) "
@@ -88,8 +90,12 @@ def run(args: argparse.Namespace) -> int:
     if not args.ray and (args.ray_actors or args.ray_address):
         raise ArgumentValueError("--ray-actors and --ray-address choose how --ray runs: add --ray, "
                                  "or leave them out to extract in this process")
-    check_output_path(args.out, "--out", parents=args.parents, folder=True)
-    check_output(Path(args.out), resume=args.resume, overwrite=args.overwrite)
+    folder = location(args.out, SpecError)  # a URL's credentials: the environment's
+    if isinstance(folder, Path):
+        plain = folder == Path(args.out)  # not a file:// URL: the error names what was typed
+        check_output_path(args.out if plain else folder, "--out", parents=args.parents,
+                          folder=True)
+    check_output(folder, resume=args.resume, overwrite=args.overwrite)
     loaded = load_model(args.model, **image_options(args))
     data = load_data(args.data, loaded, batch_size=args.batch_size)
     where = args.device or _default_device()

@@ -16,7 +16,7 @@ HELP = ("fit a logistic probe per layer of a store on its labels: held-out accur
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the verb's options to ``parser``."""
-    parser.add_argument("store", help="the folder hookscope extract wrote (with labels)")
+    parser.add_argument("store", help="the folder or URL hookscope extract wrote (with labels)")
     add_several(parser, "--layers", metavar="LAYER",
                 help="layers of the store to probe (default every fixed-shape layer)")
     parser.add_argument("--test-fraction", type=float, default=0.2, metavar="F",

@@ -18,7 +18,7 @@ HELP = "describe an activation store: layers, shapes, dtypes, rows, shards, byte
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("store", metavar="STORE", help="folder written by `hookscope extract`")
+    parser.add_argument("store", metavar="STORE", help="folder or URL written by `hookscope extract`")
     parser.add_argument("--verify", action="store_true",
                         help="check everything reading checks (manifest, shard headers, sizes, "
                              "chunk sums) and every shard's sha256 (reads every byte); exit 1 "

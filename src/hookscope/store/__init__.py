@@ -1,15 +1,17 @@
-"""Activations of whole data sets on disk: ``extraction`` (``extract``, the loop), ``batches``
-(what a data argument means), ``ranks`` (torchrun), ``ray_engine`` (Ray actors write shards, the
-driver lists them), ``writer`` (shards and manifests), ``folder`` (which files of an output
-folder belong to a store), ``manifest`` (the schema), ``reader`` (``Store``), ``tokens`` (token
-views and the shuffled token stream) and ``probes`` (linear probes on a store). The format is in
-docs/extraction.md.
+"""Activations of whole data sets on disk or in object storage: ``extraction`` (``extract``, the
+loop), ``batches`` (what a data argument means), ``ranks`` (torchrun), ``ray_engine`` (Ray actors
+write shards, the driver lists them), ``writer`` (shards and manifests), ``folder`` (which files
+of an output folder belong to a store), ``manifest`` (the schema), ``reader`` (``Store``),
+``tokens`` (token views and the shuffled token stream), ``probes`` (linear probes on a store) and
+``fs`` (where the files live: a local folder or any fsspec URL, ``s3://``, ``memory://``). The
+format is in docs/extraction.md.
 
 Imports ``record``, the engine, ``errors`` and ``util``.
 """
 
 from hookscope.store.extraction import SHARD_BYTES, SHARD_SECONDS, extract
 from hookscope.store.folder import check_output
+from hookscope.store.fs import location
 from hookscope.store.probes import ProbeResult, probe
 from hookscope.store.ray_engine import RayEngine
 from hookscope.store.reader import (
@@ -28,4 +30,4 @@ from hookscope.store.tokens import TokenStream, TokenView, pad_rows
 
 __all__ = ["FORMAT", "LayerInfo", "LayerView", "ProbeResult", "RayEngine", "SHARD_BYTES", "SHARD_SECONDS",
            "ShardInfo", "Store", "StoreDataset", "TokenStream", "TokenView", "check_output", "chunk_sums",
-           "dtype_name", "extract", "open_store", "pad_rows", "probe", "read_manifest"]
+           "dtype_name", "extract", "location", "open_store", "pad_rows", "probe", "read_manifest"]

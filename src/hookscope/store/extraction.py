@@ -65,6 +65,7 @@ from hookscope.errors import (
 from hookscope.record import Capture, Reduce, Reduction, capture, reduction, reduction_name
 from hookscope.store.batches import BatchSource
 from hookscope.store.folder import check_output, prepare_output, writing
+from hookscope.store.fs import StorePath, location
 from hookscope.store.manifest import COLUMN_PREFIX, tensor_specs
 from hookscope.store.ranks import Ranks
 from hookscope.store.ray_engine import (
@@ -83,7 +84,6 @@ from hookscope.store.reader import (
     Store,
     dtype_name,
     open_store,
-    store_folder,
 )
 from hookscope.store.writer import (
     BackgroundWriter,
@@ -109,8 +109,8 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
             *, reduce: Reduce = None, dtype: torch.dtype | None = None, batch_size: int = 32,
             shard_bytes: int = SHARD_BYTES, shard_seconds: float = SHARD_SECONDS,
             resume: bool = False, overwrite: bool = False, progress: bool = True,
-            model_spec: str | None = None,
-            early_stop: bool = False, engine: Engine = "local") -> Store:
+            model_spec: str | None = None, early_stop: bool = False, engine: Engine = "local",
+            storage_options: dict[str, Any] | None = None) -> Store:
     """Run ``model`` over ``data`` and store the output of each selected layer, row by row.
 
     Args:
@@ -124,8 +124,9 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
         layers: patterns as in ``hookscope.select``; each selected module (or output part,
             ``"lstm[0]"``) becomes one store layer. Its output must hold one tensor whose dim 0
             is the batch.
-        out: the store folder to create (a path or a ``file://`` URL; other URLs such as
-            ``s3://`` are refused, not yet supported); its missing parent folders are created too (the
+        out: the store folder to create, a path or any fsspec URL (``s3://bucket/acts``,
+            ``gs://``, ``memory://``, ``file://``; ``hookscope.store.fs`` says how a store keeps
+            its guarantees there); its missing parent folders are created too (the
             Python API's rule for ``out=``/``plot=``, as in ``patching_sweep`` and
             ``logit_lens``; the CLI refuses a missing parent unless ``--parents``).
         reduce: ``None`` keeps each row whole: with an attention mask, a ``(batch, seq, ...)``
@@ -156,6 +157,9 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
             byte for byte the same). ``shard_seconds`` does not apply there (shards are sized
             by ``shard_bytes`` alone, so a store is reproducible); a Ctrl-C keeps the shards
             finished in order.
+        storage_options: for a URL ``out``, fsspec's options (credentials, ``client_kwargs``
+            such as an ``endpoint_url``); without them the environment's credentials apply.
+            Never written into the store.
 
     Besides the layers, the store keeps what each row was (``store.ids``, ``store.labels``;
     README, "Store format"): for a DataLoader over a map-style data set, the data-set index of
@@ -179,7 +183,9 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
             floating ``torch.dtype``, a ``batch_size``/``shard_bytes`` that is not a positive
             int, a flag that is not a bool), a reduce that returns no tensor, an output that is
             not one batch-first tensor, rows whose shape changes between batches, shuffled
-            data, or a resume with other arguments.
+            data, or a resume with other arguments; ``out`` a URL whose fsspec file system is not
+            installed (``s3fs`` for ``s3://``), or ``storage_options`` that is not a dict or comes
+            with a local folder.
         StoreCorruptError: ``resume`` finds a damaged manifest.
         ExtractInterrupted: a Ctrl-C stopped the run gracefully (a ``KeyboardInterrupt``; its
             ``rows`` were written, the open shard's included); ``resume=True`` continues.
@@ -187,7 +193,7 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
     _check_arguments(model, out, dtype, batch_size, shard_bytes, shard_seconds, model_spec,
                      {"resume": resume, "overwrite": overwrite, "progress": progress,
                       "early_stop": early_stop})
-    folder = store_folder(out, ExtractError)
+    folder = location(out, ExtractError, storage_options)
     keys = [t.key for t in resolve(model, as_patterns(layers))]
     reducer, source = reduction(reduce), BatchSource(data, batch_size)
     if resume and overwrite:
@@ -199,6 +205,11 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
         if on_ray is not None and ranks.world_size > 1:
             raise ExtractError("engine='ray' runs one driver that hands the batches to Ray "
                                "actors; run it as one process, not under torchrun")
+        if on_ray is not None and not isinstance(folder, Path):
+            raise ExtractError(f"engine='ray' writes a store into a folder that every actor can "
+                               f"reach, not yet into an object store ({out!s:.80}): extract into a "
+                               "local or shared folder, or leave engine out to write the URL "
+                               "from this process")
         config = {"layers": keys, "reduce": reduction_name(reduce), "batches": source.count,
                   "dtype": dtype_name(dtype) if dtype else None, "batch_size": source.batch_size}
         header = {"model": {"spec": model_spec, "class": _class_name(model)}, "extract": config}
@@ -210,7 +221,7 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
             _extract(job, folder, header, resume=resume, overwrite=overwrite)
     finally:
         ranks.stop()
-    return open_store(folder)
+    return open_store(out, storage_options=storage_options)
 
 
 def _check_arguments(model: Any, out: Any, dtype: Any, batch_size: Any, shard_bytes: Any,
@@ -263,7 +274,7 @@ _STOP_MESSAGE = ("\nextract: Ctrl-C: stopping once this batch is stored (Ctrl-C 
                  "once, losing the rows of the open shard)")
 
 
-def _extract(job: _Job, folder: Path, header: dict[str, Any], *,
+def _extract(job: _Job, folder: StorePath, header: dict[str, Any], *,
              resume: bool, overwrite: bool) -> None:
     ranks = job.ranks
     prior: dict[str, Any] | None = None
@@ -293,7 +304,7 @@ def _extract(job: _Job, folder: Path, header: dict[str, Any], *,
         _write_store(job, folder, header, prior, todo, start, resume=resume, overwrite=overwrite)
 
 
-def _write_store(job: _Job, folder: Path, header: dict[str, Any], prior: dict[str, Any] | None,
+def _write_store(job: _Job, folder: StorePath, header: dict[str, Any], prior: dict[str, Any] | None,
                  todo: Iterator[tuple[int, Rows]], start: int, *, resume: bool,
                  overwrite: bool) -> None:
     """Make the folder ready (rank 0), write this rank's rows, join the ranks' parts."""
@@ -362,7 +373,7 @@ def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _write_on_ray(job: _Job, engine: RayEngine, folder: Path, writer: StoreWriter,
+def _write_on_ray(job: _Job, engine: RayEngine, folder: StorePath, writer: StoreWriter,
                   prior: dict[str, Any] | None, start: int) -> None:
     """Write batches ``start:`` on Ray actors, this process listing their shards."""
     if not write_on_ray(engine, _for_workers(job, engine, folder, writer), writer, start,
@@ -390,7 +401,7 @@ def _worker_copy(job: _Job) -> _Job:
                                device=None, session=None, stop=None, progress=False)
 
 
-def _for_workers(job: _Job, engine: RayEngine, folder: Path, writer: StoreWriter) -> Work:
+def _for_workers(job: _Job, engine: RayEngine, folder: StorePath, writer: StoreWriter) -> Work:
     """What a Ray actor runs for one shard: ``write_batch_range`` over the shared copy of the
     job, bound to this run's folder, run id and layers."""
     device = "cuda" if engine.num_gpus > 0 else None
@@ -398,7 +409,7 @@ def _for_workers(job: _Job, engine: RayEngine, folder: Path, writer: StoreWriter
                                            device)
 
 
-def write_batch_range(job: _Job, folder: Path, run: str, layers: dict[str, Any],
+def write_batch_range(job: _Job, folder: StorePath, run: str, layers: dict[str, Any],
                       device: str | None, name: str, start: int, stop: int) -> ShardMade:
     """Run batches ``start:stop`` and write their rows as the shard file ``folder/name`` (a
     Ray actor's unit of work: the same per-batch code as ``_write_batches``), with the model
@@ -777,7 +788,7 @@ def _flag(key: str, value: Any) -> str:
     return f"{cli} ({name}={api})"
 
 
-def _say_resumed(job: _Job, folder: Path, prior: dict[str, Any] | None, start: int) -> None:
+def _say_resumed(job: _Job, folder: StorePath, prior: dict[str, Any] | None, start: int) -> None:
     """Tell (stderr, where the bar is shown) what a resumed run kept and where it goes on."""
     if prior is None or not (job.progress and job.ranks.rank == 0):
         return

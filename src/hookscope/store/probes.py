@@ -99,7 +99,7 @@ def probe(store: Store | str | Path, layers: Sequence[str] | None = None, *,
     """Fit a logistic probe per layer of ``store`` and score it on held-out rows.
 
     Args:
-        store: an open ``Store`` or its folder.
+        store: an open ``Store``, or its folder or URL (``open_store``).
         layers: layers to probe (default: every fixed-shape layer). Each row is flattened:
             a ``(d,)`` row has ``d`` features, a ``(seq, d)`` row ``seq * d``.
         labels: one label per row (ints or strings); default ``store.labels``.
