@@ -300,3 +300,13 @@ def test_bad_engine_is_named_with_the_fix(engine: object, tmp_path: Path) -> Non
         extract(model(), Rows(), LAYERS, tmp_path / "out", engine=engine, progress=False)
     assert not (tmp_path / "out").exists()
 
+
+
+def test_ray_into_an_object_store_url_is_refused_before_anything_is_written() -> None:
+    import fsspec
+
+    url = "memory://ray-refused/store"
+    with pytest.raises(ExtractError, match=r"engine='ray' writes a store into a folder .* leave "
+                                           r"engine out to write the URL"):
+        extract(model(), Rows(), LAYERS, url, engine="ray", progress=False)
+    assert not fsspec.filesystem("memory").exists("/ray-refused")
