@@ -38,7 +38,11 @@ from pathlib import Path
 from typing import IO, Any, TypeAlias
 
 from hookscope.errors import HookscopeError
-from hookscope.util import files
+from hookscope.util import read_regular as read_local
+from hookscope.util import write_atomic as write_local
+
+__all__ = ["ChunkCache", "RemotePath", "StorePath", "listdir", "local_copy", "location", "open_read",
+           "read_range", "read_regular", "write_atomic"]
 
 _URL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>.*)", re.S)
 
@@ -202,7 +206,7 @@ def read_regular(path: StorePath, limit: int = -1, *, max_bytes: int | None = No
             (``EFBIG``).
     """
     if isinstance(path, Path):
-        return files.read_regular(path, limit, max_bytes=max_bytes)
+        return read_local(path, limit, max_bytes=max_bytes)
     size = path.stat()
     if not stat.S_ISREG(size.st_mode):
         raise OSError(22, "not a regular file", str(path))
@@ -222,7 +226,7 @@ def write_atomic(path: StorePath, write: Callable[[str], Any], *, tag: str = "")
         OSError: the file cannot be written (locally, named as ``write_atomic`` names it).
     """
     if isinstance(path, Path):
-        files.write_atomic(path, write, tag=tag)
+        write_local(path, write, tag=tag)
         return
     folder = tempfile.mkdtemp(prefix="hookscope-upload-")
     try:
