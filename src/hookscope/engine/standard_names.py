@@ -2,7 +2,9 @@
 
 ``resid_pre.{i}``, ``resid_post.{i}``, ``attn_out.{i}``, ``mlp_out.{i}``, ``embed``, ``unembed``
 and ``final_norm`` (TransformerLens's ``blocks.{i}.hook_resid_post``, nnterp's standard names)
-name the same quantity on GPT-2, GPT-NeoX, Llama/Mistral/Qwen2, Gemma, Phi, BERT and ViT. Each
+name the same quantity on GPT-2, GPT-NeoX, Llama/Mistral/Qwen2, Gemma, Phi, BERT and ViT, and
+on TransformerLens's ``HookedTransformer`` (``blocks.{i}.hook_resid_pre``/``hook_resid_post``/
+``hook_attn_out``/``hook_mlp_out``, ``attn.hook_q/k/v/z``, ``embed``, ``ln_final``, ``unembed``). Each
 resolves to the output (or an output part) of one module, so every verb that selects modules
 takes them: ``capture(model, "resid_post.3")``, ``steer(model, {"resid_post.*": v})``,
 ``hookscope capture MODEL --layer attn_out.0``. ``{i}`` may be a number or ``*`` (every block).
@@ -58,10 +60,14 @@ BLOCKS = ("h", "layers", "layer", "blocks")
 BLOCK_INPUT = ("drop", "emb_dropout", "embed_dropout", "embeddings", "embed_tokens")
 # (path inside the block, output parts): attention modules return (output, weights)
 ATTENTION: tuple[tuple[str, tuple[Part, ...]], ...] = (
-    ("attention.output.dense", ()), ("attn", (0,)), ("self_attn", (0,)), ("attention", (0,)))
-MLP: tuple[tuple[str, tuple[Part, ...]], ...] = (("output.dense", ()), ("mlp", ()))
+    ("hook_attn_out", ()), ("attention.output.dense", ()), ("attn", (0,)), ("self_attn", (0,)),
+    ("attention", (0,)))
+MLP: tuple[tuple[str, tuple[Part, ...]], ...] = (("hook_mlp_out", ()), ("output.dense", ()),
+                                                 ("mlp", ()))
+# a HookedTransformer's block has its residual stream's hook points: they are taken first
+RESIDUAL = {"resid_pre": "hook_resid_pre", "resid_post": "hook_resid_post"}
 EMBED = ("wte", "embed_tokens", "embed_in", "word_embeddings", "patch_embeddings")
-FINAL_NORM = ("ln_f", "norm", "final_layer_norm", "final_layernorm", "layernorm")
+FINAL_NORM = ("ln_f", "ln_final", "norm", "final_layer_norm", "final_layernorm", "layernorm")
 UNEMBED = ("lm_head", "embed_out", "unembed")
 # (path inside the block, interleaved): one projection making q, k and v, in this order
 FUSED = (("attn.c_attn", False), ("attention.query_key_value", True))
@@ -170,6 +176,8 @@ def blocks_of(names: ModuleIndex, name: str) -> Structure:
 def _in_block(names: ModuleIndex, structure: Structure, kind: str,
               i: int) -> tuple[str, tuple[Part, ...], str | None]:
     block = f"{structure.blocks}.{i}"
+    if kind in RESIDUAL and (path := _block_lookup(names, block, RESIDUAL[kind])) is not None:
+        return path, (), None
     if kind == "resid_post":
         return block, (), None
     if kind == "resid_pre":
