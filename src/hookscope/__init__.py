@@ -19,6 +19,7 @@ from hookscope.diagnostics.rollout import rollout
 from hookscope.diagnostics.stats import RunningStats, stats
 from hookscope.diagnostics.tree import TreeRow, tree
 from hookscope.editing.attribution import attribution_patching
+from hookscope.editing.edges import Edges, edge_attribution_patching
 from hookscope.editing.edit import Edit, ablate, edit, patch, steer
 from hookscope.editing.sweep import Sweep, patching_sweep
 from hookscope.engine.select import select
@@ -111,6 +112,7 @@ __all__ = [
     "StoreError",
     "StoreExistsError",
     "Sweep",
+    "Edges",
     "TensorSummary",
     "TreeRow",
     "ablate",
@@ -120,6 +122,7 @@ __all__ = [
     "capture",
     "capture_generation",
     "compare",
+    "edge_attribution_patching",
     "edit",
     "extract",
     "find_nonfinite",

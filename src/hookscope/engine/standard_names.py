@@ -79,6 +79,10 @@ SEPARATE: tuple[tuple[str, tuple[str, str, str]], ...] = (
 # the attention module whose own forward calls scaled_dot_product_attention
 CORE = ("attn", "self_attn", "attention.self", "attention")
 SDPA = "scaled_dot_product_attention"
+# the norm in front of the attention / the MLP of a pre-norm block: its input is what the
+# branch reads from the residual stream (edge attribution's downstream nodes)
+ATTENTION_NORM = ("ln_1", "ln1", "input_layernorm")
+MLP_NORM = ("ln_2", "ln2", "post_attention_layernorm")
 
 _NAME = re.compile(r"(resid_pre|resid_post|attn_out|mlp_out|attn\.[qkvz])\.(\d+|\*)"
                    r"|embed|unembed|final_norm")
@@ -268,3 +272,28 @@ def _head_dim(names: ModuleIndex, block: str) -> int:
                         f"head_dim, head_size or attention_head_size of {', '.join(CORE)}, or "
                         "config.head_dim / hidden_size over num_attention_heads); select the "
                         "projection by its own path")
+
+
+def branch_norms(names: ModuleIndex, i: int, structure: Structure) -> tuple[str, str]:
+    """The paths of the norms in front of block ``i``'s attention and MLP (``ATTENTION_NORM``,
+    ``MLP_NORM``): the input of each is what that branch reads from the residual stream, in a
+    sequential pre-norm block (``x + attn(ln_1(x))``, then ``+ mlp(ln_2(.))``).
+
+    Raises:
+        SelectorError: the block has no such norms, or the model runs attention and MLP in
+            parallel (``config.use_parallel_residual``, GPT-J, Phi), where the MLP reads the
+            block's input and not the attention's output.
+    """
+    block = f"{structure.blocks}.{i}"
+    config = getattr(names.root, "config", None)
+    found = [next((p for inner in table if (p := _block_lookup(names, block, inner))), None)
+             for table in (ATTENTION_NORM, MLP_NORM)]
+    if getattr(config, "use_parallel_residual", False) or None in found:
+        raise SelectorError(
+            f"block '{block}' ({type(names.modules[block]).__name__}) is not a sequential pre-norm "
+            f"block: looked for a norm before the attention ({', '.join(ATTENTION_NORM)}) and one "
+            f"before the MLP ({', '.join(MLP_NORM)})"
+            + (" and found attention and MLP run in parallel (config.use_parallel_residual)"
+               if getattr(config, "use_parallel_residual", False) else "")
+            + "; edge attribution needs blocks of the GPT-2 / Llama form")
+    return found[0], found[1]  # type: ignore[return-value]
