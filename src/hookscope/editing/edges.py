@@ -42,7 +42,7 @@ from torch import nn
 from hookscope.editing.attribution import _differentiable, _once, _zero_added
 from hookscope.editing.edit import edit
 from hookscope.editing.sweep import Metric, _forward, _number, _plain, check_metric
-from hookscope.engine.checks import check_int
+from hookscope.engine.checks import check_int, check_model
 from hookscope.engine.names import index, one_index_per_call
 from hookscope.engine.run import untouched
 from hookscope.engine.standard_names import blocks_of, branch_norms, resolve_standard
@@ -89,9 +89,10 @@ class Edges:
         return "\n".join(lines)
 
     def plot(self, out: str | os.PathLike[str], k: int = 20) -> Path:
-        """Draw the top ``k`` edges as a PNG (upstream nodes left of the downstream ones they
-        feed, a column per block; width by ``|score|``, blue positive, red negative); missing
-        parent folders are created. Returns its path.
+        """Draw the top ``k`` edges as a PNG, a circuit from ``input`` (bottom) to ``logits``
+        (top): block ``l``'s heads side by side on row ``2l`` (their shared input ``a{l}`` just
+        below), its MLP on row ``2l + 1``; an arrow per edge, width by ``|score|``, blue
+        positive, red negative. Missing parent folders are created. Returns its path.
 
         Raises:
             MissingExtraError: matplotlib is not installed.
@@ -99,21 +100,22 @@ class Edges:
         from hookscope.util.figures import new_figure, save_figure
         figure = new_figure("Edges.plot")
         ax = figure.subplots()
-        last = float(len(self.downstream) - 1)  # logits: after the last block's MLP
-        places: dict[Any, tuple[float, float]] = {n: _place(n, True, last) for n in self.upstream}
-        places |= {("in", n): _place(n, False, last) for n in self.downstream}
+        heads = sum(1 for n in self.upstream if n.startswith("a0."))
+        layers = (len(self.downstream) - 1) // 2
         top = self.rows()[:k]
         largest = max((abs(s) for _, _, s in top), default=1.0) or 1.0
+        used: set[str] = set()
         for u, d, s in top:
-            (x0, y0), (x1, y1) = places[u], places[("in", d)]
-            ax.plot([x0, x1], [y0, y1], color="tab:blue" if s > 0 else "tab:red",
-                    linewidth=0.5 + 4 * abs(s) / largest, alpha=0.8)
-        used = {u for u, _, _ in top} | {("in", d) for _, d, _ in top}
+            source, target = _place(u, heads, layers), _place(d if d[0] != "a" else d + ".in", heads, layers)
+            ax.annotate("", target, source, arrowprops={
+                "arrowstyle": "-|>", "connectionstyle": "arc3,rad=0.15", "alpha": 0.8,
+                "color": "tab:blue" if s > 0 else "tab:red", "linewidth": 0.5 + 4 * abs(s) / largest})
+            used |= {u, d if d[0] != "a" else d + ".in"}
         for node in used:
-            x, y = places[node]
-            ax.annotate(node[1] if isinstance(node, tuple) else node, (x, y), fontsize=7,
-                        ha="center", va="center",
+            ax.annotate(node, _place(node, heads, layers), fontsize=8, ha="center", va="center",
                         bbox={"boxstyle": "round", "fc": "white", "ec": "grey"})
+        ax.set_xlim(-1, heads)
+        ax.set_ylim(-1.6, 2 * layers + 0.4)
         method = f"EAP-IG, {self.steps} steps" if self.steps > 1 else "EAP"
         ax.set_title(f"top {len(top)} edges ({method}); metric clean {self.clean:.3f}, "
                      f"corrupted {self.corrupted:.3f}")
@@ -167,6 +169,7 @@ def edge_attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metr
         EditError: ``metric`` does not return one differentiable number; a node runs more than
             once; the two inputs give activations of different shapes.
     """
+    check_model(model)
     check_int("steps", steps, minimum=1)
     check_metric(metric)
     graph = _graph(model)
@@ -302,11 +305,15 @@ def _scores(graph: _Graph, delta: dict[str, Tensor], grads: list[Tensor], heads:
     return Edges(upstream, downstream, torch.stack(rows).cpu(), clean, corrupted, steps)
 
 
-def _place(node: str, upstream: bool, last: float) -> tuple[float, float]:
-    """Where a node is drawn: x by its place in the forward (block ``l``'s attention at ``2l``,
-    its MLP at ``2l + 1``; an output just right of it, an input just left), y by its head."""
+def _place(node: str, heads: int, layers: int) -> tuple[float, float]:
+    """Where a node is drawn (``Edges.plot``): head ``h`` of block ``l`` at ``(h, 2l)``, the
+    attention's input ``a{l}.in`` below the heads' middle, MLP ``l`` at ``(middle, 2l + 1)``."""
+    middle = (heads - 1) / 2
     if node in ("input", "logits"):
-        return (-1.0 if node == "input" else last - 0.35, 0.0)
-    layer, _, head = node[1:].partition(".h")
-    x = 2 * int(layer) + (1 if node.startswith("m") else 0)
-    return (x + (0.35 if upstream else -0.35), float(head) + 1 if head else 0.0)
+        return middle, -1.2 if node == "input" else 2 * layers
+    layer, _, rest = node[1:].partition(".")
+    if node[0] == "m":
+        return middle, 2 * int(layer) + 1
+    if rest == "in":
+        return middle, 2 * int(layer) - 0.45
+    return float(rest[1:]), 2 * int(layer)
