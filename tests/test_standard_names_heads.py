@@ -14,7 +14,7 @@ import hookscope
 from hookscope.engine.names import index
 from hookscope.engine.standard_names import standard_names
 from hookscope.errors import SelectorError
-from tests.test_standard_names import FAMILIES, build
+from tests.test_standard_names import FAMILIES, build, transformers
 
 LETTERS = ("q", "k", "v")
 LLAMA_LIKE = (tuple(f"model.layers.1.self_attn.{x}_proj" for x in LETTERS), "model.layers.1.self_attn.o_proj")
@@ -153,3 +153,16 @@ def test_tree_notes_and_refusal() -> None:
                                             r"of the modules looked for: attn.c_attn, "
                                             r".*select it by its own path"):
         hookscope.select(Net(), "attn.q.0")
+
+
+def test_z_of_an_eager_attention_is_refused_naming_the_fix() -> None:
+    """An eager attention never calls scaled_dot_product_attention: attn.z would never fire."""
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+        vocab_size=60, attn_implementation="eager"))
+    with pytest.raises(SelectorError, match=r"'attn.z.0' .* is 'eager' .*load the model with "
+                                            r"attn_implementation='sdpa'"):
+        hookscope.select(llama, "attn.z.0")
+    assert list(hookscope.select(llama, "attn.q.0")) == ["model.layers.0.self_attn.q_proj"]
+    assert "attn.z.0" not in str(standard_names(index(llama)))

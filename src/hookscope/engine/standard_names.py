@@ -37,7 +37,8 @@ are the whole rule, and a model that has none of them is refused with this list)
 - ``attn.z.{i}``: the per-head attention output before the output projection (TransformerLens's
   ``hook_z``): the value of ``scaled_dot_product_attention`` called by the first of ``CORE``
   inside block ``i``, ``(batch, heads, seq, head_dim)`` (the layout table knows its axes), so
-  it needs an attention that calls it (transformers' default ``attn_implementation="sdpa"``);
+  it needs an attention that calls it (transformers' default ``attn_implementation="sdpa"``;
+  another ``config._attn_implementation`` is refused, naming the fix);
   ``attn.hook_z`` (a ``HookedTransformer``) is taken as it is, ``(batch, seq, heads,
   head_dim)``. The head size is the attention module's ``head_dim``/``head_size``/
   ``attention_head_size``, else the config's ``d_head`` or hidden size over heads.
@@ -234,6 +235,13 @@ def _per_head(names: ModuleIndex, block: str, letter: str,
         if (path := _block_lookup(names, block, "attn.hook_z")) is not None:
             return path, (heads_part(None),), None
         core = next((p for inner in CORE if (p := _block_lookup(names, block, inner))), None)
+        implementation = getattr(getattr(names.root, "config", None), "_attn_implementation", None)
+        if core is not None and implementation not in (None, "sdpa"):
+            raise SelectorError(
+                f"'{name}' is the value of {SDPA} called by '{core}', but the model's attention "
+                f"is {implementation!r} (config._attn_implementation), which never calls it: load "
+                f"the model with attn_implementation='sdpa' (or model.set_attn_implementation("
+                f"'sdpa')), or capture the output projection's input with inputs=True")
         if core is not None:
             return core, (), SDPA
         looked = ", ".join(CORE)
