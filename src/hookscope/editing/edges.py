@@ -30,6 +30,7 @@ Llama, Gemma, a ``HookedTransformer``): see ``engine.standard_names.branch_norms
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -177,18 +178,26 @@ def edge_attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metr
     upstream_names = [graph.input_key, *graph.z_keys,
                       *(f"mlp_out.{layer}" for layer in range(graph.layers))]
     with untouched(model):
-        clean_metric, clean_acts, _ = _run(model, clean, metric, upstream_names)
-        corrupted_metric, corrupted_acts, heads_axis = _run(model, corrupted, metric, upstream_names)
-        delta = {name: _difference(clean_acts[name], corrupted_acts[name], name)
+        with torch.no_grad(), capture(model, *upstream_names, on_unfired="error") as acts:
+            clean_metric = _number(metric(_forward(model, clean)))
+        clean_acts = {name: acts[name] for name in upstream_names}
+        heads_axis = acts.layout(graph.z_keys[0]).heads
+        # step 0 is the corrupted run itself (alpha = 0): its values give the differences
+        first = _gradients(model, corrupted, metric, graph, None, upstream_names)
+        delta = {name: _difference(clean_acts[name], first.acts[name], name)
                  for name in upstream_names}
-        total: tuple[list[Tensor], list[list[Tensor]]] | None = None
-        for k in range(steps):  # alpha = k / steps: k = 0 is the corrupted input itself
-            replaced = corrupted_acts[graph.input_key] + k / steps * delta[graph.input_key] if k else None
-            step = _gradients(model, corrupted, metric, graph, replaced)
-            total = step if total is None else _added(total, step)
-    assert total is not None
-    grads, heads = _added(total, None, 1 / steps)
-    edges = _scores(graph, delta, grads, heads, heads_axis, clean_metric, corrupted_metric, steps)
+        grads, heads = first.grads, first.heads
+        for k in range(1, steps):  # EAP-IG: alpha = k / steps along corrupted -> clean
+            replaced = first.acts[graph.input_key] + k / steps * delta[graph.input_key].to(
+                first.acts[graph.input_key].device)
+            step = _gradients(model, corrupted, metric, graph, replaced, [])
+            grads = [a + b for a, b in zip(grads, step.grads, strict=True)]
+            heads = [[a + b for a, b in zip(x, y, strict=True)]
+                     for x, y in zip(heads, step.heads, strict=True)]
+    assert heads_axis is not None  # attn.z is a heads value (the layout table)
+    edges = _scores(graph, delta, [g / steps for g in grads],
+                    [[h / steps for h in row] for row in heads], heads_axis, clean_metric,
+                    first.metric, steps)
     if plot is not None:
         edges.plot(plot)
     return edges
@@ -203,41 +212,32 @@ def _graph(model: nn.Module) -> _Graph:
     return _Graph(structure.count, "resid_pre.0", z_keys, [*norms, final])
 
 
-def _run(model: nn.Module, inputs: Any, metric: Metric,
-         names: list[str]) -> tuple[float, dict[str, Any], int]:
-    """One forward under ``no_grad``: the metric, the upstream nodes' values and the heads axis
-    of ``attn.z`` (``engine.layout``)."""
-    with torch.no_grad(), capture(model, *names, on_unfired="error") as acts:
-        value = _number(metric(_forward(model, inputs)))
-    axis = acts.layout(names[1]).heads
-    assert axis is not None  # attn.z is a heads value (the layout table)
-    return value, {name: acts[name] for name in names}, axis
-
-
-def _added(a: tuple[list[Tensor], list[list[Tensor]]], b: tuple[list[Tensor], list[list[Tensor]]] | None,
-           scale: float = 1.0) -> tuple[list[Tensor], list[list[Tensor]]]:
-    """``scale * (a + b)`` of two steps' gradients, term by term (``b=None``: ``scale * a``)."""
-    if b is None:
-        return [g * scale for g in a[0]], [[h * scale for h in row] for row in a[1]]
-    return ([x + y for x, y in zip(a[0], b[0], strict=True)],
-            [[x + y for x, y in zip(r, q, strict=True)] for r, q in zip(a[1], b[1], strict=True)])
-
-
 def _difference(clean: Any, corrupted: Any, name: str) -> Tensor:
     if not isinstance(clean, Tensor) or not isinstance(corrupted, Tensor) or clean.shape != corrupted.shape:
         shapes = [tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__ for v in (clean, corrupted)]
         raise EditError(f"'{name}' gives {shapes[0]} on the clean input and {shapes[1]} on the "
                         f"corrupted one; edge attribution compares them position by position: "
                         f"give two inputs of the same shape (pad the shorter, with its mask)")
-    return (clean.double() - corrupted.double())
+    return clean.double().cpu() - corrupted.double().cpu()
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One forward and backward: ``grads[v]``, d metric / d downstream node ``v``'s input
+    ``(batch, seq, d_model)``; ``heads[l][j]``, ``grads[2l + 1 + j]`` pulled back through block
+    ``l``'s output projection to ``attn.z.{l}`` (the nodes after its attention); the metric and
+    the values recorded (float64, CPU)."""
+
+    grads: list[Tensor]
+    heads: list[list[Tensor]]
+    metric: float
+    acts: dict[str, Tensor]
 
 
 def _gradients(model: nn.Module, inputs: Any, metric: Metric, graph: _Graph,
-               replaced: Tensor | None) -> tuple[list[Tensor], list[list[Tensor]]]:
+               replaced: Tensor | None, record: list[str]) -> _Step:
     """One forward and backward of ``inputs`` (block input replaced by ``replaced`` when
-    given): ``d metric / d`` each downstream node's input ``(batch, seq, d_model)``, and per
-    block ``l`` the same pulled back through the output projection to ``attn.z.{l}`` for each
-    downstream node after block ``l``'s attention."""
+    given), recording the values of ``record``."""
     norm_found: dict[str, list[tuple[Tensor, Tensor]]] = {path: [] for path in graph.norms}
     z_found: dict[str, list[tuple[Tensor, Tensor]]] = {key: [] for key in graph.z_keys}
     attn_out: dict[str, list[Tensor]] = {f"attn_out.{layer}": [] for layer in range(graph.layers)}
@@ -245,9 +245,11 @@ def _gradients(model: nn.Module, inputs: Any, metric: Metric, graph: _Graph,
     outputs |= {key: _kept(found) for key, found in attn_out.items()}
     if replaced is not None:
         outputs[graph.input_key] = lambda value: replaced.to(value.dtype)
+    recording = capture(model, *record, on_unfired="error") if record else contextlib.nullcontext()
     with gradient_pass(model, EditError):
         with edit(model, {p: _input_zero_added(norm_found[p], p) for p in graph.norms},
-                  inputs=True, on_unfired="error"), edit(model, outputs, on_unfired="error"):
+                  inputs=True, on_unfired="error"), edit(model, outputs, on_unfired="error"), \
+                recording as acts:
             value = _differentiable(metric(_forward(model, inputs)))
         zeros = [_once(norm_found[p], p)[1] for p in graph.norms]
         found = torch.autograd.grad(value, zeros, retain_graph=True, allow_unused=True)
@@ -261,8 +263,9 @@ def _gradients(model: nn.Module, inputs: Any, metric: Metric, graph: _Graph,
             out = attn_out[f"attn_out.{layer}"][0]
             z_zero = _once(z_found[graph.z_keys[layer]], graph.z_keys[layer])[1]
             heads.append([torch.autograd.grad(out, z_zero, grad_outputs=g, retain_graph=True)[0]
-                          for g in grads[2 * layer + 1:]])
-    return [g.detach().double() for g in grads], [[h.double() for h in row] for row in heads]
+                          .double().cpu() for g in grads[2 * layer + 1:]])
+    return _Step([g.detach().double().cpu() for g in grads], heads, _number(value),
+                 {name: acts[name] for name in record} if acts is not None else {})
 
 
 def _kept(found: list[Tensor]) -> Callable[[Any], Any]:
