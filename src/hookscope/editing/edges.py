@@ -12,20 +12,24 @@ summed over rows, positions and channels (the node-level estimate of ``attributi
 with the gradient taken at ``v``'s input instead of ``u``'s output). EAP-IG (Hanna, Pezzelle and
 Belinkov, "Have Faith in Faithfulness", 2024, arXiv:2403.17806) averages that gradient over
 ``steps`` inputs on the straight line from the corrupted to the clean input embedding (the
-block input, ``resid_pre.0``), at ``alpha = k / steps`` for ``k = 0 … steps - 1`` (so
-``steps=1`` is EAP).
+block input, ``resid_pre.0``), at ``alpha = k / steps`` for ``k = 1 … steps`` (their eq. for
+EAP-IG; ``alpha = 0`` would be the corrupted run, EAP's point).
 
 The nodes, read from the standard names (``engine.standard_names``):
 
 - upstream: ``input`` (``resid_pre.0``: embeddings), ``a{l}.h{h}`` (head ``h`` of block ``l``:
   its slice of ``attn.z.{l}`` through the output projection) and ``m{l}`` (``mlp_out.{l}``);
-- downstream: ``a{l}`` (the input of the norm before block ``l``'s attention: every head of the
-  block reads the same one), ``m{l}`` (the norm before the MLP) and ``logits`` (the final norm).
+- downstream: ``a{l}.h{h}.q``, ``.k``, ``.v`` (head ``h``'s query, key and value input: the
+  input of the norm before block ``l``'s attention, as only that head's q, k or v reads it;
+  under grouped-query attention k and v have the key-value heads), ``m{l}`` (the input of the
+  norm before the MLP) and ``logits`` (of the final norm).
 
 A head's change reaches the residual stream through the output projection, so its score is
-``(z_clean - z_corrupted)[head] . (d attn_out / d z)^T g_v`` (one vector-Jacobian product per
-block and downstream node, through the projection only). Sequential pre-norm blocks only (GPT-2,
-Llama, Gemma, a ``HookedTransformer``): see ``engine.standard_names.branch_norms``.
+``(z_clean - z_corrupted)[head] . (d attn_out / d z)^T g_v``; a head's q (k, v) input gradient
+is ``(d q / d x)^T`` of the gradient at ``attn.q.{l}`` kept on that head only. Both are
+vector-Jacobian products through one projection (and the norm), not more backward passes.
+Sequential pre-norm blocks only (GPT-2, Llama, Gemma, a ``HookedTransformer``): see
+``engine.standard_names.branch_norms``.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.editing.attribution import _differentiable, _once, _zero_added
+from hookscope.editing.attribution import _differentiable, _once
 from hookscope.editing.edit import edit
 from hookscope.editing.sweep import Metric, _forward, _number, _plain, check_metric
 from hookscope.engine.checks import check_int, check_model
@@ -54,6 +58,7 @@ from hookscope.record.grads import gradient_pass
 __all__ = ["Edges", "edge_attribution_patching"]
 
 Tensor = torch.Tensor
+Found = list[tuple[Tensor, Tensor]]  # (value, the zero added to it) of each call of a node
 
 
 @dataclass(frozen=True)
@@ -62,12 +67,13 @@ class Edges:
 
     Attributes:
         upstream: the upstream nodes, ``["input", "a0.h0", …, "m0", "a1.h0", …]``.
-        downstream: the downstream nodes, ``["a0", "m0", "a1", …, "logits"]``.
+        downstream: the downstream nodes, ``["a0.h0.q", …, "a0.h0.k", …, "a0.h0.v", …,
+            "m0", "a1.h0.q", …, "logits"]``.
         scores: ``(len(upstream), len(downstream))`` float64: the estimated change of the
             metric when that one edge is patched from corrupted to clean; NaN where there is
             no edge (a node never reads one at or after it).
         clean, corrupted: the metric of the clean and the corrupted run.
-        steps: the EAP-IG steps (1: EAP).
+        steps: the EAP-IG steps (``None``: EAP).
     """
 
     upstream: list[str]
@@ -75,7 +81,7 @@ class Edges:
     scores: Tensor
     clean: float
     corrupted: float
-    steps: int
+    steps: int | None
 
     def rows(self) -> list[tuple[str, str, float]]:
         """Every edge ``(upstream, downstream, score)``, largest ``|score|`` first."""
@@ -91,7 +97,7 @@ class Edges:
 
     def plot(self, out: str | os.PathLike[str], k: int = 20) -> Path:
         """Draw the top ``k`` edges as a PNG, a circuit from ``input`` (bottom) to ``logits``
-        (top): block ``l``'s heads side by side on row ``2l`` (their shared input ``a{l}`` just
+        (top): block ``l``'s heads side by side on row ``2l`` (their q, k, v inputs just
         below), its MLP on row ``2l + 1``; an arrow per edge, width by ``|score|``, blue
         positive, red negative. Missing parent folders are created. Returns its path.
 
@@ -102,22 +108,19 @@ class Edges:
         figure = new_figure("Edges.plot")
         ax = figure.subplots()
         heads = sum(1 for n in self.upstream if n.startswith("a0."))
-        layers = (len(self.downstream) - 1) // 2
+        layers = sum(1 for n in self.upstream if n.startswith("m"))
         top = self.rows()[:k]
         largest = max((abs(s) for _, _, s in top), default=1.0) or 1.0
-        used: set[str] = set()
         for u, d, s in top:
-            source, target = _place(u, heads, layers), _place(d if d[0] != "a" else d + ".in", heads, layers)
-            ax.annotate("", target, source, arrowprops={
+            ax.annotate("", _place(d, heads, layers), _place(u, heads, layers), arrowprops={
                 "arrowstyle": "-|>", "connectionstyle": "arc3,rad=0.15", "alpha": 0.8,
                 "color": "tab:blue" if s > 0 else "tab:red", "linewidth": 0.5 + 4 * abs(s) / largest})
-            used |= {u, d if d[0] != "a" else d + ".in"}
-        for node in used:
-            ax.annotate(node, _place(node, heads, layers), fontsize=8, ha="center", va="center",
+        for node in {u for u, _, _ in top} | {d for _, d, _ in top}:
+            ax.annotate(node, _place(node, heads, layers), fontsize=7, ha="center", va="center",
                         bbox={"boxstyle": "round", "fc": "white", "ec": "grey"})
         ax.set_xlim(-1, heads)
         ax.set_ylim(-1.6, 2 * layers + 0.4)
-        method = f"EAP-IG, {self.steps} steps" if self.steps > 1 else "EAP"
+        method = "EAP" if self.steps is None else f"EAP-IG, {self.steps} steps"
         ax.set_title(f"top {len(top)} edges ({method}); metric clean {self.clean:.3f}, "
                      f"corrupted {self.corrupted:.3f}")
         ax.axis("off")
@@ -132,12 +135,15 @@ class _Graph:
     layers: int
     input_key: str                 # resid_pre.0
     z_keys: list[str]              # attn.z.{l}
-    norms: list[str]               # a0, m0, a1, m1, …, logits: the norms whose input they read
+    attention_norms: list[str]     # the norm before block l's attention
+    mlp_norms: list[str]           # the norm before block l's MLP
+    final_norm: str
 
 
 @one_index_per_call
 def edge_attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: Metric, *,
-                              steps: int = 1, plot: str | os.PathLike[str] | None = None) -> Edges:
+                              steps: int | None = None,
+                              plot: str | os.PathLike[str] | None = None) -> Edges:
     """Score every edge between heads and MLPs (EAP, Syed et al. 2023; EAP-IG with ``steps``,
     Hanna et al. 2024; see the module docstring).
 
@@ -156,8 +162,9 @@ def edge_attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metr
         clean, corrupted: model inputs of the same shape (tensor, dict, tuple).
         metric: ``metric(output) -> Tensor`` of one element, differentiable (a logit
             difference, ``.mean()`` over the batch).
-        steps: EAP-IG's interpolation steps; 1 (default) is EAP: one clean forward, one
-            corrupted forward with its backward. Each step is one forward and backward.
+        steps: ``None`` (default): EAP, one clean forward and one corrupted forward with its
+            backward. An int: EAP-IG with that many interpolation steps (Hanna et al. use 5
+            to 30), each one forward and backward, plus the two runs without gradients.
         plot: write ``Edges.plot``'s PNG there.
 
     Returns:
@@ -166,38 +173,40 @@ def edge_attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metr
     Raises:
         SelectorError: a standard name does not resolve, or the blocks are not sequential
             pre-norm blocks (``branch_norms``).
-        ArgumentTypeError, ArgumentValueError: ``steps`` not an int >= 1; ``metric`` not callable.
+        ArgumentTypeError, ArgumentValueError: ``steps`` not ``None`` or an int >= 1;
+            ``metric`` not callable.
         EditError: ``metric`` does not return one differentiable number; a node runs more than
             once; the two inputs give activations of different shapes.
     """
     check_model(model)
-    check_int("steps", steps, minimum=1)
+    if steps is not None:
+        check_int("steps", steps, minimum=1)
     check_metric(metric)
     graph = _graph(model)
     clean, corrupted = _plain(clean), _plain(corrupted)
     upstream_names = [graph.input_key, *graph.z_keys,
                       *(f"mlp_out.{layer}" for layer in range(graph.layers))]
+    count = steps or 1
     with untouched(model):
-        with torch.no_grad(), capture(model, *upstream_names, on_unfired="error") as acts:
-            clean_metric = _number(metric(_forward(model, clean)))
-        clean_acts = {name: acts[name] for name in upstream_names}
-        heads_axis = acts.layout(graph.z_keys[0]).heads
-        # step 0 is the corrupted run itself (alpha = 0): its values give the differences
-        first = _gradients(model, corrupted, metric, graph, None, upstream_names)
-        delta = {name: _difference(clean_acts[name], first.acts[name], name)
+        clean_metric, clean_acts, heads_axis = _record(model, clean, metric, upstream_names)
+        if steps is None:  # EAP: the corrupted run's gradient; its values recorded in that pass
+            first = _gradients(model, corrupted, metric, graph, None, upstream_names)
+            corrupted_metric, corrupted_acts = first.metric, first.acts
+        else:
+            corrupted_metric, corrupted_acts, _ = _record(model, corrupted, metric, upstream_names)
+        delta = {name: _difference(clean_acts[name], corrupted_acts[name], name)
                  for name in upstream_names}
-        grads, heads = first.grads, first.heads
-        for k in range(1, steps):  # EAP-IG: alpha = k / steps along corrupted -> clean
-            replaced = first.acts[graph.input_key] + k / steps * delta[graph.input_key].to(
-                first.acts[graph.input_key].device)
-            step = _gradients(model, corrupted, metric, graph, replaced, [])
-            grads = [a + b for a, b in zip(grads, step.grads, strict=True)]
-            heads = [[a + b for a, b in zip(x, y, strict=True)]
-                     for x, y in zip(heads, step.heads, strict=True)]
-    assert heads_axis is not None  # attn.z is a heads value (the layout table)
-    edges = _scores(graph, delta, [g / steps for g in grads],
-                    [[h / steps for h in row] for row in heads], heads_axis, clean_metric,
-                    first.metric, steps)
+        start = corrupted_acts[graph.input_key]
+        passes = [first] if steps is None else (  # EAP-IG: alpha = k / steps, corrupted -> clean
+            _gradients(model, corrupted, metric, graph,
+                       start + k / count * delta[graph.input_key].to(start.device), [])
+            for k in range(1, count + 1))
+        residual: dict[str, Tensor] = {}
+        heads: dict[tuple[int, str], Tensor] = {}
+        for step in passes:  # the mean gradient over the passes
+            residual = {v: residual.get(v, 0) + g / count for v, g in step.residual.items()}
+            heads = {key: heads.get(key, 0) + g / count for key, g in step.heads.items()}
+    edges = _scores(graph, delta, residual, heads, heads_axis, clean_metric, corrupted_metric, steps)
     if plot is not None:
         edges.plot(plot)
     return edges
@@ -206,10 +215,22 @@ def edge_attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metr
 def _graph(model: nn.Module) -> _Graph:
     names = index(model)
     structure = blocks_of(names, "edge_attribution_patching")
-    norms = [path for i in range(structure.count) for path in branch_norms(names, i, structure)]
+    norms = [branch_norms(names, i, structure) for i in range(structure.count)]
     ((_, final, _, _),) = resolve_standard(names, "final_norm")
     z_keys = [f"attn.z.{layer}" for layer in range(structure.count)]
-    return _Graph(structure.count, "resid_pre.0", z_keys, [*norms, final])
+    return _Graph(structure.count, "resid_pre.0", z_keys, [a for a, _ in norms],
+                  [m for _, m in norms], final)
+
+
+def _record(model: nn.Module, inputs: Any, metric: Metric,
+            names: list[str]) -> tuple[float, dict[str, Tensor], int]:
+    """One forward under ``no_grad``: the metric, the values of ``names`` and the heads axis of
+    ``attn.z`` (``engine.layout``; ``names[1]`` is ``attn.z.0``)."""
+    with torch.no_grad(), capture(model, *names, on_unfired="error") as acts:
+        value = _number(metric(_forward(model, inputs)))
+    axis = acts.layout(names[1]).heads
+    assert axis is not None  # attn.z is a heads value (the layout table)
+    return value, {name: acts[name] for name in names}, axis
 
 
 def _difference(clean: Any, corrupted: Any, name: str) -> Tensor:
@@ -223,13 +244,13 @@ def _difference(clean: Any, corrupted: Any, name: str) -> Tensor:
 
 @dataclass(frozen=True)
 class _Step:
-    """One forward and backward: ``grads[v]``, d metric / d downstream node ``v``'s input
-    ``(batch, seq, d_model)``; ``heads[l][j]``, ``grads[2l + 1 + j]`` pulled back through block
-    ``l``'s output projection to ``attn.z.{l}`` (the nodes after its attention); the metric and
-    the values recorded (float64, CPU)."""
+    """One forward and backward: ``residual[v]``, d metric / d downstream node ``v``'s input
+    ``(batch, seq, d_model)``; ``heads[(l, v)]``, ``residual[v]`` pulled back through block
+    ``l``'s output projection to ``attn.z.{l}`` (for the nodes after its attention); the metric
+    and the values recorded (float64, CPU)."""
 
-    grads: list[Tensor]
-    heads: list[list[Tensor]]
+    residual: dict[str, Tensor]
+    heads: dict[tuple[int, str], Tensor]
     metric: float
     acts: dict[str, Tensor]
 
@@ -238,44 +259,72 @@ def _gradients(model: nn.Module, inputs: Any, metric: Metric, graph: _Graph,
                replaced: Tensor | None, record: list[str]) -> _Step:
     """One forward and backward of ``inputs`` (block input replaced by ``replaced`` when
     given), recording the values of ``record``."""
-    norm_found: dict[str, list[tuple[Tensor, Tensor]]] = {path: [] for path in graph.norms}
-    z_found: dict[str, list[tuple[Tensor, Tensor]]] = {key: [] for key in graph.z_keys}
-    attn_out: dict[str, list[Tensor]] = {f"attn_out.{layer}": [] for layer in range(graph.layers)}
-    outputs: dict[str, Callable[[Any], Any]] = {key: _zero_added(z_found[key], key) for key in graph.z_keys}
-    outputs |= {key: _kept(found) for key, found in attn_out.items()}
+    norms = [*graph.attention_norms, *graph.mlp_norms, graph.final_norm]
+    at_norms: dict[str, Found] = {path: [] for path in norms}
+    projections = [f"attn.{x}.{layer}" for layer in range(graph.layers) for x in "qkv"]
+    live: dict[str, Found] = {key: [] for key in [*graph.z_keys, *projections]}
+    outputs: dict[str, Callable[[Any], Any]] = {key: _plus_zero(found) for key, found in live.items()}
+    attn_out: dict[str, Found] = {f"attn_out.{layer}": [] for layer in range(graph.layers)}
+    outputs |= {key: _plus_zero(found) for key, found in attn_out.items()}
     if replaced is not None:
         outputs[graph.input_key] = lambda value: replaced.to(value.dtype)
     recording = capture(model, *record, on_unfired="error") if record else contextlib.nullcontext()
     with gradient_pass(model, EditError):
-        with edit(model, {p: _input_zero_added(norm_found[p], p) for p in graph.norms},
+        with edit(model, {p: _input_zero_added(at_norms[p], p) for p in norms},
                   inputs=True, on_unfired="error"), edit(model, outputs, on_unfired="error"), \
                 recording as acts:
             value = _differentiable(metric(_forward(model, inputs)))
-        zeros = [_once(norm_found[p], p)[1] for p in graph.norms]
-        found = torch.autograd.grad(value, zeros, retain_graph=True, allow_unused=True)
-        grads = [g if g is not None else torch.zeros_like(z) for g, z in zip(found, zeros, strict=True)]
-        heads = []
+        ends = [_once(at_norms[p], p)[1] for p in [*graph.mlp_norms, graph.final_norm]] + \
+            [_once(live[key], key)[1] for key in projections]
+        found = torch.autograd.grad(value, ends, retain_graph=True, allow_unused=True)
+        grads = [g if g is not None else torch.zeros_like(z) for g, z in zip(found, ends, strict=True)]
+        residual = _residual_gradients(graph, grads, at_norms, live, projections)
+        heads = {}
         for layer in range(graph.layers):
-            if len(attn_out[f"attn_out.{layer}"]) != 1:
-                raise EditError(f"'attn_out.{layer}' ran {len(attn_out[f'attn_out.{layer}'])} "
-                                f"times in one forward pass; edge attribution reads blocks that "
-                                f"run once")
-            out = attn_out[f"attn_out.{layer}"][0]
-            z_zero = _once(z_found[graph.z_keys[layer]], graph.z_keys[layer])[1]
-            heads.append([torch.autograd.grad(out, z_zero, grad_outputs=g, retain_graph=True)[0]
-                          .double().cpu() for g in grads[2 * layer + 1:]])
-    return _Step([g.detach().double().cpu() for g in grads], heads, _number(value),
-                 {name: acts[name] for name in record} if acts is not None else {})
+            out = _once(attn_out[f"attn_out.{layer}"], f"attn_out.{layer}")[0]
+            z_zero = _once(live[graph.z_keys[layer]], graph.z_keys[layer])[1]
+            for node, g in residual.items():
+                if _position(node) > 2 * layer:
+                    heads[(layer, node)] = torch.autograd.grad(
+                        out, z_zero, grad_outputs=g, retain_graph=True)[0].double().cpu()
+    return _Step({node: g.detach().double().cpu() for node, g in residual.items()}, heads,
+                 _number(value), {name: acts[name] for name in record} if acts is not None else {})
 
 
-def _kept(found: list[Tensor]) -> Callable[[Any], Any]:
+def _residual_gradients(graph: _Graph, grads: list[Tensor], at_norms: dict[str, Found],
+                        live: dict[str, Found],
+                        projections: list[str]) -> dict[str, Tensor]:
+    """``{downstream node: d metric / d its input (batch, seq, d_model)}`` in the order of
+    ``Edges.downstream``: a head's q (k, v) input is the attention norm's input as only that
+    head's query reads it, ``(d q / d x)^T`` of the gradient at ``attn.q.{l}`` on that head."""
+    at_projection = dict(zip(projections, grads[graph.layers + 1:], strict=True))
+    found: dict[str, Tensor] = {}
+    for layer in range(graph.layers):
+        norm_zero = _once(at_norms[graph.attention_norms[layer]], graph.attention_norms[layer])[1]
+        for x in "qkv":
+            key = f"attn.{x}.{layer}"
+            value, g = _once(live[key], key)[0], at_projection[key]  # (batch, seq, heads, head_dim)
+            for h in range(g.shape[2]):
+                kept = torch.zeros_like(g)
+                kept[:, :, h] = g[:, :, h]
+                found[f"a{layer}.h{h}.{x}"] = torch.autograd.grad(
+                    value, norm_zero, grad_outputs=kept, retain_graph=True)[0]
+        found[f"m{layer}"] = grads[layer]
+    found["logits"] = grads[graph.layers]
+    return found
+
+
+def _plus_zero(found: Found) -> Callable[[Any], Any]:
+    """The output edit: ``value + zero``, keeping ``(value, zero)`` in the graph: ``d metric /
+    d zero`` is the gradient at the value, and the value links it to what came before."""
     def fn(value: Any) -> Any:
-        found.append(value)
-        return value
+        zero = torch.zeros_like(value, requires_grad=True)
+        found.append((value, zero))
+        return value + zero
     return fn
 
 
-def _input_zero_added(found: list[tuple[Tensor, Tensor]], path: str) -> Callable[..., Any]:
+def _input_zero_added(found: Found, path: str) -> Callable[..., Any]:
     """The input edit: the norm's first argument plus a zero that requires grad."""
     def fn(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if not args or not isinstance(args[0], Tensor):
@@ -287,36 +336,49 @@ def _input_zero_added(found: list[tuple[Tensor, Tensor]], path: str) -> Callable
     return fn
 
 
-def _scores(graph: _Graph, delta: dict[str, Tensor], grads: list[Tensor], heads: list[list[Tensor]],
-            heads_axis: int, clean: float, corrupted: float, steps: int) -> Edges:
+def _position(node: str) -> int:
+    """Where a node runs in the forward: ``input`` -1, block ``l``'s heads ``2l``, its MLP
+    ``2l + 1``, ``logits`` after every block. An edge goes from an earlier to a later one."""
+    if node == "input":
+        return -1
+    if node == "logits":
+        return 1 << 30
+    return 2 * int(node[1:].split(".")[0]) + (1 if node[0] == "m" else 0)
+
+
+def _scores(graph: _Graph, delta: dict[str, Tensor], residual: dict[str, Tensor],
+            heads: dict[tuple[int, str], Tensor], heads_axis: int, clean: float, corrupted: float,
+            steps: int | None) -> Edges:
+    downstream = list(residual)
     count = delta[graph.z_keys[0]].shape[heads_axis]
-    downstream = [f"{kind}{layer}" for layer in range(graph.layers) for kind in ("a", "m")] + ["logits"]
-    upstream = ["input"]
-    rows: list[Tensor] = [torch.stack([(delta[graph.input_key] * g).sum() for g in grads])]
-    for layer in range(graph.layers):
-        z = delta[graph.z_keys[layer]].movedim(heads_axis, 1).flatten(2)  # (batch, heads, rest)
-        first = 2 * layer + 1  # a head feeds its own block's MLP and everything after
-        for h in range(count):
-            upstream.append(f"a{layer}.h{h}")
-            scores = [(z[:, h] * v.movedim(heads_axis, 1).flatten(2)[:, h]).sum() for v in heads[layer]]
-            rows.append(torch.cat([torch.full((first,), torch.nan, dtype=torch.float64),
-                                   torch.stack(scores)]))
-        upstream.append(f"m{layer}")
-        mlp = delta[f"mlp_out.{layer}"]
-        rows.append(torch.cat([torch.full((first + 1,), torch.nan, dtype=torch.float64),
-                               torch.stack([(mlp * g).sum() for g in grads[first + 1:]])]))
-    return Edges(upstream, downstream, torch.stack(rows).cpu(), clean, corrupted, steps)
+    upstream = ["input", *(name for layer in range(graph.layers)
+                           for name in [*(f"a{layer}.h{h}" for h in range(count)), f"m{layer}"])]
+    scores = torch.full((len(upstream), len(downstream)), torch.nan, dtype=torch.float64)
+    for i, node in enumerate(upstream):
+        for j, target in enumerate(downstream):
+            if _position(node) >= _position(target):
+                continue
+            if node[0] == "a":
+                layer, h = (int(part) for part in node[1:].split(".h"))
+                z = delta[graph.z_keys[layer]].select(heads_axis, h)
+                scores[i, j] = (z * heads[(layer, target)].select(heads_axis, h)).sum()
+            else:
+                key = graph.input_key if node == "input" else f"mlp_out.{node[1:]}"
+                scores[i, j] = (delta[key] * residual[target]).sum()
+    return Edges(upstream, downstream, scores, clean, corrupted, steps)
 
 
 def _place(node: str, heads: int, layers: int) -> tuple[float, float]:
-    """Where a node is drawn (``Edges.plot``): head ``h`` of block ``l`` at ``(h, 2l)``, the
-    attention's input ``a{l}.in`` below the heads' middle, MLP ``l`` at ``(middle, 2l + 1)``."""
+    """Where a node is drawn (``Edges.plot``): head ``h`` of block ``l`` at ``(h, 2l)``, its q,
+    k, v inputs just below it, MLP ``l`` at ``(middle, 2l + 1)``."""
     middle = (heads - 1) / 2
     if node in ("input", "logits"):
         return middle, -1.2 if node == "input" else 2 * layers
-    layer, _, rest = node[1:].partition(".")
+    parts = node[1:].split(".")
+    row = 2 * int(parts[0])
     if node[0] == "m":
-        return middle, 2 * int(layer) + 1
-    if rest == "in":
-        return middle, 2 * int(layer) - 0.45
-    return float(rest[1:]), 2 * int(layer)
+        return middle, row + 1
+    x = float(parts[1][1:])
+    if len(parts) == 3:  # an input: q, k, v side by side below the head
+        return x + {"q": -0.25, "k": 0.0, "v": 0.25}[parts[2]], row - 0.45
+    return x, row
