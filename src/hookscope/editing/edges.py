@@ -35,8 +35,9 @@ Sequential pre-norm blocks only (GPT-2, Llama, Gemma, a ``HookedTransformer``): 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -186,27 +187,20 @@ def edge_attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metr
     clean, corrupted = _plain(clean), _plain(corrupted)
     upstream_names = [graph.input_key, *graph.z_keys,
                       *(f"mlp_out.{layer}" for layer in range(graph.layers))]
-    count = steps or 1
     with untouched(model):
         clean_metric, clean_acts, heads_axis = _record(model, clean, metric, upstream_names)
         if steps is None:  # EAP: the corrupted run's gradient; its values recorded in that pass
-            first = _gradients(model, corrupted, metric, graph, None, upstream_names)
-            corrupted_metric, corrupted_acts = first.metric, first.acts
-        else:
+            step = _Pass(graph, clean_acts, heads_axis)
+            downstream, scores = step.run(model, corrupted, metric, None)
+            corrupted_metric = step.metric
+        else:  # EAP-IG: the mean over alpha = k / steps, k = 1 … steps, corrupted -> clean
             corrupted_metric, corrupted_acts, _ = _record(model, corrupted, metric, upstream_names)
-        delta = {name: _difference(clean_acts[name], corrupted_acts[name], name)
-                 for name in upstream_names}
-        start = corrupted_acts[graph.input_key]
-        passes = [first] if steps is None else (  # EAP-IG: alpha = k / steps, corrupted -> clean
-            _gradients(model, corrupted, metric, graph,
-                       start + k / count * delta[graph.input_key].to(start.device), [])
-            for k in range(1, count + 1))
-        residual: dict[str, Tensor] = {}
-        heads: dict[tuple[int, str], Tensor] = {}
-        for step in passes:  # the mean gradient over the passes
-            residual = {v: residual.get(v, 0) + g / count for v, g in step.residual.items()}
-            heads = {key: heads.get(key, 0) + g / count for key, g in step.heads.items()}
-    edges = _scores(graph, delta, residual, heads, heads_axis, clean_metric, corrupted_metric, steps)
+            step = _Pass(graph, clean_acts, heads_axis, corrupted_acts)
+            start, delta = corrupted_acts[graph.input_key], step.delta[graph.input_key]
+            runs = [step.run(model, corrupted, metric, start + k / steps * delta.to(start.device))
+                    for k in range(1, steps + 1)]
+            downstream, scores = runs[0][0], torch.stack([run[1] for run in runs]).mean(0)
+    edges = Edges(step.upstream, downstream, scores, clean_metric, corrupted_metric, steps)
     if plot is not None:
         edges.plot(plot)
     return edges
@@ -242,76 +236,106 @@ def _difference(clean: Any, corrupted: Any, name: str) -> Tensor:
     return clean.double().cpu() - corrupted.double().cpu()
 
 
-@dataclass(frozen=True)
-class _Step:
-    """One forward and backward: ``residual[v]``, d metric / d downstream node ``v``'s input
-    ``(batch, seq, d_model)``; ``heads[(l, v)]``, ``residual[v]`` pulled back through block
-    ``l``'s output projection to ``attn.z.{l}`` (for the nodes after its attention); the metric
-    and the values recorded (float64, CPU)."""
+class _Pass:
+    """One forward and backward (``run``) scoring every edge: the gradient at each downstream
+    node's input is computed, used for its column of scores and dropped, so memory holds one
+    ``(batch, seq, d_model)`` gradient at a time, not one per node."""
 
-    residual: dict[str, Tensor]
-    heads: dict[tuple[int, str], Tensor]
-    metric: float
-    acts: dict[str, Tensor]
+    def __init__(self, graph: _Graph, clean_acts: dict[str, Tensor], heads_axis: int,
+                 corrupted_acts: dict[str, Tensor] | None = None):
+        self.graph, self.clean_acts, self.heads_axis = graph, clean_acts, heads_axis
+        self.delta: dict[str, Tensor] = {} if corrupted_acts is None else _deltas(clean_acts, corrupted_acts)
+        self.metric = math.nan
+        # what the running pass found: (value, zero added) at each norm's input, projection and z
+        self.at_norms: dict[str, Found] = {}
+        self.live: dict[str, Found] = {}
+        self.attn_out: dict[str, Found] = {}
+        count = clean_acts[graph.z_keys[0]].shape[heads_axis]
+        self.upstream = ["input", *(name for layer in range(graph.layers) for name in
+                                    [*(f"a{layer}.h{h}" for h in range(count)), f"m{layer}"])]
 
+    def run(self, model: nn.Module, inputs: Any, metric: Metric,
+            replaced: Tensor | None) -> tuple[list[str], Tensor]:
+        """``(downstream nodes, scores (upstream, downstream) float64)`` of one pass of
+        ``inputs`` (block input replaced by ``replaced`` when given); without ``delta`` yet (EAP),
+        the pass records the corrupted values and makes it."""
+        graph = self.graph
+        norms = [*graph.attention_norms, *graph.mlp_norms, graph.final_norm]
+        self.at_norms = {path: [] for path in norms}
+        self.live = {key: [] for key in [*graph.z_keys, *_projections(graph)]}
+        self.attn_out = {f"attn_out.{layer}": [] for layer in range(graph.layers)}
+        outputs = {key: _plus_zero(found) for key, found in [*self.live.items(), *self.attn_out.items()]}
+        if replaced is not None:
+            outputs[graph.input_key] = lambda value: replaced.to(value.dtype)
+        record = list(self.clean_acts) if not self.delta else []
+        recording = capture(model, *record, on_unfired="error") if record else contextlib.nullcontext()
+        with gradient_pass(model, EditError):
+            with edit(model, {p: _input_zero_added(self.at_norms[p], p) for p in norms},
+                      inputs=True, on_unfired="error"), edit(model, outputs, on_unfired="error"), \
+                    recording as acts:
+                value = _differentiable(metric(_forward(model, inputs)))
+            self.metric = _number(value)
+            if acts is not None:
+                self.delta = _deltas(self.clean_acts, {name: acts[name] for name in record})
+            columns = dict(self._columns(value))
+        return list(columns), torch.stack(list(columns.values()), dim=1)
 
-def _gradients(model: nn.Module, inputs: Any, metric: Metric, graph: _Graph,
-               replaced: Tensor | None, record: list[str]) -> _Step:
-    """One forward and backward of ``inputs`` (block input replaced by ``replaced`` when
-    given), recording the values of ``record``."""
-    norms = [*graph.attention_norms, *graph.mlp_norms, graph.final_norm]
-    at_norms: dict[str, Found] = {path: [] for path in norms}
-    projections = [f"attn.{x}.{layer}" for layer in range(graph.layers) for x in "qkv"]
-    live: dict[str, Found] = {key: [] for key in [*graph.z_keys, *projections]}
-    outputs: dict[str, Callable[[Any], Any]] = {key: _plus_zero(found) for key, found in live.items()}
-    attn_out: dict[str, Found] = {f"attn_out.{layer}": [] for layer in range(graph.layers)}
-    outputs |= {key: _plus_zero(found) for key, found in attn_out.items()}
-    if replaced is not None:
-        outputs[graph.input_key] = lambda value: replaced.to(value.dtype)
-    recording = capture(model, *record, on_unfired="error") if record else contextlib.nullcontext()
-    with gradient_pass(model, EditError):
-        with edit(model, {p: _input_zero_added(at_norms[p], p) for p in norms},
-                  inputs=True, on_unfired="error"), edit(model, outputs, on_unfired="error"), \
-                recording as acts:
-            value = _differentiable(metric(_forward(model, inputs)))
-        ends = [_once(at_norms[p], p)[1] for p in [*graph.mlp_norms, graph.final_norm]] + \
-            [_once(live[key], key)[1] for key in projections]
+    def _columns(self, value: Tensor) -> Iterator[tuple[str, Tensor]]:
+        """``(downstream node, its column of scores)`` in ``Edges.downstream`` order."""
+        graph = self.graph
+        ends = [_once(self.at_norms[p], p)[1] for p in [*graph.mlp_norms, graph.final_norm]] + \
+            [_once(self.live[key], key)[1] for key in _projections(graph)]
         found = torch.autograd.grad(value, ends, retain_graph=True, allow_unused=True)
         grads = [g if g is not None else torch.zeros_like(z) for g, z in zip(found, ends, strict=True)]
-        residual = _residual_gradients(graph, grads, at_norms, live, projections)
-        heads = {}
+        at_projection = dict(zip(_projections(graph), grads[graph.layers + 1:], strict=True))
         for layer in range(graph.layers):
-            out = _once(attn_out[f"attn_out.{layer}"], f"attn_out.{layer}")[0]
-            z_zero = _once(live[graph.z_keys[layer]], graph.z_keys[layer])[1]
-            for node, g in residual.items():
-                if _position(node) > 2 * layer:
-                    heads[(layer, node)] = torch.autograd.grad(
-                        out, z_zero, grad_outputs=g, retain_graph=True)[0].double().cpu()
-    return _Step({node: g.detach().double().cpu() for node, g in residual.items()}, heads,
-                 _number(value), {name: acts[name] for name in record} if acts is not None else {})
+            norm = graph.attention_norms[layer]
+            norm_zero = _once(self.at_norms[norm], norm)[1]
+            for x in "qkv":  # a head's input as only its q (k, v) reads it: (d q / d x)^T g_q[head]
+                key = f"attn.{x}.{layer}"
+                projected, g = _once(self.live[key], key)[0], at_projection[key]
+                for h in range(g.shape[2]):  # (batch, seq, heads, head_dim)
+                    kept = torch.zeros_like(g)
+                    kept[:, :, h] = g[:, :, h]
+                    node = f"a{layer}.h{h}.{x}"
+                    yield node, self._column(node, torch.autograd.grad(
+                        projected, norm_zero, grad_outputs=kept, retain_graph=True)[0])
+            yield f"m{layer}", self._column(f"m{layer}", grads[layer])
+        yield "logits", self._column("logits", grads[graph.layers])
+
+    def _column(self, target: str, g: Tensor) -> Tensor:
+        """Each upstream node's score for the edge into ``target``, whose input's gradient is
+        ``g``; NaN where there is no edge. A head's is taken in z's space: its z difference
+        times ``g`` pulled back through the output projection."""
+        graph, axis = self.graph, self.heads_axis
+        column = torch.full((len(self.upstream),), torch.nan, dtype=torch.float64)
+        residual = g.detach().double().cpu()
+        pulled: dict[int, Tensor] = {}
+        for i, node in enumerate(self.upstream):
+            if _position(node) >= _position(target):
+                continue
+            if node[0] != "a":
+                key = graph.input_key if node == "input" else f"mlp_out.{node[1:]}"
+                column[i] = (self.delta[key] * residual).sum()
+                continue
+            layer, h = (int(part) for part in node[1:].split(".h"))
+            if layer not in pulled:
+                out = _once(self.attn_out[f"attn_out.{layer}"], f"attn_out.{layer}")[0]
+                z_zero = _once(self.live[graph.z_keys[layer]], graph.z_keys[layer])[1]
+                pulled[layer] = torch.autograd.grad(out, z_zero, grad_outputs=g,
+                                                    retain_graph=True)[0].double().cpu()
+            column[i] = (self.delta[graph.z_keys[layer]].select(axis, h)
+                         * pulled[layer].select(axis, h)).sum()
+        return column
 
 
-def _residual_gradients(graph: _Graph, grads: list[Tensor], at_norms: dict[str, Found],
-                        live: dict[str, Found],
-                        projections: list[str]) -> dict[str, Tensor]:
-    """``{downstream node: d metric / d its input (batch, seq, d_model)}`` in the order of
-    ``Edges.downstream``: a head's q (k, v) input is the attention norm's input as only that
-    head's query reads it, ``(d q / d x)^T`` of the gradient at ``attn.q.{l}`` on that head."""
-    at_projection = dict(zip(projections, grads[graph.layers + 1:], strict=True))
-    found: dict[str, Tensor] = {}
-    for layer in range(graph.layers):
-        norm_zero = _once(at_norms[graph.attention_norms[layer]], graph.attention_norms[layer])[1]
-        for x in "qkv":
-            key = f"attn.{x}.{layer}"
-            value, g = _once(live[key], key)[0], at_projection[key]  # (batch, seq, heads, head_dim)
-            for h in range(g.shape[2]):
-                kept = torch.zeros_like(g)
-                kept[:, :, h] = g[:, :, h]
-                found[f"a{layer}.h{h}.{x}"] = torch.autograd.grad(
-                    value, norm_zero, grad_outputs=kept, retain_graph=True)[0]
-        found[f"m{layer}"] = grads[layer]
-    found["logits"] = grads[graph.layers]
-    return found
+def _projections(graph: _Graph) -> list[str]:
+    return [f"attn.{x}.{layer}" for layer in range(graph.layers) for x in "qkv"]
+
+
+def _deltas(clean: dict[str, Tensor], corrupted: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``clean - corrupted`` of each upstream value, float64 on the CPU."""
+    return {name: _difference(clean[name], corrupted[name], name) for name in clean}
 
 
 def _plus_zero(found: Found) -> Callable[[Any], Any]:
@@ -344,28 +368,6 @@ def _position(node: str) -> int:
     if node == "logits":
         return 1 << 30
     return 2 * int(node[1:].split(".")[0]) + (1 if node[0] == "m" else 0)
-
-
-def _scores(graph: _Graph, delta: dict[str, Tensor], residual: dict[str, Tensor],
-            heads: dict[tuple[int, str], Tensor], heads_axis: int, clean: float, corrupted: float,
-            steps: int | None) -> Edges:
-    downstream = list(residual)
-    count = delta[graph.z_keys[0]].shape[heads_axis]
-    upstream = ["input", *(name for layer in range(graph.layers)
-                           for name in [*(f"a{layer}.h{h}" for h in range(count)), f"m{layer}"])]
-    scores = torch.full((len(upstream), len(downstream)), torch.nan, dtype=torch.float64)
-    for i, node in enumerate(upstream):
-        for j, target in enumerate(downstream):
-            if _position(node) >= _position(target):
-                continue
-            if node[0] == "a":
-                layer, h = (int(part) for part in node[1:].split(".h"))
-                z = delta[graph.z_keys[layer]].select(heads_axis, h)
-                scores[i, j] = (z * heads[(layer, target)].select(heads_axis, h)).sum()
-            else:
-                key = graph.input_key if node == "input" else f"mlp_out.{node[1:]}"
-                scores[i, j] = (delta[key] * residual[target]).sum()
-    return Edges(upstream, downstream, scores, clean, corrupted, steps)
 
 
 def _place(node: str, heads: int, layers: int) -> tuple[float, float]:
