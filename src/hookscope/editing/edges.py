@@ -29,8 +29,6 @@ its change there is ``J (z_clean - z_corrupted)[head]`` (taken once, as the grad
 ``J^T u`` with respect to ``u``), and every score is a change times a gradient; a head's q (k, v)
 input gradient is ``(d q / d x)^T`` of the gradient at ``attn.q.{l}`` kept on that head only (one
 batched vector-Jacobian product per block and letter, through the norm and one projection).
-On a GPT-2-small-shaped model from a config (12 blocks of 12 heads, 32,491 edges, batch 2 of 12
-tokens), EAP takes about 30 s on two CPU cores.
 Sequential pre-norm blocks only (GPT-2, Llama, Gemma, a ``HookedTransformer``): see
 ``engine.standard_names.branch_norms``.
 """
