@@ -290,6 +290,15 @@ ROWS = [
         lambda m: hs.rollout(m, IDS, layers="transformer.h.*.attn", discard_ratio=1.5), gpt2=True),
     Row("rollout", "flag str", "gradient",
         lambda m: hs.rollout(m, IDS, layers="transformer.h.*.attn", gradient="no"), gpt2=True),  # type: ignore[arg-type]
+    # edge_attribution_patching
+    Row("edge_attribution_patching", "model None", "model",
+        lambda m: hs.edge_attribution_patching(None, IDS, IDS, _metric)),  # type: ignore[arg-type]
+    Row("edge_attribution_patching", "metric None", "metric",
+        lambda m: hs.edge_attribution_patching(m, IDS, IDS, None), gpt2=True),  # type: ignore[arg-type]
+    Row("edge_attribution_patching", "steps 0", "steps",
+        lambda m: hs.edge_attribution_patching(m, IDS, IDS, _metric, steps=0), gpt2=True),
+    Row("edge_attribution_patching", "steps float", "steps",
+        lambda m: hs.edge_attribution_patching(m, IDS, IDS, _metric, steps=2.5), gpt2=True),  # type: ignore[arg-type]
     # attribution_patching
     Row("attribution_patching", "model None", "model",
         lambda m: hs.attribution_patching(None, IDS, IDS, _metric, layers="transformer.h.0")),  # type: ignore[arg-type]
@@ -421,7 +430,7 @@ def test_figures(gpt2: nn.Module, tmp_path: Any, capsys: pytest.CaptureFixture[s
         print(f"\nAPI bad calls: tried {len(ROWS)} / clean {counts['clean']} / raw "
               f"{counts['raw']} / silent {counts['silent']}")
     assert counts == {"clean": len(ROWS), "raw": 0, "silent": 0}
-    assert len({r.verb for r in ROWS}) == 22
+    assert len({r.verb for r in ROWS}) == 23
 
 
 # ---------------------------------------------------------------- generated inputs

@@ -130,8 +130,8 @@ def test_cli_ray_writes_the_one_process_store_byte_for_byte(cluster: str, tmp_pa
     weights, rows = tmp_path / "mlp.safetensors", tmp_path / "rows.pt"
     save_file(model().state_dict(), str(weights))
     torch.save(Rows().x, rows)
-    args = ["extract", f"tests.models:MlpStack@{weights}", "--data", str(rows), "--layer", "fc1",
-            "--layer", "fc2", "--batch-size", "4", "--shard-bytes", "600", "--no-progress"]
+    args = ["extract", f"tests.models:MlpStack@{weights}", "--data", str(rows), "--layers", "fc1",
+            "--layers", "fc2", "--batch-size", "4", "--shard-bytes", "600", "--no-progress"]
     assert main([*args, "--out", str(tmp_path / "one")]) == 0
     assert main([*args, "--out", str(tmp_path / "ray"), "--ray", "--ray-actors", "2",
                  "--ray-address", cluster]) == 0
@@ -239,7 +239,7 @@ def test_an_actors_error_is_raised_as_one_process_raises_it(cluster: str, tmp_pa
 def test_the_resume_command_keeps_the_ray_options() -> None:
     parser = argparse.ArgumentParser()
     cli_extract.add_arguments(parser)
-    args = parser.parse_args(["m.py:f", "--data", "d", "--layer", "fc1", "--out", "o", "--ray",
+    args = parser.parse_args(["m.py:f", "--data", "d", "--layers", "fc1", "--out", "o", "--ray",
                               "--ray-actors", "3", "--ray-address", "ray://head:10001"])
     assert cli_extract.resume_command(args).endswith(
         " --ray --ray-actors 3 --ray-address ray://head:10001 --resume")
@@ -250,7 +250,7 @@ def test_the_resume_command_keeps_the_ray_options() -> None:
 
 def test_ray_options_without_ray_are_a_usage_error(tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["extract", "m.py:f", "--data", "d", "--layer", "fc1", "--out",
+    assert main(["extract", "m.py:f", "--data", "d", "--layers", "fc1", "--out",
                  str(tmp_path / "o"), "--ray-actors", "3"]) == 2
     assert "add --ray, or leave them out" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()

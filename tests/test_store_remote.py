@@ -284,7 +284,7 @@ def test_the_cli_extracts_to_a_url_and_shows_it(tmp_path: Path, monkeypatch: pyt
     data = torch.randn(6, 4, generator=torch.Generator().manual_seed(1))
     torch.save(data, tmp_path / "x.pt")
     url = f"memory://hookscope-tests/{uuid.uuid4().hex[:12]}"
-    assert main(["extract", "m.py:build", "--data", "x.pt", "--layer", "0", "--out", url,
+    assert main(["extract", "m.py:build", "--data", "x.pt", "--layers", "0", "--out", url,
                  "--no-progress"]) == 0
     assert "6 rows in 1 shard" in capsys.readouterr().out
     assert main(["show", url, "--verify", "--json"]) == 0

@@ -33,7 +33,18 @@ from hookscope.diagnostics import (
     stats,
     tree,
 )
-from hookscope.editing import Edit, Sweep, ablate, attribution_patching, edit, patch, patching_sweep, steer
+from hookscope.editing import (
+    Edges,
+    Edit,
+    Sweep,
+    ablate,
+    attribution_patching,
+    edge_attribution_patching,
+    edit,
+    patch,
+    patching_sweep,
+    steer,
+)
 from hookscope.engine import select
 from hookscope.errors import (
     ArgumentTypeError,
@@ -129,6 +140,7 @@ __all__ = [
     "StoreError",
     "StoreExistsError",
     "Sweep",
+    "Edges",
     "TensorSummary",
     "TreeRow",
     "ablate",
@@ -138,6 +150,7 @@ __all__ = [
     "capture",
     "capture_generation",
     "compare",
+    "edge_attribution_patching",
     "edit",
     "extract",
     "RayEngine",

@@ -73,7 +73,7 @@ from hookscope.engine.run import (
 )
 from hookscope.engine.selection import Target, as_patterns, is_container, resolve, select
 from hookscope.engine.session import HookSession, Observer, OnUnfired, resolve_checked, resolve_each
-from hookscope.engine.standard_naming import standard_names
+from hookscope.engine.standard_naming import blocks_of, branch_norms, resolve_standard, standard_names
 from hookscope.engine.values import (
     NO_VALUES_FIX,
     check_has_values,
@@ -91,15 +91,16 @@ __all__ = ["FunctionCall", "RecordingHook", "GracefulStop", "exit_at_interrupt",
            "KNOWN_LIBRARIES", "Layout", "MaskWatcher", "ModuleIndex", "NO_TOKENS", "NO_VALUES_FIX",
            "Observer", "OnUnfired", "OwnedHook", "Part", "RecordKey", "RngState", "Target", "Tokens",
            "Watch", "after_backward", "apply_edit", "as_patterns", "bind_arguments", "check_arity",
-           "check_callable", "check_device", "check_dtype", "check_finite", "check_flag", "check_has_values",
-           "check_int", "check_iterable", "check_model", "check_no_unmasked_padding", "check_nonempty",
-           "check_not_transformed", "check_number", "check_options", "check_path", "check_positions",
-           "check_run_dir", "check_tensor", "check_token_ids", "comparable", "describe", "detached_clones",
-           "eager_copy", "eager_when_called", "each_call", "explain_no_hooks", "fullgraph",
-           "functional_hint", "holds_no_values", "in_recompute", "index", "input_device", "inside",
-           "is_container", "keepable", "kept_note", "kind_of", "layout_of", "lazy_copy", "library_of",
-           "locate_error", "model_inputs", "no_values_reason", "nothing", "on_optimizer_step",
+           "check_callable", "check_device", "check_dtype", "check_finite", "check_flag",
+           "check_has_values", "check_int", "check_iterable", "check_model", "check_no_unmasked_padding",
+           "check_nonempty", "check_not_transformed", "check_number", "check_options", "check_path",
+           "check_positions", "check_run_dir", "check_tensor", "check_token_ids", "comparable", "describe",
+           "detached_clones", "eager_copy", "eager_when_called", "each_call", "explain_no_hooks",
+           "fullgraph", "functional_hint", "holds_no_values", "in_recompute", "index", "input_device",
+           "inside", "is_container", "keepable", "kept_note", "kind_of", "layout_of", "lazy_copy",
+           "library_of", "locate_error", "model_inputs", "no_values_reason", "nothing", "on_optimizer_step",
            "on_tensor_grad", "one_index_per_call", "output_of", "outside_inference", "owner", "preflight",
            "refuse_uninterceptable", "registered", "resolve", "resolve_checked", "resolve_each", "rows_for",
            "select", "shares_memory", "special", "standard_names", "state_snapshot", "unregister",
-           "untouched", "unwrap", "values_for", "version_of"]
+           "untouched", "unwrap", "values_for", "version_of", "blocks_of", "branch_norms",
+           "resolve_standard"]

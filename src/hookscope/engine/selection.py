@@ -46,7 +46,7 @@ from hookscope.engine.checks import check_iterable, check_nonempty
 from hookscope.engine.function_names import split_address
 from hookscope.engine.names import ModuleIndex, index
 from hookscope.engine.record_key import ROOT, RecordKey, record_name
-from hookscope.engine.standard_naming import is_standard, resolve_standard
+from hookscope.engine.standard_naming import Resolved, is_standard, resolve_standard
 from hookscope.engine.wrappers import unwrap
 from hookscope.errors import SelectorError
 
@@ -157,8 +157,8 @@ def _resolve_address(names: ModuleIndex, pattern: str) -> list[Target]:
         modules, aliases = names.modules, names.aliases  # one Target per module: no call each
         standard = _standard(names, pattern)
         if standard is not None:
-            return [Target(path, modules[path], parts, aliases.get(path, ()), None, wide, (label,))
-                    for label, path, parts in standard]
+            return [Target(path, modules[path], parts, aliases.get(path, ()), op, wide, (label,))
+                    for label, path, parts, op in standard]
         return [Target(path, modules[path], parts, aliases.get(path, ()), None, wide)
                 for path, parts in _resolve_one(names, pattern)]
     _, parts = _split_parts("_" + op_parts)
@@ -189,13 +189,14 @@ def _split_parts(pattern: str) -> tuple[str, tuple[int | str, ...]]:
     return _INNER_INDEX.sub(lambda m: "." + m.group(2).strip(), pattern), tuple(parts)
 
 
-def _standard(names: ModuleIndex, pattern: str) -> list[tuple[str, str, tuple[int | str, ...]]] | None:
-    """``[(standard name, path, parts)]`` when ``pattern`` is a standard name (``resid_post.3``,
-    ``engine.standard_naming``) that is not also a real path of the model; else None."""
+def _standard(names: ModuleIndex, pattern: str) -> list[Resolved] | None:
+    """``[(standard name, path, parts, op)]`` when ``pattern`` is a standard name
+    (``resid_post.3``, ``engine.standard_naming``) that is not also a real path of the model;
+    else None."""
     base, parts = _split_parts(pattern)
     if not is_standard(base) or names.path_of(base) is not None:
         return None
-    return [(label, path, own + parts) for label, path, own in resolve_standard(names, base)]
+    return [(label, path, own + parts, op) for label, path, own, op in resolve_standard(names, base)]
 
 
 def _resolve_one(names: ModuleIndex, pattern: str) -> list[tuple[str, tuple[int | str, ...]]]:
@@ -204,7 +205,7 @@ def _resolve_one(names: ModuleIndex, pattern: str) -> list[tuple[str, tuple[int 
         return [("", parts)]
     standard = _standard(names, pattern)
     if standard is not None:
-        return [(path, own) for _, path, own in standard]
+        return [(path, own) for _, path, own, _ in standard]
     base, parts = _fold_children(names, base, parts)
     if base.startswith("re:"):
         paths = _match_regex(base[3:], names)

@@ -269,8 +269,8 @@ class Records:
             CaptureError: as reading ``acts[key]``; the record is not a tensor.
             PositionError: as ``layout_of`` (a function of unknown layout without ``seq_dim``).
         """
-        address = RecordKey.parse(key) if isinstance(key, str) else key
-        name, parts = self._name_for(address)
+        address = RecordKey.parse(self.aliases.get(key, key)) if isinstance(key, str) else key
+        name, parts = self._name_for(address)  # a standard name is read as the record it names
         value = get_part(self._value(name, call), parts)
         if not isinstance(value, Tensor):
             raise CaptureError(f"'{address}' is a {type(value).__name__}, not a tensor; give a "

@@ -9,12 +9,13 @@ from hookscope.util.nested import (
     Keys,
     describe_keys,
     get_part,
+    heads_part,
     iter_tensors,
     iter_tensors_with_keys,
     map_tensors,
     set_part,
 )
 
-__all__ = ["DPI", "FIGURE_SIZE_PX", "Keys", "advice", "describe_keys", "get_part", "iter_tensors",
-           "iter_tensors_with_keys", "map_tensors", "new_figure", "read_regular", "require", "save_figure",
-           "set_part", "write_all", "write_atomic", "write_bytes"]
+__all__ = ["DPI", "FIGURE_SIZE_PX", "Keys", "advice", "describe_keys", "get_part", "heads_part",
+           "iter_tensors", "iter_tensors_with_keys", "map_tensors", "new_figure", "read_regular", "require",
+           "save_figure", "set_part", "write_all", "write_atomic", "write_bytes"]
