@@ -49,7 +49,7 @@ from hookscope.engine.checks import (
     check_number,
     check_positions,
 )
-from hookscope.engine.hooks import in_recompute
+from hookscope.engine.hooks import OwnedHook, in_recompute, output_of
 from hookscope.engine.kinds import apply_edit, inside, kind_of
 from hookscope.engine.layout import MaskWatcher
 from hookscope.engine.names import ModuleIndex
@@ -104,15 +104,20 @@ class Edit(HookSession):
         return {target.key: calls for (target, _), calls in zip(self._rules, self._calls)}
 
     def _register(self) -> None:
+        # in_recompute: activation checkpointing re-runs the forward during backward; the
+        # edit must apply there too, or the recomputed values differ from the real ones.
+        # pick: a compiled graph holds the watcher and each output edit whole (engine.compiled)
         if self._watcher is not None:
-            root, _ = unwrap(self.model)
-            self._hook(root, self._watcher.hook, pre=True, with_kwargs=True, in_recompute=True)
+            watcher = self._watcher
+            self._own(OwnedHook(watcher.hook, unwrap(self.model)[0], in_recompute=True,
+                                pick=watcher.find, on_kept=watcher.set), pre=True, with_kwargs=True)
         for index, (target, rule) in enumerate(self._rules):
-            # in_recompute: activation checkpointing re-runs the forward during backward; the
-            # edit must apply there too, or the recomputed values differ from the real ones
             if self._inputs:
                 self._hook(target.module, self._input_hook(index, target, rule), pre=True,
                            with_kwargs=True, in_recompute=True)
+            elif target.op is None:
+                self._own(OwnedHook(self._output_hook(index, target, rule), target.module,
+                                    in_recompute=True, pick=output_of, replaces=True))
             else:
                 self._hook_output(target, self._output_hook(index, target, rule), in_recompute=True)
 

@@ -37,8 +37,10 @@ from torch import nn
 from torch._library.effects import EffectType
 
 from hookscope.engine.diagnose import _compile_wrapper
+from hookscope.errors import HookscopeError
 
-__all__ = ["prepare", "eager_when_called", "fullgraph", "open_sink", "close_sink", "keep", "flat_output"]
+__all__ = ["prepare", "eager_when_called", "fullgraph", "open_sink", "close_sink", "keep", "replace",
+           "flat_output"]
 
 Tensor = torch.Tensor
 Sink = Callable[[Any], None]
@@ -47,7 +49,7 @@ TENSOR, TUPLE, LIST = 0, 1, 2  # how ``keep`` rebuilds what the module returned
 _sinks: dict[int, Sink] = {}
 _places: weakref.WeakKeyDictionary[nn.Module, list[int]] = weakref.WeakKeyDictionary()
 _next_key = [0]
-_op: list[Any] = []  # the operator, defined once on first use
+_op: list[Any] = []  # the operators (keep, replace), defined once on first use
 _checked: list[bool] = []  # whether torch._dynamo was set up (prepare)
 _hook_codes: list[Any] = []  # code objects of hooks' __call__ (eager_when_called)
 
@@ -85,14 +87,52 @@ def _define() -> Any:
         if sink is None:  # the block closed: code compiled with its hooks is never run then
             return
         kept = [None if v is None else v.detach().clone() for v in values]
-        sink(kept[0] if kind == TENSOR else tuple(kept) if kind == TUPLE else kept)
+        sink(_rebuilt(kept, kind))
 
     @keep_op.register_fake
     def _(values: list[Tensor | None], kind: int, key: int) -> None:
         return None
 
     keep_op.register_effect(EffectType.ORDERED)
-    return torch.ops.hookscope.keep.default
+
+    @torch.library.custom_op("hookscope::replace", mutates_args=())
+    def replace_op(values: list[Tensor | None], kind: int, key: int) -> list[Tensor]:
+        kept = [None if v is None else v.detach().clone() for v in values]
+        sink = _sinks.get(key)
+        new = None if sink is None else sink(_rebuilt(kept, kind))
+        return _fresh(kept, new)
+
+    @replace_op.register_fake
+    def _(values: list[Tensor | None], kind: int, key: int) -> list[Tensor]:
+        return [torch.empty_like(v) for v in values if v is not None]
+
+    replace_op.register_effect(EffectType.ORDERED)
+    return torch.ops.hookscope.keep.default, torch.ops.hookscope.replace.default
+
+
+def _rebuilt(values: list[Tensor | None], kind: int) -> Any:
+    """The output as the module returned it, from ``flat_output``'s ``(values, kind)``."""
+    return values[0] if kind == TENSOR else tuple(values) if kind == TUPLE else values
+
+
+def _fresh(kept: list[Tensor | None], new: Any) -> list[Tensor]:
+    """The tensors of ``new`` (None: ``kept`` as it is) in place of ``kept``'s, each a tensor of
+    its own with ``kept``'s strides, as ``replace``'s fake promised the compiler: the edited
+    value (broadcast, if it broadcasts) copied into a new one unless it is that copy.
+
+    Raises:
+        HookscopeError: ``new`` has another structure than ``kept`` (an edit checks that first,
+            with its own message)."""
+    if new is None:
+        return [v for v in kept if v is not None]
+    flat = flat_output(new)
+    if flat is None or len(flat[0]) != len(kept) or any(
+            (v is None) != (n is None) for v, n in zip(kept, flat[0])):
+        raise HookscopeError("a hook inside a torch.compile graph returned another structure "
+                             "than its module's output; return the same tensors (or None) in "
+                             "the same places")
+    return [v if n is v else torch.empty_like(v).copy_(n)
+            for v, n in zip(kept, flat[0]) if v is not None and n is not None]
 
 
 def fullgraph(model: nn.Module) -> bool:
@@ -132,4 +172,16 @@ def flat_output(output: Any) -> tuple[list[Tensor | None], int] | None:
 
 def keep(values: list[Tensor | None], kind: int, key: int) -> None:
     """Call ``hookscope::keep``: inside a compiled graph, one opaque ordered operator."""
-    _op[0](values, kind, key)
+    _op[0][0](values, kind, key)
+
+
+def replace(values: list[Tensor | None], kind: int, key: int) -> Any:
+    """Call ``hookscope::replace``: inside a compiled graph, one opaque ordered operator whose
+    result is what the sink of ``key`` returned for a copy of ``values`` (None: the copy), so
+    the graph goes on with the edited output. The shapes, dtypes and strides are ``values``'
+    (the compiler plans the rest of the graph with them: an edit returns what its module did).
+
+    Returns:
+        The output rebuilt as the module returned it (``values``' structure, ``kind``)."""
+    new = iter(_op[0][1](values, kind, key))
+    return _rebuilt([None if v is None else next(new) for v in values], kind)

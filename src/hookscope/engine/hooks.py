@@ -75,6 +75,10 @@ class OwnedHook:
             ``function(module, (), value)``) then runs for calls inside a ``torch.compile``
             graph, on a copy of the real value, without breaking the graph (``engine.compiled``).
         on_kept: see ``pick``.
+        replaces: ``function`` is a forward hook whose return replaces the output (an edit),
+            with ``pick=output_of``: inside a ``torch.compile`` graph it runs, on a copy of the
+            real output, in an operator whose result the graph goes on with
+            (``engine.compiled.replace``).
 
     Attributes:
         recomputes: forwards re-run during backward that reached this hook.
@@ -82,12 +86,12 @@ class OwnedHook:
     """
 
     __slots__ = ("function", "module", "thread", "in_recompute", "traceable", "recomputes",
-                 "foreign_calls", "pick", "on_kept", "key")
+                 "foreign_calls", "pick", "on_kept", "replaces", "key")
 
     def __init__(self, function: Callable[..., Any], module: nn.Module, *, in_recompute: bool = False,
                  traceable: bool = False, thread: int | None = None,
                  pick: Callable[..., Any] | None = None,
-                 on_kept: Callable[[Any], Any] | None = None):
+                 on_kept: Callable[[Any], Any] | None = None, replaces: bool = False):
         self.function = function
         self.module = module
         self.thread = threading.get_ident() if thread is None else thread  # the session's
@@ -97,25 +101,25 @@ class OwnedHook:
         self.foreign_calls = 0
         self.pick = pick
         self.on_kept = on_kept
+        self.replaces = replaces
         self.key: int | None = None  # set while registered, when ``pick`` is
 
-    def kept(self, value: Any) -> None:
+    def kept(self, value: Any) -> Any:
         """Run ``function`` on ``value``, what ``pick`` took from a compiled call (a copy, from
         ``engine.compiled``'s operator), with the checks of an eager call that a compiled
-        call can still make (thread, recompute)."""
+        call can still make (thread, recompute); return what it returned (an edit's output)."""
         if _get_ident() != self.thread:
             self.foreign_calls += 1
-            return
+            return None
         if _graph_task_id() != -1:
             self.recomputes += 1
             if not self.in_recompute:
-                return
+                return None
         if self.on_kept is not None:
-            self.on_kept(value)
-        elif self.pick is nothing:  # a pre-hook noting the call
-            self.function(self.module, ())
-        else:  # a forward hook reading its output (``output_of``)
-            self.function(self.module, (), value)
+            return self.on_kept(value)
+        if self.pick is nothing:  # a pre-hook noting the call
+            return self.function(self.module, ())
+        return self.function(self.module, (), value)  # a forward hook on its output (output_of)
 
     def __call__(self, module: nn.Module, *args: Any) -> Any:
         # a subclass with an inlined hot path (capture's _PlainHook) makes these same four
@@ -128,6 +132,8 @@ class OwnedHook:
                 raise refuse_export_trace()
             if self.key is not None and self.pick is not None:
                 flat = compiled.flat_output(self.pick(module, *args))
+                if flat is not None and self.replaces:  # the graph goes on with its result
+                    return compiled.replace(flat[0], flat[1], self.key)
                 if flat is not None:  # one opaque operator in the graph
                     compiled.keep(flat[0], flat[1], self.key)
                     return None

@@ -34,7 +34,7 @@ from hookscope.engine.early_stop import (
 )
 from hookscope.engine.function_mode import FunctionHooks
 from hookscope.engine.function_names import refuse_uninterceptable
-from hookscope.engine.hooks import ModuleHooks, OwnedHook, on_node
+from hookscope.engine.hooks import ModuleHooks, OwnedHook, nothing, on_node
 from hookscope.engine.names import ModuleIndex, index
 from hookscope.engine.select import Target, resolve, unwrap
 from hookscope.errors import (
@@ -124,7 +124,8 @@ class HookSession:
             if self._explain_unfired:  # witnesses serve only the explanation on exit
                 near = diagnose.witnesses(self.model, self._module_index(), self.targets)
                 for path, module in near.items():
-                    self._hook(module, self._witness(path), pre=True)
+                    # a compiled graph holds a witness whole (engine.compiled)
+                    self._own(OwnedHook(self._witness(path), module, pick=nothing), pre=True)
         self._entered = True
         return self
 
