@@ -123,3 +123,31 @@ def test_fullgraph_edit_of_another_shape_raises_the_eager_error() -> None:
         with torch.no_grad(), hookscope.edit(compiled, {"3.0": lambda output: output[:, :4]}):
             compiled(x)
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def _steered_gradients(model: nn.Module, called: nn.Module, x: Tensor) -> tuple[Tensor, list[Tensor]]:
+    model.zero_grad()
+    with hookscope.steer(called, {"3.0": VECTORS["mlp"]}):
+        out = called(x)
+    out.square().sum().backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_edit_with_gradients_under_compile_splits_the_graph_and_equals_eager() -> None:
+    """A backward pass through an edited output: the edit runs outside the graph (the operator
+    has no derivative), so outputs and every parameter's gradient equal eager."""
+    model, x = MODELS["mlp"][0](), torch.randn(2, 8)
+    expected, expected_grads = _steered_gradients(model, model, x)
+    compiled = torch.compile(model, backend="eager")
+    got, grads = _steered_gradients(model, compiled, x)
+    torch.testing.assert_close(got, expected)
+    for grad, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, want)
+
+
+def test_fullgraph_edit_with_gradients_says_what_to_do_at_the_call() -> None:
+    model, x = MODELS["mlp"][0](), torch.randn(2, 8)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with pytest.raises(hookscope.EditError, match=r"under torch\.no_grad\(\).*fullgraph=False"):
+        _steered_gradients(model, compiled, x)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())

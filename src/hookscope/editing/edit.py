@@ -49,7 +49,8 @@ from hookscope.engine.checks import (
     check_number,
     check_positions,
 )
-from hookscope.engine.hooks import OwnedHook, in_recompute, output_of
+from hookscope.engine import compiled
+from hookscope.engine.hooks import FULLGRAPH, OwnedHook, in_recompute, output_of
 from hookscope.engine.kinds import apply_edit, inside, kind_of
 from hookscope.engine.layout import MaskWatcher
 from hookscope.engine.names import ModuleIndex
@@ -107,6 +108,7 @@ class Edit(HookSession):
         # in_recompute: activation checkpointing re-runs the forward during backward; the
         # edit must apply there too, or the recomputed values differ from the real ones.
         # pick: a compiled graph holds the watcher and each output edit whole (engine.compiled)
+        replaces = FULLGRAPH if compiled.fullgraph(self.model) else True
         if self._watcher is not None:
             watcher = self._watcher
             self._own(OwnedHook(watcher.hook, unwrap(self.model)[0], in_recompute=True,
@@ -117,7 +119,7 @@ class Edit(HookSession):
                            with_kwargs=True, in_recompute=True)
             elif target.op is None:
                 self._own(OwnedHook(self._output_hook(index, target, rule), target.module,
-                                    in_recompute=True, pick=output_of, replaces=True))
+                                    in_recompute=True, pick=output_of, replaces=replaces))
             else:
                 self._hook_output(target, self._output_hook(index, target, rule), in_recompute=True)
 

@@ -37,7 +37,7 @@ from torch import nn
 from torch._library.effects import EffectType
 
 from hookscope.engine.diagnose import _compile_wrapper
-from hookscope.errors import HookscopeError
+from hookscope.errors import EditError, HookscopeError
 
 __all__ = ["prepare", "eager_when_called", "fullgraph", "open_sink", "close_sink", "keep", "replace",
            "flat_output"]
@@ -96,18 +96,28 @@ def _define() -> Any:
     keep_op.register_effect(EffectType.ORDERED)
 
     @torch.library.custom_op("hookscope::replace", mutates_args=())
-    def replace_op(values: list[Tensor | None], kind: int, key: int) -> list[Tensor]:
+    def replace_op(values: list[Tensor | None], kind: int, key: int, grad: bool) -> list[Tensor]:
+        if grad:
+            raise EditError(_NO_GRAD_EDIT)
         kept = [None if v is None else v.detach().clone() for v in values]
         sink = _sinks.get(key)
         new = None if sink is None else sink(_rebuilt(kept, kind))
         return _fresh(kept, new)
 
     @replace_op.register_fake
-    def _(values: list[Tensor | None], kind: int, key: int) -> list[Tensor]:
+    def _(values: list[Tensor | None], kind: int, key: int, grad: bool) -> list[Tensor]:
         return [torch.empty_like(v) for v in values if v is not None]
 
     replace_op.register_effect(EffectType.ORDERED)
     return torch.ops.hookscope.keep.default, torch.ops.hookscope.replace.default
+
+
+_NO_GRAD_EDIT = (
+    "an edit cannot run inside torch.compile(model, fullgraph=True) while gradients flow "
+    "through the edited output: the graph holds it as one operator without a derivative (an "
+    "edit is any function), and a full graph cannot run it outside. Call the model under "
+    "torch.no_grad() or torch.inference_mode(), compile with fullgraph=False (the edit then "
+    "splits the graph and gradients equal eager), or edit the eager model (compiled._orig_mod)")
 
 
 def _rebuilt(values: list[Tensor | None], kind: int) -> Any:
@@ -175,13 +185,17 @@ def keep(values: list[Tensor | None], kind: int, key: int) -> None:
     _op[0][0](values, kind, key)
 
 
-def replace(values: list[Tensor | None], kind: int, key: int) -> Any:
+def replace(values: list[Tensor | None], kind: int, key: int, grad: bool) -> Any:
     """Call ``hookscope::replace``: inside a compiled graph, one opaque ordered operator whose
     result is what the sink of ``key`` returned for a copy of ``values`` (None: the copy), so
     the graph goes on with the edited output. The shapes, dtypes and strides are ``values``'
     (the compiler plans the rest of the graph with them: an edit returns what its module did).
 
     Returns:
-        The output rebuilt as the module returned it (``values``' structure, ``kind``)."""
-    new = iter(_op[0][1](values, kind, key))
+        The output rebuilt as the module returned it (``values``' structure, ``kind``).
+
+    Raises:
+        EditError: at run time, when ``grad`` (a backward pass may go through ``values``):
+            the operator has no derivative, an edit being any function."""
+    new = iter(_op[0][1](values, kind, key, grad))
     return _rebuilt([None if v is None else next(new) for v in values], kind)

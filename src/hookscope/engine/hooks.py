@@ -46,9 +46,10 @@ from torch.utils.hooks import RemovableHandle
 from hookscope.engine import compiled
 from hookscope.engine.diagnose import refuse_export_trace
 
-__all__ = ["OwnedHook", "output_of", "nothing", "ModuleHooks", "register", "owner",
+__all__ = ["OwnedHook", "FULLGRAPH", "output_of", "nothing", "ModuleHooks", "register", "owner",
            "on_tensor_grad", "on_node", "on_optimizer_step", "after_backward", "in_recompute"]
 
+FULLGRAPH = 2  # ``OwnedHook(replaces=FULLGRAPH)``: an edit entered on a fullgraph=True model
 _graph_task_id = torch._C._current_graph_task_id
 _get_ident = threading.get_ident
 _compiling = torch.compiler.is_compiling
@@ -75,10 +76,13 @@ class OwnedHook:
             ``function(module, (), value)``) then runs for calls inside a ``torch.compile``
             graph, on a copy of the real value, without breaking the graph (``engine.compiled``).
         on_kept: see ``pick``.
-        replaces: ``function`` is a forward hook whose return replaces the output (an edit),
-            with ``pick=output_of``: inside a ``torch.compile`` graph it runs, on a copy of the
-            real output, in an operator whose result the graph goes on with
-            (``engine.compiled.replace``).
+        replaces: true (or ``FULLGRAPH``) when ``function`` is a forward hook whose return
+            replaces the output (an edit), with ``pick=output_of``: inside a ``torch.compile``
+            graph it runs, on a copy of the real output, in an operator whose result the graph
+            goes on with (``engine.compiled.replace``); when gradients flow through the output,
+            outside the graph (``_needs_grad``), or, with ``FULLGRAPH`` (the block was entered
+            on a ``fullgraph=True`` model, which cannot split), the operator raises
+            ``EditError`` at the call.
 
     Attributes:
         recomputes: forwards re-run during backward that reached this hook.
@@ -91,7 +95,7 @@ class OwnedHook:
     def __init__(self, function: Callable[..., Any], module: nn.Module, *, in_recompute: bool = False,
                  traceable: bool = False, thread: int | None = None,
                  pick: Callable[..., Any] | None = None,
-                 on_kept: Callable[[Any], Any] | None = None, replaces: bool = False):
+                 on_kept: Callable[[Any], Any] | None = None, replaces: bool | int = False):
         self.function = function
         self.module = module
         self.thread = threading.get_ident() if thread is None else thread  # the session's
@@ -132,11 +136,12 @@ class OwnedHook:
                 raise refuse_export_trace()
             if self.key is not None and self.pick is not None:
                 flat = compiled.flat_output(self.pick(module, *args))
-                if flat is not None and self.replaces:  # the graph goes on with its result
-                    return compiled.replace(flat[0], flat[1], self.key)
-                if flat is not None:  # one opaque operator in the graph
+                if flat is not None and not self.replaces:  # one opaque operator in the graph
                     compiled.keep(flat[0], flat[1], self.key)
                     return None
+                if flat is not None and (self.replaces == FULLGRAPH or not _needs_grad(flat[0])):
+                    # the graph goes on with its result (or, fullgraph with gradients, an error)
+                    return compiled.replace(flat[0], flat[1], self.key, _needs_grad(flat[0]))
             if self.traceable:
                 return self.function(module, *args)
             return _untraced(self.function, module, args)
@@ -150,6 +155,13 @@ class OwnedHook:
 
 
 compiled.eager_when_called(OwnedHook.__call__.__code__)
+
+
+def _needs_grad(values: list[torch.Tensor | None]) -> bool:
+    """True when a backward pass may go through ``values``: an edit then runs outside the graph
+    (``hookscope::replace`` has no derivative: an edit is any function), where autograd records
+    it as in eager mode; ``fullgraph=True`` cannot split the graph (see ``FULLGRAPH``)."""
+    return torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in values)
 
 
 def output_of(module: nn.Module, *args: Any) -> Any:
