@@ -40,7 +40,7 @@ from hookscope.engine.diagnose import _compile_wrapper
 from hookscope.errors import EditError, HookscopeError
 
 __all__ = ["prepare", "eager_when_called", "fullgraph", "open_sink", "close_sink", "keep", "replace",
-           "flat_output"]
+           "watch_gradient", "flat_output"]
 
 Tensor = torch.Tensor
 Sink = Callable[[Any], None]
@@ -49,7 +49,7 @@ TENSOR, TUPLE, LIST = 0, 1, 2  # how ``keep`` rebuilds what the module returned
 _sinks: dict[int, Sink] = {}
 _places: weakref.WeakKeyDictionary[nn.Module, list[int]] = weakref.WeakKeyDictionary()
 _next_key = [0]
-_op: list[Any] = []  # the operators (keep, replace), defined once on first use
+_op: list[Any] = []  # the operators (keep, replace, Tap.apply), defined once on first use
 _checked: list[bool] = []  # whether torch._dynamo was set up (prepare)
 _hook_codes: list[Any] = []  # code objects of hooks' __call__ (eager_when_called)
 
@@ -109,7 +109,31 @@ def _define() -> Any:
         return [torch.empty_like(v) for v in values if v is not None]
 
     replace_op.register_effect(EffectType.ORDERED)
-    return torch.ops.hookscope.keep.default, torch.ops.hookscope.replace.default
+
+    @torch.library.custom_op("hookscope::gradient", mutates_args=())
+    def gradient_op(grad: Tensor, key: int) -> Tensor:
+        sink = _sinks.get(key)
+        if sink is not None:
+            sink(grad.detach().clone())
+        return grad.clone()  # an operator's result is a tensor of its own
+
+    @gradient_op.register_fake
+    def _(grad: Tensor, key: int) -> Tensor:
+        return torch.empty_like(grad)
+
+    class Tap(torch.autograd.Function):
+        """The identity whose backward hands the gradient to ``hookscope::gradient``."""
+
+        @staticmethod
+        def forward(ctx: Any, value: Tensor, key: int) -> Tensor:
+            ctx.key = key
+            return value.view_as(value)
+
+        @staticmethod
+        def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+            return torch.ops.hookscope.gradient.default(grad, ctx.key), None
+
+    return torch.ops.hookscope.keep.default, torch.ops.hookscope.replace.default, Tap.apply
 
 
 _NO_GRAD_EDIT = (
@@ -183,6 +207,20 @@ def flat_output(output: Any) -> tuple[list[Tensor | None], int] | None:
 def keep(values: list[Tensor | None], kind: int, key: int) -> None:
     """Call ``hookscope::keep``: inside a compiled graph, one opaque ordered operator."""
     _op[0][0](values, kind, key)
+
+
+def watch_gradient(values: list[Tensor | None], kind: int, key: int) -> Any:
+    """The output (``values``, ``kind``) with its first floating-point tensor passed through an
+    identity whose backward, in the compiled backward graph, hands a copy of that tensor's
+    gradient to the sink of ``key`` (``hookscope::gradient``: a tensor hook's place in a graph;
+    dynamo traces the ``autograd.Function`` whole); None when that tensor does not require
+    grad (no backward reaches it) or there is none."""
+    first = next((i for i, v in enumerate(values) if v is not None and v.is_floating_point()), None)
+    if first is None or not (torch.is_grad_enabled() and values[first].requires_grad):  # type: ignore[union-attr]
+        return None
+    values = list(values)
+    values[first] = _op[0][2](values[first], key)
+    return _rebuilt(values, kind)
 
 
 def replace(values: list[Tensor | None], kind: int, key: int, grad: bool) -> Any:

@@ -83,6 +83,10 @@ class OwnedHook:
             outside the graph (``_needs_grad``), or, with ``FULLGRAPH`` (the block was entered
             on a ``fullgraph=True`` model, which cannot split), the operator raises
             ``EditError`` at the call.
+        on_gradient: with ``pick=output_of``: inside a ``torch.compile`` graph,
+            ``on_gradient(grad)`` runs in the backward pass with (a copy of) the gradient of
+            the output's first floating-point tensor when it requires grad, the tensor hook
+            ``function`` registers in eager mode (``engine.compiled.watch_gradient``).
 
     Attributes:
         recomputes: forwards re-run during backward that reached this hook.
@@ -90,12 +94,13 @@ class OwnedHook:
     """
 
     __slots__ = ("function", "module", "thread", "in_recompute", "traceable", "recomputes",
-                 "foreign_calls", "pick", "on_kept", "replaces", "key")
+                 "foreign_calls", "pick", "on_kept", "replaces", "on_gradient", "key", "gradient_key")
 
     def __init__(self, function: Callable[..., Any], module: nn.Module, *, in_recompute: bool = False,
                  traceable: bool = False, thread: int | None = None,
                  pick: Callable[..., Any] | None = None,
-                 on_kept: Callable[[Any], Any] | None = None, replaces: bool | int = False):
+                 on_kept: Callable[[Any], Any] | None = None, replaces: bool | int = False,
+                 on_gradient: Callable[[torch.Tensor], Any] | None = None):
         self.function = function
         self.module = module
         self.thread = threading.get_ident() if thread is None else thread  # the session's
@@ -106,7 +111,9 @@ class OwnedHook:
         self.pick = pick
         self.on_kept = on_kept
         self.replaces = replaces
+        self.on_gradient = on_gradient
         self.key: int | None = None  # set while registered, when ``pick`` is
+        self.gradient_key: int | None = None  # set while registered, when ``on_gradient`` is
 
     def kept(self, value: Any) -> Any:
         """Run ``function`` on ``value``, what ``pick`` took from a compiled call (a copy, from
@@ -138,7 +145,9 @@ class OwnedHook:
                 flat = compiled.flat_output(self.pick(module, *args))
                 if flat is not None and not self.replaces:  # one opaque operator in the graph
                     compiled.keep(flat[0], flat[1], self.key)
-                    return None
+                    if self.gradient_key is None:
+                        return None
+                    return compiled.watch_gradient(flat[0], flat[1], self.gradient_key)
                 if flat is not None and (self.replaces == FULLGRAPH or not _needs_grad(flat[0])):
                     # the graph goes on with its result (or, fullgraph with gradients, an error)
                     return compiled.replace(flat[0], flat[1], self.key, _needs_grad(flat[0]))
@@ -285,6 +294,8 @@ class ModuleHooks:
         process that has not loaded it compiles nothing: eager blocks pay nothing for it)."""
         owned.key = compiled.open_sink(owned.module, owned.kept)
         self.keyed.append(owned)
+        if owned.on_gradient is not None:
+            owned.gradient_key = compiled.open_sink(owned.module, owned.on_gradient)
 
     def add(self, owned: OwnedHook, *, pre: bool = False, with_kwargs: bool = False) -> None:
         """Register ``owned`` on ``owned.module`` as a forward (``pre``: forward-pre) hook,
@@ -324,9 +335,10 @@ class ModuleHooks:
         for table, key in self.entries:
             table.pop(key, None)
         for owned in self.keyed:
-            if owned.key is not None:
-                compiled.close_sink(owned.key)
-                owned.key = None
+            for key in (owned.key, owned.gradient_key):
+                if key is not None:
+                    compiled.close_sink(key)
+            owned.key = owned.gradient_key = None
         self.entries.clear()
         self.flags.clear()
         self.keyed.clear()

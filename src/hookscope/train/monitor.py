@@ -47,7 +47,7 @@ from hookscope.diagnostics.histogram import MAX_BINS, Histogram
 from hookscope.diagnostics.nonfinite import NonFiniteOrigin
 from hookscope.diagnostics.stats import RunningStats
 from hookscope.engine.checks import check_int, check_run_dir
-from hookscope.engine.hooks import after_backward, on_optimizer_step, on_tensor_grad
+from hookscope.engine.hooks import OwnedHook, after_backward, on_optimizer_step, on_tensor_grad, output_of
 from hookscope.engine.run import detached_clones, input_device, state_snapshot
 from hookscope.engine.select import Target, as_patterns, unwrap
 from hookscope.engine.session import Observer, resolve_checked
@@ -589,7 +589,15 @@ class _Sample:
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             self.contained(f"statistics of {target.key!r}", lambda: observe(output))
-        return hook
+        if target.parts:
+            return hook
+
+        def gradient(grad: Tensor) -> None:
+            self.contained(f"statistics of {target.key!r}",
+                           lambda: gradients.update(self._true(grad)))
+        # inside a compiled graph: ``hook`` on a copy of the output (detached: no tensor hook),
+        # and the gradient that the backward graph hands over (engine.compiled)
+        return OwnedHook(hook, target.module, pick=output_of, on_gradient=gradient)
 
     def _true(self, grad: Tensor) -> Tensor:
         """``grad`` with the GradScaler's scale in force divided out (float32, as the scaler's
