@@ -15,6 +15,20 @@ with the real output, rebuilt as the module returned it. So:
   same modules reuses the code compiled for the last one: a model compiles twice in all (with
   the hooks, without them), however many blocks open and close.
 
+Two more operators serve hooks that do more than read:
+
+- ``hookscope::replace(values, kind, key, grad)`` (an edit): the sink gets a copy of the output
+  and returns the edited one; the operator returns its tensors (fresh, with the strides its fake
+  promised: those of the output), and the graph goes on with them. It has no derivative (an
+  edit is any function): a hook whose output needs gradients runs outside the graph instead
+  (``hooks._needs_grad``), or, under ``fullgraph=True``, the operator raises ``EditError``.
+- ``hookscope::gradient(grad, key)``: the backward of ``Tap``, an identity ``autograd.Function``
+  that dynamo traces whole, so the backward graph hands a copy of a forward value's gradient to
+  the sink (a tensor hook's place in a graph: the monitor's gradient statistics). Tried and
+  not used: a tensor hook registered inside the traced hook (dynamo needs compiled autograd for
+  hooks on intermediate values) and a Python exception raised while tracing (dynamo turns it
+  into its own ``Unsupported``, so errors are raised by the operators at run time).
+
 A sink runs eagerly, on real tensors, in the thread running the compiled call.
 
 Code compiled without hooks must check that the hook tables are still empty, or it would run on

@@ -11,9 +11,10 @@ A hook on a module is run by more than the calls its ``with`` block means:
 - **torch.compile**: dynamo traces the hooks of a model compiled while a block is open. A hook
   that reads only what the call gives it (``pick``: a capture's record, a witness) runs in the
   graph as one opaque operator that hands it the real value at run time
-  (``engine.compiled``: no graph break, ``fullgraph=True`` works, no recompile per block); any
-  other hook runs outside the graph (``_untraced``), or dynamo would recompile the hook's frame
-  once per module;
+  (``engine.compiled``: no graph break, ``fullgraph=True`` works, no recompile per block); an
+  edit (``replaces``) runs in one whose result the graph goes on with, a gradient watch
+  (``on_gradient``) in the backward graph; any other hook runs outside the graph
+  (``_untraced``), or dynamo would recompile the hook's frame once per module;
 - **recomputation**: activation checkpointing (``torch.utils.checkpoint``, reentrant or not, HF
   ``gradient_checkpointing_enable()``) runs the forward of the checkpointed part again during
   backward. That is not a new call of the module.

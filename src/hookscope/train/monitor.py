@@ -115,15 +115,15 @@ def monitor(model: nn.Module, layers: str | list[str] = "**", *, every: int = 10
     (one fused norm): a rank whose own step was finite reports ``direction="all-reduce"``
     (another rank's step was not; that rank names the module) and raises, warns or skips too.
 
-    ``torch.compile``: the hooks are on ``compiled._orig_mod``'s modules and dynamo traces
-    them into the compiled calls (with graph breaks where a hook reads a value on the host:
-    the guard's RNG copy, the statistics' counters), so records and the guard's finding equal
-    the eager model's, whether the monitor opens before or after the first compiled call
-    (torch 2.13; ``test_compiled_model_is_watched_through_orig_mod``). What it costs: the
-    compiled step runs in pieces while the hooks exist, a sampled step's hooks come and go
-    (a recompile each time, up to dynamo's recompile limit, then that frame runs eagerly),
-    and ``fullgraph=True`` cannot hold a graph break (dynamo raises). The replay runs eagerly
-    on a copy of ``_orig_mod``.
+    ``torch.compile``: the hooks are on ``compiled._orig_mod``'s modules. A sampled step's
+    statistics run inside the compiled graph (``engine.compiled``: the activation's on a copy
+    of the output, the gradient's in the backward graph), so records equal the eager model's
+    and sampled steps make no recompile (a graph with their hooks, one without, in all). The
+    root's hooks (the inputs and RNG copy kept for a replay, the guard's gradient hooks) run
+    outside the graph, a split ``fullgraph=True`` cannot hold (dynamo raises). Records and the
+    guard's finding equal eager whether the monitor opens before or after the first compiled
+    call (torch 2.13; ``test_compiled_model_is_watched_through_orig_mod``). The replay runs
+    eagerly on a copy of ``_orig_mod``.
 
     Args:
         model: the root module being trained (``DataParallel``/DDP wrappers are looked
