@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
-from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import hookscope
@@ -65,5 +64,6 @@ def test_monitor_of_a_compiled_model_equals_eager_and_compiles_twice(
             for part in ("activation", "gradient"):
                 assert record[part]["count"] == want[key][part]["count"] > 0
                 for stat, value in record[part].items():
-                    assert value == pytest.approx(want[key][part][stat], rel=1e-4, abs=1e-6), (key, part, stat)
+                    wanted = want[key][part][stat]
+                    assert value == pytest.approx(wanted, rel=1e-4, abs=1e-6), (key, part, stat)
             assert record["grad_norm"] == pytest.approx(want[key]["grad_norm"], rel=1e-4)

@@ -39,6 +39,7 @@ from torch import nn
 
 from hookscope.editing import rules as edit_rules
 from hookscope.editing.sources import Source, SourceReader
+from hookscope.engine import compiled
 from hookscope.engine.checks import (
     check_arity,
     check_callable,
@@ -49,7 +50,6 @@ from hookscope.engine.checks import (
     check_number,
     check_positions,
 )
-from hookscope.engine import compiled
 from hookscope.engine.hooks import FULLGRAPH, OwnedHook, in_recompute, output_of
 from hookscope.engine.kinds import apply_edit, inside, kind_of
 from hookscope.engine.layout import MaskWatcher

@@ -26,8 +26,9 @@ Two more operators serve hooks that do more than read:
   that dynamo traces whole, so the backward graph hands a copy of a forward value's gradient to
   the sink (a tensor hook's place in a graph: the monitor's gradient statistics). Tried and
   not used: a tensor hook registered inside the traced hook (torch 2.13's dynamo refuses a
-  hook that appends to Python state: "Unsafe side effect") and a Python exception raised while tracing (dynamo turns it
-  into its own ``Unsupported``, so errors are raised by the operators at run time).
+  hook that appends to Python state: "Unsafe side effect") and a Python exception raised
+  while tracing (dynamo turns it into its own ``Unsupported``, so errors are raised by the
+  operators at run time).
 
 A sink runs eagerly, on real tensors, in the thread running the compiled call.
 
