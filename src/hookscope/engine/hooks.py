@@ -336,9 +336,9 @@ class ModuleHooks:
         for table, key in self.entries:
             table.pop(key, None)
         for owned in self.keyed:
-            for key in (owned.key, owned.gradient_key):
-                if key is not None:
-                    compiled.close_sink(key)
+            for sink in (owned.key, owned.gradient_key):
+                if sink is not None:
+                    compiled.close_sink(sink)
             owned.key = owned.gradient_key = None
         self.entries.clear()
         self.flags.clear()
