@@ -8,8 +8,8 @@ moves it across another). At run time the operator calls the sink registered und
 with the real output, rebuilt as the module returned it. So:
 
 - no graph break, and the graph runs at compiled speed: the only added work is a copy of each
-  kept tensor (``keep`` copies: inductor reuses and writes intermediate buffers through raw
-  pointers, which a copy-on-write view would not see);
+  kept tensor (``_copy``: copy-on-write on the CPU, so bytes move only for a buffer the graph
+  writes again; a real copy on other devices);
 - no per-object guard: dynamo guards the hook's ``key`` (an ``int``) and its type. A key names a
   *place* (module object, n-th hookscope hook on it), not a session, so each new block on the
   same modules reuses the code compiled for the last one: a model compiles twice in all (with
@@ -99,7 +99,19 @@ def _keep(values: list[Tensor | None], kind: int, key: int) -> None:
     sink = _sinks.get(key)
     if sink is None:  # the block closed: code compiled with its hooks is never run then
         return
-    sink(_rebuilt([None if v is None else v.detach().clone() for v in values], kind))
+    sink(_rebuilt([None if v is None else _copy(v) for v in values], kind))
+
+
+def _copy(value: Tensor) -> Tensor:
+    """A copy of ``value`` that what the graph runs next cannot change: copy-on-write on the CPU
+    (``torch._lazy_clone``: no bytes move until one side is written, as eager captures keep;
+    inductor's CPU kernels take their pointers through torch's mutable accessor, which first
+    gives a copy-on-write tensor a storage of its own, so a reused buffer is never the kept
+    one), a real copy elsewhere (a CUDA graph replays raw pointers)."""
+    value = value.detach()
+    if value.device.type == "cpu" and value.layout == torch.strided and not value.is_quantized:
+        return torch._lazy_clone(value)
+    return value.clone()
 
 
 def _replace(values: list[Tensor | None], kind: int, key: int, grad: bool) -> list[Tensor]:
