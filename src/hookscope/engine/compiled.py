@@ -147,10 +147,10 @@ def _define() -> Any:
     plain kernel (a 30-layer MLP compiled by inductor, every layer kept), on every hooked
     module of every compiled call. Each runs eagerly on real tensors (``CompositeExplicitAutograd``:
     one kernel for every device) and is an ordered side effect (``EffectType.ORDERED``)."""
-    library = torch.library.Library("hookscope", "DEF")
+    library = torch.library.Library("hookscope", "DEF")  # type: ignore[no-untyped-call]
     for name, (schema, kernel, fake) in _OPS.items():
-        library.define(schema)
-        library.impl(name, kernel, "CompositeExplicitAutograd")
+        library.define(schema)  # type: ignore[no-untyped-call]
+        library.impl(name, kernel, "CompositeExplicitAutograd")  # type: ignore[no-untyped-call]
         torch.library.register_fake(f"hookscope::{name}", fake, lib=library)
     for name in ("keep", "replace"):
         library._register_effectful_op(f"hookscope::{name}", EffectType.ORDERED)
