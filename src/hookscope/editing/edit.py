@@ -26,6 +26,11 @@ Calls are counted per block, as ``capture`` counts them: call ``k`` of a module 
 call since the block was entered, and ``patch`` gives it call ``k`` of the same module in the
 source. On exit, a selected module that never ran is reported like in ``capture``
 (``on_unfired``), because an edit that never applied is a silent wrong result.
+
+Inside ``torch.compile`` (``fullgraph=True`` included) each output edit runs in the graph as one
+operator whose result the graph goes on with (``engine.compiled.replace``): values equal eager,
+no recompile per block. When gradients flow through the edited output it runs outside the graph
+instead (``fullgraph=False``), or raises ``EditError`` at the call (``fullgraph=True``).
 """
 
 from __future__ import annotations
