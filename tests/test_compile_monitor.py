@@ -67,3 +67,11 @@ def test_monitor_of_a_compiled_model_equals_eager_and_compiles_twice(
                     wanted = want[key][part][stat]
                     assert value == pytest.approx(wanted, rel=1e-4, abs=1e-6), (key, part, stat)
             assert record["grad_norm"] == pytest.approx(want[key]["grad_norm"], rel=1e-4)
+
+
+def test_monitor_refuses_a_fullgraph_model_at_the_call_with_the_fix() -> None:
+    model = _mlp().train()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with pytest.raises(hookscope.HookscopeError, match=r"fullgraph=True.*Compile with fullgraph=False"):
+        hookscope.monitor(compiled, "*.0", every=2)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())

@@ -46,6 +46,7 @@ from torch import nn
 from hookscope.diagnostics.histogram import MAX_BINS, Histogram
 from hookscope.diagnostics.nonfinite import NonFiniteOrigin
 from hookscope.diagnostics.stats import RunningStats
+from hookscope.engine import compiled
 from hookscope.engine.checks import check_int, check_run_dir
 from hookscope.engine.hooks import OwnedHook, after_backward, on_optimizer_step, on_tensor_grad, output_of
 from hookscope.engine.run import detached_clones, input_device, state_snapshot
@@ -158,6 +159,8 @@ def monitor(model: nn.Module, layers: str | list[str] = "**", *, every: int = 10
             GradScaler's ``scale``/``update``/``get_scale``, ``run_dir`` is not a path (at the call).
         ArgumentValueError: ``every`` < 0, an unknown ``guard``, ``run_dir`` is an existing
             file (at the call).
+        HookscopeError: ``model`` is a ``torch.compile(..., fullgraph=True)`` model (at the
+            call: see the note above).
         HookscopeError: both ``optimizer`` and ``scaler``, or ``run_dir`` already holds a run
             (on entry; a failed entry removes every hook it registered).
         SelectorError: a pattern matches no module.
@@ -186,6 +189,7 @@ class Monitor:
         self.hist = hist
         self._hist_ranges: dict[str, tuple[float, float]] = {}  # module -> edges fixed at its first sample
         check_run_dir("run_dir", run_dir)
+        _refuse_fullgraph(model)
         self.root, _ = unwrap(model)
         self.every, self.guard, self.scaler, self.writer = every, guard, scaler, writer
         self._optimizer = optimizer
@@ -622,6 +626,18 @@ class _Sample:
             h = self.histograms.get(target.key)
             record["activation_hist"] = h.as_dict() if h is not None else None
         return record
+
+
+def _refuse_fullgraph(model: nn.Module) -> None:
+    """Refuse a ``torch.compile(model, fullgraph=True)`` model at the call: the root's hooks run
+    outside the graph, a split that a full graph forbids (dynamo would raise at the first step)."""
+    if compiled.fullgraph(model):
+        raise HookscopeError(
+            "hookscope.monitor cannot watch a torch.compile(model, fullgraph=True) model: its "
+            "root hooks (the step's inputs and RNG kept for a replay, the guard's gradient hooks) "
+            "run outside the compiled graph, a split that fullgraph=True forbids. Compile with "
+            "fullgraph=False (sampled steps' statistics still run inside the graph, with no "
+            "recompile per sampled step), or monitor the eager model")
 
 
 def _summary(stats: RunningStats) -> dict[str, float] | None:
