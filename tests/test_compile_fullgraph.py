@@ -122,3 +122,25 @@ def test_fullgraph_refuses_what_the_graph_cannot_hold_at_entry(
         with hookscope.capture(compiled, pattern, **options):
             compiled(torch.randn(2, 8, requires_grad=True))
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_kept_values_survive_the_graph_writing_its_buffers_again(dynamo_warnings: list[str]) -> None:
+    """Inductor reuses intermediate buffers within a call, and each later call writes its own:
+    a value kept copy-on-write (``engine.compiled._copy``) keeps what the module returned, as
+    the graph's kernels take their pointers through torch's mutable accessor, which gives the
+    buffer a storage of its own first."""
+    torch.manual_seed(0)
+    layers = [layer for _ in range(6) for layer in (nn.Linear(16, 16), nn.ReLU(inplace=True))]
+    model = nn.Sequential(*layers).eval()
+    x = torch.randn(4, 16)
+    with torch.no_grad(), hookscope.capture(model, "*") as eager:
+        model(x)
+    compiled = torch.compile(model, backend="inductor", fullgraph=True)
+    with torch.no_grad():
+        with hookscope.capture(compiled, "*") as acts:
+            compiled(x)
+        for _ in range(3):
+            compiled(-x)
+    assert len(eager.counts) == 12
+    for key in eager.counts:
+        torch.testing.assert_close(acts[key], eager[key], rtol=1e-5, atol=1e-6)

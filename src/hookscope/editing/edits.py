@@ -26,6 +26,11 @@ Calls are counted per block, as ``capture`` counts them: call ``k`` of a module 
 call since the block was entered, and ``patch`` gives it call ``k`` of the same module in the
 source. On exit, a selected module that never ran is reported like in ``capture``
 (``on_unfired``), because an edit that never applied is a silent wrong result.
+
+Inside ``torch.compile`` (``fullgraph=True`` included) each output edit runs in the graph as one
+operator whose result the graph goes on with (``engine.compiled.replace``): values equal eager,
+no recompile per block. When gradients flow through the edited output it runs outside the graph
+instead (``fullgraph=False``), or raises ``EditError`` at the call (``fullgraph=True``).
 """
 
 from __future__ import annotations
@@ -40,10 +45,12 @@ from torch import nn
 from hookscope.editing import rules as edit_rules
 from hookscope.editing.sources import Source, SourceReader
 from hookscope.engine import (
+    FULLGRAPH,
     HookSession,
     MaskWatcher,
     ModuleIndex,
     OnUnfired,
+    OwnedHook,
     Target,
     apply_edit,
     as_patterns,
@@ -55,9 +62,11 @@ from hookscope.engine import (
     check_nonempty,
     check_number,
     check_positions,
+    fullgraph,
     in_recompute,
     inside,
     kind_of,
+    output_of,
     resolve_each,
     unwrap,
 )
@@ -110,15 +119,21 @@ class Edit(HookSession):
         return {target.key: calls for (target, _), calls in zip(self._rules, self._calls)}
 
     def _register(self) -> None:
+        # in_recompute: activation checkpointing re-runs the forward during backward; the
+        # edit must apply there too, or the recomputed values differ from the real ones.
+        # pick: a compiled graph holds the watcher and each output edit whole (engine.compiled)
+        replaces = FULLGRAPH if fullgraph(self.model) else True
         if self._watcher is not None:
-            root, _ = unwrap(self.model)
-            self._hook(root, self._watcher.hook, pre=True, with_kwargs=True, in_recompute=True)
+            watcher = self._watcher
+            self._own(OwnedHook(watcher.hook, unwrap(self.model)[0], in_recompute=True,
+                                pick=watcher.find, on_kept=watcher.set), pre=True, with_kwargs=True)
         for index, (target, rule) in enumerate(self._rules):
-            # in_recompute: activation checkpointing re-runs the forward during backward; the
-            # edit must apply there too, or the recomputed values differ from the real ones
             if self._inputs:
                 self._hook(target.module, self._input_hook(index, target, rule), pre=True,
                            with_kwargs=True, in_recompute=True)
+            elif target.op is None:
+                self._own(OwnedHook(self._output_hook(index, target, rule), target.module,
+                                    in_recompute=True, pick=output_of, replaces=replaces))
             else:
                 self._hook_output(target, self._output_hook(index, target, rule), in_recompute=True)
 

@@ -38,6 +38,7 @@ from hookscope.engine.diagnose import explain_no_hooks, fullgraph, locate_error,
 from hookscope.engine.function_mode import FunctionCall, Watch, each_call
 from hookscope.engine.function_names import bind_arguments, functional_hint, refuse_uninterceptable
 from hookscope.engine.hooks import (
+    FULLGRAPH,
     OwnedHook,
     RecordingHook,
     after_backward,
@@ -87,7 +88,7 @@ from hookscope.engine.values import (
 )
 from hookscope.engine.wrappers import unwrap
 
-__all__ = ["FunctionCall", "RecordingHook", "GracefulStop", "exit_at_interrupt", "HookSession",
+__all__ = ["FULLGRAPH", "FunctionCall", "RecordingHook", "GracefulStop", "exit_at_interrupt", "HookSession",
            "KNOWN_LIBRARIES", "Layout", "MaskWatcher", "ModuleIndex", "NO_TOKENS", "NO_VALUES_FIX",
            "Observer", "OnUnfired", "OwnedHook", "Part", "RecordKey", "RngState", "Target", "Tokens",
            "Watch", "after_backward", "apply_edit", "as_patterns", "bind_arguments", "check_arity",

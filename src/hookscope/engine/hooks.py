@@ -11,9 +11,10 @@ A hook on a module is run by more than the calls its ``with`` block means:
 - **torch.compile**: dynamo traces the hooks of a model compiled while a block is open. A hook
   that reads only what the call gives it (``pick``: a capture's record, a witness) runs in the
   graph as one opaque operator that hands it the real value at run time
-  (``engine.compiled``: no graph break, ``fullgraph=True`` works, no recompile per block); any
-  other hook runs outside the graph (``_untraced``), or dynamo would recompile the hook's frame
-  once per module;
+  (``engine.compiled``: no graph break, ``fullgraph=True`` works, no recompile per block); an
+  edit (``replaces``) runs in one whose result the graph goes on with, a gradient watch
+  (``on_gradient``) in the backward graph; any other hook runs outside the graph
+  (``_untraced``), or dynamo would recompile the hook's frame once per module;
 - **recomputation**: activation checkpointing (``torch.utils.checkpoint``, reentrant or not, HF
   ``gradient_checkpointing_enable()``) runs the forward of the checkpointed part again during
   backward. That is not a new call of the module.
@@ -47,11 +48,12 @@ from torch.utils.hooks import RemovableHandle
 from hookscope.engine import compiled
 from hookscope.errors import HookscopeError
 
-__all__ = ["OwnedHook", "RecordingHook", "output_of", "nothing", "ModuleHooks", "register", "owner",
-           "on_tensor_grad", "on_node", "on_optimizer_step", "after_backward", "in_recompute",
+__all__ = ["OwnedHook", "RecordingHook", "FULLGRAPH", "output_of", "nothing", "ModuleHooks", "register",
+           "owner", "on_tensor_grad", "on_node", "on_optimizer_step", "after_backward", "in_recompute",
            "refuse_export_trace", "MODULE_TABLES", "GLOBAL_TABLES", "MODULE_FLAGS", "GLOBAL_FLAGS",
            "registered", "unregister"]
 
+FULLGRAPH = 2  # ``OwnedHook(replaces=FULLGRAPH)``: an edit entered on a fullgraph=True model
 _graph_task_id = torch._C._current_graph_task_id
 _get_ident = threading.get_ident
 _compiling = torch.compiler.is_compiling
@@ -80,19 +82,31 @@ class OwnedHook:
             ``function(module, (), value)``) then runs for calls inside a ``torch.compile``
             graph, on a copy of the real value, without breaking the graph (``engine.compiled``).
         on_kept: see ``pick``.
+        replaces: true (or ``FULLGRAPH``) when ``function`` is a forward hook whose return
+            replaces the output (an edit), with ``pick=output_of``: inside a ``torch.compile``
+            graph it runs, on a copy of the real output, in an operator whose result the graph
+            goes on with (``engine.compiled.replace``); when gradients flow through the output,
+            outside the graph (``_needs_grad``), or, with ``FULLGRAPH`` (the block was entered
+            on a ``fullgraph=True`` model, which cannot split), the operator raises
+            ``EditError`` at the call.
+        on_gradient: with ``pick=output_of``: inside a ``torch.compile`` graph,
+            ``on_gradient(grad)`` runs in the backward pass with (a copy of) the gradient of
+            the output's first floating-point tensor when it requires grad, the tensor hook
+            ``function`` registers in eager mode (``engine.compiled.watch_gradient``).
 
     Attributes:
         recomputes: forwards re-run during backward that reached this hook.
         foreign_calls: calls from threads other than the session's.
     """
 
-    __slots__ = ("function", "module", "thread", "in_recompute", "other_threads", "traceable", "recomputes",
-                 "foreign_calls", "pick", "on_kept", "key")
+    __slots__ = ("function", "module", "thread", "in_recompute", "traceable", "recomputes",
+                 "foreign_calls", "pick", "on_kept", "replaces", "on_gradient", "key", "gradient_key")
 
     def __init__(self, function: Callable[..., Any], module: nn.Module, *, in_recompute: bool = False,
                  traceable: bool = False, thread: int | None = None,
                  pick: Callable[..., Any] | None = None,
-                 on_kept: Callable[[Any], Any] | None = None):
+                 on_kept: Callable[[Any], Any] | None = None, replaces: bool | int = False,
+                 on_gradient: Callable[[torch.Tensor], Any] | None = None):
         self.function = function
         self.module = module
         self.thread = threading.get_ident() if thread is None else thread  # the session's
@@ -102,25 +116,27 @@ class OwnedHook:
         self.foreign_calls = 0
         self.pick = pick
         self.on_kept = on_kept
+        self.replaces = replaces
+        self.on_gradient = on_gradient
         self.key: int | None = None  # set while registered, when ``pick`` is
+        self.gradient_key: int | None = None  # set while registered, when ``on_gradient`` is
 
-    def kept(self, value: Any) -> None:
+    def kept(self, value: Any) -> Any:
         """Run ``function`` on ``value``, what ``pick`` took from a compiled call (a copy, from
         ``engine.compiled``'s operator), with the checks of an eager call that a compiled
-        call can still make (thread, recompute)."""
+        call can still make (thread, recompute); return what it returned (an edit's output)."""
         if _get_ident() != self.thread:
             self.foreign_calls += 1
-            return
+            return None
         if _graph_task_id() != -1:
             self.recomputes += 1
             if not self.in_recompute:
-                return
+                return None
         if self.on_kept is not None:
-            self.on_kept(value)
-        elif self.pick is nothing:  # a pre-hook noting the call
-            self.function(self.module, ())
-        else:  # a forward hook reading its output (``output_of``)
-            self.function(self.module, (), value)
+            return self.on_kept(value)
+        if self.pick is nothing:  # a pre-hook noting the call
+            return self.function(self.module, ())
+        return self.function(self.module, (), value)  # a forward hook on its output (output_of)
 
     def __call__(self, module: nn.Module, *args: Any) -> Any:
         # a subclass with an inlined hot path (RecordingHook) makes these same four
@@ -133,9 +149,14 @@ class OwnedHook:
                 raise refuse_export_trace()
             if self.key is not None and self.pick is not None:
                 flat = compiled.flat_output(self.pick(module, *args))
-                if flat is not None:  # one opaque operator in the graph
+                if flat is not None and not self.replaces:  # one opaque operator in the graph
                     compiled.keep(flat[0], flat[1], self.key)
-                    return None
+                    if self.gradient_key is None:
+                        return None
+                    return compiled.watch_gradient(flat[0], flat[1], self.gradient_key)
+                if flat is not None and (self.replaces == FULLGRAPH or not _needs_grad(flat[0])):
+                    # the graph goes on with its result (or, fullgraph with gradients, an error)
+                    return compiled.replace(flat[0], flat[1], self.key, _needs_grad(flat[0]))
             if self.traceable:
                 return self.function(module, *args)
             return _untraced(self.function, module, args)
@@ -216,6 +237,13 @@ def other_threads(path: str, calls: int) -> str:
             f"threads: a hookscope block records only the calls made by the thread that entered "
             f"it (so concurrent requests never mix). Enter the block in the thread that calls the "
             f"model")
+
+
+def _needs_grad(values: list[torch.Tensor | None]) -> bool:
+    """True when a backward pass may go through ``values``: an edit then runs outside the graph
+    (``hookscope::replace`` has no derivative: an edit is any function), where autograd records
+    it as in eager mode; ``fullgraph=True`` cannot split the graph (see ``FULLGRAPH``)."""
+    return torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in values)
 
 
 def output_of(module: nn.Module, *args: Any) -> Any:
@@ -349,6 +377,8 @@ class ModuleHooks:
         process that has not loaded it compiles nothing: eager blocks pay nothing for it)."""
         owned.key = compiled.open_sink(owned.module, owned.kept)
         self.keyed.append(owned)
+        if owned.on_gradient is not None:
+            owned.gradient_key = compiled.open_sink(owned.module, owned.on_gradient)
 
     def add(self, owned: OwnedHook, *, pre: bool = False, with_kwargs: bool = False) -> None:
         """Register ``owned`` on ``owned.module`` as a forward (``pre``: forward-pre) hook,
@@ -388,9 +418,10 @@ class ModuleHooks:
         for table, key in self.entries:
             table.pop(key, None)
         for owned in self.keyed:
-            if owned.key is not None:
-                compiled.close_sink(owned.key)
-                owned.key = None
+            for sink in (owned.key, owned.gradient_key):
+                if sink is not None:
+                    compiled.close_sink(sink)
+            owned.key = owned.gradient_key = None
         self.entries.clear()
         self.flags.clear()
         self.keyed.clear()

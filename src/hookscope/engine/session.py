@@ -34,7 +34,7 @@ from hookscope.engine.early_stop import (
 )
 from hookscope.engine.function_mode import FunctionHooks
 from hookscope.engine.function_names import refuse_uninterceptable
-from hookscope.engine.hooks import ModuleHooks, OwnedHook, on_node, other_threads
+from hookscope.engine.hooks import ModuleHooks, OwnedHook, nothing, on_node, other_threads
 from hookscope.engine.names import ModuleIndex, index
 from hookscope.engine.selection import Target, resolve, unwrap
 from hookscope.errors import (
@@ -126,7 +126,8 @@ class HookSession:
             if self._explain_unfired:  # witnesses serve only the explanation on exit
                 near = diagnose.witnesses(self.model, self._module_index(), self.targets)
                 for path, module in near.items():
-                    self._hook(module, self._witness(path), pre=True)
+                    # a compiled graph holds a witness whole (engine.compiled)
+                    self._own(OwnedHook(self._witness(path), module, pick=nothing), pre=True)
         self._entered = True
         return self
 
@@ -355,7 +356,9 @@ class Observer(HookSession):
         model: the root module (wrappers are the caller's business: pass the module to hook).
         targets: resolved targets (``select.resolve``), or modules straight from
             ``named_modules()`` wrapped as ``Target(path, module)``.
-        forward: ``forward(target) -> hook(module, args, [kwargs,] output)``, or None.
+        forward: ``forward(target) -> hook(module, args, [kwargs,] output)``, or an
+            ``OwnedHook`` on ``target.module`` registered as it is (with a ``pick``: a compiled
+            graph holds it, ``engine.compiled``), or None.
         pre: ``pre(target) -> hook(module, args, [kwargs])``, or None.
         with_kwargs: the hooks also take the call's keyword arguments.
         on_unfired: as ``capture``; default ``"ignore"``: ``unfired`` is still filled in on exit
@@ -384,8 +387,11 @@ class Observer(HookSession):
                 self._hook(module, self._marked(target, self._pre(target)), pre=True,
                            with_kwargs=self._with_kwargs)
             if self._forward is not None:
-                self._hook_output(target, self._marked(target, self._forward(target)),
-                                  with_kwargs=self._with_kwargs)
+                hook = self._marked(target, self._forward(target))
+                if isinstance(hook, OwnedHook):  # made whole by the caller (engine.compiled)
+                    self._own(hook)
+                else:
+                    self._hook_output(target, hook, with_kwargs=self._with_kwargs)
 
     def _marked(self, target: Target, hook: Hook) -> Hook:
         """``hook``, also noting that the target ran when unfired modules are explained."""

@@ -45,7 +45,6 @@ from hookscope.engine import (
     kept_note,
     lazy_copy,
     no_values_reason,
-    nothing,
     output_of,
     shares_memory,
     special,
@@ -210,15 +209,6 @@ class Capture(HookSession, Records):
         self._tokens_seen = True
         for slot in self._slots.values():
             slot.runs.append((len(slot.outputs), tokens))
-
-    def _hook(self, module: nn.Module, function: Callable[..., Any], *, pre: bool = False,
-              with_kwargs: bool = False, in_recompute: bool = False) -> None:
-        """``HookSession._hook``; a capture's own hooks are made elsewhere, so a pre-hook without
-        kwargs here is a witness noting that a module ran: a compiled graph holds it
-        (``engine.compiled``)."""
-        pick = nothing if pre and not with_kwargs else None
-        self._own(OwnedHook(function, module, in_recompute=in_recompute, pick=pick), pre=pre,
-                  with_kwargs=with_kwargs)
 
     def _register_module(self, module: nn.Module, slots: list[_Slot]) -> None:
         """The hooks of one module whose records need more than the output as it is (inputs,

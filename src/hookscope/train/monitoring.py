@@ -46,15 +46,18 @@ from torch import nn
 from hookscope.diagnostics import MAX_BINS, Histogram, NonFiniteOrigin, RunningStats
 from hookscope.engine import (
     Observer,
+    OwnedHook,
     Target,
     after_backward,
     as_patterns,
     check_int,
     check_run_dir,
     detached_clones,
+    fullgraph,
     input_device,
     on_optimizer_step,
     on_tensor_grad,
+    output_of,
     resolve_checked,
     state_snapshot,
     unwrap,
@@ -124,15 +127,15 @@ def monitor(model: nn.Module, layers: str | list[str] = "**", *, every: int = 10
     (one fused norm): a rank whose own step was finite reports ``direction="all-reduce"``
     (another rank's step was not; that rank names the module) and raises, warns or skips too.
 
-    ``torch.compile``: the hooks are on ``compiled._orig_mod``'s modules and dynamo traces
-    them into the compiled calls (with graph breaks where a hook reads a value on the host:
-    the guard's RNG copy, the statistics' counters), so records and the guard's finding equal
-    the eager model's, whether the monitor opens before or after the first compiled call
-    (torch 2.13; ``test_compiled_model_is_watched_through_orig_mod``). What it costs: the
-    compiled step runs in pieces while the hooks exist, a sampled step's hooks come and go
-    (a recompile each time, up to dynamo's recompile limit, then that frame runs eagerly),
-    and ``fullgraph=True`` cannot hold a graph break (dynamo raises). The replay runs eagerly
-    on a copy of ``_orig_mod``.
+    ``torch.compile``: the hooks are on ``compiled._orig_mod``'s modules. A sampled step's
+    statistics run inside the compiled graph (``engine.compiled``: the activation's on a copy
+    of the output, the gradient's in the backward graph), so records equal the eager model's
+    and sampled steps make no recompile (a graph with their hooks, one without, in all). The
+    root's hooks (the inputs and RNG copy kept for a replay, the guard's gradient hooks) run
+    outside the graph, a split ``fullgraph=True`` cannot hold (dynamo raises). Records and the
+    guard's finding equal eager whether the monitor opens before or after the first compiled
+    call (torch 2.13; ``test_compiled_model_is_watched_through_orig_mod``). The replay runs
+    eagerly on a copy of ``_orig_mod``.
 
     Args:
         model: the root module being trained (``DataParallel``/DDP wrappers are looked
@@ -167,6 +170,8 @@ def monitor(model: nn.Module, layers: str | list[str] = "**", *, every: int = 10
             GradScaler's ``scale``/``update``/``get_scale``, ``run_dir`` is not a path (at the call).
         ArgumentValueError: ``every`` < 0, an unknown ``guard``, ``run_dir`` is an existing
             file (at the call).
+        HookscopeError: ``model`` is a ``torch.compile(..., fullgraph=True)`` model (at the
+            call: see the note above).
         HookscopeError: both ``optimizer`` and ``scaler``, or ``run_dir`` already holds a run
             (on entry; a failed entry removes every hook it registered).
         SelectorError: a pattern matches no module.
@@ -195,6 +200,7 @@ class Monitor:
         self.hist = hist
         self._hist_ranges: dict[str, tuple[float, float]] = {}  # module -> edges fixed at its first sample
         check_run_dir("run_dir", run_dir)
+        _refuse_fullgraph(model)
         self.root, _ = unwrap(model)
         self.every, self.guard, self.scaler, self.writer = every, guard, scaler, writer
         self._optimizer = optimizer
@@ -598,7 +604,15 @@ class _Sample:
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             self.contained(f"statistics of {target.key!r}", lambda: observe(output))
-        return hook
+        if target.parts:
+            return hook
+
+        def gradient(grad: Tensor) -> None:
+            self.contained(f"statistics of {target.key!r}",
+                           lambda: gradients.update(self._true(grad)))
+        # inside a compiled graph: ``hook`` on a copy of the output (detached: no tensor hook),
+        # and the gradient that the backward graph hands over (engine.compiled)
+        return OwnedHook(hook, target.module, pick=output_of, on_gradient=gradient)
 
     def _true(self, grad: Tensor) -> Tensor:
         """``grad`` with the GradScaler's scale in force divided out (float32, as the scaler's
@@ -623,6 +637,18 @@ class _Sample:
             h = self.histograms.get(target.key)
             record["activation_hist"] = h.as_dict() if h is not None else None
         return record
+
+
+def _refuse_fullgraph(model: nn.Module) -> None:
+    """Refuse a ``torch.compile(model, fullgraph=True)`` model at the call: the root's hooks run
+    outside the graph, a split that a full graph forbids (dynamo would raise at the first step)."""
+    if fullgraph(model):
+        raise HookscopeError(
+            "hookscope.monitor cannot watch a torch.compile(model, fullgraph=True) model: its "
+            "root hooks (the step's inputs and RNG kept for a replay, the guard's gradient hooks) "
+            "run outside the compiled graph, a split that fullgraph=True forbids. Compile with "
+            "fullgraph=False (sampled steps' statistics still run inside the graph, with no "
+            "recompile per sampled step), or monitor the eager model")
 
 
 def _summary(stats: RunningStats) -> dict[str, float] | None:
