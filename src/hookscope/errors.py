@@ -129,6 +129,10 @@ class StoreExistsError(HookscopeError, FileExistsError):
     """An extraction's output exists and neither resume nor overwrite was asked for."""
 
 
+class OutputExistsError(HookscopeError, FileExistsError):
+    """A file to write exists and ``overwrite`` was not asked for, or the path is a folder."""
+
+
 class ExtractError(HookscopeError, ValueError):
     """An extraction cannot start or go on: a bad argument, an output that cannot be stored
     row by row, or a resume whose arguments differ from the interrupted run's."""

@@ -32,10 +32,10 @@ from hookscope.engine.checks import check_options
 from hookscope.engine.layout import layout_of
 from hookscope.engine.select import Target, unwrap
 from hookscope.engine.session import Observer, OnUnfired
-from hookscope.errors import CaptureError, HookscopeError
+from hookscope.errors import CaptureError
 from hookscope.record.capture import Capture, capture, capture_options
 from hookscope.record.positions import tokens_first
-from hookscope.util.files import write_atomic
+from hookscope.util.files import check_new_file, write_atomic
 
 __all__ = ["Step", "GenerationRecord", "GenerationCapture", "capture_generation"]
 
@@ -219,11 +219,10 @@ class GenerationCapture:
         ``[[index, start, stop], ...]``). Read it back with ``safetensors.torch.load_file``.
 
         Raises:
-            HookscopeError: ``file`` exists and ``overwrite`` is False.
+            OutputExistsError: ``file`` exists and ``overwrite`` is False, or is a folder.
             CaptureError: as ``aligned`` and ``token_ids``.
         """
-        if os.path.exists(file) and not overwrite:
-            raise HookscopeError(f"{os.fspath(file)} exists; pass overwrite=True or pick another name")
+        file = check_new_file(file, overwrite=overwrite, example="generated.safetensors")
         tensors = {t.key: self.aligned(t.key).detach().cpu().contiguous() for t in self.capture.targets}
         tensors["token_ids"] = self.token_ids()
         steps = json.dumps([[s.index, s.start, s.stop] for s in self.steps])

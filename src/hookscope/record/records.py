@@ -31,7 +31,7 @@ from hookscope.engine.record_key import Part, RecordKey
 from hookscope.engine.values import outside_inference
 from hookscope.errors import ArgumentTypeError, CaptureError, HookscopeError
 from hookscope.record.grads import NO_GRADIENT_YET, GradRecord
-from hookscope.util.files import write_atomic
+from hookscope.util.files import check_new_file, write_atomic
 from hookscope.util.nested import get_part, iter_tensors_with_keys
 
 __all__ = ["CallInputs", "RecordKey", "Records", "load"]
@@ -326,7 +326,7 @@ class Records:
         args, kwargs = record.value()
         return CallInputs(args, kwargs, _bind(self._entry(path), args, kwargs))
 
-    def save(self, file: str | os.PathLike[str], *, overwrite: bool = True,
+    def save(self, file: str | os.PathLike[str], *, overwrite: bool = False,
              metadata: Mapping[str, str] | None = None) -> None:
         """Write every recorded tensor to the safetensors ``file``, atomically; keys as ``items``.
 
@@ -335,14 +335,19 @@ class Records:
         Every dtype a module returns is written as it is (float8, uint16..64, bool, complex64
         included) except ``torch.complex128``, which safetensors has no type for.
 
+        Args:
+            file: the ``.safetensors`` file to write.
+            overwrite: replace an existing ``file``; without it an existing file is refused
+                (as the CLI's ``--save`` without ``--overwrite``).
+            metadata: extra ``{key: value}`` strings for the file's header.
+
         Raises:
-            HookscopeError: ``file`` exists and ``overwrite`` is False, nothing was recorded,
-                a record is a meta tensor or FakeTensor (no values), or a record's dtype is one
-                safetensors cannot hold (``torch.complex128``); before anything is written.
+            OutputExistsError: ``file`` exists and ``overwrite`` is False, or is a folder.
+            HookscopeError: nothing was recorded, a record is a meta tensor or FakeTensor (no
+                values), or a record's dtype is one safetensors cannot hold
+                (``torch.complex128``); before anything is written.
         """
-        file = os.fspath(file)
-        if os.path.lexists(file) and not overwrite:
-            raise HookscopeError(f"{file} exists; pass overwrite=True (--overwrite) or pick another name")
+        file = check_new_file(file, overwrite=overwrite, example="acts.safetensors")
         tensors: dict[str, Tensor] = {}
         seen: set[int] = set()
         for key, tensor in self.items():
