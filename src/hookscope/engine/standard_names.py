@@ -59,6 +59,18 @@ def is_standard(name: str) -> bool:
     return _NAME.fullmatch(name) is not None
 
 
+def unresolved_standard(name: str, held: str) -> str:
+    """The sentence an error adds when ``name``, looked up in ``held`` (what holds recorded
+    values: "this file", "this store"), is a standard name that was not recorded as one (a
+    file or store written before standard names were kept, or selected by module path); ""
+    for any other name."""
+    if not is_standard(name):
+        return ""
+    return (f" {name!r} is a standard name, which {held} does not map to a module: read the "
+            f"module path it resolves to on the model, shown by `hookscope tree MODEL`, or "
+            f"record again selecting {name!r} so that the name is kept")
+
+
 @dataclass(frozen=True)
 class Structure:
     """Where a model keeps its blocks: ``blocks`` (the ModuleList's path) and ``count``."""

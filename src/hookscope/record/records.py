@@ -28,6 +28,7 @@ from hookscope.engine.function_names import bind_arguments
 from hookscope.engine.kinds import describe, values_for
 from hookscope.engine.layout import NO_TOKENS, Layout, Tokens, layout_of
 from hookscope.engine.record_key import Part, RecordKey
+from hookscope.engine.standard_names import unresolved_standard
 from hookscope.engine.values import outside_inference
 from hookscope.errors import ArgumentTypeError, CaptureError, HookscopeError
 from hookscope.record.grads import NO_GRADIENT_YET, GradRecord
@@ -362,6 +363,8 @@ class Records:
                                      "its output) that returns a tensor")
             raise HookscopeError("nothing to save: no selected module ran inside the capture block")
         meta = {"hookscope.calls": json.dumps({p: n for p, n in self.counts.items() if n})}
+        if self.aliases:  # load(file)["resid_post.1"] reads as acts["resid_post.1"] did
+            meta["hookscope.aliases"] = json.dumps(self.aliases)
         meta.update(metadata or {})
         write_atomic(file, lambda tmp: save_file(tensors, tmp, metadata=meta))
 
@@ -382,7 +385,8 @@ class Records:
         if entry is None:
             raise CaptureError(f"'{name}' was not selected in this capture; selected: "
                                f"{', '.join(repr(k) for k in list(self._entries)[:8])}"
-                               f"{' …' if len(self._entries) > 8 else ''}")
+                               f"{' …' if len(self._entries) > 8 else ''}."
+                               f"{unresolved_standard(name, 'these records')}")
         if not entry.outputs:
             why = self.unfired.get(name, "no forward pass has run yet")
             raise CaptureError(f"'{name}' never ran, so nothing was recorded: {why}")
@@ -443,7 +447,9 @@ class Records:
             entry = Entry(record)
             entry.outputs.extend(_rebuild(by_call[k]) for k in sorted(by_call))
             entries.append(entry)
-        return Records(entries, metadata=metadata)
+        records = Records(entries, metadata=metadata)
+        records.aliases = _aliases(metadata.get("hookscope.aliases", "{}"), records.paths)
+        return records
 
 
 def _check_key(key: object) -> None:
@@ -546,6 +552,19 @@ def load(file: str | os.PathLike[str]) -> Records:
     except Exception as err:  # safetensors raises its own SafetensorError
         raise HookscopeError(f"{file} is not a readable safetensors file: {err}") from err
     return Records.from_tensors(tensors, metadata)
+
+
+def _aliases(text: str, names: list[str]) -> dict[str, str]:
+    """A saved file's ``hookscope.aliases`` metadata (``{standard name or other path: record
+    name}``), keeping the entries whose record the file holds; a damaged one is dropped (the
+    records still read by their paths)."""
+    try:
+        aliases = json.loads(text)
+    except (ValueError, RecursionError):
+        return {}
+    if not isinstance(aliases, dict):
+        return {}
+    return {k: v for k, v in aliases.items() if isinstance(k, str) and v in names}
 
 
 def _call_names(text: str) -> list[str]:

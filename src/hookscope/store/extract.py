@@ -161,7 +161,8 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
                      {"resume": resume, "overwrite": overwrite, "progress": progress,
                       "early_stop": early_stop})
     folder = store_folder(out, ExtractError)
-    keys = [t.key for t in resolve(model, as_patterns(layers))]
+    targets = resolve(model, as_patterns(layers))
+    keys = [t.key for t in targets]
     reducer, source = reduction(reduce), BatchSource(data, batch_size)
     if resume and overwrite:
         raise ExtractError("resume=True continues the store in place and overwrite=True deletes "
@@ -171,6 +172,9 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
         config = {"layers": keys, "reduce": reduction_name(reduce), "batches": source.count,
                   "dtype": dtype_name(dtype) if dtype else None, "batch_size": source.batch_size}
         header = {"model": {"spec": model_spec, "class": _class_name(model)}, "extract": config}
+        standard = {name: t.key for t in targets for name in t.standard}
+        if standard:  # store["resid_post.1"] reads the layer it was extracted by
+            header["standard_names"] = standard
         job = _Job(model, keys, reducer, dtype, source, ranks, progress, shard_bytes, shard_seconds,
                    early_stop)
         # the stop first: hookscope's own interrupt guards (untouched, capture) stand in for it
