@@ -7,6 +7,7 @@ import dataclasses
 
 from hookscope.cli._common import add_model_arguments, image_options, print_json, say
 from hookscope.diagnostics.nonfinite import INPUT, find_nonfinite
+from hookscope.engine.record_key import record_name
 from hookscope.zoo.inputs import load_inputs
 from hookscope.zoo.models import load_model
 
@@ -37,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
         print(found)
     if found is not None:
         where = (f"the input {found.bad_label}" if found.path == INPUT
-                 else f"'{found.path}' ({found.class_name})")
+                 else f"'{record_name(found.path)}' ({found.class_name})")
         say(f"{args.model}: non-finite values start in {where}")
         return 1
     return 0

@@ -35,6 +35,7 @@ from hookscope.engine.checks import check_callable, check_flag
 from hookscope.engine.function_mode import entered
 from hookscope.engine.kinds import values_for
 from hookscope.engine.names import index
+from hookscope.engine.record_key import record_name
 from hookscope.engine.run import untouched
 from hookscope.engine.select import Target, unwrap
 from hookscope.engine.session import Observer
@@ -163,7 +164,7 @@ class NonFiniteOrigin:
                      f"first at {first_at}); no module made it: check the loss function (a log "
                      f"or division of 0, an overflow, a non-finite target or weight)"]
             return "\n".join(lines + [f"  out {s}" for s in self.outputs])
-        where = f"'{self.path}'" if self.path else "the root module"
+        where = f"'{record_name(self.path)}'"
         op = f" (first in op {self.op})" if self.op else ""
         what = "output" if self.phase == "forward" else "gradient"
         lines = [f"first non-finite {what}: {where} ({self.class_name}), call {self.call_index}, "

@@ -24,6 +24,7 @@ from hookscope.engine.checks import check_flag
 from hookscope.engine.function_mode import FunctionCall
 from hookscope.engine.function_names import functional_hint
 from hookscope.engine.names import ModuleIndex, index
+from hookscope.engine.record_key import record_name
 from hookscope.engine.run import untouched
 from hookscope.engine.select import Target, is_container, select
 from hookscope.engine.session import Observer
@@ -296,7 +297,7 @@ def _never_ran_note(path: str, module: nn.Module, ran: dict[str, list[str]]) -> 
 
 
 def _cells(row: TreeRow, with_calls: bool, indent: int) -> list[str]:
-    name = "  " * indent + (row.path or "(root)")
+    name = "  " * indent + record_name(row.path)
     cells = [name, row.class_name, _param_cell(row.params), _param_cell(row.own_params)]
     if with_calls:
         calls = "-" if row.calls is None else str(row.calls)

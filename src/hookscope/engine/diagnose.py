@@ -26,6 +26,7 @@ from torch import nn
 
 from hookscope.engine.function_names import functional_hint
 from hookscope.engine.names import ModuleIndex
+from hookscope.engine.record_key import record_name
 from hookscope.engine.select import Target
 from hookscope.engine.wrappers import wrapped_attribute
 from hookscope.errors import FusedModuleWarning, HookscopeError
@@ -172,7 +173,7 @@ def explain_unfired(names: ModuleIndex, targets: Sequence[Target], ran: set[str]
 def other_threads(path: str, calls: int) -> str:
     """Why a target recorded nothing although its module ran ``calls`` times, every time in a
     thread other than the one that entered the block (module and ``path::fn`` targets alike)."""
-    return (f"{path or 'the model'} ran {calls} time{'s' if calls > 1 else ''}, all in other "
+    return (f"{record_name(path)} ran {calls} time{'s' if calls > 1 else ''}, all in other "
             f"threads: a hookscope block records only the calls made by the thread that entered "
             f"it (so concurrent requests never mix). Enter the block in the thread that calls the "
             f"model")
@@ -312,7 +313,7 @@ def locate_error(names: ModuleIndex, exc: BaseException) -> None:
     if frame is None:
         return
     module = frame.f_locals["self"]
-    path = paths[id(module)] or "(the root module)"
+    path = record_name(paths[id(module)])
     shapes = _tensor_shapes(frame)
     note = (f"hookscope: raised inside '{path}' ({type(module).__name__})"
             f"{' called with input shapes ' + shapes if shapes else ''}")
