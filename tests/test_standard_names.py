@@ -246,3 +246,27 @@ def test_a_standard_name_not_recorded_says_what_it_is(tmp_path: Path) -> None:
         with pytest.raises(hookscope.HookscopeError, match=r"'resid_post.1' is a standard name.*"
                                                           r"read the module path it resolves to"):
             holder["resid_post.1"]
+
+
+@pytest.mark.parametrize(("name", "fix"), [
+    ("resid_pst.1", r"did you mean 'resid_post\.1'"),
+    ("atn_out.0", r"did you mean 'attn_out\.0'"),
+    ("blocks.1.hook_resid_post", r"TransformerLens hook name; on this model the same quantity is "
+                                 r"the standard name 'resid_post\.1' \(the output of "
+                                 r"'transformer\.h\.1'\): did you mean 'resid_post\.1'\?"),
+    ("blocks.0.hook_attn_out", r"standard name 'attn_out\.0' \(the output of "
+                               r"'transformer\.h\.0\.attn\[0\]'\)"),
+    ("hook_embed", r"standard name 'embed' \(the output of 'transformer\.wte'\)"),
+    ("ln_final.hook_normalized", r"standard name 'final_norm' \(the output of 'transformer\.ln_f'\)"),
+])
+def test_a_misspelt_standard_or_transformer_lens_name_suggests_the_standard_name(
+        name: str, fix: str) -> None:
+    # finding 09: only the top-level modules were suggested
+    model, _ = build("gpt2")
+    with pytest.raises(SelectorError, match=fix):
+        hookscope.select(model, name)
+
+
+def test_transformer_lens_names_on_a_model_without_blocks_get_the_usual_message() -> None:
+    with pytest.raises(SelectorError, match=r"top-level modules are '0', '1'"):
+        hookscope.select(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), "blocks.1.hook_resid_post")

@@ -46,7 +46,12 @@ from hookscope.engine.checks import check_iterable, check_nonempty
 from hookscope.engine.function_names import split_address
 from hookscope.engine.names import ModuleIndex, index
 from hookscope.engine.record_key import ROOT, RecordKey, record_name
-from hookscope.engine.standard_names import is_standard, resolve_standard
+from hookscope.engine.standard_names import (
+    from_transformer_lens,
+    is_standard,
+    known_standard_names,
+    resolve_standard,
+)
 from hookscope.engine.wrappers import unwrap
 from hookscope.errors import SelectorError
 
@@ -324,10 +329,11 @@ def _unknown_message(names: ModuleIndex, name: str, parts: tuple[int | str, ...]
         fix = rest + "".join(f"[{p}]" for p in parts)
         return (f"no module named '{name}': did you mean '{fix}'? Paths start below the model; "
                 f"'{head}.' is the variable that holds it in your code, not part of any path")
-    functional = _functional_message(names, name)
+    functional = _functional_message(names, name) or _transformer_lens_message(names, name)
     if functional:
         return functional
     keys = [p for p, m in names.modules.items() if p and not is_container(m)]
+    keys += known_standard_names(names)
     keys += [a for aliases in names.aliases.values() for a in aliases]
     keys += [f"{p}.{k}" if p else k for p, m in names.modules.items()
              for k in (*m._parameters, *m._buffers)]
@@ -340,6 +346,22 @@ def _unknown_message(names: ModuleIndex, name: str, parts: tuple[int | str, ...]
     return (f"no module or state_dict key named '{name}': {hint} "
             f"(names are as model.named_modules() gives them; 'hookscope tree MODEL' lists them all)"
             f"{_graph_module_hint(names.root)}")
+
+
+def _transformer_lens_message(names: ModuleIndex, name: str) -> str | None:
+    """``'blocks.1.hook_resid_post'`` (a TransformerLens hook name) on a model that has the
+    standard name it means (``resid_post.1``): say which, and the module it resolves to."""
+    standard = from_transformer_lens(name)
+    if standard is None:
+        return None
+    try:
+        ((_, path, parts),) = resolve_standard(names, standard)
+    except SelectorError:
+        return None
+    where = path + "".join(f"[{p}]" for p in parts)
+    return (f"no module named '{name}': it is a TransformerLens hook name; on this model the same "
+            f"quantity is the standard name '{standard}' (the output of '{where}'): did you mean "
+            f"'{standard}'?")
 
 
 def _without_wrappers(names: ModuleIndex, name: str) -> str:

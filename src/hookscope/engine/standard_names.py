@@ -59,6 +59,30 @@ def is_standard(name: str) -> bool:
     return _NAME.fullmatch(name) is not None
 
 
+_TRANSFORMER_LENS = re.compile(
+    r"blocks\.(\d+)\.hook_(resid_pre|resid_post|attn_out|mlp_out)|hook_embed|ln_final\.hook_normalized")
+
+
+def from_transformer_lens(name: str) -> str | None:
+    """The standard name of a TransformerLens hook name (``blocks.3.hook_resid_post`` ->
+    ``resid_post.3``, ``hook_embed`` -> ``embed``, ``ln_final.hook_normalized`` ->
+    ``final_norm``); None for any other name."""
+    match = _TRANSFORMER_LENS.fullmatch(name)
+    if match is None:
+        return None
+    if match.group(1) is not None:
+        return f"{match.group(2)}.{match.group(1)}"
+    return "embed" if name == "hook_embed" else "final_norm"
+
+
+def known_standard_names(names: ModuleIndex) -> list[str]:
+    """Every standard name the model has, bare (``resid_post.0``, ``attn_out.0``, ...,
+    ``resid_pre.{i}`` included): the candidates of a did-you-mean."""
+    found = [name.split("[")[0] for named in standard_names(names).values() for name in named]
+    blocks = sum(name.startswith("resid_post.") for name in found)
+    return found + [f"resid_pre.{i}" for i in range(1, blocks)]
+
+
 def unresolved_standard(name: str, held: str) -> str:
     """The sentence an error adds when ``name``, looked up in ``held`` (what holds recorded
     values: "this file", "this store"), is a standard name that was not recorded as one (a
