@@ -38,6 +38,7 @@ from hookscope.errors import (
     HookNeverFiredError,
     HookNeverFiredWarning,
     HookscopeError,
+    HookscopeWarning,
     MisalignedLabelsWarning,
     MissingExtraError,
     ModelCodeError,
@@ -50,6 +51,7 @@ from hookscope.errors import (
     StoreCorruptError,
     StoreError,
     StoreExistsError,
+    TrainingModeWarning,
 )
 from hookscope.record.capture import CallInputs, Capture, capture, run
 from hookscope.record.generation import GenerationCapture, capture_generation
@@ -86,6 +88,7 @@ __all__ = [
     "HookInfo",
     "HookNeverFiredError",
     "HookNeverFiredWarning",
+    "HookscopeWarning",
     "HookscopeError",
     "LayerDiff",
     "LogitLens",
@@ -112,6 +115,7 @@ __all__ = [
     "StoreExistsError",
     "Sweep",
     "TensorSummary",
+    "TrainingModeWarning",
     "TreeRow",
     "ablate",
     "attention",

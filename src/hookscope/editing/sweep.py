@@ -28,6 +28,7 @@ from hookscope.engine.checks import (
     check_iterable,
     check_nonempty,
     check_positions,
+    warn_if_dropout_trains,
 )
 from hookscope.engine.layout import Layout
 from hookscope.engine.names import one_index_per_call
@@ -188,7 +189,7 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
     of such an attention value is patched on its own at each position. Forwards run under
     ``torch.no_grad()`` in the model's
     current mode (call ``model.eval()`` first: in training mode dropout makes every forward
-    differ), and the model is left as it was found afterwards (BatchNorm statistics, spectral
+    differ, and a ``TrainingModeWarning`` says so), and the model is left as it was found afterwards (BatchNorm statistics, spectral
     norm, train/eval flags, ``requires_grad``, ``.grad``, the RNG state:
     ``engine.run.untouched``); ``batch_size``
     patched runs share one forward (the corrupted batch repeated along dim 0, each copy patched
@@ -243,6 +244,7 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
     """
     targets = resolve(model, as_patterns(layers))
     _check_arguments(metric, heads, progress, batch_size)
+    warn_if_dropout_trains(model, "patching_sweep")
     check_flag("all_positions", all_positions)
     clean, corrupted = _plain(clean), _plain(corrupted)
     check_sweep_positions(positions, clean, corrupted)
