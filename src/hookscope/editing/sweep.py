@@ -190,8 +190,8 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
     ``torch.no_grad()`` in the model's
     current mode (call ``model.eval()`` first: in training mode dropout makes every forward
     differ, and a ``TrainingModeWarning`` says so), and the model is left as it was found
-    afterwards (BatchNorm statistics, spectral norm, train/eval flags, ``requires_grad``, ``.grad``, the RNG state:
-    ``engine.run.untouched``); ``batch_size``
+    afterwards (BatchNorm statistics, spectral norm, train/eval flags, ``requires_grad``,
+    ``.grad``, the RNG state: ``engine.run.untouched``); ``batch_size``
     patched runs share one forward (the corrupted batch repeated along dim 0, each copy patched
     at its own position), so ``metric`` sees each copy's output alone.
 
