@@ -100,7 +100,7 @@ def test_a_goal_is_met_only_when_its_upper_quartile_meets_it(monkeypatch):
     [met] = [g for g in report.goals([run(1.0, 1.05, 1.1)]) if g["goal"].startswith("per-call")]
     assert met["met"] is True and met["q3"] == pytest.approx(1.075)
     # a figure that was not measured is neither met nor missed
-    [gpt2] = [g for g in report.goals([run(1.0)]) if g["goal"].startswith("GPT-2")]
+    [gpt2] = [g for g in report.goals([run(1.0)]) if g["goal"].startswith("GPT-2 all-module")]
     assert gpt2["met"] is None and gpt2["median"] is None
 
 
@@ -223,6 +223,19 @@ def test_throughput_rows_exist_and_are_against_the_raw_limits(monkeypatch, tmp_p
     assert math.isclose(table[2][2], table[2][1] / raw_w)  # store write against raw write
     assert math.isclose(table[4][2], table[4][1] / raw_r)  # store read against raw read
     assert (tmp_path / "t.md").read_text().count("\n| ") == 10  # header + 9 rows
+
+
+def test_throughput_rows_against_memory_are_the_local_rows_prefixed(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    from bench.throughput import main
+
+    table = main(["--mib", "1", "--places", "memory"])
+    names = [name for name, _, _, _ in table]
+    assert names[:2] == ["memory: raw write, one PUT of the bytes (limit)",
+                         "memory: raw read, one GET of the bytes (limit)"]
+    assert len(names) == 9 and all(n.startswith("memory: ") for n in names)
+    assert all(rate > 0 and ratio > 0 for _, rate, ratio, _ in table)
+    assert math.isclose(table[4][2], table[4][1] / table[1][1])  # read against memory's GET
 
 
 def test_sections_measured_alone_merge_into_results_and_render_again(bench_main, tmp_path):

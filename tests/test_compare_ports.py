@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hookscope import compare
-from hookscope.diagnostics.compare import TOLERANCES, Comparison
+from hookscope.diagnostics.comparison import TOLERANCES, Comparison
 from hookscope.diagnostics.pairing import weights
 from hookscope.errors import HookscopeError
 from tests.gpt2_port import Port

@@ -189,7 +189,7 @@ def test_cli_capture_with_a_function_address(tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "acts.safetensors"
     assert main(["capture", "tests.test_functional_addresses:lenet_factory", "--input",
-                 "randn:2,3,32,32", "--layer", "::max_pool2d", "--save", str(out)]) == 0
+                 "randn:2,3,32,32", "--layers", "::max_pool2d", "--save", str(out)]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if "max_pool2d" in line]
     assert [row[:3] for row in rows] == [["::max_pool2d", "0", "2x6x14x14"],
                                          ["::max_pool2d", "1", "2x16x5x5"]]
@@ -198,11 +198,11 @@ def test_cli_capture_with_a_function_address(tmp_path: Path,
 
 def test_cli_stats_and_diff_with_function_addresses(capsys: pytest.CaptureFixture[str]) -> None:
     model = "tests.test_functional_addresses:lenet_factory"
-    assert main(["stats", model, "--input", "randn:2,3,32,32", "--layer", "::relu#0"]) == 0
+    assert main(["stats", model, "--input", "randn:2,3,32,32", "--layers", "::relu#0"]) == 0
     [row] = [line.split() for line in capsys.readouterr().out.splitlines()
              if line.startswith("::relu#0")]
     assert row[1] == str(2 * 6 * 28 * 28) and row[4] == "0"  # count, min
-    assert main(["diff", model, model, "--input", "randn:2,3,32,32", "--layer",
+    assert main(["diff", model, model, "--input", "randn:2,3,32,32", "--layers",
                  "::max_pool2d"]) == 0
     rows = [line.split()[:3] for line in capsys.readouterr().out.splitlines()
             if line.startswith("::max_pool2d")]

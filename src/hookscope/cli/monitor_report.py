@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from hookscope.cli._common import add_parents_argument, add_positional, check_output_path, say
-from hookscope.diagnostics.nonfinite import INPUT, OUTSIDE
+from hookscope.diagnostics import INPUT, OUTSIDE
 from hookscope.errors import SpecError
-from hookscope.train.report import draw_records, read_run
+from hookscope.train import draw_records, read_run
+
+__all__ = ["HELP", "add_arguments", "run"]
 
 HELP = ("draw a hookscope.monitor run folder as a PNG: modules x steps heat maps of activation "
         "absmax and zero fraction, gradient norms, the guard's events")

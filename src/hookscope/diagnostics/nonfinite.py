@@ -10,7 +10,7 @@ later. A parent is reported only when the NaN comes from its own code between ch
 
 Backward: full backward hooks would break on in-place operations (pytorch/pytorch#61519), so the
 gradients are watched on the autograd graph itself: while the forward runs, a
-``TorchFunctionMode`` notes which module call created each autograd node; during the backward,
+function mode (``engine.each_call``) notes which module call created each autograd node; during the backward,
 a hook on every node sees the gradients coming in and going out. The first node whose incoming
 gradients are finite and whose outgoing ones are not made the non-finite gradient; its module
 is reported. The same mode names the first operation that turned finite inputs into a
@@ -28,19 +28,25 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
-from hookscope.engine import diagnose
-from hookscope.engine.checks import check_callable, check_flag
-from hookscope.engine.function_mode import entered
-from hookscope.engine.kinds import values_for
-from hookscope.engine.names import index
-from hookscope.engine.record_key import record_name
-from hookscope.engine.run import untouched
-from hookscope.engine.select import Target, unwrap
-from hookscope.engine.session import Observer
+from hookscope.engine import (
+    Observer,
+    Target,
+    check_callable,
+    check_flag,
+    each_call,
+    index,
+    preflight,
+    record_name,
+    untouched,
+    unwrap,
+    values_for,
+)
 from hookscope.errors import HookscopeError
-from hookscope.util.nested import iter_tensors
+from hookscope.util import iter_tensors
+
+__all__ = ["INPUT", "LOSS", "OUTSIDE", "NonFiniteOrigin", "TensorSummary", "find_nonfinite", "input_origin",
+           "loss_gradient_origin", "own_nonfinite"]
 
 Tensor = torch.Tensor
 MAX_POSITIONS = 8
@@ -266,7 +272,7 @@ def find_nonfinite(model: nn.Module, *args: Any, backward: bool = False,
     check_flag("backward", backward)
     if loss_fn is not None:
         check_callable("loss_fn", loss_fn, "lambda out: out.logits.sum()")
-    diagnose.preflight(model)
+    preflight(model)
     root, _ = unwrap(model)
     bad_input = input_origin(args, kwargs)
     tracker = _Tracker(root, record_nodes=backward)
@@ -282,7 +288,7 @@ def _search(tracker: _Tracker, root: nn.Module, args: tuple[Any, ...], kwargs: d
     """``find_nonfinite``'s search inside its session: the forward under the op watcher, then
     (``backward=True``, nothing found) the gradients with the node hooks."""
     forward = partial(_forward, tracker, root, args, kwargs, bad_input, backward, loss_fn)
-    with entered(_OpWatcher(tracker)): found, loss = forward()  # noqa: E701 - one line, as above
+    with each_call(tracker.saw_call): found, loss = forward()  # noqa: E701 - one line, as above
     if found is not None or loss is None:
         return found
     if bad_input is not None and not _is_finite(loss):
@@ -409,8 +415,14 @@ class _Tracker:
                                  own_nonfinite(module))
         self.busy = False
 
+    def saw_call(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: Any, output: Any) -> None:
+        """Called after each torch function inside the forward (``engine.each_call``): its
+        output, unless one of our own hooks ran it."""
+        if not self.busy and isinstance(output, (Tensor, tuple, list)):
+            self.note_op(getattr(func, "__name__", str(func)), (args, kwargs), output)
+
     def note_op(self, name: str, args: Any, output: Any) -> None:
-        """Called by ``_OpWatcher`` after each torch function inside the model."""
+        """What a torch function inside the model produced (``saw_call``)."""
         call = self.active[-1] if self.active else None
         if self.record_nodes:
             for tensor in iter_tensors(output):
@@ -445,21 +457,6 @@ class _Tracker:
                 tuple(TensorSummary.of(label, g) for label, g in produced),
                 [g for _, g in produced], own_nonfinite(module) if module is not None else ())
         return hook
-
-
-class _OpWatcher(TorchFunctionMode):
-    """Passes every torch function through, then tells the tracker what it produced."""
-
-    def __init__(self, tracker: _Tracker) -> None:
-        super().__init__()
-        self.tracker = tracker
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        output = func(*args, **(kwargs or {}))
-        if not self.tracker.busy and isinstance(output, (Tensor, tuple, list)):
-            self.tracker.note_op(getattr(func, "__name__", str(func)), (args, kwargs), output)
-        return output
 
 
 def _origin(path: str, class_name: str, index: int, phase: str, op: str | None,

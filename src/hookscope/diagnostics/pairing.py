@@ -17,8 +17,11 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from hookscope.engine.kinds import comparable
+from hookscope.engine import comparable
 from hookscope.errors import ArgumentValueError, HookscopeError
+
+__all__ = ["Call", "PairSpec", "Pairing", "Transform", "check_pair", "fingerprint", "kind", "pair_calls",
+           "transform_for", "weights"]
 
 Tensor = torch.Tensor
 #: brings A's output into B's layout; a tuple or list of tensors splits it into pieces

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.editing.edit import edit
+from hookscope.editing.edits import edit
 from hookscope.editing.sweep import (
     Metric,
     Sweep,
@@ -38,15 +38,18 @@ from hookscope.editing.sweep import (
     check_metric,
     check_sweep_positions,
 )
-from hookscope.engine.checks import check_flag, check_int, warn_if_dropout_trains
-from hookscope.engine.layout import Layout
-from hookscope.engine.names import one_index_per_call
-from hookscope.engine.run import untouched
-from hookscope.engine.select import as_patterns, resolve
+from hookscope.engine import (
+    Layout,
+    as_patterns,
+    check_flag,
+    check_int,
+    one_index_per_call,
+    resolve,
+    untouched,
+    warn_if_dropout_trains,
+)
 from hookscope.errors import EditError
-from hookscope.record.capture import capture
-from hookscope.record.grads import gradient_pass
-from hookscope.record.positions import tokens_first
+from hookscope.record import capture, gradient_pass, tokens_first
 
 __all__ = ["attribution_patching"]
 

@@ -20,28 +20,26 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from hookscope.editing.edit import edit
-from hookscope.engine.checks import (
+from hookscope.editing.edits import edit
+from hookscope.engine import (
+    Layout,
+    as_patterns,
     check_callable,
     check_flag,
     check_int,
     check_iterable,
     check_nonempty,
     check_positions,
+    one_index_per_call,
+    resolve,
+    untouched,
     warn_if_dropout_trains,
 )
-from hookscope.engine.layout import Layout
-from hookscope.engine.names import one_index_per_call
-from hookscope.engine.run import untouched
-from hookscope.engine.select import as_patterns, resolve
 from hookscope.errors import ArgumentTypeError, ArgumentValueError, EditError, PositionError, warn
-from hookscope.record.capture import capture
-from hookscope.record.positions import layout_positions, tokens_first
-from hookscope.util.extras import require
-from hookscope.util.figures import new_figure, save_figure
-from hookscope.util.nested import map_tensors
+from hookscope.record import capture, layout_positions, tokens_first
+from hookscope.util import map_tensors, new_figure, require, save_figure
 
-__all__ = ["Sweep", "patching_sweep"]
+__all__ = ["Sweep", "patching_sweep", "Metric", "cells", "check_metric", "check_sweep_positions"]
 
 Tensor = torch.Tensor
 Metric = Callable[[Any], "Tensor | float"]

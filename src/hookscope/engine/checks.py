@@ -46,10 +46,10 @@ from hookscope.errors import (
     warn,
 )
 
-__all__ = ["check_arity", "check_callable", "check_device", "check_dtype", "check_finite",
-           "check_flag", "check_int", "check_iterable", "check_model", "check_nonempty",
-           "check_number", "check_options", "check_positions", "check_run_dir", "check_tensor",
-           "check_token_ids", "warn_if_dropout_trains"]
+__all__ = ["check_arity", "check_callable", "check_device", "check_dtype", "check_finite", "check_flag",
+           "check_int", "check_iterable", "check_model", "check_nonempty", "check_number", "check_options",
+           "check_positions", "check_run_dir", "check_tensor", "check_token_ids", "check_path",
+           "warn_if_dropout_trains"]
 
 
 def _got(value: object) -> str:

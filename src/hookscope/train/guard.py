@@ -25,18 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.diagnostics.nonfinite import (
-    LOSS,
-    NonFiniteOrigin,
-    find_nonfinite,
-    loss_gradient_origin,
-)
-from hookscope.engine.checks import check_model
-from hookscope.engine.run import RngState, input_device, state_snapshot, untouched
-from hookscope.engine.select import unwrap
+from hookscope.diagnostics import LOSS, NonFiniteOrigin, find_nonfinite, loss_gradient_origin
+from hookscope.engine import RngState, check_model, input_device, state_snapshot, untouched, unwrap
 from hookscope.errors import BundleError, HookscopeError
 from hookscope.train.bundle import decode, read_bundle, write_bundle
-from hookscope.util.nested import iter_tensors
+from hookscope.util import iter_tensors
+
+__all__ = ["ReplayBundle", "StepInputs", "drop_gradients", "grad_outputs", "gradients_finite", "replay"]
 
 Tensor = torch.Tensor
 

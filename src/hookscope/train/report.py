@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from hookscope.errors import HookscopeError, SpecError, warn
-from hookscope.util.figures import DPI, FIGURE_SIZE_PX, new_figure, save_figure
-from hookscope.util.files import advice, read_regular
+from hookscope.util import DPI, FIGURE_SIZE_PX, advice, new_figure, read_regular, save_figure
+
+__all__ = ["draw_records", "draw_run", "read_run", "run_figure"]
 
 MAX_RECORDS_BYTES = 2**30  # a records file larger than this (1 GiB) is refused before reading
 

@@ -19,6 +19,9 @@ from typing import Any
 
 from hookscope.errors import OutputExistsError
 
+__all__ = ["advice", "check_new_file", "fsync_folder", "read_regular", "write_all", "write_atomic",
+           "write_bytes"]
+
 _ADVICE = {
     errno.ENOSPC: "the disk is full: free space, or write to another disk",
     errno.EDQUOT: "the disk quota is used up: free space, or write elsewhere",

@@ -32,18 +32,31 @@ from hookscope.diagnostics.pairing import (
     transformed,
     weights,
 )
-from hookscope.engine import diagnose
-from hookscope.engine.checks import check_number
-from hookscope.engine.kinds import comparable
-from hookscope.engine.names import ModuleIndex
-from hookscope.engine.run import input_device, untouched
-from hookscope.engine.select import Target, as_patterns
-from hookscope.engine.session import Observer, resolve_checked
+from hookscope.engine import (
+    ModuleIndex,
+    Observer,
+    Target,
+    as_patterns,
+    check_number,
+    comparable,
+    explain_no_hooks,
+    input_device,
+    resolve_checked,
+    untouched,
+)
 from hookscope.errors import ArgumentTypeError, ArgumentValueError, HookscopeError, SelectorError
-from hookscope.record.capture import capture
-from hookscope.record.records import CallInputs
-from hookscope.util.figures import new_figure, save_figure
-from hookscope.util.nested import Keys, get_part, iter_tensors, iter_tensors_with_keys, map_tensors
+from hookscope.record import CallInputs, capture
+from hookscope.util import (
+    Keys,
+    get_part,
+    iter_tensors,
+    iter_tensors_with_keys,
+    map_tensors,
+    new_figure,
+    save_figure,
+)
+
+__all__ = ["Comparison", "LayerDiff", "OUTPUT", "PairDiff", "compare", "plot_errors"]
 
 Tensor = torch.Tensor
 Key = tuple[str, int]
@@ -452,11 +465,11 @@ def _require_pairs(targets_a: dict[str, Target], targets_b: dict[str, Target],
         f"--pair auto), or by name rules, pair={{'h.{{i}}.attn': 'layers.{{i}}.attn'}} (hookscope "
         f"diff --pair 'h.{{i}}.attn=layers.{{i}}.attn'); or compare the submodules that "
         f"correspond, compare(model_a.encoder, model_b.backbone, x), or select names both have "
-        f"with layers=[...] (--layer)")
+        f"with layers=[...] (--layers)")
 
 
 def _require_hooks_fired(model: nn.Module, fired: bool) -> None:
-    why = diagnose.explain_no_hooks(model)
+    why = explain_no_hooks(model)
     if not fired and why is not None:
         raise HookscopeError(f"cannot compare: {why}")
 
