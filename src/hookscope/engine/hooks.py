@@ -45,7 +45,6 @@ from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
 from hookscope.engine import compiled
-from hookscope.engine.record_key import record_name
 from hookscope.errors import HookscopeError
 
 __all__ = ["OwnedHook", "RecordingHook", "output_of", "nothing", "ModuleHooks", "register", "owner",
@@ -213,7 +212,7 @@ compiled.eager_when_called(RecordingHook.__call__.__code__)
 def other_threads(path: str, calls: int) -> str:
     """Why a target recorded nothing although its module ran ``calls`` times, every time in a
     thread other than the one that entered the block (module and ``path::fn`` targets alike)."""
-    return (f"{record_name(path)} ran {calls} time{'s' if calls > 1 else ''}, all in other "
+    return (f"{path or 'the model'} ran {calls} time{'s' if calls > 1 else ''}, all in other "
             f"threads: a hookscope block records only the calls made by the thread that entered "
             f"it (so concurrent requests never mix). Enter the block in the thread that calls the "
             f"model")
