@@ -72,7 +72,14 @@ from hookscope.engine.run import (
     state_snapshot,
     untouched,
 )
-from hookscope.engine.selection import Target, as_patterns, is_container, resolve, select
+from hookscope.engine.selection import (
+    Target,
+    as_patterns,
+    flat_patterns,
+    is_container,
+    resolve,
+    select,
+)
 from hookscope.engine.session import HookSession, Observer, OnUnfired, resolve_checked, resolve_each
 from hookscope.engine.standard_naming import (
     blocks_of,
@@ -110,7 +117,7 @@ __all__ = ["FunctionCall", "RecordingHook", "GracefulStop", "exit_at_interrupt",
            "library_of", "locate_error", "model_inputs", "no_values_reason", "nothing", "on_optimizer_step",
            "on_tensor_grad", "one_index_per_call", "output_of", "outside_inference", "owner", "preflight",
            "refuse_uninterceptable", "registered", "resolve", "resolve_checked", "resolve_each", "rows_for",
-           "select", "shares_memory", "special", "standard_names",
+           "select", "shares_memory", "special", "standard_names", "flat_patterns",
            "record_name", "from_transformer_lens", "known_standard_names", "unresolved_standard",
            "warn_if_dropout_trains", "state_snapshot", "unregister",
            "untouched", "unwrap", "values_for", "version_of", "blocks_of", "branch_norms",

@@ -37,6 +37,7 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -56,7 +57,7 @@ from hookscope.engine.standard_naming import (
 from hookscope.engine.wrappers import unwrap
 from hookscope.errors import SelectorError
 
-__all__ = ["Target", "select", "resolve", "unwrap", "is_container", "ROOT", "as_patterns"]
+__all__ = ["flat_patterns", "Target", "select", "resolve", "unwrap", "is_container", "ROOT", "as_patterns"]
 
 _PART = re.compile(r"\[([^\[\]]+)\]$")
 _INNER_INDEX = re.compile(r"\[\s*(['\"]?)([^\[\]'\"]+)\1\s*\](?=[.\[]|$)")
@@ -108,13 +109,14 @@ def is_container(module: nn.Module) -> bool:
     return getattr(type(module), "forward", None) is nn.Module.forward
 
 
-def select(model: nn.Module, *layers: str) -> dict[str, nn.Module]:
+def select(model: nn.Module, *layers: str | Sequence[str]) -> dict[str, nn.Module]:
     """Return the submodules that the patterns ``layers`` name, keyed by path, in ``named_modules()`` order.
 
     Args:
         model: root module (wrappers are looked through, see the module docstring).
         *layers: patterns: exact paths, ``state_dict()`` keys, globs, ``re:``, ``type:`` patterns.
-            Output parts in brackets are accepted and ignored here.
+            Output parts in brackets are accepted and ignored here. A list or tuple of patterns
+            stands for its patterns (``select(model, ["fc1", "fc2"])``), as in every verb.
 
     Returns:
         ``{path: module}`` without duplicates.
@@ -125,7 +127,7 @@ def select(model: nn.Module, *layers: str) -> dict[str, nn.Module]:
             in front), or names a container such as ``ModuleList`` exactly (the message gives
             the pattern of its children and how many modules that matches).
     """
-    return {t.path: t.module for t in resolve(model, layers)}
+    return {t.path: t.module for t in resolve(model, flat_patterns(layers))}
 
 
 def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str], *,
@@ -133,8 +135,7 @@ def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str], *,
     """Resolve ``patterns`` to ``Target`` s: modules in ``named_modules()`` order, one per
     distinct (path, parts). ``names`` is ``index(model)`` when the caller already has it (a
     session builds it once); else it is built here. Raises ``SelectorError`` as ``select`` does."""
-    if isinstance(patterns, str):
-        patterns = [patterns]
+    patterns = flat_patterns([patterns] if isinstance(patterns, str) else patterns)
     check_nonempty("layers", patterns, "'conv2', 'blocks.*', 'type:Linear' or '**' for every module")
     names = index(model) if names is None else names
     if len(patterns) == 1 and isinstance(patterns[0], str):  # already distinct, in module order
@@ -144,7 +145,8 @@ def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str], *,
     for pattern in patterns:
         if not isinstance(pattern, str):
             raise SelectorError(f"layers are patterns, each a string; got {type(pattern).__name__} "
-                                f"{pattern!r}")
+                                f"{pattern!r:.100}: pass strings, e.g. capture(model, 'fc1', "
+                                f"'blocks.*') or a list of them, capture(model, ['fc1', 'fc2'])")
         for target in _resolve_address(names, pattern.strip()):
             known = chosen.get((target.path, target.parts, target.op))
             if known is None or known.wide and not target.wide:  # a name typed too: not wide
@@ -153,6 +155,16 @@ def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str], *,
                 kept = chosen[(target.path, target.parts, target.op)]
                 kept.standard = tuple(dict.fromkeys(known.standard + target.standard))
     return sorted(chosen.values(), key=lambda t: order[t.path])
+
+
+def flat_patterns(patterns: Sequence[object]) -> list[str]:
+    """The patterns with each list or tuple among them replaced by its items (one level): the
+    one rule by which every verb takes names one by one, as a list, or both
+    (``capture(model, ["fc1", "fc2"])`` is ``capture(model, "fc1", "fc2")``)."""
+    flat: list[Any] = []  # a non-string item stays, for resolve to name it
+    for pattern in patterns:
+        flat.extend(pattern if isinstance(pattern, (list, tuple)) else [pattern])
+    return flat
 
 
 def _resolve_address(names: ModuleIndex, pattern: str) -> list[Target]:

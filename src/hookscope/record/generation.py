@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
@@ -28,7 +28,15 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from hookscope.engine import Observer, OnUnfired, Target, check_options, layout_of, unwrap
+from hookscope.engine import (
+    Observer,
+    OnUnfired,
+    Target,
+    check_options,
+    flat_patterns,
+    layout_of,
+    unwrap,
+)
 from hookscope.errors import CaptureError
 from hookscope.record.captures import Capture, capture, capture_options
 from hookscope.record.positions import tokens_first
@@ -269,7 +277,7 @@ def _fed_tokens(path: str, record: GenerationRecord) -> Tensor:
     return value
 
 
-def capture_generation(model: nn.Module, *layers: str, on_unfired: OnUnfired = "warn",
+def capture_generation(model: nn.Module, *layers: str | Sequence[str], on_unfired: OnUnfired = "warn",
                        **options: Any) -> GenerationCapture:
     """Capture selected modules across ``model.generate()``, labelled by step and positions.
 
@@ -298,4 +306,4 @@ def capture_generation(model: nn.Module, *layers: str, on_unfired: OnUnfired = "
         ArgumentValueError: a keyword that is not an option of ``capture`` (at once).
         CaptureError: during generation, the root was called without token inputs.
     """
-    return GenerationCapture(model, layers, on_unfired, options)
+    return GenerationCapture(model, tuple(flat_patterns(layers)), on_unfired, options)
