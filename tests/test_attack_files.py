@@ -49,8 +49,8 @@ def test_save_never_replaces_a_dangling_link_without_overwrite(tmp_path: Path) -
         model(torch.ones(1, 2))
     link = tmp_path / "r.safetensors"
     os.symlink(tmp_path / "missing", link)
-    with pytest.raises(HookscopeError, match="exists; pass overwrite=True"):
-        acts.save(link, overwrite=False)
+    with pytest.raises(HookscopeError, match="exists: pass overwrite=True"):
+        acts.save(link)
     assert os.readlink(link) == str(tmp_path / "missing")
-    acts.save(link)  # asked: the link itself is replaced, what it pointed to is not created
+    acts.save(link, overwrite=True)  # asked: the link itself is replaced, what it pointed to is not created
     assert not link.is_symlink() and not (tmp_path / "missing").exists()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 import hookscope
 from hookscope.cli.main import main
@@ -166,6 +167,26 @@ def test_disk_full_during_extract_leaves_no_temporary_file(
     err = capsys.readouterr().err
     assert f"error: cannot use {out / 'shard-00000.safetensors'}: the disk is full" in err
     assert sorted(os.listdir(out)) == ["manifest.json"]  # the interrupted store, no temporaries
+
+
+def test_extract_data_takes_file_key_as_input_does(models: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    # finding 05: --input x.safetensors:ids worked, --data x.safetensors:ids "does not exist"
+    from safetensors.torch import save_file
+    rows = torch.randn(6, 4)
+    save_file({"rows": rows, "other": torch.zeros(2, 4)}, str(tmp_path / "d.safetensors"))
+    data = f"{tmp_path / 'd.safetensors'}:rows"
+    assert main(["extract", f"{models}:small", "--data", data, "--layer", "0",
+                 "--out", str(tmp_path / "s"), "--no-progress"]) == 0
+    torch.manual_seed(0)
+    expected = nn.Linear(4, 3)(rows)
+    assert torch.allclose(hookscope.open_store(tmp_path / "s")["0"][0:6], expected)
+    assert main(["extract", f"{models}:small", "--data", str(tmp_path / "d.safetensors"),
+                 "--layer", "0", "--out", str(tmp_path / "s2"), "--no-progress"]) == 2
+    assert "pick one with" in capsys.readouterr().err
+    assert main(["extract", f"{models}:small", "--data", f"{tmp_path / 'd.safetensors'}:nokey",
+                 "--layer", "0", "--out", str(tmp_path / "s3"), "--no-progress"]) == 2
+    assert "has no tensor 'nokey'; it holds" in capsys.readouterr().err
 
 
 def test_written_files_get_the_umask_permissions(models: Path, tmp_path: Path) -> None:

@@ -193,3 +193,59 @@ def test_edited_value_is_what_a_capture_inside_records() -> None:
         got = model(x)
     assert_same(acts["fc1"], model.fc1(x) * 2)
     assert torch.equal(acts["fc2"], got)
+
+
+def _plain_hook_grad(model: nn.Module, x: torch.Tensor, value: torch.Tensor,
+                     edit: Any) -> torch.Tensor:
+    """The gradient of ``value`` when a plain forward hook on ``model[0]`` applies ``edit``."""
+    leaf = value.detach().clone().requires_grad_()
+    handle = model[0].register_forward_hook(lambda module, args, output: edit(output, leaf))
+    try:
+        model(x).sum().backward()
+    finally:
+        handle.remove()
+    assert leaf.grad is not None
+    return leaf.grad
+
+
+@pytest.mark.parametrize("verb", ["steer", "steer-positions", "patch", "ablate-mean",
+                                  "ablate-resample"])
+def test_edit_values_that_require_grad_get_a_plain_hooks_gradient(verb: str) -> None:
+    # finding 01: steer detached its vector, so a trained steering vector got grad None
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    value = torch.randn(3, 8) if verb.startswith(("patch", "ablate")) else torch.randn(8)
+    value.requires_grad_()
+    make, edit = {
+        "steer": (lambda v: hookscope.steer(model, {"0": v}, scale=2.0), lambda o, v: o + 2 * v),
+        "steer-positions": (lambda v: hookscope.steer(model, {"0": v}, positions=[0], seq_dim=1),
+                            lambda o, v: torch.cat([o[:, :1] + v[:1], o[:, 1:]], dim=1)),
+        "patch": (lambda v: hookscope.patch(model, source={"0": v}, layers="0"), lambda o, v: v),
+        "ablate-mean": (lambda v: hookscope.ablate(model, "0", how="mean", reference={"0": v}),
+                        lambda o, v: v.mean(0).expand_as(o)),
+        "ablate-resample": (lambda v: hookscope.ablate(model, "0", how="resample",
+                                                       reference={"0": v}), None),
+    }[verb]
+    torch.manual_seed(1)
+    with make(value):
+        model(x).sum().backward()
+    assert value.grad is not None
+    if edit is None:  # resample: rows drawn with the seed; the same draw by hand
+        torch.manual_seed(1)
+        rows = torch.randint(3, (3,))
+        edit = lambda o, v: v[rows]  # noqa: E731
+    assert torch.equal(value.grad, _plain_hook_grad(model, x, value, edit))
+
+
+def test_a_steering_vector_trains_across_steps_in_one_block() -> None:
+    # scale * vector is taken in each forward: a second backward needs a fresh graph
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    vector = torch.zeros(8, requires_grad=True)
+    with hookscope.steer(model, {"0": vector}, scale=0.5):
+        model(x).sum().backward()
+        model(x).sum().backward()
+    expected = _plain_hook_grad(model, x, vector, lambda o, v: o + 0.5 * v)
+    assert vector.grad is not None and torch.allclose(vector.grad, 2 * expected)

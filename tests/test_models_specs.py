@@ -108,6 +108,19 @@ def test_bad_specs_say_what_to_do(spec: str, fix: str) -> None:
         load_model(spec)
 
 
+def test_a_hugging_face_folder_without_hf_prefix_suggests_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # finding 06: a folder holding config.json got "unknown model", no hint toward 'hf:'
+    (tmp_path / "gpt2dir").mkdir()
+    (tmp_path / "gpt2dir" / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SpecError, match=r"did you mean 'hf:gpt2dir'\?"):
+        load_model("gpt2dir")
+    from hookscope.cli.main import main
+    assert main(["capture", "gpt2dir", "--input", "randn:1,4", "--layer", "0"]) == 2
+    assert "did you mean 'hf:gpt2dir'?" in capsys.readouterr().err
+
+
 def test_factory_returning_a_non_module_is_refused(factory_file: Path) -> None:
     with pytest.raises(SpecError, match=r"gave a int, not a torch\.nn\.Module"):
         load_model(f"{factory_file}:not_a_model")

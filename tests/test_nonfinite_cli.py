@@ -29,9 +29,30 @@ class LogHead(nn.Module):
 def test_nan_found_exits_1_and_names_the_module(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["nan", "tests.test_nonfinite_cli:LogHead", "--input", "randn:5,4"]) == 1
     out, err = capsys.readouterr()
-    assert out.startswith("first non-finite output: the root module (LogHead), call 0, forward "
+    assert out.startswith("first non-finite output: '(root)' (LogHead), call 0, forward "
                           "(first in op log)")
-    assert "non-finite values start in '' (LogHead)" in err
+    assert "non-finite values start in '(root)' (LogHead)" in err
+
+
+class SqrtNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.out = nn.Linear(4, 4), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.sqrt(torch.relu(self.fc(x))))
+
+
+def test_nan_backward_in_the_roots_own_forward_names_it_root_on_both_streams(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # finding 07: stderr said "start in '' (SqrtNet)" while stdout said "the root module"
+    assert main(["nan", "tests.test_nonfinite_cli:SqrtNet", "--input", "randn:3,4",
+                 "--backward"]) == 1
+    out, err = capsys.readouterr()
+    assert out.startswith("first non-finite gradient: '(root)' (SqrtNet), call 0, backward "
+                          "(first in op SqrtBackward0)")
+    assert "non-finite values start in '(root)' (SqrtNet)" in err
 
 
 def test_nan_json_has_stable_keys(capsys: pytest.CaptureFixture[str]) -> None:

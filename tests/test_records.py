@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 import hookscope
+from hookscope.errors import OutputExistsError
 from tests.models import SharedLinear, TupleOutput
 
 
@@ -42,6 +43,25 @@ def test_save_refuses_to_overwrite_and_leaves_no_temp(tmp_path: Path) -> None:
     with pytest.raises(hookscope.HookscopeError, match="overwrite=True"):
         acts.save(str(file), overwrite=False)
     assert file.read_bytes() == b"keep me" and os.listdir(tmp_path) == ["a.safetensors"]
+
+
+def test_save_refuses_an_existing_file_by_default_and_a_folder(tmp_path: Path) -> None:
+    # finding 02: save() replaced an existing file silently (the CLI's --save refuses it), and a
+    # folder gave a bare IsADirectoryError
+    model = SharedLinear()
+    with hookscope.capture(model, "lin") as acts:
+        model(torch.randn(1, 6))
+    file = tmp_path / "precious.safetensors"
+    file.write_bytes(b"my data")
+    with pytest.raises(OutputExistsError, match=r"pass overwrite=True to replace it \(the CLI's "
+                                                r"--overwrite\), or pick another name"):
+        acts.save(file)
+    assert file.read_bytes() == b"my data"
+    with pytest.raises(OutputExistsError, match="is a folder.*give a file name inside it"):
+        acts.save(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["precious.safetensors"]
+    acts.save(file, overwrite=True)
+    assert torch.equal(hookscope.load(file)["lin", 1], acts["lin", 1])
 
 
 def test_load_errors_are_clear(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ bitwise what it was; an undamaged one replays identically."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import pickle
@@ -221,3 +222,30 @@ def test_replay_of_none_names_the_fix() -> None:
         hookscope.replay(None, _model())  # type: ignore[arg-type]
     with pytest.raises(ArgumentTypeError, match="model"):
         hookscope.replay("x.safetensors", None)  # type: ignore[arg-type]
+
+
+def test_replay_on_the_fixed_model_says_the_forward_is_finite_now(bundle_bytes: bytes,
+                                                                   tmp_path: Path) -> None:
+    # finding 08: replaying a bundle on the fixed model blamed '<loss>' (loss_fn), a module the
+    # user never defined; the recorded outputs were non-finite, so only their recorded gradient is
+    file = tmp_path / "nonfinite-step-1.safetensors"
+    file.write_bytes(bundle_bytes)
+    bundle = hookscope.ReplayBundle.load(file)
+    assert bundle.forward_finite is False
+    still_broken = _model()
+    still_broken[1].temperature = 0.0
+    origin = hookscope.replay(file, still_broken)
+    assert origin is not None and (origin.path, origin.phase) == ("1", "forward")
+    fixed = _model()  # temperature 1.0: the fix
+    origin = hookscope.replay(file, fixed)
+    assert origin is not None and (origin.path, origin.phase, origin.call_index) == (
+        "<recorded gradient>", "backward", 1)
+    assert str(origin).startswith("the forward is finite now")
+    assert "only the gradient recorded in the bundle is non-finite" in str(origin)
+    assert "check the backward on a fresh training step" in str(origin)
+    older = tmp_path / "older.safetensors"  # a bundle written before forward_finite: as before
+    dataclasses.replace(bundle, forward_finite=None).save(older)
+    assert "forward_finite" not in json.loads(safetensors.safe_open(
+        str(older), "pt").metadata()["fields"])
+    origin = hookscope.replay(older, _model())
+    assert origin is not None and origin.path == "<loss>"

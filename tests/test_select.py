@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -141,3 +145,51 @@ def test_suggestions_never_offer_a_container() -> None:
     with pytest.raises(SelectorError) as err:
         hookscope.select(ModuleListBlocks(), "pos_blok")
     assert "'pos_block'" not in str(err.value)
+
+
+def _verbs() -> dict[str, Any]:
+    """Each verb that takes module names, run on ``model`` with the names ``names`` (a list or a
+    tuple, or a list among separate names), returning the names it selected."""
+    x = torch.randn(3, 4)
+
+    def captured(model: nn.Module, *names: Any) -> list[str]:
+        with hookscope.capture(model, *names) as acts:
+            model(x)
+        return sorted(acts.paths)
+
+    def ablated(model: nn.Module, names: Any) -> list[str]:
+        with hookscope.ablate(model, names) as edits:
+            model(x)
+        return sorted(p for p, n in edits.counts.items() if n)
+
+    def stored(model: nn.Module, names: Any) -> list[str]:
+        with tempfile.TemporaryDirectory() as folder:
+            store = hookscope.extract(model, [x], names, Path(folder) / "s", progress=False)
+            found = sorted(store.layers)
+            store.close()
+            return found
+
+    return {
+        "select": lambda model, names: sorted(hookscope.select(model, names)),
+        "select-mixed": lambda model, names: sorted(hookscope.select(model, names[:1], *names[1:])),
+        "capture": captured,
+        "capture-mixed": lambda model, names: captured(model, list(names[:1]), *names[1:]),
+        "ablate": ablated,
+        "stats": lambda model, names: sorted(hookscope.stats(model, [x], names)),
+        "extract": stored,
+    }
+
+
+@pytest.mark.parametrize("verb", list(_verbs()))
+@pytest.mark.parametrize("kind", [list, tuple])
+def test_every_verb_takes_a_list_or_tuple_of_names(verb: str, kind: type) -> None:
+    # finding 04: capture(model, ["a", "b"]) was refused, "patterns are strings; got list"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    assert _verbs()[verb](model, kind(["0", "2"])) == ["0", "2"]
+
+
+def test_a_name_that_is_no_string_says_how_to_pass_several() -> None:
+    with pytest.raises(SelectorError, match=r"pass strings, e\.g\. capture\(model, 'fc1', "
+                                            r"'blocks\.\*'\) or a list of them"):
+        hookscope.select(nn.Sequential(nn.Linear(2, 2)), 0)  # type: ignore[arg-type]

@@ -5,6 +5,7 @@ modules they name, and one steering script runs unchanged on all."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -212,3 +213,60 @@ def test_tree_shows_the_standard_names() -> None:
     assert found["lm_head"] == ["unembed"]
     rows = {row.path: row for row in hookscope.tree(model)}
     assert "standard name: attn_out.0[0]" in rows["transformer.h.0.attn"].note
+
+
+def test_a_saved_file_and_a_store_answer_the_standard_names_they_were_made_with(
+        tmp_path: Path) -> None:
+    # finding 03: acts["resid_post.1"] worked on the capture only, not on load(file) or a store
+    model, inputs = build("gpt2")
+    with torch.no_grad(), hookscope.capture(model, "resid_post.1", "attn_out.0") as acts:
+        model(**inputs)
+    acts.save(tmp_path / "a.safetensors")
+    loaded = hookscope.load(tmp_path / "a.safetensors")
+    expected = _plain(model, "transformer.h.1", inputs)
+    assert torch.equal(loaded["resid_post.1"], expected)
+    assert torch.equal(loaded["attn_out.0"], acts["attn_out.0"])
+    assert torch.equal(loaded["transformer.h.1"], expected)  # the path still reads
+    store = hookscope.extract(model, [inputs["input_ids"]], "resid_post.1", tmp_path / "st",
+                              progress=False)
+    assert torch.equal(store["resid_post.1"][0:2], store["transformer.h.1"][0:2])
+    assert torch.equal(store["resid_post.1"][0:2], expected)
+    reopened = hookscope.open_store(tmp_path / "st")
+    assert reopened.standard_names == {"resid_post.1": "transformer.h.1"}
+
+
+def test_a_standard_name_not_recorded_says_what_it_is(tmp_path: Path) -> None:
+    model, inputs = build("gpt2")
+    with torch.no_grad(), hookscope.capture(model, "transformer.h.1") as acts:
+        model(**inputs)
+    acts.save(tmp_path / "a.safetensors")
+    store = hookscope.extract(model, [inputs["input_ids"]], "transformer.h.1", tmp_path / "st",
+                              progress=False)
+    for holder in (hookscope.load(tmp_path / "a.safetensors"), store):
+        with pytest.raises(hookscope.HookscopeError, match=r"'resid_post.1' is a standard name.*"
+                                                          r"read the module path it resolves to"):
+            holder["resid_post.1"]
+
+
+@pytest.mark.parametrize(("name", "fix"), [
+    ("resid_pst.1", r"did you mean 'resid_post\.1'"),
+    ("atn_out.0", r"did you mean 'attn_out\.0'"),
+    ("blocks.1.hook_resid_post", r"TransformerLens hook name; on this model the same quantity is "
+                                 r"the standard name 'resid_post\.1' \(the output of "
+                                 r"'transformer\.h\.1'\): did you mean 'resid_post\.1'\?"),
+    ("blocks.0.hook_attn_out", r"standard name 'attn_out\.0' \(the output of "
+                               r"'transformer\.h\.0\.attn\[0\]'\)"),
+    ("hook_embed", r"standard name 'embed' \(the output of 'transformer\.wte'\)"),
+    ("ln_final.hook_normalized", r"standard name 'final_norm' \(the output of 'transformer\.ln_f'\)"),
+])
+def test_a_misspelt_standard_or_transformer_lens_name_suggests_the_standard_name(
+        name: str, fix: str) -> None:
+    # finding 09: only the top-level modules were suggested
+    model, _ = build("gpt2")
+    with pytest.raises(SelectorError, match=fix):
+        hookscope.select(model, name)
+
+
+def test_transformer_lens_names_on_a_model_without_blocks_get_the_usual_message() -> None:
+    with pytest.raises(SelectorError, match=r"top-level modules are '0', '1'"):
+        hookscope.select(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), "blocks.1.hook_resid_post")

@@ -187,3 +187,43 @@ def test_an_empty_folder_is_named_as_a_run_that_never_began(tmp_path: Path) -> N
     with pytest.raises(StoreError, match=r"s is not a hookscope store \(no manifest\.json\): it is "
                                          r"empty: an extraction stopped before it began"):
         open_store(tmp_path / "s")
+
+
+def test_a_folder_that_is_not_a_store_is_refused_naming_a_fix_that_works(tmp_path: Path) -> None:
+    # finding 11: the message suggested overwrite=True, which is then refused too
+    out = tmp_path / "photos"
+    out.mkdir()
+    (out / "cat.jpg").write_bytes(b"jpeg")
+    with pytest.raises(StoreExistsError, match=r"is not a hookscope store \(no manifest\.json; "
+                                               r"it holds 'cat\.jpg'\).*choose another output "
+                                               r"folder") as refused:
+        _store(out)
+    assert "overwrite=True" not in str(refused.value)
+    for flag in ("resume", "overwrite"):  # what the old message suggested: refused as well
+        with pytest.raises(StoreExistsError, match="Choose another output folder"):
+            _store(out, **{flag: True})
+    assert os.listdir(out) == ["cat.jpg"]
+
+
+class _Other(nn.Sequential):
+    pass
+
+
+def test_resuming_a_complete_store_of_another_model_says_the_model_differs(tmp_path: Path) -> None:
+    # finding 11: it spoke of "the interrupted run" and not of the model
+    from hookscope.errors import ExtractError
+    out = tmp_path / "store"
+    _store(out)
+    before = _files(out)
+    with pytest.raises(ExtractError, match=r"extracted from another model, torch\.nn\.modules\."
+                                           r"container\.Sequential, and this run's is "
+                                           r".*_Other; the complete store's run can only be "
+                                           r"continued with its own model\. Choose another "
+                                           r"output folder"):
+        extract(_Other(nn.Identity()), TensorDataset(ROWS), "0", out, batch_size=4,
+                progress=False, resume=True)
+    with pytest.raises(ExtractError, match=r"batch_size \(--batch-size\) was 4, now 2.*what the "
+                                           r"complete store's run used"):
+        extract(nn.Sequential(nn.Identity()), TensorDataset(ROWS), "0", out, batch_size=2,
+                progress=False, resume=True)
+    assert _files(out) == before

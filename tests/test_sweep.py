@@ -3,6 +3,7 @@ from a config (random weights) and on MiniLM; batching copies does not change th
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -152,3 +153,30 @@ def test_plot_tokens_of_the_wrong_length_is_an_argument_error(tmp_path: Path) ->
                        match=r"tokens has 2 labels for 5 positions \[0, 1, 2, 3, 4\]"):
         _head_sweep(1).plot(tmp_path / "sweep.png", tokens=["a", "b"])
     assert not (tmp_path / "sweep.png").exists()
+
+
+@pytest.mark.parametrize("verb", ["patching_sweep", "attribution_patching"])
+def test_many_forward_verbs_warn_once_about_dropout_in_training_mode(verb: str) -> None:
+    # finding 10: a sweep of a model left in train() ran every forward with dropout on, silently
+    model = tiny_gpt2(pad=False).train()
+    clean, corrupted = torch.tensor([[3, 9, 14, 2]]), torch.tensor([[3, 9, 40, 2]])
+    run = getattr(hookscope, verb)
+    kwargs: dict[str, Any] = {"progress": False} if verb == "patching_sweep" else {}
+    with pytest.warns(hookscope.TrainingModeWarning, match=r"call model\.eval\(\) first") as seen:
+        run(model, clean, corrupted, layers="transformer.h.*", metric=logit_diff, **kwargs)
+    assert len([w for w in seen if issubclass(w.category, hookscope.TrainingModeWarning)]) == 1
+    assert issubclass(hookscope.TrainingModeWarning, hookscope.HookscopeWarning)
+    assert model.training  # the mode is the user's: warned, not changed
+    for quiet in (model.eval(), _no_dropout_in_training()):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", hookscope.TrainingModeWarning)
+            run(quiet, clean, corrupted, layers="transformer.h.*", metric=logit_diff, **kwargs)
+
+
+def _no_dropout_in_training() -> nn.Module:
+    """A model in training mode whose dropout rates are all 0: nothing to warn about."""
+    import transformers
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=60, n_positions=32, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).train()

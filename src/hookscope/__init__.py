@@ -62,6 +62,7 @@ from hookscope.errors import (
     HookNeverFiredError,
     HookNeverFiredWarning,
     HookscopeError,
+    HookscopeWarning,
     MisalignedLabelsWarning,
     MissingExtraError,
     ModelCodeError,
@@ -74,6 +75,7 @@ from hookscope.errors import (
     StoreCorruptError,
     StoreError,
     StoreExistsError,
+    TrainingModeWarning,
 )
 from hookscope.record import (
     CallInputs,
@@ -115,6 +117,7 @@ __all__ = [
     "HookInfo",
     "HookNeverFiredError",
     "HookNeverFiredWarning",
+    "HookscopeWarning",
     "HookscopeError",
     "LayerDiff",
     "LogitLens",
@@ -142,6 +145,7 @@ __all__ = [
     "Sweep",
     "Edges",
     "TensorSummary",
+    "TrainingModeWarning",
     "TreeRow",
     "ablate",
     "attention",

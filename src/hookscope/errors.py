@@ -13,9 +13,10 @@ import torch
 __all__ = ["ArgumentTypeError", "ArgumentValueError", "AttentionError", "BundleError", "CaptureError",
            "ConcurrentModelError", "EditError", "EmptySelectionError", "ExtractError", "ExtractInterrupted",
            "FusedModuleWarning", "GradcamError", "HookNeverFiredError", "HookNeverFiredWarning",
-           "HookscopeError", "MisalignedLabelsWarning", "MissingExtraError", "ModelCodeError",
-           "MonitorFaultWarning", "NonFiniteStepError", "NonFiniteStepWarning", "PositionError",
-           "SelectorError", "SpecError", "StoreCorruptError", "StoreError", "StoreExistsError", "warn"]
+           "HookscopeError", "HookscopeWarning", "MisalignedLabelsWarning", "MissingExtraError",
+           "ModelCodeError", "MonitorFaultWarning", "NonFiniteStepError", "NonFiniteStepWarning",
+           "OutputExistsError", "PositionError", "SelectorError", "SpecError", "StoreCorruptError",
+           "StoreError", "StoreExistsError", "TrainingModeWarning", "warn"]
 
 # Frames in these files are hookscope's or the machinery between the user's line and hookscope
 # (context managers, nn.Module.__call__ running hooks): a warning is attributed past them.
@@ -62,7 +63,17 @@ class HookNeverFiredError(HookscopeError, RuntimeError):
         self.unfired = dict(unfired or {})
 
 
-class HookNeverFiredWarning(UserWarning):
+class HookscopeWarning(UserWarning):
+    """Base class of every warning hookscope issues on purpose (filter them all with
+    ``warnings.filterwarnings("ignore", category=hookscope.HookscopeWarning)``)."""
+
+
+class TrainingModeWarning(HookscopeWarning):
+    """A verb that compares many forward passes (``patching_sweep``, ``attribution_patching``)
+    runs a model whose dropout is in training mode, so each forward samples another mask."""
+
+
+class HookNeverFiredWarning(HookscopeWarning):
     """A selected module never ran while hooks were installed (``on_unfired="warn"``)."""
 
 
@@ -71,11 +82,11 @@ class NonFiniteStepError(HookscopeError, FloatingPointError):
     (a ``NonFiniteOrigin`` or None), ``step`` and ``bundle`` (path or None) say where."""
 
 
-class NonFiniteStepWarning(UserWarning):
+class NonFiniteStepWarning(HookscopeWarning):
     """The training guard found a non-finite value in a step, with ``guard="warn"``/``"skip"``."""
 
 
-class MonitorFaultWarning(UserWarning):
+class MonitorFaultWarning(HookscopeWarning):
     """``hookscope.monitor`` could not do part of its own work (write records or a replay
     bundle, summarise a value, hook an optimizer it does not know); training went on, and the
     fault is an ``{"event": "fault"}`` record in ``mon.events`` and the run folder."""
@@ -86,7 +97,7 @@ class BundleError(HookscopeError, ValueError):
     model was touched."""
 
 
-class FusedModuleWarning(UserWarning):
+class FusedModuleWarning(HookscopeWarning):
     """A selected module is a placeholder left by fusion (``fuse_modules``): its output is not
     what its name says."""
 
@@ -136,6 +147,10 @@ class StoreExistsError(HookscopeError, FileExistsError):
     """An extraction's output exists and neither resume nor overwrite was asked for."""
 
 
+class OutputExistsError(HookscopeError, FileExistsError):
+    """A file to write exists and ``overwrite`` was not asked for, or the path is a folder."""
+
+
 class ExtractError(HookscopeError, ValueError):
     """An extraction cannot start or go on: a bad argument, an output that cannot be stored
     row by row, or a resume whose arguments differ from the interrupted run's."""
@@ -162,7 +177,7 @@ class GradcamError(HookscopeError, ValueError):
     is not class scores, or a target class is out of range."""
 
 
-class MisalignedLabelsWarning(UserWarning):
+class MisalignedLabelsWarning(HookscopeWarning):
     """``extract`` stores a padded batch's layers ragged (real tokens only), but its labels are
     one ``(batch, seq)`` row of token labels per input, padding included: label ``j`` of a row
     is not the id of stored token ``j``."""

@@ -44,7 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_image_arguments(parser)
     parser.add_argument("--data", required=True, metavar="PATH",
                         help="a folder of images, a text file with one input a line, or a "
-                             "tensor file (.pt/.npy/.safetensors) with rows along dim 0")
+                             "tensor file (.pt/.npy/.safetensors; FILE:KEY for one tensor of "
+                             "several) with rows along dim 0")
     add_layer_argument(parser, required=True,
                        help="module paths or patterns, one or more; each becomes a store layer")
     parser.add_argument("--out", required=True, metavar="DIR",

@@ -7,6 +7,7 @@ import dataclasses
 
 from hookscope.cli._common import add_model_arguments, image_options, print_json, say
 from hookscope.diagnostics import INPUT, find_nonfinite
+from hookscope.engine import record_name
 from hookscope.zoo import load_inputs, load_model
 
 __all__ = ["HELP", "add_arguments", "run"]
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         print(found)
     if found is not None:
         where = (f"the input {found.bad_label}" if found.path == INPUT
-                 else f"'{found.path}' ({found.class_name})")
+                 else f"'{record_name(found.path)}' ({found.class_name})")
         say(f"{args.model}: non-finite values start in {where}")
         return 1
     return 0

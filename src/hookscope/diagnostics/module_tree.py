@@ -30,6 +30,7 @@ from hookscope.engine import (
     index,
     is_container,
     preflight,
+    record_name,
     select,
     standard_names,
     untouched,
@@ -302,7 +303,7 @@ def _never_ran_note(path: str, module: nn.Module, ran: dict[str, list[str]]) -> 
 
 
 def _cells(row: TreeRow, with_calls: bool, indent: int) -> list[str]:
-    name = "  " * indent + (row.path or "(root)")
+    name = "  " * indent + record_name(row.path)
     cells = [name, row.class_name, _param_cell(row.params), _param_cell(row.own_params)]
     if with_calls:
         calls = "-" if row.calls is None else str(row.calls)

@@ -37,6 +37,7 @@ from hookscope.engine import (
     each_call,
     index,
     preflight,
+    record_name,
     untouched,
     unwrap,
     values_for,
@@ -52,6 +53,8 @@ MAX_POSITIONS = 8
 INPUT = "<input>"  # NonFiniteOrigin.path when the model's inputs already hold NaN/Inf
 LOSS = "<loss>"  # NonFiniteOrigin.path when the loss (loss_fn's, or one outside the model) is NaN/Inf
 OUTSIDE = "loss outside the model"  # its class_name when only the loss's gradient is known
+RECORDED = "<recorded gradient>"  # path when a replay's forward is finite now, its recorded
+RECORDED_CLASS = "gradient recorded in the bundle"  # output gradient not (the model changed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,13 +166,21 @@ class NonFiniteOrigin:
                      f"{self.bad_label}, first at {first_at}; "
                      "no module made it: check the data (or the preprocessing) that produced it"]
             return "\n".join(lines + [f"  in  {s}" for s in self.outputs])
+        if self.path == RECORDED:
+            lines = [f"the forward is finite now: on the step's inputs and weights no module "
+                     f"makes a NaN or Inf any more; only the gradient recorded in the bundle is "
+                     f"non-finite ({_counts(self.outputs)} in {self.bad_label}, first at "
+                     f"{first_at}): the loss of step {self.call_index} sent it back from that "
+                     f"step's non-finite outputs, and the model has changed since. The forward "
+                     f"is fixed; check the backward on a fresh training step"]
+            return "\n".join(lines + [f"  out {s}" for s in self.outputs])
         if self.class_name == OUTSIDE:
             lines = [f"the loss computed outside the model is non-finite: the gradient it sent "
                      f"into the model's output holds {_counts(self.outputs)} ({self.bad_label}, "
                      f"first at {first_at}); no module made it: check the loss function (a log "
                      f"or division of 0, an overflow, a non-finite target or weight)"]
             return "\n".join(lines + [f"  out {s}" for s in self.outputs])
-        where = f"'{self.path}'" if self.path else "the root module"
+        where = f"'{record_name(self.path)}'"
         op = f" (first in op {self.op})" if self.op else ""
         what = "output" if self.phase == "forward" else "gradient"
         lines = [f"first non-finite {what}: {where} ({self.class_name}), call {self.call_index}, "
@@ -197,20 +208,28 @@ def _counts(summaries: tuple[TensorSummary, ...]) -> str:
     return ", ".join(f"{count} {kind}" for count, kind in totals if count)
 
 
-def loss_gradient_origin(grads: list[tuple[str, Tensor]]) -> NonFiniteOrigin | None:
+def loss_gradient_origin(grads: list[tuple[str, Tensor]], step: int, *,
+                         recorded: bool = False) -> NonFiniteOrigin | None:
     """The origin ``"<loss>"`` (``class_name`` ``"loss outside the model"``, ``phase``
     ``"backward"``) when a gradient the loss sent into the model's outputs holds NaN/Inf: the
     loss was computed outside the model and only its gradient is known (``replay``); else None.
+    With ``recorded`` (the recorded step's outputs were non-finite, this forward's are finite)
+    the origin is ``"<recorded gradient>"`` instead: the model changed since, and only the
+    gradient recorded at ``step`` is non-finite.
 
     Args:
         grads: ``(label, gradient)`` of each output that received one, e.g. ``("grad of
             output 0", (batch, classes) float32)``.
+        step: the recorded training step (its index is the origin's ``call_index``).
+        recorded: the recorded forward was not finite.
     """
     bad = [(label, g) for label, g in grads if not _is_finite(g)]
     if not bad:
         return None
     summaries = tuple(TensorSummary.of(label, g) for label, g in bad)
-    return _origin(LOSS, OUTSIDE, 0, "backward", None, (), summaries, [g for _, g in bad])
+    path, class_name = (RECORDED, RECORDED_CLASS) if recorded else (LOSS, OUTSIDE)
+    return _origin(path, class_name, step if recorded else 0, "backward", None, (), summaries,
+                   [g for _, g in bad])
 
 
 def find_nonfinite(model: nn.Module, *args: Any, backward: bool = False,

@@ -46,6 +46,7 @@ from hookscope.engine import (
     one_index_per_call,
     resolve,
     untouched,
+    warn_if_dropout_trains,
 )
 from hookscope.errors import EditError
 from hookscope.record import capture, gradient_pass, tokens_first
@@ -78,7 +79,7 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
     only. The gradient is taken with respect to each layer's output (a zero
     added to it), so frozen weights and integer inputs need nothing; no parameter's ``.grad``
     changes, and the model is left as it was found (``engine.run.untouched``). Call
-    ``model.eval()`` first.
+    ``model.eval()`` first (dropout in training mode: a ``TrainingModeWarning``).
 
     Args:
         model: root module.
@@ -125,6 +126,7 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
         check_int("seq_dim", seq_dim)
     clean, corrupted = _plain(clean), _plain(corrupted)
     check_sweep_positions(positions, clean, corrupted)
+    warn_if_dropout_trains(model, "attribution_patching")
     with untouched(model):
         with torch.no_grad(), capture(model, *keys, on_unfired="error") as acts:
             clean_metric = _number(metric(_forward(model, clean)))

@@ -395,6 +395,9 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
     Args:
         model: root module.
         vectors: ``{pattern: vector}``; each vector is cast to the output's device and dtype.
+            A vector that requires grad gets its gradient from each backward, as through a
+            plain hook (to train a steering vector); so does a ``patch`` source or an ``ablate``
+            reference given as tensors that require grad.
         scale: multiplier of every vector.
         positions: only these token positions, counted among real tokens when an attention mask
             is known: ``-1`` is the last real token of each row, right- or left-padded (see
@@ -438,9 +441,9 @@ def steer(model: nn.Module, vectors: Mapping[str, Tensor], *, scale: float = 1.0
             raise EditError(f"the steering vector for '{pattern}' is a {type(vector).__name__}; "
                             f"give a tensor, e.g. torch.tensor(values) of shape (d_model,)")
         _check_vector(f"vectors[{pattern!r}]", vector)
-        scaled = vector.detach() * scale
-        check_finite(f"scale * vectors[{pattern!r}] (scale={scale:g})", scaled)  # an overflow
-        rule = edit_rules.steer_rule(scaled)
+        check_finite(f"scale * vectors[{pattern!r}] (scale={scale:g})",  # an overflow
+                     vector.detach() * scale)
+        rule = edit_rules.steer_rule(vector, scale)
         if watcher is not None:
             rule = edit_rules.at_positions(rule, positions, watcher,
                                             edit_rules.Where(heads, seq_dim, absolute, over))

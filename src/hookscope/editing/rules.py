@@ -61,7 +61,9 @@ def reference_rule(records: SourceReader, how: str) -> Rule:
         def replace(live: Tensor, keys: tuple[int | str, ...]) -> Tensor:
             cached = pooled.get((target.key, keys))
             if cached is None:
-                cached = pooled[(target.key, keys)] = _pool(records, target, keys, how)
+                cached = _pool(records, target, keys, how)
+                if not cached.requires_grad:  # pooled anew each forward: a graph per backward
+                    pooled[(target.key, keys)] = cached
             rows = cached.to(device=live.device, dtype=live.dtype)
             if tuple(rows.shape[int(how == "resample"):]) != tuple(live.shape[1:]):
                 raise EditError(
@@ -82,7 +84,8 @@ def _pool(records: SourceReader, target: Target, keys: tuple[int | str, ...], ho
     if not calls:
         records.leaf(target, 0, keys)  # raises: the reference holds no record of the module
     try:
-        rows = torch.cat([c.detach() for c in calls])  # (rows, ...) over batches and calls
+        rows = torch.cat(calls)  # (rows, ...) over batches and calls; a reference that requires
+        # grad gets its gradient through the mean or the drawn rows
     except RuntimeError as err:
         raise EditError(f"the reference calls of '{target.key}' differ in shape past the batch "
                         f"dimension ({', '.join(str(tuple(c.shape)) for c in calls)}), so they "
@@ -90,7 +93,9 @@ def _pool(records: SourceReader, target: Target, keys: tuple[int | str, ...], ho
     return rows.float().mean(dim=0).to(rows.dtype) if how == "mean" else rows
 
 
-def steer_rule(vector: Tensor) -> Rule:
+def steer_rule(vector: Tensor, scale: float) -> Rule:
+    """Add ``scale * vector`` to the output; the product is taken in each forward, so a vector
+    that requires grad gets its gradient from every backward (training a steering vector)."""
     def rule(value: Any, target: Target, call: int) -> Any:
         if not isinstance(value, Tensor):
             raise EditError(f"'{target.key}' returns a {type(value).__name__}; steer one tensor "
@@ -108,9 +113,10 @@ def steer_rule(vector: Tensor) -> Rule:
             raise EditError(f"cannot add the complex vector ({vector.dtype}) to the output of "
                             f"'{target.key}', which is real ({value.dtype}): its imaginary part "
                             f"would be dropped; give a real vector")
+        scaled = vector * scale
         if value.dtype in _NO_ARITHMETIC:  # float8: added in float32, rounded back to float8
-            return (value.float() + vector.to(value.device, torch.float32)).to(value.dtype)
-        return value + vector.to(device=value.device, dtype=value.dtype)
+            return (value.float() + scaled.to(value.device, torch.float32)).to(value.dtype)
+        return value + scaled.to(device=value.device, dtype=value.dtype)
     return rule
 
 

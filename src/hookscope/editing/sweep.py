@@ -33,6 +33,7 @@ from hookscope.engine import (
     one_index_per_call,
     resolve,
     untouched,
+    warn_if_dropout_trains,
 )
 from hookscope.errors import ArgumentTypeError, ArgumentValueError, EditError, PositionError, warn
 from hookscope.record import capture, layout_positions, tokens_first
@@ -186,9 +187,9 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
     of such an attention value is patched on its own at each position. Forwards run under
     ``torch.no_grad()`` in the model's
     current mode (call ``model.eval()`` first: in training mode dropout makes every forward
-    differ), and the model is left as it was found afterwards (BatchNorm statistics, spectral
-    norm, train/eval flags, ``requires_grad``, ``.grad``, the RNG state:
-    ``engine.run.untouched``); ``batch_size``
+    differ, and a ``TrainingModeWarning`` says so), and the model is left as it was found
+    afterwards (BatchNorm statistics, spectral norm, train/eval flags, ``requires_grad``,
+    ``.grad``, the RNG state: ``engine.run.untouched``); ``batch_size``
     patched runs share one forward (the corrupted batch repeated along dim 0, each copy patched
     at its own position), so ``metric`` sees each copy's output alone.
 
@@ -241,6 +242,7 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
     """
     targets = resolve(model, as_patterns(layers))
     _check_arguments(metric, heads, progress, batch_size)
+    warn_if_dropout_trains(model, "patching_sweep")
     check_flag("all_positions", all_positions)
     clean, corrupted = _plain(clean), _plain(corrupted)
     check_sweep_positions(positions, clean, corrupted)

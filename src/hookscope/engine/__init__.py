@@ -31,6 +31,7 @@ from hookscope.engine.checks import (
     check_run_dir,
     check_tensor,
     check_token_ids,
+    warn_if_dropout_trains,
 )
 from hookscope.engine.compiled import eager_when_called
 from hookscope.engine.copy_on_write import eager_copy, lazy_copy, shares_memory, version_of
@@ -63,7 +64,7 @@ from hookscope.engine.layout import (
 )
 from hookscope.engine.names import ModuleIndex, index, one_index_per_call
 from hookscope.engine.origin import KNOWN_LIBRARIES, library_of
-from hookscope.engine.record_key import Part, RecordKey
+from hookscope.engine.record_key import Part, RecordKey, record_name
 from hookscope.engine.run import (
     RngState,
     detached_clones,
@@ -72,9 +73,24 @@ from hookscope.engine.run import (
     state_snapshot,
     untouched,
 )
-from hookscope.engine.selection import Target, as_patterns, is_container, resolve, select
+from hookscope.engine.selection import (
+    Target,
+    as_patterns,
+    flat_patterns,
+    is_container,
+    resolve,
+    select,
+)
 from hookscope.engine.session import HookSession, Observer, OnUnfired, resolve_checked, resolve_each
-from hookscope.engine.standard_naming import blocks_of, branch_norms, resolve_standard, standard_names
+from hookscope.engine.standard_naming import (
+    blocks_of,
+    branch_norms,
+    from_transformer_lens,
+    known_standard_names,
+    resolve_standard,
+    standard_names,
+    unresolved_standard,
+)
 from hookscope.engine.values import (
     NO_VALUES_FIX,
     check_has_values,
@@ -102,6 +118,8 @@ __all__ = ["FULLGRAPH", "FunctionCall", "RecordingHook", "GracefulStop", "exit_a
            "library_of", "locate_error", "model_inputs", "no_values_reason", "nothing", "on_optimizer_step",
            "on_tensor_grad", "one_index_per_call", "output_of", "outside_inference", "owner", "preflight",
            "refuse_uninterceptable", "registered", "resolve", "resolve_checked", "resolve_each", "rows_for",
-           "select", "shares_memory", "special", "standard_names", "state_snapshot", "unregister",
+           "select", "shares_memory", "special", "standard_names", "flat_patterns",
+           "record_name", "from_transformer_lens", "known_standard_names", "unresolved_standard",
+           "warn_if_dropout_trains", "state_snapshot", "unregister",
            "untouched", "unwrap", "values_for", "version_of", "blocks_of", "branch_norms",
            "resolve_standard"]

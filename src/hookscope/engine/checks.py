@@ -38,16 +38,44 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.errors import ArgumentTypeError, ArgumentValueError, EmptySelectionError
+from hookscope.errors import (
+    ArgumentTypeError,
+    ArgumentValueError,
+    EmptySelectionError,
+    TrainingModeWarning,
+    warn,
+)
 
 __all__ = ["check_arity", "check_callable", "check_device", "check_dtype", "check_finite", "check_flag",
            "check_int", "check_iterable", "check_model", "check_nonempty", "check_number", "check_options",
-           "check_positions", "check_run_dir", "check_tensor", "check_token_ids", "check_path"]
+           "check_positions", "check_run_dir", "check_tensor", "check_token_ids", "check_path",
+           "warn_if_dropout_trains"]
 
 
 def _got(value: object) -> str:
     text = repr(value)
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def warn_if_dropout_trains(model: nn.Module, verb: str) -> None:
+    """Warn once (``TrainingModeWarning``) when ``model`` has a dropout module (``nn.Dropout``
+    and its kin, or a class named ``*Dropout*``) with a rate above 0 in training mode: each of
+    ``verb``'s forwards would then sample another mask, and its table compare noise."""
+    active = [path for path, module in model.named_modules()
+              if module.training and _is_dropout(module)]
+    if active:
+        warn(f"{verb} runs the model in training mode, where its {len(active)} dropout "
+             f"module{'s' if len(active) != 1 else ''} ('{active[0]}'"
+             f"{' …' if len(active) > 1 else ''}) sample another mask in every forward, so the "
+             f"results differ from run to run: call model.eval() first (and model.train() "
+             f"afterwards to train on)", TrainingModeWarning)
+
+
+def _is_dropout(module: nn.Module) -> bool:
+    dropout = isinstance(module, nn.modules.dropout._DropoutNd) or \
+        "dropout" in type(module).__name__.lower()
+    rate = getattr(module, "p", 1.0)
+    return dropout and not (isinstance(rate, (int, float)) and rate == 0)
 
 
 def check_model(model: object) -> None:

@@ -26,6 +26,7 @@ from torch import nn
 
 from hookscope.engine.function_names import functional_hint
 from hookscope.engine.names import ModuleIndex
+from hookscope.engine.record_key import record_name
 from hookscope.engine.selection import Target
 from hookscope.engine.wrappers import wrapped_attribute
 from hookscope.errors import FusedModuleWarning, HookscopeError
@@ -300,7 +301,7 @@ def locate_error(names: ModuleIndex, exc: BaseException) -> None:
     if frame is None:
         return
     module = frame.f_locals["self"]
-    path = paths[id(module)] or "(the root module)"
+    path = record_name(paths[id(module)])
     shapes = _tensor_shapes(frame)
     note = (f"hookscope: raised inside '{path}' ({type(module).__name__})"
             f"{' called with input shapes ' + shapes if shapes else ''}")

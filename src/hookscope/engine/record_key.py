@@ -88,7 +88,8 @@ class RecordKey:
 
 def record_name(path: str, op: str | None = None, parts: tuple[Part, ...] = ()) -> str:
     """``RecordKey(path, None, parts, op).name`` without building the key (a capture of every
-    module names one record per module)."""
+    module names one record per module). ``record_name(path)`` is also how every message and
+    table names a module: ``(root)`` for the root (path ``""``)."""
     name = (path or ROOT) if op is None else f"{path}::{op}"
     return name + _brackets(parts) if parts else name
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -46,11 +47,17 @@ from hookscope.engine.checks import check_iterable, check_nonempty
 from hookscope.engine.function_names import split_address
 from hookscope.engine.names import ModuleIndex, index
 from hookscope.engine.record_key import ROOT, RecordKey, record_name
-from hookscope.engine.standard_naming import Resolved, is_standard, resolve_standard
+from hookscope.engine.standard_naming import (
+    Resolved,
+    from_transformer_lens,
+    is_standard,
+    known_standard_names,
+    resolve_standard,
+)
 from hookscope.engine.wrappers import unwrap
 from hookscope.errors import SelectorError
 
-__all__ = ["Target", "select", "resolve", "unwrap", "is_container", "ROOT", "as_patterns"]
+__all__ = ["flat_patterns", "Target", "select", "resolve", "unwrap", "is_container", "ROOT", "as_patterns"]
 
 _PART = re.compile(r"\[([^\[\]]+)\]$")
 _INNER_INDEX = re.compile(r"\[\s*(['\"]?)([^\[\]'\"]+)\1\s*\](?=[.\[]|$)")
@@ -102,13 +109,14 @@ def is_container(module: nn.Module) -> bool:
     return getattr(type(module), "forward", None) is nn.Module.forward
 
 
-def select(model: nn.Module, *layers: str) -> dict[str, nn.Module]:
+def select(model: nn.Module, *layers: str | Sequence[str]) -> dict[str, nn.Module]:
     """Return the submodules that the patterns ``layers`` name, keyed by path, in ``named_modules()`` order.
 
     Args:
         model: root module (wrappers are looked through, see the module docstring).
         *layers: patterns: exact paths, ``state_dict()`` keys, globs, ``re:``, ``type:`` patterns.
-            Output parts in brackets are accepted and ignored here.
+            Output parts in brackets are accepted and ignored here. A list or tuple of patterns
+            stands for its patterns (``select(model, ["fc1", "fc2"])``), as in every verb.
 
     Returns:
         ``{path: module}`` without duplicates.
@@ -119,7 +127,7 @@ def select(model: nn.Module, *layers: str) -> dict[str, nn.Module]:
             in front), or names a container such as ``ModuleList`` exactly (the message gives
             the pattern of its children and how many modules that matches).
     """
-    return {t.path: t.module for t in resolve(model, layers)}
+    return {t.path: t.module for t in resolve(model, flat_patterns(layers))}
 
 
 def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str], *,
@@ -127,8 +135,7 @@ def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str], *,
     """Resolve ``patterns`` to ``Target`` s: modules in ``named_modules()`` order, one per
     distinct (path, parts). ``names`` is ``index(model)`` when the caller already has it (a
     session builds it once); else it is built here. Raises ``SelectorError`` as ``select`` does."""
-    if isinstance(patterns, str):
-        patterns = [patterns]
+    patterns = flat_patterns([patterns] if isinstance(patterns, str) else patterns)
     check_nonempty("layers", patterns, "'conv2', 'blocks.*', 'type:Linear' or '**' for every module")
     names = index(model) if names is None else names
     if len(patterns) == 1 and isinstance(patterns[0], str):  # already distinct, in module order
@@ -138,7 +145,8 @@ def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str], *,
     for pattern in patterns:
         if not isinstance(pattern, str):
             raise SelectorError(f"layers are patterns, each a string; got {type(pattern).__name__} "
-                                f"{pattern!r}")
+                                f"{pattern!r:.100}: pass strings, e.g. capture(model, 'fc1', "
+                                f"'blocks.*') or a list of them, capture(model, ['fc1', 'fc2'])")
         for target in _resolve_address(names, pattern.strip()):
             known = chosen.get((target.path, target.parts, target.op))
             if known is None or known.wide and not target.wide:  # a name typed too: not wide
@@ -147,6 +155,16 @@ def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str], *,
                 kept = chosen[(target.path, target.parts, target.op)]
                 kept.standard = tuple(dict.fromkeys(known.standard + target.standard))
     return sorted(chosen.values(), key=lambda t: order[t.path])
+
+
+def flat_patterns(patterns: Sequence[object]) -> list[str]:
+    """The patterns with each list or tuple among them replaced by its items (one level): the
+    one rule by which every verb takes names one by one, as a list, or both
+    (``capture(model, ["fc1", "fc2"])`` is ``capture(model, "fc1", "fc2")``)."""
+    flat: list[Any] = []  # a non-string item stays, for resolve to name it
+    for pattern in patterns:
+        flat.extend(pattern if isinstance(pattern, (list, tuple)) else [pattern])
+    return flat
 
 
 def _resolve_address(names: ModuleIndex, pattern: str) -> list[Target]:
@@ -326,10 +344,11 @@ def _unknown_message(names: ModuleIndex, name: str, parts: tuple[int | str, ...]
         fix = rest + "".join(f"[{p}]" for p in parts)
         return (f"no module named '{name}': did you mean '{fix}'? Paths start below the model; "
                 f"'{head}.' is the variable that holds it in your code, not part of any path")
-    functional = _functional_message(names, name)
+    functional = _functional_message(names, name) or _transformer_lens_message(names, name)
     if functional:
         return functional
     keys = [p for p, m in names.modules.items() if p and not is_container(m)]
+    keys += known_standard_names(names)
     keys += [a for aliases in names.aliases.values() for a in aliases]
     keys += [f"{p}.{k}" if p else k for p, m in names.modules.items()
              for k in (*m._parameters, *m._buffers)]
@@ -342,6 +361,22 @@ def _unknown_message(names: ModuleIndex, name: str, parts: tuple[int | str, ...]
     return (f"no module or state_dict key named '{name}': {hint} "
             f"(names are as model.named_modules() gives them; 'hookscope tree MODEL' lists them all)"
             f"{_graph_module_hint(names.root)}")
+
+
+def _transformer_lens_message(names: ModuleIndex, name: str) -> str | None:
+    """``'blocks.1.hook_resid_post'`` (a TransformerLens hook name) on a model that has the
+    standard name it means (``resid_post.1``): say which, and the module it resolves to."""
+    standard = from_transformer_lens(name)
+    if standard is None:
+        return None
+    try:
+        ((_, path, parts, _),) = resolve_standard(names, standard)
+    except SelectorError:
+        return None
+    where = path + "".join(f"[{p}]" for p in parts)
+    return (f"no module named '{name}': it is a TransformerLens hook name; on this model the same "
+            f"quantity is the standard name '{standard}' (the output of '{where}'): did you mean "
+            f"'{standard}'?")
 
 
 def _without_wrappers(names: ModuleIndex, name: str) -> str:

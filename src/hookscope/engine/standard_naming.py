@@ -55,7 +55,8 @@ from hookscope.engine.names import ModuleIndex
 from hookscope.errors import SelectorError
 from hookscope.util import heads_part
 
-__all__ = ["Resolved", "Structure", "blocks_of", "branch_norms", "is_standard", "resolve_standard",
+__all__ = ["Resolved", "Structure", "blocks_of", "branch_norms", "from_transformer_lens",
+           "is_standard", "known_standard_names", "resolve_standard", "unresolved_standard",
            "standard_names"]
 
 Part = int | str
@@ -104,6 +105,43 @@ class Structure:
 
     blocks: str
     count: int
+
+
+_TRANSFORMER_LENS = re.compile(
+    r"blocks\.(\d+)\.hook_(resid_pre|resid_post|attn_out|mlp_out)|hook_embed|ln_final\.hook_normalized")
+
+
+def from_transformer_lens(name: str) -> str | None:
+    """The standard name of a TransformerLens hook name (``blocks.3.hook_resid_post`` ->
+    ``resid_post.3``, ``hook_embed`` -> ``embed``, ``ln_final.hook_normalized`` ->
+    ``final_norm``); None for any other name."""
+    match = _TRANSFORMER_LENS.fullmatch(name)
+    if match is None:
+        return None
+    if match.group(1) is not None:
+        return f"{match.group(2)}.{match.group(1)}"
+    return "embed" if name == "hook_embed" else "final_norm"
+
+
+def known_standard_names(names: ModuleIndex) -> list[str]:
+    """Every standard name the model has, bare (``resid_post.0``, ``attn_out.0``, ...,
+    ``resid_pre.{i}`` included): the candidates of a did-you-mean."""
+    found = [name.split("::")[0].split("[")[0] for named in standard_names(names).values()
+             for name in named]
+    blocks = sum(name.startswith("resid_post.") for name in found)
+    return found + [f"resid_pre.{i}" for i in range(1, blocks)]
+
+
+def unresolved_standard(name: str, held: str) -> str:
+    """The sentence an error adds when ``name``, looked up in ``held`` (what holds recorded
+    values: "this file", "this store"), is a standard name that was not recorded as one (a
+    file or store written before standard names were kept, or selected by module path); ""
+    for any other name."""
+    if not is_standard(name):
+        return ""
+    return (f" {name!r} is a standard name, which {held} does not map to a module: read the "
+            f"module path it resolves to on the model, shown by `hookscope tree MODEL`, or "
+            f"record again selecting {name!r} so that the name is kept")
 
 
 Resolved = tuple[str, str, tuple[Part, ...], "str | None"]

@@ -38,6 +38,7 @@ from hookscope.engine import (
     check_no_unmasked_padding,
     check_options,
     eager_copy,
+    flat_patterns,
     fullgraph,
     holds_no_values,
     in_recompute,
@@ -479,7 +480,7 @@ def _inputs_hook(slots: list[_Slot], clone: bool | None) -> Callable[..., None]:
 
 
 
-def capture(model: nn.Module, *layers: str, inputs: bool = False, grads: bool = False,
+def capture(model: nn.Module, *layers: str | Sequence[str], inputs: bool = False, grads: bool = False,
             grad_inputs: bool = False, to: torch.device | str | None = None,
             dtype: torch.dtype | None = None, reduce: Reduce = None, clone: bool | None = None,
             early_stop: bool = False, on_unfired: OnUnfired = "warn") -> Capture:
@@ -498,6 +499,7 @@ def capture(model: nn.Module, *layers: str, inputs: bool = False, grads: bool = 
             address ``PATTERN::NAME`` records every call of function ``NAME`` made by the own
             forward of the modules selected (``"::relu"``, ``"h.*.attn::softmax"``;
             ``"::relu#1"`` for call 1 of each forward), each value copied unless ``clone=False``.
+            A list of patterns stands for its patterns: ``capture(model, ["fc1", "fc2"])``.
         inputs: also keep each call's positional and keyword inputs (``acts.inputs(path, k)``);
             for a function-level address, its arguments bound to the function's parameters.
         grads: also keep d(loss)/d(output) of each call, filled in when ``backward()`` runs
@@ -570,7 +572,7 @@ def capture(model: nn.Module, *layers: str, inputs: bool = False, grads: bool = 
     options = CaptureOptions(inputs=inputs, grads=grads, grad_inputs=grad_inputs, to=to, dtype=dtype,
                              reduce=reducer,
                              clone=clone, early_stop=early_stop)
-    return Capture(model, layers, options, on_unfired)
+    return Capture(model, flat_patterns(layers), options, on_unfired)
 
 
 def _check_options(*, to: object, dtype: object, clone: object, **flags: object) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
@@ -28,11 +28,19 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from hookscope.engine import Observer, OnUnfired, Target, check_options, layout_of, unwrap
-from hookscope.errors import CaptureError, HookscopeError
+from hookscope.engine import (
+    Observer,
+    OnUnfired,
+    Target,
+    check_options,
+    flat_patterns,
+    layout_of,
+    unwrap,
+)
+from hookscope.errors import CaptureError
 from hookscope.record.captures import Capture, capture, capture_options
 from hookscope.record.positions import tokens_first
-from hookscope.util import write_atomic
+from hookscope.util import check_new_file, write_atomic
 
 __all__ = ["Step", "GenerationRecord", "GenerationCapture", "capture_generation"]
 
@@ -216,11 +224,10 @@ class GenerationCapture:
         ``[[index, start, stop], ...]``). Read it back with ``safetensors.torch.load_file``.
 
         Raises:
-            HookscopeError: ``file`` exists and ``overwrite`` is False.
+            OutputExistsError: ``file`` exists and ``overwrite`` is False, or is a folder.
             CaptureError: as ``aligned`` and ``token_ids``.
         """
-        if os.path.exists(file) and not overwrite:
-            raise HookscopeError(f"{os.fspath(file)} exists; pass overwrite=True or pick another name")
+        file = check_new_file(file, overwrite=overwrite, example="generated.safetensors")
         tensors = {t.key: self.aligned(t.key).detach().cpu().contiguous() for t in self.capture.targets}
         tensors["token_ids"] = self.token_ids()
         steps = json.dumps([[s.index, s.start, s.stop] for s in self.steps])
@@ -270,7 +277,7 @@ def _fed_tokens(path: str, record: GenerationRecord) -> Tensor:
     return value
 
 
-def capture_generation(model: nn.Module, *layers: str, on_unfired: OnUnfired = "warn",
+def capture_generation(model: nn.Module, *layers: str | Sequence[str], on_unfired: OnUnfired = "warn",
                        **options: Any) -> GenerationCapture:
     """Capture selected modules across ``model.generate()``, labelled by step and positions.
 
@@ -299,4 +306,4 @@ def capture_generation(model: nn.Module, *layers: str, on_unfired: OnUnfired = "
         ArgumentValueError: a keyword that is not an option of ``capture`` (at once).
         CaptureError: during generation, the root was called without token inputs.
     """
-    return GenerationCapture(model, layers, on_unfired, options)
+    return GenerationCapture(model, tuple(flat_patterns(layers)), on_unfired, options)

@@ -34,11 +34,12 @@ from hookscope.engine import (
     describe,
     layout_of,
     outside_inference,
+    unresolved_standard,
     values_for,
 )
 from hookscope.errors import ArgumentTypeError, CaptureError, HookscopeError
 from hookscope.record.grads import NO_GRADIENT_YET, GradRecord
-from hookscope.util import get_part, iter_tensors_with_keys, write_atomic
+from hookscope.util import check_new_file, get_part, iter_tensors_with_keys, write_atomic
 
 __all__ = ["CallInputs", "RecordKey", "Records", "load", "Entry"]
 
@@ -332,7 +333,7 @@ class Records:
         args, kwargs = record.value()
         return CallInputs(args, kwargs, _bind(self._entry(path), args, kwargs))
 
-    def save(self, file: str | os.PathLike[str], *, overwrite: bool = True,
+    def save(self, file: str | os.PathLike[str], *, overwrite: bool = False,
              metadata: Mapping[str, str] | None = None) -> None:
         """Write every recorded tensor to the safetensors ``file``, atomically; keys as ``items``.
 
@@ -341,14 +342,19 @@ class Records:
         Every dtype a module returns is written as it is (float8, uint16..64, bool, complex64
         included) except ``torch.complex128``, which safetensors has no type for.
 
+        Args:
+            file: the ``.safetensors`` file to write.
+            overwrite: replace an existing ``file``; without it an existing file is refused
+                (as the CLI's ``--save`` without ``--overwrite``).
+            metadata: extra ``{key: value}`` strings for the file's header.
+
         Raises:
-            HookscopeError: ``file`` exists and ``overwrite`` is False, nothing was recorded,
-                a record is a meta tensor or FakeTensor (no values), or a record's dtype is one
-                safetensors cannot hold (``torch.complex128``); before anything is written.
+            OutputExistsError: ``file`` exists and ``overwrite`` is False, or is a folder.
+            HookscopeError: nothing was recorded, a record is a meta tensor or FakeTensor (no
+                values), or a record's dtype is one safetensors cannot hold
+                (``torch.complex128``); before anything is written.
         """
-        file = os.fspath(file)
-        if os.path.lexists(file) and not overwrite:
-            raise HookscopeError(f"{file} exists; pass overwrite=True (--overwrite) or pick another name")
+        file = check_new_file(file, overwrite=overwrite, example="acts.safetensors")
         tensors: dict[str, Tensor] = {}
         seen: set[int] = set()
         for key, tensor in self.items():
@@ -363,6 +369,8 @@ class Records:
                                      "its output) that returns a tensor")
             raise HookscopeError("nothing to save: no selected module ran inside the capture block")
         meta = {"hookscope.calls": json.dumps({p: n for p, n in self.counts.items() if n})}
+        if self.aliases:  # load(file)["resid_post.1"] reads as acts["resid_post.1"] did
+            meta["hookscope.aliases"] = json.dumps(self.aliases)
         meta.update(metadata or {})
         write_atomic(file, lambda tmp: save_file(tensors, tmp, metadata=meta))
 
@@ -383,7 +391,8 @@ class Records:
         if entry is None:
             raise CaptureError(f"'{name}' was not selected in this capture; selected: "
                                f"{', '.join(repr(k) for k in list(self._entries)[:8])}"
-                               f"{' …' if len(self._entries) > 8 else ''}")
+                               f"{' …' if len(self._entries) > 8 else ''}."
+                               f"{unresolved_standard(name, 'these records')}")
         if not entry.outputs:
             why = self.unfired.get(name, "no forward pass has run yet")
             raise CaptureError(f"'{name}' never ran, so nothing was recorded: {why}")
@@ -444,7 +453,9 @@ class Records:
             entry = Entry(record)
             entry.outputs.extend(_rebuild(by_call[k]) for k in sorted(by_call))
             entries.append(entry)
-        return Records(entries, metadata=metadata)
+        records = Records(entries, metadata=metadata)
+        records.aliases = _aliases(metadata.get("hookscope.aliases", "{}"), records.paths)
+        return records
 
 
 def _check_key(key: object) -> None:
@@ -547,6 +558,19 @@ def load(file: str | os.PathLike[str]) -> Records:
     except Exception as err:  # safetensors raises its own SafetensorError
         raise HookscopeError(f"{file} is not a readable safetensors file: {err}") from err
     return Records.from_tensors(tensors, metadata)
+
+
+def _aliases(text: str, names: list[str]) -> dict[str, str]:
+    """A saved file's ``hookscope.aliases`` metadata (``{standard name or other path: record
+    name}``), keeping the entries whose record the file holds; a damaged one is dropped (the
+    records still read by their paths)."""
+    try:
+        aliases = json.loads(text)
+    except (ValueError, RecursionError):
+        return {}
+    if not isinstance(aliases, dict):
+        return {}
+    return {k: v for k, v in aliases.items() if isinstance(k, str) and v in names}
 
 
 def _call_names(text: str) -> list[str]:

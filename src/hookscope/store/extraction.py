@@ -194,7 +194,8 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
                      {"resume": resume, "overwrite": overwrite, "progress": progress,
                       "early_stop": early_stop})
     folder = location(out, ExtractError, storage_options)
-    keys = [t.key for t in resolve(model, as_patterns(layers))]
+    targets = resolve(model, as_patterns(layers))
+    keys = [t.key for t in targets]
     reducer, source = reduction(reduce), BatchSource(data, batch_size)
     if resume and overwrite:
         raise ExtractError("resume=True continues the store in place and overwrite=True deletes "
@@ -213,6 +214,9 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
         config = {"layers": keys, "reduce": reduction_name(reduce), "batches": source.count,
                   "dtype": dtype_name(dtype) if dtype else None, "batch_size": source.batch_size}
         header = {"model": {"spec": model_spec, "class": _class_name(model)}, "extract": config}
+        standard = {name: t.key for t in targets for name in t.standard}
+        if standard:  # store["resid_post.1"] reads the layer it was extracted by
+            header["standard_names"] = standard
         job = _Job(model, keys, reducer, dtype, source, ranks, progress, shard_bytes, shard_seconds,
                    early_stop, on_ray)
         # the stop first: hookscope's own interrupt guards (untouched, capture) stand in for it
@@ -751,27 +755,46 @@ _ARGUMENTS = {"layers": ("layers", "--layers"), "reduce": ("reduce", "--reduce")
 
 
 def _check_resume(prior: dict[str, Any] | None, header: dict[str, Any]) -> None:
-    """Raise ``ExtractError`` naming each argument whose value differs from the interrupted
-    run's (old and new value, and the rerun that fixes it). A field the interrupted run did not
-    record (an older store) is not compared."""
+    """Raise ``ExtractError`` when the store was extracted from a model of another class (or
+    another CLI model spec), or naming each argument whose value differs from the first run's
+    (old and new value, and the rerun that fixes it). A field the first run did not record (an
+    older store) is not compared."""
     if prior is None:
         return
+    run = "the complete store's run" if prior["complete"] else "the interrupted run"
+    _check_same_model(prior["model"], header["model"], run)
     was = prior["extract"]
     changed = [k for k, v in header["extract"].items() if k in was and was[k] != v]
     if "batch_size" in changed and "batches" in changed:
         changed.remove("batches")  # another batch size makes another number of batches
     if changed:
-        listing = "; ".join(_changed(k, was[k], header["extract"][k]) for k in changed)
+        listing = "; ".join(_changed(k, was[k], header["extract"][k], run) for k in changed)
         fixes = " ".join(_flag(k, was[k]) for k in changed if k != "batches")
         rerun = f"rerun with {fixes}" if fixes else "resume over the same data"
-        raise ExtractError(f"cannot resume: {listing}. Each must be what the interrupted run "
-                           f"used: {rerun}, or start over with overwrite=True (--overwrite).")
+        raise ExtractError(f"cannot resume: {listing}. Each must be what {run} used: {rerun}, "
+                           f"or start over with overwrite=True (--overwrite), or choose another "
+                           f"output folder.")
 
 
-def _changed(key: str, old: Any, new: Any) -> str:
+def _check_same_model(was: dict[str, Any], now: dict[str, Any], run: str) -> None:
+    """Raise ``ExtractError`` when ``now`` (this run's manifest ``model``) names another model
+    class, or another CLI spec, than ``was`` (the first run's); a spec missing on either side (the
+    Python API records none) is not compared."""
+    other_spec = None not in (was.get("spec"), now.get("spec")) and was["spec"] != now["spec"]
+    if was.get("class") == now.get("class") and not other_spec:
+        return
+    def named(model: dict[str, Any]) -> str:
+        return f"{model['class']}" + (f" ('{model['spec']}')" if model.get("spec") else "")
+    raise ExtractError(f"cannot resume: the store was extracted from another model, "
+                       f"{named(was)}, and this run's is {named(now)}; {run} can only be "
+                       f"continued with its own model. Choose another output folder for this "
+                       f"model, or replace the store with overwrite=True (--overwrite).")
+
+
+def _changed(key: str, old: Any, new: Any, run: str) -> str:
     name, flag = _ARGUMENTS.get(key, (key, f"--{key}"))
     if key == "batches":
-        return (f"the data ({flag}) now makes {new} batches, the interrupted run's made {old}: "
+        return (f"the data ({flag}) now makes {new} batches, {run}'s made {old}: "
                 f"it is not the same data")
     return f"{name} ({flag}) was {old!r}, now {new!r}"
 

@@ -59,7 +59,8 @@ def check_output(folder: StorePath, *, resume: bool, overwrite: bool) -> None:
 
     Raises:
         StoreExistsError: ``folder`` is a file; or it holds files and neither ``resume`` nor
-            ``overwrite`` is set; or it holds a file or folder that is not the store's
+            ``overwrite`` is set (a folder that holds no store: the message names another
+            folder as the fix); or it holds a file or folder that is not the store's
             (named; a listed shard is the store's only while its size and sha256 agree with the
             manifest), or no valid store at all, with ``resume`` or ``overwrite``.
     """
@@ -69,6 +70,13 @@ def check_output(folder: StorePath, *, resume: bool, overwrite: bool) -> None:
     names = listdir(folder) if folder.is_dir() else []
     if not names:
         return
+    files = [n for n in names if not _is_temporary(folder, n, None)]
+    if not resume and not overwrite and files and not any(map(_MANIFEST_NAME.fullmatch, names)):
+        raise StoreExistsError(  # resume or overwrite would be refused too: not suggested
+            f"output folder {folder} already exists and is not a hookscope store (no {MANIFEST}; "
+            f"it holds {_listing(files)}); nothing was written. hookscope never deletes or "
+            f"writes beside files it did not write, so neither resume nor overwrite would use "
+            f"it: choose another output folder (a new or empty one), or move those files away.")
     if not resume and not overwrite:
         raise StoreExistsError(
             f"output folder {folder} already exists and is not empty; nothing was written. To "

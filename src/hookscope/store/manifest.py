@@ -109,6 +109,10 @@ def check_manifest(data: Any, file: StorePath) -> None:
     if "rank" in data:  # a part manifest of a torchrun run
         _want(file, data, "rank", lambda v: _is_int(v) and v < data["world_size"],
               f"this process's rank, below world_size {data['world_size']}")
+    if "standard_names" in data:  # {standard name: layer}; stores before it have none
+        _want(file, data, "standard_names", lambda v: isinstance(v, dict) and all(
+            isinstance(k, str) and (n in layers or not layers) for k, n in v.items()),
+              "an object {standard name: one of the layers}")
     if "columns" in data:  # stores written before row identity was recorded have none
         _check_columns(file, _want(file, data, "columns", lambda v: isinstance(v, dict),
                                    "an object"))

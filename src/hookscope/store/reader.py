@@ -32,7 +32,7 @@ import numpy as np
 import safetensors
 import torch
 
-from hookscope.engine import check_path
+from hookscope.engine import check_path, unresolved_standard
 from hookscope.errors import StoreCorruptError, StoreError
 from hookscope.store.fs import (
     ChunkCache,
@@ -533,6 +533,8 @@ class Store:
         self.layers: dict[str, LayerInfo] = {
             name: LayerInfo(name, tuple(spec["shape"]), _dtype(spec["dtype"]))
             for name, spec in manifest["layers"].items()}
+        # {standard name: layer} for layers extracted by a standard name ("resid_post.1")
+        self.standard_names: dict[str, str] = dict(manifest.get("standard_names", {}))
         self.columns: dict[str, LayerInfo] = {
             name: LayerInfo(COLUMN_PREFIX + name, tuple(spec["shape"]), _dtype(spec["dtype"]))
             for name, spec in manifest.get("columns", {}).items()}
@@ -565,11 +567,12 @@ class Store:
         if not isinstance(layer, str):
             raise StoreError(f"a store's layer is named by a str; got {type(layer).__name__} "
                              f"{layer!r:.100}: pass one of {list(self.layers)}")
+        layer = self.standard_names.get(layer, layer)  # store["resid_post.1"]
         if layer not in self.layers:
             if self._shards:  # a layer cut from the manifest: the shard header still holds it
                 self._shards[0].open()
             raise StoreError(f"store {self.path} has no layer {layer!r}; it has "
-                             f"{list(self.layers)}.")
+                             f"{list(self.layers)}.{unresolved_standard(layer, 'this store')}")
         return LayerView(self, self.layers[layer])
 
     def __iter__(self) -> Iterator[str]:

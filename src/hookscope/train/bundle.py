@@ -9,7 +9,8 @@ A bundle is one safetensors file (no pickle: loading it runs no code). Its tenso
       {"step": int >= 0, "rank": int >= 0, "autocast": null | [device, dtype name],
        "rng_cpu": tensor, "rng_cuda": null | [tensor, ...],
        "args": {"t": "tuple", "items": [value, ...]}, "kwargs": {"t": "dict", "items": [[name, value], ...]},
-       "output_grads": [tensor | null, ...], "state": {state_dict key: tensor}}
+       "output_grads": [tensor | null, ...], "state": {state_dict key: tensor},
+       "forward_finite": true | false}  (optional: bundles written before it lack it)
 
   where ``tensor`` is a tensor's name in the file and ``value`` is ``{"t": "tensor", "name": ...}``,
   ``{"t": "list" | "tuple", "items": [value, ...]}``, ``{"t": "dict", "items": [[str, value],
@@ -46,6 +47,7 @@ SUFFIX = ".safetensors"
 _AUTOCAST_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _FIELDS = {"step", "rank", "autocast", "rng_cpu", "rng_cuda", "args", "kwargs", "output_grads",
            "state"}
+_OPTIONAL = {"forward_finite"}
 _MAX_DEPTH = 32  # nesting of the inputs' lists, tuples and dicts
 
 
@@ -71,6 +73,8 @@ def write_bundle(bundle: ReplayBundle, path: Path) -> Path:
               "args": _encode(tuple(i.args), name, 0), "kwargs": _encode(dict(i.kwargs), name, 0),
               "output_grads": [None if g is None else name(g) for g in bundle.output_grads],
               "state": {key: name(t) for key, t in bundle.state.items()}}
+    if bundle.forward_finite is not None:
+        fields["forward_finite"] = bundle.forward_finite
     text = json.dumps(fields)
     data = safetensors.torch.save(tensors, metadata={"format": FORMAT, "version": VERSION,
                                                      "fields": text,
@@ -153,8 +157,11 @@ def _check_fields(path: Path, fields: Any, tensors: dict[str, Tensor]) -> None:
     def bad(field: str, what: str) -> BundleError:
         return BundleError(f"{path}: field {field} must be {what}: {_FIX}")
 
-    if not isinstance(fields, dict) or set(fields) != _FIELDS:
-        raise bad("fields", f"an object with exactly {sorted(_FIELDS)}")
+    if not isinstance(fields, dict) or not _FIELDS <= set(fields) <= _FIELDS | _OPTIONAL:
+        raise bad("fields", f"an object with exactly {sorted(_FIELDS)} (and optionally "
+                            f"{sorted(_OPTIONAL)})")
+    if type(fields.get("forward_finite", False)) is not bool:
+        raise bad("forward_finite", "true or false")
     for key in ("step", "rank"):
         if type(fields[key]) is not int or fields[key] < 0:
             raise bad(key, "a whole number >= 0")

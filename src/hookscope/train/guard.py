@@ -72,6 +72,9 @@ class ReplayBundle:
         output_grads: the gradient the backward delivered to each floating-point output tensor
             that requires grad (``iter_tensors`` order), None where none arrived.
         state: the model's ``state_dict()`` (detached clones) before ``optimizer.step``.
+        forward_finite: whether the recorded step's model outputs were finite (so whether the
+            recorded ``output_grads`` came from a non-finite loss on finite outputs); None when
+            not known (a bundle written before it was recorded).
     """
 
     step: int
@@ -79,6 +82,7 @@ class ReplayBundle:
     inputs: StepInputs
     output_grads: list[Tensor | None]
     state: dict[str, Tensor]
+    forward_finite: bool | None = None
 
     def save(self, path: str | Path) -> Path:
         """Write the bundle to ``path`` (a safetensors file, see ``hookscope.train.bundle``)
@@ -118,7 +122,8 @@ class ReplayBundle:
         autocast = tuple(fields["autocast"]) if fields["autocast"] is not None else None
         inputs = StepInputs(tuple(decode(fields["args"], tensors)), decode(fields["kwargs"], tensors),
                             rng, autocast)
-        return cls(fields["step"], fields["rank"], inputs, grads, state)
+        return cls(fields["step"], fields["rank"], inputs, grads, state,
+                   fields.get("forward_finite"))
 
 
 def gradients_finite(params: Iterable[nn.Parameter]) -> bool:
@@ -156,6 +161,10 @@ def replay(bundle: ReplayBundle | str | Path, model: nn.Module) -> NonFiniteOrig
         ``path == "<loss>"`` (``class_name`` ``"loss outside the model"``): the gradient
         reaching the outputs was already non-finite, i.e. the loss computed outside the model
         was (``outputs`` summarise those gradients: a +inf loss's are +Inf, not NaN).
+        ``path == "<recorded gradient>"``: the forward is finite now, but the recorded step's
+        outputs were not, so only the gradient recorded in the bundle (which the loss of
+        those non-finite outputs sent back) is non-finite: the model was changed since (a fix
+        of the forward), and the backward can only be checked on a fresh step.
         ``path == "<input>"``: the step's batch already held NaN/Inf (``bad_label`` names the
         input, ``first_bad`` the indices).
 
@@ -182,9 +191,11 @@ def replay(bundle: ReplayBundle | str | Path, model: nn.Module) -> NonFiniteOrig
                                         loss_fn=lambda output: _output_loss(output, grads),
                                         **inputs.kwargs)
         if origin is not None and origin.path == LOSS and origin.phase == "forward":
-            # the forward was finite and the surrogate loss is not: the real loss's gradient was
+            # the forward was finite and the surrogate loss is not: the real loss's gradient was,
+            # or, when the recorded forward was not finite, the model has changed since (a fix)
             return loss_gradient_origin([(f"grad of output {i}", g) for i, g in enumerate(grads)
-                                         if g is not None]) or origin
+                                         if g is not None], bundle.step,
+                                        recorded=bundle.forward_finite is False) or origin
         return origin
     except BaseException as err:
         root.load_state_dict(before)  # a replay that fails leaves the weights as they were

@@ -217,7 +217,7 @@ class Monitor:
         self._device_type = input_device(self.root).type
         self._inputs: StepInputs | None = None
         self._out_grads: list[Tensor | None] = []
-        self._out_sum: Tensor | None = None
+        self._out_finite: Tensor | None = None  # (outputs,) bool, read only on a finding
         self._queued = False
         self._overflowed = False
         self._pending: ReplayBundle | None = None
@@ -381,8 +381,9 @@ class Monitor:
         self._out_grads = grads
         for i, tensor in enumerate(tensors):
             on_tensor_grad(tensor, self._grad_catcher(grads, i))
-        if self.scaler is not None and tensors:
-            self._out_sum = torch.stack([t.detach().float().sum() for t in tensors])
+        # no sync here: read in _check only when the gradients are not finite, or under a scaler
+        self._out_finite = torch.stack([torch.isfinite(t.detach()).all() for t in tensors]) \
+            if tensors else None
 
     def _grad_catcher(self, grads: list[Tensor | None], i: int) -> Any:
         def hook(grad: Tensor) -> None:
@@ -398,7 +399,9 @@ class Monitor:
         if self._pending is not None:
             return
         grads_ok = gradients_finite(self._params)
-        forward_ok = self._out_sum is None or bool(torch.isfinite(self._out_sum).all())
+        if grads_ok and self.scaler is None:
+            return
+        forward_ok = self._out_finite is None or bool(self._out_finite.all())
         if grads_ok and forward_ok:
             return
         if self.scaler is not None and forward_ok:  # the scaler skips this step on purpose
@@ -407,7 +410,8 @@ class Monitor:
         if self._inputs is None:  # the forward's fault was reported: no replay, still the finding
             raise HookscopeError("non-finite gradients, but the step's inputs were not kept")
         self._pending = ReplayBundle(self.step_index, self.rank, self._inputs,
-                                     list(self._out_grads), state_snapshot(self.root))
+                                     list(self._out_grads), state_snapshot(self.root),
+                                     forward_ok)
         if self.guard == "skip":
             self._skip_step()
 

@@ -4,7 +4,14 @@
 
 from hookscope.util.extras import require
 from hookscope.util.figures import DPI, FIGURE_SIZE_PX, new_figure, save_figure
-from hookscope.util.files import advice, read_regular, write_all, write_atomic, write_bytes
+from hookscope.util.files import (
+    advice,
+    check_new_file,
+    read_regular,
+    write_all,
+    write_atomic,
+    write_bytes,
+)
 from hookscope.util.nested import (
     Keys,
     describe_keys,
@@ -16,6 +23,7 @@ from hookscope.util.nested import (
     set_part,
 )
 
-__all__ = ["DPI", "FIGURE_SIZE_PX", "Keys", "advice", "describe_keys", "get_part", "heads_part",
+__all__ = ["DPI", "FIGURE_SIZE_PX", "Keys", "advice", "check_new_file", "describe_keys", "get_part",
+           "heads_part",
            "iter_tensors", "iter_tensors_with_keys", "map_tensors", "new_figure", "read_regular", "require",
            "save_figure", "set_part", "write_all", "write_atomic", "write_bytes"]

@@ -17,7 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["advice", "fsync_folder", "read_regular", "write_all", "write_atomic", "write_bytes"]
+from hookscope.errors import OutputExistsError
+
+__all__ = ["advice", "check_new_file", "fsync_folder", "read_regular", "write_all", "write_atomic",
+           "write_bytes"]
 
 _ADVICE = {
     errno.ENOSPC: "the disk is full: free space, or write to another disk",
@@ -36,6 +39,24 @@ def advice(err: OSError) -> str:
     """One line for a file-system error: the path, what happened, and what to do."""
     what = _ADVICE.get(err.errno or 0, err.strerror or str(err))
     return f"cannot use {err.filename}: {what}" if err.filename else f"{err.strerror}: {what}"
+
+
+def check_new_file(file: str | os.PathLike[str], *, overwrite: bool, example: str) -> str:
+    """``file`` as a string, after refusing a folder and, unless ``overwrite``, an existing file
+    (a symbolic link counts as existing, broken or not): the checks every ``save(file)`` makes
+    before it writes. ``example`` is a file name to suggest inside a folder.
+
+    Raises:
+        OutputExistsError: ``file`` is a folder, or exists and ``overwrite`` is False.
+    """
+    file = os.fspath(file)
+    if os.path.isdir(file):
+        raise OutputExistsError(f"{file} is a folder, and save() writes one file: give a file "
+                                f"name inside it, e.g. {os.path.join(file, example)!r}")
+    if os.path.lexists(file) and not overwrite:
+        raise OutputExistsError(f"{file} exists: pass overwrite=True to replace it (the CLI's "
+                                f"--overwrite), or pick another name")
+    return file
 
 
 def write_atomic(file: str | os.PathLike[str], write: Callable[[str], Any], *,

@@ -30,7 +30,8 @@ def load_data(path: str | os.PathLike[str], model: LoadedModel, *,
         path: a folder of images (every image file below it, sorted by relative path; each
             row's id is that path, its label the class folder: ``ImageFiles``), a text
             file with one input a line (blank lines skipped; text models), or a tensor file
-            (``.pt``/``.npy``/``.safetensors``) whose dim 0 is the rows.
+            (``.pt``/``.npy``/``.safetensors``) whose dim 0 is the rows; ``FILE:KEY`` picks the
+            tensor ``KEY`` of a file holding several, as ``--input`` does.
         model: the loaded model; its preprocessing or tokenizer makes the batches.
         batch_size: rows per batch.
 
@@ -40,20 +41,21 @@ def load_data(path: str | os.PathLike[str], model: LoadedModel, *,
             or does not suit
             the model (text for an image model, ...).
     """
-    from hookscope.zoo.inputs import TENSOR_SUFFIXES, load_inputs
-    source = Path(path)
+    from hookscope.zoo.inputs import TENSOR_SUFFIXES, load_inputs, split_tensor_spec
+    source = Path(split_tensor_spec(os.fspath(path))[0])  # FILE:KEY names a tensor in FILE
     collate: Callable[[list[str]], Any]
     if source.is_dir():
         files = ImageFiles(source, _image_files(source, model))
         return DataLoader(files, batch_size=batch_size, collate_fn=_ImageBatch(model))
     elif source.is_file() and source.suffix.lower() in TENSOR_SUFFIXES:
-        rows = load_inputs([str(source)], model).args[0]
+        rows = load_inputs([os.fspath(path)], model).args[0]
         return DataLoader(TensorDataset(rows), batch_size=batch_size)
     elif source.is_file():
         items, collate = _text_lines(source, model), _TextBatch(model)
     else:
         raise SpecError(f"--data {source} does not exist; give a folder of images, a text file "
-                        f"with one input a line, or a tensor file ({', '.join(TENSOR_SUFFIXES)})")
+                        f"with one input a line, or a tensor file ({', '.join(TENSOR_SUFFIXES)}; "
+                        f"FILE:KEY for one tensor of several)")
     return DataLoader(items, batch_size=batch_size, collate_fn=collate)  # type: ignore[arg-type]
 
 

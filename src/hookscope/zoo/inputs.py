@@ -34,7 +34,8 @@ from hookscope.util import require
 from hookscope.zoo.models import IMAGENET_MEAN, IMAGENET_STD, ImagePreprocess, LoadedModel
 
 __all__ = ["Inputs", "load_inputs", "check_takes_images", "preprocess_image", "SAMPLES", "IMAGE_SUFFIXES",
-           "TENSOR_SUFFIXES", "image_files", "expand_folder", "RANDN_MAX_ELEMENTS", "read_tensor_file"]
+           "TENSOR_SUFFIXES", "split_tensor_spec", "image_files", "expand_folder",
+           "RANDN_MAX_ELEMENTS", "read_tensor_file"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 TENSOR_SUFFIXES = (".pt", ".pth", ".npy", ".safetensors")
@@ -195,7 +196,8 @@ def _category(spec: str, model: LoadedModel) -> Category:
     lowered = spec.lower()
     if lowered.startswith("sample:") or lowered.endswith(IMAGE_SUFFIXES):
         return "image"
-    if lowered.startswith("randn:") or _tensor_file(spec)[0].lower().endswith(TENSOR_SUFFIXES):
+    if (lowered.startswith("randn:")
+            or split_tensor_spec(spec)[0].lower().endswith(TENSOR_SUFFIXES)):
         return "tensor"
     if model.kind == "text":
         return "text"
@@ -345,8 +347,9 @@ def _randn(spec: str) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(RANDN_SEED))
 
 
-def _tensor_file(spec: str) -> tuple[str, str | None]:
-    """Split ``FILE:KEY`` into the file and the key (``None`` when there is no key)."""
+def split_tensor_spec(spec: str) -> tuple[str, str | None]:
+    """Split ``FILE:KEY`` into the file and the key (``None`` when there is no key): the one
+    reading of ``FILE:KEY`` for ``--input`` and ``--data``."""
     head, sep, key = spec.rpartition(":")
     if sep and head.lower().endswith(TENSOR_SUFFIXES) and key:
         return head, key
@@ -361,7 +364,7 @@ def read_tensor_file(spec: str) -> torch.Tensor:
         SpecError: no such file, an unreadable one, one holding Python objects, or a key that
             names no tensor (or several tensors and no key).
     """
-    name, key = _tensor_file(spec)
+    name, key = split_tensor_spec(spec)
     path = Path(name)
     if not path.is_file():
         raise SpecError(f"tensor file '{path}' does not exist (looked in {path.resolve().parent})")
@@ -378,7 +381,7 @@ def read_tensor_file(spec: str) -> torch.Tensor:
     if isinstance(content, torch.Tensor):
         if key is not None:
             raise SpecError(f"'{path}' holds one tensor, not a dict of them, so ':{key}' names "
-                            f"nothing in it: drop ':{key}' (--input {path})")
+                            f"nothing in it: drop ':{key}' and pass {path}")
         return content
     tensors = {k: v for k, v in content.items() if isinstance(v, torch.Tensor)} \
         if isinstance(content, dict) else {}

@@ -237,6 +237,10 @@ def _load_base(base: str, spec: str, *, pretrained: bool) -> LoadedModel:
         made = _exit_checked(base)
         return _checked_loaded(made, base, spec) if isinstance(made, LoadedModel) else \
             LoadedModel(module=made, spec=spec, kind="tensor")
+    if (Path(base) / "config.json").is_file():
+        raise SpecError(f"unknown model '{base}': it is a folder holding config.json, a Hugging "
+                        f"Face model folder; did you mean 'hf:{base}'? (a local folder is "
+                        f"loaded with the 'hf:' prefix)")
     raise SpecError(f"unknown model '{base}': use one of {', '.join(BUILTIN)}, "
                     "'pkg.module:factory', 'path/to/file.py:factory', 'hf:LOCAL_DIR' or "
                     "'timm:NAME' (add '@bf16' for a dtype, '@weights.safetensors' for a checkpoint)")
