@@ -155,22 +155,24 @@ def test_plot_tokens_of_the_wrong_length_is_an_argument_error(tmp_path: Path) ->
     assert not (tmp_path / "sweep.png").exists()
 
 
-@pytest.mark.parametrize("verb", ["patching_sweep", "attribution_patching"])
+@pytest.mark.parametrize("verb", ["patching_sweep", "attribution_patching", "edge_attribution_patching"])
 def test_many_forward_verbs_warn_once_about_dropout_in_training_mode(verb: str) -> None:
     # finding 10: a sweep of a model left in train() ran every forward with dropout on, silently
     model = tiny_gpt2(pad=False).train()
     clean, corrupted = torch.tensor([[3, 9, 14, 2]]), torch.tensor([[3, 9, 40, 2]])
     run = getattr(hookscope, verb)
     kwargs: dict[str, Any] = {"progress": False} if verb == "patching_sweep" else {}
+    if verb != "edge_attribution_patching":  # it scores every head and MLP: no layers argument
+        kwargs["layers"] = "transformer.h.*"
     with pytest.warns(hookscope.TrainingModeWarning, match=r"call model\.eval\(\) first") as seen:
-        run(model, clean, corrupted, layers="transformer.h.*", metric=logit_diff, **kwargs)
+        run(model, clean, corrupted, metric=logit_diff, **kwargs)
     assert len([w for w in seen if issubclass(w.category, hookscope.TrainingModeWarning)]) == 1
     assert issubclass(hookscope.TrainingModeWarning, hookscope.HookscopeWarning)
     assert model.training  # the mode is the user's: warned, not changed
     for quiet in (model.eval(), _no_dropout_in_training()):
         with warnings.catch_warnings():
             warnings.simplefilter("error", hookscope.TrainingModeWarning)
-            run(quiet, clean, corrupted, layers="transformer.h.*", metric=logit_diff, **kwargs)
+            run(quiet, clean, corrupted, metric=logit_diff, **kwargs)
 
 
 def _no_dropout_in_training() -> nn.Module:

@@ -58,6 +58,7 @@ from hookscope.engine import (
     one_index_per_call,
     resolve_standard,
     untouched,
+    warn_if_dropout_trains,
 )
 from hookscope.errors import EditError
 from hookscope.record import capture, gradient_pass
@@ -189,6 +190,7 @@ def edge_attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metr
     if steps is not None:
         check_int("steps", steps, minimum=1)
     check_metric(metric)
+    warn_if_dropout_trains(model, "edge_attribution_patching")
     graph = _graph(model)
     clean, corrupted = _plain(clean), _plain(corrupted)
     upstream_names = [graph.input_key, *graph.z_keys,
