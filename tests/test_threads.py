@@ -422,3 +422,43 @@ def test_generation_in_another_thread_is_never_labelled() -> None:
         meeting.close()
     assert meeting.problems == [] and meeting.calls == 3  # one forward inside each step
     assert same(together, alone)
+
+
+def test_blocks_opened_at_once_on_one_module_get_distinct_compiled_keys(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 35: ``engine.compiled.open_sink`` picks a module's first free key; two threads
+    picking at once must not get the same key (one block's compiled captures would go to the
+    other's sink). 4 threads x 200 openings, each free-key lookup yielding to the others (the
+    race made certain, not left to timing)."""
+    import time
+
+    from hookscope.engine import compiled
+
+    class Yielding(dict):  # type: ignore[type-arg]
+        def __contains__(self, key: object) -> bool:
+            found = super().__contains__(key)
+            time.sleep(0)  # another thread runs here, between the lookup and the claim
+            return found
+
+    monkeypatch.setattr(compiled, "_sinks", Yielding())
+    module, threads, rounds = nn.Linear(2, 2), 4, 200
+    clashes: list[int] = []
+    start = threading.Barrier(threads)
+
+    def open_and_close() -> None:
+        start.wait()
+        for _ in range(rounds):
+            sink = [].append
+            key = compiled.open_sink(module, sink)
+            time.sleep(0)
+            if compiled._sinks.get(key) is not sink:  # another thread took the same key
+                clashes.append(key)
+            compiled.close_sink(key)
+
+    workers = [threading.Thread(target=open_and_close) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+    assert clashes == []
+    assert len(compiled._places[module]) <= threads  # keys are reused, never leaked
