@@ -19,6 +19,7 @@ pre-forward hooks onto an execution device.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -76,7 +77,8 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
     (``_u``, ``_v``), dropout draws from the global RNG. On exit each buffer whose values changed
     holds its old values again (the same tensor object, refilled in place, so references to it
     stay valid), each module whose ``training`` flag changed gets it back, each parameter whose
-    ``requires_grad`` changed too; the CPU and CUDA RNGs get their states back and autograd its
+    ``requires_grad`` changed too; the CPU and CUDA RNGs get their states back (unless another
+    thread may have drawn from them meanwhile, see Threads) and autograd its
     grad mode (a KeyboardInterrupt inside a verb's ``torch.no_grad()`` exit would leave
     gradients off). Only what changed is written: an unchanged model is only read. The model's
     mode is not changed on entry: the block sees train-mode behaviour (dropout) if the model is
@@ -95,6 +97,13 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
     thread's updates), and leaving the block raises ``ConcurrentModelError`` naming the modules
     when the verb's own forward ran in training mode there too (the statistics then hold both
     threads' updates). In eval mode a forward changes no buffer, so nothing is refused.
+
+    The RNG is one for the process: putting it back would make a thread that drew from it
+    during the block (a trainer's dropout) draw the same numbers again (the same masks twice).
+    So it is put back only when no other thread ran the model (its root module's calls are
+    counted too) and no other thread had such a block open at any moment of this one; else it
+    is left as it is, as any two threads drawing from one generator leave it. A thread drawing
+    from the RNG without running the model or a hookscope block is beyond what hookscope sees.
 
     Parameters are not copied, so a forward that writes its own weights in place (an
     ``.data.copy_`` in ``forward``, a codebook updated by the forward) keeps that write:
@@ -117,6 +126,8 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
         self._models = models
         self._kept: list[_State] = []
         self._rng: RngState | None = None
+        self._rng_shared = False  # another thread's block was open during this one
+        self._rng_thread = 0
         self._grad = True
 
     def __enter__(self) -> None:
@@ -130,6 +141,7 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
         with interrupts.deferred(undo=self._finish):  # interrupted: as if never entered
             self._grad = torch.is_grad_enabled()
             self._rng = RngState.now()
+            _open_rng(self)
             interrupts.guard(self, self._finish)
             for model in self._models:
                 self._kept.append(_State(model))
@@ -158,16 +170,39 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
         ``__exit__`` runs before its KeyboardInterrupt leaves. Returns the paths of modules with
         changed buffers that another thread ran (left as they are)."""
         shared = []
+        foreign = any(state.foreign_calls() for state in self._kept)
         for state in self._kept:
             shared += state.restore()
         self._kept = []
         if self._rng is not None:
-            self._rng.restore()
+            if not (_close_rng(self) or foreign):
+                self._rng.restore()
             self._rng = None
         if torch.is_grad_enabled() != self._grad:
             torch.set_grad_enabled(self._grad)
         interrupts.unguard(self)
         return shared
+
+
+_rng_lock = threading.Lock()
+_rng_blocks: dict[int, untouched] = {}  # id(block) -> block: the open blocks, every thread's
+
+
+def _open_rng(block: untouched) -> None:
+    """Note ``block`` as open; it and every open block of another thread share the RNG now."""
+    block._rng_thread = threading.get_ident()
+    with _rng_lock:
+        for other in _rng_blocks.values():
+            if other._rng_thread != block._rng_thread:
+                other._rng_shared = block._rng_shared = True
+        _rng_blocks[id(block)] = block
+
+
+def _close_rng(block: untouched) -> bool:
+    """Forget ``block``; True when another thread's block was open at some moment of it."""
+    with _rng_lock:
+        _rng_blocks.pop(id(block), None)
+        return block._rng_shared
 
 
 class _State:
@@ -191,9 +226,13 @@ class _State:
         self.buffers = [(m, name, b, c) for (m, name, b), c in zip(kept, clones, strict=True)]
         self.params = [(p, p.requires_grad) for p in model.parameters()]
         self.trained: set[nn.Module] = set()  # modules this thread ran in training mode
-        for module in dict.fromkeys(m for m, _, _ in kept):
+        for module in dict.fromkeys([model, *(m for m, _, _ in kept)]):  # the root: RNG
             counter = OwnedHook(self._ran, module, traceable=True)
             self.watch[module] = (counter, register(module, counter, pre=True))
+
+    def foreign_calls(self) -> int:
+        """Calls of the watched modules (the root's included) from other threads so far."""
+        return sum(counter.foreign_calls for counter, _ in self.watch.values())
 
     def _ran(self, module: nn.Module, args: Any) -> None:
         if module.training:
