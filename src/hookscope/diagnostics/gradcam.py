@@ -299,10 +299,12 @@ def check_class_target(target: object, batch: int | None) -> None:
                                     f"tensor: pass target=torch.tensor([3]) (torch.long)")
         count = target.numel()
     else:
-        items = list(target) if isinstance(target, Sequence) and not isinstance(target, str) else [target]
+        items = [target]
+        if isinstance(target, Sequence) and not isinstance(target, (str, bytes)):
+            items = list(target)
         for item in items:
-            check_int("target", item)
-        count = len(items) if isinstance(target, Sequence) else 1
+            check_int("target", item, minimum=-(2**63), maximum=2**63 - 1)  # torch.long
+        count = len(items)
     if batch is not None and count not in (1, batch):
         raise ArgumentValueError(f"target gives {count} classes for a batch of {batch}: give one "
                                  f"int for every image, or one per image")

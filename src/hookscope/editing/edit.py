@@ -40,6 +40,7 @@ from torch import nn
 from hookscope.editing import rules as edit_rules
 from hookscope.editing.sources import Source, SourceReader
 from hookscope.engine.checks import (
+    brief,
     check_arity,
     check_callable,
     check_finite,
@@ -266,11 +267,11 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
     patterns = as_patterns(patterns, "patterns")
     _check_where(positions, absolute, seq_dim, over)
     if how not in ("zero", "mean", "resample"):
-        raise EditError(f"how={how!r} is not one of 'zero', 'mean', 'resample'")
+        raise EditError(f"how={brief(how)} is not one of 'zero', 'mean', 'resample'")
     rule: Rule = edit_rules.zero
     if how != "zero":
         if reference is None:
-            raise EditError(f"how={how!r} needs reference=acts: a capture of the same modules on "
+            raise EditError(f"how={brief(how)} needs reference=acts: a capture of the same modules on "
                             f"reference inputs, e.g. with hookscope.capture(model, *patterns) as "
                             f"acts: model(x_reference)")
         rule = edit_rules.reference_rule(SourceReader(reference, "reference"), how)

@@ -108,15 +108,19 @@ def open_sink(module: nn.Module, sink: Sink) -> int:
     """Register ``sink(output)`` to run for each compiled call of a hook on ``module``; return
     its key (the first free place on ``module``: the same key as the last block's hook there).
     Thread-safe: blocks opened at once in several threads get distinct keys."""
-    with _keys_lock:
-        places = _places.setdefault(module, [])
-        key = next((k for k in places if k not in _sinks), None)
-        if key is None:
-            key = _next_key[0]
-            _next_key[0] += 1
-            places.append(key)
-        _sinks[key] = sink
-        return key
+    # one line (engine.interrupts): an exception at a line event of the body still unlocks
+    with _keys_lock: return _claim(module, sink)  # noqa: E701
+
+
+def _claim(module: nn.Module, sink: Sink) -> int:
+    places = _places.setdefault(module, [])
+    key = next((k for k in places if k not in _sinks), None)
+    if key is None:
+        key = _next_key[0]
+        _next_key[0] += 1
+        places.append(key)
+    _sinks[key] = sink
+    return key
 
 
 def close_sink(key: int) -> None:

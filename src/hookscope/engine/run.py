@@ -191,18 +191,21 @@ _rng_blocks: dict[int, untouched] = {}  # id(block) -> block: the open blocks, e
 def _open_rng(block: untouched) -> None:
     """Note ``block`` as open; it and every open block of another thread share the RNG now."""
     block._rng_thread = threading.get_ident()
-    with _rng_lock:
-        for other in _rng_blocks.values():
-            if other._rng_thread != block._rng_thread:
-                other._rng_shared = block._rng_shared = True
-        _rng_blocks[id(block)] = block
+    # one line each (engine.interrupts): an exception at a line event of the body still unlocks
+    with _rng_lock: _share_rng(block)  # noqa: E701
+
+
+def _share_rng(block: untouched) -> None:
+    for other in _rng_blocks.values():
+        if other._rng_thread != block._rng_thread:
+            other._rng_shared = block._rng_shared = True
+    _rng_blocks[id(block)] = block
 
 
 def _close_rng(block: untouched) -> bool:
     """Forget ``block``; True when another thread's block was open at some moment of it."""
-    with _rng_lock:
-        _rng_blocks.pop(id(block), None)
-        return block._rng_shared
+    with _rng_lock: _rng_blocks.pop(id(block), None)  # noqa: E701
+    return block._rng_shared
 
 
 class _State:

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from hookscope.engine.checks import check_path
 from hookscope.engine.function_names import bind_arguments
 from hookscope.engine.kinds import describe, values_for
 from hookscope.engine.layout import NO_TOKENS, Layout, Tokens, layout_of
@@ -529,8 +530,10 @@ def load(file: str | os.PathLike[str]) -> Records:
     (``records.metadata``) and its call counts (``records.counts``).
 
     Raises:
+        ArgumentTypeError: ``file`` is not a ``str`` or ``os.PathLike``.
         HookscopeError: the file is missing or is not a safetensors file.
     """
+    check_path("file", file, "hookscope.load('acts.safetensors') (a file Capture.save wrote)")
     file = os.fspath(file)
     if not os.path.exists(file):
         raise HookscopeError(f"no such file: {file}")

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from hookscope.engine.checks import brief
 from hookscope.engine.kinds import kind_of, rows_for, values_for
 from hookscope.engine.names import one_index_per_call
 from hookscope.engine.run import input_device, model_inputs, untouched
@@ -203,7 +204,7 @@ def _check_arguments(model: Any, out: Any, dtype: Any, batch_size: Any, shard_by
     ]
     for name, value, ok, want in checks:
         if not ok:
-            raise ExtractError(f"extract({name}={value!r:.60}): {name} must be {want}; got "
+            raise ExtractError(f"extract({name}={brief(value)}): {name} must be {want}; got "
                                f"{type(value).__name__}")
 
 

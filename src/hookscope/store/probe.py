@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from hookscope.engine.checks import check_number
 from hookscope.errors import ArgumentValueError, StoreError
 from hookscope.store.reader import Store, open_store
 
@@ -120,8 +121,10 @@ def probe(store: Store | str | Path, layers: Sequence[str] | None = None, *,
     """
     store = store if isinstance(store, Store) else open_store(store)
     targets, classes = _label_ids(store, labels)
+    check_number("test_fraction", test_fraction)
+    check_number("C", C)
     if not 0 < test_fraction < 1:
-        raise ArgumentValueError(f"test_fraction={test_fraction!r}: pass a share in (0, 1), e.g. 0.2")
+        raise ArgumentValueError(f"test_fraction={test_fraction}: pass a share in (0, 1), e.g. 0.2")
     if len(classes) < 2:
         raise ArgumentValueError(f"a probe needs at least 2 classes; the labels hold {classes!r}")
     n = len(store)

@@ -159,9 +159,10 @@ def _header(path: Path) -> tuple[dict[str, Any], int]:
         raise ValueError("the header is not a JSON object")
     ends = [entry.get("data_offsets", [0, 0])[1] if isinstance(entry, dict) else None
             for key, entry in header.items() if key != "__metadata__"]
-    if not all(type(end) is int and end >= 0 for end in ends):
+    sizes = [end for end in ends if type(end) is int and end >= 0]
+    if len(sizes) != len(ends):
         raise ValueError("a tensor's data_offsets are not whole numbers")
-    size = 8 + length + max(ends, default=0)
+    size = 8 + length + max(sizes, default=0)
     memory = _memory_bytes()
     if memory is not None and size > memory:
         raise ValueError(f"it declares {size} bytes, more than this machine's {memory} bytes "
