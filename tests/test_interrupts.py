@@ -15,7 +15,6 @@ import linecache
 import random
 import signal
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -404,28 +403,26 @@ def _line_blocks() -> dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Modu
         return hookscope.ReplayBundle(0, 0, StepInputs.now((x,), {}, "cpu"), [torch.ones(2, 5, 4)],
                                       state_snapshot(model))
 
-    def extract(model: nn.Module) -> None:
-        with tempfile.TemporaryDirectory() as folder:
-            hookscope.extract(model, [x, x], "blocks.*", Path(folder) / "store", progress=False)
+    def patched(model: nn.Module) -> None:
+        with hookscope.capture(model, "blocks.0") as source:
+            model(x.flip(1))
+        with hookscope.patch(model, source=source, layers="blocks.0"):
+            model(x)
 
     images, tokens = torch.randn(2, 3, 32, 32), torch.tensor([[1, 2, 3, 4]])
     metric = lambda output: output[..., 0].mean()  # noqa: E731
     return {
         "steer": (ReluBlocks, hooked(lambda m: hookscope.steer(m, {"blocks.0": torch.ones(8)},
                                                                positions=-1))),
-        "ablate": (ReluBlocks, hooked(lambda m: hookscope.ablate(m, "blocks.1", how="mean",
-                                                                 reference=x))),
-        "patch": (ReluBlocks, hooked(lambda m: hookscope.patch(m, source=x.flip(1),
-                                                               layers="blocks.0"))),
+        "ablate": (ReluBlocks, hooked(lambda m: hookscope.ablate(m, "blocks.1", positions=-1))),
+        "patch": (ReluBlocks, patched),
         "compare": (ReluBlocks, lambda m: hookscope.compare(m, ReluBlocks(), x,
                                                             layers=["blocks.*", "blocks.0::relu"])),
         "tree": (ReluBlocks, lambda m: hookscope.tree(m, x, ops=True)),
         "gradcam": (lambda: LeNet().eval(), lambda m: hookscope.gradcam(m, images, "conv2", target=1)),
         "logit_lens": (lambda: gpt2, lambda m: hookscope.logit_lens(m, tokens)),
         "attention": (lambda: gpt2, lambda m: hookscope.attention(m, tokens, layers="transformer.h.0.attn")),
-        "rollout": (lambda: gpt2, lambda m: hookscope.rollout(m, tokens, layers="transformer.h.*.attn",
-                                                              gradient=True, target=1)),
-        "extract": (ReluBlocks, extract),
+        "rollout": (lambda: gpt2, lambda m: hookscope.rollout(m, tokens, layers="transformer.h.*.attn")),
         "patching_sweep": (ReluBlocks, lambda m: hookscope.patching_sweep(
             m, x, x.flip(1), layers="blocks.0", metric=metric, positions=[0, 1], progress=False)),
         "attribution_patching": (ReluBlocks, lambda m: hookscope.attribution_patching(
@@ -469,8 +466,7 @@ def _sample(total: int, risky: list[int], size: int) -> list[int]:
 @pytest.mark.parametrize("kind", [
     "capture", "capture ::relu", "edit", "steer", "ablate", "patch", "run", "stats", "compare",
     "tree", "gradcam", "logit_lens", "attention", "rollout", "find_nonfinite",
-    "capture_generation", "monitor", "extract", "patching_sweep", "attribution_patching",
-    "replay"])
+    "capture_generation", "monitor", "patching_sweep", "attribution_patching", "replay"])
 def test_an_interrupt_at_any_line_of_hookscope_leaves_nothing_behind(kind: str) -> None:
     """Issue 35: a KeyboardInterrupt raised at the kth line hookscope runs in a block (k over
     every line that enters or leaves a block, ``with`` lines included, and 120 others spread

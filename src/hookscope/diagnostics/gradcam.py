@@ -49,7 +49,7 @@ from hookscope.engine.names import index, one_index_per_call
 from hookscope.engine.run import untouched
 from hookscope.engine.select import resolve
 from hookscope.errors import ArgumentTypeError, ArgumentValueError, GradcamError, SpecError
-from hookscope.record.capture import capture
+from hookscope.record.capture import Capture, capture
 from hookscope.record.grads import grad_leaf, gradient_pass
 from hookscope.util.extras import require
 from hookscope.util.figures import DPI, save_figure
@@ -130,11 +130,7 @@ def gradcam(model: nn.Module, x: Tensor, layer: str,
     if x.dim() != 4:
         raise GradcamError(f"x must be images (batch, channels, height, width); got shape "
                            f"{tuple(x.shape)}: {_not_images(x)}")
-    with untouched(model), gradient_pass(model, GradcamError):
-        x = grad_leaf(x)  # gradients reach the layer even if the weights are frozen
-        with capture(model, key, grads=True, on_unfired="error") as acts:
-            output = model(x)
-        torch.autograd.grad(class_scores(output, target), x)
+    with untouched(model), gradient_pass(model, GradcamError): acts = _pass(model, key, x, target)  # noqa: E701 - body on the with line (engine.interrupts)
     calls = acts.counts[key]
     if call is None and calls > 1:
         raise GradcamError(f"'{key}' ran {calls} times in one forward pass; choose one with "
@@ -280,6 +276,17 @@ def save_gradcam_overlay(image: np.ndarray | Tensor | str | os.PathLike[str], ca
     if title:
         figure.suptitle(title)
     return save_figure(figure, Path(path))
+
+
+def _pass(model: nn.Module, key: str, x: Tensor, target: Any) -> Capture:
+    """Capture ``key``'s output and gradient over one forward of ``x`` and the backward of the
+    ``target`` class scores; ``x`` is made a gradient leaf, so gradients reach the layer even
+    when the weights are frozen."""
+    x = grad_leaf(x)
+    acts = capture(model, key, grads=True, on_unfired="error")
+    with acts: output = model(x)  # noqa: E701 - body on the with line (engine.interrupts)
+    torch.autograd.grad(class_scores(output, target), x)
+    return acts
 
 
 def check_class_target(target: object, batch: int | None) -> None:

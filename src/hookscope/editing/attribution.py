@@ -34,6 +34,7 @@ from hookscope.editing.sweep import (
     _number,
     _plain,
     _sequence_tensor,
+    captured_metric,
     cells,
     check_metric,
     check_sweep_positions,
@@ -119,14 +120,14 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
     clean, corrupted = _plain(clean), _plain(corrupted)
     check_sweep_positions(positions, clean, corrupted)
     with untouched(model):
-        with torch.no_grad(), capture(model, *keys, on_unfired="error") as acts:
-            clean_metric = _number(metric(_forward(model, clean)))
+        with torch.no_grad(): acts, clean_metric = captured_metric(model, keys, clean, metric)  # noqa: E701 - body on the with line (engine.interrupts)
         sources = {key: _sequence_tensor(acts[key], key) for key in keys}
         with gradient_pass(model, EditError):
             found: dict[str, list[tuple[Tensor, Tensor]]] = {key: [] for key in keys}
-            with edit(model, {key: _zero_added(found[key], key) for key in keys},
-                      on_unfired="error"), capture(model, *keys, on_unfired="error") as live_acts:
-                value = _differentiable(metric(_forward(model, corrupted)))
+            edits = edit(model, {key: _zero_added(found[key], key) for key in keys},
+                         on_unfired="error")
+            live_acts = capture(model, *keys, on_unfired="error")
+            with edits, live_acts: value = _differentiable(metric(_forward(model, corrupted)))  # noqa: E701 - body on the with line (engine.interrupts)
             grads = torch.autograd.grad(value, [_once(found[key], key)[1] for key in keys],
                                         allow_unused=True)
     # what each value holds (token and heads axes, the mask of its run), from its record

@@ -34,7 +34,7 @@ from hookscope.engine.names import one_index_per_call
 from hookscope.engine.run import untouched
 from hookscope.engine.select import as_patterns, resolve
 from hookscope.errors import ArgumentTypeError, ArgumentValueError, EditError, PositionError, warn
-from hookscope.record.capture import capture
+from hookscope.record.capture import Capture, capture
 from hookscope.record.positions import layout_positions, tokens_first
 from hookscope.util.extras import require
 from hookscope.util.figures import new_figure, save_figure
@@ -227,10 +227,8 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
     keys = list({t.key: t for t in targets})
     rows = _rows(corrupted)
     with untouched(model), torch.no_grad():
-        with capture(model, *keys, on_unfired="error") as acts:
-            clean_metric = _number(metric(_forward(model, clean)))
-        with capture(model, *keys, on_unfired="error") as corrupted_acts:
-            corrupted_metric = _number(metric(_forward(model, corrupted)))
+        acts, clean_metric = captured_metric(model, keys, clean, metric)
+        corrupted_acts, corrupted_metric = captured_metric(model, keys, corrupted, metric)
         sources = {key: _sequence_tensor(acts[key], key) for key in keys}
         # what each value holds (token and heads axes, the mask of its run), from its record
         layouts = {key: (acts.layout(key, seq_dim=seq_dim, heads=heads),
@@ -380,6 +378,14 @@ def _sequence_tensor(value: Any, key: str) -> Tensor:
         raise EditError(f"'{key}' returns {kind}, not a (batch, seq, ...) tensor; select the "
                         f"tensor of a structured output with a part, e.g. '{key}[0]'")
     return value
+
+
+def captured_metric(model: nn.Module, keys: list[str], inputs: Any,
+                    metric: Callable[[Any], Any]) -> tuple[Capture, float]:
+    """A capture of ``keys`` over one forward of ``inputs``, and ``metric`` of its output."""
+    acts = capture(model, *keys, on_unfired="error")
+    with acts: value = metric(_forward(model, inputs))  # noqa: E701 - body on the with line (engine.interrupts)
+    return acts, _number(value)
 
 
 def _number(value: Tensor | float) -> float:
