@@ -45,7 +45,7 @@ from hookscope.engine.names import one_index_per_call
 from hookscope.engine.run import untouched
 from hookscope.engine.select import as_patterns, resolve
 from hookscope.errors import EditError
-from hookscope.record.capture import capture
+from hookscope.record.capture import Capture, capture
 from hookscope.record.grads import gradient_pass
 from hookscope.record.positions import tokens_first
 
@@ -119,17 +119,10 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
         check_int("seq_dim", seq_dim)
     clean, corrupted = _plain(clean), _plain(corrupted)
     check_sweep_positions(positions, clean, corrupted)
-    with untouched(model):
-        with torch.no_grad(): acts, clean_metric = captured_metric(model, keys, clean, metric)  # noqa: E701 - body on the with line (engine.interrupts)
-        sources = {key: _sequence_tensor(acts[key], key) for key in keys}
-        with gradient_pass(model, EditError):
-            found: dict[str, list[tuple[Tensor, Tensor]]] = {key: [] for key in keys}
-            edits = edit(model, {key: _zero_added(found[key], key) for key in keys},
-                         on_unfired="error")
-            live_acts = capture(model, *keys, on_unfired="error")
-            with edits, live_acts: value = _differentiable(metric(_forward(model, corrupted)))  # noqa: E701 - body on the with line (engine.interrupts)
-            grads = torch.autograd.grad(value, [_once(found[key], key)[1] for key in keys],
-                                        allow_unused=True)
+    found: dict[str, list[tuple[Tensor, Tensor]]] = {key: [] for key in keys}
+    with untouched(model): runs = _runs(model, keys, clean, corrupted, metric, found)  # noqa: E701 - body on the with line (engine.interrupts)
+    (acts, clean_metric), (live_acts, value, grads) = runs
+    sources = {key: _sequence_tensor(acts[key], key) for key in keys}
     # what each value holds (token and heads axes, the mask of its run), from its record
     layouts = {key: (acts.layout(key, seq_dim=seq_dim, heads=heads),
                      live_acts.layout(key, seq_dim=seq_dim, heads=heads)) for key in keys}
@@ -144,6 +137,26 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
     if plot is not None:
         sweep.plot(plot)
     return sweep
+
+
+def _runs(model: nn.Module, keys: list[str], clean: Any, corrupted: Any, metric: Metric,
+          found: dict[str, list[tuple[Tensor, Tensor]]]) -> tuple[Any, Any]:
+    """The clean run (captured, without gradients) and the corrupted one (``_corrupted_run``)."""
+    with torch.no_grad(): clean_run = captured_metric(model, keys, clean, metric)  # noqa: E701 - body on the with line (engine.interrupts)
+    passing = gradient_pass(model, EditError)
+    with passing: corrupted_run = _corrupted_run(model, keys, corrupted, metric, found)  # noqa: E701 - body on the with line (engine.interrupts)
+    return clean_run, corrupted_run
+
+
+def _corrupted_run(model: nn.Module, keys: list[str], corrupted: Any, metric: Metric,
+                   found: dict[str, list[tuple[Tensor, Tensor]]]) -> tuple[Capture, Tensor, Any]:
+    """The corrupted run, captured, a zero added to each layer's output (kept in ``found``);
+    ``(capture, metric, d metric / d zero of each layer)``."""
+    edits = edit(model, {key: _zero_added(found[key], key) for key in keys}, on_unfired="error")
+    live_acts = capture(model, *keys, on_unfired="error")
+    with edits, live_acts: value = _differentiable(metric(_forward(model, corrupted)))  # noqa: E701 - body on the with line (engine.interrupts)
+    grads = torch.autograd.grad(value, [_once(found[key], key)[1] for key in keys], allow_unused=True)
+    return live_acts, value, grads
 
 
 def _zero_added(found: list[tuple[Tensor, Tensor]], key: str) -> Callable[[Any], Tensor]:

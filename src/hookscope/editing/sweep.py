@@ -296,8 +296,9 @@ def _run_chunk(model: nn.Module, corrupted: Any, key: str, source: Tensor,
     """One forward of ``len(chunk)`` copies of ``corrupted``, copy ``j`` patched at ``chunk[j]``
     (a position and a head or ``None``) in ``key``; the metric of each copy."""
     rows = _rows(corrupted)
-    with edit(model, {key: _patcher(key, source, layouts, chunk, rows)}, on_unfired="error"):
-        output = _forward(model, _repeat(corrupted, len(chunk), rows))
+    edits, inputs = edit(model, {key: _patcher(key, source, layouts, chunk, rows)},
+                         on_unfired="error"), _repeat(corrupted, len(chunk), rows)
+    with edits: output = _forward(model, inputs)  # noqa: E701 - body on the with line (engine.interrupts)
     bar.update()
     return [_number(metric(_copy_of(output, j, len(chunk), rows))) for j in range(len(chunk))]
 
