@@ -510,3 +510,50 @@ def test_an_interrupt_at_any_line_of_hookscope_leaves_nothing_behind(kind: str) 
     finally:
         signal.signal(signal.SIGINT, previous)
     assert left == [], f"{len(left)} of {len(sample)} lines left something: {left[:5]}"
+
+
+class _RunLines(LineInterrupt):
+    """``LineInterrupt`` counting only the lines of ``engine/run.py`` (``untouched``)."""
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> Any:
+        return self._line if frame.f_code.co_filename.endswith("engine/run.py") else None
+
+
+def test_an_interrupt_at_any_line_of_untouched_leaves_neither_model_hooked() -> None:
+    """Issue 35: ``untouched`` watches each model's root (and modules holding buffers) with an
+    owned pre-hook; an interrupt while those hooks were being added left the ones already
+    added on the model (found on ``compare``'s second model by the random-SIGINT run): every
+    line of ``engine/run.py`` during ``compare`` and ``stats`` on a model with BatchNorm."""
+    x = torch.randn(4, 8)
+
+    def make() -> tuple[nn.Module, nn.Module]:
+        torch.manual_seed(0)
+        return (nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU()),
+                nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU()))
+
+    blocks = {"compare": lambda a, b: hookscope.compare(a, b, x, layers=["0", "1"]),
+              "stats": lambda a, b: hookscope.stats(a, [x, x], ["0", "1"])}
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    left = []
+    try:
+        for kind, block in blocks.items():
+            counted = _RunLines()
+            counted.run(lambda: block(*make()))  # noqa: B023 - run at once
+            assert counted.count > 20
+            for at in range(1, counted.count + 1):
+                a, b = make()
+                try:
+                    _RunLines(at).run(lambda: block(a, b))  # noqa: B023 - run at once
+                except KeyboardInterrupt:
+                    pass
+                leaks = _leaks(a) + [f"second model: {leak}" for leak in _leaks(b)]
+                if leaks:
+                    left.append((kind, at, leaks))
+                    hookscope.remove_hooks(a)
+                    hookscope.remove_hooks(b)
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
+                    interrupts._guarded.clear()
+                    interrupts._previous = interrupts._UNSET
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert left == []

@@ -143,8 +143,9 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
             self._rng = RngState.now()
             _open_rng(self)
             interrupts.guard(self, self._finish)
-            for model in self._models:
-                self._kept.append(_State(model))
+            for model in self._models:  # kept before its hooks exist: an interrupt removes them
+                self._kept.append(state := _State(model))
+                state.watch()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: object) -> None:
@@ -219,7 +220,7 @@ class _State:
         self.flags: list[tuple[nn.Module, bool]] = []
         self.buffers: list[tuple[nn.Module, str, Tensor, Tensor]] = []
         self.params: list[tuple[nn.Parameter, bool]] = []
-        self.watch: dict[nn.Module, tuple[OwnedHook, RemovableHandle]] = {}
+        self.counters: dict[nn.Module, tuple[OwnedHook, RemovableHandle]] = {}
         self.paths = {m: p for p, m in model.named_modules(remove_duplicate=False)}
         modules = list(model.modules())
         self.flags = [(m, m.training) for m in modules]
@@ -229,13 +230,18 @@ class _State:
         self.buffers = [(m, name, b, c) for (m, name, b), c in zip(kept, clones, strict=True)]
         self.params = [(p, p.requires_grad) for p in model.parameters()]
         self.trained: set[nn.Module] = set()  # modules this thread ran in training mode
-        for module in dict.fromkeys([model, *(m for m, _, _ in kept)]):  # the root: RNG
+        self.watched = list(dict.fromkeys([model, *(m for m, _, _ in kept)]))  # the root: RNG
+
+    def watch(self) -> None:
+        """Register the owned pre-hooks counting other threads' calls (``restore`` removes
+        them, also those of a ``watch`` that an interrupt stopped halfway)."""
+        for module in self.watched:
             counter = OwnedHook(self._ran, module, traceable=True)
-            self.watch[module] = (counter, register(module, counter, pre=True))
+            self.counters[module] = (counter, register(module, counter, pre=True))
 
     def foreign_calls(self) -> int:
         """Calls of the watched modules (the root's included) from other threads so far."""
-        return sum(counter.foreign_calls for counter, _ in self.watch.values())
+        return sum(counter.foreign_calls for counter, _ in self.counters.values())
 
     def _ran(self, module: nn.Module, args: Any) -> None:
         if module.training:
@@ -244,7 +250,7 @@ class _State:
     def restore(self) -> list[str]:
         """Put back what changed (idempotent); return the paths of modules whose changed
         buffers were left because another thread ran them."""
-        for _, handle in self.watch.values():
+        for _, handle in self.counters.values():
             handle.remove()
         shared: dict[str, None] = {}
         for module, training in self.flags:
@@ -254,7 +260,7 @@ class _State:
             for module, name, buffer, values in self.buffers:
                 if module._buffers.get(name) is buffer and _same(buffer, values):
                     continue
-                counter = self.watch.get(module)
+                counter = self.counters.get(module)
                 if counter is not None and counter[0].foreign_calls:  # maybe the other's doing
                     if module in self.trained:  # and ours: both updates are in it
                         shared[self.paths.get(module, "?")] = None
