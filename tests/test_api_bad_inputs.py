@@ -546,6 +546,8 @@ def _calls(gpt2: nn.Module) -> dict[str, Callable[[Any], Any]]:
         "tree ops": lambda v: hookscope.tree(mlp, x, ops=v),
         "remove_hooks include_global": lambda v: hookscope.remove_hooks(mlp, include_global=v),
         "steer positions": lambda v: hookscope.steer(mlp, {"fc1": torch.ones(20)}, positions=v),
+        "capture pattern": lambda v: hookscope.capture(mlp, v),
+        "run layers": lambda v: hookscope.run(mlp, x, layers=v),
     }
 
 

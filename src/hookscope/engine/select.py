@@ -42,7 +42,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from hookscope.engine.checks import check_iterable, check_nonempty
+from hookscope.engine.checks import brief, check_iterable, check_nonempty
 from hookscope.engine.function_names import split_address
 from hookscope.engine.names import ModuleIndex, index
 from hookscope.engine.record_key import ROOT, RecordKey, record_name
@@ -137,7 +137,7 @@ def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str], *,
     chosen: dict[tuple[str, tuple[int | str, ...], str | None], Target] = {}
     for pattern in patterns:
         if not isinstance(pattern, str):
-            raise SelectorError(f"patterns are strings; got {type(pattern).__name__} {pattern!r}")
+            raise SelectorError(f"patterns are strings; got {type(pattern).__name__} {brief(pattern)}")
         for target in _resolve_address(names, pattern.strip()):
             known = chosen.get((target.path, target.parts, target.op))
             if known is None or known.wide and not target.wide:  # a name typed too: not wide

@@ -33,7 +33,7 @@ import numpy as np
 import safetensors
 import torch
 
-from hookscope.engine.checks import check_path
+from hookscope.engine.checks import brief, check_path
 from hookscope.errors import HookscopeError, StoreCorruptError, StoreError
 from hookscope.store.manifest import (
     COLUMN_PREFIX,
@@ -472,7 +472,7 @@ class Store:
     def __getitem__(self, layer: str) -> LayerView:
         if not isinstance(layer, str):
             raise StoreError(f"a store's layer is named by a str; got {type(layer).__name__} "
-                             f"{layer!r:.100}: pass one of {list(self.layers)}")
+                             f"{brief(layer)}: pass one of {list(self.layers)}")
         if layer not in self.layers:
             if self._shards:  # a layer cut from the manifest: the shard header still holds it
                 self._shards[0].open()
