@@ -333,6 +333,9 @@ class LayerView:
                 return self[list(range(start, stop, step))]
             return self._rows(start, max(start, stop))
         if isinstance(index, (Sequence, Tensor, np.ndarray)) and not isinstance(index, str):
+            if isinstance(index, Tensor) and index.layout != torch.strided:  # no numpy view
+                raise IndexError(f"rows of layer {self.info.path!r} are indexed by a dense "
+                                 f"tensor, not a {index.layout} one: pass index.to_dense()")
             found = np.asarray(index.cpu() if isinstance(index, Tensor) else index)
             if found.ndim == 1:
                 rows = [self._one(i, n) for i in self._indices(found, n)]
