@@ -19,7 +19,7 @@ PYTEST_WORKERS ?= auto
 setup: $(VENV)/.installed
 
 demo: setup
-	$(VENV)/bin/hookscope capture efficientnet-lite0 --input sample:chelsea --layer '_blocks.*' --plot out/ --overwrite
+	$(VENV)/bin/hookscope capture efficientnet-lite0 --input sample:chelsea --layers '_blocks.*' --plot out/ --overwrite
 
 test: setup
 	$(VENV)/bin/ruff check src tests

@@ -5,11 +5,20 @@ functions wrapped), and each case's memory in yet another process. The processes
 benchmark's environment ``.venv-bench`` (peers pinned in bench/requirements-peers.txt), which is
 created on first use or with ``--setup``. ``--quick`` runs the same code on tiny models in
 seconds (the smoke test uses it with ``--in-process --no-peers``).
+
+Besides the workloads, three sections of their own: ``dispatch`` (``bench.dispatch``),
+``compiled`` (``bench.compiled``: capture inside ``torch.compile``) and ``throughput``
+(``bench.throughput``: the store against the same disk). ``--only NAME...`` measures some of
+them and, when the output folder already holds a ``results.json``, merges them into it (each
+measured section replaces the one of the same name in every run it was measured in; the merge
+is listed in RESULTS.md), so one section can be regenerated without the rest. ``--render``
+rewrites RESULTS.md from results.json (after a change of ``bench/report.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import os
@@ -24,6 +33,8 @@ from typing import Any
 from bench import env, report, workloads
 
 TORCHLENS = ("gpt2-torchlens", "resnet-torchlens")
+#: sections measured by a module of their own (not bench.worker): name -> module
+SECTIONS = {"dispatch": "bench.dispatch", "compiled": "bench.compiled", "throughput": "bench.throughput"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -33,8 +44,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-setup", action="store_true",
                         help="never install; without a current .venv-bench use this interpreter")
     parser.add_argument("--python", help="interpreter for the measuring processes")
-    parser.add_argument("--only", nargs="+", choices=[*workloads.WORKLOADS, "dispatch"],
-                        help="run only these workloads")
+    parser.add_argument("--only", nargs="+", choices=[*workloads.WORKLOADS, *SECTIONS],
+                        help="run only these workloads or sections; merged into an existing "
+                             "results.json in --out")
+    parser.add_argument("--render", action="store_true",
+                        help="rewrite RESULTS.md from the results.json in --out, then stop")
     parser.add_argument("--quick", action="store_true",
                         help="tiny models, 3 rounds: checks that everything runs, in seconds")
     parser.add_argument("--runs", type=int, help="timed rounds per case (default 9; quick 3)")
@@ -71,18 +85,18 @@ def _worker(args: argparse.Namespace, interpreter: str, module: str, argv: list[
     the JSON it wrote, or ``{"error": ...}``."""
     with tempfile.TemporaryDirectory() as folder:
         out = str(Path(folder) / "result.json")
-        full = [*argv, "--json" if module == "bench.dispatch" else "--out", out]
+        full = [*argv, "--out" if module == "bench.worker" else "--json", out]
         if args.in_process:
-            from bench import dispatch, worker
+            import importlib
 
-            (dispatch.main if module == "bench.dispatch" else worker.main)(full)
+            importlib.import_module(module).main(full)
         else:
             done = subprocess.run([interpreter, "-m", module, *full], cwd=env.ROOT,
                                   capture_output=True, text=True)
             if done.returncode != 0:
                 tail = done.stderr.strip().splitlines()[-1:] or ["no output"]
                 return {"error": f"{module} exited {done.returncode}: {tail[0]}"}
-            if module == "bench.dispatch":
+            if module != "bench.worker":
                 print(done.stdout, end="", file=sys.stderr)
         result = dict(json.loads(Path(out).read_text()))
         return result
@@ -116,12 +130,17 @@ def _run_workload(args: argparse.Namespace, interpreter: str, name: str, memory:
     return result
 
 
-def _dispatch(args: argparse.Namespace, interpreter: str) -> dict[str, Any]:
-    say("dispatch")
-    quick = ["--layers", "20", "--forwards", "5", "--runs", "3", "--warmups", "1"]
-    return _worker(args, interpreter, "bench.dispatch",
-                   [*(quick if args.quick else []), "--threads", str(args.threads),
-                    "--grad-mode", args.grad_mode])
+def _section(args: argparse.Namespace, interpreter: str, name: str) -> dict[str, Any]:
+    """Run the section ``name`` of ``SECTIONS`` (in a process of its own); return its JSON."""
+    say(name)
+    threads = ["--threads", str(args.threads)]
+    argv = {"dispatch": [*(["--layers", "20", "--forwards", "5", "--runs", "3", "--warmups", "1"]
+                           if args.quick else []), *threads, "--grad-mode", args.grad_mode],
+            "compiled": [*(["--quick", "--runs", "2", "--backend", "eager"] if args.quick else
+                           ["--runs", str(args.runs or 9)]), *threads],
+            "throughput": ["--mib", "2" if args.quick else "256", "--places", "local", "memory",
+                           "s3"]}[name]
+    return _worker(args, interpreter, SECTIONS[name], argv)
 
 
 def say(message: str) -> None:
@@ -151,11 +170,32 @@ def _write(results: dict[str, Any], out: Path) -> None:
         from bench.dispatch import format_result
 
         results["dispatch"]["text"] = format_result(results["dispatch"])
-    results["load"]["after"] = _load()
     results["goals"] = report.goals(results["runs"])
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     (out / "RESULTS.md").write_text(report.markdown(results))
+
+
+def _merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``new`` (an ``--only`` run) merged into ``old`` (a results.json): each section measured in
+    ``new``'s run i replaces the one of the same name in ``old``'s run i (a workload by its name)."""
+    for index, run in enumerate(new["runs"]):
+        if index == len(old["runs"]):
+            old["runs"].append({"workloads": []})
+        kept = old["runs"][index]
+        for key in SECTIONS:
+            if key in run:
+                kept[key] = run[key]
+        measured = {w["workload"] for w in run["workloads"]}
+        kept["workloads"] = [w for w in kept["workloads"] if w["workload"] not in measured]
+        kept["workloads"] += run["workloads"]
+    last = old["runs"][-1]
+    old["workloads"] = last["workloads"]
+    old.update({key: last[key] for key in SECTIONS if key in last})
+    old.setdefault("merged", []).append(
+        {"generated": new["generated"], "command": new["command"], "load": new["load"]})
+    old["notes"] = [*old.get("notes", []), *new["notes"]]
+    return old
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,8 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.setup:
         say(f"environment ready: {env.setup()}")
         return 0
+    if args.render:
+        results = json.loads((Path(args.out) / "results.json").read_text())
+        _write(results, Path(args.out))
+        return 0
     interpreter = _interpreter(args)
-    names = args.only or [*workloads.WORKLOADS, "dispatch"]
+    names = args.only or [*workloads.WORKLOADS, *SECTIONS]
     if args.no_peers:
         names = [n for n in names if n not in TORCHLENS]
     names.sort(key=lambda n: n in TORCHLENS)  # torchlens wraps torch: last when in-process
@@ -179,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                      "size": "tiny (--quick)" if args.quick else "full (see titles)",
                      "interpreter": interpreter, "in_process": args.in_process},
         "workloads": [], "runs": [], "notes": list(args.note)}
+    existing = Path(args.out) / "results.json"
+    previous = json.loads(existing.read_text()) if args.only and existing.exists() else None
     for repeat in range(args.repeat):
         if args.repeat > 1:
             say(f"run {repeat + 1} of {args.repeat}")
@@ -186,13 +232,20 @@ def main(argv: list[str] | None = None) -> int:
         results["runs"].append(run)
         results["workloads"] = run["workloads"]  # the tables show the last run
         for name in names:
-            if name == "dispatch":
-                results["dispatch"] = run["dispatch"] = _dispatch(args, interpreter)
+            if name in SECTIONS:
+                results[name] = run[name] = _section(args, interpreter, name)
             else:
                 # memory once, in the last run: RSS does not need repeats to be trusted
                 memory = not args.no_memory and repeat == args.repeat - 1
                 run["workloads"].append(_run_workload(args, interpreter, name, memory))
-            _write(results, Path(args.out))  # after each workload: a long run shows progress
+            results["load"]["after"] = _load()
+            # after each workload, merged into the earlier results.json: a long run shows
+            # progress, and an interrupted one loses nothing measured before
+            _write(results if previous is None else _merge(copy.deepcopy(previous), results),
+                   Path(args.out))
+    if previous is not None:
+        results = _merge(previous, results)
+        _write(results, Path(args.out))
     say(f"wrote {Path(args.out) / 'RESULTS.md'} and {Path(args.out) / 'results.json'}")
     for goal in results["goals"]:
         say(f"goal {'met' if goal['met'] else 'NOT met' if goal['met'] is False else 'n/a'}: "

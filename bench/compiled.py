@@ -13,9 +13,11 @@ on torch's intra-op threads. It also prints how many graphs dynamo compiled (goa
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -65,7 +67,8 @@ def measure(name: str, model: nn.Module, example: tuple[Any, ...], *, backend: s
     ratios = [h / b for h, b in zip(hooked, bare)]
     return {"workload": name, "modules": len(paths), "graphs": counter.frame_count,
             "compile_s": compile_s, "bare_ms": 1e3 * statistics.median(bare),
-            "capture_ms": 1e3 * statistics.median(hooked), "ratio": statistics.median(ratios)}
+            "capture_ms": 1e3 * statistics.median(hooked), "ratio": statistics.median(ratios),
+            "ratios": ratios}
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -75,14 +78,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--backend", default="inductor", help="torch.compile backend (default inductor)")
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     parser.add_argument("--only", nargs="+", choices=("gpt2", "resnet"), default=["gpt2", "resnet"])
+    parser.add_argument("--json", help="also write the settings and rows to this JSON file")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     size = models.TINY if args.quick else models.FULL
     built = {"gpt2": lambda: (models.gpt2(size), (models.tokens(size),)),
              "resnet": lambda: (models.resnet(size), (models.images(size),))}
     rows = []
-    print(f"backend {args.backend}, fullgraph=True, {args.threads} threads, {args.runs} rounds; "
-          f"goal <= {GOAL}x")
+    settings = (f"backend {args.backend}, fullgraph=True, {args.threads} threads, {args.runs} rounds, "
+                f"{'tiny models' if args.quick else 'full-size models'}; goal <= {GOAL}x")
+    print(settings)
     for name in args.only:
         model, example = built[name]()
         row = measure(name, model.eval(), example, backend=args.backend, runs=args.runs)
@@ -91,6 +96,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
               f"({row['modules']} modules) {row['capture_ms']:.1f} ms: x{row['ratio']:.3f} "
               f"({'meets' if row['ratio'] <= GOAL else 'misses'} the goal); graphs compiled "
               f"{row['graphs']}, compile {row['compile_s']:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
     return rows
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from hookscope.store.extract import extract
+from hookscope.store import extract
 
 ROOT = Path(__file__).resolve().parents[1]
 

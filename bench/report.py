@@ -34,6 +34,28 @@ def goals(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         found.append({"goal": goal, "median": median, "q3": q3, "spread": medians,
                       "value": f"{_x(median)} (q3 {_x(q3)}{spread})",
                       "met": None if q3 is None else q3 < limit if limit == 1.0 else q3 <= limit})
+    return found + _throughput_goals(runs)
+
+
+def _throughput_goals(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 33's goals on ``python -m bench.throughput``'s rows (one figure per run, no rounds):
+    each read row >= 0.8x the raw read, met when the worst run meets it; extraction <= 1.0x the
+    bare loop plus the raw write."""
+    found = []
+    for goal, prefix, limit, at_least in (
+            ("store read rows, first pass >= 0.8x the raw disk read (issue 33)",
+             "store read rows, first pass", 0.8, True),
+            ("token view, flat reads >= 0.8x the raw disk read (issue 33)", "token view", 0.8, True),
+            ("extract <= 1.0x the bare loop plus the raw write (issue 33)", "extract", 1.0, False)):
+        figures = [row["ratio"] for run in runs for row in (run.get("throughput") or {}).get("rows", [])
+                   if row["row"].startswith(prefix)]
+        worst = (min(figures) if at_least else max(figures)) if figures else None
+        spread = f", runs {_x(min(figures))}-{_x(max(figures))}" if len(figures) > 1 else ""
+        found.append({"goal": goal, "median": statistics.median(figures) if figures else None,
+                      "q3": worst, "spread": figures,
+                      "value": f"{_x(statistics.median(figures) if figures else None)} "
+                               f"(worst {_x(worst)}{spread})",
+                      "met": None if worst is None else worst >= limit if at_least else worst <= limit})
     return found
 
 
@@ -82,6 +104,9 @@ def _goal_figures() -> list[tuple[str, Rounds, float]]:
         ("per-call dispatch <= 1.15x a bare hook (steady state)", _dispatch("ratios_steady"), 1.15),
         ("set-up, call and take-down on 200 modules <= 1.3x bare hooks registered and removed "
          "per forward", _dispatch("ratios_per_capture"), 1.3)]
+    figures += [(f"{title}: every-module capture inside torch.compile(fullgraph=True) <= 1.05x "
+                 "the compiled forward (issue 32)", _compiled(model), 1.05)
+                for model, title in (("gpt2", "GPT-2-sized"), ("resnet", "ResNet-50-sized CNN"))]
     return figures
 
 
@@ -114,6 +139,13 @@ def _dispatch(key: str) -> Rounds:
     def rounds(run: dict[str, Any]) -> list[float] | None:
         values = (run.get("dispatch") or {}).get(key)
         return list(values) if values else None
+    return rounds
+
+
+def _compiled(model: str) -> Rounds:
+    def rounds(run: dict[str, Any]) -> list[float] | None:
+        rows = [r for r in (run.get("compiled") or {}).get("rows", []) if r["workload"] == model]
+        return list(rows[0]["ratios"]) if rows and rows[0].get("ratios") else None
     return rounds
 
 
@@ -248,6 +280,38 @@ def markdown(results: dict[str, Any]) -> str:
     if dispatch:
         out += ["## Per-call dispatch (`python -m bench.dispatch`)", "", "```",
                 dispatch.get("text", ""), "```", ""]
+    out += _compiled_section(results.get("compiled")) + _throughput_section(results.get("throughput"))
+    if results.get("merged"):
+        out += ["## Sections measured later (`--only`, merged into this file)", ""]
+        out += [f"- {m['generated']}: `{m['command']}` (load {m['load']})" for m in results["merged"]]
+        out += [""]
     if results.get("notes"):
         out += ["## Notes", ""] + [f"- {note}" for note in results["notes"]] + [""]
     return "\n".join(out)
+
+
+def _compiled_section(compiled: dict[str, Any] | None) -> list[str]:
+    if not compiled:
+        return []
+    out = ["## torch.compile(fullgraph=True): every-module capture (`python -m bench.compiled`)", "",
+           compiled.get("settings", ""), ""]
+    if "error" in compiled:
+        return out + [f"Failed: `{compiled['error']}`", ""]
+    out += ["| model | modules | graphs compiled | compile s | compiled forward ms | "
+            "with every-module capture ms | x compiled forward |", "|---|---:|---:|---:|---:|---:|---:|"]
+    out += [f"| {r['workload']} | {r['modules']} | {r['graphs']} | {r['compile_s']:.0f} | "
+            f"{r['bare_ms']:.1f} | {r['capture_ms']:.1f} | x{r['ratio']:.3f} |" for r in compiled["rows"]]
+    return out + [""]
+
+
+def _throughput_section(throughput: dict[str, Any] | None) -> list[str]:
+    if not throughput:
+        return []
+    out = ["## Store throughput against the same disk (`python -m bench.throughput`)", "",
+           throughput.get("settings", ""), ""]
+    if "error" in throughput:
+        return out + [f"Failed: `{throughput['error']}`", ""]
+    out += ["| row | MB/s | x limit | note |", "|---|---:|---:|---|"]
+    out += [f"| {r['row']} | {r['mb_s']:.0f} | x{r['ratio']:.2f} | {r['note']} |"
+            for r in throughput["rows"]]
+    return out + [""]

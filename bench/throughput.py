@@ -17,27 +17,40 @@ bytes (``--mib`` of float32 rows, 1024 wide) go through:
 
 MB/s are 10^6 bytes per second; ratios are against the raw figure of the same direction. Goals:
 reads >= 0.8x raw read, extract <= 1.0x (bare loop + raw write).
+
+``--places memory s3`` runs the same rows against ``memory://`` and S3 (moto's standalone
+server on 127.0.0.1, started here): there the limits are one PUT and one GET of the same bytes
+through fsspec, and a store reads by 4 MiB ranged GETs through its chunk cache.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import logging
 import os
+import secrets
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import fsspec.core
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from hookscope.store import open_store
-from hookscope.store.extract import extract
+from hookscope.errors import StoreError
+from hookscope.store import extract, open_store
 from hookscope.store.folder import prepare_output
+from hookscope.store.fs import location
 from hookscope.store.writer import ShardData, StoreWriter
 
 WIDTH = 1024
+PLACES = ("local", "memory", "s3")
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -60,7 +73,9 @@ def _raw_read(path: Path, into: bytearray) -> None:
             at += n
 
 
-def _store_write(folder: Path, data: torch.Tensor, shard_rows: int, ragged: bool) -> None:
+def _store_write(url: str, options: dict[str, Any] | None, data: torch.Tensor, shard_rows: int,
+                 ragged: bool) -> None:
+    folder = location(url, StoreError, options)
     prepare_output(folder, resume=False, overwrite=False)
     shape = [None, WIDTH] if ragged else [WIDTH]
     header = {"model": {"spec": None, "class": "bench"}, "extract": {},
@@ -82,16 +97,121 @@ def _read_all(read: Callable[[int, int], object], n: int, step: int) -> None:
         read(i, min(i + step, n))
 
 
+@dataclass
+class _Place:
+    """Where the rows go: a local folder (``root``), ``memory://`` or S3 (moto's server on
+    127.0.0.1, started by ``_s3``); ``raw_write``/``raw_read`` move one file's bytes there the
+    plainest way (the limit), and rows are prefixed with the place's name but for local."""
+
+    name: str
+    root: str
+    options: dict[str, Any] | None = None
+
+    def url(self, sub: str) -> str:
+        return f"{self.root}/{sub}"
+
+    def raw_write(self, data: torch.Tensor) -> None:
+        if self.options is None and "://" not in self.root:
+            _raw_write(Path(self.url("raw.bin")), data)
+            return
+        fs, path = fsspec.core.url_to_fs(self.url("raw.bin"), **(self.options or {}))
+        fs.pipe_file(path, data.numpy().tobytes())  # the store uploads bytes too
+
+    def raw_read(self, into: bytearray) -> None:
+        if self.options is None and "://" not in self.root:
+            _raw_read(Path(self.url("raw.bin")), into)
+            return
+        fs, path = fsspec.core.url_to_fs(self.url("raw.bin"), **(self.options or {}))
+        fs.cat_file(path)  # the bytes themselves, no copy into ``into``
+
+
+@contextlib.contextmanager
+def _memory() -> Iterator[_Place]:
+    """A folder of its own in fsspec's in-process memory file system, deleted afterwards."""
+    root = f"memory://bench-{secrets.token_hex(8)}"
+    try:
+        yield _Place("memory", root)
+    finally:
+        fs, path = fsspec.core.url_to_fs(root)
+        fs.rm(path, recursive=True)
+
+
+@contextlib.contextmanager
+def _s3() -> Iterator[_Place]:
+    """A bucket on moto's standalone S3 server on a free port of 127.0.0.1 (fake credentials)."""
+    from moto.server import ThreadedMotoServer
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+                      AWS_DEFAULT_REGION="us-east-1")
+    options = {"client_kwargs": {"endpoint_url": f"http://{host}:{port}"}}
+    fs, _ = fsspec.core.url_to_fs("s3://bench", **options)
+    fs.mkdir("bench")
+    try:
+        yield _Place("S3 (moto, 127.0.0.1)", "s3://bench/throughput", options)
+    finally:
+        server.stop()
+
+
+def _place_rows(place: _Place, data: torch.Tensor,
+                row: Callable[[str, float, float | None], None],
+                table: list[tuple[str, float, float, str]]) -> None:
+    """The rows of one place: raw write and read (the limits), store write, extract, store
+    reads, token view and streams, each against the raw figure of its direction."""
+    nbytes, rows = data.numel() * 4, len(data)
+    shard_rows = 64 * 2**20 // (4 * WIDTH)  # 64 MiB shards
+    label = "" if place.name == "local" else f"{place.name}: "
+    options = place.options
+    write_s = _timed(lambda: place.raw_write(data))
+    into = bytearray(nbytes)
+    place.raw_read(into)  # warm
+    read_s = _timed(lambda: place.raw_read(into))
+    raw_w, raw_r = nbytes / write_s / 1e6, nbytes / read_s / 1e6
+    row(f"{label}raw sequential write + fsync (limit)" if not label else
+        f"{label}raw write, one PUT of the bytes (limit)", write_s, None)
+    row(f"{label}raw sequential read, warm (limit)" if not label else
+        f"{label}raw read, one GET of the bytes (limit)", read_s, None)
+    row(f"{label}store write (StoreWriter, 64 MiB shards)",
+        _timed(lambda: _store_write(place.url("rows"), options, data, shard_rows, False)), raw_w)
+    loader = DataLoader(TensorDataset(data), batch_size=256)
+    bare_s = _timed(lambda: [nn.Identity()(x) for (x,) in loader])
+    extract_s = _timed(lambda: extract(nn.Sequential(nn.Identity()), loader, "0",
+                                       place.url("extracted"), shard_bytes=64 * 2**20,
+                                       progress=False, storage_options=options))
+    table.append((f"{label}extract (identity layer)", nbytes / extract_s / 1e6,
+                  extract_s / (bare_s + write_s), "x = time / (bare loop + raw write)"))
+    store = open_store(place.url("rows"), storage_options=options)
+    row(f"{label}store read rows, first pass (chunk checks)",
+        _timed(lambda: _read_all(lambda i, j: store["x"][i:j], rows, 4096)), raw_r)
+    row(f"{label}store read rows, second pass",
+        _timed(lambda: _read_all(lambda i, j: store["x"][i:j], rows, 4096)), raw_r)
+    _store_write(place.url("tokens"), options, data, shard_rows, True)
+    view = open_store(place.url("tokens"), storage_options=options).tokens("x")
+    row(f"{label}token view, flat reads",
+        _timed(lambda: _read_all(lambda i, j: view[i:j], rows, 4096)), raw_r)
+    stream = view.stream(buffer_tokens=2**14, block_tokens=1024, seed=0)
+    row(f"{label}token stream, DataLoader collating single tokens (batches of 4096)",
+        _timed(lambda: [b for b in DataLoader(stream, batch_size=4096)]), raw_r)
+    stream = view.stream(buffer_tokens=2**14, block_tokens=1024, seed=0, batch_size=4096)
+    row(f"{label}token stream, batch_size=4096 (DataLoader batch_size=None)",
+        _timed(lambda: [b for b in DataLoader(stream, batch_size=None)]), raw_r)
+
+
 def main(argv: list[str] | None = None) -> list[tuple[str, float, float, str]]:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mib", type=int, default=256, help="MiB of rows")
     parser.add_argument("--out", type=Path, help="also write the table (markdown) here")
+    parser.add_argument("--json", type=Path, help="also write the settings and rows (JSON) here")
+    parser.add_argument("--places", nargs="+", choices=PLACES, default=["local"],
+                        help="where the store goes: a local folder (default), memory://, S3 "
+                             "(moto's server on 127.0.0.1; needs hookscope[test])")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     rows = args.mib * 2**20 // (4 * WIDTH) // 64 * 64
     data = torch.randn(rows, WIDTH)
     nbytes = data.numel() * 4
-    shard_rows = 64 * 2**20 // (4 * WIDTH)  # 64 MiB shards
     table: list[tuple[str, float, float, str]] = []
 
     def row(name: str, seconds: float, limit: float | None, note: str = "") -> None:
@@ -99,45 +219,26 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float, float, str]]:
         table.append((name, rate, (rate / limit) if limit else 1.0, note))
 
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
-        root = Path(tmp)
-        write_s = _timed(lambda: _raw_write(root / "raw.bin", data))
-        into = bytearray(nbytes)
-        _raw_read(root / "raw.bin", into)  # warm
-        read_s = _timed(lambda: _raw_read(root / "raw.bin", into))
-        raw_w, raw_r = nbytes / write_s / 1e6, nbytes / read_s / 1e6
-        row("raw sequential write + fsync (limit)", write_s, None)
-        row("raw sequential read, warm (limit)", read_s, None)
-        row("store write (StoreWriter, 64 MiB shards)",
-            _timed(lambda: _store_write(root / "rows", data, shard_rows, False)), raw_w)
-        loader = DataLoader(TensorDataset(data), batch_size=256)
-        bare_s = _timed(lambda: [nn.Identity()(x) for (x,) in loader])
-        extract_s = _timed(lambda: extract(nn.Sequential(nn.Identity()), loader, "0",
-                                           root / "extracted", shard_bytes=64 * 2**20,
-                                           progress=False))
-        table.append(("extract (identity layer)", nbytes / extract_s / 1e6,
-                      extract_s / (bare_s + write_s), "x = time / (bare loop + raw write)"))
-        store = open_store(root / "rows")
-        row("store read rows, first pass (chunk checks)",
-            _timed(lambda: _read_all(lambda i, j: store["x"][i:j], rows, 4096)), raw_r)
-        row("store read rows, second pass",
-            _timed(lambda: _read_all(lambda i, j: store["x"][i:j], rows, 4096)), raw_r)
-        _store_write(root / "tokens", data, shard_rows, True)
-        view = open_store(root / "tokens").tokens("x")
-        row("token view, flat reads", _timed(lambda: _read_all(lambda i, j: view[i:j], rows,
-                                                               4096)), raw_r)
-        stream = view.stream(buffer_tokens=2**14, block_tokens=1024, seed=0)
-        row("token stream, DataLoader collating single tokens (batches of 4096)",
-            _timed(lambda: [b for b in DataLoader(stream, batch_size=4096)]), raw_r)
-        stream = view.stream(buffer_tokens=2**14, block_tokens=1024, seed=0, batch_size=4096)
-        row("token stream, batch_size=4096 (DataLoader batch_size=None)",
-            _timed(lambda: [b for b in DataLoader(stream, batch_size=None)]), raw_r)
-    lines = [f"{nbytes / 2**20:.0f} MiB of float32 rows ({WIDTH} wide), one run, same disk",
-             "", "| row | MB/s | x limit | note |", "|---|---|---|---|"]
+        for name in args.places:
+            with contextlib.ExitStack() as stack:
+                place = _Place("local", tmp) if name == "local" else \
+                    stack.enter_context(_memory()) if name == "memory" else \
+                    stack.enter_context(_s3())
+                _place_rows(place, data, row, table)
+    settings = (f"{nbytes / 2**20:.0f} MiB of float32 rows ({WIDTH} wide), one run, same disk; "
+                "writes fsync'ed, reads from a warm page cache; MB/s = 10^6 bytes/s"
+                + ("; memory:// and S3 (moto's server on 127.0.0.1): against one PUT and one GET "
+                   "of the bytes there" if args.places != ["local"] else ""))
+    lines = [settings, "", "| row | MB/s | x limit | note |", "|---|---|---|---|"]
     lines += [f"| {name} | {rate:.0f} | x{ratio:.2f} | {note} |" for name, rate, ratio, note in table]
     text = "\n".join(lines)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
+    if args.json:
+        found = [{"row": name, "mb_s": rate, "ratio": ratio, "note": note}
+                 for name, rate, ratio, note in table]
+        args.json.write_text(json.dumps({"settings": settings, "rows": found}, indent=1))
     return table
 
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from hypothesis import settings
 from torch import nn
-from torch.nn.modules import module as torch_module
 
-from hookscope.diagnostics.inventory import _GLOBAL_DICTS, _HOOK_DICTS, _is_internal, _registered_by
+from hookscope.diagnostics.inventory import _is_internal, _registered_by
+from hookscope.engine.hooks import registered
 
 # Every live module, kept weakly: scanning ``gc.get_objects()`` (~400,000 objects once torch and
 # transformers are imported) took 0.15 s per scan, two scans per test: about 8 of the suite's
@@ -40,11 +40,9 @@ def _live_hooks() -> set[tuple[int, str, int]]:
     that a test built, not left behind by hookscope)."""
     found = set()
     for obj in list(_MODULES.values()):
-        for attr in _HOOK_DICTS.values():
-            found.update((id(obj), attr, hid) for hid, fn in getattr(obj, attr).items()
-                         if not _is_internal(_registered_by(fn)))
-    for attr in _GLOBAL_DICTS.values():
-        found.update((0, attr, hid) for hid in getattr(torch_module, attr))
+        found.update((id(obj), kind, hid) for kind, hid, fn in registered(obj)
+                     if not _is_internal(_registered_by(fn)))
+    found.update((0, kind, hid) for kind, hid, _ in registered(None))
     return found
 
 

@@ -68,8 +68,8 @@ ROWS = [
     Row("capture", "model None", "model", lambda m: hs.capture(None, "fc1")),  # type: ignore[arg-type]
     Row("capture", "model function", "model", lambda m: hs.capture(lambda x: x, "fc1")),  # type: ignore[arg-type]
     Row("capture", "bad layer", "nosuch", lambda m: hs.capture(m, "nosuch")),
-    Row("capture", "pattern not str", "patterns", lambda m: hs.capture(m, 5)),  # type: ignore[arg-type]
-    Row("capture", "empty selection", "patterns", lambda m: hs.capture(m)),
+    Row("capture", "pattern not str", "layers", lambda m: hs.capture(m, 5)),  # type: ignore[arg-type]
+    Row("capture", "empty selection", "layers", lambda m: hs.capture(m)),
     Row("capture", "flag str", "grads", lambda m: hs.capture(m, "fc1", grads="yes")),  # type: ignore[arg-type]
     Row("capture", "flag int", "inputs", lambda m: hs.capture(m, "fc1", inputs=1)),  # type: ignore[arg-type]
     Row("capture", "flag grad_inputs", "grad_inputs",
@@ -122,7 +122,7 @@ ROWS = [
     # ablate
     Row("ablate", "model None", "model", lambda m: hs.ablate(None, "fc1")),  # type: ignore[arg-type]
     Row("ablate", "bad layer", "nosuch", lambda m: hs.ablate(m, "nosuch")),
-    Row("ablate", "empty selection", "patterns", lambda m: hs.ablate(m, [])),
+    Row("ablate", "empty selection", "layers", lambda m: hs.ablate(m, [])),
     Row("ablate", "how", "how", lambda m: hs.ablate(m, "fc1", how="nope")),  # type: ignore[arg-type]
     Row("ablate", "no reference", "reference", lambda m: hs.ablate(m, "fc1", how="mean")),
     Row("ablate", "empty positions", "positions", lambda m: hs.ablate(m, "fc1", positions=[])),
@@ -248,7 +248,7 @@ ROWS = [
         lambda m: hs.capture_generation(None, "transformer.h.0")),  # type: ignore[arg-type]
     Row("capture_generation", "bad layer", "nosuch",
         lambda m: hs.capture_generation(m, "nosuch"), gpt2=True),
-    Row("capture_generation", "empty selection", "patterns",
+    Row("capture_generation", "empty selection", "layers",
         lambda m: hs.capture_generation(m), gpt2=True),
     Row("capture_generation", "bad device", "to",
         lambda m: hs.capture_generation(m, "transformer.h.0", to="nodevice"), gpt2=True),
@@ -290,6 +290,15 @@ ROWS = [
         lambda m: hs.rollout(m, IDS, layers="transformer.h.*.attn", discard_ratio=1.5), gpt2=True),
     Row("rollout", "flag str", "gradient",
         lambda m: hs.rollout(m, IDS, layers="transformer.h.*.attn", gradient="no"), gpt2=True),  # type: ignore[arg-type]
+    # edge_attribution_patching
+    Row("edge_attribution_patching", "model None", "model",
+        lambda m: hs.edge_attribution_patching(None, IDS, IDS, _metric)),  # type: ignore[arg-type]
+    Row("edge_attribution_patching", "metric None", "metric",
+        lambda m: hs.edge_attribution_patching(m, IDS, IDS, None), gpt2=True),  # type: ignore[arg-type]
+    Row("edge_attribution_patching", "steps 0", "steps",
+        lambda m: hs.edge_attribution_patching(m, IDS, IDS, _metric, steps=0), gpt2=True),
+    Row("edge_attribution_patching", "steps float", "steps",
+        lambda m: hs.edge_attribution_patching(m, IDS, IDS, _metric, steps=2.5), gpt2=True),  # type: ignore[arg-type]
     # attribution_patching
     Row("attribution_patching", "model None", "model",
         lambda m: hs.attribution_patching(None, IDS, IDS, _metric, layers="transformer.h.0")),  # type: ignore[arg-type]
@@ -421,7 +430,7 @@ def test_figures(gpt2: nn.Module, tmp_path: Any, capsys: pytest.CaptureFixture[s
         print(f"\nAPI bad calls: tried {len(ROWS)} / clean {counts['clean']} / raw "
               f"{counts['raw']} / silent {counts['silent']}")
     assert counts == {"clean": len(ROWS), "raw": 0, "silent": 0}
-    assert len({r.verb for r in ROWS}) == 22
+    assert len({r.verb for r in ROWS}) == 23
 
 
 # ---------------------------------------------------------------- generated inputs

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from hookscope.errors import ExtractError
-from hookscope.store.extract import extract
+from hookscope.store.extraction import extract
 from hookscope.store.reader import open_store
 from tests.models import FLOAT8
 
@@ -69,7 +69,7 @@ def test_a_meta_output_is_refused_naming_the_fix(tmp_path: Path) -> None:
 
 
 def test_stats_of_integer_and_bool_outputs_are_counted_not_skipped() -> None:
-    from hookscope.diagnostics.stats import stats
+    from hookscope.diagnostics.statistics import stats
     x = torch.tensor([[1.6, -0.2, 3.7], [0.1, 2.9, -1.0]])
     model = nn.Sequential(_To(torch.int64), _To(torch.bool))
     result = stats(model, [x], layers=["0", "1"])
@@ -87,7 +87,7 @@ def test_stats_of_integer_and_bool_outputs_are_counted_not_skipped() -> None:
     (None, r"'0' returned a meta tensor .*which holds no values")])
 def test_stats_of_complex_or_meta_outputs_are_refused(dtype: torch.dtype | None,
                                                       message: str) -> None:
-    from hookscope.diagnostics.stats import stats
+    from hookscope.diagnostics.statistics import stats
     from hookscope.errors import HookscopeError
     model = nn.Sequential(_To(dtype) if dtype else nn.Linear(3, 2, device="meta"))
     with pytest.raises(HookscopeError, match=message):

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from hookscope.errors import StoreCorruptError, StoreExistsError
-from hookscope.store.extract import extract
+from hookscope.store.extraction import extract
 from hookscope.store.reader import open_store
 
 ROWS = torch.arange(24, dtype=torch.float32).reshape(12, 2)

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from hookscope.errors import HookscopeError, StoreCorruptError, StoreExistsError
-from hookscope.store.extract import extract
+from hookscope.store.extraction import extract
 from hookscope.store.reader import chunk_sums, open_store
 
 OK = {"clean", "intact"}

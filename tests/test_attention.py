@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import hookscope
-from hookscope.diagnostics.attention import sdpa_probabilities
+from hookscope.diagnostics.attention_maps import sdpa_probabilities
 from hookscope.errors import AttentionError
 from tests.functional_models import Block, EagerSelfAttention, FusedSelfAttention, TwoAttentions
 

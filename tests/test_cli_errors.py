@@ -46,7 +46,7 @@ def model_file(tmp_path: Path) -> Path:
 
 def test_model_error_is_one_paragraph_naming_the_module(model_file: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["capture", f"{model_file}:build", "--layer", "fc", "--input", "randn:2,4"])
+    code = main(["capture", f"{model_file}:build", "--layers", "fc", "--input", "randn:2,4"])
     err = capsys.readouterr().err
     assert code == 1
     assert "error: the model failed on input randn:2,4: RuntimeError: mat1 and mat2 shapes cannot" in err
@@ -56,27 +56,27 @@ def test_model_error_is_one_paragraph_naming_the_module(model_file: Path,
 
 def test_debug_shows_the_traceback(model_file: Path) -> None:
     with pytest.raises(hookscope.HookscopeError, match="cannot be multiplied"):
-        main(["--debug", "capture", f"{model_file}:build", "--layer", "fc", "--input", "randn:2,4"])
+        main(["--debug", "capture", f"{model_file}:build", "--layers", "fc", "--input", "randn:2,4"])
 
 
 def test_save_creates_missing_folders_with_parents_and_wants_safetensors(
         model_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     target = tmp_path / "new" / "deeper" / "acts.safetensors"
-    argv = ["capture", f"{model_file}:build_ok", "--layer", "0", "--input", "randn:2,4",
+    argv = ["capture", f"{model_file}:build_ok", "--layers", "0", "--input", "randn:2,4",
             "--save", str(target)]
     assert main(argv) == 2
     assert "pass --parents" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
     assert main([*argv, "--parents"]) == 0
     assert list(hookscope.load(target)) == ["0"]
-    assert main(["capture", f"{model_file}:build_ok", "--layer", "0", "--input", "randn:2,4",
+    assert main(["capture", f"{model_file}:build_ok", "--layers", "0", "--input", "randn:2,4",
                  "--save", str(tmp_path / "acts.pt")]) == 2
     assert "name it *.safetensors" in capsys.readouterr().err
     assert not (tmp_path / "acts.pt").exists()
 
 
 def test_several_inputs_after_one_flag(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["capture", "efficientnet-lite0", "--layer", "_fc", "--input", "sample:chelsea",
+    assert main(["capture", "efficientnet-lite0", "--layers", "_fc", "--input", "sample:chelsea",
                  "sample:astronaut", "--json"]) == 0
     assert '"shape": [\n        2,\n        1000\n      ]' in capsys.readouterr().out
 
@@ -89,11 +89,11 @@ def test_diff_of_an_image_model_and_a_text_model(capsys: pytest.CaptureFixture[s
 def test_gradcam_layer_is_checked_before_anything_runs(tmp_path: Path,
                                                         capsys: pytest.CaptureFixture[str]) -> None:
     plots = tmp_path / "plots"
-    code = main(["capture", "efficientnet-lite0", "--layer", "_fc", "--input", "sample:chelsea",
+    code = main(["capture", "efficientnet-lite0", "--layers", "_fc", "--input", "sample:chelsea",
                  "--plot", str(plots), "--gradcam", "_blocks"])
     assert code == 2 and "select '_blocks.*'" in capsys.readouterr().err
     assert not plots.exists()
-    assert main(["capture", "efficientnet-lite0", "--layer", "_fc", "--input", "sample:chelsea",
+    assert main(["capture", "efficientnet-lite0", "--layers", "_fc", "--input", "sample:chelsea",
                  "--gradcam", "_conv_head"]) == 2
     assert "give --plot DIR too" in capsys.readouterr().err
 
@@ -102,14 +102,14 @@ def test_stats_of_token_outputs_ignore_padding(capsys: pytest.CaptureFixture[str
     tables = []
     for batch_size in ("1", "2"):
         assert main(["stats", "minilm", "--input", "one sentence", "two sentences here",
-                     "--layer", "encoder.layer.5", "--batch-size", batch_size]) == 0
+                     "--layers", "encoder.layer.5", "--batch-size", batch_size]) == 0
         tables.append(capsys.readouterr().out)
     assert tables[0] == tables[1]
     assert " 3456 " in tables[0]  # 9 real tokens x 384 features: no padding counted
 
 
 def test_unwritable_output_is_an_error_line(model_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["capture", f"{model_file}:build_ok", "--layer", "0", "--input", "randn:2,4",
+    code = main(["capture", f"{model_file}:build_ok", "--layers", "0", "--input", "randn:2,4",
                  "--plot", "/proc/hookscope-cannot-write-here"])
     err = capsys.readouterr().err
     assert code == 1 and "error: " in err and "/proc/hookscope-cannot-write-here" in err

@@ -39,7 +39,7 @@ MODELS = textwrap.dedent('''
         sys.exit(3)
 ''')
 
-M, IN, L = "m.py:build", ["--input", "randn:2,4"], ["--layer", "fc1"]
+M, IN, L = "m.py:build", ["--input", "randn:2,4"], ["--layers", "fc1"]
 HUGE = "randn:99999999999,99999999999"
 
 # (verb, argv, exit code, text the message must hold)
@@ -64,13 +64,13 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("extract", ["extract", M, "--data", "nofile.pt", *L, "--out", "s"], 2, "--data"),
     ("capture", ["capture", M, "--input", "randn:2,5", *L], 1, "failed on input randn:2,5"),
     # bad layer: an unknown path, a function address that matches nothing in the model
-    *[(verb, [verb, M, *rest, "--layer", "nosuch"], 2, "nosuch") for verb, rest in [
+    *[(verb, [verb, M, *rest, "--layers", "nosuch"], 2, "nosuch") for verb, rest in [
         ("capture", IN), ("attention", IN), ("stats", IN), ("diff", [M, *IN]),
         ("extract", ["--data", "x.pt", "--out", "s"])]],
-    *[("capture", ["capture", M, *IN, "--layer", address], 2, f"--layer {address}")
+    *[("capture", ["capture", M, *IN, "--layers", address], 2, f"--layers {address}")
       for address in ("fc1::nosuchfn", "::nosuchfn", "::relu#99")],
     ("tree", ["tree", M, "--filter", "nosuch"], 2, "nosuch"),
-    *[("extract", ["extract", M, "--data", "x.pt", "--out", "s", "--layer", address], code, text)
+    *[("extract", ["extract", M, "--data", "x.pt", "--out", "s", "--layers", address], code, text)
       for address, code, text in [("::nosuchfn", 2, "--ops"), ("fc1::nosuchfn", 2, "--ops"),
                                   ("::relu", 1, "'::relu#0' … '::relu#1'")]],
     # bad device
@@ -86,7 +86,7 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("extract", ["extract", M, "--data", "x.pt", *L, "--out", "s", "--resume", "--overwrite"], 2,
      "--overwrite: not allowed with argument --resume"),
     # a single-value flag given twice: refused, not "the last one wins"
-    ("gradcam", ["gradcam", M, *IN, "--layer", "fc1", "--layer", "fc2"], 2, "--layer was given twice"),
+    ("gradcam", ["gradcam", M, *IN, "--layers", "fc1", "--layers", "fc2"], 2, "--layers was given twice"),
     ("lens", ["lens", M, *IN, "--top-k", "2", "--top-k", "3"], 2, "--top-k was given twice"),
     ("diff", ["diff", M, M, *IN, "--atol", "nan"], 2, "--atol"),
     ("extract", ["extract", M, "--data", "x.pt", *L, "--out", "s", "--batch-size", "0"], 2,
@@ -113,7 +113,7 @@ CASES: list[tuple[str, list[str], int, str]] = [
     *[(verb, [verb, "nosuch.py:build", *rest], 2, "nosuch.py") for verb, rest in [
         ("gradcam", [*IN, *L]), ("lens", IN)]],
     ("gradcam", ["gradcam", "m.py:bye", *IN, *L], 1, "exited with code 3"),
-    ("gradcam", ["gradcam", M, *IN, "--layer", "nosuch"], 2, "nosuch"),
+    ("gradcam", ["gradcam", M, *IN, "--layers", "nosuch"], 2, "nosuch"),
     ("gradcam", ["gradcam", M, *IN, *L], 2, "not images"),
     ("gradcam", ["gradcam", M, *IN, *L, "--target", "-1"], 2, "--target"),
     ("lens", ["lens", M, *IN], 2, "token ids"),
@@ -204,7 +204,7 @@ def test_parents_creates_the_folders(workdir: Path, capsys: pytest.CaptureFixtur
 
 def test_function_address_that_fires_is_still_fine(workdir: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["capture", M, *IN, "--layer", "::relu#1"]) == 0
+    assert main(["capture", M, *IN, "--layers", "::relu#1"]) == 0
     captured = capsys.readouterr()
     assert "holds no tensor" not in captured.err
     assert captured.out.splitlines()[1].split()[:3] == ["::relu#1", "0", "2x2"]

@@ -70,7 +70,7 @@ def _stats(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, dic
 def test_stats_over_a_folder_equals_the_hand_computed(tmp_path: Path, how: list[str],
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     files = _photos(tmp_path / "photos", 5)
-    got = _stats([a.format(dir=tmp_path / "photos") for a in how] + ["--layer", "conv1", "pool"],
+    got = _stats([a.format(dir=tmp_path / "photos") for a in how] + ["--layers", "conv1", "pool"],
                  capsys)
     for layer in ("conv1", "pool"):  # pool runs twice per forward: both calls count
         expected = _expected(_by_hand(files, layer))
@@ -88,7 +88,7 @@ def test_stats_data_any_batching_is_one_statistic(tmp_path_factory: pytest.TempP
     with contextlib.redirect_stdout(io.StringIO()) as out, \
             contextlib.redirect_stderr(io.StringIO()) as err:
         assert main(["stats", "tests.models:LeNet", *IMAGE, "--json", "--data", str(folder),
-                     "--batch-size", str(batch), "--layer", "conv2"]) == 0
+                     "--batch-size", str(batch), "--layers", "conv2"]) == 0
     got = json.loads(out.getvalue())["conv2"]
     expected = _expected(_by_hand(files, "conv2"))
     assert {k: got[k] for k in expected} == pytest.approx(expected, rel=1e-5, abs=1e-6)
@@ -103,7 +103,7 @@ def test_capture_takes_a_folder_as_its_sorted_images(tmp_path: Path,
     torch.manual_seed(0)
     out = tmp_path / "acts.safetensors"
     assert main(["capture", "tests.models:LeNet", *IMAGE, "--input", str(tmp_path / "photos"),
-                 "--layer", "conv1", "--save", str(out), "--json"]) == 0
+                 "--layers", "conv1", "--save", str(out), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["inputs"][0].startswith(f"{files[0]}: 32x32 RGB picture")
     assert [d.split(":")[0] for d in data["inputs"]] == [str(f) for f in files]

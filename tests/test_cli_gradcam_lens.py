@@ -28,7 +28,7 @@ def test_gradcam_verb_writes_overlays_and_prints_the_api_values(
 
     out = tmp_path / "cams"
     argv = ["gradcam", "efficientnet-lite0", "--input", "sample:cat", "sample:astronaut",
-            "--layer", "_conv_head", "--method", "layercam", "--target", "285", "--out", str(out),
+            "--layers", "_conv_head", "--method", "layercam", "--target", "285", "--out", str(out),
             "--json"]
     assert main(argv) == 0
     rows = json.loads(capsys.readouterr().out)
@@ -54,11 +54,11 @@ def test_gradcam_verb_usage_and_run_failures(tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as usage:
         main(["gradcam", "tests.functional_models:two_blocks", "--input", "randn:1,5,16",
-              "--layer", "0", "--method", "cam"])
+              "--layers", "0", "--method", "cam"])
     assert usage.value.code == 2
     assert "invalid choice: 'cam'" in capsys.readouterr().err
     assert main(["gradcam", "tests.functional_models:two_blocks", "--input", "randn:1,5,16",
-                 "--layer", "0", "--out", str(tmp_path / "o")]) == 2
+                 "--layers", "0", "--out", str(tmp_path / "o")]) == 2
     assert "are not images" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
@@ -123,7 +123,7 @@ def test_gradcam_verb_on_a_vit_saved_as_hf_dir(tmp_path: Path,
     transformers.ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(
         tmp_path / "vit")
     layer = "vit.layers.1.layernorm_before"
-    assert main(["gradcam", f"hf:{tmp_path / 'vit'}", "--input", "sample:chelsea", "--layer",
+    assert main(["gradcam", f"hf:{tmp_path / 'vit'}", "--input", "sample:chelsea", "--layers",
                  layer, "--method", "gradcam++", "--target", "4", "--out",
                  str(tmp_path / "cams"), "--json"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
@@ -178,9 +178,9 @@ def cnn():
 
 
 @pytest.mark.parametrize(("extra", "code", "needle"), [
-    (["--layer", "0", "--target", "999"], 2, "--target 999 is not a class of this model, which has 5"),
-    (["--layer", "4"], 1, "not a feature map"),
-    (["--layer", "::relu"], 1, "never ran"),
+    (["--layers", "0", "--target", "999"], 2, "--target 999 is not a class of this model, which has 5"),
+    (["--layers", "4"], 1, "not a feature map"),
+    (["--layers", "::relu"], 1, "never ran"),
 ])
 def test_a_gradcam_run_refused_or_failed_leaves_no_folder(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], code: int,

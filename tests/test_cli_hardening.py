@@ -63,12 +63,13 @@ BAD_NUMBERS = [
     ("extract", "--batch-size", "many"), ("extract", "--shard-bytes", "0"),
     ("extract", "--shard-bytes", "-1M"), ("extract", "--shard-bytes", "lots"),
     ("extract", "--shard-seconds", "0"), ("extract", "--shard-seconds", "nan"),
-    ("extract", "--shard-seconds", "-5"), ("tree", "--depth", "-1"), ("tree", "--depth", "1.5"),
+    ("extract", "--shard-seconds", "-5"), ("extract", "--ray-actors", "0"),
+    ("tree", "--depth", "-1"), ("tree", "--depth", "1.5"),
     ("stats", "--batch-size", "0"), ("stats", "--batch-size", "-2"),
     ("stats", "--per-channel", "x"), ("diff", "--atol", "-1"), ("diff", "--atol", "nan"),
     ("diff", "--rtol", "inf"), ("diff", "--rtol", "-0.1"),
 ]
-_REST = {"extract": ["m.py:f", "--data", "d", "--layer", "x", "--out"],
+_REST = {"extract": ["m.py:f", "--data", "d", "--layers", "x", "--out"],
          "tree": ["m.py:f"], "stats": ["m.py:f", "--input", "randn:1,4"],
          "diff": ["a.py:f", "b.py:f", "--input", "randn:1,4"]}
 
@@ -103,7 +104,7 @@ def test_input_before_model_does_not_swallow_it(models: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["tree", "--input", "randn:2,4", f"{models}:small"]) == 0
     assert "Linear" in capsys.readouterr().out
-    assert main(["capture", "--layer", "0", "2", "--input", "randn:2,4", f"{models}:small",
+    assert main(["capture", "--layers", "0", "2", "--input", "randn:2,4", f"{models}:small",
                  "--json"]) == 0
     records = json.loads(capsys.readouterr().out)["records"]
     assert [(r["path"], r["shape"]) for r in records] == [("0", [2, 3]), ("2", [2, 2])]
@@ -142,7 +143,7 @@ def test_save_under_a_file_is_one_line_naming_the_path(models: Path, tmp_path: P
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "plain").write_text("a file")
     target = tmp_path / "plain" / "acts.safetensors"
-    assert main(["capture", f"{models}:small", "--layer", "0", "--input", "randn:2,4",
+    assert main(["capture", f"{models}:small", "--layers", "0", "--input", "randn:2,4",
                  "--save", str(target)]) == 2
     err = capsys.readouterr().err
     assert f"error: cannot use {tmp_path / 'plain'}" in err or f"error: cannot use {target}" in err
@@ -160,7 +161,7 @@ def test_disk_full_during_extract_leaves_no_temporary_file(
     monkeypatch.setattr(_store_writer._HashingFile, "write", full)
     torch.save(torch.randn(6, 4), tmp_path / "rows.pt")
     out = tmp_path / "store"
-    assert main(["extract", f"{models}:small", "--data", str(tmp_path / "rows.pt"), "--layer", "0",
+    assert main(["extract", f"{models}:small", "--data", str(tmp_path / "rows.pt"), "--layers", "0",
                  "--out", str(out), "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert f"error: cannot use {out / 'shard-00000.safetensors'}: the disk is full" in err
@@ -170,11 +171,11 @@ def test_disk_full_during_extract_leaves_no_temporary_file(
 def test_written_files_get_the_umask_permissions(models: Path, tmp_path: Path) -> None:
     old = os.umask(0o022)
     try:
-        assert main(["capture", f"{models}:small", "--layer", "0", "--input", "randn:2,4",
+        assert main(["capture", f"{models}:small", "--layers", "0", "--input", "randn:2,4",
                      "--save", str(tmp_path / "a.safetensors")]) == 0
         torch.save(torch.randn(6, 4), tmp_path / "rows.pt")
         assert main(["extract", f"{models}:small", "--data", str(tmp_path / "rows.pt"),
-                     "--layer", "0", "--out", str(tmp_path / "s"), "--no-progress"]) == 0
+                     "--layers", "0", "--out", str(tmp_path / "s"), "--no-progress"]) == 0
     finally:
         os.umask(old)
     written = [tmp_path / "a.safetensors", *(tmp_path / "s").iterdir()]
@@ -193,7 +194,7 @@ def test_ctrl_c_at_any_moment_is_one_line_and_exit_130(models: Path, tmp_path: P
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}{os.pathsep}{ROOT}"}
     process = subprocess.Popen(
         [sys.executable, "-m", "hookscope", "extract", f"{models}:small", "--data",
-         str(tmp_path / "rows.pt"), "--layer", "0", "--out", str(tmp_path / "s"),
+         str(tmp_path / "rows.pt"), "--layers", "0", "--out", str(tmp_path / "s"),
          "--batch-size", "1", "--shard-seconds", "0.01"], stderr=subprocess.PIPE,
         stdout=subprocess.PIPE, text=True, env=env,
         # a background shell's "SIGINT ignored" would be inherited: the child takes the default
@@ -243,7 +244,7 @@ def test_pickled_input_is_refused_in_hookscopes_words(models: Path, tmp_path: Pa
     marker = tmp_path / "ran.txt"
     evil = tmp_path / "evil.pt"
     evil.write_bytes(pickle.dumps(_Payload(marker)))
-    assert main(["capture", f"{models}:small", "--layer", "0", "--input", str(evil)]) == 2
+    assert main(["capture", f"{models}:small", "--layers", "0", "--input", str(evil)]) == 2
     err = capsys.readouterr().err
     assert f"error: '{evil}' holds Python objects, not plain tensors" in err
     assert "weights_only=False" not in err and "Traceback" not in err
@@ -252,7 +253,8 @@ def test_pickled_input_is_refused_in_hookscopes_words(models: Path, tmp_path: Pa
 
 @pytest.mark.slow
 def test_manifest_model_class_is_the_same_in_every_process(models: Path, tmp_path: Path) -> None:
-    code = ("from hookscope.zoo.models import load_model; from hookscope.store.extract import _class_name; "
+    code = ("from hookscope.zoo.models import load_model; "
+            "from hookscope.store.extraction import _class_name; "
             f"print(_class_name(load_model({f'{models}:own'!r}).module))")
     env = {**os.environ, "PYTHONPATH": f"{ROOT / 'src'}"}
     seen = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -63,7 +63,7 @@ def test_readme_command(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                         cached_load: Callable[..., LoadedModel]) -> None:
     out, saved = tmp_path / "out", tmp_path / "acts.safetensors"
     code = main(["capture", "efficientnet-lite0", "--input", "sample:chelsea",
-                 "--layer", "_blocks.*", "--plot", str(out), "--save", str(saved)])
+                 "--layers", "_blocks.*", "--plot", str(out), "--save", str(saved)])
     stdout, stderr = capsys.readouterr()
     assert code == 0
     assert stdout.startswith("sample:chelsea: top-5 ImageNet classes\n")
@@ -98,7 +98,7 @@ def test_readme_command(tmp_path: Path, capsys: pytest.CaptureFixture[str],
 
 
 def test_container_fails_before_running(capsys: pytest.CaptureFixture[str]) -> None:
-    code = main(["capture", "efficientnet-lite0", "--input", "sample:chelsea", "--layer", "_blocks"])
+    code = main(["capture", "efficientnet-lite0", "--input", "sample:chelsea", "--layers", "_blocks"])
     stdout, stderr = capsys.readouterr()
     assert code == 2 and stdout == ""
     assert "error: '_blocks' is a torch.nn.modules.container.ModuleList" in stderr
@@ -111,7 +111,7 @@ def test_every_call_of_the_shared_swish_is_a_row(tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     saved = tmp_path / "swish.safetensors"
     assert main(["capture", "efficientnet-lite0", "--input", "sample:chelsea",
-                 "--layer", "_blocks.*._swish", "--save", str(saved)]) == 0
+                 "--layers", "_blocks.*._swish", "--save", str(saved)]) == 0
     rows = _table(capsys.readouterr().out)
     calls = {}
     for path, call, *_ in rows:
@@ -128,7 +128,7 @@ def test_every_call_of_the_shared_swish_is_a_row(tmp_path: Path,
 
 def test_json_output(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["capture", "efficientnet-lite0", "--input", "sample:chelsea",
-                 "--input", "sample:coffee", "--layer", "_conv_stem", "--json"]) == 0
+                 "--input", "sample:coffee", "--layers", "_conv_stem", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     classes = data["prediction"]["classes"]
     assert classes["sample:chelsea"][0]["class"] == 285
@@ -140,7 +140,7 @@ def test_json_output(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_bf16_model(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["capture", "efficientnet-lite0@bf16", "--input", "sample:chelsea",
-                 "--layer", "_fc"]) == 0
+                 "--layers", "_fc"]) == 0
     stdout = capsys.readouterr().out
     assert _table(stdout, "class")[0][:2] == ["285", "Egyptian cat"]
     assert _table(stdout)[0][:4] == ["_fc", "0", "1x1000", "bfloat16"]
@@ -150,7 +150,7 @@ def test_save_never_overwrites_without_the_flag(tmp_path: Path,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
     saved = tmp_path / "acts.safetensors"
     saved.write_bytes(b"keep me")
-    argv = ["capture", "efficientnet-lite0", "--input", "sample:chelsea", "--layer", "_fc",
+    argv = ["capture", "efficientnet-lite0", "--input", "sample:chelsea", "--layers", "_fc",
             "--save", str(saved)]
     assert main(argv) == 2
     assert "already exists; pass --overwrite" in capsys.readouterr().err
@@ -160,8 +160,8 @@ def test_save_never_overwrites_without_the_flag(tmp_path: Path,
 
 
 def test_unfired_module_as_error(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["capture", "tests.models:UnusedBranch", "--input", "randn:2,4", "--layer", "aux_head",
-            "--layer", "head"]
+    argv = ["capture", "tests.models:UnusedBranch", "--input", "randn:2,4", "--layers", "aux_head",
+            "--layers", "head"]
     assert main(argv + ["--on-unfired", "error"]) == 1
     assert "aux_head" in capsys.readouterr().err
     assert main(argv + ["--on-unfired", "ignore"]) == 0
@@ -172,7 +172,7 @@ def test_unfired_module_as_error(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_bad_input_is_one_line_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["capture", "efficientnet-lite0", "--input", "sample:doge", "--layer", "_fc"]) == 2
+    assert main(["capture", "efficientnet-lite0", "--input", "sample:doge", "--layers", "_fc"]) == 2
     error = capsys.readouterr().err.splitlines()[-1]
     assert error.startswith("error: unknown sample 'doge': choose one of astronaut")
 
@@ -186,7 +186,7 @@ def test_missing_layer_is_usage_error() -> None:
 def test_minilm_layers_on_two_sentences(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                         cached_load: Callable[..., LoadedModel]) -> None:
     out = tmp_path / "plots"
-    assert main(["capture", "minilm", "--layer", "encoder.layer.*", "--input", SENTENCES[0],
+    assert main(["capture", "minilm", "--layers", "encoder.layer.*", "--input", SENTENCES[0],
                  "--input", SENTENCES[1], "--input", SENTENCES[2], "--plot", str(out)]) == 0
     stdout = capsys.readouterr().out
     similarity = _table(stdout, "#")
@@ -219,7 +219,7 @@ def test_python_m_hookscope_end_to_end(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     result = subprocess.run(
         [sys.executable, "-m", "hookscope", "capture", "efficientnet-lite0", "--input",
-         "sample:chelsea", "--layer", "_conv_stem", "--layer", "_swish"],
+         "sample:chelsea", "--layers", "_conv_stem", "--layers", "_swish"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "285    Egyptian cat" in result.stdout
@@ -236,7 +236,7 @@ def test_capture_std_is_the_population_std(tmp_path: Path, capsys: pytest.Captur
     torch.manual_seed(1)
     torch.save(torch.randn(2, 3, 32, 32), tmp_path / "x.pt")
     assert main(["capture", "tests.models:LeNet", "--input", str(tmp_path / "x.pt"),
-                 "--layer", "conv1", "--json", "--save", str(tmp_path / "acts.safetensors")]) == 0
+                 "--layers", "conv1", "--json", "--save", str(tmp_path / "acts.safetensors")]) == 0
     (record,) = json.loads(capsys.readouterr().out)["records"]
     out = load_file(tmp_path / "acts.safetensors")["conv1"].double()  # the values the row is of
     assert record["std"] == pytest.approx(float(out.std(correction=0)), rel=1e-9)

@@ -49,7 +49,7 @@ def test_perturbed_checkpoint_names_the_layer(tmp_path: Path,
 @pytest.mark.slow
 def test_efficientnet_float32_against_bfloat16(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["diff", "efficientnet-lite0", "efficientnet-lite0@bf16", "--input",
-                 "sample:chelsea", "--layer", "_blocks.*"]) == 1
+                 "sample:chelsea", "--layers", "_blocks.*"]) == 1
     out, err = capsys.readouterr()
     rows = [line.split() for line in out.splitlines()[1:]]
     assert [r[0] for r in rows] == [f"_blocks.{i}" for i in range(16)] + ["(output)"]

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from hookscope.diagnostics.compare import Comparison, compare
+from hookscope.diagnostics.comparison import Comparison, compare
 from hookscope.errors import SelectorError
 from tests.models import InplaceRelu, LeNet
 from tests.reference import plain_capture

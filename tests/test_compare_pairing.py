@@ -15,7 +15,7 @@ from torch import nn
 
 from hookscope import compare
 from hookscope.cli.main import main
-from hookscope.diagnostics.compare import TOLERANCES
+from hookscope.diagnostics.comparison import TOLERANCES
 from hookscope.errors import HookscopeError
 from tests.gpt2_port import Port
 from tests.models import tiny_gpt2

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hookscope import compare
-from hookscope.diagnostics.compare import TOLERANCES, Comparison
+from hookscope.diagnostics.comparison import TOLERANCES, Comparison
 from hookscope.diagnostics.pairing import weights
 from hookscope.errors import HookscopeError
 from tests.gpt2_port import Port
@@ -116,6 +116,40 @@ def test_a_transform_for_pairs_auto_finds(gpt2: nn.Module) -> None:
     assert first.local is not None and first.local.max_abs == pytest.approx(float(expected), rel=1e-5)
     with pytest.raises(HookscopeError, match="works with pair='auto' only"):
         compare(gpt2, port, IDS, pair={"lm_head": "lm_head"}, transforms={"lm_head": query})
+
+
+def qkv(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """GPT-2's fused QKV output ``(B, T, 3E)`` as its three ``(B, T, E)`` parts."""
+    return t.split(WIDTH, dim=-1)
+
+
+def test_a_transform_that_splits_pairs_each_piece(gpt2: nn.Module) -> None:
+    """A transform returning several tensors makes one call of A several pieces, each paired
+    on its own: GPT-2's fused c_attn with the port's q, k and v projections (issue 34; one
+    module paired with one output before, so c_attn found q_proj only)."""
+    port = Port(gpt2)
+    with torch.no_grad():
+        port.layers[3].self_attn.k_proj.weight.mul_(1.5)
+    result = compare(gpt2, port, IDS, pair="auto", transforms={"transformer.h.{i}.attn.c_attn": qkv})
+    fused = {(f"transformer.h.{i}.attn.c_attn[{n}]", f"layers.{i}.self_attn.{p}_proj")
+             for i in range(LAYERS) for n, p in enumerate("qkv")}
+    assert pairs(result) == PAIRS | fused and len(result.pairs) == len(PAIRS) + 3 * LAYERS
+    assert result.pairing is not None and result.pairing.unpaired_b == ()
+    assert not any("c_attn" in u for u in result.pairing.unpaired_a)
+    first = result.first_origin
+    assert first is not None and (first.path_a, first.path_b) == (
+        "transformer.h.3.attn.c_attn[1]", "layers.3.self_attn.k_proj")
+    by_a = {p.path_a: p for p in result.pairs}
+    assert by_a["transformer.h.3.attn.c_attn[0]"].accumulated.max_abs < 1e-5  # q is right
+    with torch.no_grad():
+        block = gpt2.transformer.h[3]
+        x = block.ln_1(block_input(gpt2, 3))
+        expected = (qkv(block.attn.c_attn(x))[1] - port.layers[3].self_attn.k_proj(x)).abs().max()
+    assert first.local is not None and first.local.max_abs == pytest.approx(float(expected), rel=1e-5)
+    assert first.accumulated.shape == (1, 8, WIDTH)
+    with pytest.raises(HookscopeError, match=r"returned dict; return a tensor in B's layout, or a "
+                                             r"tuple of tensors to split"):
+        compare(gpt2, port, IDS, pair="auto", transforms={"lm_head": lambda t: {"q": t}})
 
 
 BY_NAME = {"transformer.h.{i}": "transformer.h.{i}", "transformer.h.{i}.attn": "transformer.h.{i}.attn"}

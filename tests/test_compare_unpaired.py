@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from hookscope import compare
-from hookscope.diagnostics.compare import Comparison
+from hookscope.diagnostics.comparison import Comparison
 from hookscope.diagnostics.pairing import kind
 from hookscope.errors import HookscopeError, SelectorError
 

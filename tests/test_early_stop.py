@@ -93,7 +93,7 @@ def test_stats_and_extract_with_early_stop_equal_the_full_run(tmp_path: Path) ->
 
 
 def test_cli_capture_early_stop(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["capture", "efficientnet-lite0", "--input", "sample:chelsea", "--layer",
+    assert main(["capture", "efficientnet-lite0", "--input", "sample:chelsea", "--layers",
                  "_blocks.0", "--early-stop", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["prediction"] == {"task": "none"}  # the head never ran: no classes to print
@@ -113,7 +113,7 @@ def test_cli_stats_and_extract_early_stop_equal_the_full_run(tmp_path: Path,
             stops.append(1)
             raise
     monkeypatch.setattr(EarlyStop, "_returned", counting)
-    common = ["tests.models:LeNet", "--layer", "conv1", "--input", "randn:3,3,32,32", "--json"]
+    common = ["tests.models:LeNet", "--layers", "conv1", "--input", "randn:3,3,32,32", "--json"]
     torch.manual_seed(0)
     assert main(["stats", *common]) == 0
     full = json.loads(capsys.readouterr().out)
@@ -126,7 +126,7 @@ def test_cli_stats_and_extract_early_stop_equal_the_full_run(tmp_path: Path,
     torch.save(torch.randn(4, 3, 32, 32), data)
     for name, flags in (("whole", []), ("early", ["--early-stop"])):
         torch.manual_seed(0)  # the same LeNet weights for both runs
-        assert main(["extract", "tests.models:LeNet", "--data", str(data), "--layer", "conv1",
+        assert main(["extract", "tests.models:LeNet", "--data", str(data), "--layers", "conv1",
                      "--out", str(tmp_path / name), "--no-progress", *flags]) == 0
     capsys.readouterr()
     assert stops == [1, 1]  # one batch of 4 images, stopped once

@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import hookscope
 from hookscope.errors import ExtractError, SelectorError, StoreExistsError
-from hookscope.store.extract import extract
+from hookscope.store.extraction import extract
 from tests.models import LeNet, MaskedTokens, ModuleListBlocks, TupleOutput
 
 

@@ -13,7 +13,7 @@ from torch.utils.data import TensorDataset
 
 from hookscope.cli.main import main
 from hookscope.errors import ExtractError
-from hookscope.store.extract import extract
+from hookscope.store.extraction import extract
 
 DATA = TensorDataset(torch.zeros(4, 2))
 
@@ -75,7 +75,7 @@ def test_cli_bad_device_is_a_usage_error(tmp_path: Path, device: str, said: str,
     data = tmp_path / "x.pt"
     torch.save(torch.zeros(4, 2), data)
     with pytest.raises(SystemExit) as exited:
-        main(["extract", "tests.models:mlp", "--data", str(data), "--layer", "fc1", "--out",
+        main(["extract", "tests.models:mlp", "--data", str(data), "--layers", "fc1", "--out",
               str(tmp_path / "store"), "--device", device])
     assert exited.value.code == 2
     err = capsys.readouterr().err

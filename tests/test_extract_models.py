@@ -11,7 +11,7 @@ import torch
 
 import hookscope
 from hookscope.cli.main import main
-from hookscope.store.extract import extract
+from hookscope.store.extraction import extract
 from hookscope.store.reader import open_store
 from hookscope.zoo.data import load_data
 from hookscope.zoo.models import load_model
@@ -44,8 +44,8 @@ def test_efficientnet_photos_through_the_cli(photo_folder: Path, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("efficientnet_lite_pytorch")
     out = tmp_path / "features"
-    argv = ["extract", "efficientnet-lite0", "--data", str(photo_folder), "--layer", "_blocks.15",
-            "--layer", "_fc", "--reduce", "mean", "--batch-size", "2", "--out", str(out),
+    argv = ["extract", "efficientnet-lite0", "--data", str(photo_folder), "--layers", "_blocks.15",
+            "--layers", "_fc", "--reduce", "mean", "--batch-size", "2", "--out", str(out),
             "--no-progress"]
     assert main(argv) == 0
     assert "_blocks.15  320" in capsys.readouterr().out  # the summary table
@@ -73,7 +73,7 @@ def test_unreadable_image_fails_before_any_shard(photo_folder: Path, tmp_path: P
     (folder / "sub").mkdir()
     (folder / "sub" / "5-text.jpeg").write_text("hello")
     out = tmp_path / "features"
-    assert main(["extract", "efficientnet-lite0", "--data", str(folder), "--layer", "_fc",
+    assert main(["extract", "efficientnet-lite0", "--data", str(folder), "--layers", "_fc",
                  "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert f"error: cannot read 3 of the {len(list(photo_folder.iterdir())) + 3} images" in err

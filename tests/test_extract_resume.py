@@ -23,7 +23,7 @@ import sys, time
 import torch
 from torch import nn
 from torch.utils.data import Dataset
-from hookscope.store.extract import extract
+from hookscope.store.extraction import extract
 
 class Tokens(Dataset):
     def __init__(self, delay_s):

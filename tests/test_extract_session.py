@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from hookscope.engine.hooks import ModuleHooks, OwnedHook
-from hookscope.store.extract import extract
+from hookscope.store.extraction import extract
 from tests.models import LeNet
 
 

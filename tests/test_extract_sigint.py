@@ -55,7 +55,7 @@ def test_sigint_keeps_the_open_shard_and_the_printed_resume_command_finishes_it(
         tmp_path: Path) -> None:
     (tmp_path / "model.py").write_text(FACTORY)
     torch.save(torch.randn(30, 6, generator=torch.Generator().manual_seed(1)), tmp_path / "x.pt")
-    args = [f"{tmp_path / 'model.py'}:build", "--data", str(tmp_path / "x.pt"), "--layer", "fc1",
+    args = [f"{tmp_path / 'model.py'}:build", "--data", str(tmp_path / "x.pt"), "--layers", "fc1",
             "fc2", "--batch-size", "4", "--no-progress"]
     done = _hookscope(["extract", *args, "--out", str(tmp_path / "ref")])
     assert done.returncode == 0, done.stderr

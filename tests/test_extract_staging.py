@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-import hookscope.store.extract as extract_module
-from hookscope.store.extract import extract
+import hookscope.store.extraction as extract_module
+from hookscope.store import extract
 from hookscope.store.writer import Staging
 from tests.models import LeNet
 

@@ -27,7 +27,7 @@ def test_two_ranks_equal_one_process_row_for_row(tmp_path: Path) -> None:
     save_file(MlpStack().state_dict(), str(weights))  # both ranks load the same weights
     torch.save(torch.randn(43, 10), rows)  # 11 batches of 4: ranks take 5 and 6 batches
     spec = f"tests.models:MlpStack@{weights}"
-    args = ["extract", spec, "--data", str(rows), "--layer", "fc1", "--layer", "fc2",
+    args = ["extract", spec, "--data", str(rows), "--layers", "fc1", "--layers", "fc2",
             "--batch-size", "4", "--shard-bytes", "600", "--no-progress"]
     # Both sides run with one thread: torchrun would set OMP_NUM_THREADS=1 for its ranks anyway,
     # and a bitwise comparison only holds between runs of the same kernels on the same threads.

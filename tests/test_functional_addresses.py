@@ -11,7 +11,13 @@ from torch import nn
 
 import hookscope
 from hookscope.cli.main import main
-from hookscope.errors import EditError, HookNeverFiredError, HookscopeError, SelectorError
+from hookscope.errors import (
+    EditError,
+    HookNeverFiredError,
+    HookNeverFiredWarning,
+    HookscopeError,
+    SelectorError,
+)
 from tests.functional_models import Block, EagerSelfAttention, FusedSelfAttention, SeedLeNet
 
 
@@ -183,7 +189,7 @@ def test_cli_capture_with_a_function_address(tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "acts.safetensors"
     assert main(["capture", "tests.test_functional_addresses:lenet_factory", "--input",
-                 "randn:2,3,32,32", "--layer", "::max_pool2d", "--save", str(out)]) == 0
+                 "randn:2,3,32,32", "--layers", "::max_pool2d", "--save", str(out)]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if "max_pool2d" in line]
     assert [row[:3] for row in rows] == [["::max_pool2d", "0", "2x6x14x14"],
                                          ["::max_pool2d", "1", "2x16x5x5"]]
@@ -192,11 +198,11 @@ def test_cli_capture_with_a_function_address(tmp_path: Path,
 
 def test_cli_stats_and_diff_with_function_addresses(capsys: pytest.CaptureFixture[str]) -> None:
     model = "tests.test_functional_addresses:lenet_factory"
-    assert main(["stats", model, "--input", "randn:2,3,32,32", "--layer", "::relu#0"]) == 0
+    assert main(["stats", model, "--input", "randn:2,3,32,32", "--layers", "::relu#0"]) == 0
     [row] = [line.split() for line in capsys.readouterr().out.splitlines()
              if line.startswith("::relu#0")]
     assert row[1] == str(2 * 6 * 28 * 28) and row[4] == "0"  # count, min
-    assert main(["diff", model, model, "--input", "randn:2,3,32,32", "--layer",
+    assert main(["diff", model, model, "--input", "randn:2,3,32,32", "--layers",
                  "::max_pool2d"]) == 0
     rows = [line.split()[:3] for line in capsys.readouterr().out.splitlines()
             if line.startswith("::max_pool2d")]
@@ -224,6 +230,25 @@ def test_capture_inside_an_edit_of_the_same_call_sees_the_edited_value(
     assert torch.equal(acts["::relu", 2], expected[2])
     assert torch.equal(y, net.fc3(torch.zeros(2, 84)))
     assert acts.counts == {"::relu": 4}  # neither session saw the other's own torch calls
+
+
+def test_gpt2s_softmax_address_warns_naming_scaled_dot_product_attention() -> None:
+    """The new user's stumble (issue 34): GPT-2's sdpa attention makes no softmax; the
+    warning names what its forward made instead, and records nothing."""
+    from tests.models import tiny_gpt2
+
+    model = tiny_gpt2()
+    with pytest.warns(HookNeverFiredWarning) as caught:
+        with hookscope.capture(model, "transformer.h.1.attn::softmax") as acts:
+            model(torch.tensor([[1, 2, 3]]))
+    [line] = [line for line in str(caught[0].message).splitlines()
+              if line.startswith("  - transformer.h.1.attn::softmax: ")]
+    assert "'transformer.h.1.attn' ran 1 time but its own forward never made any softmax; it " \
+           "made: " in line
+    made = line.split("it made: ", 1)[1].split(" (calls made inside", 1)[0].split(", ")
+    assert "scaled_dot_product_attention" in made and "softmax" not in made
+    assert "linear" not in made and "addmm" not in made  # c_attn's and c_proj's: their own
+    assert list(acts) == [] and acts.unfired["transformer.h.1.attn::softmax"] in line
 
 
 def test_an_address_that_matched_no_call_names_the_calls_the_forward_made() -> None:

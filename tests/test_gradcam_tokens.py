@@ -199,7 +199,7 @@ def test_cli_gradcam_on_a_block_output_says_which_layer_to_take(
 
     Image.new("RGB", (32, 32), (90, 140, 200)).save(tmp_path / "photo.png")
     code = main(["gradcam", "tests.test_gradcam_tokens:_vit", "--input", str(tmp_path / "photo.png"),
-                 "--image-size", "32", "--layer", "vit.layers.1", "--out", str(tmp_path / "maps")])
+                 "--image-size", "32", "--layers", "vit.layers.1", "--out", str(tmp_path / "maps")])
     assert code == 1  # a run that failed (GradcamError), nothing drawn
     assert "choose a layer inside the block such as 'vit.layers.1.layernorm_before'" in (
         capsys.readouterr().err)

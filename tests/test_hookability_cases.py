@@ -12,13 +12,13 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_hook
 
 import hookscope
-from hookscope.diagnostics.compare import compare
+from hookscope.diagnostics.comparison import compare
 from hookscope.diagnostics.inventory import hooks
 from hookscope.diagnostics.nonfinite import find_nonfinite
-from hookscope.diagnostics.stats import stats
+from hookscope.diagnostics.statistics import stats
 from hookscope.engine import diagnose
 from hookscope.engine.names import index
-from hookscope.engine.select import resolve
+from hookscope.engine.selection import resolve
 from hookscope.errors import HookNeverFiredWarning, HookscopeError, SelectorError
 from tests.models import DirectForwardCall, LeNet
 

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import hookscope
-from hookscope.diagnostics.compare import compare
+from hookscope.diagnostics.comparison import compare
 from hookscope.diagnostics.nonfinite import find_nonfinite
-from hookscope.diagnostics.stats import stats
+from hookscope.diagnostics.statistics import stats
 from hookscope.errors import HookNeverFiredWarning, HookscopeError
 
 

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 import hookscope
-from hookscope.diagnostics.compare import compare
-from hookscope.diagnostics.stats import stats
-from hookscope.diagnostics.tree import tree
+from hookscope.diagnostics.comparison import compare
+from hookscope.diagnostics.module_tree import tree
+from hookscope.diagnostics.statistics import stats
 from hookscope.errors import HookscopeError
 from tests.models import MlpStack, Residual
 

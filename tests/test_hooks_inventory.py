@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import warnings
 
+import pytest
 import torch
 import torch.ao.quantization as tq
 from torch import nn
@@ -13,7 +15,15 @@ from torch.nn.utils import weight_norm
 from torch.nn.utils.weight_norm import WeightNorm
 
 import hookscope
-from hookscope.diagnostics.inventory import _GLOBAL_DICTS, _HOOK_DICTS, _SIDE_DICTS
+from hookscope.engine.hooks import (
+    GLOBAL_FLAGS,
+    GLOBAL_TABLES,
+    MODULE_FLAGS,
+    MODULE_TABLES,
+    ModuleHooks,
+    OwnedHook,
+    register,
+)
 from tests.models import MlpStack
 
 
@@ -24,10 +34,12 @@ def leaked_hook(module: nn.Module, args: object, output: object) -> None:
 def test_torch_private_hook_dicts_still_exist() -> None:
     """Fails loudly if torch renames the dictionaries the inventory reads."""
     module = nn.Linear(1, 1)
-    for attr in (*_HOOK_DICTS.values(), *_SIDE_DICTS):
+    for attr in (*MODULE_TABLES.values(), *MODULE_FLAGS):
         assert isinstance(getattr(module, attr), dict), attr
-    for attr in _GLOBAL_DICTS.values():
+    assert module._is_full_backward_hook is None
+    for attr in (*GLOBAL_TABLES.values(), *GLOBAL_FLAGS):
         assert isinstance(getattr(torch_module, attr), dict), attr
+    assert torch_module._global_is_full_backward_hook is None
 
 
 def test_inventory_lists_kind_function_and_source() -> None:
@@ -62,6 +74,39 @@ def test_global_hooks_listed_and_removed_only_on_request() -> None:
         assert hookscope.remove_hooks(model, include_global=True) == 1
     finally:
         handle.remove()
+
+
+def _global_state() -> dict[str, object]:
+    return {attr: dict(getattr(torch_module, attr)) for attr in (*GLOBAL_TABLES.values(), *GLOBAL_FLAGS)} | {
+        "full": torch_module._global_is_full_backward_hook}
+
+
+def test_remove_hooks_leaves_torchs_global_tables_as_it_found_them() -> None:
+    """Issue 34 item 2: a leaked global hook's flags went with it only from the hook table (its
+    ``with_kwargs`` and ``always_call`` entries stayed), and the "full backward hook" mark stayed
+    set, so a later ``register_module_backward_hook`` raised 'Cannot use both'."""
+    before = _global_state()
+    torch_module.register_module_forward_hook(lambda m, a, k, o: None, with_kwargs=True, always_call=True)
+    torch_module.register_module_forward_pre_hook(lambda m, a: None)
+    torch_module.register_module_full_backward_hook(lambda m, gi, go: None)
+    assert _global_state() != before
+    assert hookscope.remove_hooks(MlpStack(), include_global=True) == 3
+    assert _global_state() == before
+    handle = torch_module.register_module_backward_hook(lambda m, gi, go: None)  # raised before
+    handle.remove()
+    torch_module._global_is_full_backward_hook = before["full"]
+
+
+def test_remove_hooks_leaves_a_modules_tables_as_it_found_them() -> None:
+    model = MlpStack()
+    tables = (*MODULE_TABLES.values(), *MODULE_FLAGS, "_is_full_backward_hook")
+    before = {attr: copy.copy(getattr(model.fc1, attr)) for attr in tables}
+    model.fc1.register_forward_hook(lambda m, a, k, o: None, with_kwargs=True, always_call=True)
+    model.fc1.register_forward_pre_hook(lambda m, a, k: None, with_kwargs=True)
+    model.fc1.register_full_backward_hook(lambda m, gi, go: None)
+    assert hookscope.remove_hooks(model) == 3
+    assert {attr: getattr(model.fc1, attr) for attr in tables} == before
+    model.fc1.register_backward_hook(lambda m, gi, go: None).remove()  # raised 'Cannot use both' before
 
 
 def test_wrapped_model_hooks_keep_inner_names() -> None:
@@ -127,3 +172,27 @@ def test_28_quantization_observers_are_internal_and_calibration_still_records() 
     prepared(torch.full((1, 1, 8, 8), 3.0))
     observer = prepared.quant.activation_post_process
     assert float(observer.max_val) == 3.0  # the observer still sees calibration data
+
+
+@pytest.mark.parametrize(("pre", "with_kwargs"), [(False, False), (True, False), (False, True), (True, True)])
+def test_the_doors_bulk_hooks_are_what_torchs_registration_writes(pre: bool, with_kwargs: bool) -> None:
+    """Issue 34 item 2: ``ModuleHooks`` writes torch's tables beside ``register`` (in the door,
+    for speed): the same tables, the same flags, the hook in the same place as torch's
+    ``register_forward_(pre_)hook`` puts it, and ``remove`` leaves them as they were."""
+    def tables(module: nn.Module) -> dict[str, list[object]]:
+        return {attr: list(getattr(module, attr).values())
+                for attr in (*MODULE_TABLES.values(), *MODULE_FLAGS)}
+
+    by_torch, by_door = nn.Linear(2, 2), nn.Linear(2, 2)
+    empty = tables(by_door)
+    hook = OwnedHook(lambda *a: None, by_torch)
+    handle = register(by_torch, hook, pre=pre, with_kwargs=with_kwargs)
+    bulk = ModuleHooks()
+    owned = OwnedHook(lambda *a: None, by_door)
+    bulk.add(owned, pre=pre, with_kwargs=with_kwargs)
+    expected = {attr: [owned.__call__ if v == hook.__call__ else v for v in values]
+                for attr, values in tables(by_torch).items()}
+    assert tables(by_door) == expected and expected != empty
+    handle.remove()
+    bulk.remove()
+    assert tables(by_door) == empty == tables(by_torch)

@@ -8,7 +8,9 @@ import json
 import subprocess
 import sys
 
-FORBIDDEN = ("torch._dynamo", "torch._inductor", "sympy", "mpmath", "torch.fx.experimental")
+# fsspec (and s3fs, botocore) load only when a store at a URL is opened (issue 33)
+FORBIDDEN = ("torch._dynamo", "torch._inductor", "sympy", "mpmath", "torch.fx.experimental",
+             "fsspec", "s3fs", "botocore")
 # Today 84: hookscope's own ~78 modules plus safetensors (4) and hmac/secrets. A bound with
 # headroom for a few new hookscope modules; the compiler alone is 800+, so it cannot slip in.
 MAX_NEW_MODULES = 130
@@ -31,7 +33,7 @@ def _new_modules(code: str) -> list[str]:
 
 def test_import_hookscope_loads_no_compiler_and_few_modules() -> None:
     new = _new_modules(PROBE)
-    assert "hookscope.record.capture" in new  # the probe really imported the package
+    assert "hookscope.record.captures" in new  # the probe really imported the package
     assert [m for m in new if m.startswith(FORBIDDEN)] == []
     assert len(new) <= MAX_NEW_MODULES, sorted(new)
 

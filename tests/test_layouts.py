@@ -89,6 +89,54 @@ def test_patching_sweep_and_attribution_agree_on_the_sdpa_table_shape() -> None:
     assert sweep.positions == atp.positions and sweep.heads == atp.heads
 
 
+class PatchHeadSDPA(TorchFunctionMode):
+    """Plain PyTorch: call ``layer`` of F.scaled_dot_product_attention returns head ``head``
+    of ``clean[layer]`` at every position (its other heads are its own)."""
+
+    def __init__(self, layer: int, head: int, clean: list[torch.Tensor]):
+        super().__init__()
+        self.layer, self.head, self.clean, self.calls = layer, head, clean, 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is F.scaled_dot_product_attention:
+            if self.calls == self.layer:  # (batch, heads, query, head_dim)
+                out = out.clone()
+                out[:, self.head] = self.clean[self.layer][:, self.head]
+            self.calls += 1
+        return out
+
+
+def test_a_head_patched_at_every_position_against_plain_sdpa() -> None:
+    """all_positions=True (issue 34): each head patched at every position at once, one value
+    per (layer, head) as TransformerLens's *_all_pos; attribution patching sums its
+    per-position estimates (first order is additive)."""
+    model = tiny_gpt2()
+    torch.manual_seed(3)
+    clean, corrupted = torch.randint(1, 60, (2, 6)), torch.randint(1, 60, (2, 6))
+    keys = [SDPA_KEY.format(i) for i in range(2)]
+    sweep = hookscope.patching_sweep(model, clean, corrupted, layers=keys, metric=_metric,
+                                     heads=True, all_positions=True, batch_size=3, progress=False)
+    with torch.no_grad(), PlainSDPA() as plain_clean:
+        model(clean)
+    expected = torch.empty(2, 1, 4, dtype=torch.float64)
+    for layer in range(2):
+        for head in range(4):
+            with torch.no_grad(), PatchHeadSDPA(layer, head, plain_clean.outputs):
+                expected[layer, 0, head] = float(_metric(model(corrupted)))
+    assert sweep.values.shape == (2, 1, 4) and sweep.heads == [0, 1, 2, 3]
+    assert sweep.positions == list(range(6)) and sweep.all_positions
+    torch.testing.assert_close(sweep.values, expected, rtol=1e-5, atol=1e-5)
+    assert sweep.table().splitlines()[0].split() == ["0…5"]
+    assert sweep.figure().axes[0].get_xticklabels()[0].get_text() == "0…5"
+    each = hookscope.attribution_patching(model, clean, corrupted, _metric, layers=keys, heads=True)
+    atp = hookscope.attribution_patching(model, clean, corrupted, _metric, layers=keys, heads=True,
+                                         all_positions=True)
+    assert atp.values.shape == (2, 1, 4) and atp.all_positions
+    torch.testing.assert_close(atp.values - atp.corrupted,
+                               (each.values - each.corrupted).sum(dim=1, keepdim=True))
+
+
 # ------------------------------------------------------------------ patch from a padded capture
 def test_patch_source_capture_brings_its_own_mask() -> None:
     """positions=[-1] reads the source's last real token (row 0 is right-padded), with no

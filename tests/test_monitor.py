@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import hookscope
 from hookscope.cli.main import main
+from hookscope.train.report import run_figure
 from tests.models import Temperature
 
 VOCAB, DIM, SEQ, BATCH = 11, 16, 6, 4
@@ -243,6 +244,40 @@ def test_an_infinite_forward_under_the_scaler_is_reported() -> None:
     assert mon.overflows == 0
 
 
+def test_an_infinite_loss_outside_the_model_is_named_as_the_loss(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A +inf loss computed outside the model (the model's output is finite) was reported as
+    '1 NaN, 0 +Inf' of the replay's surrogate loss; the finding is the loss, with the +Inf its
+    gradient carried into the model's output (issue 34)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.Softplus())  # output > 0: inf * output = +inf
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(hookscope.NonFiniteStepWarning) as caught:
+        with hookscope.monitor(model, every=1, optimizer=optimizer, run_dir=tmp_path,
+                               guard="skip") as mon:
+            optimizer.zero_grad()
+            loss = model(torch.randn(2, 4)).sum() * float("inf")
+            assert float(loss.detach()) == math.inf
+            loss.backward()
+            optimizer.step()
+    message = str(caught[0].message)
+    assert message.splitlines()[0] == (
+        "step 0: the loss computed outside the model is non-finite: the gradient it sent into "
+        "the model's output holds 6 +Inf (grad of output 0, first at [0, 0], [0, 1], [0, 2], "
+        "[1, 0], [1, 1], [1, 2]); no module made it: check the loss function (a log or division "
+        "of 0, an overflow, a non-finite target or weight)")
+    assert message.splitlines()[1].endswith(", 0 NaN, 6 +Inf, 0 -Inf")
+    origin = hookscope.replay(tmp_path / "nonfinite-step-0.safetensors", model)
+    assert origin is not None and (origin.path, origin.phase, origin.bad_count) == (
+        "<loss>", "backward", 6)
+    assert (origin.outputs[0].nan, origin.outputs[0].posinf, origin.outputs[0].neginf) == (0, 6, 0)
+    assert (mon.events[0]["module"], mon.events[0]["direction"]) == ("<loss>", "backward")
+    assert main(["monitor-report", str(tmp_path)]) == 1
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "step 0 (rank 0): the loss computed outside the model is non-finite (its grad of output 0 "
+        "is; no module made it)")
+
+
 def test_bf16_autocast_replays_under_autocast(tmp_path: Path) -> None:
     model = small(Temperature())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -323,6 +358,31 @@ def test_arguments_are_checked(tmp_path: Path) -> None:
     hookscope.monitor(model, run_dir=tmp_path).open().close()
     with pytest.raises(hookscope.HookscopeError, match="pass a new run_dir"):
         hookscope.monitor(model, run_dir=tmp_path).open()
+
+
+def test_the_report_reads_at_a_glance() -> None:
+    """monitor-report (issue 34): module names at a readable size, the guard's line outside the
+    columns of other steps, a legend for scaler-skipped steps, and gradient-norm lines that go
+    on past a skipped step (its norm is the overflow's inf)."""
+    modules = ["block.self_attn.out_proj", "head"]
+    records = [{"step": step, "module": module, "activation": {"absmax": 2.0, "frac_zeros": 0.1},
+                "gradient": None, "grad_norm": math.inf if step == 4 else 1.0 + step,
+                "update_ratio": None} for step in (0, 4, 8, 12) for module in modules]
+    events = [{"event": "overflow_skipped", "step": 4}, {"event": "nonfinite", "step": 10},
+              {"event": "nonfinite", "step": 13}]
+    axes = {ax.get_title(): ax for ax in run_figure(records, events).axes}
+    for title in ("activation absmax (log10)", "activation zero fraction"):
+        heat = axes[title]
+        assert [t.get_text() for t in heat.get_yticklabels()] == modules
+        assert all(t.get_fontsize() >= 10 for t in heat.get_yticklabels())
+        guard = [line.get_xdata()[0] for line in heat.get_lines() if line.get_color() == "red"]
+        assert guard == [2.5, 3.75]  # between the columns of steps 8 and 12; after step 12's
+        assert heat.get_xlim()[1] >= 4.0
+    norms = axes["gradient norm"]
+    drawn = {line.get_label(): list(line.get_xdata()) for line in norms.get_lines()}
+    assert drawn["head"] == drawn[modules[0]] == [0, 8, 12]  # one line past skipped step 4
+    legend = [t.get_text() for t in norms.get_legend().get_texts()]
+    assert legend == [*modules, "guard fired", "step skipped by the GradScaler (overflow)"]
 
 
 def test_monitor_report_draws_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

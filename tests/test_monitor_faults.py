@@ -22,6 +22,7 @@ from torch.nn import functional as F
 import hookscope
 from hookscope.cli.main import main
 from hookscope.errors import MonitorFaultWarning, NonFiniteStepError, NonFiniteStepWarning
+from hookscope.train import records_file
 from hookscope.util import files
 from tests.models import Temperature
 
@@ -59,6 +60,7 @@ class Disk:
 def disk(monkeypatch: pytest.MonkeyPatch) -> Iterator[Disk]:
     fake = Disk()
     monkeypatch.setattr(files, "write_all", fake)
+    monkeypatch.setattr(records_file, "write_all", fake)  # its one name for the door
     yield fake
 
 
@@ -199,7 +201,7 @@ def test_a_writer_that_raises_is_one_warning_and_training_goes_on(tmp_path: Path
 
 def test_a_fault_in_its_own_statistics_is_one_warning(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from hookscope.diagnostics.stats import RunningStats
+    from hookscope.diagnostics.statistics import RunningStats
     update = RunningStats.update
     calls = []
 

@@ -13,7 +13,7 @@ from torch.nn.utils import parametrizations
 
 import hookscope
 from hookscope.engine.names import index
-from hookscope.engine.select import resolve, select
+from hookscope.engine.selection import resolve, select
 from hookscope.engine.wrappers import wrapped_attribute
 from hookscope.errors import SelectorError
 

@@ -12,7 +12,7 @@ from torch.nn.utils import parametrizations
 
 import hookscope
 from hookscope.engine.names import index
-from hookscope.engine.select import resolve
+from hookscope.engine.selection import resolve
 from tests.models import Residual
 
 WIDTH = 4

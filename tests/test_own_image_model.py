@@ -67,7 +67,7 @@ def build() -> torch.nn.Module:
 
 
 def test_capture_your_cnn_on_an_image_with_image_size_mean_std(folder: Path) -> None:
-    assert main(["capture", "mycnn.py:build", "--input", "cat.png", "--layer", "0",
+    assert main(["capture", "mycnn.py:build", "--input", "cat.png", "--layers", "0",
                  "--image-size", "16", "--mean", "0.5,0.5,0.5", "--std", "0.25,0.25,0.25",
                  "--save", "acts.safetensors", "--gradcam", "1", "--plot", "plots"]) == 0
     with torch.no_grad():
@@ -78,7 +78,7 @@ def test_capture_your_cnn_on_an_image_with_image_size_mean_std(folder: Path) -> 
 
 
 def test_a_factory_returning_loaded_model_takes_images(folder: Path) -> None:
-    assert main(["capture", "mycnn.py:loaded", "--input", "cat.png", "dog.png", "--layer", "0",
+    assert main(["capture", "mycnn.py:loaded", "--input", "cat.png", "dog.png", "--layers", "0",
                  "--save", "acts.safetensors"]) == 0
     with torch.no_grad():
         expected = build()[0](torch.cat([by_hand(folder / n, (12, 10), 0.5, 0.25)
@@ -94,7 +94,7 @@ def test_extract_a_folder_of_photos_with_your_model(folder: Path) -> None:
     (folder / "photos").mkdir()
     for name in ("cat.png", "dog.png"):
         (folder / name).rename(folder / "photos" / name)
-    assert main(["extract", "mycnn.py:build", "--data", "photos", "--layer", "3", "--out",
+    assert main(["extract", "mycnn.py:build", "--data", "photos", "--layers", "3", "--out",
                  "store", "--image-size", "16", "--no-progress"]) == 0
     model = build()
     stored = hookscope.open_store(folder / "store")["3"][0:2]
@@ -110,21 +110,21 @@ def test_extract_a_folder_of_photos_with_your_model(folder: Path) -> None:
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["capture", "mycnn.py:build", "--input", "cat.png", "--layer", "0"],
+    (["capture", "mycnn.py:build", "--input", "cat.png", "--layers", "0"],
      r"'mycnn.py:build' does not take images \(cat.png\).*--image-size N.*LoadedModel\(module, "
      r"kind='image', preprocess=ImagePreprocess"),
-    (["stats", "mycnn.py:build", "--data", "photos", "--layer", "4"],
+    (["stats", "mycnn.py:build", "--data", "photos", "--layers", "4"],
      r"'mycnn.py:build' does not take images \(--data photos is a folder of images\): it takes "
      r"tensors.*--image-size N \(and --mean R,G,B --std R,G,B.*LoadedModel\(module, "
      r"kind='image', preprocess=ImagePreprocess"),
-    (["extract", "mycnn.py:build", "--data", "photos", "--layer", "4", "--out", "store"],
+    (["extract", "mycnn.py:build", "--data", "photos", "--layers", "4", "--out", "store"],
      r"'mycnn.py:build' does not take images \(--data photos is a folder of images\): it takes "
      r"tensors.*--image-size N \(and --mean R,G,B --std R,G,B.*LoadedModel\(module, "
      r"kind='image', preprocess=ImagePreprocess"),
-    (["capture", "mycnn.py:build", "--input", "cat.png", "--layer", "0", "--mean", "0,0,0"],
+    (["capture", "mycnn.py:build", "--input", "cat.png", "--layers", "0", "--mean", "0,0,0"],
      r"'mycnn.py:build' has no image preprocessing of its own, so --mean/--std need the image "
      r"size too: add --image-size N"),
-    (["capture", "mycnn.py:without_preprocess", "--input", "cat.png", "--layer", "0"],
+    (["capture", "mycnn.py:without_preprocess", "--input", "cat.png", "--layers", "0"],
      r"returned a LoadedModel\(kind='image'\) without preprocess: give preprocess=ImagePreprocess"),
 ])
 def test_images_without_a_preprocessing_are_refused_naming_the_fix(
@@ -140,7 +140,7 @@ def test_images_without_a_preprocessing_are_refused_naming_the_fix(
 def test_bad_image_options_are_refused_at_parse_time(folder: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
-        main(["capture", "mycnn.py:build", "--input", "cat.png", "--layer", "0",
+        main(["capture", "mycnn.py:build", "--input", "cat.png", "--layers", "0",
               "--std", "0.2,0,0.2"])
     assert "'0.2,0,0.2' is not three numbers R,G,B > 0" in capsys.readouterr().err
 

@@ -13,7 +13,7 @@ from torch.utils.data import TensorDataset
 import hookscope
 from hookscope.cli.main import main
 from hookscope.errors import StoreError
-from hookscope.store.probe import probe
+from hookscope.store.probes import probe
 
 sklearn_linear = pytest.importorskip("sklearn.linear_model")
 
@@ -99,3 +99,90 @@ def test_cli_probe_prints_one_row_per_layer_and_draws(tmp_path: Path,
                                 "features"]
     assert [line.split()[:2] for line in lines[1:]][1] == ["carry", "1"]
     assert (tmp_path / "probe.png").stat().st_size > 0
+
+
+class Lookup(nn.Module):
+    """A token's activation: its embedding plus a jitter by position (two tokens of one id
+    differ), or (``noise``) fresh noise that never sees the token."""
+
+    def __init__(self, seed: int, noise: bool = False) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.noise, self.g = noise, g
+        self.register_buffer("table", torch.randn(30, 6, generator=g))
+        self.register_buffer("jitter", 0.5 * torch.randn(16, 6, generator=g))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.noise:
+            return torch.randn(*ids.shape, 6, generator=self.g)
+        return self.table[ids] + self.jitter[: ids.shape[1]]
+
+
+class TokenModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.carry, self.noise = Lookup(0), Lookup(1, noise=True)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.carry(input_ids) + self.noise(input_ids)
+
+
+def token_store(tmp_path: Path) -> hookscope.Store:
+    g = torch.Generator().manual_seed(2)
+    batches = []
+    for _ in range(12):
+        ids = torch.randint(1, 30, (4, 16), generator=g)
+        mask = (torch.arange(16) < torch.randint(6, 17, (4, 1), generator=g)).long()
+        batches.append({"input_ids": ids * mask, "attention_mask": mask})
+    return hookscope.extract(TokenModel(), batches, ["carry", "noise"], tmp_path / "tokens",
+                             progress=False)
+
+
+def test_token_view_probe_planted_signal(tmp_path: Path) -> None:
+    """A label carried by feature 0 of each token of 'carry' is read at 1.0 there, at chance from
+    'noise'; the examples are the tokens of the token view (padding never stored)."""
+    store = token_store(tmp_path)
+    view = store.tokens("carry")
+    labels = (view[0:len(view)][:, 0] > 0).long()
+    result = probe(store, labels=labels, tokens=True, chunk=100)
+    assert [p.layer for p in result.layers] == ["carry", "noise"]
+    assert result.train_rows + result.test_rows == len(view) == int(view.rows.bincount().sum())
+    assert result["carry"].accuracy >= 0.98 and result["carry"].features == 6
+    assert 0.35 <= result["noise"].accuracy <= 0.65
+
+
+def test_token_view_probe_equals_sklearn_within_one_point(tmp_path: Path) -> None:
+    from sklearn.preprocessing import StandardScaler
+    store = token_store(tmp_path)
+    features = store.tokens("carry")[0:len(store.tokens("carry"))].double()
+    g = torch.Generator().manual_seed(5)
+    labels = (features[:, 0] + features[:, 1] + 1.2 * torch.randn(len(features), generator=g,
+                                                                   dtype=torch.float64) > 0).long()
+    result = probe(store, ["carry"], labels=labels, tokens=True, chunk=64, seed=3)
+    n = len(features)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(3))
+    test, train = order[:round(n * 0.2)].sort().values, order[round(n * 0.2):].sort().values
+    scaler = StandardScaler().fit(features[train].numpy())
+    reference = sklearn_linear.LogisticRegression(C=1.0, max_iter=1000).fit(
+        scaler.transform(features[train].numpy()), labels[train].numpy())
+    expected = reference.score(scaler.transform(features[test].numpy()), labels[test].numpy())
+    assert 0.6 < expected < 0.95  # the premise: a layer neither trivial nor empty
+    assert abs(result["carry"].accuracy - expected) <= 0.01, (result["carry"].accuracy, expected)
+
+
+def test_token_view_probe_refusals_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    store = token_store(tmp_path)
+    count = len(store.tokens("carry"))
+    with pytest.raises(StoreError, match="pass tokens=True to probe the tokens of a ragged layer"):
+        probe(store, ["carry"], labels=[0, 1] * (count // 2))
+    with pytest.raises(StoreError, match=f"3 labels for {count} tokens: pass one label per token"):
+        probe(store, labels=[0, 1, 0], tokens=True)
+    rows, _, _ = planted_store(tmp_path)
+    with pytest.raises(StoreError, match=r"probe\(tokens=True\) reads ragged \(per-token\) layers"):
+        probe(rows, ["carry"], tokens=True)
+    labels = (torch.arange(count) % 2).tolist()
+    torch.save(torch.tensor(labels), tmp_path / "labels.pt")
+    assert main(["probe", str(tmp_path / "tokens"), "--tokens", "--layers", "carry",
+                 "--labels", str(tmp_path / "labels.pt")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split()[0] == "carry" and lines[1].split()[-1] == "6"

@@ -13,7 +13,7 @@ from torch.utils.data import TensorDataset
 from hookscope.cli.main import main
 from hookscope.errors import ExtractError
 from hookscope.record.reductions import ReductionError, reduction
-from hookscope.store.extract import extract
+from hookscope.store.extraction import extract
 from tests.models import LeNet
 
 

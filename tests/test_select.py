@@ -8,7 +8,7 @@ from torch import nn
 
 import hookscope
 from hookscope import SelectorError
-from hookscope.engine.select import resolve
+from hookscope.engine.selection import resolve
 from tests.models import LeNet, MlpStack, ModuleListBlocks, TupleOutput
 
 
@@ -119,7 +119,7 @@ def test_bracket_index_naming_a_child_selects_the_child() -> None:
 
 
 def test_no_pattern_is_an_error() -> None:
-    with pytest.raises(SelectorError, match=r"patterns selects nothing .* give at least one, e\.g\. 'conv2'"):
+    with pytest.raises(SelectorError, match=r"layers selects nothing .* give at least one, e\.g\. 'conv2'"):
         hookscope.select(LeNet())
 
 

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 import hookscope
-from hookscope.diagnostics.tree import tree
+from hookscope.diagnostics.module_tree import tree
 from hookscope.engine.names import ModuleIndex
-from hookscope.engine.select import Target, as_patterns, resolve
+from hookscope.engine.selection import Target, as_patterns, resolve
 from hookscope.engine.session import Observer
 from tests.models import MlpStack, SharedLinear, UnusedBranch
 

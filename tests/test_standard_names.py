@@ -12,7 +12,7 @@ from torch import nn
 
 import hookscope
 from hookscope.engine.names import index
-from hookscope.engine.standard_names import standard_names
+from hookscope.engine.standard_naming import standard_names
 from hookscope.errors import SelectorError
 
 transformers = pytest.importorskip("transformers")
@@ -207,7 +207,7 @@ def test_tree_shows_the_standard_names() -> None:
     model, _ = build("gpt2")
     found = standard_names(index(model))
     assert found["transformer.h.0"] == ["resid_post.0"]
-    assert found["transformer.h.0.attn"] == ["attn_out.0[0]"]
+    assert found["transformer.h.0.attn"] == ["attn_out.0[0]", "attn.z.0::scaled_dot_product_attention"]
     assert found["transformer.drop"] == ["resid_pre.0"]
     assert found["lm_head"] == ["unembed"]
     rows = {row.path: row for row in hookscope.tree(model)}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hookscope.cli.main import main
-from hookscope.diagnostics.stats import stats
+from hookscope.diagnostics.statistics import stats
 from hookscope.zoo.inputs import load_inputs
 from hookscope.zoo.models import load_model
 
@@ -16,7 +16,7 @@ from hookscope.zoo.models import load_model
 def test_stats_json_equals_library_over_the_same_batches(capsys: pytest.CaptureFixture[str]) -> None:
     specs = ["randn:2,3,32,32", "randn:3,3,32,32"]
     torch.manual_seed(0)
-    assert main(["stats", "tests.models:LeNet", "--layer", "conv2", "--layer", "fc1",
+    assert main(["stats", "tests.models:LeNet", "--layers", "conv2", "--layers", "fc1",
                  "--batch-size", "1", "--json", *[a for s in specs for a in ("--input", s)]]) == 0
     data = json.loads(capsys.readouterr().out)
     torch.manual_seed(0)
@@ -29,7 +29,7 @@ def test_stats_json_equals_library_over_the_same_batches(capsys: pytest.CaptureF
 
 
 def test_stats_per_channel_table(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["stats", "tests.models:LeNet", "--layer", "conv1", "--per-channel",
+    assert main(["stats", "tests.models:LeNet", "--layers", "conv1", "--per-channel",
                  "--input", "randn:2,3,32,32"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:3] == ["path", "channel", "count"]

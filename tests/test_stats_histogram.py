@@ -15,7 +15,7 @@ from torch import nn
 import hookscope
 from hookscope.cli.main import main
 from hookscope.diagnostics.histogram import Histogram
-from hookscope.diagnostics.stats import stats
+from hookscope.diagnostics.statistics import stats
 from hookscope.errors import ArgumentValueError, HookscopeError
 from hookscope.train.report import draw_run
 from tests.models import LeNet
@@ -105,7 +105,7 @@ def test_stats_hist_arguments_are_checked_before_any_forward() -> None:
 
 def test_cli_stats_hist_json_equals_histc(capsys: pytest.CaptureFixture[str]) -> None:
     torch.manual_seed(0)
-    assert main(["stats", "tests.models:LeNet", "--layer", "fc1", "--hist", "12", "--json",
+    assert main(["stats", "tests.models:LeNet", "--layers", "fc1", "--hist", "12", "--json",
                  "--input", "randn:2,3,32,32", "--input", "randn:1,3,32,32",
                  "--batch-size", "1"]) == 0
     data = json.loads(capsys.readouterr().out)["fc1"]["histogram"]
@@ -118,7 +118,7 @@ def test_cli_stats_hist_json_equals_histc(capsys: pytest.CaptureFixture[str]) ->
     assert data["counts"] == torch.histc(values, 12).long().tolist()
     assert (data["lo"], data["hi"], data["below"], data["above"]) == (
         float(values.min()), float(values.max()), 0, 0)
-    assert main(["stats", "tests.models:LeNet", "--layer", "fc1", "--hist", "5", "--hist-range",
+    assert main(["stats", "tests.models:LeNet", "--layers", "fc1", "--hist", "5", "--hist-range",
                  "-1", "1", "--input", "randn:2,3,32,32"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[2].split()[:5] == ["path", "lo", "hi", "below", "above"]

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import hookscope
-from hookscope.diagnostics.stats import RunningStats, stats
+from hookscope.diagnostics.statistics import RunningStats, stats
 from hookscope.errors import HookNeverFiredWarning, HookscopeError
 from tests.models import InplaceRelu, LeNet, MlpStack, TupleOutput, UnusedBranch
 from tests.reference import plain_capture

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from hookscope.diagnostics.stats import RunningStats
+from hookscope.diagnostics.statistics import RunningStats
 from hookscope.errors import HookscopeError
 
 
@@ -116,9 +116,9 @@ def test_complex_tensor_is_refused_with_fix() -> None:
 
 def test_public_names() -> None:
     import hookscope
-    from hookscope.diagnostics.compare import compare
+    from hookscope.diagnostics.comparison import compare
     from hookscope.diagnostics.nonfinite import find_nonfinite
-    from hookscope.diagnostics.stats import stats
+    from hookscope.diagnostics.statistics import stats
 
     assert (hookscope.stats, hookscope.compare, hookscope.find_nonfinite) == (stats, compare,
                                                                               find_nonfinite)

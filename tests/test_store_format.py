@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import pickle
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
@@ -67,6 +69,50 @@ def test_rows_read_back_exactly_across_shards(folder: Path) -> None:
     assert len(rows) == 24 and all(torch.equal(r, e) for r, e in zip(rows, ragged))
     assert store["t"][0].shape == (0, 2) and store["t"][3].shape == (5, 2)
     assert all(torch.equal(r, e) for r, e in zip(store["t"][6:10], ragged[6:10]))
+
+
+def _mapped_kib(folder: Path) -> dict[str, int]:
+    """Resident KiB of this process's mappings of each file in ``folder`` (/proc/self/smaps)."""
+    found: dict[str, int] = {}
+    name = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if len(head) >= 6 and "-" in head[0] and ":" in head[3]:  # a mapping's first line
+            name = head[5] if head[5].startswith(str(folder)) else None
+        elif head and head[0] == "Rss:" and name is not None:
+            found[name] = found.get(name, 0) + int(head[1])
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux's /proc")
+def test_close_unmaps_the_shards_and_the_store_is_a_context(folder: Path) -> None:
+    """Rows read stay mapped (resident) until close(); the with block closes (issue 34)."""
+    fixed, _ = _write(folder)
+    with open_store(folder) as store:
+        assert _mapped_kib(folder) == {}  # nothing mapped before a read
+        assert torch.equal(store["a"][:], fixed)
+        resident = _mapped_kib(folder)
+        assert sorted(Path(p).name for p in resident) == [s.file for s in store.shards]
+        assert all(kib >= 4 for kib in resident.values())  # at least the page read
+    assert _mapped_kib(folder) == {}
+    with pytest.raises(StoreError, match=r"is closed: open it again with "
+                                         r"hookscope.open_store\("):
+        store["a"][0]
+    with pytest.raises(StoreError, match="is closed"):
+        store.tokens("t")
+    with pytest.raises(StoreError, match="is closed"):
+        store.verify()
+    store.close()  # twice is fine
+    again = open_store(folder)
+    assert torch.equal(again["a"][7], fixed[7])
+    again._shards[0].open()
+    view = np.frombuffer(again._shards[0]._mm, np.uint8, 8, 0)  # a read in progress
+    again.close()  # mmap.close() refuses while a view exists: unmapped when the view goes
+    with pytest.raises(StoreError, match="is closed"):
+        again["a"][0]
+    del view
+    gc.collect()
+    assert _mapped_kib(folder) == {}
 
 
 def test_index_errors_name_the_problem(folder: Path) -> None:

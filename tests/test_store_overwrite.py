@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from hookscope.errors import StoreError, StoreExistsError
-from hookscope.store.extract import extract
+from hookscope.store.extraction import extract
 from hookscope.store.folder import owned_files
 from hookscope.store.reader import open_store
 

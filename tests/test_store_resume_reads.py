@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from hookscope.errors import StoreCorruptError, StoreExistsError
-from hookscope.store.extract import extract
+from hookscope.store.extraction import extract
 from hookscope.store.reader import CHUNK_BYTES, open_store
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/io").exists(),

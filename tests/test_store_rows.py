@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from hookscope.cli.main import main
 from hookscope.errors import ExtractError, StoreCorruptError
-from hookscope.store.extract import extract
+from hookscope.store.extraction import extract
 from hookscope.store.reader import open_store
 from hookscope.zoo.data import load_data
 from hookscope.zoo.models import load_model
@@ -188,7 +188,7 @@ def test_a_class_folder_gives_relative_paths_and_folder_labels(
     expected = _write_class_folders(tmp_path / "photos")
     out = tmp_path / "s"
     argv = ["extract", "tests.models:LeNet", "--image-size", "32", "--data",
-            str(tmp_path / "photos"), "--layer", "fc1", "--batch-size", "3", "--out", str(out),
+            str(tmp_path / "photos"), "--layers", "fc1", "--batch-size", "3", "--out", str(out),
             "--no-progress"]
     torch.manual_seed(0)  # LeNet's weights, here and below
     assert main(argv) == 0

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hookscope.cli.main import main
-from hookscope.store.extract import extract
+from hookscope.store.extraction import extract
 from tests.models import LeNet
 
 

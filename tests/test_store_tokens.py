@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from hookscope.errors import StoreError
 from hookscope.store import pad_rows
-from hookscope.store.extract import extract
+from hookscope.store.extraction import extract
 from hookscope.store.reader import open_store
 from hookscope.store.tokens import TokenStream
 

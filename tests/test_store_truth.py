@@ -21,7 +21,7 @@ from torch.utils.data import TensorDataset
 
 from hookscope.cli.main import main
 from hookscope.errors import StoreCorruptError
-from hookscope.store.extract import extract
+from hookscope.store.extraction import extract
 from hookscope.store.manifest import MAX_COUNT
 from hookscope.store.reader import chunk_sums, open_store
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from hookscope.cli.main import main
-from hookscope.diagnostics.tree import OpRow, format_tree, tree
+from hookscope.diagnostics.module_tree import OpRow, format_tree, tree
 from tests.functional_models import Block, FusedSelfAttention, SeedLeNet
 
 

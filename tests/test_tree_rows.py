@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from hookscope.diagnostics.tree import describe_output, filter_rows, format_count, format_tree, tree
+from hookscope.diagnostics.module_tree import describe_output, filter_rows, format_count, format_tree, tree
 from hookscope.errors import SelectorError
 from tests.models import (
     ZOO,

@@ -12,7 +12,7 @@ import torch.ao.quantization as tq
 from torch import nn
 
 import hookscope
-from hookscope.diagnostics.tree import format_tree
+from hookscope.diagnostics.module_tree import format_tree
 from hookscope.errors import CaptureError, FusedModuleWarning
 
 

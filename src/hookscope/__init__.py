@@ -9,19 +9,43 @@ The layers are sub-packages (``engine`` <- ``record`` <- ``editing`` / ``diagnos
 transformers, PIL, matplotlib).
 """
 
-from hookscope.diagnostics.attention import attention, attention_gradients
-from hookscope.diagnostics.compare import Comparison, LayerDiff, PairDiff, compare, plot_errors
-from hookscope.diagnostics.gradcam import gradcam, save_gradcam_overlay
-from hookscope.diagnostics.inventory import HookInfo, hooks, remove_hooks
-from hookscope.diagnostics.lens import LogitLens, logit_lens
-from hookscope.diagnostics.nonfinite import NonFiniteOrigin, TensorSummary, find_nonfinite
-from hookscope.diagnostics.rollout import rollout
-from hookscope.diagnostics.stats import RunningStats, stats
-from hookscope.diagnostics.tree import TreeRow, tree
-from hookscope.editing.attribution import attribution_patching
-from hookscope.editing.edit import Edit, ablate, edit, patch, steer
-from hookscope.editing.sweep import Sweep, patching_sweep
-from hookscope.engine.select import select
+from hookscope.diagnostics import (
+    Comparison,
+    HookInfo,
+    LayerDiff,
+    LogitLens,
+    NonFiniteOrigin,
+    PairDiff,
+    RunningStats,
+    TensorSummary,
+    TreeRow,
+    attention,
+    attention_gradients,
+    compare,
+    find_nonfinite,
+    gradcam,
+    hooks,
+    logit_lens,
+    plot_errors,
+    remove_hooks,
+    rollout,
+    save_gradcam_overlay,
+    stats,
+    tree,
+)
+from hookscope.editing import (
+    Edges,
+    Edit,
+    Sweep,
+    ablate,
+    attribution_patching,
+    edge_attribution_patching,
+    edit,
+    patch,
+    patching_sweep,
+    steer,
+)
+from hookscope.engine import select
 from hookscope.errors import (
     ArgumentTypeError,
     ArgumentValueError,
@@ -51,15 +75,20 @@ from hookscope.errors import (
     StoreError,
     StoreExistsError,
 )
-from hookscope.record.capture import CallInputs, Capture, capture, run
-from hookscope.record.generation import GenerationCapture, capture_generation
-from hookscope.record.grads import NoGrad
-from hookscope.record.records import RecordKey, Records, load
-from hookscope.store.extract import extract
-from hookscope.store.probe import ProbeResult, probe
-from hookscope.store.reader import Store, open_store
-from hookscope.train.guard import ReplayBundle, replay
-from hookscope.train.monitor import Monitor, monitor
+from hookscope.record import (
+    CallInputs,
+    Capture,
+    GenerationCapture,
+    NoGrad,
+    RecordKey,
+    Records,
+    capture,
+    capture_generation,
+    load,
+    run,
+)
+from hookscope.store import ProbeResult, RayEngine, Store, extract, open_store, probe
+from hookscope.train import Monitor, ReplayBundle, monitor, replay
 
 __version__ = "0.1.0"
 
@@ -111,6 +140,7 @@ __all__ = [
     "StoreError",
     "StoreExistsError",
     "Sweep",
+    "Edges",
     "TensorSummary",
     "TreeRow",
     "ablate",
@@ -120,8 +150,10 @@ __all__ = [
     "capture",
     "capture_generation",
     "compare",
+    "edge_attribution_patching",
     "edit",
     "extract",
+    "RayEngine",
     "find_nonfinite",
     "gradcam",
     "hooks",

@@ -3,7 +3,7 @@
 import sys
 
 try:
-    from hookscope.cli.main import run
+    from hookscope.cli import run
 except KeyboardInterrupt:  # Ctrl-C while the command loads: one line, as during a run
     print("interrupted", file=sys.stderr)
     raise SystemExit(130) from None

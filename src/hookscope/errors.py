@@ -10,6 +10,13 @@ from pathlib import Path
 
 import torch
 
+__all__ = ["ArgumentTypeError", "ArgumentValueError", "AttentionError", "BundleError", "CaptureError",
+           "ConcurrentModelError", "EditError", "EmptySelectionError", "ExtractError", "ExtractInterrupted",
+           "FusedModuleWarning", "GradcamError", "HookNeverFiredError", "HookNeverFiredWarning",
+           "HookscopeError", "MisalignedLabelsWarning", "MissingExtraError", "ModelCodeError",
+           "MonitorFaultWarning", "NonFiniteStepError", "NonFiniteStepWarning", "PositionError",
+           "SelectorError", "SpecError", "StoreCorruptError", "StoreError", "StoreExistsError", "warn"]
+
 # Frames in these files are hookscope's or the machinery between the user's line and hookscope
 # (context managers, nn.Module.__call__ running hooks): a warning is attributed past them.
 _INTERNAL = (str(Path(__file__).parent) + os.sep, str(Path(torch.__file__).parent) + os.sep,

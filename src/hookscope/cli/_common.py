@@ -15,7 +15,13 @@ from typing import Any
 import torch
 
 from hookscope.errors import SpecError
-from hookscope.zoo.models import LoadedModel, load_model
+from hookscope.zoo import LoadedModel, load_model
+
+__all__ = ["add_image_arguments", "add_layer_argument", "add_model_arguments",
+           "add_parents_argument", "add_positional", "add_several", "byte_count", "check_output_path",
+           "device", "dimension", "image_options", "image_size", "load_model_timed", "non_negative_float",
+           "non_negative_int", "positive_float", "positive_int", "print_json", "print_table",
+           "refuse_repeats", "say"]
 
 MODEL_HELP = ("efficientnet-lite0, minilm, pkg.module:factory, file.py:factory, hf:DIR, timm:NAME; "
               "suffixes @bf16/@fp16/@fp32, @weights.safetensors")
@@ -83,20 +89,20 @@ def add_positional(parser: argparse.ArgumentParser, dest: str, metavar: str, hel
 
 
 def add_several(parser: argparse.ArgumentParser, flag: str, **options: Any) -> None:
-    """Add ``flag`` taking one or more values, repeatable (``--layer A B --layer C``)."""
+    """Add ``flag`` taking one or more values, repeatable (``--layers A B --layers C``)."""
     parser.add_argument(flag, action="extend", nargs="+", **options)
     several = parser.get_default("several") or ()
     parser.set_defaults(several=(*several, flag))
 
 
 def add_layer_argument(parser: argparse.ArgumentParser, *, required: bool, help: str) -> None:
-    """Add ``--layer PATTERN [PATTERN ...]`` (repeatable)."""
-    add_several(parser, "--layer", required=required, metavar="PATTERN", help=help)
+    """Add ``--layers PATTERN [PATTERN ...]`` (repeatable)."""
+    add_several(parser, "--layers", required=required, metavar="PATTERN", help=help)
 
 
 class _StoreOnce(argparse._StoreAction):
     """A single-value flag given twice is a usage error, not "the last one wins" silently
-    (``gradcam --layer 0 --layer 1`` once drew layer 1 only)."""
+    (``gradcam --layers 0 --layers 1`` once drew layer 1 only)."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
@@ -108,7 +114,7 @@ class _StoreOnce(argparse._StoreAction):
 
 
 def refuse_repeats(parser: argparse.ArgumentParser) -> None:
-    """Make every single-value option of ``parser`` (``--out DIR``, ``--layer PATH`` where one
+    """Make every single-value option of ``parser`` (``--out DIR``, ``--layers PATH`` where one
     is taken) refuse a repetition; options of several values (``add_several``) still extend."""
     for action in parser._actions:
         if type(action) is argparse._StoreAction and action.option_strings:

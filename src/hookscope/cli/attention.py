@@ -1,4 +1,4 @@
-"""``hookscope attention MODEL --input X --layer PATTERN``: the attention probabilities of each
+"""``hookscope attention MODEL --input X --layers PATTERN``: the attention probabilities of each
 selected module (an attention module, or a block holding one), summarised on stdout and drawn as
 one PNG per module (heads in a grid, tokens on both axes).
 """
@@ -26,9 +26,9 @@ from hookscope.cli._common import (
     say,
 )
 from hookscope.errors import SpecError
-from hookscope.zoo.inputs import Inputs, load_inputs
-from hookscope.zoo.models import LoadedModel
-from hookscope.zoo.viz import attention_grid, plan_png_files
+from hookscope.zoo import Inputs, LoadedModel, attention_grid, load_inputs, plan_png_files
+
+__all__ = ["HELP", "add_arguments", "run"]
 
 HELP = "attention probabilities of selected modules (eager softmax or fused SDPA) as heat maps"
 
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_plot:
         check_output_path(args.out, "--out", parents=args.parents, folder=True)
     loaded = load_model_timed(args.model, **image_options(args))
-    hookscope.select(loaded.module, *args.layer)  # a bad pattern fails here, before any work
+    hookscope.select(loaded.module, *args.layers)  # a bad pattern fails here, before any work
     inputs = load_inputs(args.input, loaded)
     for line in inputs.descriptions:
         say(f"input {line}")
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError(f"--sample {args.sample} is not a row of this batch of {batch} "
                         f"input(s): give 0 … {batch - 1}")
     with torch.no_grad():
-        probabilities = hookscope.attention(loaded.module, *inputs.args, layers=args.layer,
+        probabilities = hookscope.attention(loaded.module, *inputs.args, layers=args.layers,
                                             **inputs.kwargs)
     probabilities = {path: _heads(path, value, args.head) for path, value in probabilities.items()}
     heads = args.head or None

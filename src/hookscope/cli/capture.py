@@ -1,4 +1,4 @@
-"""``hookscope capture MODEL --layer PATTERN --input X``: run the model once, print its prediction
+"""``hookscope capture MODEL --layers PATTERN --input X``: run the model once, print its prediction
 and statistics of every call of every selected module; optionally save the tensors and plot them.
 
 stdout carries the prediction and the table (or ``--json``); loading and file lines go to stderr.
@@ -26,12 +26,12 @@ from hookscope.cli._common import (
     print_table,
     say,
 )
-from hookscope.diagnostics.stats import RunningStats
+from hookscope.diagnostics import RunningStats
 from hookscope.errors import SelectorError, SpecError
-from hookscope.record.records import RecordKey
-from hookscope.zoo.inputs import Inputs, load_inputs
-from hookscope.zoo.models import LoadedModel
-from hookscope.zoo.predictions import Prediction, predict
+from hookscope.record import RecordKey
+from hookscope.zoo import Inputs, LoadedModel, Prediction, load_inputs, predict
+
+__all__ = ["HELP", "add_arguments", "run"]
 
 HELP = "run a model once and show every call of the selected modules: prediction, stats, PNGs"
 
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_path(args.save, "--save", parents=args.parents)
     check_output_path(args.plot, "--plot", parents=args.parents, folder=True)
     loaded = load_model_timed(args.model, **image_options(args))
-    hookscope.select(loaded.module, *args.layer)  # a bad pattern fails here, before any work
+    hookscope.select(loaded.module, *args.layers)  # a bad pattern fails here, before any work
     if args.gradcam:
         hookscope.select(loaded.module, args.gradcam)
     inputs = load_inputs(args.input, loaded)
@@ -88,11 +88,11 @@ def run(args: argparse.Namespace) -> int:
     for line in inputs.descriptions:
         say(f"input {line}")
     output = None
-    with hookscope.capture(loaded.module, *args.layer, on_unfired=args.on_unfired,
+    with hookscope.capture(loaded.module, *args.layers, on_unfired=args.on_unfired,
                            early_stop=args.early_stop) as acts:
         output = inputs.call(loaded.module)
     if acts.unmatched:
-        raise SelectorError(f"--layer {', '.join(sorted(acts.unmatched))}: the address matches "
+        raise SelectorError(f"--layers {', '.join(sorted(acts.unmatched))}: the address matches "
                             f"nothing in this model (the module ran but never made that call; "
                             f"see the warning above). 'hookscope tree {args.model} --input X "
                             f"--ops' lists the function addresses that exist")
@@ -146,13 +146,13 @@ def _metadata(args: argparse.Namespace, loaded: LoadedModel,
     module path and call it came from."""
     return {"hookscope.model": loaded.spec,
             "hookscope.inputs": json.dumps(list(args.input)),
-            "hookscope.layers": json.dumps(list(args.layer)),
+            "hookscope.layers": json.dumps(list(args.layers)),
             "hookscope.records": json.dumps({r["key"]: {"path": r["path"], "call": r["call"]}
                                              for r in records})}
 
 
 def _plot(args: argparse.Namespace, acts: hookscope.Capture, inputs: Inputs) -> list[Path]:
-    from hookscope.zoo.viz import plot_activations  # matplotlib only when asked
+    from hookscope.zoo import plot_activations
     tensors = {str(key).replace(":", ".call"): tensor for key, tensor in acts.items()}
     image = inputs.images[0] if inputs.images else None
     files = plot_activations(tensors, args.plot, image=image, overwrite=args.overwrite)

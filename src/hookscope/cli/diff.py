@@ -19,10 +19,11 @@ from hookscope.cli._common import (
     print_table,
     say,
 )
-from hookscope.diagnostics.compare import OUTPUT, Comparison, LayerDiff, compare, plot_errors
+from hookscope.diagnostics import OUTPUT, Comparison, LayerDiff, compare, plot_errors
 from hookscope.errors import SpecError
-from hookscope.zoo.inputs import load_inputs
-from hookscope.zoo.models import load_model
+from hookscope.zoo import load_inputs, load_model
+
+__all__ = ["HELP", "add_arguments", "run"]
 
 HELP = ("compare two models (or one model in two dtypes: MODEL and MODEL@bf16) layer by layer "
         "on the same input; exit 1 when a layer differs beyond the tolerance")
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
                         f"compare two models of the same kind")
     inputs = load_inputs(args.input, model_a)
     pair = _pair(args.pair)
-    result = compare(model_a.module, model_b.module, *inputs.args, layers=args.layer or "**",
+    result = compare(model_a.module, model_b.module, *inputs.args, layers=args.layers or "**",
                      atol=args.atol, rtol=args.rtol, pair=pair, **inputs.kwargs)
     if pair is not None:
         return _report_pairs(result, args)
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         say(f"first divergent: {_name(first)}, call {first.call_index}: the outputs differ in "
             f"shape, {_shape(first.shape)} in {args.model_a} vs "
             f"{' '.join(map(_shape, first.shape_b))} in {args.model_b}; compare models whose "
-            f"outputs have the same shapes, or pick layers that match with --layer")
+            f"outputs have the same shapes, or pick layers that match with --layers")
         return 1
     say(f"first divergent: {_name(first)}, call {first.call_index} (max_abs {first.max_abs:.4g}, "
         f"rel {first.rel:.4g}, cosine {first.cosine:.6f}; atol={result.atol:g}, rtol={result.rtol:g})")

@@ -1,4 +1,4 @@
-"""``hookscope gradcam MODEL --input IMG --layer L``: where in each image the model looks for a
+"""``hookscope gradcam MODEL --input IMG --layers L``: where in each image the model looks for a
 class (Grad-CAM, Grad-CAM++ or LayerCAM of one layer), drawn over the image as one PNG per input
 (``OUT/gradcam_<i>.png``) with a table of the class, its logit and the map's peak on stdout.
 """
@@ -24,8 +24,9 @@ from hookscope.cli._common import (
     say,
 )
 from hookscope.errors import SpecError
-from hookscope.zoo.inputs import load_inputs
-from hookscope.zoo.viz import plan_png_files
+from hookscope.zoo import load_inputs, plan_png_files
+
+__all__ = ["HELP", "add_arguments", "run"]
 
 HELP = "Grad-CAM / Grad-CAM++ / LayerCAM of one layer over each input image, as PNG overlays"
 
@@ -36,9 +37,9 @@ METHODS = ("gradcam", "gradcam++", "layercam")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``gradcam`` options to ``parser``."""
     add_model_arguments(parser)
-    parser.add_argument("--layer", required=True, metavar="PATH",
-                        help="one layer: a CNN feature map (_conv_head) or a ViT token output "
-                             "(vit.layers.11.layernorm_before)")
+    parser.add_argument("--layers", required=True, metavar="PATTERN",
+                        help="a pattern selecting one layer: a CNN feature map (_conv_head) or a "
+                             "ViT token output (vit.layers.11.layernorm_before)")
     parser.add_argument("--target", type=non_negative_int, metavar="CLASS",
                         help="class index to explain (default: each input's predicted class)")
     parser.add_argument("--method", choices=METHODS, default="gradcam",
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     """Compute, draw and tabulate the maps as ``args`` says; exit code 0."""
     check_output_path(args.out, "--out", parents=args.parents, folder=True)
     loaded = load_model_timed(args.model, **image_options(args))
-    hookscope.select(loaded.module, args.layer)  # a bad pattern fails here, before any work
+    hookscope.select(loaded.module, args.layers)  # a bad pattern fails here, before any work
     inputs = load_inputs(args.input, loaded)
     if not inputs.images:
         raise SpecError(f"gradcam draws over input images, and the inputs {list(inputs.specs)} "
@@ -69,12 +70,12 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError(f"--target {args.target} is not a class of this model, which has "
                         f"{logits.shape[1]} (0 … {logits.shape[1] - 1})")
     classes = [args.target if args.target is not None else int(c) for c in logits.argmax(dim=1)]
-    cams = hookscope.gradcam(loaded.module, x, args.layer, target=classes, method=args.method)
+    cams = hookscope.gradcam(loaded.module, x, args.layers, target=classes, method=args.method)
     specs = inputs.specs if len(inputs.specs) == len(inputs.images) else (
         [f"input {i}" for i in range(len(inputs.images))])  # a folder gives several images
     rows = []
     for i, (image, cam, spec, file) in enumerate(zip(inputs.images, cams, specs, files.values())):
-        hookscope.save_gradcam_overlay(image, cam, file, title=f"{args.method} of '{args.layer}'"
+        hookscope.save_gradcam_overlay(image, cam, file, title=f"{args.method} of '{args.layers}'"
                                        f", class {classes[i]}, {spec}")
         say(f"wrote {file}")
         rows.append(_row(spec, classes[i], loaded.class_names, float(logits[i, classes[i]]), cam,

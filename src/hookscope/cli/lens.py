@@ -25,8 +25,9 @@ from hookscope.cli._common import (
     say,
 )
 from hookscope.errors import SpecError
-from hookscope.zoo.inputs import Inputs, load_inputs
-from hookscope.zoo.viz import plan_png_files
+from hookscope.zoo import Inputs, load_inputs, plan_png_files
+
+__all__ = ["HELP", "add_arguments", "run"]
 
 HELP = "logit lens of a decoder LM: top-k next tokens read from each layer, and its heat map"
 

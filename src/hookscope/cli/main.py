@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import pkgutil
-import signal
 import sys
 import warnings
 from types import ModuleType
@@ -24,6 +22,7 @@ from typing import NoReturn, TextIO
 
 import hookscope
 from hookscope.cli._common import refuse_repeats
+from hookscope.engine import exit_at_interrupt
 from hookscope.errors import (
     ArgumentTypeError,
     ArgumentValueError,
@@ -35,7 +34,9 @@ from hookscope.errors import (
     StoreError,
     StoreExistsError,
 )
-from hookscope.util.files import advice
+from hookscope.util import advice
+
+__all__ = ["build_parser", "main", "run"]
 
 # Verbs appear in --help in this order; any verb not listed follows alphabetically.
 ORDER = ("tree", "capture", "attention", "gradcam", "lens", "nan", "diff", "stats", "extract", "show")
@@ -46,7 +47,7 @@ EXIT_CODES = """exit codes:
        check found a problem (nan: a non-finite value, diff: a difference, show --verify:
        a damaged or incomplete store, monitor-report: the guard fired)
   2    usage: the command line asks for something that is not there or cannot be used (a
-       flag's value, the model spec, an input, a --layer address matching nothing in the
+       flag's value, the model spec, an input, a --layers address matching nothing in the
        model, an output path); nothing was written
   130  interrupted (Ctrl-C)"""
 
@@ -101,14 +102,8 @@ def run() -> None:
     exit; a Ctrl-C that lands after the verb has returned (while Python shuts down) still
     exits 130 with one line instead of a traceback from an exit handler."""
     code = main()
-    signal.signal(signal.SIGINT, _interrupted_at_exit)
+    exit_at_interrupt("interrupted", 130)
     raise SystemExit(code)
-
-
-def _interrupted_at_exit(signum: int, frame: object) -> None:
-    sys.stdout.flush()
-    print("interrupted", file=sys.stderr, flush=True)
-    os._exit(130)
 
 
 def main(argv: list[str] | None = None) -> int:

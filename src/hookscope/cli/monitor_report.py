@@ -8,9 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from hookscope.cli._common import add_parents_argument, add_positional, check_output_path, say
-from hookscope.diagnostics.nonfinite import INPUT
+from hookscope.diagnostics import INPUT, OUTSIDE
 from hookscope.errors import SpecError
-from hookscope.train.report import draw_records, read_run
+from hookscope.train import draw_records, read_run
+
+__all__ = ["HELP", "add_arguments", "run"]
 
 HELP = ("draw a hookscope.monitor run folder as a PNG: modules x steps heat maps of activation "
         "absmax and zero fraction, gradient norms, the guard's events")
@@ -58,6 +60,9 @@ def _finding(event: dict[str, Any]) -> str:
         return where + "non-finite gradients, the replay of the step was finite"
     if event["module"] == INPUT:
         return where + f"the batch input {event['tensor']} is already non-finite (no module made it)"
+    if event["class"] == OUTSIDE:
+        return where + (f"the loss computed outside the model is non-finite (its {event['tensor']} "
+                        f"is; no module made it)")
     op = f", op {event['op']}" if event["op"] is not None else ""
     return (where + f"non-finite {event['direction']} in '{event['module']}' ({event['class']}), "
             f"call {event['call']}{op}, {event['tensor']}")

@@ -6,9 +6,10 @@ import argparse
 import dataclasses
 
 from hookscope.cli._common import add_model_arguments, image_options, print_json, say
-from hookscope.diagnostics.nonfinite import INPUT, find_nonfinite
-from hookscope.zoo.inputs import load_inputs
-from hookscope.zoo.models import load_model
+from hookscope.diagnostics import INPUT, find_nonfinite
+from hookscope.zoo import load_inputs, load_model
+
+__all__ = ["HELP", "add_arguments", "run"]
 
 HELP = ("find the first module whose output (or, with --backward, gradient) holds NaN or Inf "
         "from finite inputs; exit 1 when there is one")

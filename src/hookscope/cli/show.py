@@ -10,13 +10,15 @@ from typing import Any
 from torch import Tensor
 
 from hookscope.cli._common import print_json, print_table, say
-from hookscope.store.reader import Store, dtype_name, open_store
+from hookscope.store import Store, dtype_name, open_store
+
+__all__ = ["HELP", "add_arguments", "describe", "print_store", "run"]
 
 HELP = "describe an activation store: layers, shapes, dtypes, rows, shards, bytes, completeness"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("store", metavar="STORE", help="folder written by `hookscope extract`")
+    parser.add_argument("store", metavar="STORE", help="folder or URL written by `hookscope extract`")
     parser.add_argument("--verify", action="store_true",
                         help="check everything reading checks (manifest, shard headers, sizes, "
                              "chunk sums) and every shard's sha256 (reads every byte); exit 1 "

@@ -17,11 +17,11 @@ from hookscope.cli._common import (
     print_table,
     say,
 )
-from hookscope.diagnostics.stats import RunningStats, stats
+from hookscope.diagnostics import RunningStats, stats
 from hookscope.errors import SpecError
-from hookscope.zoo.data import load_data
-from hookscope.zoo.inputs import Inputs, expand_folder, load_inputs
-from hookscope.zoo.models import LoadedModel, load_model
+from hookscope.zoo import Inputs, LoadedModel, expand_folder, load_data, load_inputs, load_model
+
+__all__ = ["HELP", "add_arguments", "run"]
 
 HELP = ("count, mean, std, min, max, fraction of zeros and of NaN/Inf of each module's output, "
         "streamed over the inputs without keeping activations")
@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         raise SpecError("--hist-range needs --hist BINS: pass the number of bins too")
     if args.hist is not None and args.hist_range is None:
         batches = list(batches) if args.data is None else batches  # read twice: edges, then counts
-    result = stats(loaded.module, batches, layers=args.layer or "**", per_channel=per_channel,
+    result = stats(loaded.module, batches, layers=args.layers or "**", per_channel=per_channel,
                    early_stop=args.early_stop, hist=args.hist,
                    hist_range=tuple(args.hist_range) if args.hist_range else None)
     say(described)

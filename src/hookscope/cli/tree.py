@@ -13,9 +13,11 @@ from hookscope.cli._common import (
     print_json,
     say,
 )
-from hookscope.diagnostics.tree import filter_rows, format_tree, tree, tree_of_call
+from hookscope.diagnostics import filter_rows, format_tree, tree, tree_of_call
 from hookscope.errors import SpecError
-from hookscope.zoo.inputs import load_inputs
+from hookscope.zoo import load_inputs
+
+__all__ = ["HELP", "add_arguments", "run"]
 
 HELP = "list every module: path, class, parameters; with --input, calls and output shapes"
 

@@ -26,6 +26,8 @@ import torch
 
 from hookscope.errors import ArgumentValueError, HookscopeError
 
+__all__ = ["Histogram", "MAX_BINS"]
+
 Tensor = torch.Tensor
 CHUNK = 1 << 24  # float32 counts are exact up to 2**24: histc is applied to chunks this long
 

@@ -10,8 +10,8 @@ those as **internal**; ``remove_hooks`` leaves internal hooks in place unless
 ``include_internal=True`` (see pytorch#70455, #2847 for the 'clear every hook dictionary' recipe
 that breaks them).
 
-Reading torch's private hook dictionaries is confined to ``_HOOK_DICTS`` and ``_GLOBAL_DICTS``;
-``tests/test_hooks_inventory.py`` fails loudly if torch renames them.
+Torch's private hook tables are read and written only by the engine's door
+(``engine.hooks.registered`` and ``unregister``).
 """
 
 from __future__ import annotations
@@ -22,35 +22,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
-from torch.nn.modules import module as torch_module
 
-from hookscope.engine.checks import check_flag, check_model
-from hookscope.engine.hooks import owner
-from hookscope.engine.names import index
-from hookscope.engine.origin import KNOWN_LIBRARIES, library_of
+from hookscope.engine import (
+    KNOWN_LIBRARIES,
+    check_flag,
+    check_model,
+    index,
+    library_of,
+    owner,
+    registered,
+    unregister,
+)
 
 __all__ = ["HookInfo", "hooks", "remove_hooks", "INTERNAL_PACKAGES"]
 
 # Packages whose hooks implement model behaviour, wherever they are installed; any other
 # installed library's hooks are internal too (``engine.origin.library_of``).
 INTERNAL_PACKAGES = KNOWN_LIBRARIES
-
-# kind -> attribute of nn.Module holding {handle id: hook}
-_HOOK_DICTS = {
-    "forward_pre": "_forward_pre_hooks",
-    "forward": "_forward_hooks",
-    "backward_pre": "_backward_pre_hooks",
-    "backward": "_backward_hooks",
-}
-# Side tables keyed by the same handle ids, cleared together with their hook.
-_SIDE_DICTS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
-_GLOBAL_DICTS = {
-    "global_forward_pre": "_global_forward_pre_hooks",
-    "global_forward": "_global_forward_hooks",
-    "global_backward_pre": "_global_backward_pre_hooks",
-    "global_backward": "_global_backward_hooks",
-}
-
 
 @dataclass(frozen=True)
 class HookInfo:
@@ -83,12 +71,9 @@ def hooks(model: nn.Module) -> list[HookInfo]:
     """List every forward, forward-pre and backward hook on ``model`` and its submodules, and the
     global module hooks, in ``named_modules()`` order, then globals; each says who registered it
     and whether it is internal (module docstring)."""
-    found = [_info(path, kind, hid, fn)
-             for path, module in _all_modules(model)
-             for kind, attr in _HOOK_DICTS.items()
-             for hid, fn in getattr(module, attr).items()]
-    found += [_info("*", kind, hid, fn) for kind, attr in _GLOBAL_DICTS.items()
-              for hid, fn in getattr(torch_module, attr).items()]
+    found = [_info(path, kind, hid, fn) for path, module in _all_modules(model)
+             for kind, hid, fn in registered(module)]
+    found += [_info("*", kind, hid, fn) for kind, hid, fn in registered(None)]
     return found
 
 
@@ -111,18 +96,14 @@ def remove_hooks(model: nn.Module, *, include_global: bool = False,
     check_model(model)
     check_flag("include_global", include_global)
     check_flag("include_internal", include_internal)
+    owners: list[nn.Module | None] = [module for _, module in _all_modules(model)]
+    found = [(module, kind, hid, fn) for module in owners + ([None] if include_global else [])
+             for kind, hid, fn in registered(module)]
     removed = 0
-    tables: list[tuple[nn.Module | None, dict[int, Any]]] = [
-        (module, getattr(module, attr)) for _, module in _all_modules(model) for attr in _HOOK_DICTS.values()]
-    if include_global:
-        tables += [(None, getattr(torch_module, attr)) for attr in _GLOBAL_DICTS.values()]
-    for module, table in tables:
-        for hid, fn in list(table.items()):
-            if include_internal or not _is_internal(_registered_by(fn)):
-                del table[hid]
-                for side in _SIDE_DICTS:
-                    getattr(module, side, {}).pop(hid, None)
-                removed += 1
+    for module, kind, hid, fn in found:
+        if include_internal or not _is_internal(_registered_by(fn)):
+            unregister(module, kind, hid)
+            removed += 1
     return removed
 
 

@@ -19,22 +19,26 @@ import numpy as np
 import torch
 from torch import nn
 
-from hookscope.engine.checks import check_tensor, check_token_ids
-from hookscope.engine.layout import NO_TOKENS, Tokens, layout_of
-from hookscope.engine.run import untouched
-from hookscope.engine.select import as_patterns, resolve
-from hookscope.errors import ArgumentValueError, CaptureError
-from hookscope.record.capture import capture
-from hookscope.record.positions import layout_positions
-from hookscope.util.figures import new_figure, save_figure
+from hookscope.engine import (
+    NO_TOKENS,
+    Tokens,
+    as_patterns,
+    blocks_of,
+    check_tensor,
+    check_token_ids,
+    index,
+    layout_of,
+    resolve,
+    resolve_standard,
+    untouched,
+)
+from hookscope.errors import ArgumentValueError, CaptureError, SelectorError
+from hookscope.record import capture, layout_positions
+from hookscope.util import new_figure, save_figure
 
 __all__ = ["LogitLens", "logit_lens"]
 
 Tensor = torch.Tensor
-#: the attribute of a Hugging Face decoder's base model that holds its final norm
-FINAL_NORMS = ("ln_f", "norm", "final_layer_norm", "final_layernorm")
-#: the names of the ``nn.ModuleList`` that holds a decoder's blocks
-BLOCK_LISTS = ("h", "layers", "blocks")
 
 
 @dataclass(frozen=True)
@@ -134,13 +138,15 @@ def logit_lens(model: nn.Module, input_ids: Tensor, *, layers: str | Sequence[st
     after ``lm_head``, as Gemma 2, differs there).
 
     Args:
-        model: a Hugging Face causal LM (``GPT2LMHeadModel``, ``LlamaForCausalLM`` …): its
-            ``base_model`` has the final norm (``ln_f``, ``norm``, ``final_layer_norm``) and
-            ``get_output_embeddings()`` the unembedding.
+        model: a decoder language model whose standard names ``final_norm`` and ``unembed``
+            resolve (``engine.standard_names``): a Hugging Face causal LM (``GPT2LMHeadModel``,
+            ``LlamaForCausalLM`` …; its ``get_output_embeddings()`` is the unembedding) or a
+            TransformerLens ``HookedTransformer`` (``ln_final``, ``unembed``). It is called
+            ``model(input_ids, attention_mask=...)``.
         input_ids: ``(batch, seq)`` token ids.
         layers: patterns of the blocks to read (their output, or its first element, is the
-            ``(batch, seq, hidden)`` residual stream); ``None``: every block of the decoder's
-            ``h`` / ``layers`` list.
+            ``(batch, seq, hidden)`` residual stream); ``None``: ``"resid_post.*"``, every
+            block's output.
         attention_mask: passed to the model.
         plot: write ``LogitLens.plot``'s PNG there, after the lens is computed; missing parent
             folders are created (the Python API's rule, as for ``patching_sweep`` and
@@ -154,16 +160,16 @@ def logit_lens(model: nn.Module, input_ids: Tensor, *, layers: str | Sequence[st
         ArgumentTypeError: ``input_ids`` is not an integer tensor, ``attention_mask`` not a tensor.
         ArgumentValueError: an id outside the model's vocabulary (``0 … vocab - 1``); an
             ``attention_mask`` of another shape than ``input_ids``, or with a row of no real token.
-        CaptureError: the model has no final norm or unembedding where a Hugging Face decoder
-            keeps them, no block list (give ``layers=``), or a selected block ran other than
-            once or gave no ``(batch, seq, hidden)`` tensor.
+        CaptureError: the model has no final norm or unembedding the standard names find, no
+            block list (give ``layers=``), or a selected block ran other than once or gave no
+            ``(batch, seq, hidden)`` tensor.
     """
     norm, unembed = _readout(model)
     check_token_ids("input_ids", input_ids, _vocab_size(model, unembed))
     _check_mask(attention_mask, input_ids)
     keys = list(dict.fromkeys(t.key for t in resolve(model, _patterns(model, layers))))
     acts, inputs = capture(model, *keys, on_unfired="error"), {"attention_mask": attention_mask}
-    with untouched(model), torch.no_grad(), acts: model(input_ids=input_ids, **inputs)  # noqa: E701 - body on the with line (engine.interrupts)
+    with untouched(model), torch.no_grad(), acts: model(input_ids, **inputs)  # noqa: E701 - body on the with line (engine.interrupts)
     hidden = _width(unembed)
     with torch.no_grad():
         log_probs = torch.stack([torch.log_softmax(unembed(norm(_residual(acts, key, hidden))).float(),
@@ -200,34 +206,32 @@ def _check_mask(mask: object, input_ids: Tensor) -> None:
 
 
 def _readout(model: nn.Module) -> tuple[nn.Module, nn.Module]:
-    base = getattr(model, "base_model", model)
-    norm = next((getattr(base, name) for name in FINAL_NORMS
-                 if isinstance(getattr(base, name, None), nn.Module)), None)
+    """The final norm and the unembedding: the standard names ``final_norm`` and ``unembed``
+    (a Hugging Face model's ``get_output_embeddings()`` first)."""
+    names = index(model)
     get_unembed = getattr(model, "get_output_embeddings", None)
-    unembed = get_unembed() if callable(get_unembed) else None
-    if norm is None or not isinstance(unembed, nn.Module):
-        raise CaptureError(
-            f"{type(model).__name__} has no {_missing(norm)} where a Hugging Face causal LM "
-            f"keeps it: the logit lens needs the model's own "
-            f"read-out; load the model with its LM head (AutoModelForCausalLM)")
-    return norm, unembed
-
-
-def _missing(norm: nn.Module | None) -> str:
-    return f"final norm ({', '.join(FINAL_NORMS)})" if norm is None else \
-        "unembedding (get_output_embeddings())"
+    found = get_unembed() if callable(get_unembed) else None
+    paths: dict[str, str] = {}
+    for name, what in (("final_norm", "final norm"), ("unembed", "unembedding")):
+        if name == "unembed" and isinstance(found, nn.Module):
+            return names.modules[paths["final_norm"]], found
+        try:
+            paths[name] = resolve_standard(names, name)[0][1]
+        except SelectorError as err:
+            raise CaptureError(f"{type(model).__name__} has no {what} the logit lens can read "
+                               f"out through ({err}); load the model with its LM head "
+                               f"(AutoModelForCausalLM)") from err
+    return names.modules[paths["final_norm"]], names.modules[paths["unembed"]]
 
 
 def _patterns(model: nn.Module, layers: str | Sequence[str] | None) -> list[str]:
     if layers is not None:
         return as_patterns(layers)
-    base = getattr(model, "base_model", model)
-    prefix = next((name for name, module in model.named_modules() if module is base), "")
-    for name in BLOCK_LISTS:
-        if isinstance(getattr(base, name, None), nn.ModuleList):
-            return [f"{prefix}.{name}.*" if prefix else f"{name}.*"]
-    raise CaptureError(f"{type(model).__name__} has no block list ({', '.join(BLOCK_LISTS)}) "
-                       f"on its base model: give the blocks, logit_lens(..., layers='model.layers.*')")
+    try:
+        blocks_of(index(model), "resid_post.*")
+    except SelectorError as err:
+        raise CaptureError(f"{err}; or give the blocks, logit_lens(..., layers='model.layers.*')") from err
+    return ["resid_post.*"]
 
 
 def _width(unembed: nn.Module) -> int | None:

@@ -10,7 +10,7 @@ later. A parent is reported only when the NaN comes from its own code between ch
 
 Backward: full backward hooks would break on in-place operations (pytorch/pytorch#61519), so the
 gradients are watched on the autograd graph itself: while the forward runs, a
-``TorchFunctionMode`` notes which module call created each autograd node; during the backward,
+function mode (``engine.each_call``) notes which module call created each autograd node; during the backward,
 a hook on every node sees the gradients coming in and going out. The first node whose incoming
 gradients are finite and whose outgoing ones are not made the non-finite gradient; its module
 is reported. The same mode names the first operation that turned finite inputs into a
@@ -28,22 +28,30 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
-from hookscope.engine import diagnose
-from hookscope.engine.checks import check_callable, check_flag
-from hookscope.engine.function_mode import entered
-from hookscope.engine.kinds import values_for
-from hookscope.engine.names import index
-from hookscope.engine.run import untouched
-from hookscope.engine.select import Target, unwrap
-from hookscope.engine.session import Observer
+from hookscope.engine import (
+    Observer,
+    Target,
+    check_callable,
+    check_flag,
+    each_call,
+    index,
+    preflight,
+    untouched,
+    unwrap,
+    values_for,
+)
 from hookscope.errors import HookscopeError
-from hookscope.util.nested import iter_tensors
+from hookscope.util import iter_tensors
+
+__all__ = ["INPUT", "LOSS", "OUTSIDE", "NonFiniteOrigin", "TensorSummary", "find_nonfinite", "input_origin",
+           "loss_gradient_origin", "own_nonfinite"]
 
 Tensor = torch.Tensor
 MAX_POSITIONS = 8
 INPUT = "<input>"  # NonFiniteOrigin.path when the model's inputs already hold NaN/Inf
+LOSS = "<loss>"  # NonFiniteOrigin.path when the loss (loss_fn's, or one outside the model) is NaN/Inf
+OUTSIDE = "loss outside the model"  # its class_name when only the loss's gradient is known
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +115,9 @@ class NonFiniteOrigin:
     """The module call where a NaN or Inf first appeared.
 
     Attributes:
-        path: qualified name of the module (``""`` for the root, ``"<loss>"`` for ``loss_fn``,
+        path: qualified name of the module (``""`` for the root, ``"<loss>"`` for ``loss_fn``
+            or, in a replay, the loss computed outside the model (``class_name`` ``"loss
+            outside the model"``, ``outputs`` the gradients it sent into the model's outputs),
             ``"<input>"`` when the model's inputs already hold NaN/Inf: ``bad_label`` then
             names the input, e.g. ``"args[0]"``, ``"kwargs['mask']"``, ``"args[1][0]"``).
         class_name: its class, e.g. ``"Linear"`` (``"input"`` for ``"<input>"``).
@@ -147,17 +157,24 @@ class NonFiniteOrigin:
         return [f"{self.path}.{s.label}" if self.path else s.label for s in self.parameters]
 
     def __str__(self) -> str:
+        first_at = ", ".join(str(list(p)) for p in self.first_bad)
         if self.path == INPUT:
             lines = [f"the model's input is already non-finite: {self.bad_count} NaN/Inf in "
-                     f"{self.bad_label}, first at {', '.join(str(list(p)) for p in self.first_bad)}; "
+                     f"{self.bad_label}, first at {first_at}; "
                      "no module made it: check the data (or the preprocessing) that produced it"]
             return "\n".join(lines + [f"  in  {s}" for s in self.outputs])
+        if self.class_name == OUTSIDE:
+            lines = [f"the loss computed outside the model is non-finite: the gradient it sent "
+                     f"into the model's output holds {_counts(self.outputs)} ({self.bad_label}, "
+                     f"first at {first_at}); no module made it: check the loss function (a log "
+                     f"or division of 0, an overflow, a non-finite target or weight)"]
+            return "\n".join(lines + [f"  out {s}" for s in self.outputs])
         where = f"'{self.path}'" if self.path else "the root module"
         op = f" (first in op {self.op})" if self.op else ""
         what = "output" if self.phase == "forward" else "gradient"
         lines = [f"first non-finite {what}: {where} ({self.class_name}), call {self.call_index}, "
                  f"{self.phase}{op}: {self.bad_count} NaN/Inf in {self.bad_label}, first at "
-                 f"{', '.join(str(list(p)) for p in self.first_bad)}"]
+                 f"{first_at}"]
         lines += [f"  in  {s}" for s in self.inputs] + [f"  out {s}" for s in self.outputs]
         return "\n".join(_parameter_lines(self.parameters, where, self.class_name) + lines)
 
@@ -168,12 +185,32 @@ def _parameter_lines(parameters: tuple[TensorSummary, ...], where: str,
     ``non-finite parameter: weight of 'fc1' (Linear) holds 3 NaN``."""
     if not parameters:
         return []
-    held = "; ".join(f"{s.label} of {where} holds " + ", ".join(
-        f"{count} {kind}" for count, kind in ((s.nan, "NaN"), (s.posinf, "+Inf"),
-                                              (s.neginf, "-Inf")) if count)
-        for s in parameters)
+    held = "; ".join(f"{s.label} of {where} holds {_counts((s,))}" for s in parameters)
     return [f"non-finite parameter: {held} ({class_name}); it made the output below"] + [
         f"  param {s}" for s in parameters]
+
+
+def _counts(summaries: tuple[TensorSummary, ...]) -> str:
+    """``"3 NaN, 1 +Inf"``: the non-zero counts of each kind over ``summaries``."""
+    totals = ((sum(s.nan for s in summaries), "NaN"), (sum(s.posinf for s in summaries), "+Inf"),
+              (sum(s.neginf for s in summaries), "-Inf"))
+    return ", ".join(f"{count} {kind}" for count, kind in totals if count)
+
+
+def loss_gradient_origin(grads: list[tuple[str, Tensor]]) -> NonFiniteOrigin | None:
+    """The origin ``"<loss>"`` (``class_name`` ``"loss outside the model"``, ``phase``
+    ``"backward"``) when a gradient the loss sent into the model's outputs holds NaN/Inf: the
+    loss was computed outside the model and only its gradient is known (``replay``); else None.
+
+    Args:
+        grads: ``(label, gradient)`` of each output that received one, e.g. ``("grad of
+            output 0", (batch, classes) float32)``.
+    """
+    bad = [(label, g) for label, g in grads if not _is_finite(g)]
+    if not bad:
+        return None
+    summaries = tuple(TensorSummary.of(label, g) for label, g in bad)
+    return _origin(LOSS, OUTSIDE, 0, "backward", None, (), summaries, [g for _, g in bad])
 
 
 def find_nonfinite(model: nn.Module, *args: Any, backward: bool = False,
@@ -216,7 +253,7 @@ def find_nonfinite(model: nn.Module, *args: Any, backward: bool = False,
     check_flag("backward", backward)
     if loss_fn is not None:
         check_callable("loss_fn", loss_fn, "lambda out: out.logits.sum()")
-    diagnose.preflight(model)
+    preflight(model)
     root, _ = unwrap(model)
     bad_input = input_origin(args, kwargs)
     tracker = _Tracker(root, record_nodes=backward)
@@ -232,7 +269,7 @@ def _search(tracker: _Tracker, root: nn.Module, args: tuple[Any, ...], kwargs: d
     """``find_nonfinite``'s search inside its session: the forward under the op watcher, then
     (``backward=True``, nothing found) the gradients with the node hooks."""
     forward = partial(_forward, tracker, root, args, kwargs, bad_input, backward, loss_fn)
-    with entered(_OpWatcher(tracker)): found, loss = forward()  # noqa: E701 - one line, as above
+    with each_call(tracker.saw_call): found, loss = forward()  # noqa: E701 - one line, as above
     if found is not None or loss is None:
         return found
     if bad_input is not None and not _is_finite(loss):
@@ -327,7 +364,7 @@ class _Tracker:
         """Report ``loss_fn`` itself when it turned a finite output into a non-finite loss."""
         if bool(torch.isfinite(loss.detach()).all()):
             return None
-        return _origin("<loss>", "loss_fn", 0, "forward", None, (),
+        return _origin(LOSS, "loss_fn", 0, "forward", None, (),
                        (TensorSummary.of("loss", loss),), [loss])
 
     def _pre_hook(self, module: nn.Module, args: Any, kwargs: Any) -> None:
@@ -359,8 +396,14 @@ class _Tracker:
                                  own_nonfinite(module))
         self.busy = False
 
+    def saw_call(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: Any, output: Any) -> None:
+        """Called after each torch function inside the forward (``engine.each_call``): its
+        output, unless one of our own hooks ran it."""
+        if not self.busy and isinstance(output, (Tensor, tuple, list)):
+            self.note_op(getattr(func, "__name__", str(func)), (args, kwargs), output)
+
     def note_op(self, name: str, args: Any, output: Any) -> None:
-        """Called by ``_OpWatcher`` after each torch function inside the model."""
+        """What a torch function inside the model produced (``saw_call``)."""
         call = self.active[-1] if self.active else None
         if self.record_nodes:
             for tensor in iter_tensors(output):
@@ -388,28 +431,13 @@ class _Tracker:
             call = self.owners[node]
             module = call.module if call is not None else None
             self.found = _origin(
-                self.paths[module] if module is not None else "<loss>",
+                self.paths[module] if module is not None else LOSS,
                 type(module).__name__ if module is not None else "loss_fn",
                 call.index if call is not None else 0, "backward", node.name(),
                 tuple(TensorSummary.of(label, g) for label, g in incoming),
                 tuple(TensorSummary.of(label, g) for label, g in produced),
                 [g for _, g in produced], own_nonfinite(module) if module is not None else ())
         return hook
-
-
-class _OpWatcher(TorchFunctionMode):
-    """Passes every torch function through, then tells the tracker what it produced."""
-
-    def __init__(self, tracker: _Tracker) -> None:
-        super().__init__()
-        self.tracker = tracker
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        output = func(*args, **(kwargs or {}))
-        if not self.tracker.busy and isinstance(output, (Tensor, tuple, list)):
-            self.tracker.note_op(getattr(func, "__name__", str(func)), (args, kwargs), output)
-        return output
 
 
 def _origin(path: str, class_name: str, index: int, phase: str, op: str | None,

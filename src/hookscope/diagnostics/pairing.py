@@ -17,11 +17,15 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from hookscope.engine.kinds import comparable
+from hookscope.engine import comparable
 from hookscope.errors import ArgumentValueError, HookscopeError
 
+__all__ = ["Call", "PairSpec", "Pairing", "Transform", "check_pair", "fingerprint", "kind", "pair_calls",
+           "transform_for", "weights"]
+
 Tensor = torch.Tensor
-Transform = Callable[[Tensor], Tensor]
+#: brings A's output into B's layout; a tuple or list of tensors splits it into pieces
+Transform = Callable[[Tensor], "Tensor | Sequence[Tensor]"]
 #: ``pair=`` of ``compare``: ``"auto"``; ``{pattern in A: pattern in B}`` (a value may be
 #: ``(pattern in B, transform)``, or a list of those); or ``f(path in A) -> path in B or None``
 PairSpec = str | Mapping[str, object] | Callable[[str], str | None]
@@ -42,6 +46,8 @@ class Call:
             ``weights``.
             ``auto`` prefers, among alignments with the most pairs, the one whose paired
             calls are most alike in weights and outputs.
+        piece: which tensor of a transform that split the output (a fused QKV into q, k, v:
+            0, 1, 2), each paired on its own; None when it was not split.
     """
 
     path: str
@@ -50,6 +56,17 @@ class Call:
     shape: tuple[int, ...]
     sample: Tensor | None = dataclasses.field(default=None, compare=False, repr=False)
     weights: tuple[int, float, float] | None = dataclasses.field(default=None, compare=False)
+    piece: int | None = None
+
+    @property
+    def name(self) -> str:
+        """``"path:call"``, with ``[piece]`` for a piece of a split output (``"c_attn:0[1]"``)."""
+        return f"{self.path}:{self.call}" + ("" if self.piece is None else f"[{self.piece}]")
+
+    @property
+    def part(self) -> str:
+        """``path``, with ``[piece]`` for a piece of a split output (``"attn.c_attn[1]"``)."""
+        return self.path + ("" if self.piece is None else f"[{self.piece}]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +148,25 @@ def transform_for(transforms: Mapping[str, Transform], path: str) -> Transform |
     return next((t for key, t in transforms.items() if _match(key, path) is not None), None)
 
 
+def transformed(transform: Transform | None, t: Tensor) -> list[tuple[int | None, Tensor]]:
+    """``t`` in B's layout as ``[(piece, tensor), ...]``: ``[(None, t)]`` without a transform,
+    ``[(None, transform(t))]`` for one tensor, ``[(0, q), (1, k), (2, v)]`` when the transform
+    split it (returned a tuple or list of tensors: a fused QKV).
+
+    Raises:
+        HookscopeError: the transform returned neither a tensor nor a non-empty tuple or list
+            of tensors.
+    """
+    found = t if transform is None else transform(t)
+    if isinstance(found, Tensor):
+        return [(None, found)]
+    if isinstance(found, (tuple, list)) and found and all(isinstance(p, Tensor) for p in found):
+        return list(enumerate(found))
+    raise HookscopeError(f"a transform returned {type(found).__name__}; return a tensor in B's "
+                         f"layout, or a tuple of tensors to split the output into pieces paired "
+                         f"one by one (lambda t: t.split(768, dim=-1) for a fused QKV)")
+
+
 def pair_calls(spec: PairSpec, calls_a: Sequence[Call], calls_b: Sequence[Call],
                transforms: Mapping[str, Transform] | None = None) -> Pairing:
     """Pair the calls of two runs (each list in completion order) as ``spec`` says.
@@ -143,7 +179,8 @@ def pair_calls(spec: PairSpec, calls_a: Sequence[Call], calls_b: Sequence[Call],
     query projection of the same shape one call earlier, also when a bug right there changed
     its output.
     ``transforms`` (``{pattern in A: transform}``, only with ``"auto"``) gives the pairs of
-    those modules of A their transform; the calls' shapes and samples are taken after it.
+    those modules of A their transform; the calls' shapes and samples are taken after it (a
+    transform that splits an output made one call of A a piece per tensor, ``Call.piece``).
     A mapping pairs by name: ``{name}`` placeholders match one name
     component (``"h.{i}.attn" -> "layers.{i}.self_attn"``); a key starting with ``re:`` is a
     regular expression over A's names whose groups fill the value (``\\1``, ``\\g<name>``).
@@ -305,10 +342,10 @@ def _output_likeness(calls_a: list[Call], calls_b: list[Call]) -> list[list[floa
 
 def _result(how: str, pairs: Sequence[tuple[Call, Call, Transform | None]], calls_a: Sequence[Call],
             calls_b: Sequence[Call]) -> Pairing:
-    used_a = {(a.path, a.call) for a, _, _ in pairs}
-    used_b = {(b.path, b.call) for _, b, _ in pairs}
+    used_a = {a.name for a, _, _ in pairs}
+    used_b = {b.name for _, b, _ in pairs}
     total = len(calls_a) + len(calls_b)
     return Pairing(how, tuple(pairs),
-                   tuple(f"{c.path}:{c.call}" for c in calls_a if (c.path, c.call) not in used_a),
-                   tuple(f"{c.path}:{c.call}" for c in calls_b if (c.path, c.call) not in used_b),
+                   tuple(c.name for c in calls_a if c.name not in used_a),
+                   tuple(c.name for c in calls_b if c.name not in used_b),
                    (len(used_a) + len(used_b)) / total if total else 0.0)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.editing.edit import edit
+from hookscope.editing.edits import edit
 from hookscope.editing.sweep import (
     Metric,
     Sweep,
@@ -39,15 +39,17 @@ from hookscope.editing.sweep import (
     check_metric,
     check_sweep_positions,
 )
-from hookscope.engine.checks import check_flag, check_int
-from hookscope.engine.layout import Layout
-from hookscope.engine.names import one_index_per_call
-from hookscope.engine.run import untouched
-from hookscope.engine.select import as_patterns, resolve
+from hookscope.engine import (
+    Layout,
+    as_patterns,
+    check_flag,
+    check_int,
+    one_index_per_call,
+    resolve,
+    untouched,
+)
 from hookscope.errors import EditError
-from hookscope.record.capture import Capture, capture
-from hookscope.record.grads import gradient_pass
-from hookscope.record.positions import tokens_first
+from hookscope.record import Capture, capture, gradient_pass, tokens_first
 
 __all__ = ["attribution_patching"]
 
@@ -57,7 +59,8 @@ Tensor = torch.Tensor
 @one_index_per_call
 def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: Metric, *,
                          layers: str | Sequence[str], positions: Sequence[int] | None = None,
-                         heads: bool = False, seq_dim: int | None = None,
+                         heads: bool = False, all_positions: bool = False,
+                         seq_dim: int | None = None,
                          plot: str | os.PathLike[str] | None = None) -> Sweep:
     """Estimate ``patching_sweep``'s table from one clean forward, one corrupted forward and one
     backward (Nanda 2023; Syed et al. 2023, arXiv:2310.10348).
@@ -93,6 +96,9 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
             corrupted input is longer, as in ``patching_sweep``).
         heads: estimate each head on its own (``values`` gets a heads axis), as
             ``patching_sweep(heads=True)``; the layers must have a heads axis.
+        all_positions: estimate patching every position at once, as
+            ``patching_sweep(all_positions=True)``: the sum of the per-position estimates
+            (first order is additive), one position column.
         seq_dim: the token axis of the values, overriding their known layout.
         plot: write the heat map PNG there (``Sweep.plot``); missing parent folders are
             created, as in ``patching_sweep``.
@@ -115,6 +121,7 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
     keys = list(dict.fromkeys(t.key for t in resolve(model, as_patterns(layers))))
     check_metric(metric)
     check_flag("heads", heads)
+    check_flag("all_positions", all_positions)
     if seq_dim is not None:
         check_int("seq_dim", seq_dim)
     clean, corrupted = _plain(clean), _plain(corrupted)
@@ -132,8 +139,11 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
     head_list = _heads({key: clean for key, (clean, _) in layouts.items()}) if heads else None
     values = torch.stack([torch.stack([_estimate(key, sources[key], _once(found[key], key)[0],
                                                  grad, p, layouts[key], heads) for p in chosen])
-                          for key, grad in zip(keys, grads)])
-    sweep = Sweep(values + _number(value), keys, chosen, clean_metric, _number(value), head_list)
+                          for key, grad in zip(keys, grads)])  # (layers, positions[, heads])
+    if all_positions:
+        values = values.sum(dim=1, keepdim=True)
+    sweep = Sweep(values + _number(value), keys, chosen, clean_metric, _number(value), head_list,
+                  all_positions)
     if plot is not None:
         sweep.plot(plot)
     return sweep

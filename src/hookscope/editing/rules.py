@@ -1,7 +1,7 @@
 """Private: the rules that edits apply inside their hooks, and the check that an edit fits.
 
 A rule maps ``(value, target, call)`` to the new value (or ``None`` to keep it): ``value`` is the
-selected output part of one call of ``target``. ``edit.py`` builds the sessions; the rules of
+selected output part of one call of ``target``. ``edits.py`` builds the sessions; the rules of
 ``ablate``, ``patch`` and ``steer`` live here, each a small closure over what it needs.
 """
 
@@ -16,12 +16,21 @@ import torch
 from torch import nn
 
 from hookscope.editing.sources import SourceReader
-from hookscope.engine.checks import check_flag, check_nonempty
-from hookscope.engine.layout import NO_TOKENS, Layout, MaskWatcher, Tokens, layout_of
-from hookscope.engine.names import ModuleIndex
-from hookscope.engine.select import Target, as_patterns, resolve
+from hookscope.engine import (
+    NO_TOKENS,
+    Layout,
+    MaskWatcher,
+    ModuleIndex,
+    Target,
+    Tokens,
+    as_patterns,
+    check_flag,
+    check_nonempty,
+    layout_of,
+    resolve,
+)
 from hookscope.errors import ArgumentTypeError, EditError
-from hookscope.record.positions import (
+from hookscope.record import (
     Heads,
     Over,
     Positions,
@@ -31,7 +40,10 @@ from hookscope.record.positions import (
     selected,
     tokens_first,
 )
-from hookscope.util.nested import get_part, iter_tensors_with_keys, map_tensors
+from hookscope.util import get_part, iter_tensors_with_keys, map_tensors
+
+__all__ = ["Where", "at_positions", "check_fits", "is_positional", "layer_pairs", "patch_positions_rule",
+           "patch_rule", "reference_rule", "source_targets", "steer_rule", "zero"]
 
 Tensor = torch.Tensor
 # (value of the selected output part, or (args, kwargs); its target; call index) -> new value | None

@@ -15,12 +15,10 @@ from typing import Any, Union
 
 import torch
 
-from hookscope.engine.layout import Tokens
-from hookscope.engine.select import Target
+from hookscope.engine import Target, Tokens
 from hookscope.errors import CaptureError, EditError
-from hookscope.record.capture import Capture
-from hookscope.record.records import Records, load
-from hookscope.util.nested import get_part
+from hookscope.record import Capture, Records, load
+from hookscope.util import get_part
 
 __all__ = ["Source", "SourceReader"]
 

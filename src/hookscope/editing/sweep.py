@@ -20,33 +20,31 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from hookscope.editing.edit import edit
-from hookscope.engine.checks import (
+from hookscope.editing.edits import edit
+from hookscope.engine import (
+    Layout,
+    as_patterns,
     check_callable,
     check_flag,
     check_int,
     check_iterable,
     check_nonempty,
     check_positions,
+    one_index_per_call,
+    resolve,
+    untouched,
 )
-from hookscope.engine.layout import Layout
-from hookscope.engine.names import one_index_per_call
-from hookscope.engine.run import untouched
-from hookscope.engine.select import as_patterns, resolve
 from hookscope.errors import ArgumentTypeError, ArgumentValueError, EditError, PositionError, warn
-from hookscope.record.capture import Capture, capture
-from hookscope.record.positions import layout_positions, tokens_first
-from hookscope.util.extras import require
-from hookscope.util.figures import new_figure, save_figure
-from hookscope.util.nested import map_tensors
+from hookscope.record import Capture, capture, layout_positions, tokens_first
+from hookscope.util import map_tensors, new_figure, require, save_figure
 
-__all__ = ["Sweep", "patching_sweep"]
+__all__ = ["Sweep", "patching_sweep", "Metric", "cells", "check_metric", "check_sweep_positions"]
 
 Tensor = torch.Tensor
 Metric = Callable[[Any], "Tensor | float"]
 #: rows (batch rows times patched copies) of one forward when ``batch_size`` is not given
 DEFAULT_ROWS = 64
-Cell = tuple[int, "int | None"]  # a position and a head (None: every head)
+Cell = tuple[tuple[int, ...], "int | None"]  # positions patched together and a head (None: every head)
 
 
 @dataclass(frozen=True)
@@ -62,6 +60,8 @@ class Sweep:
         clean: the metric of the clean run, unpatched.
         corrupted: the metric of the corrupted run, unpatched.
         heads: the heads patched one at a time, or ``None`` when whole positions were patched.
+        all_positions: every position of ``positions`` was patched at once (``values`` has
+            one position column, labelled ``"first…last"``), not one at a time.
     """
 
     values: Tensor
@@ -70,6 +70,16 @@ class Sweep:
     clean: float
     corrupted: float
     heads: list[int] | None = None
+    all_positions: bool = False
+
+    @property
+    def columns(self) -> list[str]:
+        """The label of each position column: the position, or ``"first…last"`` for all
+        positions patched at once."""
+        if self.all_positions:
+            return [f"{self.positions[0]}…{self.positions[-1]}" if len(self.positions) > 1
+                    else str(self.positions[0])]
+        return [str(p) for p in self.positions]
 
     def normalized(self) -> Tensor:
         """``(values - corrupted) / (clean - corrupted)``, float64 of ``values``' shape: 0 where
@@ -90,13 +100,13 @@ class Sweep:
         if self.heads is None:
             return list(self.layers), self.values
         labels = [f"{layer} head {h}" for layer in self.layers for h in self.heads]
-        return labels, self.values.permute(0, 2, 1).reshape(len(labels), len(self.positions))
+        return labels, self.values.permute(0, 2, 1).reshape(len(labels), len(self.columns))
 
     def table(self) -> str:
         """The values as an aligned text table, one line per layer (per layer and head)."""
         labels, grid = self._grid()
         width = max(len(label) for label in labels)
-        head = " " * width + "".join(f"{p:>10}" for p in self.positions)
+        head = " " * width + "".join(f"{c:>10}" for c in self.columns)
         lines = [f"{label:<{width}}" + "".join(f"{v:>10.4g}" for v in row)
                  for label, row in zip(labels, grid.tolist())]
         return "\n".join([head, *lines])
@@ -131,10 +141,13 @@ class Sweep:
             EditError: as ``normalized()``.
             MissingExtraError: matplotlib is not installed (extra ``[viz]``).
         """
-        if tokens is not None and len(tokens) != len(self.positions):
+        if tokens is not None and len(tokens) != len(self.columns):
             raise ArgumentValueError(
                 f"tokens has {len(tokens)} labels for {len(self.positions)} positions "
-                f"{self.positions}: give one per position, e.g. [tokens[p] for p in sweep.positions]")
+                f"{self.positions}: give one per position, e.g. [tokens[p] for p in "
+                f"sweep.positions]" if not self.all_positions else
+                f"tokens has {len(tokens)} labels for the one column of positions "
+                f"{self.columns[0]}, all patched at once: give one label, e.g. ['all']")
         colors = require("matplotlib.colors", "Sweep.plot")
         labels, grid = self._grid()
         center = 0.0 if normalized else self.corrupted
@@ -146,8 +159,8 @@ class Sweep:
         # white = the corrupted run's metric; red above it, blue below
         image = axes.imshow(grid.numpy(), cmap="RdBu_r", aspect="auto",
                             norm=colors.CenteredNorm(vcenter=center))
-        axes.set_xticks(np.arange(len(self.positions)),
-                        list(tokens) if tokens is not None else [str(p) for p in self.positions])
+        axes.set_xticks(np.arange(len(self.columns)),
+                        list(tokens) if tokens is not None else self.columns)
         axes.set_yticks(np.arange(len(labels)), labels)
         axes.set_xlabel("token" if tokens is not None else "position")
         label = ("(patched - corrupted) / (clean - corrupted)" if normalized else
@@ -160,8 +173,9 @@ class Sweep:
 @one_index_per_call
 def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str | Sequence[str],
                    metric: Metric, positions: Sequence[int] | None = None, heads: bool = False,
-                   seq_dim: int | None = None, batch_size: int | None = None,
-                   plot: str | os.PathLike[str] | None = None, progress: bool = True) -> Sweep:
+                   all_positions: bool = False, seq_dim: int | None = None,
+                   batch_size: int | None = None, plot: str | os.PathLike[str] | None = None,
+                   progress: bool = True) -> Sweep:
     """Patch each (layer, position) of ``corrupted`` with ``clean``'s value; tabulate ``metric``.
 
     For each selected layer and each position ``p``, the corrupted input runs with that layer's
@@ -198,6 +212,10 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
             corrupted input is longer).
         heads: patch each head on its own (``values`` gets a heads axis); the layers must be
             ``"path::scaled_dot_product_attention"`` addresses.
+        all_positions: patch every position of ``positions`` at once instead of one at a
+            time: one run per layer (per layer and head with ``heads``), ``values`` of shape
+            ``(len(layers), 1[, len(heads)])``; with ``heads=True`` this is TransformerLens's
+            ``get_act_patch_attn_head_out_all_pos``.
         seq_dim: the token axis of the patched values, overriding their known layout.
         batch_size: patched runs per forward; ``None``: as many as keep a forward at 64 rows.
         plot: write the heat map PNG there; its missing parent folders are created (the
@@ -207,7 +225,8 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
 
     Returns:
         A ``Sweep``: ``values[i, j]`` (``values[i, j, k]`` with heads) is the metric with
-        ``sweep.layers[i]`` patched at ``sweep.positions[j]`` (head ``sweep.heads[k]``).
+        ``sweep.layers[i]`` patched at ``sweep.positions[j]`` (head ``sweep.heads[k]``); with
+        ``all_positions``, ``values[i, 0]`` is the metric with every one of them patched.
 
     Raises:
         SelectorError: a pattern matches no module.
@@ -222,6 +241,7 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
     """
     targets = resolve(model, as_patterns(layers))
     _check_arguments(metric, heads, progress, batch_size)
+    check_flag("all_positions", all_positions)
     clean, corrupted = _plain(clean), _plain(corrupted)
     check_sweep_positions(positions, clean, corrupted)
     keys = list({t.key: t for t in targets})
@@ -237,7 +257,8 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
             *(_length(layout) for layout in layouts[keys[0]]))
         head_list = _heads({key: clean for key, (clean, _) in layouts.items()}) if heads else None
         each_head: list[int | None] = [None] if head_list is None else list(head_list)
-        cells: list[Cell] = [(p, h) for p in chosen for h in each_head]
+        groups = [tuple(chosen)] if all_positions else [(p,) for p in chosen]
+        cells: list[Cell] = [(group, h) for group in groups for h in each_head]
         copies = batch_size or max(1, DEFAULT_ROWS // rows)
         chunks = [cells[i:i + copies] for i in range(0, len(cells), copies)]
         bar = tqdm(total=len(keys) * len(chunks), desc="patching sweep", unit="forward",
@@ -248,8 +269,8 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
                                                         layouts[key], chunk, metric, bar)]
                                    for key in keys], dtype=torch.float64)
     if head_list is not None:
-        values = values.reshape(len(keys), len(chosen), len(head_list))
-    sweep = Sweep(values, keys, chosen, clean_metric, corrupted_metric, head_list)
+        values = values.reshape(len(keys), len(groups), len(head_list))
+    sweep = Sweep(values, keys, chosen, clean_metric, corrupted_metric, head_list, all_positions)
     if plot is not None:
         sweep.plot(plot)
     return sweep
@@ -294,7 +315,7 @@ def _run_chunk(model: nn.Module, corrupted: Any, key: str, source: Tensor,
                layouts: tuple[Layout, Layout], chunk: list[Cell], metric: Metric,
                bar: Any) -> list[float]:
     """One forward of ``len(chunk)`` copies of ``corrupted``, copy ``j`` patched at ``chunk[j]``
-    (a position and a head or ``None``) in ``key``; the metric of each copy."""
+    (positions and a head or ``None``) in ``key``; the metric of each copy."""
     rows = _rows(corrupted)
     edits, inputs = edit(model, {key: _patcher(key, source, layouts, chunk, rows)},
                          on_unfired="error"), _repeat(corrupted, len(chunk), rows)
@@ -324,13 +345,13 @@ def _patcher(key: str, source: Tensor, layouts: tuple[Layout, Layout], chunk: li
              rows: int) -> Callable[[Any], Tensor]:
     """The edit of one forward: copy ``j`` (rows ``j*rows`` …) patched at ``chunk[j]``."""
     clean_view = tokens_first(source, layouts[0])  # (batch, seq, [heads,] ...)
-    where = [cells(key, position, layouts) for position, _ in chunk]
+    where = [(j, head, cells(key, position, layouts))
+             for j, (positions, head) in enumerate(chunk) for position in positions]
 
     def fn(value: Any) -> Tensor:
         new = _sequence_tensor(value, "the patched layer").clone()
         view = tokens_first(new, layouts[1])
-        for j, ((_, head), ((src_rows, src_columns), (dest_rows, dest_columns))) in \
-                enumerate(zip(chunk, where)):
+        for j, head, ((src_rows, src_columns), (dest_rows, dest_columns)) in where:
             at_head = () if head is None else (head,)
             view[(j * rows + dest_rows.to(new.device), dest_columns.to(new.device), *at_head)] = \
                 clean_view[(src_rows, src_columns, *at_head)].to(device=new.device, dtype=new.dtype)

@@ -3,11 +3,105 @@
 ``hooks`` is the one door to torch's registration (every hook hookscope adds is owned: its own
 module object, its own thread, not a checkpoint recompute, never in a copy); ``session`` is the
 life cycle every verb shares (resolve once, register, remove on every exit path, explain unfired
-hooks); ``select``, ``names`` and ``wrappers`` turn patterns into modules; ``function_mode`` and
+hooks); ``selection``, ``names`` and ``wrappers`` turn patterns into modules; ``function_mode`` and
 ``function_names`` reach the torch functions a forward calls; ``early_stop`` cuts a forward short;
 ``values`` and ``copy_on_write`` hold a value a hook saw; ``layout`` says what a value holds
 (token and heads axes, the mask and KV-cache length of its forward), for every verb; ``run`` is
 what a batch means to the model; ``diagnose`` says why a hook could not or did not fire.
 
-Imports only ``hookscope.errors`` and ``hookscope.util``.
+Imports only ``hookscope.errors`` and ``hookscope.util``. Other packages import what this face
+offers (``__all__``), never one of its modules (``tests/test_layers.py``).
 """
+
+from hookscope.engine.checks import (
+    brief,
+    check_arity,
+    check_callable,
+    check_device,
+    check_dtype,
+    check_finite,
+    check_flag,
+    check_int,
+    check_iterable,
+    check_model,
+    check_nonempty,
+    check_number,
+    check_options,
+    check_path,
+    check_positions,
+    check_run_dir,
+    check_tensor,
+    check_token_ids,
+)
+from hookscope.engine.compiled import eager_when_called
+from hookscope.engine.copy_on_write import eager_copy, lazy_copy, shares_memory, version_of
+from hookscope.engine.diagnose import explain_no_hooks, fullgraph, locate_error, preflight
+from hookscope.engine.function_mode import FunctionCall, Watch, each_call
+from hookscope.engine.function_names import bind_arguments, functional_hint, refuse_uninterceptable
+from hookscope.engine.hooks import (
+    OwnedHook,
+    RecordingHook,
+    after_backward,
+    in_recompute,
+    nothing,
+    on_optimizer_step,
+    on_tensor_grad,
+    output_of,
+    owner,
+    registered,
+    unregister,
+)
+from hookscope.engine.interrupts import GracefulStop, exit_at_interrupt
+from hookscope.engine.kinds import apply_edit, comparable, describe, inside, kind_of, rows_for, values_for
+from hookscope.engine.layout import (
+    NO_TOKENS,
+    Layout,
+    MaskWatcher,
+    Tokens,
+    check_no_unmasked_padding,
+    layout_of,
+)
+from hookscope.engine.names import ModuleIndex, index, one_index_per_call
+from hookscope.engine.origin import KNOWN_LIBRARIES, library_of
+from hookscope.engine.record_key import Part, RecordKey
+from hookscope.engine.run import (
+    RngState,
+    detached_clones,
+    input_device,
+    model_inputs,
+    state_snapshot,
+    untouched,
+)
+from hookscope.engine.selection import Target, as_patterns, is_container, resolve, select
+from hookscope.engine.session import HookSession, Observer, OnUnfired, resolve_checked, resolve_each
+from hookscope.engine.standard_naming import blocks_of, branch_norms, resolve_standard, standard_names
+from hookscope.engine.values import (
+    NO_VALUES_FIX,
+    check_has_values,
+    check_not_transformed,
+    holds_no_values,
+    keepable,
+    kept_note,
+    no_values_reason,
+    outside_inference,
+    special,
+)
+from hookscope.engine.wrappers import unwrap
+
+__all__ = ["FunctionCall", "RecordingHook", "GracefulStop", "exit_at_interrupt", "HookSession",
+           "KNOWN_LIBRARIES", "Layout", "MaskWatcher", "ModuleIndex", "NO_TOKENS", "NO_VALUES_FIX",
+           "Observer", "OnUnfired", "OwnedHook", "Part", "RecordKey", "RngState", "Target", "Tokens",
+           "Watch", "after_backward", "apply_edit", "as_patterns", "bind_arguments", "brief", "check_arity",
+           "check_callable", "check_device", "check_dtype", "check_finite", "check_flag",
+           "check_has_values", "check_int", "check_iterable", "check_model", "check_no_unmasked_padding",
+           "check_nonempty", "check_not_transformed", "check_number", "check_options", "check_path",
+           "check_positions", "check_run_dir", "check_tensor", "check_token_ids", "comparable", "describe",
+           "detached_clones", "eager_copy", "eager_when_called", "each_call", "explain_no_hooks",
+           "fullgraph", "functional_hint", "holds_no_values", "in_recompute", "index", "input_device",
+           "inside", "is_container", "keepable", "kept_note", "kind_of", "layout_of", "lazy_copy",
+           "library_of", "locate_error", "model_inputs", "no_values_reason", "nothing", "on_optimizer_step",
+           "on_tensor_grad", "one_index_per_call", "output_of", "outside_inference", "owner", "preflight",
+           "refuse_uninterceptable", "registered", "resolve", "resolve_checked", "resolve_each", "rows_for",
+           "select", "shares_memory", "special", "standard_names", "state_snapshot", "unregister",
+           "untouched", "unwrap", "values_for", "version_of", "blocks_of", "branch_norms",
+           "resolve_standard"]

@@ -43,7 +43,7 @@ from hookscope.errors import ArgumentTypeError, ArgumentValueError, EmptySelecti
 __all__ = ["brief", "check_arity", "check_callable", "check_device", "check_dtype", "check_finite",
            "check_flag", "check_int", "check_iterable", "check_model", "check_nonempty",
            "check_number", "check_options", "check_positions", "check_run_dir", "check_tensor",
-           "check_token_ids"]
+           "check_token_ids", "check_path"]
 
 
 def brief(value: object) -> str:

@@ -37,9 +37,7 @@ import torch
 from torch import nn
 from torch._library.effects import EffectType
 
-from hookscope.engine.diagnose import _compile_wrapper
-
-__all__ = ["prepare", "eager_when_called", "fullgraph", "open_sink", "close_sink", "keep", "flat_output"]
+__all__ = ["prepare", "eager_when_called", "open_sink", "close_sink", "keep", "flat_output"]
 
 Tensor = torch.Tensor
 Sink = Callable[[Any], None]
@@ -95,13 +93,6 @@ def _define() -> Any:
 
     keep_op.register_effect(EffectType.ORDERED)
     return torch.ops.hookscope.keep.default
-
-
-def fullgraph(model: nn.Module) -> bool:
-    """True when ``model`` is (or wraps) a ``torch.compile(..., fullgraph=True)`` wrapper."""
-    wrapper = _compile_wrapper(model)
-    context = getattr(wrapper, "dynamo_ctx", None)
-    return bool(getattr(context, "fullgraph", False))
 
 
 def open_sink(module: nn.Module, sink: Sink) -> int:

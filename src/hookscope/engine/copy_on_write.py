@@ -31,13 +31,15 @@ from __future__ import annotations
 
 import torch
 
+__all__ = ["eager_copy", "lazy_copy", "shares_memory", "version_of"]
+
 Tensor = torch.Tensor
 
 lazy_clone = torch._lazy_clone
 compiling = torch.compiler.is_compiling
 
 
-def keep(t: Tensor) -> Tensor:
+def lazy_copy(t: Tensor) -> Tensor:
     """A detached tensor equal to ``t`` now and unchanged by later in-place writes to ``t``."""
     if t.requires_grad:
         t = t.detach()
@@ -49,12 +51,12 @@ def keep(t: Tensor) -> Tensor:
         return t.clone()
 
 
-def copy(t: Tensor) -> Tensor:
+def eager_copy(t: Tensor) -> Tensor:
     """A detached copy of ``t`` made now (``clone=True``)."""
     return t.detach().clone()
 
 
-def version(t: Tensor) -> int | None:
+def version_of(t: Tensor) -> int | None:
     """``t._version``, or None for inference tensors, which have no version counter."""
     return None if t.is_inference() else t._version
 

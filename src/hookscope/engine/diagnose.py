@@ -26,12 +26,12 @@ from torch import nn
 
 from hookscope.engine.function_names import functional_hint
 from hookscope.engine.names import ModuleIndex
-from hookscope.engine.select import Target
+from hookscope.engine.selection import Target
 from hookscope.engine.wrappers import wrapped_attribute
 from hookscope.errors import FusedModuleWarning, HookscopeError
 
-__all__ = ["preflight", "check_targets", "witnesses", "explain_unfired", "explain_no_hooks",
-           "locate_error", "refuse_export_trace", "COMPILED"]
+__all__ = ["preflight", "check_targets", "witnesses", "explain_unfired", "explain_no_hooks", "locate_error",
+           "fullgraph", "COMPILED"]
 
 COMPILED = "<torch.compile wrapper>"  # witness key of an OptimizedModule around the model
 
@@ -59,16 +59,6 @@ def _refuse_flat_export(model: nn.Module) -> None:
         "graph of aten ops, so its submodule names only hold parameters: those modules are never "
         "called and their hooks never fire. Hook the module tree that "
         "torch.export.unflatten(ep) rebuilds (same names, same values), or the eager model")
-
-
-def refuse_export_trace() -> HookscopeError:
-    """The error a hook raises when ``torch.export.export`` traces the model inside a block:
-    the hook would see ``FakeTensor``s (shapes without values), so nothing it records is real."""
-    return HookscopeError(
-        "torch.export.export traced the model while a hookscope block was open on it: the "
-        "hooks see FakeTensors (shapes, no values) during export tracing, so a capture would "
-        "record no value and an edit would be baked into the exported graph. Export outside the "
-        "with block, then hook torch.export.unflatten(ep) or the eager model")
 
 
 def check_targets(names: ModuleIndex, targets: Sequence[Target]) -> None:
@@ -154,6 +144,13 @@ def _compile_wrapper(model: nn.Module) -> nn.Module | None:
     return None
 
 
+def fullgraph(model: nn.Module) -> bool:
+    """True when ``model`` is (or wraps) a ``torch.compile(..., fullgraph=True)`` wrapper."""
+    wrapper = _compile_wrapper(model)
+    context = getattr(wrapper, "dynamo_ctx", None)
+    return bool(getattr(context, "fullgraph", False))
+
+
 def explain_unfired(names: ModuleIndex, targets: Sequence[Target], ran: set[str]) -> dict[str, str]:
     """Return ``{record key: reason}`` for ``targets`` (selected modules that recorded nothing).
 
@@ -167,15 +164,6 @@ def explain_unfired(names: ModuleIndex, targets: Sequence[Target], ran: set[str]
     modules = names.modules
     children = _child_index(modules)
     return {t.key: _reason(t.path, modules, children, ran) for t in targets}
-
-
-def other_threads(path: str, calls: int) -> str:
-    """Why a target recorded nothing although its module ran ``calls`` times, every time in a
-    thread other than the one that entered the block (module and ``path::fn`` targets alike)."""
-    return (f"{path or 'the model'} ran {calls} time{'s' if calls > 1 else ''}, all in other "
-            f"threads: a hookscope block records only the calls made by the thread that entered "
-            f"it (so concurrent requests never mix). Enter the block in the thread that calls the "
-            f"model")
 
 
 _LISTED = 10  # names a warning lists with their reasons (an error lists all)

@@ -24,6 +24,8 @@ from torch.utils.hooks import RemovableHandle
 
 from hookscope.engine.hooks import register
 
+__all__ = ["EarlyStop", "SKIPPED_BY_STOP", "StopForward", "forward_boundary", "stopped_by", "stops"]
+
 #: why a module selected by another block did not run when a forward was cut short
 SKIPPED_BY_STOP = ("skipped: the forward pass was stopped early (early_stop=True) once the "
                    "early-stop block's modules had returned, before this module's turn")

@@ -38,11 +38,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from hookscope.engine.diagnose import other_threads
 from hookscope.engine.function_names import bind_arguments, function_name, parse_op
-from hookscope.engine.hooks import OwnedHook, in_recompute, register
+from hookscope.engine.hooks import OwnedHook, in_recompute, other_threads, register
 
-__all__ = ["FunctionCall", "FunctionWatcher", "FunctionHooks", "Watch", "entered", "take_off"]
+__all__ = ["FunctionCall", "FunctionWatcher", "FunctionHooks", "Watch", "entered", "each_call", "take_off"]
 
 OnCall = Callable[["FunctionCall"], Any]
 
@@ -363,7 +362,7 @@ class _Frame:
 class entered:  # noqa: N801 - used as a function: ``with entered(mode):``
     """Have ``mode`` (a ``TorchFunctionMode``) on this thread's torch function-mode stack for
     the block: the one way hookscope enters a mode of its own for a whole block
-    (``find_nonfinite``). However the block ends (an exception, a KeyboardInterrupt at any
+    (``each_call``). However the block ends (an exception, a KeyboardInterrupt at any
     line, one inside the mode's own ``__torch_function__`` while torch holds it aside), the
     mode is taken off (``take_off``), modes entered after it staying in their order. torch's
     function-mode stack is per thread, so a mode entered here never sees another thread's
@@ -383,6 +382,31 @@ class entered:  # noqa: N801 - used as a function: ``with entered(mode):``
         except BaseException:
             take_off(self.mode)  # idempotent: what an exception halfway left
             raise
+
+
+OnOutput = Callable[[Callable[..., Any], tuple[Any, ...], Mapping[str, Any] | None, Any], None]
+
+
+def each_call(on_output: OnOutput) -> entered:
+    """A context (``with each_call(f):``) during which, on this thread, every torch function
+    runs as usual and then ``on_output(func, args, kwargs, output)`` gets what it returned
+    (``find_nonfinite`` notes which call made each value): a ``TorchFunctionMode`` of the engine's
+    for a whole block, entered and taken off as ``entered`` does."""
+    return entered(_EachCall(on_output))
+
+
+class _EachCall(TorchFunctionMode):
+    """Passes every torch function through, then hands its output to ``on_output``."""
+
+    def __init__(self, on_output: OnOutput):
+        super().__init__()
+        self.on_output = on_output
+
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
+                           kwargs: Mapping[str, Any] | None = None) -> Any:
+        output = func(*args, **(kwargs or {}))
+        self.on_output(func, args, kwargs, output)
+        return output
 
 
 def take_off(mode: TorchFunctionMode) -> None:

@@ -7,7 +7,7 @@ A hook on a module is run by more than the calls its ``with`` block means:
 - **threads**: another thread calling the same model (a server running requests in parallel)
   runs the same hooks;
 - **export tracing**: ``torch.export.export`` runs (or dynamo-traces) hooks on FakeTensors,
-  which hold no values: a hook refuses then (``diagnose.refuse_export_trace``);
+  which hold no values: a hook refuses then (``refuse_export_trace``);
 - **torch.compile**: dynamo traces the hooks of a model compiled while a block is open. A hook
   that reads only what the call gives it (``pick``: a capture's record, a witness) runs in the
   graph as one opaque operator that hands it the real value at run time
@@ -41,18 +41,23 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
 from hookscope.engine import compiled
-from hookscope.engine.diagnose import refuse_export_trace
+from hookscope.errors import HookscopeError
 
-__all__ = ["OwnedHook", "output_of", "nothing", "ModuleHooks", "register", "owner",
-           "on_tensor_grad", "on_node", "on_optimizer_step", "after_backward", "in_recompute"]
+__all__ = ["OwnedHook", "RecordingHook", "output_of", "nothing", "ModuleHooks", "register", "owner",
+           "on_tensor_grad", "on_node", "on_optimizer_step", "after_backward", "in_recompute",
+           "refuse_export_trace", "MODULE_TABLES", "GLOBAL_TABLES", "MODULE_FLAGS", "GLOBAL_FLAGS",
+           "registered", "unregister"]
 
 _graph_task_id = torch._C._current_graph_task_id
 _get_ident = threading.get_ident
 _compiling = torch.compiler.is_compiling
 _exporting = torch.compiler.is_exporting
+_transforms_active = torch._C._are_functorch_transforms_active
+_lazy_clone = torch._lazy_clone
 
 
 class OwnedHook:
@@ -81,7 +86,7 @@ class OwnedHook:
         foreign_calls: calls from threads other than the session's.
     """
 
-    __slots__ = ("function", "module", "thread", "in_recompute", "traceable", "recomputes",
+    __slots__ = ("function", "module", "thread", "in_recompute", "other_threads", "traceable", "recomputes",
                  "foreign_calls", "pick", "on_kept", "key")
 
     def __init__(self, function: Callable[..., Any], module: nn.Module, *, in_recompute: bool = False,
@@ -118,7 +123,7 @@ class OwnedHook:
             self.function(self.module, (), value)
 
     def __call__(self, module: nn.Module, *args: Any) -> Any:
-        # a subclass with an inlined hot path (capture's _PlainHook) makes these same four
+        # a subclass with an inlined hot path (RecordingHook) makes these same four
         # tests, compiling first (dynamo must not trace the rest), and hands every other call here
         compiling = _compiling()
         if not compiling and module is self.module and _get_ident() == self.thread and _graph_task_id() == -1:
@@ -144,6 +149,73 @@ class OwnedHook:
 
 
 compiled.eager_when_called(OwnedHook.__call__.__code__)
+
+
+class RecordingHook(OwnedHook):
+    """The hot path of a capture: a forward hook that appends each call's whole output, kept
+    safe from later in-place writes, to ``outputs``.
+
+    ``OwnedHook``'s checks (own module, own thread, not a recompute, not traced) and the
+    copy-on-write keep (``copy_on_write.lazy_copy``) are inlined in one ``__call__``: per call
+    this costs about what a bare hook appending ``detach()`` costs. Every other call (a copy of
+    the module, another thread, a recompute, a torch.compile trace) goes through
+    ``OwnedHook.__call__``.
+
+    Args:
+        outputs: the list each call's kept output is appended to.
+        module: the module it is registered on.
+        snapshot: ``snapshot(output)``: the value to keep of an output the hot path does not
+            take (one that requires grad, a quantized tensor, a tuple, under a functorch
+            transform).
+        thread: the ident of the session's thread.
+    """
+
+    __slots__ = ("outputs", "snapshot")
+
+    def __init__(self, outputs: list[Any], module: nn.Module, snapshot: Callable[[Any], Any], thread: int):
+        super().__init__(self._record, module, traceable=True, thread=thread, pick=output_of,
+                         on_kept=self._kept)
+        self.outputs, self.snapshot = outputs, snapshot
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
+        # OwnedHook.__call__'s checks and lazy_copy inlined (a frame less per call: keep them
+        # in step); compiling first: dynamo must not trace on
+        if _compiling() or module is not self.module or _get_ident() != self.thread or _graph_task_id() != -1:
+            return OwnedHook.__call__(self, module, args, output)  # a copy, a thread, a recompute
+        # no functorch transform running: no output can be a transform's wrapper (a cheaper
+        # test than asking the output); under one, snapshot() asks the output itself
+        if (type(output) is torch.Tensor and not output.requires_grad and not output.is_quantized
+                and not _transforms_active()):
+            try:
+                self.outputs.append(_lazy_clone(output))
+                return None
+            except (NotImplementedError, RuntimeError):  # no copy-on-write storage
+                pass
+        self.outputs.append(self.snapshot(output))
+        return None
+
+    def _record(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.outputs.append(self.snapshot(output))
+
+    def _kept(self, output: Any) -> None:
+        """A compiled call's output (``engine.compiled``): already a detached copy of its own,
+        so a plain tensor is kept as it is."""
+        if type(output) is torch.Tensor and not output.is_quantized:
+            self.outputs.append(output)
+        else:
+            self.outputs.append(self.snapshot(output))
+
+
+compiled.eager_when_called(RecordingHook.__call__.__code__)
+
+
+def other_threads(path: str, calls: int) -> str:
+    """Why a target recorded nothing although its module ran ``calls`` times, every time in a
+    thread other than the one that entered the block (module and ``path::fn`` targets alike)."""
+    return (f"{path or 'the model'} ran {calls} time{'s' if calls > 1 else ''}, all in other "
+            f"threads: a hookscope block records only the calls made by the thread that entered "
+            f"it (so concurrent requests never mix). Enter the block in the thread that calls the "
+            f"model")
 
 
 def output_of(module: nn.Module, *args: Any) -> Any:
@@ -206,6 +278,16 @@ def _ready_for_compile() -> bool:
 
 
 _compile_lock = threading.Lock()
+
+
+def refuse_export_trace() -> HookscopeError:
+    """The error a hook raises when ``torch.export.export`` traces the model inside a block:
+    the hook would see ``FakeTensor``s (shapes without values), so nothing it records is real."""
+    return HookscopeError(
+        "torch.export.export traced the model while a hookscope block was open on it: the "
+        "hooks see FakeTensors (shapes, no values) during export tracing, so a capture would "
+        "record no value and an edit would be baked into the exported graph. Export outside the "
+        "with block, then hook torch.export.unflatten(ep) or the eager model")
 
 
 def _set_up_for_compile() -> None:
@@ -356,6 +438,52 @@ def after_backward(function: Callable[[], Any]) -> None:
     hooks take a forward run from it for a checkpoint recompute (``in_recompute``), so it must
     not run forwards of its own; an exception it raises leaves ``backward()``."""
     torch.autograd.Variable._execution_engine.queue_callback(function)
+
+
+# ------------------------------------------------------------------ torch's hook tables
+#: kind -> the attribute of a module holding its ``{handle id: hook}`` (torch's private tables;
+#: ``tests/test_hooks_inventory.py`` fails loudly if torch renames one)
+MODULE_TABLES = {"forward_pre": "_forward_pre_hooks", "forward": "_forward_hooks",
+                 "backward_pre": "_backward_pre_hooks", "backward": "_backward_hooks"}
+#: kind -> the attribute of ``torch.nn.modules.module`` holding the global module hooks
+GLOBAL_TABLES = {"global_forward_pre": "_global_forward_pre_hooks",
+                 "global_forward": "_global_forward_hooks",
+                 "global_backward_pre": "_global_backward_pre_hooks",
+                 "global_backward": "_global_backward_hooks"}
+#: tables keyed by the same ids that flag a hook (``with_kwargs=True``, ``always_call=True``)
+MODULE_FLAGS: tuple[str, ...] = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs",
+                "_forward_hooks_always_called")
+GLOBAL_FLAGS: tuple[str, ...] = ("_global_forward_hooks_with_kwargs", "_global_forward_hooks_always_called")
+
+
+def registered(module: nn.Module | None) -> list[tuple[str, int, Any]]:
+    """``(kind, handle id, hook)`` of each hook in ``module``'s own tables (``None``: torch's
+    global module hooks), table by table in ``MODULE_TABLES``/``GLOBAL_TABLES`` order. Reads
+    only: who registered them is not asked (``hooks(model)`` lists them)."""
+    owner_of, tables = (torch_module, GLOBAL_TABLES) if module is None else (module, MODULE_TABLES)
+    return [(kind, hook_id, hook) for kind, attr in tables.items()
+            for hook_id, hook in getattr(owner_of, attr).items()]
+
+
+def unregister(module: nn.Module | None, kind: str, hook_id: int) -> None:
+    """Remove hook ``hook_id`` of ``kind`` (a key of ``MODULE_TABLES``, or of ``GLOBAL_TABLES``
+    when ``module`` is None) whose handle is lost, leaving torch's tables as they were before it
+    was registered: its flags go too (torch's own ``RemovableHandle.remove`` leaves a global
+    hook's ``with_kwargs`` flag behind), and once no backward hook is left the "full backward
+    hook" mark goes back to unset (else a later ``register_backward_hook`` /
+    ``register_module_backward_hook`` raises 'Cannot use both regular backward hooks and full
+    backward hooks')."""
+    owner_of: Any = torch_module if module is None else module
+    if module is None:
+        table, flags, mark = GLOBAL_TABLES[kind], GLOBAL_FLAGS, "_global_is_full_backward_hook"
+    else:
+        table, flags, mark = MODULE_TABLES[kind], MODULE_FLAGS, "_is_full_backward_hook"
+    hooks = getattr(owner_of, table)
+    hooks.pop(hook_id, None)
+    for flag in flags:
+        getattr(owner_of, flag).pop(hook_id, None)
+    if kind.endswith("backward") and not hooks:
+        setattr(owner_of, mark, None)
 
 
 def in_recompute() -> bool:

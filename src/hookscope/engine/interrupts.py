@@ -56,6 +56,7 @@ line (``with session: run(session)``), or its body is a function called on that 
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -64,7 +65,7 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
-__all__ = ["guard", "unguard", "deferred"]
+__all__ = ["guard", "unguard", "deferred", "GracefulStop", "exit_at_interrupt"]
 
 _lock = threading.RLock()  # guards _guarded and _previous (any thread may unguard)
 _guarded: dict[int, Callable[[], object]] = {}  # id(block) -> its cleanup (main-thread blocks)
@@ -177,3 +178,46 @@ def _deliver(signum: int, frame: FrameType | None) -> None:
 
 def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
+
+
+# ------------------------------------------------------- the other SIGINT handlers hookscope sets
+class GracefulStop:
+    """Within the block (main thread, Python's default SIGINT handler in place), the first
+    Ctrl-C only sets ``asked`` and prints ``message`` to stderr, so a loop can stop at a point of
+    its choosing (``extract``: once the batch in progress is stored, so the rows of the open
+    shard are written, not lost); a second Ctrl-C raises ``KeyboardInterrupt`` at once.
+    Elsewhere (another thread, a handler of the program's own) it does nothing. A block guarded
+    inside it (``guard``) stands in for its handler and hands each signal on to it."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+        self.asked, self.installed = False, False
+
+    def __enter__(self) -> GracefulStop:
+        if _in_main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, self._handler)
+            self.installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.installed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.asked:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        self.asked = True
+        print(self.message, file=sys.stderr, flush=True)
+
+
+def exit_at_interrupt(message: str, code: int) -> None:
+    """From now on, a Ctrl-C flushes stdout, writes ``message`` to stderr and ends the process
+    with exit status ``code`` at once, running no exit handler: for a process that is ending
+    (the CLI after its verb returned), one line instead of a traceback from an exit handler.
+    Main thread only (Python sets signal handlers there)."""
+    def handler(signum: int, frame: Any) -> None:
+        sys.stdout.flush()
+        print(message, file=sys.stderr, flush=True)
+        os._exit(code)
+    signal.signal(signal.SIGINT, handler)

@@ -297,6 +297,8 @@ def inside(value: Any, parts: tuple[int | str, ...], name: str) -> bool:
         kind = kind_of(value)
         if kind is not None and kind.name == name:
             return True
+        if isinstance(value, Tensor):  # a heads part: a view of this tensor, no deeper kind
+            return False
         try:
             value = value[parts[depth]]
         except (IndexError, KeyError, TypeError):

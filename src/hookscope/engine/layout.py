@@ -9,8 +9,11 @@ from the forward it is editing.
 
 **Axes.** A module's output is ``(batch, seq, ...)`` by convention (token axis 1);
 ``scaled_dot_product_attention`` returns ``(batch, heads, query, head_dim)``: tokens on dim 2
-(the second to last), heads on dim 1. Any other function's value (``"path::fn"`` addresses) has
-no known layout and needs ``seq_dim=``; it is refused with its shape named.
+(the second to last), heads on dim 1. A value selected with a heads part
+(``"...c_attn[heads:8:0/3]"``, what the standard names ``attn.q/k/v.{i}`` resolve to,
+``util.nested.heads_part``) is ``(batch, seq, heads, head_dim)``: tokens on dim 1, heads on
+dim 2. Any other function's value (``"path::fn"`` addresses) has no known layout and needs
+``seq_dim=``; it is refused with its shape named.
 
 **Mask.** ``Tokens.mask`` is the ``attention_mask`` the model was called with, ``(batch,
 past + seq)`` under a KV cache (transformers' ``generate()`` passes it covering the cached
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,14 +44,16 @@ from torch import nn
 
 from hookscope.errors import PositionError
 
-__all__ = ["Layout", "Tokens", "MaskWatcher", "layout_of", "unmasked_padding",
-           "check_no_unmasked_padding"]
+__all__ = ["Layout", "Tokens", "MaskWatcher", "layout_of", "unmasked_padding", "check_no_unmasked_padding",
+           "NO_TOKENS"]
 
 Tensor = torch.Tensor
 
 #: functions whose value has a known layout: its token axis is the second to last (the queries
 #: of ``(batch, heads, query, head_dim)``), its heads axis dim 1 when it has four dims
 QUERY_LAST_BUT_ONE = frozenset({"scaled_dot_product_attention"})
+#: a record key ending with a heads part: its value is ``(batch, seq, heads, head_dim)``
+HEADS_PART_KEY = re.compile(r"\[heads(?::[^\]]*)?\](?::\d+)?$")
 
 
 @dataclass(frozen=True)
@@ -167,6 +173,8 @@ def layout_of(key: str, op: str | None, shape: Sequence[int], seq_dim: int | Non
     dims, size = len(shape), tuple(int(s) for s in shape)
     known = op is not None and op.split("#")[0] in QUERY_LAST_BUT_ONE and dims >= 3
     head_axis = 1 if known and dims == 4 else None
+    if op is None and dims == 4 and HEADS_PART_KEY.search(key):
+        head_axis = 2
     if seq_dim is not None:
         if not -dims <= seq_dim < dims or seq_dim % dims == 0:
             raise PositionError(f"seq_dim={seq_dim} is not a token axis of '{key}', shape "
@@ -181,7 +189,7 @@ def layout_of(key: str, op: str | None, shape: Sequence[int], seq_dim: int | Non
                 f"'{key}' has shape {size}, without one (dim 1 of a (batch, features) "
                 f"output is features, not tokens); select a module that returns (batch, seq, "
                 f"features), or give seq_dim=1 if dim 1 really holds the tokens")
-        layout = Layout(size, 1, None, tokens)
+        layout = Layout(size, 1, head_axis, tokens)
     else:
         raise PositionError(
             f"positions on '{key}': it is the value of the function {op.split('#')[0]}, shape "

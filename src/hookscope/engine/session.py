@@ -34,9 +34,9 @@ from hookscope.engine.early_stop import (
 )
 from hookscope.engine.function_mode import FunctionHooks
 from hookscope.engine.function_names import refuse_uninterceptable
-from hookscope.engine.hooks import ModuleHooks, OwnedHook, on_node
+from hookscope.engine.hooks import ModuleHooks, OwnedHook, on_node, other_threads
 from hookscope.engine.names import ModuleIndex, index
-from hookscope.engine.select import Target, resolve, unwrap
+from hookscope.engine.selection import Target, resolve, unwrap
 from hookscope.errors import (
     ArgumentValueError,
     HookNeverFiredError,
@@ -44,6 +44,8 @@ from hookscope.errors import (
     HookscopeError,
     warn,
 )
+
+__all__ = ["HookSession", "Observer", "OnUnfired", "resolve_checked", "resolve_each"]
 
 OnUnfired = Literal["warn", "error", "ignore"]
 
@@ -264,7 +266,7 @@ class HookSession:
         for target in silent:
             calls = max((h.foreign_calls for h, _ in self._owned if h.module is target.module), default=0)
             if calls:
-                found[target.key] = diagnose.other_threads(target.path, calls)
+                found[target.key] = other_threads(target.path, calls)
         return found
 
     def _hook_output(self, target: Target, hook: Hook, *, with_kwargs: bool = False,

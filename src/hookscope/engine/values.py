@@ -36,7 +36,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from hookscope.errors import CaptureError, HookscopeError
-from hookscope.util.nested import iter_tensors, map_tensors
+from hookscope.util import iter_tensors, map_tensors
 
 __all__ = ["keepable", "special", "kept_note", "check_not_transformed", "quantized_note",
            "requantize_like", "plain", "restore_like", "outside_inference", "is_dtensor",

@@ -1,5 +1,26 @@
-"""Recording what modules compute: ``capture`` (the session) and ``records`` (the read API),
+"""Recording what modules compute: ``captures`` (``capture``, the session) and ``records`` (the read API),
 gradients (``grads``), generation steps (``generation``), reductions and token positions.
 
 Imports the engine, ``errors`` and ``util``.
 """
+
+from hookscope.record.captures import Capture, capture, run
+from hookscope.record.generation import GenerationCapture, capture_generation
+from hookscope.record.grads import NoGrad, grad_leaf, gradient_pass
+from hookscope.record.positions import (
+    Heads,
+    Over,
+    Positions,
+    check_over,
+    layout_positions,
+    resolve_heads,
+    selected,
+    tokens_first,
+)
+from hookscope.record.records import CallInputs, RecordKey, Records, load
+from hookscope.record.reductions import NAMES, Reduce, Reduction, reduction, reduction_name
+
+__all__ = ["CallInputs", "Capture", "GenerationCapture", "Heads", "NAMES", "NoGrad", "Over", "Positions",
+           "RecordKey", "Records", "Reduce", "Reduction", "capture", "capture_generation", "check_over",
+           "grad_leaf", "gradient_pass", "layout_positions", "load", "reduction", "reduction_name",
+           "resolve_heads", "run", "selected", "tokens_first"]

@@ -28,14 +28,11 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from hookscope.engine.checks import check_options
-from hookscope.engine.layout import layout_of
-from hookscope.engine.select import Target, unwrap
-from hookscope.engine.session import Observer, OnUnfired
+from hookscope.engine import Observer, OnUnfired, Target, check_options, layout_of, unwrap
 from hookscope.errors import CaptureError, HookscopeError
-from hookscope.record.capture import Capture, capture, capture_options
+from hookscope.record.captures import Capture, capture, capture_options
 from hookscope.record.positions import tokens_first
-from hookscope.util.files import write_atomic
+from hookscope.util import write_atomic
 
 __all__ = ["Step", "GenerationRecord", "GenerationCapture", "capture_generation"]
 
@@ -76,10 +73,10 @@ class GenerationCapture:
         steps: one ``Step`` per forward of the root, in order.
     """
 
-    def __init__(self, model: nn.Module, patterns: tuple[str, ...], on_unfired: OnUnfired,
+    def __init__(self, model: nn.Module, layers: tuple[str, ...], on_unfired: OnUnfired,
                  options: dict[str, Any]):
         check_options("options", options, capture_options() - {"on_unfired"})
-        self.capture: Capture = capture(model, *patterns, on_unfired=on_unfired, **options)
+        self.capture: Capture = capture(model, *layers, on_unfired=on_unfired, **options)
         self.steps: list[Step] = []
         self._step_of_call: dict[str, list[int]] = {t.key: [] for t in self.capture.targets}
         self._labels = _StepLabels(self, self.capture.targets)
@@ -273,7 +270,7 @@ def _fed_tokens(path: str, record: GenerationRecord) -> Tensor:
     return value
 
 
-def capture_generation(model: nn.Module, *patterns: str, on_unfired: OnUnfired = "warn",
+def capture_generation(model: nn.Module, *layers: str, on_unfired: OnUnfired = "warn",
                        **options: Any) -> GenerationCapture:
     """Capture selected modules across ``model.generate()``, labelled by step and positions.
 
@@ -290,7 +287,7 @@ def capture_generation(model: nn.Module, *patterns: str, on_unfired: OnUnfired =
     Args:
         model: a causal LM whose ``forward`` takes ``input_ids`` (or ``inputs_embeds``) and an
             ``attention_mask``, as transformers' ``generate()`` calls it, with or without cache.
-        *patterns: modules to capture (see ``hookscope.capture``).
+        *layers: patterns of the modules to capture (see ``hookscope.capture``).
         on_unfired: as in ``capture``.
         **options: keyword options of ``capture`` (``to``, ``dtype``, ``clone``, ...).
 
@@ -302,4 +299,4 @@ def capture_generation(model: nn.Module, *patterns: str, on_unfired: OnUnfired =
         ArgumentValueError: a keyword that is not an option of ``capture`` (at once).
         CaptureError: during generation, the root was called without token inputs.
     """
-    return GenerationCapture(model, patterns, on_unfired, options)
+    return GenerationCapture(model, layers, on_unfired, options)

@@ -39,12 +39,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.engine.hooks import on_tensor_grad
+from hookscope.engine import on_tensor_grad
 from hookscope.errors import CaptureError, HookscopeError
-from hookscope.util.nested import iter_tensors, map_tensors
+from hookscope.util import iter_tensors, map_tensors
 
 __all__ = ["NoGrad", "GradRecord", "converter", "watch_output", "watch_inputs", "why_no_grad",
-           "require_grad_mode", "gradient_pass", "grad_leaf"]
+           "require_grad_mode", "gradient_pass", "grad_leaf", "NO_GRADIENT_YET"]
 
 Tensor = torch.Tensor
 Convert = Callable[[Tensor], Tensor]

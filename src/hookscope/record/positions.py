@@ -40,8 +40,7 @@ from typing import Any, Literal
 
 import torch
 
-from hookscope.engine.checks import brief
-from hookscope.engine.layout import Layout, check_no_unmasked_padding
+from hookscope.engine import Layout, brief, check_no_unmasked_padding
 from hookscope.errors import ArgumentValueError, PositionError
 
 __all__ = ["Positions", "Heads", "Over", "resolve_positions", "take_positions", "layout_positions",

@@ -24,18 +24,24 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from hookscope.engine.checks import check_path
-from hookscope.engine.function_names import bind_arguments
-from hookscope.engine.kinds import describe, values_for
-from hookscope.engine.layout import NO_TOKENS, Layout, Tokens, layout_of
-from hookscope.engine.record_key import Part, RecordKey
-from hookscope.engine.values import outside_inference
+from hookscope.engine import (
+    NO_TOKENS,
+    Layout,
+    Part,
+    RecordKey,
+    Tokens,
+    bind_arguments,
+    check_path,
+    describe,
+    layout_of,
+    outside_inference,
+    values_for,
+)
 from hookscope.errors import ArgumentTypeError, CaptureError, HookscopeError
 from hookscope.record.grads import NO_GRADIENT_YET, GradRecord
-from hookscope.util.files import write_atomic
-from hookscope.util.nested import get_part, iter_tensors_with_keys
+from hookscope.util import get_part, iter_tensors_with_keys, write_atomic
 
-__all__ = ["CallInputs", "RecordKey", "Records", "load"]
+__all__ = ["CallInputs", "RecordKey", "Records", "load", "Entry"]
 
 Tensor = torch.Tensor
 
@@ -264,8 +270,8 @@ class Records:
             CaptureError: as reading ``acts[key]``; the record is not a tensor.
             PositionError: as ``layout_of`` (a function of unknown layout without ``seq_dim``).
         """
-        address = RecordKey.parse(key) if isinstance(key, str) else key
-        name, parts = self._name_for(address)
+        address = RecordKey.parse(self.aliases.get(key, key)) if isinstance(key, str) else key
+        name, parts = self._name_for(address)  # a standard name is read as the record it names
         value = get_part(self._value(name, call), parts)
         if not isinstance(value, Tensor):
             raise CaptureError(f"'{address}' is a {type(value).__name__}, not a tensor; give a "

@@ -1,12 +1,19 @@
-"""Activations of whole data sets on disk: ``extract`` (the loop), ``data`` (what a data
-argument means), ``ranks`` (torchrun), ``writer`` (shards and manifests), ``folder`` (which
-files of an output folder belong to a store), ``manifest`` (the schema), ``reader``
-(``Store``) and ``tokens`` (token views and the shuffled token stream). The format is in the
-README.
+"""Activations of whole data sets on disk or in object storage: ``extraction`` (``extract``, the
+loop), ``batches`` (what a data argument means), ``ranks`` (torchrun), ``ray_engine`` (Ray actors
+write shards, the driver lists them), ``writer`` (shards and manifests), ``folder`` (which files
+of an output folder belong to a store), ``manifest`` (the schema), ``reader`` (``Store``),
+``tokens`` (token views and the shuffled token stream), ``probes`` (linear probes on a store) and
+``fs`` (where the files live: a local folder or any fsspec URL, ``s3://``, ``memory://``). The
+format is in docs/extraction.md.
 
 Imports ``record``, the engine, ``errors`` and ``util``.
 """
 
+from hookscope.store.extraction import SHARD_BYTES, SHARD_SECONDS, extract
+from hookscope.store.folder import check_output
+from hookscope.store.fs import location
+from hookscope.store.probes import ProbeResult, probe
+from hookscope.store.ray_engine import RayEngine
 from hookscope.store.reader import (
     FORMAT,
     LayerInfo,
@@ -21,5 +28,6 @@ from hookscope.store.reader import (
 )
 from hookscope.store.tokens import TokenStream, TokenView, pad_rows
 
-__all__ = ["FORMAT", "LayerInfo", "LayerView", "ShardInfo", "Store", "StoreDataset", "chunk_sums",
-           "dtype_name", "open_store", "pad_rows", "read_manifest", "TokenStream", "TokenView"]
+__all__ = ["FORMAT", "LayerInfo", "LayerView", "ProbeResult", "RayEngine", "SHARD_BYTES", "SHARD_SECONDS",
+           "ShardInfo", "Store", "StoreDataset", "TokenStream", "TokenView", "check_output", "chunk_sums",
+           "dtype_name", "extract", "location", "open_store", "pad_rows", "probe", "read_manifest"]

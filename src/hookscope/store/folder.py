@@ -33,10 +33,10 @@ import re
 import struct
 import warnings
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from hookscope.errors import StoreCorruptError, StoreExistsError
+from hookscope.store.fs import RemotePath, StorePath, listdir, open_read, read_range
 from hookscope.store.manifest import (
     FORMAT,
     MAX_MANIFEST_BYTES,
@@ -47,12 +47,14 @@ from hookscope.store.manifest import (
 )
 from hookscope.store.reader import chunk_sums
 
+__all__ = ["check_output", "listed_shards", "owned_files", "prepare_output", "writing"]
+
 MANIFEST = "manifest.json"
 _MANIFEST_NAME = re.compile(r"manifest(-r[0-9]{4})?\.json")  # ASCII digits: see SHARD_NAME
 TEMPORARY = re.compile(r"\.(?P<target>.+)\.tmp-(?P<run>[0-9a-f]{32})-[0-9]+-[0-9a-f]{8}")
 
 
-def check_output(folder: Path, *, resume: bool, overwrite: bool) -> None:
+def check_output(folder: StorePath, *, resume: bool, overwrite: bool) -> None:
     """Raise unless ``folder`` may receive a store with these options (writes nothing).
 
     Raises:
@@ -64,7 +66,7 @@ def check_output(folder: Path, *, resume: bool, overwrite: bool) -> None:
     if folder.exists() and not folder.is_dir():
         raise StoreExistsError(f"output {folder} exists and is a file, not a store folder; "
                                f"choose another output path.")
-    names = sorted(os.listdir(folder)) if folder.is_dir() else []
+    names = listdir(folder) if folder.is_dir() else []
     if not names:
         return
     if not resume and not overwrite:
@@ -88,13 +90,13 @@ def check_output(folder: Path, *, resume: bool, overwrite: bool) -> None:
             f"{'it' if len(foreign) == 1 else 'them'} away, or choose another output folder.")
 
 
-def prepare_output(folder: Path, *, resume: bool, overwrite: bool) -> None:
+def prepare_output(folder: StorePath, *, resume: bool, overwrite: bool) -> None:
     """Check as ``check_output`` does, then make ``folder`` ready to write: create it, delete
     the old store's files with ``overwrite``, its leftover temporary files with ``resume``."""
     check_output(folder, resume=resume, overwrite=overwrite)
     if resume and not (folder.is_dir() and any(_MANIFEST_NAME.fullmatch(n)
-                                               for n in os.listdir(folder))):
-        what = "holds no store" if folder.is_dir() and os.listdir(folder) else \
+                                               for n in listdir(folder))):
+        what = "holds no store" if folder.is_dir() and listdir(folder) else \
             "is empty or does not exist"  # the run's lock has created it by now
         warnings.warn(f"resume: {folder} {what}, so there is nothing to resume; starting afresh",
                       UserWarning, stacklevel=3)
@@ -105,15 +107,19 @@ def prepare_output(folder: Path, *, resume: bool, overwrite: bool) -> None:
 
 
 @contextlib.contextmanager
-def writing(folder: Path) -> Iterator[None]:
+def writing(folder: StorePath) -> Iterator[None]:
     """Hold an exclusive lock on ``folder`` (created if missing) while one process writes a store
     into it: an advisory ``flock`` on the folder itself, so no lock file is left behind and a
-    killed run releases it. A second extraction into the same folder meanwhile is refused.
+    killed run releases it. A second extraction into the same folder meanwhile is refused. A
+    store at a URL has no lock (``hookscope.store.fs``).
 
     Raises:
         StoreExistsError: another process holds the lock (an extraction into ``folder`` runs).
     """
     folder.mkdir(parents=True, exist_ok=True)
+    if isinstance(folder, RemotePath):  # an object store has no lock (hookscope.store.fs)
+        yield
+        return
     fd = os.open(folder, os.O_RDONLY)
     try:
         try:
@@ -128,7 +134,7 @@ def writing(folder: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def owned_files(folder: Path, flag: str, *, deleting: bool = False,
+def owned_files(folder: StorePath, flag: str, *, deleting: bool = False,
                 resuming: bool = False) -> set[str]:
     """Return the names in ``folder`` that its store owns (see the module docstring).
 
@@ -147,7 +153,7 @@ def owned_files(folder: Path, flag: str, *, deleting: bool = False,
             hookscope manifest, or manifests of different runs (the store's own files cannot
             then be known).
     """
-    names = set(os.listdir(folder))
+    names = set(listdir(folder))
     manifests = {n: _manifest(folder, n, flag) for n in sorted(names) if _MANIFEST_NAME.fullmatch(n)}
     run = _run_id(folder, manifests, flag)
     if names and not manifests and flag:
@@ -167,13 +173,13 @@ def owned_files(folder: Path, flag: str, *, deleting: bool = False,
     return owned
 
 
-def listed_shards(folder: Path) -> set[str]:
+def listed_shards(folder: StorePath) -> set[str]:
     """The shard names the manifests in ``folder`` list (``owned_files`` has checked them)."""
-    return {entry["file"] for name in os.listdir(folder) if _MANIFEST_NAME.fullmatch(name)
+    return {entry["file"] for name in listdir(folder) if _MANIFEST_NAME.fullmatch(name)
             for entry in _manifest(folder, name, "")["shards"]}
 
 
-def _manifest(folder: Path, name: str, flag: str) -> dict[str, Any]:
+def _manifest(folder: StorePath, name: str, flag: str) -> dict[str, Any]:
     try:
         if (folder / name).is_symlink():
             raise StoreCorruptError(f"{folder / name} is a symbolic link")
@@ -187,7 +193,7 @@ def _manifest(folder: Path, name: str, flag: str) -> dict[str, Any]:
     return manifest  # type: ignore[no-any-return]
 
 
-def _run_id(folder: Path, manifests: dict[str, dict[str, Any]], flag: str) -> str | None:
+def _run_id(folder: StorePath, manifests: dict[str, dict[str, Any]], flag: str) -> str | None:
     """The run id all ``manifests`` carry (``None``: none, or written before run ids)."""
     runs = {name: m.get("run") for name, m in manifests.items()}
     if len(set(runs.values())) > 1:
@@ -199,11 +205,11 @@ def _run_id(folder: Path, manifests: dict[str, dict[str, Any]], flag: str) -> st
     return next(iter(runs.values()), None)
 
 
-def _regular(path: Path) -> bool:
+def _regular(path: StorePath) -> bool:
     return not path.is_symlink() and path.is_file()
 
 
-def _is_listed_shard(path: Path, entry: dict[str, Any], deleting: bool) -> bool:
+def _is_listed_shard(path: StorePath, entry: dict[str, Any], deleting: bool) -> bool:
     """True when ``path`` is the shard the manifest ``entry`` lists: size (and sha256 when
     ``deleting``) agree."""
     if not _regular(path):
@@ -211,11 +217,11 @@ def _is_listed_shard(path: Path, entry: dict[str, Any], deleting: bool) -> bool:
     status = path.stat()
     if status.st_size != entry["bytes"]:
         return False
-    return not deleting or _sha256(str(path), status.st_ino, status.st_size,
+    return not deleting or _sha256(path, status.st_ino, status.st_size,
                                    status.st_mtime_ns) == entry["sha256"]
 
 
-def _resumable(path: Path, entry: dict[str, Any], run: str | None,
+def _resumable(path: StorePath, entry: dict[str, Any], run: str | None,
                chunk_bytes: int | None) -> bool:
     """True when a listed shard (its size agreeing) may be appended to: its metadata carries
     run id ``run`` (when the store has one) and, with ``chunk_bytes`` (the manifest's last
@@ -226,31 +232,39 @@ def _resumable(path: Path, entry: dict[str, Any], run: str | None,
     if chunk_bytes is None:
         return True
     status = path.stat()
-    return _tail_sum(str(path), status.st_ino, status.st_size, status.st_mtime_ns,
+    return _tail_sum(path, status.st_ino, status.st_size, status.st_mtime_ns,
                      chunk_bytes) == str(entry["chunk_sum"][-1])
 
 
 @functools.lru_cache(maxsize=256)
-def _tail_sum(path: str, inode: int, size: int, mtime_ns: int, chunk_bytes: int) -> str:
+def _tail_sum(path: StorePath, inode: int, size: int, mtime_ns: int, chunk_bytes: int) -> str:
     """``chunk_sum`` of the final chunk of the ``size``-byte file at ``path`` (cached while its
     inode, size and mtime stay the same: a resume checks the folder twice)."""
     begin = (size - 1) // chunk_bytes * chunk_bytes
-    with open(path, "rb") as f:
-        tail = os.pread(f.fileno(), size - begin, begin)
+    tail = read_range(path, begin, size)
     return chunk_sums(tail, len(tail), chunk_bytes)[0] if len(tail) == size - begin else ""
 
 
 @functools.lru_cache(maxsize=256)
-def _sha256(path: str, inode: int, size: int, mtime_ns: int) -> str:
+def _sha256(path: StorePath, inode: int, size: int, mtime_ns: int) -> str:
     """sha256 of the file at ``path`` (cached while its inode, size and mtime stay the same)."""
     sha = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_read(path) as f:
         while block := f.read(16 * 2**20):
             sha.update(block)
     return sha.hexdigest()
 
 
-def _is_temporary(folder: Path, name: str, run: str | None) -> bool:
+def remove_temporary(folder: StorePath, run: str) -> None:
+    """Delete the temporary files of run ``run`` in ``folder``: those a writer killed while
+    writing left behind (a Ray actor killed mid-shard; its shard is written again)."""
+    for name in listdir(folder):
+        if _is_temporary(folder, name, run):
+            with contextlib.suppress(FileNotFoundError):
+                (folder / name).unlink()
+
+
+def _is_temporary(folder: StorePath, name: str, run: str | None) -> bool:
     """True for a temporary file this store's writer made (see the module docstring)."""
     match = TEMPORARY.fullmatch(name)
     if match is None or not (_MANIFEST_NAME.fullmatch(match["target"])
@@ -268,16 +282,15 @@ def _is_temporary(folder: Path, name: str, run: str | None) -> bool:
     return bool(manifest.get("run") == match["run"])
 
 
-def _is_run_shard(path: Path, run: str | None) -> bool:
+def _is_run_shard(path: StorePath, run: str | None) -> bool:
     """True for a shard of run ``run`` (one a crash left unlisted, or a listed one before a
     resume): a regular file named as a shard whose safetensors metadata says it is a hookscope
     shard of that run. Reads the header only."""
     if run is None or not SHARD_NAME.fullmatch(path.name) or not _regular(path):
         return False
     try:
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            header = parse_json(f.read(min(length, 2**20)))
+        (length,) = struct.unpack("<Q", read_range(path, 0, 8))
+        header = parse_json(read_range(path, 8, 8 + min(length, 2**20)))
         metadata = header["__metadata__"]
         return bool(metadata["format"] == FORMAT and metadata["run"] == run)
     except (OSError, ValueError, KeyError, TypeError, struct.error):

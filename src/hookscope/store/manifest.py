@@ -19,11 +19,15 @@ import math
 import os
 import re
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from hookscope.errors import StoreCorruptError
-from hookscope.util.files import read_regular as read_regular  # the store readers' import
+from hookscope.store.fs import RemotePath, StorePath
+from hookscope.store.fs import read_regular as read_regular  # the store readers' import
+
+__all__ = ["COLUMN_PREFIX", "FORMAT", "MAX_MANIFEST_BYTES", "SHARD_NAME", "VERSION", "check_file_name",
+           "check_header", "check_manifest", "check_metadata", "corrupt", "inside", "parse_json",
+           "read_regular", "tensor_specs"]
 
 FORMAT = "hookscope.store"
 VERSION = 1
@@ -51,7 +55,7 @@ _FIX = ("the manifest is damaged or was not written by hookscope; restore it fro
         "extract the store again (overwrite=True / --overwrite)")
 
 
-def corrupt(file: Path | str, field: str, problem: str) -> StoreCorruptError:
+def corrupt(file: StorePath | str, field: str, problem: str) -> StoreCorruptError:
     """Return the error for a bad ``field`` of ``file`` (``problem`` says what is wrong)."""
     return StoreCorruptError(f"{file}: field {field} {problem}; {_FIX}.")
 
@@ -61,7 +65,7 @@ def _is_int(value: Any) -> bool:
     return type(value) is int and 0 <= value <= MAX_COUNT
 
 
-def _want(file: Path, data: dict[str, Any], field: str, check: Callable[[Any], bool],
+def _want(file: StorePath, data: dict[str, Any], field: str, check: Callable[[Any], bool],
           what: str, prefix: str = "") -> Any:
     """Return ``data[field]`` once ``check`` holds for it (``prefix`` places it, for the error)."""
     if field not in data:
@@ -76,7 +80,7 @@ def _pair(value: Any) -> bool:
         and 0 <= value[0] < value[1]
 
 
-def check_manifest(data: Any, file: Path) -> None:
+def check_manifest(data: Any, file: StorePath) -> None:
     """Check a parsed manifest against the version-1 schema (README, "Store format").
 
     Raises:
@@ -126,7 +130,7 @@ def check_manifest(data: Any, file: Path) -> None:
     _check_batches(file, data, shards)
 
 
-def _check_model(file: Path, model: dict[str, Any]) -> None:
+def _check_model(file: StorePath, model: dict[str, Any]) -> None:
     """``model``: ``spec`` (the CLI's MODEL argument, null from Python), ``class``."""
     for key in sorted(model.keys() - {"spec", "class"})[:1]:
         raise corrupt(file, f"model[{key!r}]", "is not a field hookscope writes (spec, class)")
@@ -154,7 +158,7 @@ _EXTRACT: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def _check_extract(file: Path, extract: dict[str, Any], layers: dict[str, Any]) -> None:
+def _check_extract(file: StorePath, extract: dict[str, Any], layers: dict[str, Any]) -> None:
     """``extract``: the arguments a resume repeats, each of its type and range; its ``layers``
     are the manifest's (once the first batch described them)."""
     for key in sorted(extract.keys() - _EXTRACT.keys())[:1]:
@@ -168,7 +172,7 @@ def _check_extract(file: Path, extract: dict[str, Any], layers: dict[str, Any]) 
                                               f"layers are {sorted(layers)!r:.200}")
 
 
-def _check_batches(file: Path, data: dict[str, Any], shards: list[dict[str, Any]]) -> None:
+def _check_batches(file: StorePath, data: dict[str, Any], shards: list[dict[str, Any]]) -> None:
     """The shards' batch ranges against ``extract``: they follow each other (``_check_shard``)
     from batch 0 (a torchrun part: from its first), end by ``extract.batches`` and reach it once
     the store is complete. With an ``id`` column (the DataLoader's batch sampler gave each
@@ -197,7 +201,7 @@ def _check_batches(file: Path, data: dict[str, Any], shards: list[dict[str, Any]
                                                                  if short else ""))
 
 
-def _check_layers(file: Path, layers: dict[str, Any], what: str = "layers") -> None:
+def _check_layers(file: StorePath, layers: dict[str, Any], what: str = "layers") -> None:
     for name, spec in layers.items():
         field = f"{what}[{name!r}]"
         if not name or name.endswith(":offsets") or name.startswith(COLUMN_PREFIX) or \
@@ -216,7 +220,7 @@ def _check_layers(file: Path, layers: dict[str, Any], what: str = "layers") -> N
               f"{str(ragged).lower()} for this shape", f"{field}.")
 
 
-def _check_columns(file: Path, columns: dict[str, Any]) -> None:
+def _check_columns(file: StorePath, columns: dict[str, Any]) -> None:
     """``columns``: ``id``/``label``/``token`` specs as layers have them; a ragged ``id`` or
     ``label`` holds UTF-8 text, ``token`` the int64 token ids of each row's real tokens."""
     for name in columns:
@@ -240,7 +244,7 @@ def tensor_specs(manifest: dict[str, Any]) -> dict[str, Any]:
             **{COLUMN_PREFIX + k: v for k, v in manifest.get("columns", {}).items()}}
 
 
-def _check_shard(file: Path, k: int, entry: Any, start: int, batch: int | None,
+def _check_shard(file: StorePath, k: int, entry: Any, start: int, batch: int | None,
                  chunk: int) -> tuple[int, int]:
     """Check ``shards[k]``; return the row and batch where the next shard must start."""
     field = f"shards[{k}]"
@@ -270,7 +274,7 @@ def _check_shard(file: Path, k: int, entry: Any, start: int, batch: int | None,
     return rows[1], batches[1]
 
 
-def check_file_name(name: str, file: Path, field: str) -> None:
+def check_file_name(name: str, file: StorePath, field: str) -> None:
     """Raise unless ``name`` is a shard file name as hookscope writes them
     (``shard-NNNNN.safetensors``, ``shard-rNNNN-NNNNN.safetensors``): no folder, ``..``, absolute
     path, dot file, nor a user's file that happens to sit in the folder."""
@@ -319,10 +323,13 @@ def check_metadata(metadata: Any, run: str | None, name: str) -> None:
                           f"belongs to another store")
 
 
-def inside(folder: Path, name: str, file: Path, field: str) -> Path:
+def inside(folder: StorePath, name: str, file: StorePath, field: str) -> StorePath:
     """Return ``folder / name`` after checking that it does not resolve outside ``folder``
-    (a symbolic link to elsewhere is refused before anything opens it)."""
+    (a symbolic link to elsewhere is refused before anything opens it; an object store has
+    no links)."""
     path = folder / name
+    if isinstance(path, RemotePath) or isinstance(folder, RemotePath):
+        return path
     if os.path.dirname(os.path.realpath(path)) != os.path.realpath(folder):
         raise corrupt(file, field, f"{name!r} is a link that leads outside the store folder "
                                     f"{folder}; hookscope reads only the store's own files")

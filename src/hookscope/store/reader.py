@@ -17,24 +17,32 @@ first read stays near memmap speed.
 from __future__ import annotations
 
 import bisect
+import fnmatch
 import hashlib
 import mmap
 import operator
 import os
-import re
 import stat
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import safetensors
 import torch
 
-from hookscope.engine.checks import brief, check_path
-from hookscope.errors import HookscopeError, StoreCorruptError, StoreError
+from hookscope.engine import brief, check_path
+from hookscope.errors import StoreCorruptError, StoreError
+from hookscope.store.fs import (
+    ChunkCache,
+    RemotePath,
+    StorePath,
+    listdir,
+    local_copy,
+    location,
+    read_range,
+)
 from hookscope.store.manifest import (
     COLUMN_PREFIX,
     FORMAT,
@@ -53,10 +61,11 @@ if TYPE_CHECKING:
     from hookscope.store.tokens import TokenView
 
 __all__ = ["FORMAT", "LayerInfo", "LayerView", "ShardInfo", "Store", "StoreDataset", "chunk_sums",
-           "open_store", "read_manifest"]
+           "open_store", "read_manifest", "CHUNK_BYTES", "MANIFEST", "dtype_name"]
 
 MANIFEST = "manifest.json"
 CHUNK_BYTES = 4 * 2**20  # granularity of the read-time checksums
+REMOTE_CACHE_BYTES = 64 * 2**20  # chunks of a remote store's shards kept in memory, per store
 PAGE_BYTES = 4096  # a chunk checksum weighs each page of the chunk by its position
 Tensor = torch.Tensor
 
@@ -152,21 +161,23 @@ def _odd(n: int) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------- reading
 class _Shard:
-    """One shard file, memory-mapped on first use; each chunk checked once, when first read."""
+    """One shard file, memory-mapped on first use (remotely: read by chunks through the store's
+    ``ChunkCache``); each chunk checked when first read (remotely: each time it is fetched)."""
 
-    def __init__(self, folder: Path, info: ShardInfo, chunk_bytes: int, verify_reads: bool,
-                 layers: dict[str, Any], run: str | None):
+    def __init__(self, folder: StorePath, info: ShardInfo, chunk_bytes: int, verify_reads: bool,
+                 layers: dict[str, Any], run: str | None, cache: ChunkCache):
         self.path = inside(folder, info.file, folder / MANIFEST, f"shards[{info.file!r}].file")
         self.info, self.chunk_bytes, self.layers = info, chunk_bytes, layers
-        self.verify_reads, self.run = verify_reads, run
+        self.verify_reads, self.run, self.cache = verify_reads, run, cache
         self._mm: mmap.mmap | None = None
-        self._entries: dict[str, dict[str, Any]] = {}
+        self._entries: dict[str, dict[str, Any]] | None = None
         self._data_start = 0
         self._checked = bytearray(len(info.chunk_sums))
         self._offsets: dict[str, np.ndarray] = {}
+        self.closed = False
 
     def __getstate__(self) -> dict[str, Any]:  # a DataLoader worker reopens the file itself
-        return {**self.__dict__, "_mm": None, "_offsets": {}}
+        return {**self.__dict__, "_mm": None, "_entries": None, "_offsets": {}}
 
     def check_size(self) -> None:
         """Raise ``StoreCorruptError`` unless the file exists with the manifest's byte size."""
@@ -184,26 +195,47 @@ class _Shard:
                                     f"the manifest says {self.info.bytes}: it is truncated or was "
                                     f"replaced; {_REDO}")
 
-    def open(self) -> mmap.mmap:
-        """Map the file and check its header against the manifest (once)."""
-        if self._mm is None:
-            self.check_size()
-            with open(self.path, "rb") as f:
-                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            self._entries, self._data_start = self._header(mm)
-            self._mm = mm
-        return self._mm
+    def open(self) -> dict[str, dict[str, Any]]:
+        """Map the file (a local one) and check its header against the manifest (once); return
+        the header's tensor entries.
 
-    def _header(self, mm: mmap.mmap) -> tuple[dict[str, Any], int]:
+        Raises:
+            StoreError: the store was closed.
+        """
+        self._check_open()
+        if self._entries is None:
+            self.check_size()
+            if not isinstance(self.path, RemotePath):
+                with open(self.path, "rb") as f:
+                    self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            self._entries, self._data_start = self._header()
+        return self._entries
+
+    def _check_open(self) -> None:
+        if self.closed:
+            folder = self.path.parent
+            raise StoreError(f"store {folder} is closed: open it again with "
+                             f"hookscope.open_store({str(folder)!r}) to read its rows")
+
+    def close(self) -> None:
+        """Unmap the file (its pages leave the process's RSS); a later ``open`` raises."""
+        self.closed = True
+        if self._mm is not None:
+            mm, self._mm = self._mm, None
+            try:
+                mm.close()
+            except BufferError:  # a read in another thread holds a view: unmapped when it ends
+                pass
+
+    def _header(self) -> tuple[dict[str, Any], int]:
         """Read, check (chunk sums, then against the manifest) and return the safetensors header
         and where the tensor data starts."""
-        (length,) = struct.unpack("<Q", mm[:8])
+        (length,) = struct.unpack("<Q", self._read(0, 8).tobytes())
         if length > self.info.bytes - 8:
             raise corrupt(self.info.file, "header length", f"is {length}, past the end of the "
                                                            f"{self.info.bytes}-byte file")
-        self._check_range(mm, 0, 8 + length)
         try:
-            header = parse_json(mm[8:8 + length])
+            header = parse_json(self._read(8, 8 + length).tobytes())
         except ValueError as err:
             raise StoreCorruptError(f"shard {self.info.file}: unreadable header ({err}); "
                                     f"{_REDO}") from err
@@ -214,37 +246,67 @@ class _Shard:
                      data_start=8 + length, name=self.info.file)
         return header, 8 + length
 
-    def _check_range(self, mm: mmap.mmap, begin: int, end: int, force: bool = False) -> None:
-        if not (self.verify_reads or force):
+    def _read(self, begin: int, end: int) -> np.ndarray:
+        """Bytes ``begin:end`` of the file as a ``(end - begin,)`` uint8 copy, their chunks
+        checked against the manifest's sums (``verify_reads``)."""
+        if self._mm is not None:
+            self._check_range(begin, end)
+            return np.frombuffer(self._mm, np.uint8, end - begin, begin).copy()
+        out = np.empty(end - begin, np.uint8)
+        size, first = self.chunk_bytes, begin // self.chunk_bytes
+        for k, data in enumerate(self._chunks(first, -(-end // size)), first):
+            lo, hi = max(begin, k * size), min(end, (k + 1) * size)
+            out[lo - begin:hi - begin] = np.frombuffer(data, np.uint8, hi - lo, lo - k * size)
+        return out
+
+    def _chunks(self, first: int, stop: int) -> list[bytes]:
+        """Chunks ``first:stop`` of a remote shard: cached ones from the cache, the others in
+        one ranged GET (from the first missing chunk to the last), each checked against its sum
+        as it arrives, then cached."""
+        size, key = self.chunk_bytes, str(self.path)
+        cached = [self.cache.get((key, k)) for k in range(first, stop)]
+        missing = [k for k, chunk in enumerate(cached, first) if chunk is None]
+        got: dict[int, bytes] = {}
+        if missing:
+            lo, hi = missing[0], missing[-1] + 1
+            data = read_range(self.path, lo * size, min(hi * size, self.info.bytes))
+            for k in range(lo, hi):
+                got[k] = data[(k - lo) * size:(k - lo + 1) * size]
+                if self.verify_reads:
+                    self._check_sum(k, chunk_sums(got[k], len(got[k]), size)[0])
+                self.cache.put((key, k), got[k])
+        return [chunk if chunk is not None else got[k] for k, chunk in enumerate(cached, first)]
+
+    def _check_range(self, begin: int, end: int) -> None:
+        if not self.verify_reads or self._mm is None:
             return
         size = self.chunk_bytes
         for k in range(begin // size, -(-end // size)):
-            if self._checked[k]:
-                continue
-            if chunk_sums(mm, self.info.bytes, size, range(k, k + 1))[0] != self.info.chunk_sums[k]:
-                raise StoreCorruptError(
-                    f"shard {self.info.file} of {self.path.parent} is corrupt: bytes "
-                    f"{k * size}..{min((k + 1) * size, self.info.bytes)} fail their checksum; "
-                    f"{_REDO}")
-            self._checked[k] = 1
+            if not self._checked[k]:
+                self._check_sum(k, chunk_sums(self._mm, self.info.bytes, size, range(k, k + 1))[0])
+                self._checked[k] = 1
+
+    def _check_sum(self, k: int, found: str) -> None:
+        if found != self.info.chunk_sums[k]:
+            raise StoreCorruptError(
+                f"shard {self.info.file} of {self.path.parent} is corrupt: bytes "
+                f"{k * self.chunk_bytes}..{min((k + 1) * self.chunk_bytes, self.info.bytes)} "
+                f"fail their checksum; {_REDO}")
 
     def array(self, key: str, first: int, stop: int) -> np.ndarray:
         """Return a copy of rows ``first:stop`` (along dim 0) of tensor ``key``, checked."""
-        mm = self.open()
-        entry = self._entries[key]
+        entry = self.open()[key]
         shape, (begin, end) = entry["shape"], entry["data_offsets"]
         row_bytes = (end - begin) // shape[0] if shape[0] else 0
         lo = self._data_start + begin + first * row_bytes
-        hi = self._data_start + begin + stop * row_bytes
-        self._check_range(mm, lo, hi)
-        return np.frombuffer(mm, np.uint8, hi - lo, lo).copy()
+        return self._read(lo, lo + (stop - first) * row_bytes)
 
     def offsets(self, path: str) -> np.ndarray:
         """Return the ``(rows + 1,)`` int64 token offsets of ragged layer ``path``."""
         if path not in self._offsets:
             offsets = self.array(f"{path}:offsets", 0, self.info.rows[1] -
                                  self.info.rows[0] + 1).view(np.int64)
-            tokens = self._entries[path]["shape"][0]
+            tokens = self.open()[path]["shape"][0]
             if offsets[0] != 0 or offsets[-1] != tokens or (np.diff(offsets) < 0).any():
                 raise corrupt(self.info.file, f"{path}:offsets", f"must rise from 0 to the "
                                                                  f"{tokens} tokens of the shard")
@@ -252,36 +314,45 @@ class _Shard:
         return self._offsets[path]
 
     def verify(self) -> None:
-        """Check size and sha256 (reads the whole file), then everything reading checks:
-        header against the manifest, every chunk sum, ragged offsets; and that safetensors'
-        own parser accepts the file."""
+        """Check size, sha256, the header against the manifest, every chunk sum, that
+        safetensors' own parser accepts the file, and ragged offsets. Reads the whole file once
+        (a remote shard is downloaded to a temporary file, its size on disk, for the time of the
+        check).
+
+        Raises:
+            StoreError: the store was closed.
+            StoreCorruptError: naming what differs.
+        """
+        self._check_open()
         self.check_size()
-        sha = hashlib.sha256()
-        with open(self.path, "rb") as f:
-            while block := f.read(16 * 2**20):
-                sha.update(block)
-        if sha.hexdigest() != self.info.sha256:
-            raise StoreCorruptError(f"shard {self.info.file} of {self.path.parent} is corrupt: "
-                                    f"its sha256 differs from the manifest's; {_REDO}")
-        mm = self.open()
-        self._check_range(mm, 0, self.info.bytes, force=True)
-        self._check_with_safetensors()
+        with local_copy(self.path) as copy:
+            sha, sums = hashlib.sha256(), []
+            with open(copy, "rb") as f:
+                while block := f.read(self.chunk_bytes):
+                    sha.update(block)
+                    sums.append(chunk_sums(block, len(block), self.chunk_bytes)[0])
+            if sha.hexdigest() != self.info.sha256:
+                raise StoreCorruptError(f"shard {self.info.file} of {self.path.parent} is "
+                                        f"corrupt: its sha256 differs from the manifest's; {_REDO}")
+            entries = self.open()
+            for k, found in enumerate(sums):
+                self._check_sum(k, found)
+            self._check_with_safetensors(copy)
         for path in self.layers:
-            if f"{path}:offsets" in self._entries:
+            if f"{path}:offsets" in entries:
                 self.offsets(path)
 
-
-    def _check_with_safetensors(self) -> None:
+    def _check_with_safetensors(self, copy: str) -> None:
         """Parse the file with safetensors' own parser too: what it refuses is not a store."""
         try:
-            with safetensors.safe_open(str(self.path), framework="pt"):
+            with safetensors.safe_open(copy, framework="pt"):
                 pass
         except (safetensors.SafetensorError, OSError, ValueError) as err:
             raise StoreCorruptError(f"shard {self.info.file} of {self.path.parent} is not a valid "
                                     f"safetensors file ({err}); {_REDO}") from err
 
 
-def read_manifest(path: Path) -> dict[str, Any]:
+def read_manifest(path: StorePath) -> dict[str, Any]:
     """Parse a manifest and check it against the schema (``hookscope.store.manifest``).
 
     Raises:
@@ -448,12 +519,18 @@ class StoreDataset(torch.utils.data.Dataset[Tensor]):
 class Store:
     """A store opened for reading (``hookscope.open_store``); see ``LayerView`` for row access.
 
+    Shards are memory-mapped on their first read and stay mapped until ``close()``: the pages
+    read count in the process's RSS (clean file pages, which the kernel may drop under memory
+    pressure), so reading a whole store grows RSS by the bytes touched. ``close()`` (or ``with
+    hookscope.open_store(path) as store:``) unmaps them; reading a closed store is
+    ``StoreError``. A ``DataLoader`` worker maps the shards it reads itself.
+
     Besides the layers, a store may hold per-row columns (``store.columns``): ``ids``, what each
     row was (a file path relative to the data folder, a data-set index) and ``labels`` (a folder
     label, the ``y`` of ``(x, y)`` batches). ``repr(store)`` describes it in a few lines.
     """
 
-    def __init__(self, path: Path, manifest: dict[str, Any], verify_reads: bool):
+    def __init__(self, path: StorePath, manifest: dict[str, Any], verify_reads: bool):
         self.path, self.manifest = path, manifest
         self.complete: bool = bool(manifest["complete"])
         self.layers: dict[str, LayerInfo] = {
@@ -464,10 +541,25 @@ class Store:
             for name, spec in manifest.get("columns", {}).items()}
         self.shards = [ShardInfo.from_json(e) for e in manifest["shards"]]
         chunk = int(manifest["chunk_bytes"])
+        self._cache = ChunkCache(REMOTE_CACHE_BYTES)  # used by remote shards only
         self._shards = [_Shard(path, info, chunk, verify_reads, tensor_specs(manifest),
-                               manifest.get("run")) for info in self.shards]
+                               manifest.get("run"), self._cache) for info in self.shards]
         self._starts = [s.rows[0] for s in self.shards]
         self._rows = self.shards[-1].rows[1] if self.shards else 0
+
+    def close(self) -> None:
+        """Unmap every shard, so the pages read leave the process's RSS (a store at a URL: drop
+        its cached chunks); closing twice is fine. Afterwards, reading rows
+        (``store[layer][i]``, ``store.tokens``, ``verify()``) raises ``StoreError``."""
+        for shard in self._shards:
+            shard.close()
+        self._cache.clear()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __len__(self) -> int:
         return self._rows
@@ -603,57 +695,47 @@ class Store:
             k += 1
 
 
-_URL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>.*)", re.S)
-
-
-def store_folder(path: str | os.PathLike[str], error: type[HookscopeError]) -> Path:
-    """The local folder ``path`` names: a path, or a ``file://`` URL. Any other URL
-    (``s3://``, ``gs://``, ``memory://``) raises ``error`` before anything is written: taken as
-    a path it would make a local folder named ``s3:``."""
-    text = os.fspath(path)
-    found = _URL.fullmatch(text) if isinstance(text, str) else None
-    if found is None:
-        return Path(path)
-    if found["scheme"].lower() == "file":
-        return Path(found["rest"])
-    raise error(f"{text!r:.100} is a URL ({found['scheme']}://), and stores are local folders "
-                f"for now (as a path it would make a local folder named "
-                f"{found['scheme'] + ':'!r}); write the store to a local folder and copy it "
-                f"there (e.g. `aws s3 sync STORE {text:.60}`), and read it from a local copy")
-
-
 def open_store(path: str | os.PathLike[str], *, allow_incomplete: bool = False,
-               verify_reads: bool = True) -> Store:
-    """Open the store in folder ``path`` for reading; rows are memory-mapped, not loaded.
+               verify_reads: bool = True, storage_options: dict[str, Any] | None = None) -> Store:
+    """Open the store at ``path`` for reading; rows are memory-mapped (local) or read by byte
+    ranges (a URL), not loaded.
 
     Args:
-        path: the folder ``hookscope.extract`` wrote.
+        path: the folder ``hookscope.extract`` wrote, or its URL (``s3://bucket/acts``,
+            ``gs://...``, ``memory://...``, ``file://...``; any fsspec URL).
         allow_incomplete: read the rows of an interrupted single-process run written so far.
         verify_reads: check each chunk (``CHUNK_BYTES``) against its checksum the first time it
             is read. Off, a damaged shard is only found by ``verify()``.
+        storage_options: for a URL, fsspec's options (credentials, ``client_kwargs``, ...);
+            otherwise the environment's credentials apply. Never written anywhere.
+
+    A store at a URL is read by chunks of ``CHUNK_BYTES`` (4 MiB): each read fetches the chunks
+    it touches that are not cached, one ranged GET each, checks them, and keeps the last
+    ``REMOTE_CACHE_BYTES`` (64 MiB) of them; ``verify()`` downloads each shard once.
 
     Returns:
         A ``Store``: ``store.layers`` (``{path: LayerInfo}``), ``len(store)`` rows,
-        ``store[layer][i:j]`` tensors, ``store.dataset(layer)``, ``store.verify()``.
+        ``store[layer][i:j]`` tensors, ``store.dataset(layer)``, ``store.verify()``;
+        ``store.close()`` (or a ``with`` block) unmaps the shards read.
 
     Raises:
         ArgumentTypeError: ``path`` is not a path (``None``, a number).
         StoreError: ``path`` is not a store, or its extraction did not finish, or is a URL
-            other than ``file://`` (``s3://``, ...: not supported yet).
+            whose file system is not installed (``s3fs`` for ``s3://``).
         StoreCorruptError: the manifest is damaged, or a shard is missing or has the wrong size.
     """
     check_path("path", path, "hookscope.open_store('acts/') (the folder extract wrote)")
-    folder = store_folder(path, StoreError)
+    folder = location(path, StoreError, storage_options)
     if not folder.exists():
         raise StoreError(f"{folder} does not exist: give the folder that hookscope.extract / "
                          f"`hookscope extract --out` wrote")
     if not (folder / MANIFEST).is_file():
-        parts = sorted(folder.glob("manifest-r*.json")) if folder.is_dir() else []
-        empty = folder.is_dir() and not any(folder.iterdir())
+        names = listdir(folder) if folder.is_dir() else []
+        parts = [n for n in names if fnmatch.fnmatchcase(n, "manifest-r*.json")]
         detail = (f"it holds the part manifests of an interrupted run over {len(parts)}+ "
                   f"processes; rerun the same torchrun command with --resume" if parts else
                   "it is empty: an extraction stopped before it began writing; run it again "
-                  "(--resume starts afresh)" if empty else
+                  "(--resume starts afresh)" if folder.is_dir() and not names else
                   "point to the folder hookscope.extract / `hookscope extract --out` wrote")
         raise StoreError(f"{folder} is not a hookscope store (no {MANIFEST}): {detail}.")
     manifest = read_manifest(folder / MANIFEST)

@@ -2,14 +2,16 @@
 the memory rows wait in (``Staging``) and the thread that writes shards (``BackgroundWriter``).
 
 Crash safety: every file goes to a temporary name in the store folder, is fsync'ed, then renamed
-over its final name and the folder fsync'ed (``hookscope.util.files``); the manifest is written when
-the run starts and replaced the same way after each shard. A crash therefore loses at most the
-shard in progress, and a reader never sees a half-written file under a final name. What an
+over its final name and the folder fsync'ed (``hookscope.util.files``; at a URL it is uploaded
+whole in one PUT instead, ``hookscope.store.fs``); the manifest is written when the run starts
+and replaced the same way after each shard, once the shard is whole. A crash therefore loses at
+most the shard in progress, and a reader never sees a half-written file under a final name. What an
 output folder may hold and what ``overwrite`` deletes is ``hookscope.store.folder``'s.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import mmap
@@ -25,11 +27,12 @@ import numpy as np
 import torch
 
 from hookscope.errors import StoreCorruptError, StoreError
+from hookscope.store.fs import StorePath, listdir, write_atomic
 from hookscope.store.manifest import FORMAT, VERSION, tensor_specs
 from hookscope.store.reader import _ST_DTYPES, CHUNK_BYTES, MANIFEST, ShardInfo, chunk_sums, read_manifest
-from hookscope.util.files import write_atomic
 
-__all__ = ["BackgroundWriter", "ShardData", "Staging", "StoreWriter", "join_parts", "read_part"]
+__all__ = ["BackgroundWriter", "ShardData", "Staging", "StoreWriter", "join_parts", "read_part",
+           "write_shard"]
 
 Tensor = torch.Tensor
 
@@ -92,7 +95,7 @@ def _shard_tensors(shard: ShardData) -> list[tuple[str, tuple[int, ...], torch.d
     return out
 
 
-def _write_shard(path: Path, shard: ShardData, run: str) -> tuple[int, str, tuple[str, ...]]:
+def write_shard(path: StorePath, shard: ShardData, run: str) -> tuple[int, str, tuple[str, ...]]:
     """Write ``shard`` as one safetensors file at ``path`` (atomically; its metadata and its
     temporary name carry the ``run`` id); return its size, sha256 and chunk checksums (computed
     from the written file, read back from the page cache)."""
@@ -259,7 +262,7 @@ class StoreWriter:
     merges into ``manifest.json`` once every rank has finished.
     """
 
-    def __init__(self, folder: Path, header: dict[str, Any], *, rank: int = 0, world_size: int = 1,
+    def __init__(self, folder: StorePath, header: dict[str, Any], *, rank: int = 0, world_size: int = 1,
                  resume_from: dict[str, Any] | None = None):
         """Args:
             folder: the store folder; it must exist (``prepare_output``).
@@ -286,12 +289,21 @@ class StoreWriter:
 
     def write(self, shard: ShardData) -> None:
         """Write ``shard`` as the next shard file, then the manifest that lists it."""
-        name = _shard_name(self.rank, self.world_size, len(self.manifest["shards"]))
-        size, sha, sums = _write_shard(self.folder / name, shard, self.run)
+        name = self.shard_name(0)
+        self.add(name, shard.rows, shard.batches, *write_shard(self.folder / name, shard, self.run))
+
+    def shard_name(self, ahead: int) -> str:
+        """The file name of the shard ``ahead`` places after the last one listed (0: the next)."""
+        return _shard_name(self.rank, self.world_size, len(self.manifest["shards"]) + ahead)
+
+    def add(self, name: str, rows: int, batches: tuple[int, int], size: int, sha: str,
+            sums: tuple[str, ...]) -> None:
+        """List the shard ``name`` (already written: ``write_shard``) as the next one, holding
+        ``rows`` rows of ``batches``, then replace the manifest."""
         start = self.manifest["rows"]
-        info = ShardInfo(name, (start, start + shard.rows), shard.batches, size, sha, sums)
+        info = ShardInfo(name, (start, start + rows), batches, size, sha, sums)
         self.manifest["shards"].append(info.to_json())
-        self.manifest["rows"] = start + shard.rows
+        self.manifest["rows"] = start + rows
         self._save()
 
     def finish(self) -> None:
@@ -318,7 +330,7 @@ def _manifest_text(manifest: dict[str, Any]) -> bytes:
     return ("{\n" + ",\n".join(lines) + "\n}\n").encode()
 
 
-def read_part(folder: Path, rank: int, world_size: int) -> dict[str, Any] | None:
+def read_part(folder: StorePath, rank: int, world_size: int) -> dict[str, Any] | None:
     """Return what an earlier run in ``folder`` wrote for this process, or ``None``.
 
     That is ``manifest.json`` once the store is joined (or for a single process), else this
@@ -328,8 +340,10 @@ def read_part(folder: Path, rank: int, world_size: int) -> dict[str, Any] | None
         StoreError: the folder was written by a run with another number of processes.
         StoreCorruptError: a manifest cannot be parsed.
     """
-    for path in sorted(folder.glob("manifest*.json")):
-        wrote = read_manifest(path).get("world_size", 1)
+    for name in listdir(folder):
+        if not fnmatch.fnmatchcase(name, "manifest*.json"):
+            continue
+        wrote = read_manifest(folder / name).get("world_size", 1)
         if wrote != world_size:
             raise StoreError(
                 f"{folder} was written by {wrote} process(es) and this run has {world_size}; "
@@ -341,7 +355,7 @@ def read_part(folder: Path, rank: int, world_size: int) -> dict[str, Any] | None
     return None
 
 
-def join_parts(folder: Path, world_size: int) -> None:
+def join_parts(folder: StorePath, world_size: int) -> None:
     """Merge the part manifests of all ranks into ``manifest.json`` (global row order).
 
     Rank ``r`` holds a contiguous range of batches that follows rank ``r - 1``'s, so the global

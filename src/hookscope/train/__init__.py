@@ -1,9 +1,15 @@
-"""Training runs: ``monitor`` (statistics every N optimizer steps, the NaN guard), ``replay``
-(re-run a guarded step from its bundle), ``report`` (the PNG of a run folder), and
+"""Training runs: ``monitoring`` (``monitor``: statistics every N optimizer steps, the NaN guard),
+``guard`` (``replay``: re-run a guarded step from its bundle), ``report`` (the PNG of a run folder), and
 ``HookscopeCallback`` (the monitor in a Hugging Face ``Trainer``; imported on first use, as it
 imports transformers)."""
 
 from typing import Any
+
+from hookscope.train.guard import ReplayBundle, replay
+from hookscope.train.monitoring import Monitor, monitor
+from hookscope.train.report import draw_records, read_run
+
+__all__ = ["HookscopeCallback", "Monitor", "ReplayBundle", "draw_records", "monitor", "read_run", "replay"]
 
 
 def __getattr__(name: str) -> Any:

@@ -31,9 +31,11 @@ from typing import TYPE_CHECKING, Any
 import safetensors.torch
 import torch
 
-from hookscope.engine.checks import check_path
+from hookscope.engine import check_path
 from hookscope.errors import BundleError
-from hookscope.util.files import read_regular, write_atomic, write_bytes
+from hookscope.util import read_regular, write_atomic, write_bytes
+
+__all__ = ["SUFFIX", "decode", "read_bundle", "write_bundle"]
 
 if TYPE_CHECKING:
     from hookscope.train.guard import ReplayBundle

@@ -25,13 +25,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.diagnostics.nonfinite import NonFiniteOrigin, find_nonfinite
-from hookscope.engine.checks import check_model
-from hookscope.engine.run import RngState, input_device, state_snapshot, untouched
-from hookscope.engine.select import unwrap
+from hookscope.diagnostics import LOSS, NonFiniteOrigin, find_nonfinite, loss_gradient_origin
+from hookscope.engine import RngState, check_model, input_device, state_snapshot, untouched, unwrap
 from hookscope.errors import BundleError, HookscopeError
 from hookscope.train.bundle import decode, read_bundle, write_bundle
-from hookscope.util.nested import iter_tensors
+from hookscope.util import iter_tensors
+
+__all__ = ["ReplayBundle", "StepInputs", "drop_gradients", "grad_outputs", "gradients_finite", "replay"]
 
 Tensor = torch.Tensor
 
@@ -153,9 +153,11 @@ def replay(bundle: ReplayBundle | str | Path, model: nn.Module) -> NonFiniteOrig
         The ``NonFiniteOrigin`` (module path, call, ``phase`` ``"forward"``/``"backward"``,
         op, tensor), or None when the replay is finite (the step depended on something the
         bundle does not hold, e.g. a non-deterministic kernel or a second forward per backward).
-        ``path == "<loss>"``: the gradient reaching the outputs was already non-finite, i.e. the
-        loss computed outside the model was. ``path == "<input>"``: the step's batch already
-        held NaN/Inf (``bad_label`` names the input, ``first_bad`` the indices).
+        ``path == "<loss>"`` (``class_name`` ``"loss outside the model"``): the gradient
+        reaching the outputs was already non-finite, i.e. the loss computed outside the model
+        was (``outputs`` summarise those gradients: a +inf loss's are +Inf, not NaN).
+        ``path == "<input>"``: the step's batch already held NaN/Inf (``bad_label`` names the
+        input, ``first_bad`` the indices).
 
     Raises:
         ArgumentTypeError: ``model`` is not a module, ``bundle`` neither a bundle nor a path.
@@ -174,7 +176,12 @@ def replay(bundle: ReplayBundle | str | Path, model: nn.Module) -> NonFiniteOrig
         inputs = bundle.inputs
         grads = bundle.output_grads
         # untouched puts the RNG states back afterwards
-        with untouched(root): return _step(root, inputs, grads)  # noqa: E701 - body on the with line (engine.interrupts)
+        with untouched(root): origin = _step(root, inputs, grads)  # noqa: E701 - body on the with line (engine.interrupts)
+        if origin is not None and origin.path == LOSS and origin.phase == "forward":
+            # the forward was finite and the surrogate loss is not: the real loss's gradient was
+            return loss_gradient_origin([(f"grad of output {i}", g) for i, g in enumerate(grads)
+                                         if g is not None]) or origin
+        return origin
     except BaseException as err:
         root.load_state_dict(before)  # a replay that fails leaves the weights as they were
         if isinstance(err, HookscopeError) or not isinstance(err, Exception):

@@ -25,7 +25,9 @@ from typing import Any
 from transformers import TrainerCallback
 
 from hookscope.errors import HookscopeError
-from hookscope.train.monitor import GuardMode, Monitor, monitor
+from hookscope.train.monitoring import GuardMode, Monitor, monitor
+
+__all__ = ["HookscopeCallback"]
 
 
 class HookscopeCallback(TrainerCallback):

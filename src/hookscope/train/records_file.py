@@ -14,7 +14,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hookscope.util import files
+from hookscope.util import write_all
+
+__all__ = ["RecordsFile"]
 
 
 class RecordsFile:
@@ -41,7 +43,7 @@ class RecordsFile:
             raise ValueError(f"{self.path} is closed")
         data = (json.dumps(record) + "\n").encode()
         try:
-            files.write_all(self._fd, data)  # the one door to the disk (tests inject faults)
+            write_all(self._fd, data)  # the one door to the disk (tests inject faults)
         except OSError:
             try:
                 os.ftruncate(self._fd, self._size)

@@ -3,6 +3,7 @@ fraction of the activations), gradient norms over steps, and the guard's events.
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import os
@@ -10,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from hookscope.errors import HookscopeError, SpecError, warn
-from hookscope.util.figures import new_figure, save_figure
-from hookscope.util.files import advice, read_regular
+from hookscope.util import DPI, FIGURE_SIZE_PX, advice, new_figure, read_regular, save_figure
+
+__all__ = ["draw_records", "draw_run", "read_run", "run_figure"]
 
 MAX_RECORDS_BYTES = 2**30  # a records file larger than this (1 GiB) is refused before reading
 
@@ -121,11 +123,12 @@ def _event_problem(record: dict[str, Any]) -> str | None:
 def draw_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Draw the run in ``run_dir`` as a PNG (default ``RUN_DIR/monitor.png``); return its path.
 
-    Panels: absmax of each module's activation (log10) and its zero fraction, modules (rows) x
-    sampled steps (columns); each module's gradient norm over the steps (log scale). A red line
-    marks each step where the guard fired, a grey tick each step a GradScaler skipped. A run
-    recorded with ``monitor(..., hist=N)`` adds a fourth panel: each module's activation
-    histogram at the last sampled step (fraction of its values per bin, over its fixed edges).
+    Panels (``run_figure``): absmax of each module's activation (log10) and its zero fraction,
+    modules (rows) x sampled steps (columns); each module's gradient norm over the steps (log
+    scale). A red line marks each step where the guard fired, a grey one each step a GradScaler
+    skipped. A run recorded with ``monitor(..., hist=N)`` adds a fourth panel: each module's
+    activation histogram at the last sampled step (fraction of its values per bin, over its
+    fixed edges).
 
     Raises:
         HookscopeError: no records file, or no sampled step in it.
@@ -140,41 +143,89 @@ def draw_records(records: list[dict[str, Any]], events: list[dict[str, Any]],
     if not records:
         raise HookscopeError(f"{run_dir} has no sampled step yet: the monitor writes statistics at "
                              "steps 0, every, 2*every, ... (every=0 writes none)")
+    return save_figure(run_figure(records, events),
+                       Path(out) if out is not None else Path(run_dir) / "monitor.png")
+
+
+def run_figure(records: list[dict[str, Any]], events: list[dict[str, Any]]) -> Any:
+    """The figure ``draw_run`` writes, of ``read_run``'s records (at least one) and events.
+
+    The heat maps have one column per sampled step (labelled with the step), so a guard line
+    lies on its own step's column, between the columns of the sampled steps around it, or
+    after the last column: never inside another step's column. Module names are drawn as large
+    as their rows allow (6 to 11 pt). A gradient norm that is not finite (a step the GradScaler
+    skipped: its gradients overflowed) is left out, so each module's line goes on past it; the
+    grey line and the legend mark the step.
+
+    Raises:
+        MissingExtraError: matplotlib is not installed.
+    """
     steps = sorted({r["step"] for r in records})
     modules = list(dict.fromkeys(r["module"] for r in records))
-    half = (steps[1] - steps[0]) / 2 if len(steps) > 1 else 0.5  # a column per sampled step
     figure = new_figure("hookscope monitor-report")
+    figure.set_layout_engine("constrained")  # module names of any length stay clear of the bars
     hists = {r["module"]: r for r in records if r.get("activation_hist")}  # last one per module
     axes = figure.subplots(1, 4 if hists else 3)
+    fired = sorted({e["step"] for e in events if e["event"] == "nonfinite"})
+    skipped = sorted({e["step"] for e in events if e["event"] == "overflow_skipped"})
     for ax, (title, value) in zip(axes[:2], (("activation absmax (log10)", _log_absmax),
                                              ("activation zero fraction", _zeros)), strict=True):
-        grid = [[math.nan] * len(steps) for _ in modules]
-        for r in records:
-            grid[modules.index(r["module"])][steps.index(r["step"])] = value(r)
-        image = ax.imshow(grid, aspect="auto", interpolation="nearest",
-                          extent=(steps[0] - half, steps[-1] + half, len(modules) - 0.5, -0.5))
-        figure.colorbar(image, ax=ax)
-        ax.set_yticks(range(len(modules)), modules, fontsize=6)
-        ax.set_title(title)
-        ax.set_xlabel("step")
-    for module in modules:
-        points = [(r["step"], r["grad_norm"]) for r in records
-                  if r["module"] == module and r["grad_norm"]]
-        if points:
-            axes[2].plot(*zip(*points, strict=True), marker=".", label=module)
-    axes[2].set_yscale("log")
-    axes[2].legend(fontsize=6)
-    axes[2].set_title("gradient norm")
-    axes[2].set_xlabel("step")
+        _heat_map(figure, ax, title, records, steps, modules, value, fired)
+    _gradient_norms(axes[2], records, modules, fired, skipped)
     if hists:
         _draw_histograms(axes[3], hists)
-    for event in events:
-        if event["event"] == "nonfinite":
-            for ax in axes[:3]:
-                ax.axvline(event["step"], color="red", linewidth=1.5)
-        elif event["event"] == "overflow_skipped":
-            axes[2].axvline(event["step"], color="grey", linewidth=0.5)
-    return save_figure(figure, Path(out) if out is not None else Path(run_dir) / "monitor.png")
+    return figure
+
+
+def _heat_map(figure: Any, ax: Any, title: str, records: list[dict[str, Any]], steps: list[int],
+              modules: list[str], value: Any, fired: list[int]) -> None:
+    """Modules x sampled steps of ``value(record)``, a column per step; the guard's lines."""
+    grid = [[math.nan] * len(steps) for _ in modules]
+    for r in records:
+        grid[modules.index(r["module"])][steps.index(r["step"])] = value(r)
+    image = ax.imshow(grid, aspect="auto", interpolation="nearest")
+    figure.colorbar(image, ax=ax)
+    rows_pt = 0.6 * FIGURE_SIZE_PX[1] / len(modules) * 72 / DPI  # a row's height in points
+    ax.set_yticks(range(len(modules)), modules, fontsize=max(6.0, min(11.0, 0.8 * rows_pt)))
+    shown = range(0, len(steps), -(-len(steps) // 12))  # at most 12 step labels
+    ax.set_xticks(list(shown), [str(steps[i]) for i in shown])
+    right = len(steps) - 0.5
+    for step in fired:
+        x = _column_x(steps, step)
+        right = max(right, x + 0.25)
+        ax.axvline(x, color="red", linewidth=1.5)
+    ax.set_xlim(-0.5, right)
+    ax.set_title(title)
+    ax.set_xlabel("sampled step")
+
+
+def _column_x(steps: list[int], step: int) -> float:
+    """Where ``step`` lies on a heat map whose column ``i`` is sampled step ``steps[i]``: on
+    its column, on the edge between the columns around it, or a quarter column past the last."""
+    i = bisect.bisect_left(steps, step)
+    if i < len(steps) and steps[i] == step:
+        return float(i)
+    return i - 0.5 if i < len(steps) else len(steps) - 0.25
+
+
+def _gradient_norms(ax: Any, records: list[dict[str, Any]], modules: list[str],
+                    fired: list[int], skipped: list[int]) -> None:
+    """Each module's finite gradient norms over the steps (log scale); the events' lines."""
+    for module in modules:
+        points = [(r["step"], r["grad_norm"]) for r in records if r["module"] == module
+                  and r["grad_norm"] is not None and math.isfinite(r["grad_norm"])
+                  and r["grad_norm"] > 0]
+        if points:
+            ax.plot(*zip(*points, strict=True), marker=".", label=module)
+    for steps, color, width, label in ((fired, "red", 1.5, "guard fired"),
+                                       (skipped, "grey", 0.5,
+                                        "step skipped by the GradScaler (overflow)")):
+        for k, step in enumerate(steps):
+            ax.axvline(step, color=color, linewidth=width, label=label if k == 0 else "_nolegend_")
+    ax.set_yscale("log")
+    ax.legend(fontsize=8)
+    ax.set_title("gradient norm")
+    ax.set_xlabel("step")
 
 
 def _draw_histograms(ax: Any, last: dict[str, dict[str, Any]]) -> None:
@@ -186,7 +237,7 @@ def _draw_histograms(ax: Any, last: dict[str, dict[str, Any]]) -> None:
         edges = [h["lo"] + (h["hi"] - h["lo"]) * i / bins for i in range(bins + 1)]
         ax.stairs([c / max(total, 1) for c in h["counts"]], edges,
                   label=f"{module} (step {record['step']})")
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=8)
     ax.set_title("activation histogram")
     ax.set_xlabel("value")
 

@@ -7,6 +7,8 @@ from types import ModuleType
 
 from hookscope.errors import MissingExtraError
 
+__all__ = ["require"]
+
 # Which ``pip install`` brings each optional top-level package.
 _INSTALL = {
     "efficientnet_lite_pytorch": "pip install 'hookscope[vision]'",

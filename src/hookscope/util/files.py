@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+__all__ = ["advice", "fsync_folder", "read_regular", "write_all", "write_atomic", "write_bytes"]
+
 _ADVICE = {
     errno.ENOSPC: "the disk is full: free space, or write to another disk",
     errno.EDQUOT: "the disk quota is used up: free space, or write elsewhere",

@@ -4,17 +4,64 @@ Module outputs come in every shape: a tensor, ``(output, attn_weights)``, an LST
 ``(output, (h, c))``, a dict, a dataclass, transformers' ``ModelOutput`` (an ordered dict that is
 also a dataclass). ``map_tensors`` rebuilds the same structure with each tensor replaced;
 non-tensor leaves (``None``, ints, strings) are kept as they are.
+
+A part of a tensor may be a **heads part** (``heads_part``), the per-head view of an attention
+projection's ``(batch, seq, features)`` output: ``"heads:8"`` is ``(batch, seq, heads,
+8)`` (``features`` cut into heads of 8), ``"heads:8:1/3"`` the second of three equal chunks
+of the features (GPT-2's fused ``c_attn``: q, k, v) cut so, ``"heads:8:1%3"`` the second of
+three pieces interleaved inside each head (GPT-NeoX's ``query_key_value``: per head q, k, v),
+``"heads"`` a value already ``(batch, seq, heads, head_dim)``. ``get_part`` returns the view;
+``set_part`` writes a new value through it into a copy of the tensor (autograd follows both).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+__all__ = ["Keys", "describe_keys", "get_part", "heads_part", "iter_tensors", "iter_tensors_with_keys",
+           "map_tensors", "set_part"]
+
 Tensor = torch.Tensor
+
+HEADS_PART = re.compile(r"heads(?::(\d+)(?::(\d+)([/%])(\d+))?)?")
+
+
+def heads_part(head_dim: int | None, piece: int = 0, pieces: int = 1, *,
+               interleaved: bool = False) -> str:
+    """The heads part (module docstring) of piece ``piece`` of ``pieces`` of a projection's
+    features, heads of ``head_dim``; ``head_dim=None``: the value is already split."""
+    if head_dim is None:
+        return "heads"
+    if pieces == 1:
+        return f"heads:{head_dim}"
+    return f"heads:{head_dim}:{piece}{'%' if interleaved else '/'}{pieces}"
+
+
+def _heads_view(t: Tensor, key: str) -> Tensor:
+    """``t[..., features]`` as ``(..., heads, head_dim)`` by heads part ``key`` (a view).
+
+    Raises:
+        KeyError: the last axis does not split so.
+    """
+    match = HEADS_PART.fullmatch(key)
+    assert match is not None
+    if match.group(1) is None:
+        return t
+    head_dim, features = int(match.group(1)), int(t.shape[-1]) if t.dim() else 0
+    pieces = int(match.group(4) or 1)
+    if t.dim() < 2 or head_dim == 0 or features % (head_dim * pieces):
+        raise KeyError(f"part [{key!r}] cuts the last axis into {pieces} piece(s) of heads of "
+                       f"{head_dim}, but the value has shape {tuple(t.shape)}")
+    piece = int(match.group(2) or 0)
+    if match.group(3) == "%":  # (..., heads, pieces, head_dim): per head q, k, v
+        return t.view(*t.shape[:-1], -1, pieces, head_dim)[..., piece, :]
+    size = features // pieces
+    return t[..., piece * size:(piece + 1) * size].view(*t.shape[:-1], -1, head_dim)
 
 
 def map_tensors(fn: Callable[[Tensor], Any], obj: Any) -> Any:
@@ -59,6 +106,10 @@ def set_part(obj: Any, keys: tuple[int | str, ...], value: Any) -> Any:
         return value
     head, rest = keys[0], keys[1:]
     new_child = set_part(_index(obj, head, ()), rest, value)
+    if isinstance(obj, Tensor):  # a heads part: write through the view into a copy
+        new = obj.clone()
+        _heads_view(new, str(head)).copy_(new_child)
+        return new
     if isinstance(obj, tuple):
         items = list(obj)
         items[head] = new_child  # type: ignore[index]
@@ -84,6 +135,8 @@ def describe_keys(obj: Any) -> str:
 
 
 def _index(obj: Any, key: int | str, where: tuple[int | str, ...]) -> Any:
+    if isinstance(obj, Tensor) and isinstance(key, str) and HEADS_PART.fullmatch(key):
+        return _heads_view(obj, key)
     try:
         if isinstance(obj, (list, tuple)) and isinstance(key, int):
             return obj[key]

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from hookscope.errors import SpecError, warn
-from hookscope.util.extras import require
+from hookscope.util import require
 from hookscope.zoo.models import LoadedModel
 
 __all__ = ["ImageFiles", "load_data"]

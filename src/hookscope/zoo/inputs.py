@@ -28,14 +28,13 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from hookscope.engine.diagnose import locate_error
-from hookscope.engine.names import index
+from hookscope.engine import index, locate_error
 from hookscope.errors import HookscopeError, ModelCodeError, SpecError
-from hookscope.util.extras import require
+from hookscope.util import require
 from hookscope.zoo.models import IMAGENET_MEAN, IMAGENET_STD, ImagePreprocess, LoadedModel
 
 __all__ = ["Inputs", "load_inputs", "check_takes_images", "preprocess_image", "SAMPLES", "IMAGE_SUFFIXES",
-           "TENSOR_SUFFIXES", "image_files", "expand_folder", "RANDN_MAX_ELEMENTS"]
+           "TENSOR_SUFFIXES", "image_files", "expand_folder", "RANDN_MAX_ELEMENTS", "read_tensor_file"]
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 TENSOR_SUFFIXES = (".pt", ".pth", ".npy", ".safetensors")
@@ -315,7 +314,7 @@ def _load_texts(specs: list[str], model: LoadedModel) -> Inputs:
 def _load_tensors(specs: list[str], model: LoadedModel) -> Inputs:
     tensors, descriptions = [], []
     for spec in _progress(specs, "reading tensors"):
-        tensor = _randn(spec) if spec.lower().startswith("randn:") else _read_tensor_file(spec)
+        tensor = _randn(spec) if spec.lower().startswith("randn:") else read_tensor_file(spec)
         if tensor.is_floating_point():
             tensor = tensor.to(model.dtype)
         _check_shape(spec, tensor, model)
@@ -354,7 +353,14 @@ def _tensor_file(spec: str) -> tuple[str, str | None]:
     return spec, None
 
 
-def _read_tensor_file(spec: str) -> torch.Tensor:
+def read_tensor_file(spec: str) -> torch.Tensor:
+    """The tensor in file ``spec`` (``FILE`` or ``FILE:KEY``; ``.pt``/``.pth`` read with
+    ``torch.load(weights_only=True)``, ``.npy``, ``.safetensors``).
+
+    Raises:
+        SpecError: no such file, an unreadable one, one holding Python objects, or a key that
+            names no tensor (or several tensors and no key).
+    """
     name, key = _tensor_file(spec)
     path = Path(name)
     if not path.is_file():

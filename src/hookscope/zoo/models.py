@@ -48,10 +48,10 @@ import torch
 from torch import nn
 
 from hookscope.errors import ModelCodeError, SpecError
-from hookscope.util.extras import require
+from hookscope.util import require
 
 __all__ = ["ImagePreprocess", "LoadedModel", "Kind", "Task", "load_model", "load_checkpoint",
-           "imagenet_classes", "DTYPES", "CHECKPOINT_SUFFIXES"]
+           "imagenet_classes", "DTYPES", "CHECKPOINT_SUFFIXES", "IMAGENET_MEAN", "IMAGENET_STD"]
 
 Kind = Literal["image", "text", "tensor"]
 Task = Literal["imagenet-classes", "sentence-embeddings", "none"]

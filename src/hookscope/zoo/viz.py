@@ -17,11 +17,10 @@ import numpy as np
 import torch
 
 from hookscope.errors import SpecError
-from hookscope.util.extras import require
-from hookscope.util.figures import DPI, FIGURE_SIZE_PX, new_figure, save_figure
+from hookscope.util import DPI, FIGURE_SIZE_PX, new_figure, require, save_figure
 
 __all__ = ["plot_activation", "plot_activations", "feature_grid", "histogram", "attention_grid",
-           "FIGURE_SIZE_PX", "MAX_CHANNELS"]
+           "FIGURE_SIZE_PX", "MAX_CHANNELS", "plan_png_files"]
 
 MAX_CHANNELS = 64  # tiles in one feature-map grid (8 x 8)
 _BINS = 100

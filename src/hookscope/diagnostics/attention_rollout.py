@@ -24,9 +24,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from hookscope.diagnostics.attention import attention, attention_gradients
-from hookscope.diagnostics.gradcam import check_class_target, class_scores
-from hookscope.engine.checks import check_flag, check_number
+from hookscope.diagnostics.attention_maps import attention, attention_gradients
+from hookscope.diagnostics.class_maps import check_class_target, class_scores
+from hookscope.engine import check_flag, check_number
 from hookscope.errors import AttentionError
 
 __all__ = ["rollout"]

@@ -19,17 +19,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.engine import diagnose
-from hookscope.engine.checks import check_flag
-from hookscope.engine.function_mode import FunctionCall
-from hookscope.engine.function_names import functional_hint
-from hookscope.engine.names import ModuleIndex, index
-from hookscope.engine.run import untouched
-from hookscope.engine.select import Target, is_container, select
-from hookscope.engine.session import Observer
-from hookscope.engine.standard_names import standard_names
+from hookscope.engine import (
+    FunctionCall,
+    ModuleIndex,
+    Observer,
+    Target,
+    check_flag,
+    explain_no_hooks,
+    functional_hint,
+    index,
+    is_container,
+    preflight,
+    select,
+    standard_names,
+    untouched,
+)
 from hookscope.errors import HookscopeError, SelectorError
-from hookscope.util.nested import iter_tensors
+from hookscope.util import iter_tensors
 
 __all__ = ["OpRow", "TreeRow", "tree", "tree_of_call", "format_tree", "filter_rows", "describe_output",
            "format_count"]
@@ -112,7 +118,7 @@ def tree(model: nn.Module, *args: Any, ops: bool = False, **kwargs: Any) -> list
         Whatever the forward pass raises on a bad example input.
     """
     check_flag("ops", ops)
-    diagnose.preflight(model)
+    preflight(model)
     if not (args or kwargs):
         names = index(model)
         standard = standard_names(names)
@@ -131,11 +137,11 @@ def tree_of_call(model: nn.Module, call: Callable[[], Any], *, ops: bool = False
         HookscopeError: as ``tree``; or ``model`` is a ``torch.compile``'d model whose compiled
             code predates the hooks, so no call could be counted (the message gives the fix).
     """
-    diagnose.preflight(model)
+    preflight(model)
     names = index(model)
     # running the example materialises lazy modules, as a forward does
     ran, calls = _run_example(names.root, names.modules, call, ops)
-    why = diagnose.explain_no_hooks(model, {path for path, seen in ran.items() if seen})
+    why = explain_no_hooks(model, {path for path, seen in ran.items() if seen})
     if why is not None and len(names.modules) > 1:
         raise HookscopeError(f"cannot count calls: {why}")
     standard = standard_names(names)

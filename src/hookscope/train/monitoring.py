@@ -43,14 +43,23 @@ from typing import Any, Literal, TypeVar
 import torch
 from torch import nn
 
-from hookscope.diagnostics.histogram import MAX_BINS, Histogram
-from hookscope.diagnostics.nonfinite import NonFiniteOrigin
-from hookscope.diagnostics.stats import RunningStats
-from hookscope.engine.checks import brief, check_int, check_run_dir
-from hookscope.engine.hooks import after_backward, on_optimizer_step, on_tensor_grad
-from hookscope.engine.run import detached_clones, input_device, state_snapshot
-from hookscope.engine.select import Target, as_patterns, unwrap
-from hookscope.engine.session import Observer, resolve_checked
+from hookscope.diagnostics import MAX_BINS, Histogram, NonFiniteOrigin, RunningStats
+from hookscope.engine import (
+    Observer,
+    Target,
+    after_backward,
+    as_patterns,
+    brief,
+    check_int,
+    check_run_dir,
+    detached_clones,
+    input_device,
+    on_optimizer_step,
+    on_tensor_grad,
+    resolve_checked,
+    state_snapshot,
+    unwrap,
+)
 from hookscope.errors import (
     ArgumentTypeError,
     ArgumentValueError,
@@ -70,8 +79,9 @@ from hookscope.train.guard import (
     replay,
 )
 from hookscope.train.records_file import RecordsFile
-from hookscope.util.files import advice
-from hookscope.util.nested import get_part, iter_tensors
+from hookscope.util import advice, get_part, iter_tensors
+
+__all__ = ["GuardMode", "Monitor", "finding_key", "monitor"]
 
 Tensor = torch.Tensor
 T = TypeVar("T")

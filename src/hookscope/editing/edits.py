@@ -3,7 +3,7 @@
 Four context managers, each selecting modules with the same patterns as ``capture``:
 
 - ``edit(model, {pattern: fn})``: any change, ``fn(output) -> new output``;
-- ``ablate(model, patterns, how="zero" | "mean" | "resample", reference=acts)``;
+- ``ablate(model, layers, how="zero" | "mean" | "resample", reference=acts)``;
 - ``patch(model, source=acts, layers=patterns)``: activation patching from another run;
 - ``steer(model, {pattern: vector}, scale=1.0, positions=None)``: add a direction.
 
@@ -39,7 +39,14 @@ from torch import nn
 
 from hookscope.editing import rules as edit_rules
 from hookscope.editing.sources import Source, SourceReader
-from hookscope.engine.checks import (
+from hookscope.engine import (
+    HookSession,
+    MaskWatcher,
+    ModuleIndex,
+    OnUnfired,
+    Target,
+    apply_edit,
+    as_patterns,
     brief,
     check_arity,
     check_callable,
@@ -49,17 +56,16 @@ from hookscope.engine.checks import (
     check_nonempty,
     check_number,
     check_positions,
+    in_recompute,
+    inside,
+    kind_of,
+    resolve_each,
+    unwrap,
 )
-from hookscope.engine.hooks import in_recompute
-from hookscope.engine.kinds import apply_edit, inside, kind_of
-from hookscope.engine.layout import MaskWatcher
-from hookscope.engine.names import ModuleIndex
-from hookscope.engine.names import index as module_index
-from hookscope.engine.select import Target, as_patterns, unwrap
-from hookscope.engine.session import HookSession, OnUnfired, resolve_each
+from hookscope.engine import index as module_index
 from hookscope.errors import ArgumentTypeError, EditError, warn
-from hookscope.record.positions import Heads, Over, Positions, check_over
-from hookscope.util.nested import get_part, iter_tensors, set_part
+from hookscope.record import Heads, Over, Positions, check_over
+from hookscope.util import get_part, iter_tensors, set_part
 
 __all__ = ["Edit", "edit", "ablate", "patch", "steer"]
 
@@ -217,7 +223,7 @@ def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: b
     return Edit(model, rules, inputs=inputs, on_unfired=on_unfired)
 
 
-def ablate(model: nn.Module, patterns: str | Sequence[str], *,
+def ablate(model: nn.Module, layers: str | Sequence[str], *,
            how: Literal["zero", "mean", "resample"] = "zero", reference: Source | None = None,
            positions: Positions = None, attention_mask: Tensor | None = None,
            absolute: bool = False, heads: Heads = None, seq_dim: int | None = None,
@@ -226,7 +232,7 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
 
     Args:
         model: root module.
-        patterns: one pattern or a list.
+        layers: one pattern or a list of patterns.
         how: ``"zero"``: zeros of the same shape and dtype. ``"mean"``: the reference's mean over
             the batch (dim 0, pooled over all its recorded calls), the same for every row.
             ``"resample"``: each row replaced by a reference row drawn at random (the global
@@ -264,7 +270,7 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
             head that does not exist, ``heads`` on a value without a heads axis, ``positions``
             on a function's value of unknown layout without ``seq_dim``.
     """
-    patterns = as_patterns(patterns, "patterns")
+    patterns = as_patterns(layers)
     _check_where(positions, absolute, seq_dim, over)
     if how not in ("zero", "mean", "resample"):
         raise EditError(f"how={brief(how)} is not one of 'zero', 'mean', 'resample'")
@@ -272,7 +278,7 @@ def ablate(model: nn.Module, patterns: str | Sequence[str], *,
     if how != "zero":
         if reference is None:
             raise EditError(f"how={brief(how)} needs reference=acts: a capture of the same modules on "
-                            f"reference inputs, e.g. with hookscope.capture(model, *patterns) as "
+                            f"reference inputs, e.g. with hookscope.capture(model, *layers) as "
                             f"acts: model(x_reference)")
         rule = edit_rules.reference_rule(SourceReader(reference, "reference"), how)
     if positions is None and heads is None:

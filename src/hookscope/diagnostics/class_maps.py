@@ -44,17 +44,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hookscope.engine.checks import check_int, check_tensor
-from hookscope.engine.names import index, one_index_per_call
-from hookscope.engine.run import untouched
-from hookscope.engine.select import resolve
+from hookscope.engine import check_int, check_tensor, index, one_index_per_call, resolve, untouched
 from hookscope.errors import ArgumentTypeError, ArgumentValueError, GradcamError, SpecError
-from hookscope.record.capture import Capture, capture
-from hookscope.record.grads import grad_leaf, gradient_pass
-from hookscope.util.extras import require
-from hookscope.util.figures import DPI, save_figure
+from hookscope.record import Capture, capture, grad_leaf, gradient_pass
+from hookscope.util import DPI, require, save_figure
 
-__all__ = ["gradcam", "save_gradcam_overlay", "class_scores"]
+__all__ = ["gradcam", "save_gradcam_overlay", "class_scores", "check_class_target"]
 
 Tensor = torch.Tensor
 Method = Literal["gradcam", "gradcam++", "layercam"]
@@ -63,10 +58,10 @@ MAX_PREFIX_TOKENS = 8
 
 
 @one_index_per_call
-def gradcam(model: nn.Module, x: Tensor, layer: str,
+def gradcam(model: nn.Module, x: Tensor, layers: str,
             target: int | Sequence[int] | Tensor | None = None, *, call: int | None = None,
             method: Method = "gradcam", grid: tuple[int, int] | None = None) -> Tensor:
-    """Class activation map of ``layer`` for class ``target`` (Selvaraju et al., 2017).
+    """Class activation map of ``layers`` (one module) for class ``target`` (Selvaraju et al., 2017).
 
     ::
 
@@ -86,14 +81,14 @@ def gradcam(model: nn.Module, x: Tensor, layer: str,
     Args:
         model: a classifier returning logits ``(batch, classes)`` (or an object with ``.logits``).
         x: input images, ``(batch, channels, height, width)``, preprocessed for the model.
-        layer: a pattern selecting one module whose output is a feature map ``(batch, channels,
+        layers: a pattern selecting one module whose output is a feature map ``(batch, channels,
             h, w)``, usually the last convolutional layer (``"layer4"`` in a ResNet), or tokens
             ``(batch, tokens, channels)`` (a ViT: the last block's ``layernorm_before``, since
             the classifier reads only the class token of the last block's output, so the patch
             tokens there have zero gradient); a part of a structured output as ``"block[0]"``.
         target: class index per image: ``None`` (default) the predicted class, an int for every
             image, or one int per image.
-        call: which call of ``layer``, if the model runs it more than once per forward pass.
+        call: which call of that module, if the model runs it more than once per forward pass.
         method: ``"gradcam"``, ``"gradcam++"`` (Chattopadhay et al., 2018) or ``"layercam"``
             (Jiang et al., 2021): the formulas are in this module's docstring.
         grid: ``(h, w)`` patch grid of a token output; ``None``: ``x``'s size over the config's
@@ -106,19 +101,19 @@ def gradcam(model: nn.Module, x: Tensor, layer: str,
         (all zeros where no feature has a positive weighted sum).
 
     Raises:
-        SelectorError: ``layer`` matches no module.
+        SelectorError: ``layers`` matches no module.
         ArgumentTypeError, ArgumentValueError: at the call: ``target`` not an int, ints or an
             integer tensor, or as many classes as neither 1 nor the batch; ``grid`` not two
             ints >= 1; ``call`` not an int.
-        GradcamError: ``x`` is not 4-D; ``layer`` matches several modules, runs several times
+        GradcamError: ``x`` is not 4-D; ``layers`` matches several modules, runs several times
             and ``call`` is not given, or does not give a 4-D map or 3-D tokens; the tokens fit
             no grid (give ``grid=(h, w)``); ``method`` is unknown; the model's output is not
             ``(batch, classes)`` scores; a target class is out of range.
-        HookNeverFiredError: ``layer`` never ran in the forward pass.
+        HookNeverFiredError: the module never ran in the forward pass.
         GradcamError: a parameter or buffer is an inference tensor (the model was built or
             loaded under ``torch.inference_mode()``): no gradient can pass through it.
     """
-    key = _one_target(model, layer)
+    key = _one_target(model, layers)
     check_class_target(target, x.shape[0] if isinstance(x, Tensor) and x.dim() else None)
     if grid is not None:
         _check_grid(grid)

@@ -46,11 +46,11 @@ from hookscope.engine.checks import brief, check_iterable, check_nonempty
 from hookscope.engine.function_names import split_address
 from hookscope.engine.names import ModuleIndex, index
 from hookscope.engine.record_key import ROOT, RecordKey, record_name
-from hookscope.engine.standard_names import is_standard, resolve_standard
+from hookscope.engine.standard_naming import Resolved, is_standard, resolve_standard
 from hookscope.engine.wrappers import unwrap
 from hookscope.errors import SelectorError
 
-__all__ = ["Target", "select", "resolve", "unwrap", "is_container", "ROOT"]
+__all__ = ["Target", "select", "resolve", "unwrap", "is_container", "ROOT", "as_patterns"]
 
 _PART = re.compile(r"\[([^\[\]]+)\]$")
 _INNER_INDEX = re.compile(r"\[\s*(['\"]?)([^\[\]'\"]+)\1\s*\](?=[.\[]|$)")
@@ -102,12 +102,12 @@ def is_container(module: nn.Module) -> bool:
     return getattr(type(module), "forward", None) is nn.Module.forward
 
 
-def select(model: nn.Module, *patterns: str) -> dict[str, nn.Module]:
-    """Return the submodules that ``patterns`` name, keyed by path, in ``named_modules()`` order.
+def select(model: nn.Module, *layers: str) -> dict[str, nn.Module]:
+    """Return the submodules that the patterns ``layers`` name, keyed by path, in ``named_modules()`` order.
 
     Args:
         model: root module (wrappers are looked through, see the module docstring).
-        *patterns: exact paths, ``state_dict()`` keys, globs, ``re:``, ``type:`` patterns.
+        *layers: patterns: exact paths, ``state_dict()`` keys, globs, ``re:``, ``type:`` patterns.
             Output parts in brackets are accepted and ignored here.
 
     Returns:
@@ -119,7 +119,7 @@ def select(model: nn.Module, *patterns: str) -> dict[str, nn.Module]:
             in front), or names a container such as ``ModuleList`` exactly (the message gives
             the pattern of its children and how many modules that matches).
     """
-    return {t.path: t.module for t in resolve(model, patterns)}
+    return {t.path: t.module for t in resolve(model, layers)}
 
 
 def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str], *,
@@ -129,7 +129,7 @@ def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str], *,
     session builds it once); else it is built here. Raises ``SelectorError`` as ``select`` does."""
     if isinstance(patterns, str):
         patterns = [patterns]
-    check_nonempty("patterns", patterns, "'conv2', 'blocks.*', 'type:Linear' or '**' for every module")
+    check_nonempty("layers", patterns, "'conv2', 'blocks.*', 'type:Linear' or '**' for every module")
     names = index(model) if names is None else names
     if len(patterns) == 1 and isinstance(patterns[0], str):  # already distinct, in module order
         return _resolve_address(names, patterns[0].strip())
@@ -137,7 +137,8 @@ def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str], *,
     chosen: dict[tuple[str, tuple[int | str, ...], str | None], Target] = {}
     for pattern in patterns:
         if not isinstance(pattern, str):
-            raise SelectorError(f"patterns are strings; got {type(pattern).__name__} {brief(pattern)}")
+            raise SelectorError(f"layers are patterns, each a string; got {type(pattern).__name__} "
+                                f"{brief(pattern)}")
         for target in _resolve_address(names, pattern.strip()):
             known = chosen.get((target.path, target.parts, target.op))
             if known is None or known.wide and not target.wide:  # a name typed too: not wide
@@ -156,8 +157,8 @@ def _resolve_address(names: ModuleIndex, pattern: str) -> list[Target]:
         modules, aliases = names.modules, names.aliases  # one Target per module: no call each
         standard = _standard(names, pattern)
         if standard is not None:
-            return [Target(path, modules[path], parts, aliases.get(path, ()), None, wide, (label,))
-                    for label, path, parts in standard]
+            return [Target(path, modules[path], parts, aliases.get(path, ()), op, wide, (label,))
+                    for label, path, parts, op in standard]
         return [Target(path, modules[path], parts, aliases.get(path, ()), None, wide)
                 for path, parts in _resolve_one(names, pattern)]
     _, parts = _split_parts("_" + op_parts)
@@ -188,13 +189,14 @@ def _split_parts(pattern: str) -> tuple[str, tuple[int | str, ...]]:
     return _INNER_INDEX.sub(lambda m: "." + m.group(2).strip(), pattern), tuple(parts)
 
 
-def _standard(names: ModuleIndex, pattern: str) -> list[tuple[str, str, tuple[int | str, ...]]] | None:
-    """``[(standard name, path, parts)]`` when ``pattern`` is a standard name (``resid_post.3``,
-    ``engine.standard_names``) that is not also a real path of the model; else None."""
+def _standard(names: ModuleIndex, pattern: str) -> list[Resolved] | None:
+    """``[(standard name, path, parts, op)]`` when ``pattern`` is a standard name
+    (``resid_post.3``, ``engine.standard_naming``) that is not also a real path of the model;
+    else None."""
     base, parts = _split_parts(pattern)
     if not is_standard(base) or names.path_of(base) is not None:
         return None
-    return [(label, path, own + parts) for label, path, own in resolve_standard(names, base)]
+    return [(label, path, own + parts, op) for label, path, own, op in resolve_standard(names, base)]
 
 
 def _resolve_one(names: ModuleIndex, pattern: str) -> list[tuple[str, tuple[int | str, ...]]]:
@@ -203,7 +205,7 @@ def _resolve_one(names: ModuleIndex, pattern: str) -> list[tuple[str, tuple[int 
         return [("", parts)]
     standard = _standard(names, pattern)
     if standard is not None:
-        return [(path, own) for _, path, own in standard]
+        return [(path, own) for _, path, own, _ in standard]
     base, parts = _fold_children(names, base, parts)
     if base.startswith("re:"):
         paths = _match_regex(base[3:], names)

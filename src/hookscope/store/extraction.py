@@ -14,9 +14,11 @@ A shard is closed when it holds ``shard_bytes`` of rows or when ``shard_seconds`
 since it was started, whichever comes first, so a killed run loses at most about
 ``shard_seconds`` of work however small the data set is.
 
-Resume and torchrun both rest on one rule: batch ``k`` of the data is always the same batch. A
+Resume, torchrun and Ray rest on one rule: batch ``k`` of the data is always the same batch. A
 resumed run starts at the first batch of the shard that was in progress; under torchrun each
-rank takes a contiguous block of batches (``hookscope.store.ranks``). Reductions are
+rank takes a contiguous block of batches (``hookscope.store.ranks``); with ``engine="ray"``
+actors run ``write_batch_range`` (the same per-batch code) for one shard's batches each and
+this process lists their shards (``hookscope.store.ray_engine``). Reductions are
 ``hookscope.reductions``; writing, staging and the writer thread ``hookscope.store.writer``; what
 an output folder may hold ``hookscope.store.folder``.
 """
@@ -24,12 +26,11 @@ an output folder may hold ``hookscope.store.folder``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import secrets
-import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -40,11 +41,19 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from hookscope.engine.checks import brief
-from hookscope.engine.kinds import kind_of, rows_for, values_for
-from hookscope.engine.names import one_index_per_call
-from hookscope.engine.run import input_device, model_inputs, untouched
-from hookscope.engine.select import as_patterns, resolve
+from hookscope.engine import (
+    GracefulStop,
+    as_patterns,
+    brief,
+    input_device,
+    kind_of,
+    model_inputs,
+    one_index_per_call,
+    resolve,
+    rows_for,
+    untouched,
+    values_for,
+)
 from hookscope.errors import (
     ExtractError,
     ExtractInterrupted,
@@ -54,19 +63,28 @@ from hookscope.errors import (
     SelectorError,
     warn,
 )
-from hookscope.record.capture import Capture, capture
-from hookscope.record.reductions import Reduce, Reduction, reduction, reduction_name
+from hookscope.record import Capture, Reduce, Reduction, capture, reduction, reduction_name
 from hookscope.store.batches import BatchSource
 from hookscope.store.folder import check_output, prepare_output, writing
+from hookscope.store.fs import StorePath, location
 from hookscope.store.manifest import COLUMN_PREFIX, tensor_specs
 from hookscope.store.ranks import Ranks
+from hookscope.store.ray_engine import (
+    Engine,
+    RayEngine,
+    ShardMade,
+    Work,
+    as_engine,
+    check_data,
+    share,
+    write_on_ray,
+)
 from hookscope.store.reader import (
     _ST_DTYPES,
     LayerInfo,
     Store,
     dtype_name,
     open_store,
-    store_folder,
 )
 from hookscope.store.writer import (
     BackgroundWriter,
@@ -75,10 +93,11 @@ from hookscope.store.writer import (
     StoreWriter,
     join_parts,
     read_part,
+    write_shard,
 )
-from hookscope.util.nested import describe_keys, iter_tensors, map_tensors
+from hookscope.util import describe_keys, iter_tensors, map_tensors
 
-__all__ = ["Reduce", "check_output", "extract"]
+__all__ = ["Reduce", "check_output", "extract", "SHARD_BYTES", "SHARD_SECONDS", "write_batch_range"]
 
 Tensor = torch.Tensor
 SHARD_BYTES = 256 * 2**20
@@ -91,8 +110,8 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
             *, reduce: Reduce = None, dtype: torch.dtype | None = None, batch_size: int = 32,
             shard_bytes: int = SHARD_BYTES, shard_seconds: float = SHARD_SECONDS,
             resume: bool = False, overwrite: bool = False, progress: bool = True,
-            model_spec: str | None = None,
-            early_stop: bool = False) -> Store:
+            model_spec: str | None = None, early_stop: bool = False, engine: Engine = "local",
+            storage_options: dict[str, Any] | None = None) -> Store:
     """Run ``model`` over ``data`` and store the output of each selected layer, row by row.
 
     Args:
@@ -106,8 +125,9 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
         layers: patterns as in ``hookscope.select``; each selected module (or output part,
             ``"lstm[0]"``) becomes one store layer. Its output must hold one tensor whose dim 0
             is the batch.
-        out: the store folder to create (a path or a ``file://`` URL; other URLs such as
-            ``s3://`` are refused, not yet supported); its missing parent folders are created too (the
+        out: the store folder to create, a path or any fsspec URL (``s3://bucket/acts``,
+            ``gs://``, ``memory://``, ``file://``; ``hookscope.store.fs`` says how a store keeps
+            its guarantees there); its missing parent folders are created too (the
             Python API's rule for ``out=``/``plot=``, as in ``patching_sweep`` and
             ``logit_lens``; the CLI refuses a missing parent unless ``--parents``).
         reduce: ``None`` keeps each row whole: with an attention mask, a ``(batch, seq, ...)``
@@ -130,6 +150,17 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
         model_spec: how the model was made, kept in the manifest (the CLI's ``MODEL``).
         early_stop: stop each forward once every selected layer has returned (the rest of the
             model does not run; same rows, less time for early layers; see ``capture``).
+        engine: ``"local"`` runs in this process (or in each torchrun rank); ``"ray"``, or a
+            ``RayEngine`` with options, hands the batches to Ray actors, each holding a copy of
+            ``model`` (pickled once, with cloudpickle), which load their own rows of ``data``
+            and write whole shards while this process writes the manifest: the store is the one
+            this process would write (``hookscope.store.ray_engine``, which says when it is
+            byte for byte the same). ``shard_seconds`` does not apply there (shards are sized
+            by ``shard_bytes`` alone, so a store is reproducible); a Ctrl-C keeps the shards
+            finished in order.
+        storage_options: for a URL ``out``, fsspec's options (credentials, ``client_kwargs``
+            such as an ``endpoint_url``); without them the environment's credentials apply.
+            Never written into the store.
 
     Besides the layers, the store keeps what each row was (``store.ids``, ``store.labels``;
     README, "Store format"): for a DataLoader over a map-style data set, the data-set index of
@@ -153,7 +184,9 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
             floating ``torch.dtype``, a ``batch_size``/``shard_bytes`` that is not a positive
             int, a flag that is not a bool), a reduce that returns no tensor, an output that is
             not one batch-first tensor, rows whose shape changes between batches, shuffled
-            data, or a resume with other arguments.
+            data, or a resume with other arguments; ``out`` a URL whose fsspec file system is not
+            installed (``s3fs`` for ``s3://``), or ``storage_options`` that is not a dict or comes
+            with a local folder.
         StoreCorruptError: ``resume`` finds a damaged manifest.
         ExtractInterrupted: a Ctrl-C stopped the run gracefully (a ``KeyboardInterrupt``; its
             ``rows`` were written, the open shard's included); ``resume=True`` continues.
@@ -161,26 +194,35 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
     _check_arguments(model, out, dtype, batch_size, shard_bytes, shard_seconds, model_spec,
                      {"resume": resume, "overwrite": overwrite, "progress": progress,
                       "early_stop": early_stop})
-    folder = store_folder(out, ExtractError)
+    folder = location(out, ExtractError, storage_options)
     keys = [t.key for t in resolve(model, as_patterns(layers))]
     reducer, source = reduction(reduce), BatchSource(data, batch_size)
     if resume and overwrite:
         raise ExtractError("resume=True continues the store in place and overwrite=True deletes "
                            "it: pass one of them")
+    on_ray = as_engine(engine)
     ranks = Ranks.start()
     try:
+        if on_ray is not None and ranks.world_size > 1:
+            raise ExtractError("engine='ray' runs one driver that hands the batches to Ray "
+                               "actors; run it as one process, not under torchrun")
+        if on_ray is not None and not isinstance(folder, Path):
+            raise ExtractError(f"engine='ray' writes a store into a folder that every actor can "
+                               f"reach, not yet into an object store ({out!s:.80}): extract into a "
+                               "local or shared folder, or leave engine out to write the URL "
+                               "from this process")
         config = {"layers": keys, "reduce": reduction_name(reduce), "batches": source.count,
                   "dtype": dtype_name(dtype) if dtype else None, "batch_size": source.batch_size}
         header = {"model": {"spec": model_spec, "class": _class_name(model)}, "extract": config}
         job = _Job(model, keys, reducer, dtype, source, ranks, progress, shard_bytes, shard_seconds,
-                   early_stop)
+                   early_stop, on_ray)
         # the stop first: hookscope's own interrupt guards (untouched, capture) stand in for it
-        with _GracefulStop() as job.stop, untouched(model), torch.no_grad():
+        with GracefulStop(_STOP_MESSAGE) as job.stop, untouched(model), torch.no_grad():
             model.eval()  # untouched: once around the loop; restores the mode too
             _extract(job, folder, header, resume=resume, overwrite=overwrite)
     finally:
         ranks.stop()
-    return open_store(folder)
+    return open_store(out, storage_options=storage_options)
 
 
 def _check_arguments(model: Any, out: Any, dtype: Any, batch_size: Any, shard_bytes: Any,
@@ -221,42 +263,19 @@ class _Job:
     shard_bytes: int
     shard_seconds: float
     early_stop: bool = False
+    engine: RayEngine | None = None  # None: this process writes its shards itself
+    shared: Any = None  # on Ray: the reference of the job's copy the actors run (_worker_copy)
     device: torch.device | None = None  # where inputs go (input_device), found once per run
     batch_bytes: int = 0  # bytes of the first batch's rows, to size the staging slabs
     session: Capture | None = None  # the capture open across the batches after the first
-    stop: _GracefulStop | None = None  # set while the run is on: a Ctrl-C asks it to stop
+    stop: GracefulStop | None = None  # set while the run is on: a Ctrl-C asks it to stop
+
+#: what a first Ctrl-C says (``engine.GracefulStop``): the run ends once the batch is stored
+_STOP_MESSAGE = ("\nextract: Ctrl-C: stopping once this batch is stored (Ctrl-C again to stop at "
+                 "once, losing the rows of the open shard)")
 
 
-class _GracefulStop:
-    """Within the block (main thread, Python's default SIGINT handler in place), the first
-    Ctrl-C only asks the run to stop once the batch in progress is stored, so the rows of the
-    open shard are written, not lost; a second Ctrl-C raises ``KeyboardInterrupt`` at once (the
-    open shard's rows are lost, the written shards stay). Elsewhere it does nothing."""
-
-    def __init__(self) -> None:
-        self.asked, self.installed = False, False
-
-    def __enter__(self) -> _GracefulStop:
-        if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            signal.signal(signal.SIGINT, self._handler)
-            self.installed = True
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.installed:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        if self.asked:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            raise KeyboardInterrupt
-        self.asked = True
-        print("\nextract: Ctrl-C: stopping once this batch is stored (Ctrl-C again to stop at "
-              "once, losing the rows of the open shard)", file=sys.stderr, flush=True)
-
-
-def _extract(job: _Job, folder: Path, header: dict[str, Any], *,
+def _extract(job: _Job, folder: StorePath, header: dict[str, Any], *,
              resume: bool, overwrite: bool) -> None:
     ranks = job.ranks
     prior: dict[str, Any] | None = None
@@ -267,11 +286,15 @@ def _extract(job: _Job, folder: Path, header: dict[str, Any], *,
         if resume and folder.is_dir():
             prior = read_part(folder, ranks.rank, ranks.world_size)
         _check_resume(prior, header)
+        if job.engine is not None:
+            check_data(job.source.count)
         if not (prior and prior["complete"]):
             start, stop = ranks.batch_range(job.source.count)
             start = _resume_batch(prior, start)
             todo, specs = _first_batch(job, start, stop, prior)
             header["layers"], header["columns"] = _split(specs)
+            if job.engine is not None:  # pickled now: a model that cannot be fails here
+                job.shared = share(job.engine, _worker_copy(job))
         _say_resumed(job, folder, prior, start)
         error = None
     except Exception as err:  # noqa: BLE001  (shared with the other ranks, then re-raised)
@@ -282,7 +305,7 @@ def _extract(job: _Job, folder: Path, header: dict[str, Any], *,
         _write_store(job, folder, header, prior, todo, start, resume=resume, overwrite=overwrite)
 
 
-def _write_store(job: _Job, folder: Path, header: dict[str, Any], prior: dict[str, Any] | None,
+def _write_store(job: _Job, folder: StorePath, header: dict[str, Any], prior: dict[str, Any] | None,
                  todo: Iterator[tuple[int, Rows]], start: int, *, resume: bool,
                  overwrite: bool) -> None:
     """Make the folder ready (rank 0), write this rank's rows, join the ranks' parts."""
@@ -293,7 +316,10 @@ def _write_store(job: _Job, folder: Path, header: dict[str, Any], prior: dict[st
     if not (prior and prior["complete"]):
         writer = StoreWriter(folder, header, rank=ranks.rank, world_size=ranks.world_size,
                              resume_from=prior)
-        _write_all(job, writer, todo, start)
+        if job.engine is not None:
+            _write_on_ray(job, job.engine, folder, writer, prior, start)
+        else:
+            _write_all(job, writer, todo, start)
     ranks.barrier()
     if ranks.rank == 0 and ranks.world_size > 1:
         join_parts(folder, ranks.world_size)
@@ -347,6 +373,69 @@ def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _write_on_ray(job: _Job, engine: RayEngine, folder: StorePath, writer: StoreWriter,
+                  prior: dict[str, Any] | None, start: int) -> None:
+    """Write batches ``start:`` on Ray actors, this process listing their shards."""
+    if not write_on_ray(engine, _for_workers(job, engine, folder, writer), writer, start,
+                        _batches_per_shard(job, prior), job.source.count or 0,
+                        progress=job.progress, stop=job.stop):
+        _interrupted(writer)
+    writer.finish()
+
+
+def _batches_per_shard(job: _Job, prior: dict[str, Any] | None) -> int:
+    """Batches per shard on Ray: those of the interrupted run's first shard, else as many as
+    one process puts in a shard when every batch has the first one's bytes (it closes a shard
+    once its rows reach ``shard_bytes``): ``ceil(shard_bytes / batch_bytes)``."""
+    if prior is not None and prior["shards"]:
+        first = prior["shards"][0]["batches"]
+        return int(first[1] - first[0])
+    if not job.batch_bytes:
+        return max(job.source.count or 1, 1)  # rows of no bytes never fill a shard
+    return max(1, -(-job.shard_bytes // job.batch_bytes))
+
+
+def _worker_copy(job: _Job) -> _Job:
+    """The job a Ray actor runs: this one without the state of this process's run."""
+    return dataclasses.replace(job, ranks=Ranks(0, 1, False), engine=None, shared=None,
+                               device=None, session=None, stop=None, progress=False)
+
+
+def _for_workers(job: _Job, engine: RayEngine, folder: StorePath, writer: StoreWriter) -> Work:
+    """What a Ray actor runs for one shard: ``write_batch_range`` over the shared copy of the
+    job, bound to this run's folder, run id and layers."""
+    device = "cuda" if engine.num_gpus > 0 else None
+    return write_batch_range, job.shared, (folder, writer.run, tensor_specs(writer.manifest),
+                                           device)
+
+
+def write_batch_range(job: _Job, folder: StorePath, run: str, layers: dict[str, Any],
+                      device: str | None, name: str, start: int, stop: int) -> ShardMade:
+    """Run batches ``start:stop`` and write their rows as the shard file ``folder/name`` (a
+    Ray actor's unit of work: the same per-batch code as ``_write_batches``), with the model
+    moved to ``device`` first unless it is ``None``.
+
+    Returns:
+        ``(rows, bytes, sha256, chunk sums)`` of the shard written.
+
+    Raises:
+        ExtractError: as ``extract`` does for a batch whose rows do not fit ``layers``.
+    """
+    if device is not None:
+        job.model.to(device)
+    staging = Staging(_slab_bytes(job))
+    shard = ShardData(batches=(start, start))
+    try:
+        with torch.no_grad(), capture(job.model.eval(), *job.keys, on_unfired="ignore",
+                                      early_stop=job.early_stop) as job.session:
+            for index, batch, ids in job.source.batches(start, stop):
+                _keep_batch(shard, index, _rows(job, batch, ids), layers, staging)
+        return (shard.rows, *write_shard(folder / name, shard, run))
+    finally:
+        job.session = None
+        staging.close()
+
+
 def _write_batches(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Rows]], start: int,
                    staging: Staging) -> None:
     background = BackgroundWriter(writer, staging)
@@ -355,8 +444,7 @@ def _write_batches(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Row
     shard, started = ShardData(batches=(start, start)), time.monotonic()
     try:
         for index, rows in todo:
-            _check_layers(rows, layers, index)
-            _append(shard, index, rows, staging)
+            _keep_batch(shard, index, rows, layers, staging)
             bar.update(rows)
             if shard.nbytes >= job.shard_bytes or \
                     time.monotonic() - started >= job.shard_seconds:
@@ -386,7 +474,10 @@ def _interrupted(writer: StoreWriter) -> None:
         f"same arguments and resume=True (--resume)", rows=rows, out=folder)
 
 
-def _append(shard: ShardData, index: int, rows: Rows, staging: Staging) -> None:
+def _keep_batch(shard: ShardData, index: int, rows: Rows, layers: dict[str, Any],
+                staging: Staging) -> None:
+    """Add batch ``index``'s rows to ``shard`` once they fit ``layers`` (every engine's step)."""
+    _check_layers(rows, layers, index)
     data, lengths = next(iter(rows.values()))
     n = len(lengths) if lengths is not None else int(data.shape[0])
     shard.append({k: staging.keep(d, shard) for k, (d, _) in rows.items()},
@@ -522,7 +613,7 @@ def _first_capture(job: _Job, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     alike, a selected layer that never ran (``SelectorError`` when it is a function address
     that matches nothing in the model, ``ExtractError`` otherwise) or ran more than once."""
     hint = ("'hookscope tree MODEL --input X' lists what runs, with --ops the function "
-            "addresses; in Python hookscope.diagnostics.tree.tree_of_call(model, lambda: model(x), "
+            "addresses; in Python hookscope.diagnostics.module_tree.tree_of_call(model, lambda: model(x), "
             "ops=True)")
     try:
         acts = capture(job.model, *job.keys, on_unfired="error", early_stop=job.early_stop)
@@ -653,7 +744,7 @@ def _class_name(model: nn.Module) -> str:
 
 
 # manifest ``extract`` field -> (the argument of ``extract``, the CLI flag)
-_ARGUMENTS = {"layers": ("layers", "--layer"), "reduce": ("reduce", "--reduce"),
+_ARGUMENTS = {"layers": ("layers", "--layers"), "reduce": ("reduce", "--reduce"),
               "dtype": ("dtype", "--dtype"), "batch_size": ("batch_size", "--batch-size"),
               "batches": ("data", "--data")}
 
@@ -696,7 +787,7 @@ def _flag(key: str, value: Any) -> str:
     return f"{cli} ({name}={api})"
 
 
-def _say_resumed(job: _Job, folder: Path, prior: dict[str, Any] | None, start: int) -> None:
+def _say_resumed(job: _Job, folder: StorePath, prior: dict[str, Any] | None, start: int) -> None:
     """Tell (stderr, where the bar is shown) what a resumed run kept and where it goes on."""
     if prior is None or not (job.progress and job.ranks.rank == 0):
         return

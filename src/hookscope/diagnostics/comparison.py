@@ -29,20 +29,34 @@ from hookscope.diagnostics.pairing import (
     kind,
     pair_calls,
     transform_for,
+    transformed,
     weights,
 )
-from hookscope.engine import diagnose
-from hookscope.engine.checks import check_number
-from hookscope.engine.kinds import comparable
-from hookscope.engine.names import ModuleIndex
-from hookscope.engine.run import input_device, untouched
-from hookscope.engine.select import Target, as_patterns
-from hookscope.engine.session import Observer, resolve_checked
+from hookscope.engine import (
+    ModuleIndex,
+    Observer,
+    Target,
+    as_patterns,
+    check_number,
+    comparable,
+    explain_no_hooks,
+    input_device,
+    resolve_checked,
+    untouched,
+)
 from hookscope.errors import ArgumentTypeError, ArgumentValueError, HookscopeError, SelectorError
-from hookscope.record.capture import capture
-from hookscope.record.records import CallInputs
-from hookscope.util.figures import new_figure, save_figure
-from hookscope.util.nested import Keys, get_part, iter_tensors, iter_tensors_with_keys, map_tensors
+from hookscope.record import CallInputs, capture
+from hookscope.util import (
+    Keys,
+    get_part,
+    iter_tensors,
+    iter_tensors_with_keys,
+    map_tensors,
+    new_figure,
+    save_figure,
+)
+
+__all__ = ["Comparison", "LayerDiff", "OUTPUT", "PairDiff", "compare", "plot_errors"]
 
 Tensor = torch.Tensor
 Key = tuple[str, int]
@@ -96,7 +110,9 @@ class PairDiff:
     """One pair of calls of two different implementations (``compare(..., pair=...)``).
 
     Attributes:
-        path_a, path_b: the modules' names in model A and model B; ``call``: call index in A.
+        path_a, path_b: the modules' names in model A and model B (A's with ``[piece]`` for a
+            piece of an output a transform split, ``"h.0.attn.c_attn[1]"``); ``call``: call
+            index in A.
         accumulated: A's output against B's output in the two full runs (the error the whole
             network up to here has built), first output tensor of each (after ``transform``).
         local: A's output against what B's module returns on A's *recorded inputs* (the same
@@ -225,7 +241,10 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
         transforms: with ``pair="auto"``, ``{pattern in A: transform}``: the output of those
             modules of A is ``transform``ed before ``auto`` pairs it (by the transformed
             shape) and before it is compared (``{"h.{i}.attn.c_attn": lambda t: t[..., :768]}``
-            pairs GPT-2's fused QKV with a port's query projection).
+            pairs GPT-2's fused QKV with a port's query projection). A transform that returns
+            a tuple of tensors splits the output into pieces, each paired on its own
+            (``lambda t: t.split(768, dim=-1)`` pairs the fused QKV's pieces ``c_attn[0]``,
+            ``[1]``, ``[2]`` with the query, key and value projections).
 
     Returns:
         A ``Comparison``; ``.first_divergent`` is the first call outside tolerance, and with
@@ -324,15 +343,15 @@ def _compare_paired(model_a: nn.Module, model_b: nn.Module, args: tuple[Any, ...
     with untouched(model_b), torch.no_grad():
         for a, b, transform in pairing.pairs:
             out_a = outputs_a[(a.path, a.call)]
-            out_a = transform(out_a) if transform is not None and out_a is not None else out_a
+            out_a = None if out_a is None else dict(transformed(transform, out_a))[a.piece]
             precision = _precision(modules_a[a.path], modules_b[b.path], out_a,
                                    outputs_b[(b.path, b.call)])
             atol, rtol = (value if value is not None else default
                           for value, default in zip(given, table[precision]))
-            key = (a.path, a.call)
+            key = (a.part, a.call)
             local, why = _local(model_b, modules_b[b.path], acts_a.inputs(a.path, a.call))
             diffs.append(PairDiff(
-                a.path, b.path, a.call, _diff(key, _parts(out_a), _parts(outputs_b[(b.path, b.call)]),
+                a.part, b.path, a.call, _diff(key, _parts(out_a), _parts(outputs_b[(b.path, b.call)]),
                                               atol, rtol),
                 None if local is None else _diff(key, _parts(out_a), _parts(local), atol, rtol),
                 precision, atol, rtol, why))
@@ -356,12 +375,14 @@ def _run(model: nn.Module, patterns: list[str], args: tuple[Any, ...], kwargs: d
     def keep(key: Key, output: Any) -> None:
         first = next(iter(iter_tensors(output)), None)
         outputs[key] = None if first is None else first.detach().clone()
-        transform = transform_for(transforms, key[0])
-        seen = None if first is None else comparable(first, key[0])
-        seen = transform(seen) if transform is not None and seen is not None else seen
-        calls.append(Call(key[0], key[1], kind(modules[key[0]]),
-                          () if seen is None else tuple(seen.shape),
-                          None if seen is None else fingerprint(seen), signatures[key[0]]))
+        if first is None:
+            calls.append(Call(key[0], key[1], kind(modules[key[0]]), (), None, signatures[key[0]]))
+            return
+        seen = transformed(transform_for(transforms, key[0]), comparable(first, key[0]))
+        for piece, tensor in seen:  # a piece of a split has no weights of its own
+            calls.append(Call(key[0], key[1], kind(modules[key[0]]), tuple(tensor.shape),
+                              fingerprint(tensor), signatures[key[0]] if piece is None else None,
+                              piece))
 
     modules = {t.key: t.module for t in targets}
     signatures = weights(modules)
@@ -408,7 +429,7 @@ def _precision(module_a: nn.Module, module_b: nn.Module, *outputs: Tensor | None
 def _require_paired(pairing: Pairing, calls_a: list[Call], calls_b: list[Call]) -> None:
     """Raise when nothing paired, or with ``auto`` when fewer than half of the smaller run's
     calls did (two unrelated models: a table of a few chance pairs would mislead)."""
-    paired = len({(a.path, a.call) for a, _, _ in pairing.pairs})
+    paired = len({a.name for a, _, _ in pairing.pairs})
     if paired and (pairing.how != "auto" or 2 * paired >= min(len(calls_a), len(calls_b))):
         return
     raise HookscopeError(
@@ -442,11 +463,11 @@ def _require_pairs(targets_a: dict[str, Target], targets_b: dict[str, Target],
         f"--pair auto), or by name rules, pair={{'h.{{i}}.attn': 'layers.{{i}}.attn'}} (hookscope "
         f"diff --pair 'h.{{i}}.attn=layers.{{i}}.attn'); or compare the submodules that "
         f"correspond, compare(model_a.encoder, model_b.backbone, x), or select names both have "
-        f"with layers=[...] (--layer)")
+        f"with layers=[...] (--layers)")
 
 
 def _require_hooks_fired(model: nn.Module, fired: bool) -> None:
-    why = diagnose.explain_no_hooks(model)
+    why = explain_no_hooks(model)
     if not fired and why is not None:
         raise HookscopeError(f"cannot compare: {why}")
 

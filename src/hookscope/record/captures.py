@@ -1,8 +1,8 @@
 """Capture: record what selected modules return (and take, and receive as gradient) on every call.
 
-``capture(model, *patterns)`` is a context manager (a ``HookSession``, see ``engine.session``). On
-entry it resolves the patterns (errors come before anything is registered), then adds one forward
-hook per selected module; on exit it removes every hook it added, also on an exception or
+``capture(model, *layers)`` is a context manager (a ``HookSession``, see ``engine.session``). On
+entry it resolves the patterns ``layers`` (errors come before anything is registered), then adds
+one forward hook per selected module; on exit it removes every hook it added, also on an exception or
 ``KeyboardInterrupt``, and reports each selected module whose hook never fired.
 
 Captured values stay equal to what the module returned at that moment, even when a later in-place
@@ -22,33 +22,43 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.engine import compiled, copy_on_write
-from hookscope.engine.checks import (
+from hookscope.engine import (
+    NO_VALUES_FIX,
+    HookSession,
+    MaskWatcher,
+    OnUnfired,
+    OwnedHook,
+    RecordingHook,
+    Target,
+    as_patterns,
     check_device,
     check_dtype,
     check_flag,
     check_model,
+    check_no_unmasked_padding,
     check_options,
-)
-from hookscope.engine.hooks import OwnedHook, in_recompute, nothing, output_of
-from hookscope.engine.layout import MaskWatcher, check_no_unmasked_padding
-from hookscope.engine.select import Target, as_patterns, unwrap
-from hookscope.engine.session import HookSession, OnUnfired
-from hookscope.engine.values import (
-    NO_VALUES_FIX,
+    eager_copy,
+    fullgraph,
     holds_no_values,
+    in_recompute,
     keepable,
     kept_note,
+    lazy_copy,
     no_values_reason,
+    nothing,
+    output_of,
+    shares_memory,
     special,
+    unwrap,
+    version_of,
 )
 from hookscope.errors import CaptureError, warn
 from hookscope.record.grads import converter, require_grad_mode, watch_inputs, watch_output
 from hookscope.record.records import CallInputs, Entry, RecordKey, Records
 from hookscope.record.reductions import REDUCTIONS, Reduce, Reduction, reduction
-from hookscope.util.nested import get_part, iter_tensors, map_tensors
+from hookscope.util import get_part, iter_tensors, map_tensors
 
-__all__ = ["Capture", "CaptureOptions", "CallInputs", "capture", "run"]  # CallInputs: records.py
+__all__ = ["Capture", "CaptureOptions", "CallInputs", "capture", "run", "capture_options"]
 
 Tensor = torch.Tensor
 
@@ -99,9 +109,9 @@ class Capture(HookSession, Records):
     Raises (on reading): as ``Records``.
     """
 
-    def __init__(self, model: nn.Module, patterns: Sequence[str], options: CaptureOptions,
+    def __init__(self, model: nn.Module, layers: Sequence[str], options: CaptureOptions,
                  on_unfired: OnUnfired = "warn"):
-        HookSession.__init__(self, model, patterns, on_unfired)
+        HookSession.__init__(self, model, layers, on_unfired)
         kept = [name for name in ("inputs", "grads", "grad_inputs") if getattr(options, name)]
         self._slots = {t.key: _Slot(t) for t in self.targets}
         Records.__init__(self, self._slots.values(), kept)
@@ -127,7 +137,7 @@ class Capture(HookSession, Records):
         """Refuse, on entry, what a ``torch.compile(fullgraph=True)`` graph cannot hold: these
         hooks run outside the graph (``engine.hooks._untraced``), which splits it, and
         fullgraph forbids a split (torch would raise its own ``Unsupported`` at the call)."""
-        if not compiled.fullgraph(self.model):
+        if not fullgraph(self.model):
             return
         options = self._options
         why = {
@@ -171,7 +181,9 @@ class Capture(HookSession, Records):
             # the hot path: one record of its whole output per module (each module is selected
             # once), registered in bulk in module order
             thread = threading.get_ident()
-            self._own_forward([_PlainHook(slot, self._snapshot, thread) for slot in on_modules])
+            self._own_forward([RecordingHook(slot.outputs, slot.target.module,
+                                             _snapshot_of(self._snapshot, slot), thread)
+                               for slot in on_modules])
         else:
             for module, slots in _by_module(on_modules).items():
                 self._register_module(module, slots)
@@ -238,7 +250,7 @@ class Capture(HookSession, Records):
     # ----------------------------------------------------------------- hooks
     def _plain_options(self) -> bool:
         """True when no option asks for more than the output as it is: a module with one
-        record of its whole output then takes the hot path (``_PlainHook``)."""
+        record of its whole output then takes the hot path (``engine.RecordingHook``)."""
         options = self._options
         return options.clone is None and not (options.inputs or options.grads or options.grad_inputs
                                               or options.to is not None or options.dtype is not None
@@ -310,13 +322,13 @@ class Capture(HookSession, Records):
                     kept = kept.to(device=to, dtype=dtype)
                 if reduce is not None:
                     kept = reduce(kept, _mask_of(watcher, kept, reduce))
-                if not copy_on_write.shares_memory(kept, t):
+                if not shares_memory(kept, t):
                     return kept
             if clone is None:
-                return copy_on_write.keep(kept)
+                return lazy_copy(kept)
             if clone:
                 return kept.clone()
-            counter = copy_on_write.version(kept)
+            counter = version_of(kept)
             if counter is not None:  # inference tensors have no version counter
                 slot.versions.append((len(slot.outputs), kept, counter))
             return kept
@@ -407,52 +419,9 @@ def _by_module(slots: list[_Slot]) -> dict[nn.Module, list[_Slot]]:
     return grouped
 
 
-class _PlainHook(OwnedHook):
-    """The hot path of a capture: one record of a module's whole output, no options.
-
-    ``OwnedHook``'s checks (own module, own thread, not a recompute, not traced) and the
-    copy-on-write keep (``engine.copy_on_write``) are inlined in one ``__call__``: per call this costs
-    about what a bare hook appending ``detach()`` costs. Every other call (a copy of the module,
-    another thread, a recompute, a torch.compile trace) goes through ``OwnedHook.__call__``.
-    """
-
-    __slots__ = ("outputs", "slot", "snapshot")
-
-    def __init__(self, slot: _Slot, snapshot: Callable[[Any, _Slot], Any], thread: int):
-        super().__init__(self._record, slot.target.module, traceable=True, thread=thread,
-                         pick=output_of, on_kept=self._kept)
-        self.outputs, self.slot, self.snapshot = slot.outputs, slot, snapshot
-
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
-        # OwnedHook.__call__'s checks and copy_on_write.keep / values.special inlined (a frame
-        # less per call: keep them in step); compiling first: dynamo must not trace on
-        if _compiling() or module is not self.module or _get_ident() != self.thread or _graph_task_id() != -1:
-            return OwnedHook.__call__(self, module, args, output)  # a copy, a thread, a recompute
-        # no functorch transform running: no output can be a transform's wrapper (a cheaper
-        # test than asking the output); under one, snapshot() asks the output itself
-        if (type(output) is Tensor and not output.requires_grad and not output.is_quantized
-                and not _transforms_active()):
-            try:
-                self.outputs.append(_lazy_clone(output))
-                return None
-            except (NotImplementedError, RuntimeError):  # no copy-on-write storage
-                pass
-        self.outputs.append(self.snapshot(output, self.slot))
-        return None
-
-    def _record(self, module: nn.Module, args: Any, output: Any) -> None:
-        self.outputs.append(self.snapshot(output, self.slot))
-
-    def _kept(self, output: Any) -> None:
-        """A compiled call's output (``engine.compiled``): already a detached copy of its own,
-        so a plain tensor is kept as it is."""
-        if type(output) is Tensor and not output.is_quantized:
-            self.outputs.append(output)
-        else:
-            self.outputs.append(self.snapshot(output, self.slot))
-
-
-compiled.eager_when_called(_PlainHook.__call__.__code__)
+def _snapshot_of(snapshot: Callable[[Any, _Slot], Any], slot: _Slot) -> Callable[[Any], Any]:
+    """``snapshot`` for ``slot``'s outputs: what its ``RecordingHook`` keeps of an output."""
+    return lambda output: snapshot(output, slot)
 
 
 def _first_tensor(outputs: list[Any]) -> Tensor | None:
@@ -490,7 +459,7 @@ def _part(output: Any, slot: _Slot) -> Any:
 def _keep_input(t: Tensor, clone: bool | None) -> Tensor:
     """An input as the module received it, safe from later in-place writes (``engine.copy_on_write``)."""
     t = keepable(t, "an input")
-    return copy_on_write.copy(t) if clone else copy_on_write.keep(t)
+    return eager_copy(t) if clone else lazy_copy(t)
 
 
 def _regrad(slots: list[_Slot], output: Any, convert: Callable[[Tensor], Tensor]) -> None:
@@ -518,18 +487,13 @@ def _inputs_hook(slots: list[_Slot], clone: bool | None) -> Callable[..., None]:
     return hook
 
 
-_transforms_active = torch._C._are_functorch_transforms_active
-_compiling = torch.compiler.is_compiling
-_get_ident = threading.get_ident
-_graph_task_id = torch._C._current_graph_task_id
-_lazy_clone = torch._lazy_clone
 
 
-def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool = False,
+def capture(model: nn.Module, *layers: str, inputs: bool = False, grads: bool = False,
             grad_inputs: bool = False, to: torch.device | str | None = None,
             dtype: torch.dtype | None = None, reduce: Reduce = None, clone: bool | None = None,
             early_stop: bool = False, on_unfired: OnUnfired = "warn") -> Capture:
-    """Record the output of every call of each module that ``patterns`` select.
+    """Record the output of every call of each module that ``layers`` select.
 
     Use it as a context manager; hooks exist only inside the ``with`` block::
 
@@ -539,7 +503,7 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
 
     Args:
         model: root module; ``DataParallel``/``DDP``/``torch.compile`` wrappers are looked through.
-        *patterns: paths, ``state_dict()`` keys, globs, ``re:``/``type:`` patterns, optionally
+        *layers: patterns: paths, ``state_dict()`` keys, globs, ``re:``/``type:`` patterns, optionally
             with output parts (``"lstm[0]"``); see ``hookscope.select``. A function-level
             address ``PATTERN::NAME`` records every call of function ``NAME`` made by the own
             forward of the modules selected (``"::relu"``, ``"h.*.attn::softmax"``;
@@ -616,7 +580,7 @@ def capture(model: nn.Module, *patterns: str, inputs: bool = False, grads: bool 
     options = CaptureOptions(inputs=inputs, grads=grads, grad_inputs=grad_inputs, to=to, dtype=dtype,
                              reduce=reducer,
                              clone=clone, early_stop=early_stop)
-    return Capture(model, patterns, options, on_unfired)
+    return Capture(model, layers, options, on_unfired)
 
 
 def _check_options(*, to: object, dtype: object, clone: object, **flags: object) -> None:
@@ -673,7 +637,7 @@ def run(model: nn.Module, *args: Any, layers: str | Sequence[str],
 def capture_options() -> set[str]:
     """The names of ``capture``'s keyword options (what ``run(options=)`` and
     ``capture_generation(**options)`` may hold)."""
-    return set(inspect.signature(capture).parameters) - {"model", "patterns"}
+    return set(inspect.signature(capture).parameters) - {"model", "layers"}
 
 
 def _refuse_options_as_keywords(model: nn.Module, kwargs: dict[str, Any]) -> None:

@@ -8,6 +8,13 @@ fit is the same as scikit-learn's ``LogisticRegression(C=C)`` (lbfgs solver) on 
 which minimises ``C * sum(cross-entropy) + ||W||^2 / 2`` (the bias is not penalised). Features
 are standardised with the training rows' mean and standard deviation (one streamed pass).
 
+**Tokens.** With ``tokens=True`` each example is one token of a ragged (per-token) layer, read
+through the store's token view (``store.tokens(layer)``, ``store.tokens``): a ``(d,)`` feature
+vector per real token, a label per token (default: the label of the row it came from), the
+split drawn over tokens. The control task's types are then the token ids when the store keeps
+them (Hewitt and Liang's control task gives each *word type* one random label), else each token
+its own.
+
 Selectivity (Hewitt and Liang, "Designing and Interpreting Probes with Control Tasks", EMNLP
 2019): the same probe is fitted to a *control task* whose labels carry no information about
 the activation beyond what memorising a type gives. Each type (``control_types``; default:
@@ -21,15 +28,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hookscope.engine.checks import check_number
+from hookscope.engine import check_number
 from hookscope.errors import ArgumentValueError, StoreError
 from hookscope.store.reader import Store, open_store
+from hookscope.store.tokens import TokenView
+
+__all__ = ["LayerProbe", "ProbeResult", "probe"]
 
 Tensor = torch.Tensor
 
@@ -76,7 +86,7 @@ class ProbeResult:
         Raises:
             MissingExtraError: matplotlib is not installed.
         """
-        from hookscope.util.figures import new_figure, save_figure
+        from hookscope.util import new_figure, save_figure
         figure = new_figure("hookscope probe")
         ax = figure.subplots()
         xs = range(len(self.layers))
@@ -94,68 +104,118 @@ class ProbeResult:
 def probe(store: Store | str | Path, layers: Sequence[str] | None = None, *,
           labels: Sequence[Any] | Tensor | None = None, test_fraction: float = 0.2,
           C: float = 1.0, max_iter: int = 100, chunk: int = 4096,
-          control_types: Sequence[Any] | Tensor | None = None, seed: int = 0) -> ProbeResult:
+          control_types: Sequence[Any] | Tensor | None = None, seed: int = 0,
+          tokens: bool = False) -> ProbeResult:
     """Fit a logistic probe per layer of ``store`` and score it on held-out rows.
 
     Args:
-        store: an open ``Store`` or its folder.
-        layers: layers to probe (default: every fixed-shape layer). Each row is flattened:
-            a ``(d,)`` row has ``d`` features, a ``(seq, d)`` row ``seq * d``.
-        labels: one label per row (ints or strings); default ``store.labels``.
+        store: an open ``Store``, or its folder or URL (``open_store``).
+        layers: layers to probe (default: every fixed-shape layer; with ``tokens``, every
+            ragged one). Each row is flattened: a ``(d,)`` row has ``d`` features, a ``(seq,
+            d)`` row ``seq * d``.
+        labels: one label per row (ints or strings); default ``store.labels``. With
+            ``tokens``: one per token of the token view, default each token's row's label.
         test_fraction: share of rows held out (a seeded random split, the same for every layer).
         C: inverse L2 strength, as scikit-learn's ``LogisticRegression(C=...)``.
         max_iter: LBFGS iterations (each one streamed pass over the training rows, or a few).
         chunk: rows read at once: the memory bound (``chunk * features`` float64 values).
-        control_types: one key per row for the control task (rows with the same key get the
-            same random label); default each row its own.
+        control_types: one key per row (token) for the control task (rows with the same key
+            get the same random label); default each row its own, with ``tokens`` each token
+            id its own (each token its own when the store keeps no ids).
         seed: the split's and the control labels' random seed.
+        tokens: probe each token of ragged layers (module docstring) instead of each row.
 
     Returns:
         A ``ProbeResult`` (``result[layer].accuracy``, ``.selectivity``; ``result.plot(path)``).
 
     Raises:
-        StoreError: the store has no labels and none are given, a layer is ragged or unknown,
-            or the number of labels is not the number of rows.
+        StoreError: the store has no labels and none are given, a layer is ragged (not ragged,
+            with ``tokens``) or unknown, the number of labels is not the number of rows
+            (tokens), or two ragged layers hold different numbers of tokens.
         ArgumentValueError: ``test_fraction`` not in (0, 1), fewer than 2 classes, or a split
             leaving no training or no test row.
     """
     store = store if isinstance(store, Store) else open_store(store)
-    targets, classes = _label_ids(store, labels)
+    chosen = _layers(store, layers, tokens)
+    examples = _examples(store, chosen, tokens)
+    targets, classes = _label_ids(store, labels, examples)
     check_number("test_fraction", test_fraction)
     check_number("C", C)
     if not 0 < test_fraction < 1:
         raise ArgumentValueError(f"test_fraction={test_fraction}: pass a share in (0, 1), e.g. 0.2")
     if len(classes) < 2:
         raise ArgumentValueError(f"a probe needs at least 2 classes; the labels hold {classes!r}")
-    n = len(store)
+    n = len(targets)
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     n_test = round(n * test_fraction)
     test, train = order[:n_test].sort().values, order[n_test:].sort().values
     if len(test) == 0 or len(train) == 0:
         raise ArgumentValueError(f"{n} rows with test_fraction={test_fraction}: the split leaves "
                                  "no test or no training row; use more rows")
+    if control_types is None and examples is not None:
+        control_types = examples.ids  # word types (Hewitt and Liang); None: each token its own
     control = _control_labels(targets, train, control_types, seed)
-    chosen = list(layers) if layers is not None else [
-        name for name, info in store.layers.items() if not info.ragged]
-    fits = []
-    for layer in chosen:
-        if layer not in store.layers or store.layers[layer].ragged:
-            raise StoreError(f"layer {layer!r}: probe reads fixed-shape layers; the store has "
-                             f"{[k for k, v in store.layers.items() if not v.ragged]}")
-        fits.append(_probe_layer(store, layer, targets, control, train, test, len(classes), C,
-                                 max_iter, chunk))
+    fits = [_probe_layer(_reader(store, layer, tokens), layer, targets, control, train, test,
+                         len(classes), C, max_iter, chunk) for layer in chosen]
     return ProbeResult(fits, classes, len(train), len(test))
 
 
-def _label_ids(store: Store, labels: Sequence[Any] | Tensor | None) -> tuple[Tensor, list[Any]]:
-    """``(class index per row (int64), class values sorted)``."""
+def _layers(store: Store, layers: Sequence[str] | None, tokens: bool) -> list[str]:
+    """The layers to probe: fixed-shape ones for rows, ragged ones for tokens."""
+    fitting = [name for name, info in store.layers.items() if info.ragged == tokens]
+    chosen = list(layers) if layers is not None else fitting
+    for layer in chosen:
+        if layer not in fitting:
+            raise StoreError(
+                f"layer {layer!r}: probe(tokens={tokens}) reads "
+                f"{'ragged (per-token)' if tokens else 'fixed-shape'} layers; the store has "
+                f"{fitting}" + ("" if tokens else "; pass tokens=True to probe the tokens of a "
+                                               "ragged layer"))
+    return chosen
+
+
+def _examples(store: Store, chosen: list[str], tokens: bool) -> TokenView | None:
+    """The token view of the first layer (``None`` for rows), after checking that every chosen
+    layer holds as many tokens."""
+    if not tokens or not chosen:
+        return None
+    views = [store.tokens(layer) for layer in chosen]
+    counts = {layer: len(view) for layer, view in zip(chosen, views, strict=True)}
+    if len(set(counts.values())) > 1:
+        raise StoreError(f"the ragged layers hold different numbers of tokens {counts}: probe "
+                         f"them one call each, with labels for that layer's tokens")
+    return views[0]
+
+
+def _reader(store: Store, layer: str, tokens: bool) -> Callable[[Tensor], Tensor]:
+    """``read(indices)``: the examples at ascending ``indices`` of ``layer`` (rows, or tokens of
+    its token view), one tensor."""
+    if tokens:
+        view = store.tokens(layer)
+        return lambda index: view.read(index.numpy())
+    rows = store[layer]
+
+    def read(index: Tensor) -> Tensor:
+        block = rows[index]
+        assert isinstance(block, Tensor)
+        return block
+    return read
+
+
+def _label_ids(store: Store, labels: Sequence[Any] | Tensor | None,
+               examples: TokenView | None) -> tuple[Tensor, list[Any]]:
+    """``(class index per example (int64), class values sorted)``; an example is a row, or a
+    token of ``examples`` (default label: its row's)."""
     given = store.labels if labels is None else labels
     if given is None:
         raise StoreError(f"store {store.path} has no labels: pass labels=[one per row] (or "
                          "extract from (inputs, labels) batches)")
     values = given.reshape(-1).tolist() if isinstance(given, Tensor) else list(given)
-    if len(values) != len(store):
-        raise StoreError(f"{len(values)} labels for {len(store)} rows: pass one label per row")
+    count, what = (len(store), "row") if examples is None else (len(examples), "token")
+    if labels is None and examples is not None:
+        values = [values[r] for r in examples.rows.tolist()]
+    if len(values) != count:
+        raise StoreError(f"{len(values)} labels for {count} {what}s: pass one label per {what}")
     classes = sorted(set(values), key=str)
     lookup = {value: i for i, value in enumerate(classes)}
     return torch.tensor([lookup[v] for v in values], dtype=torch.int64), classes
@@ -176,22 +236,21 @@ def _control_labels(targets: Tensor, train: Tensor, types: Sequence[Any] | Tenso
     return torch.tensor([label_of[k] for k in keys], dtype=torch.int64)
 
 
-def _chunks(store: Store, layer: str, rows: Tensor, chunk: int) -> Iterator[tuple[Tensor, Tensor]]:
-    """``(row indices, float64 features (k, features))`` for ``rows``, ``chunk`` at a time."""
-    view = store[layer]
+def _chunks(read: Callable[[Tensor], Tensor], rows: Tensor,
+            chunk: int) -> Iterator[tuple[Tensor, Tensor]]:
+    """``(indices, float64 features (k, features))`` for ``rows``, ``chunk`` at a time."""
     for start in range(0, len(rows), chunk):
         index = rows[start:start + chunk]
-        block = view[index]
-        assert isinstance(block, Tensor)
-        yield index, block.reshape(len(index), -1).double()
+        yield index, read(index).reshape(len(index), -1).double()
 
 
-def _probe_layer(store: Store, layer: str, targets: Tensor, control: Tensor, train: Tensor,
-                 test: Tensor, classes: int, C: float, max_iter: int, chunk: int) -> LayerProbe:
-    mean, std = _moments(store, layer, train, chunk)
+def _probe_layer(read: Callable[[Tensor], Tensor], layer: str, targets: Tensor, control: Tensor,
+                 train: Tensor, test: Tensor, classes: int, C: float, max_iter: int,
+                 chunk: int) -> LayerProbe:
+    mean, std = _moments(read, train, chunk)
 
     def scaled(rows: Tensor) -> Iterator[tuple[Tensor, Tensor]]:
-        for index, x in _chunks(store, layer, rows, chunk):
+        for index, x in _chunks(read, rows, chunk):
             yield index, (x - mean) / std
 
     task = _fit(scaled, train, targets, classes, C, max_iter)
@@ -205,16 +264,16 @@ def _probe_layer(store: Store, layer: str, targets: Tensor, control: Tensor, tra
                       chance=float(counts.max()) / len(train), features=mean.numel())
 
 
-def _moments(store: Store, layer: str, rows: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
+def _moments(read: Callable[[Tensor], Tensor], rows: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
     """Mean and population std of each feature over ``rows`` (float64, one streamed pass);
     a constant feature's std is 1 (it stays 0 after centring)."""
     total = count = square = None
-    for _, x in _chunks(store, layer, rows, chunk):
+    for _, x in _chunks(read, rows, chunk):
         total = x.sum(0) if total is None else total + x.sum(0)
         count = len(x) if count is None else count + len(x)
     assert total is not None and count is not None
     mean = total / count
-    for _, x in _chunks(store, layer, rows, chunk):
+    for _, x in _chunks(read, rows, chunk):
         part = (x - mean).square().sum(0)
         square = part if square is None else square + part
     assert square is not None

@@ -20,13 +20,17 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-from hookscope.engine.function_mode import FunctionCall, Watch
-from hookscope.engine.function_names import refuse_uninterceptable
-from hookscope.engine.run import untouched
-from hookscope.engine.select import as_patterns, resolve
-from hookscope.engine.session import Observer
+from hookscope.engine import (
+    FunctionCall,
+    Observer,
+    Watch,
+    as_patterns,
+    refuse_uninterceptable,
+    resolve,
+    untouched,
+)
 from hookscope.errors import AttentionError
-from hookscope.record.grads import gradient_pass
+from hookscope.record import gradient_pass
 
 __all__ = ["attention", "attention_gradients", "sdpa_probabilities", "ATTENTION_FUNCTIONS"]
 

@@ -24,14 +24,26 @@ import torch
 from torch import nn
 
 from hookscope.diagnostics.histogram import MAX_BINS, Histogram
-from hookscope.engine.checks import check_flag, check_int, check_iterable
-from hookscope.engine.kinds import kind_of, values_for
-from hookscope.engine.run import model_inputs, untouched
-from hookscope.engine.select import Target, as_patterns
-from hookscope.engine.session import HookSession, OnUnfired
-from hookscope.engine.values import check_has_values, check_not_transformed, keepable
+from hookscope.engine import (
+    HookSession,
+    OnUnfired,
+    Target,
+    as_patterns,
+    check_flag,
+    check_has_values,
+    check_int,
+    check_iterable,
+    check_not_transformed,
+    keepable,
+    kind_of,
+    model_inputs,
+    untouched,
+    values_for,
+)
 from hookscope.errors import ArgumentValueError, HookscopeError
-from hookscope.util.nested import get_part, iter_tensors
+from hookscope.util import get_part, iter_tensors
+
+__all__ = ["RunningStats", "stats"]
 
 Tensor = torch.Tensor
 
