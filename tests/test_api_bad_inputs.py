@@ -525,3 +525,64 @@ def test_attribution_patching_warns_of_positions_left_out_as_patching_sweep_does
         with pytest.warns(UserWarning, match=r"covers positions 0 … 4: the corrupted input has 7"):
             sweep = verb()
         assert sweep.positions == [0, 1, 2, 3, 4] and sweep.values.shape == (1, 5)
+
+
+# ---------------------------------------------------------------- issue 35's second attack
+_HOSTILE = st.one_of(
+    st.none(), st.booleans(), st.binary(max_size=3), st.text(max_size=3),
+    st.integers(min_value=2**60, max_value=2**80), st.integers(max_value=-(2**64)),
+    st.floats(allow_nan=True, allow_infinity=True), st.lists(st.integers(0, 3), max_size=2),
+    st.dictionaries(st.text(max_size=2), st.integers(), max_size=1),
+    st.just(torch.ones(2, 2).to_sparse()), st.just(object()))
+
+
+def _calls(gpt2: nn.Module) -> dict[str, Callable[[Any], Any]]:
+    from tests.models import LeNet
+
+    mlp, x, ids = MlpStack(), torch.randn(2, 10), torch.tensor([[1, 2, 3]])
+    return {
+        "gradcam target": lambda v: hookscope.gradcam(LeNet(), torch.randn(1, 3, 32, 32), "conv2",
+                                                      target=v),
+        "rollout discard_ratio": lambda v: hookscope.rollout(
+            gpt2, ids, layers="transformer.h.*.attn", discard_ratio=v),
+        "steer scale": lambda v: hookscope.steer(mlp, {"fc1": torch.ones(20)}, scale=v),
+        "steer vector": lambda v: hookscope.steer(mlp, {"fc1": v}),
+        "ablate how": lambda v: hookscope.ablate(mlp, "fc1", how=v),
+        "load": lambda v: hookscope.load(v),
+        "monitor every": lambda v: hookscope.monitor(mlp, "fc1", every=v),
+        "monitor guard": lambda v: hookscope.monitor(mlp, "fc1", guard=v),
+        "capture model": lambda v: hookscope.capture(v, "fc1"),
+        "tree ops": lambda v: hookscope.tree(mlp, x, ops=v),
+        "remove_hooks include_global": lambda v: hookscope.remove_hooks(mlp, include_global=v),
+        "steer positions": lambda v: hookscope.steer(mlp, {"fc1": torch.ones(20)}, positions=v),
+        "capture pattern": lambda v: hookscope.capture(mlp, v),
+        "run layers": lambda v: hookscope.run(mlp, x, layers=v),
+    }
+
+
+@settings(max_examples=120, deadline=None)
+@given(data=st.data())
+def test_hostile_values_are_accepted_or_one_line_hookscope_errors(data: Any, gpt2: nn.Module) -> None:
+    """Issue 35: a hostile value (None, bytes, 2**70, NaN, a sparse tensor whose repr spans
+    lines, ...) for an argument is either a value that argument takes or a HookscopeError whose
+    message is one line; before, ``gradcam(target=b"x")``/``2**70``, ``load(None)``,
+    ``rollout(discard_ratio=None)``, ``probe(test_fraction=None)`` and ``steer(scale=2**70)``
+    raised raw errors and a sparse tensor made every message span lines."""
+    calls = _calls(gpt2)
+    name = data.draw(st.sampled_from(sorted(calls)))
+    value = data.draw(_HOSTILE)
+    try:
+        result = calls[name](value)
+    except HookscopeError as err:
+        assert "\n" not in str(err), f"{name}={value!r}: {err}"
+        return
+    if hasattr(result, "__exit__"):  # a block accepted the value: it is not entered here
+        return
+
+
+@pytest.mark.parametrize("value", [None, "x", [], 2**70, float("nan"), b"x"])
+def test_probe_numbers_are_checked_before_use(value: object, tmp_path: Any) -> None:
+    store = hookscope.extract(MlpStack(), [torch.randn(4, 10)], "fc1", tmp_path / "s", progress=False)
+    for option in ("test_fraction", "C"):
+        with pytest.raises(HookscopeError, match=option):
+            hookscope.probe(store, labels=[0, 1, 0, 1], **{option: value})

@@ -3,6 +3,8 @@ and the root has one internal spelling (path ``""``, written ``(root)``)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -41,3 +43,12 @@ def test_items_keep_the_entry_key_without_parsing(monkeypatch: pytest.MonkeyPatc
     keys = [k for k, _ in acts.items()]
     assert keys == [RecordKey("lstm", None, (0,))]
     assert isinstance(acts.entry("lstm[0]"), Entry) and acts.entry("lstm[0]").key == keys[0]
+
+
+def test_a_sparse_row_index_is_an_index_error_naming_the_fix(tmp_path: Any) -> None:
+    """Issue 35: a sparse tensor as a row index raised torch's TypeError from numpy."""
+    store = hookscope.extract(nn.Sequential(nn.Linear(4, 3)), [torch.randn(2, 4)], "0",
+                              tmp_path / "s", progress=False)
+    assert torch.equal(store["0"][torch.tensor([1, 0])], store["0"][[1, 0]])
+    with pytest.raises(IndexError, match=r"to_dense\(\)"):
+        store["0"][torch.tensor([0, 1]).to_sparse()]

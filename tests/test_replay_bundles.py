@@ -249,3 +249,46 @@ def test_replay_on_the_fixed_model_says_the_forward_is_finite_now(bundle_bytes: 
         str(older), "pt").metadata()["fields"])
     origin = hookscope.replay(older, _model())
     assert origin is not None and origin.path == "<loss>"
+
+
+def _sparse_tail(path: Path, data: bytes, extra_bytes: int) -> Path:
+    path.write_bytes(data)
+    with open(path, "r+b") as f:
+        f.truncate(len(data) + extra_bytes)  # a hole: no disk used, read as zeros
+    return path
+
+
+def _declaring(path: Path, data: bytes, end: int) -> Path:
+    """The bundle with its last tensor's end offset changed to ``end`` (header only)."""
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    last = max((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][1])
+    header[last]["data_offsets"][1] = end
+    text = json.dumps(header).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + length:])
+    return path
+
+
+@pytest.mark.parametrize("make", [
+    lambda p, b: _sparse_tail(p, b, 2**40),  # 1 TiB read as zeros, before: read whole
+    lambda p, b: _sparse_tail(p, b, 1),
+    lambda p, b: _declaring(p, b, 2**60),  # a header declaring an exabyte tensor
+    lambda p, b: _declaring(p, b, -1),
+    lambda p, b: _file(p, (2**62).to_bytes(8, "little") + b[8:])],  # a 4 EiB header
+    ids=["sparse-1TiB-tail", "one-byte-tail", "exabyte-tensor", "negative-offset", "huge-header"])
+def test_a_bundle_larger_than_it_declares_is_refused_before_it_is_read(
+        bundle_bytes: bytes, tmp_path: Path, make: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 35: the size a bundle's header declares is checked against the file's real size
+    and this machine's memory before any tensor byte is read (a 1 TiB sparse file was read
+    whole); nothing larger than the declared size is ever read."""
+    path = make(tmp_path / "b.safetensors", bundle_bytes)
+    reads: list[int] = []
+    real = fmt.read_regular
+
+    def counted(file: Path, limit: int = -1, **options: Any) -> bytes:
+        data = real(file, limit, **options)
+        reads.append(len(data))
+        return data
+    monkeypatch.setattr(fmt, "read_regular", counted)
+    assert _outcome(path) == ("error", BundleError)
+    assert max(reads) <= len(bundle_bytes)

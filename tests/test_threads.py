@@ -422,3 +422,99 @@ def test_generation_in_another_thread_is_never_labelled() -> None:
         meeting.close()
     assert meeting.problems == [] and meeting.calls == 3  # one forward inside each step
     assert same(together, alone)
+
+
+def test_blocks_opened_at_once_on_one_module_get_distinct_compiled_keys(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 35: ``engine.compiled.open_sink`` picks a module's first free key; two threads
+    picking at once must not get the same key (one block's compiled captures would go to the
+    other's sink). 4 threads x 200 openings, each free-key lookup yielding to the others (the
+    race made certain, not left to timing)."""
+    import time
+
+    from hookscope.engine import compiled
+
+    class Yielding(dict):  # type: ignore[type-arg]
+        def __contains__(self, key: object) -> bool:
+            found = super().__contains__(key)
+            time.sleep(0)  # another thread runs here, between the lookup and the claim
+            return found
+
+    monkeypatch.setattr(compiled, "_sinks", Yielding())
+    module, threads, rounds = nn.Linear(2, 2), 4, 200
+    clashes: list[int] = []
+    start = threading.Barrier(threads)
+
+    def open_and_close() -> None:
+        start.wait()
+        for _ in range(rounds):
+            sink = [].append
+            key = compiled.open_sink(module, sink)
+            time.sleep(0)
+            if compiled._sinks.get(key) is not sink:  # another thread took the same key
+                clashes.append(key)
+            compiled.close_sink(key)
+
+    workers = [threading.Thread(target=open_and_close) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+    assert clashes == []
+    assert len(compiled._places[module]) <= threads  # keys are reused, never leaked
+
+
+class Dropping(nn.Module):
+    """``(batch, 16)`` -> the same, through dropout (train mode draws from the global RNG)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.fc(x))
+
+
+@pytest.mark.parametrize("verb", ["stats", "tree", "compare", "replay"])
+def test_a_verb_never_rewinds_the_rng_of_a_thread_training_meanwhile(verb: str) -> None:
+    """Issue 35: a verb puts the global RNG back when it ends (its own dropout draws leave no
+    trace), but a trainer thread that drew from it meanwhile would then draw the same numbers
+    again: the same dropout masks twice. The trainer runs one training forward inside the
+    verb's forward (a pre-hook meeting, so the interleaving is exact) and one after it: its
+    masks must differ, and the verb's result is what it is without the trainer."""
+    torch.manual_seed(0)
+    model, other, x = Dropping().train(), Dropping().train(), torch.ones(64, 16)
+    masks: list[torch.Tensor] = []
+
+    def train_step() -> None:
+        with torch.no_grad():
+            masks.append(model(x) == 0)
+
+    def meet(module: nn.Module, args: Any) -> None:
+        if threading.current_thread() is threading.main_thread() and not masks:
+            worker = threading.Thread(target=train_step)
+            worker.start()
+            worker.join(30)
+
+    def run_verb() -> Any:
+        if verb == "stats":
+            return hookscope.stats(model, [x], ["fc"])
+        if verb == "tree":
+            return [row.calls for row in hookscope.tree(model, x)]
+        if verb == "compare":
+            return hookscope.compare(model, other, x, layers=["fc"])
+        from hookscope.engine.run import state_snapshot
+        from hookscope.train.guard import StepInputs
+        bundle = hookscope.ReplayBundle(0, 0, StepInputs.now((x,), {}, "cpu"), [torch.ones(64, 16)],
+                                        state_snapshot(model))
+        return hookscope.replay(bundle, model)
+
+    handle = model.fc.register_forward_pre_hook(meet)
+    try:
+        run_verb()
+    finally:
+        handle.remove()
+    train_step()  # the trainer's next step, after the verb
+    assert len(masks) == 2
+    assert not torch.equal(masks[0], masks[1]), "the verb rewound the trainer's RNG"

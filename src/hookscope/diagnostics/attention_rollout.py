@@ -26,7 +26,7 @@ from torch import nn
 
 from hookscope.diagnostics.attention_maps import attention, attention_gradients
 from hookscope.diagnostics.class_maps import check_class_target, class_scores
-from hookscope.engine import check_flag
+from hookscope.engine import check_flag, check_number
 from hookscope.errors import AttentionError
 
 __all__ = ["rollout"]
@@ -85,6 +85,7 @@ def rollout(model: nn.Module, *args: Any, layers: str | Sequence[str], head_fusi
     """
     if head_fusion not in ("mean", "max", "min"):
         raise AttentionError(f"head_fusion={head_fusion!r}: choose 'mean', 'max' or 'min'")
+    check_number("discard_ratio", discard_ratio)
     if not 0.0 <= discard_ratio < 1.0:
         raise AttentionError(f"discard_ratio={discard_ratio} is outside [0, 1): give the fraction "
                              f"of each map to discard, e.g. 0.9")

@@ -46,7 +46,7 @@ from torch import nn
 
 from hookscope.engine import check_int, check_tensor, index, one_index_per_call, resolve, untouched
 from hookscope.errors import ArgumentTypeError, ArgumentValueError, GradcamError, SpecError
-from hookscope.record import capture, grad_leaf, gradient_pass
+from hookscope.record import Capture, capture, grad_leaf, gradient_pass
 from hookscope.util import DPI, require, save_figure
 
 __all__ = ["gradcam", "save_gradcam_overlay", "class_scores", "check_class_target"]
@@ -125,11 +125,7 @@ def gradcam(model: nn.Module, x: Tensor, layers: str,
     if x.dim() != 4:
         raise GradcamError(f"x must be images (batch, channels, height, width); got shape "
                            f"{tuple(x.shape)}: {_not_images(x)}")
-    with untouched(model), gradient_pass(model, GradcamError):
-        x = grad_leaf(x)  # gradients reach the layer even if the weights are frozen
-        with capture(model, key, grads=True, on_unfired="error") as acts:
-            output = model(x)
-        torch.autograd.grad(class_scores(output, target), x)
+    with untouched(model), gradient_pass(model, GradcamError): acts = _pass(model, key, x, target)  # noqa: E701 - body on the with line (engine.interrupts)
     calls = acts.counts[key]
     if call is None and calls > 1:
         raise GradcamError(f"'{key}' ran {calls} times in one forward pass; choose one with "
@@ -277,6 +273,17 @@ def save_gradcam_overlay(image: np.ndarray | Tensor | str | os.PathLike[str], ca
     return save_figure(figure, Path(path))
 
 
+def _pass(model: nn.Module, key: str, x: Tensor, target: Any) -> Capture:
+    """Capture ``key``'s output and gradient over one forward of ``x`` and the backward of the
+    ``target`` class scores; ``x`` is made a gradient leaf, so gradients reach the layer even
+    when the weights are frozen."""
+    x = grad_leaf(x)
+    acts = capture(model, key, grads=True, on_unfired="error")
+    with acts: output = model(x)  # noqa: E701 - body on the with line (engine.interrupts)
+    torch.autograd.grad(class_scores(output, target), x)
+    return acts
+
+
 def check_class_target(target: object, batch: int | None) -> None:
     """Raise at the call unless ``target`` is ``None``, an ``int`` (not a ``bool``), a sequence
     of ints or an integer tensor, with one class or one per image of a batch of ``batch``
@@ -294,10 +301,12 @@ def check_class_target(target: object, batch: int | None) -> None:
                                     f"tensor: pass target=torch.tensor([3]) (torch.long)")
         count = target.numel()
     else:
-        items = list(target) if isinstance(target, Sequence) and not isinstance(target, str) else [target]
+        items = [target]
+        if isinstance(target, Sequence) and not isinstance(target, (str, bytes)):
+            items = list(target)
         for item in items:
-            check_int("target", item)
-        count = len(items) if isinstance(target, Sequence) else 1
+            check_int("target", item, minimum=-(2**63), maximum=2**63 - 1)  # torch.long
+        count = len(items)
     if batch is not None and count not in (1, batch):
         raise ArgumentValueError(f"target gives {count} classes for a batch of {batch}: give one "
                                  f"int for every image, or one per image")

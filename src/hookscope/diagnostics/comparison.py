@@ -294,12 +294,10 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
             return
         diffs[key] = _diff(key, reference.pop(key), _values(key[0], output), atol, rtol)
 
-    with untouched(model_a), torch.no_grad(), \
-            _watching(model_a, names_a, [targets_a[key] for key in common], keep) as session_a:
-        keep((OUTPUT, 0), model_a(*_cast_inputs(model_a, args), **_cast_inputs(model_a, kwargs)))
-    with untouched(model_b), torch.no_grad(), \
-            _watching(model_b, names_b, [targets_b[key] for key in common], check) as session_b:
-        check((OUTPUT, 0), model_b(*_cast_inputs(model_b, args), **_cast_inputs(model_b, kwargs)))
+    session_a = _watched_forward(_watching(model_a, names_a, [targets_a[k] for k in common], keep),
+                                 model_a, keep, args, kwargs)
+    session_b = _watched_forward(_watching(model_b, names_b, [targets_b[k] for k in common], check),
+                                 model_b, check, args, kwargs)
     _require_hooks_fired(model_a, not common or len(order) > 1)  # order always holds OUTPUT
     _require_hooks_fired(model_b, not common or len(diffs) + len(unmatched) > 1)
     unmatched += [f"{path}:{k}" for path, k in reference]
@@ -478,6 +476,20 @@ def _targets(model: nn.Module, patterns: list[str]) -> tuple[dict[str, Target], 
     """``({record name: target}, the index they were resolved on)``."""
     targets, names = resolve_checked(model, patterns)
     return {t.key: t for t in targets}, names
+
+
+def _watched_forward(session: Observer, model: nn.Module, sink: Callable[[Key, Any], None],
+                     args: tuple[Any, ...], kwargs: dict[str, Any]) -> Observer:
+    """Run ``model`` once on the inputs (cast to its dtype) in ``session``, without gradients,
+    leaving the model as it was (``untouched``); ``sink`` gets its output; return ``session``.
+    One ``with`` line: an exception at any line event still leaves every block
+    (``engine.interrupts``)."""
+    with untouched(model), torch.no_grad(), session: sink((OUTPUT, 0), _call(model, args, kwargs))  # noqa: E701
+    return session
+
+
+def _call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return model(*_cast_inputs(model, args), **_cast_inputs(model, kwargs))
 
 
 def _watching(model: nn.Module, names: ModuleIndex, targets: list[Target],

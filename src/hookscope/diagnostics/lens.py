@@ -168,10 +168,10 @@ def logit_lens(model: nn.Module, input_ids: Tensor, *, layers: str | Sequence[st
     check_token_ids("input_ids", input_ids, _vocab_size(model, unembed))
     _check_mask(attention_mask, input_ids)
     keys = list(dict.fromkeys(t.key for t in resolve(model, _patterns(model, layers))))
-    with untouched(model), torch.no_grad():
-        with capture(model, *keys, on_unfired="error") as acts:
-            model(input_ids, attention_mask=attention_mask)
-        hidden = _width(unembed)
+    acts, inputs = capture(model, *keys, on_unfired="error"), {"attention_mask": attention_mask}
+    with untouched(model), torch.no_grad(), acts: model(input_ids, **inputs)  # noqa: E701 - body on the with line (engine.interrupts)
+    hidden = _width(unembed)
+    with torch.no_grad():
         log_probs = torch.stack([torch.log_softmax(unembed(norm(_residual(acts, key, hidden))).float(),
                                                    dim=-1) for key in keys])
     lens = LogitLens(log_probs, keys, acts.tokens(keys[0]))

@@ -34,6 +34,7 @@ from hookscope.editing.sweep import (
     _number,
     _plain,
     _sequence_tensor,
+    captured_metric,
     cells,
     check_metric,
     check_sweep_positions,
@@ -49,7 +50,7 @@ from hookscope.engine import (
     warn_if_dropout_trains,
 )
 from hookscope.errors import EditError
-from hookscope.record import capture, gradient_pass, tokens_first
+from hookscope.record import Capture, capture, gradient_pass, tokens_first
 
 __all__ = ["attribution_patching"]
 
@@ -127,17 +128,10 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
     clean, corrupted = _plain(clean), _plain(corrupted)
     check_sweep_positions(positions, clean, corrupted)
     warn_if_dropout_trains(model, "attribution_patching")
-    with untouched(model):
-        with torch.no_grad(), capture(model, *keys, on_unfired="error") as acts:
-            clean_metric = _number(metric(_forward(model, clean)))
-        sources = {key: _sequence_tensor(acts[key], key) for key in keys}
-        with gradient_pass(model, EditError):
-            found: dict[str, list[tuple[Tensor, Tensor]]] = {key: [] for key in keys}
-            with edit(model, {key: _zero_added(found[key], key) for key in keys},
-                      on_unfired="error"), capture(model, *keys, on_unfired="error") as live_acts:
-                value = _differentiable(metric(_forward(model, corrupted)))
-            grads = torch.autograd.grad(value, [_once(found[key], key)[1] for key in keys],
-                                        allow_unused=True)
+    found: dict[str, list[tuple[Tensor, Tensor]]] = {key: [] for key in keys}
+    with untouched(model): runs = _runs(model, keys, clean, corrupted, metric, found)  # noqa: E701 - body on the with line (engine.interrupts)
+    (acts, clean_metric), (live_acts, value, grads) = runs
+    sources = {key: _sequence_tensor(acts[key], key) for key in keys}
     # what each value holds (token and heads axes, the mask of its run), from its record
     layouts = {key: (acts.layout(key, seq_dim=seq_dim, heads=heads),
                      live_acts.layout(key, seq_dim=seq_dim, heads=heads)) for key in keys}
@@ -155,6 +149,26 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
     if plot is not None:
         sweep.plot(plot)
     return sweep
+
+
+def _runs(model: nn.Module, keys: list[str], clean: Any, corrupted: Any, metric: Metric,
+          found: dict[str, list[tuple[Tensor, Tensor]]]) -> tuple[Any, Any]:
+    """The clean run (captured, without gradients) and the corrupted one (``_corrupted_run``)."""
+    with torch.no_grad(): clean_run = captured_metric(model, keys, clean, metric)  # noqa: E701 - body on the with line (engine.interrupts)
+    passing = gradient_pass(model, EditError)
+    with passing: corrupted_run = _corrupted_run(model, keys, corrupted, metric, found)  # noqa: E701 - body on the with line (engine.interrupts)
+    return clean_run, corrupted_run
+
+
+def _corrupted_run(model: nn.Module, keys: list[str], corrupted: Any, metric: Metric,
+                   found: dict[str, list[tuple[Tensor, Tensor]]]) -> tuple[Capture, Tensor, Any]:
+    """The corrupted run, captured, a zero added to each layer's output (kept in ``found``);
+    ``(capture, metric, d metric / d zero of each layer)``."""
+    edits = edit(model, {key: _zero_added(found[key], key) for key in keys}, on_unfired="error")
+    live_acts = capture(model, *keys, on_unfired="error")
+    with edits, live_acts: value = _differentiable(metric(_forward(model, corrupted)))  # noqa: E701 - body on the with line (engine.interrupts)
+    grads = torch.autograd.grad(value, [_once(found[key], key)[1] for key in keys], allow_unused=True)
+    return live_acts, value, grads
 
 
 def _zero_added(found: list[tuple[Tensor, Tensor]], key: str) -> Callable[[Any], Tensor]:

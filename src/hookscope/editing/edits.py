@@ -54,6 +54,7 @@ from hookscope.engine import (
     Target,
     apply_edit,
     as_patterns,
+    brief,
     check_arity,
     check_callable,
     check_finite,
@@ -287,11 +288,11 @@ def ablate(model: nn.Module, layers: str | Sequence[str], *,
     patterns = as_patterns(layers)
     _check_where(positions, absolute, seq_dim, over)
     if how not in ("zero", "mean", "resample"):
-        raise EditError(f"how={how!r} is not one of 'zero', 'mean', 'resample'")
+        raise EditError(f"how={brief(how)} is not one of 'zero', 'mean', 'resample'")
     rule: Rule = edit_rules.zero
     if how != "zero":
         if reference is None:
-            raise EditError(f"how={how!r} needs reference=acts: a capture of the same modules on "
+            raise EditError(f"how={brief(how)} needs reference=acts: a capture of the same modules on "
                             f"reference inputs, e.g. with hookscope.capture(model, *layers) as "
                             f"acts: model(x_reference)")
         rule = edit_rules.reference_rule(SourceReader(reference, "reference"), how)

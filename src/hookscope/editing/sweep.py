@@ -36,7 +36,7 @@ from hookscope.engine import (
     warn_if_dropout_trains,
 )
 from hookscope.errors import ArgumentTypeError, ArgumentValueError, EditError, PositionError, warn
-from hookscope.record import capture, layout_positions, tokens_first
+from hookscope.record import Capture, capture, layout_positions, tokens_first
 from hookscope.util import map_tensors, new_figure, require, save_figure
 
 __all__ = ["Sweep", "patching_sweep", "Metric", "cells", "check_metric", "check_sweep_positions"]
@@ -249,10 +249,8 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
     keys = list({t.key: t for t in targets})
     rows = _rows(corrupted)
     with untouched(model), torch.no_grad():
-        with capture(model, *keys, on_unfired="error") as acts:
-            clean_metric = _number(metric(_forward(model, clean)))
-        with capture(model, *keys, on_unfired="error") as corrupted_acts:
-            corrupted_metric = _number(metric(_forward(model, corrupted)))
+        acts, clean_metric = captured_metric(model, keys, clean, metric)
+        corrupted_acts, corrupted_metric = captured_metric(model, keys, corrupted, metric)
         sources = {key: _sequence_tensor(acts[key], key) for key in keys}
         # what each value holds (token and heads axes, the mask of its run), from its record
         layouts = {key: (acts.layout(key, seq_dim=seq_dim, heads=heads),
@@ -321,8 +319,9 @@ def _run_chunk(model: nn.Module, corrupted: Any, key: str, source: Tensor,
     """One forward of ``len(chunk)`` copies of ``corrupted``, copy ``j`` patched at ``chunk[j]``
     (positions and a head or ``None``) in ``key``; the metric of each copy."""
     rows = _rows(corrupted)
-    with edit(model, {key: _patcher(key, source, layouts, chunk, rows)}, on_unfired="error"):
-        output = _forward(model, _repeat(corrupted, len(chunk), rows))
+    edits, inputs = edit(model, {key: _patcher(key, source, layouts, chunk, rows)},
+                         on_unfired="error"), _repeat(corrupted, len(chunk), rows)
+    with edits: output = _forward(model, inputs)  # noqa: E701 - body on the with line (engine.interrupts)
     bar.update()
     return [_number(metric(_copy_of(output, j, len(chunk), rows))) for j in range(len(chunk))]
 
@@ -403,6 +402,14 @@ def _sequence_tensor(value: Any, key: str) -> Tensor:
         raise EditError(f"'{key}' returns {kind}, not a (batch, seq, ...) tensor; select the "
                         f"tensor of a structured output with a part, e.g. '{key}[0]'")
     return value
+
+
+def captured_metric(model: nn.Module, keys: list[str], inputs: Any,
+                    metric: Callable[[Any], Any]) -> tuple[Capture, float]:
+    """A capture of ``keys`` over one forward of ``inputs``, and ``metric`` of its output."""
+    acts = capture(model, *keys, on_unfired="error")
+    with acts: value = metric(_forward(model, inputs))  # noqa: E701 - body on the with line (engine.interrupts)
+    return acts, _number(value)
 
 
 def _number(value: Tensor | float) -> float:

@@ -14,6 +14,7 @@ offers (``__all__``), never one of its modules (``tests/test_layers.py``).
 """
 
 from hookscope.engine.checks import (
+    brief,
     check_arity,
     check_callable,
     check_device,
@@ -107,7 +108,7 @@ from hookscope.engine.wrappers import unwrap
 __all__ = ["FULLGRAPH", "FunctionCall", "RecordingHook", "GracefulStop", "exit_at_interrupt", "HookSession",
            "KNOWN_LIBRARIES", "Layout", "MaskWatcher", "ModuleIndex", "NO_TOKENS", "NO_VALUES_FIX",
            "Observer", "OnUnfired", "OwnedHook", "Part", "RecordKey", "RngState", "Target", "Tokens",
-           "Watch", "after_backward", "apply_edit", "as_patterns", "bind_arguments", "check_arity",
+           "Watch", "after_backward", "apply_edit", "as_patterns", "bind_arguments", "brief", "check_arity",
            "check_callable", "check_device", "check_dtype", "check_finite", "check_flag",
            "check_has_values", "check_int", "check_iterable", "check_model", "check_no_unmasked_padding",
            "check_nonempty", "check_not_transformed", "check_number", "check_options", "check_path",

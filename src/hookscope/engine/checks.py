@@ -46,15 +46,21 @@ from hookscope.errors import (
     warn,
 )
 
-__all__ = ["check_arity", "check_callable", "check_device", "check_dtype", "check_finite", "check_flag",
-           "check_int", "check_iterable", "check_model", "check_nonempty", "check_number", "check_options",
-           "check_positions", "check_run_dir", "check_tensor", "check_token_ids", "check_path",
-           "warn_if_dropout_trains"]
+__all__ = ["brief", "check_arity", "check_callable", "check_device", "check_dtype", "check_finite",
+           "check_flag", "check_int", "check_iterable", "check_model", "check_nonempty", "check_number",
+           "check_options", "check_positions", "check_run_dir", "check_tensor", "check_token_ids",
+           "check_path", "warn_if_dropout_trains"]
+
+
+def brief(value: object) -> str:
+    """``repr(value)`` on one line (a sparse tensor's repr spans several), at most 60
+    characters: what an error message shows of a bad argument."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _got(value: object) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+    return f"{type(value).__name__} {brief(value)}"
 
 
 def warn_if_dropout_trains(model: nn.Module, verb: str) -> None:
@@ -213,6 +219,9 @@ def check_number(name: str, value: object, *, minimum: float | None = None) -> N
     """
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise ArgumentTypeError(f"{name} must be a real number, e.g. {name}=1e-5; got {_got(value)}")
+    if isinstance(value, int) and abs(value) > 2**53:  # float(value) would round or overflow
+        raise ArgumentValueError(f"{name}={value!r:.20} is too large: pass a number of at most "
+                                 f"2**53 in size")
     if not math.isfinite(value):
         raise ArgumentValueError(f"{name}={value} is not finite: pass a finite number, e.g. "
                                  f"{name}=1e-5")

@@ -43,6 +43,7 @@ module per call). Code compiled before that still ignores new hooks: a block rep
 from __future__ import annotations
 
 import sys
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -63,6 +64,7 @@ TENSOR, TUPLE, LIST = 0, 1, 2  # how ``keep`` rebuilds what the module returned
 _sinks: dict[int, Sink] = {}
 _places: weakref.WeakKeyDictionary[nn.Module, list[int]] = weakref.WeakKeyDictionary()
 _next_key = [0]
+_keys_lock = threading.Lock()  # two threads opening blocks on one module get two keys
 _op: list[Any] = []  # the operators (keep, replace, Tap.apply), defined once on first use
 _checked: list[bool] = []  # whether torch._dynamo was set up (prepare)
 _hook_codes: list[Any] = []  # code objects of hooks' __call__ (eager_when_called)
@@ -205,7 +207,13 @@ def _fresh(kept: list[Tensor | None], new: Any) -> list[Tensor]:
 
 def open_sink(module: nn.Module, sink: Sink) -> int:
     """Register ``sink(output)`` to run for each compiled call of a hook on ``module``; return
-    its key (the first free place on ``module``: the same key as the last block's hook there)."""
+    its key (the first free place on ``module``: the same key as the last block's hook there).
+    Thread-safe: blocks opened at once in several threads get distinct keys."""
+    # one line (engine.interrupts): an exception at a line event of the body still unlocks
+    with _keys_lock: return _claim(module, sink)  # noqa: E701
+
+
+def _claim(module: nn.Module, sink: Sink) -> int:
     places = _places.setdefault(module, [])
     key = next((k for k in places if k not in _sinks), None)
     if key is None:

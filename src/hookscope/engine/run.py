@@ -19,6 +19,7 @@ pre-forward hooks onto an execution device.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -76,7 +77,8 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
     (``_u``, ``_v``), dropout draws from the global RNG. On exit each buffer whose values changed
     holds its old values again (the same tensor object, refilled in place, so references to it
     stay valid), each module whose ``training`` flag changed gets it back, each parameter whose
-    ``requires_grad`` changed too; the CPU and CUDA RNGs get their states back and autograd its
+    ``requires_grad`` changed too; the CPU and CUDA RNGs get their states back (unless another
+    thread may have drawn from them meanwhile, see Threads) and autograd its
     grad mode (a KeyboardInterrupt inside a verb's ``torch.no_grad()`` exit would leave
     gradients off). Only what changed is written: an unchanged model is only read. The model's
     mode is not changed on entry: the block sees train-mode behaviour (dropout) if the model is
@@ -95,6 +97,13 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
     thread's updates), and leaving the block raises ``ConcurrentModelError`` naming the modules
     when the verb's own forward ran in training mode there too (the statistics then hold both
     threads' updates). In eval mode a forward changes no buffer, so nothing is refused.
+
+    The RNG is one for the process: putting it back would make a thread that drew from it
+    during the block (a trainer's dropout) draw the same numbers again (the same masks twice).
+    So it is put back only when no other thread ran the model (its root module's calls are
+    counted too) and no other thread had such a block open at any moment of this one; else it
+    is left as it is, as any two threads drawing from one generator leave it. A thread drawing
+    from the RNG without running the model or a hookscope block is beyond what hookscope sees.
 
     Parameters are not copied, so a forward that writes its own weights in place (an
     ``.data.copy_`` in ``forward``, a codebook updated by the forward) keeps that write:
@@ -117,6 +126,8 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
         self._models = models
         self._kept: list[_State] = []
         self._rng: RngState | None = None
+        self._rng_shared = False  # another thread's block was open during this one
+        self._rng_thread = 0
         self._grad = True
 
     def __enter__(self) -> None:
@@ -130,9 +141,11 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
         with interrupts.deferred(undo=self._finish):  # interrupted: as if never entered
             self._grad = torch.is_grad_enabled()
             self._rng = RngState.now()
+            _open_rng(self)
             interrupts.guard(self, self._finish)
-            for model in self._models:
-                self._kept.append(_State(model))
+            for model in self._models:  # kept before its hooks exist: an interrupt removes them
+                self._kept.append(state := _State(model))
+                state.watch()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: object) -> None:
@@ -158,16 +171,42 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
         ``__exit__`` runs before its KeyboardInterrupt leaves. Returns the paths of modules with
         changed buffers that another thread ran (left as they are)."""
         shared = []
+        foreign = any(state.foreign_calls() for state in self._kept)
         for state in self._kept:
             shared += state.restore()
         self._kept = []
         if self._rng is not None:
-            self._rng.restore()
+            if not (_close_rng(self) or foreign):
+                self._rng.restore()
             self._rng = None
         if torch.is_grad_enabled() != self._grad:
             torch.set_grad_enabled(self._grad)
         interrupts.unguard(self)
         return shared
+
+
+_rng_lock = threading.Lock()
+_rng_blocks: dict[int, untouched] = {}  # id(block) -> block: the open blocks, every thread's
+
+
+def _open_rng(block: untouched) -> None:
+    """Note ``block`` as open; it and every open block of another thread share the RNG now."""
+    block._rng_thread = threading.get_ident()
+    # one line each (engine.interrupts): an exception at a line event of the body still unlocks
+    with _rng_lock: _share_rng(block)  # noqa: E701
+
+
+def _share_rng(block: untouched) -> None:
+    for other in _rng_blocks.values():
+        if other._rng_thread != block._rng_thread:
+            other._rng_shared = block._rng_shared = True
+    _rng_blocks[id(block)] = block
+
+
+def _close_rng(block: untouched) -> bool:
+    """Forget ``block``; True when another thread's block was open at some moment of it."""
+    with _rng_lock: _rng_blocks.pop(id(block), None)  # noqa: E701
+    return block._rng_shared
 
 
 class _State:
@@ -181,7 +220,7 @@ class _State:
         self.flags: list[tuple[nn.Module, bool]] = []
         self.buffers: list[tuple[nn.Module, str, Tensor, Tensor]] = []
         self.params: list[tuple[nn.Parameter, bool]] = []
-        self.watch: dict[nn.Module, tuple[OwnedHook, RemovableHandle]] = {}
+        self.counters: dict[nn.Module, tuple[OwnedHook, RemovableHandle]] = {}
         self.paths = {m: p for p, m in model.named_modules(remove_duplicate=False)}
         modules = list(model.modules())
         self.flags = [(m, m.training) for m in modules]
@@ -191,9 +230,18 @@ class _State:
         self.buffers = [(m, name, b, c) for (m, name, b), c in zip(kept, clones, strict=True)]
         self.params = [(p, p.requires_grad) for p in model.parameters()]
         self.trained: set[nn.Module] = set()  # modules this thread ran in training mode
-        for module in dict.fromkeys(m for m, _, _ in kept):
+        self.watched = list(dict.fromkeys([model, *(m for m, _, _ in kept)]))  # the root: RNG
+
+    def watch(self) -> None:
+        """Register the owned pre-hooks counting other threads' calls (``restore`` removes
+        them, also those of a ``watch`` that an interrupt stopped halfway)."""
+        for module in self.watched:
             counter = OwnedHook(self._ran, module, traceable=True)
-            self.watch[module] = (counter, register(module, counter, pre=True))
+            self.counters[module] = (counter, register(module, counter, pre=True))
+
+    def foreign_calls(self) -> int:
+        """Calls of the watched modules (the root's included) from other threads so far."""
+        return sum(counter.foreign_calls for counter, _ in self.counters.values())
 
     def _ran(self, module: nn.Module, args: Any) -> None:
         if module.training:
@@ -202,7 +250,7 @@ class _State:
     def restore(self) -> list[str]:
         """Put back what changed (idempotent); return the paths of modules whose changed
         buffers were left because another thread ran them."""
-        for _, handle in self.watch.values():
+        for _, handle in self.counters.values():
             handle.remove()
         shared: dict[str, None] = {}
         for module, training in self.flags:
@@ -212,7 +260,7 @@ class _State:
             for module, name, buffer, values in self.buffers:
                 if module._buffers.get(name) is buffer and _same(buffer, values):
                     continue
-                counter = self.watch.get(module)
+                counter = self.counters.get(module)
                 if counter is not None and counter[0].foreign_calls:  # maybe the other's doing
                     if module in self.trained:  # and ours: both updates are in it
                         shared[self.paths.get(module, "?")] = None

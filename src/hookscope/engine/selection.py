@@ -43,7 +43,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from hookscope.engine.checks import check_iterable, check_nonempty
+from hookscope.engine.checks import brief, check_iterable, check_nonempty
 from hookscope.engine.function_names import split_address
 from hookscope.engine.names import ModuleIndex, index
 from hookscope.engine.record_key import ROOT, RecordKey, record_name
@@ -145,7 +145,7 @@ def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str], *,
     for pattern in patterns:
         if not isinstance(pattern, str):
             raise SelectorError(f"layers are patterns, each a string; got {type(pattern).__name__} "
-                                f"{pattern!r:.100}: pass strings, e.g. capture(model, 'fc1', "
+                                f"{brief(pattern)}: pass strings, e.g. capture(model, 'fc1', "
                                 f"'blocks.*') or a list of them, capture(model, ['fc1', 'fc2'])")
         for target in _resolve_address(names, pattern.strip()):
             known = chosen.get((target.path, target.parts, target.op))

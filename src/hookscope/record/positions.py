@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 import torch
 
-from hookscope.engine import Layout, check_no_unmasked_padding
+from hookscope.engine import Layout, brief, check_no_unmasked_padding
 from hookscope.errors import ArgumentValueError, PositionError
 
 __all__ = ["Positions", "Heads", "Over", "resolve_positions", "take_positions", "layout_positions",
@@ -235,7 +235,7 @@ def _pick(positions: Positions, real: list[int], row: int, seq: int, masked: boo
     if isinstance(positions, slice):
         return real[positions]
     if isinstance(positions, bool) or isinstance(positions, Tensor) and positions.dim() > 1:
-        raise PositionError(f"positions={positions!r} is not a position: give an int, a list of "
+        raise PositionError(f"positions={brief(positions)} is not a position: give an int, a list of "
                             f"ints, a slice or a boolean mask")
     wanted = _ints(positions)
     picked = []
@@ -263,7 +263,7 @@ def _ints(positions: Any, name: str = "positions") -> list[int]:
         return [operator.index(p) for p in values]
     except TypeError:
         forms = "a list of ints, a slice or a boolean mask" if name == "positions" else "a list of ints"
-        raise PositionError(f"{name}={positions!r} is not a {name[:-1]}: give an int, "
+        raise PositionError(f"{name}={brief(positions)} is not a {name[:-1]}: give an int, "
                             f"{forms}") from None
 
 

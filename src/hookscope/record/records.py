@@ -31,6 +31,7 @@ from hookscope.engine import (
     RecordKey,
     Tokens,
     bind_arguments,
+    check_path,
     describe,
     layout_of,
     outside_inference,
@@ -546,8 +547,10 @@ def load(file: str | os.PathLike[str]) -> Records:
     (``records.metadata``) and its call counts (``records.counts``).
 
     Raises:
+        ArgumentTypeError: ``file`` is not a ``str`` or ``os.PathLike``.
         HookscopeError: the file is missing or is not a safetensors file.
     """
+    check_path("file", file, "hookscope.load('acts.safetensors') (a file Capture.save wrote)")
     file = os.fspath(file)
     if not os.path.exists(file):
         raise HookscopeError(f"no such file: {file}")

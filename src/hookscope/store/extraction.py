@@ -44,6 +44,7 @@ from tqdm import tqdm
 from hookscope.engine import (
     GracefulStop,
     as_patterns,
+    brief,
     input_device,
     kind_of,
     model_inputs,
@@ -249,7 +250,7 @@ def _check_arguments(model: Any, out: Any, dtype: Any, batch_size: Any, shard_by
     ]
     for name, value, ok, want in checks:
         if not ok:
-            raise ExtractError(f"extract({name}={value!r:.60}): {name} must be {want}; got "
+            raise ExtractError(f"extract({name}={brief(value)}): {name} must be {want}; got "
                                f"{type(value).__name__}")
 
 
@@ -358,9 +359,8 @@ def _write_all(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Rows]],
     """Store the rows of every remaining batch, handing full shards to a background writer."""
     staging = Staging(_slab_bytes(job))
     try:
-        with capture(job.model, *job.keys, on_unfired="ignore",
-                     early_stop=job.early_stop) as job.session:
-            _write_batches(job, writer, todo, start, staging)
+        job.session = capture(job.model, *job.keys, on_unfired="ignore", early_stop=job.early_stop)
+        with job.session: _write_batches(job, writer, todo, start, staging)  # noqa: E701 - body on the with line (engine.interrupts)
     finally:
         staging.close()
 
@@ -620,9 +620,8 @@ def _first_capture(job: _Job, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             "addresses; in Python hookscope.diagnostics.module_tree.tree_of_call(model, lambda: model(x), "
             "ops=True)")
     try:
-        with capture(job.model, *job.keys, on_unfired="error",
-                     early_stop=job.early_stop) as acts:
-            job.model(*args, **kwargs)
+        acts = capture(job.model, *job.keys, on_unfired="error", early_stop=job.early_stop)
+        with acts: job.model(*args, **kwargs)  # noqa: E701 - body on the with line (engine.interrupts)
     except HookNeverFiredError as err:
         lines = "".join(f"\n  - {key}: {why}" for key, why in err.unfired.items())
         unmatched: set[str] = getattr(err.capture, "unmatched", set())

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from hookscope.engine import check_number
 from hookscope.errors import ArgumentValueError, StoreError
 from hookscope.store.reader import Store, open_store
 from hookscope.store.tokens import TokenView
@@ -138,8 +139,10 @@ def probe(store: Store | str | Path, layers: Sequence[str] | None = None, *,
     chosen = _layers(store, layers, tokens)
     examples = _examples(store, chosen, tokens)
     targets, classes = _label_ids(store, labels, examples)
+    check_number("test_fraction", test_fraction)
+    check_number("C", C)
     if not 0 < test_fraction < 1:
-        raise ArgumentValueError(f"test_fraction={test_fraction!r}: pass a share in (0, 1), e.g. 0.2")
+        raise ArgumentValueError(f"test_fraction={test_fraction}: pass a share in (0, 1), e.g. 0.2")
     if len(classes) < 2:
         raise ArgumentValueError(f"a probe needs at least 2 classes; the labels hold {classes!r}")
     n = len(targets)

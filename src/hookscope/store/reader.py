@@ -32,7 +32,7 @@ import numpy as np
 import safetensors
 import torch
 
-from hookscope.engine import check_path, unresolved_standard
+from hookscope.engine import brief, check_path, unresolved_standard
 from hookscope.errors import StoreCorruptError, StoreError
 from hookscope.store.fs import (
     ChunkCache,
@@ -404,6 +404,9 @@ class LayerView:
                 return self[list(range(start, stop, step))]
             return self._rows(start, max(start, stop))
         if isinstance(index, (Sequence, Tensor, np.ndarray)) and not isinstance(index, str):
+            if isinstance(index, Tensor) and index.layout != torch.strided:  # no numpy view
+                raise IndexError(f"rows of layer {self.info.path!r} are indexed by a dense "
+                                 f"tensor, not a {index.layout} one: pass index.to_dense()")
             found = np.asarray(index.cpu() if isinstance(index, Tensor) else index)
             if found.ndim == 1:
                 rows = [self._one(i, n) for i in self._indices(found, n)]
@@ -566,7 +569,7 @@ class Store:
     def __getitem__(self, layer: str) -> LayerView:
         if not isinstance(layer, str):
             raise StoreError(f"a store's layer is named by a str; got {type(layer).__name__} "
-                             f"{layer!r:.100}: pass one of {list(self.layers)}")
+                             f"{brief(layer)}: pass one of {list(self.layers)}")
         layer = self.standard_names.get(layer, layer)  # store["resid_post.1"]
         if layer not in self.layers:
             if self._shards:  # a layer cut from the manifest: the shard header still holds it

@@ -122,10 +122,11 @@ def read_bundle(path: Any) -> dict[str, Any]:
         raise BundleError(f"{path} is a link leading outside its folder; hookscope reads only a "
                           f"run folder's own files: pass the bundle file itself")
     try:
-        data = read_regular(path)
-        (length,) = struct.unpack("<Q", data[:8])
-        header = json.loads(data[8:8 + length])
-        metadata = header.get("__metadata__") if isinstance(header, dict) else None
+        header, size = _header(path)
+        data = read_regular(path, size + 1, max_bytes=size)
+        if len(data) != size:
+            raise ValueError(f"{len(data)} bytes, its header declares {size}")
+        metadata = header.get("__metadata__")
         tensors = safetensors.torch.load(data)
     except (OSError, ValueError, struct.error, RecursionError, safetensors.SafetensorError) as err:
         raise BundleError(f"{path} cannot be read as a replay bundle ({type(err).__name__}: "
@@ -147,6 +148,43 @@ def read_bundle(path: Any) -> dict[str, Any]:
     _check_fields(path, fields, tensors)
     return {"tensors": tensors, "fields": fields}
 
+
+def _header(path: Path) -> tuple[dict[str, Any], int]:
+    """The safetensors header of ``path`` and the file size it declares (8 + header + the end
+    of its last tensor), read before any tensor byte: a truncated, padded or sparse file, or
+    one declaring more bytes than this machine's memory, is refused before it is read whole.
+
+    Raises:
+        OSError, ValueError, struct.error: as ``read_bundle`` catches them.
+    """
+    (length,) = struct.unpack("<Q", read_regular(path, 8))
+    if length > _MAX_HEADER_BYTES:
+        raise ValueError(f"a header of {length} bytes (safetensors allows {_MAX_HEADER_BYTES})")
+    header = json.loads(read_regular(path, 8 + length)[8:])
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    ends = [entry.get("data_offsets", [0, 0])[1] if isinstance(entry, dict) else None
+            for key, entry in header.items() if key != "__metadata__"]
+    sizes = [end for end in ends if type(end) is int and end >= 0]
+    if len(sizes) != len(ends):
+        raise ValueError("a tensor's data_offsets are not whole numbers")
+    size = 8 + length + max(sizes, default=0)
+    memory = _memory_bytes()
+    if memory is not None and size > memory:
+        raise ValueError(f"it declares {size} bytes, more than this machine's {memory} bytes "
+                         f"of memory")
+    return header, size
+
+
+def _memory_bytes() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+_MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
 
 _FIX = ("pass a nonfinite-step-<N>.safetensors file the monitor wrote, unchanged (a damaged "
         "bundle cannot be repaired; the run's next non-finite step writes a new one)")

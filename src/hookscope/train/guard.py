@@ -184,12 +184,8 @@ def replay(bundle: ReplayBundle | str | Path, model: nn.Module) -> NonFiniteOrig
         root.load_state_dict(bundle.state)
         inputs = bundle.inputs
         grads = bundle.output_grads
-        with untouched(root):  # puts the RNG states back afterwards
-            inputs.rng.restore()
-            with _autocast(inputs.autocast):
-                origin = find_nonfinite(root, *inputs.args, backward=True,
-                                        loss_fn=lambda output: _output_loss(output, grads),
-                                        **inputs.kwargs)
+        # untouched puts the RNG states back afterwards
+        with untouched(root): origin = _step(root, inputs, grads)  # noqa: E701 - body on the with line (engine.interrupts)
         if origin is not None and origin.path == LOSS and origin.phase == "forward":
             # the forward was finite and the surrogate loss is not: the real loss's gradient was,
             # or, when the recorded forward was not finite, the model has changed since (a fix)
@@ -205,6 +201,17 @@ def replay(bundle: ReplayBundle | str | Path, model: nn.Module) -> NonFiniteOrig
                           f"({type(err).__name__}: {str(err)[:300]}); replay the bundle on the "
                           f"model that recorded it, in the same train/eval mode (the model's "
                           f"weights were put back)") from err
+
+
+def _step(root: nn.Module, inputs: StepInputs, grads: list[Tensor | None]) -> NonFiniteOrigin | None:
+    """The step's forward and backward from its RNG state, under its autocast state."""
+    inputs.rng.restore()
+    with _autocast(inputs.autocast): return _find(root, inputs, grads)  # noqa: E701 - body on the with line (engine.interrupts)
+
+
+def _find(root: nn.Module, inputs: StepInputs, grads: list[Tensor | None]) -> NonFiniteOrigin | None:
+    return find_nonfinite(root, *inputs.args, backward=True,
+                          loss_fn=lambda output: _output_loss(output, grads), **inputs.kwargs)
 
 
 def _check_fits(state: dict[str, Tensor], root: nn.Module) -> None:

@@ -50,6 +50,7 @@ from hookscope.engine import (
     Target,
     after_backward,
     as_patterns,
+    brief,
     check_int,
     check_run_dir,
     detached_clones,
@@ -731,9 +732,10 @@ def _numbers(summary: dict[str, float] | None) -> str:
 
 def _check_arguments(every: int, optimizer: Any, scaler: Any, guard: Any) -> None:
     if not isinstance(every, int) or isinstance(every, bool) or every < 0:
-        raise ArgumentValueError(f"every={every!r}: pass a whole number of steps >= 0 (0: no statistics)")
+        raise ArgumentValueError(f"every={brief(every)}: pass a whole number of steps >= 0 "
+                                 f"(0: no statistics)")
     if guard not in ("raise", "warn", "skip", None):
-        raise ArgumentValueError(f"guard={guard!r} is not one of 'raise', 'warn', 'skip', None")
+        raise ArgumentValueError(f"guard={brief(guard)} is not one of 'raise', 'warn', 'skip', None")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise ArgumentTypeError(f"optimizer must be a torch.optim.Optimizer (its step() is hooked "
                                 f"to count steps), e.g. optimizer=torch.optim.SGD(model.parameters"
