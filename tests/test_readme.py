@@ -211,3 +211,21 @@ def test_an_unclosed_block_or_comment_names_its_line() -> None:
         parse("text\n```python\nx = 1\n")
     with pytest.raises(ReadmeError, match="line 1: the readme-test comment is never closed"):
         parse("<!-- readme-test: skip why\n```python\n```\n")
+
+
+def test_the_api_page_documents_every_public_name_and_the_errors_page_every_error() -> None:
+    """docs/api.md says it is generated from ``hookscope.__all__``: it renders every public name
+    but the errors and warnings, which docs/errors.md's table lists (a review of the built site
+    found 52 of 82 names missing and 3 errors without a row)."""
+    import inspect
+
+    import hookscope
+
+    api = set(re.findall(r"^::: hookscope\.(\w+)$", (ROOT / "docs" / "api.md").read_text(), re.M))
+    first_cells = re.findall(r"^\| [^|]*\|", (ROOT / "docs" / "errors.md").read_text(), re.M)
+    errors = set(re.findall(r"`(\w+)`", "".join(first_cells)))
+    problems = {name for name in hookscope.__all__
+                if inspect.isclass(getattr(hookscope, name))
+                and issubclass(getattr(hookscope, name), (Exception, Warning))}
+    assert set(hookscope.__all__) - problems <= api
+    assert problems - {"HookscopeError", "HookscopeWarning"} <= errors

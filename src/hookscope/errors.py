@@ -69,8 +69,9 @@ class HookscopeWarning(UserWarning):
 
 
 class TrainingModeWarning(HookscopeWarning):
-    """A verb that compares many forward passes (``patching_sweep``, ``attribution_patching``)
-    runs a model whose dropout is in training mode, so each forward samples another mask."""
+    """A verb that compares many forward passes (``patching_sweep``, ``attribution_patching``,
+    ``edge_attribution_patching``) runs a model whose dropout is in training mode, so each
+    forward samples another mask."""
 
 
 class HookNeverFiredWarning(HookscopeWarning):

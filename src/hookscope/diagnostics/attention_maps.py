@@ -92,10 +92,10 @@ def attention(model: nn.Module, *args: Any, layers: str | Sequence[str], **kwarg
               ) -> dict[str, Tensor]:
     """Run ``model(*args, **kwargs)`` once and return the attention probabilities of each module.
 
-    ::
-
-        probs = hookscope.attention(model, **tokens, layers="encoder.layer.*")
-        probs["encoder.layer.2"][:, 3]      # head 3 of layer 2: (batch, query, key)
+    ```python
+    probs = hookscope.attention(model, **tokens, layers="encoder.layer.*")
+    probs["encoder.layer.2"][:, 3]      # head 3 of layer 2: (batch, query, key)
+    ```
 
     Each selected module must compute exactly one attention per call, in its own forward or in
     its children's: an attention module (``encoder.layer.2.attention.self``) or a whole block

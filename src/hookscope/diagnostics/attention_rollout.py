@@ -40,11 +40,11 @@ def rollout(model: nn.Module, *args: Any, layers: str | Sequence[str], head_fusi
             target: int | Sequence[int] | Tensor | None = None, **kwargs: Any) -> Tensor:
     """Attention rollout of ``model(*args, **kwargs)`` over ``layers`` (Abnar & Zuidema, 2020).
 
-    ::
-
-        flow = hookscope.rollout(vit, x, layers="vit.layers.*.attention")  # (batch, 17, 17)
-        cls = flow[:, 0, 1:].reshape(-1, 4, 4)    # how much each patch flows into the class token
-        relevance = hookscope.rollout(vit, x, layers="vit.layers.*.attention", target=3)
+    ```python
+    flow = hookscope.rollout(vit, x, layers="vit.layers.*.attention")  # (batch, 17, 17)
+    cls = flow[:, 0, 1:].reshape(-1, 4, 4)    # how much each patch flows into the class token
+    relevance = hookscope.rollout(vit, x, layers="vit.layers.*.attention", target=3)
+    ```
 
     The probabilities come from ``hookscope.attention`` (one forward, the model left as found).
     With ``gradient=True`` (or a ``target``) each head is weighted by the gradient of the

@@ -17,15 +17,19 @@ With ``g = d y^c / d A^k_ij`` the two variants replace the weights:
 
 - Grad-CAM++ (Chattopadhay, Sarkar, Howlader and Balasubramanian, "Grad-CAM++: Generalized
   Gradient-based Visual Explanations for Deep Convolutional Networks", WACV 2018,
-  arXiv:1710.11063, eq. 19 with the exponential score of section 3.3)::
+  arXiv:1710.11063, eq. 19 with the exponential score of section 3.3):
 
-      a_ij^kc = g^2 / (2 g^2 + sum_ab A^k_ab g^3)     (0 where the denominator is 0)
-      w_k^c   = sum_ij a_ij^kc ReLU(g)                 L^c = ReLU(sum_k w_k^c A^k)
+  ```text
+  a_ij^kc = g^2 / (2 g^2 + sum_ab A^k_ab g^3)     (0 where the denominator is 0)
+  w_k^c   = sum_ij a_ij^kc ReLU(g)                 L^c = ReLU(sum_k w_k^c A^k)
+  ```
 
 - LayerCAM (Jiang, Zhang, Hou, Cheng and Wei, "LayerCAM: Exploring Hierarchical Class
-  Activation Maps for Localization", IEEE TIP 30, 2021, eq. 4-5)::
+  Activation Maps for Localization", IEEE TIP 30, 2021, eq. 4-5):
 
-      L^c_ij = ReLU(sum_k ReLU(g_ij) A^k_ij)           (a weight per location, not per channel)
+  ```text
+  L^c_ij = ReLU(sum_k ReLU(g_ij) A^k_ij)           (a weight per location, not per channel)
+  ```
 
 Token models (a vision transformer) give ``(batch, tokens, channels)``: the leading class and
 register tokens are dropped and the patch tokens laid out on their grid, ``(batch, channels, h,
@@ -63,10 +67,10 @@ def gradcam(model: nn.Module, x: Tensor, layers: str,
             method: Method = "gradcam", grid: tuple[int, int] | None = None) -> Tensor:
     """Class activation map of ``layers`` (one module) for class ``target`` (Selvaraju et al., 2017).
 
-    ::
-
-        cam = hookscope.gradcam(model.eval(), x, "_conv_head")   # (batch, 224, 224) in [0, 1]
-        cam = hookscope.gradcam(vit.eval(), x, "vit.layers.11.layernorm_before")  # a ViT
+    ```python
+    cam = hookscope.gradcam(model.eval(), x, "_conv_head")   # (batch, 224, 224) in [0, 1]
+    cam = hookscope.gradcam(vit.eval(), x, "vit.layers.11.layernorm_before")  # a ViT
+    ```
 
     Call ``model.eval()`` first: in training mode dropout makes the map random (the pass runs in
     the model's current mode). The model is left as it was found (BatchNorm statistics,

@@ -126,10 +126,10 @@ def logit_lens(model: nn.Module, input_ids: Tensor, *, layers: str | Sequence[st
                ) -> LogitLens:
     """Read each selected block's residual stream through the model's final norm and unembedding.
 
-    ::
-
-        lens = hookscope.logit_lens(gpt2, ids)          # every block of transformer.h
-        print(lens.table(k=3, decode=tokenizer.decode)) # the top 3 at the last position
+    ```python
+    lens = hookscope.logit_lens(gpt2, ids)          # every block of transformer.h
+    print(lens.table(k=3, decode=tokenizer.decode)) # the top 3 at the last position
+    ```
 
     One forward under ``torch.no_grad()`` in the model's current mode; the model is left as it
     was found (``engine.run.untouched``). The last block's reading equals

@@ -66,11 +66,11 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
     """Estimate ``patching_sweep``'s table from one clean forward, one corrupted forward and one
     backward (Nanda 2023; Syed et al. 2023, arXiv:2310.10348).
 
-    ::
-
-        atp = hookscope.attribution_patching(model, clean_ids, corrupt_ids, logit_diff,
-                                             layers="transformer.h.*")
-        atp.values     # ~ patching_sweep(...).values, at the cost of three passes
+    ```python
+    atp = hookscope.attribution_patching(model, clean_ids, corrupt_ids, logit_diff,
+                                         layers="transformer.h.*")
+    atp.values     # ~ patching_sweep(...).values, at the cost of three passes
+    ```
 
     ``values[i, j] = corrupted + sum((a_clean - a_corrupted) * d metric / d a)`` over the rows
     and channels of ``layers[i]`` at ``positions[j]`` (the positions as ``patching_sweep``

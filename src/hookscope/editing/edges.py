@@ -155,10 +155,10 @@ def edge_attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metr
     """Score every edge between heads and MLPs (EAP, Syed et al. 2023; EAP-IG with ``steps``,
     Hanna et al. 2024; see the module docstring).
 
-    ::
-
-        edges = hookscope.edge_attribution_patching(gpt2, clean_ids, corrupt_ids, logit_diff, steps=5)
-        print(edges.table(10))          # the 10 edges that matter most
+    ```python
+    edges = hookscope.edge_attribution_patching(gpt2, clean_ids, corrupt_ids, logit_diff, steps=5)
+    print(edges.table(10))          # the 10 edges that matter most
+    ```
 
     The model is left as it was found (``engine.run.untouched``); no parameter's ``.grad``
     changes. Call ``model.eval()`` first.

@@ -188,10 +188,10 @@ def edit(model: nn.Module, edits: Mapping[str, Callable[..., Any]], *, inputs: b
          context: bool = False, on_unfired: OnUnfired = "warn") -> Edit:
     """Replace what selected modules return (or receive) with what ``fn`` makes of it.
 
-    ::
-
-        with hookscope.edit(model, {"fc1": lambda output: output * 2}):
-            y = model(x)        # exactly as with a forward hook returning output * 2
+    ```python
+    with hookscope.edit(model, {"fc1": lambda output: output * 2}):
+        y = model(x)        # exactly as with a forward hook returning output * 2
+    ```
 
     Args:
         model: root module (wrappers looked through, as in ``capture``).
@@ -313,12 +313,12 @@ def patch(model: nn.Module, *, source: Source,
           over: Over = "forward", on_unfired: OnUnfired = "warn") -> Edit:
     """Activation patching: give call ``k`` of each selected module call ``k``'s value in ``source``.
 
-    ::
-
-        with hookscope.capture(model, "blocks.*") as clean:
-            model(x_clean)
-        with hookscope.patch(model, source=clean, layers="blocks.3", positions=[-1]):
-            y = model(x_corrupted)
+    ```python
+    with hookscope.capture(model, "blocks.*") as clean:
+        model(x_clean)
+    with hookscope.patch(model, source=clean, layers="blocks.3", positions=[-1]):
+        y = model(x_corrupted)
+    ```
 
     Values are cast to the live output's device and dtype; they carry no gradient.
 

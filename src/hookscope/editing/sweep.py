@@ -193,10 +193,10 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
     patched runs share one forward (the corrupted batch repeated along dim 0, each copy patched
     at its own position), so ``metric`` sees each copy's output alone.
 
-    ::
-
-        sweep = hookscope.patching_sweep(model, clean_ids, corrupt_ids, layers="transformer.h.*",
-                                         metric=lambda out: out.logits[:, -1, 3] - out.logits[:, -1, 7])
+    ```python
+    sweep = hookscope.patching_sweep(model, clean_ids, corrupt_ids, layers="transformer.h.*",
+                                     metric=lambda out: out.logits[:, -1, 3] - out.logits[:, -1, 7])
+    ```
 
     Args:
         model: root module.

@@ -486,11 +486,13 @@ def capture(model: nn.Module, *layers: str | Sequence[str], inputs: bool = False
             early_stop: bool = False, on_unfired: OnUnfired = "warn") -> Capture:
     """Record the output of every call of each module that ``layers`` select.
 
-    Use it as a context manager; hooks exist only inside the ``with`` block::
+    Use it as a context manager; hooks exist only inside the ``with`` block:
 
-        with hookscope.capture(model, "conv2", "pos_block.*.proj.0") as acts:
-            model(x)
-        acts["conv2"]          # (batch, 16, 10, 10) float32 for LeNet on (batch, 3, 32, 32)
+    ```python
+    with hookscope.capture(model, "conv2", "pos_block.*.proj.0") as acts:
+        model(x)
+    acts["conv2"]          # (batch, 16, 10, 10) float32 for LeNet on (batch, 3, 32, 32)
+    ```
 
     Args:
         model: root module; ``DataParallel``/``DDP``/``torch.compile`` wrappers are looked through.

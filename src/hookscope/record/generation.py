@@ -281,13 +281,13 @@ def capture_generation(model: nn.Module, *layers: str | Sequence[str], on_unfire
                        **options: Any) -> GenerationCapture:
     """Capture selected modules across ``model.generate()``, labelled by step and positions.
 
-    ::
-
-        with hookscope.capture_generation(model, "transformer.h.1") as gen:
-            sequences = model.generate(ids, max_new_tokens=5)
-        gen.aligned("transformer.h.1")   # (batch, len(sequence) - 1, d_model)
-        gen.token_ids()                  # (batch, len(sequence) - 1): the tokens at those rows
-        gen.save("generated.safetensors")  # both, for every selected path
+    ```python
+    with hookscope.capture_generation(model, "transformer.h.1") as gen:
+        sequences = model.generate(ids, max_new_tokens=5)
+    gen.aligned("transformer.h.1")   # (batch, len(sequence) - 1, d_model)
+    gen.token_ids()                  # (batch, len(sequence) - 1): the tokens at those rows
+    gen.save("generated.safetensors")  # both, for every selected path
+    ```
 
     Enter it around one ``generate()`` call (steps count the root's forwards since entry).
 
