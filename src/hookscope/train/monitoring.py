@@ -52,6 +52,7 @@ from hookscope.engine import (
     as_patterns,
     brief,
     check_int,
+    check_model,
     check_run_dir,
     detached_clones,
     fullgraph,
@@ -201,6 +202,7 @@ class Monitor:
         self.hist = hist
         self._hist_ranges: dict[str, tuple[float, float]] = {}  # module -> edges fixed at its first sample
         check_run_dir("run_dir", run_dir)
+        check_model(model)  # before any attribute of it is read
         _refuse_fullgraph(model)
         self.root, _ = unwrap(model)
         self.every, self.guard, self.scaler, self.writer = every, guard, scaler, writer
