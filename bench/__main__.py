@@ -166,6 +166,10 @@ def _load() -> list[float]:
 
 
 def _write(results: dict[str, Any], out: Path) -> None:
+    for key in SECTIONS:  # the tables show the last run that measured each section
+        measured = [run[key] for run in results["runs"] if key in run]
+        if measured:
+            results[key] = measured[-1]
     if results.get("dispatch") and "error" not in results["dispatch"]:
         from bench.dispatch import format_result
 
@@ -189,9 +193,7 @@ def _merge(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
         measured = {w["workload"] for w in run["workloads"]}
         kept["workloads"] = [w for w in kept["workloads"] if w["workload"] not in measured]
         kept["workloads"] += run["workloads"]
-    last = old["runs"][-1]
-    old["workloads"] = last["workloads"]
-    old.update({key: last[key] for key in SECTIONS if key in last})
+    old["workloads"] = old["runs"][-1]["workloads"]
     old.setdefault("merged", []).append(
         {"generated": new["generated"], "command": new["command"], "load": new["load"]})
     old["notes"] = [*old.get("notes", []), *new["notes"]]

@@ -144,15 +144,23 @@ def _s3() -> Iterator[_Place]:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-                      AWS_DEFAULT_REGION="us-east-1")
+    fake = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {key: os.environ.get(key) for key in fake}
+    os.environ.update(fake)
+    # moto keeps its buckets per process, not per server: a bucket of this run's own
+    bucket = f"bench-{secrets.token_hex(8)}"
     options = {"client_kwargs": {"endpoint_url": f"http://{host}:{port}"}}
-    fs, _ = fsspec.core.url_to_fs("s3://bench", **options)
-    fs.mkdir("bench")
     try:
-        yield _Place("S3 (moto, 127.0.0.1)", "s3://bench/throughput", options)
+        fs, _ = fsspec.core.url_to_fs(f"s3://{bucket}", **options)
+        fs.mkdir(bucket)
+        yield _Place("S3 (moto, 127.0.0.1)", f"s3://{bucket}/throughput", options)
     finally:
         server.stop()
+        for key, value in saved.items():  # the calling process's environment as it was
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _place_rows(place: _Place, data: torch.Tensor,

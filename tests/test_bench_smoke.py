@@ -249,10 +249,11 @@ def test_sections_measured_alone_merge_into_results_and_render_again(bench_main,
         assert bench_main([*common, "--only", "compiled"]) == 0
     finally:
         torch._dynamo.reset()
-    assert bench_main([*common, "--only", "throughput"]) == 0
+    assert bench_main([*common, "--only", "throughput", "--repeat", "2"]) == 0
 
     results = json.loads((tmp_path / "results.json").read_text())
-    [run] = results["runs"]
+    run, second = results["runs"]  # compiled measured in the first run only
+    assert "compiled" not in second and second["throughput"] == results["throughput"]
     rows = run["compiled"]["rows"]
     assert [row["workload"] for row in rows] == ["gpt2", "resnet"]
     for row in rows:
@@ -266,8 +267,10 @@ def test_sections_measured_alone_merge_into_results_and_render_again(bench_main,
                      "1.05x the compiled forward (issue 32)"]
     assert compiled["median"] == pytest.approx(statistics.median(rows[0]["ratios"]))
     [first_pass] = [r for r in run["throughput"]["rows"] if r["row"].startswith("store read rows, f")]
+    [second_pass] = [r for r in second["throughput"]["rows"] if r["row"].startswith("store read rows, f")]
     read_goal = goals["store read rows, first pass >= 0.8x the raw disk read (issue 33)"]
-    assert read_goal["median"] == first_pass["ratio"] and read_goal["met"] == (first_pass["ratio"] >= 0.8)
+    worst = min(first_pass["ratio"], second_pass["ratio"])
+    assert read_goal["q3"] == worst and read_goal["met"] == (worst >= 0.8)
     text = (tmp_path / "RESULTS.md").read_text()
     assert "## torch.compile(fullgraph=True): every-module capture" in text
     assert "## Store throughput against the same disk" in text
