@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch._dynamo
 from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import hookscope
 from tests.test_compile_fullgraph import MODELS, _call
@@ -42,7 +43,12 @@ def _captured_gradients(model: nn.Module, called: nn.Module, name: str, inputs: 
 def test_captured_gradients_under_compile_equal_eager(name: str, dynamo_warnings: list[str]) -> None:
     model, inputs = MODELS[name][0](), MODELS[name][1]()
     expected, expected_params = _captured_gradients(model, model, name, inputs)
-    got, params = _captured_gradients(model, torch.compile(model, backend="eager"), name, inputs)
+    counter = CompileCounterWithBackend("eager")
+    compiled = torch.compile(model, backend=counter)
+    got, params = _captured_gradients(model, compiled, name, inputs)
+    frames = counter.frame_count
+    _captured_gradients(model, compiled, name, inputs)  # a second block: compiles nothing more
+    assert counter.frame_count == frames
     assert set(got) >= set(expected) and len(expected) >= 2
     for key, want in expected.items():
         assert len(got[key]) == len(want)
@@ -50,4 +56,4 @@ def test_captured_gradients_under_compile_equal_eager(name: str, dynamo_warnings
             torch.testing.assert_close(grad, wanted, rtol=1e-5, atol=1e-6)
     for grad, wanted in zip(params, expected_params, strict=True):
         torch.testing.assert_close(grad, wanted, rtol=1e-5, atol=1e-6)
-    assert [m for m in dynamo_warnings if "recompil" in m] == []
+    assert [m for m in dynamo_warnings if "recompil" in m] == []  # and no recompile-limit warning

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import hookscope
-from hookscope.errors import ArgumentValueError, SelectorError
+from hookscope.errors import ArgumentValueError, EditError, SelectorError
 from tests.hooked_transformer import build as build_tl
 
 transformers = pytest.importorskip("transformers")
@@ -231,3 +231,22 @@ def test_refusals() -> None:
         vocab_size=60, max_position_embeddings=32)).eval()
     with pytest.raises(SelectorError, match=r"in parallel .*edge attribution needs blocks of the GPT-2"):
         hookscope.edge_attribution_patching(neox, clean, corrupted, metric)
+
+
+@pytest.mark.parametrize("steps", [None, 2])
+def test_runs_whose_real_tokens_sit_at_other_positions_are_refused(steps: int | None) -> None:
+    """A review found edges scored position by position with the masks never read: a clean run
+    padded on the left set against an unpadded corrupted run compared a real token with
+    padding, silently. The two masks must be equal; equal masks score as before."""
+    model = _gpt2()
+    clean, corrupted = _inputs()
+    padded = torch.ones_like(clean)
+    padded[:, 0] = 0
+    with pytest.raises(EditError, match=r"attention masks differ.*pad both inputs the same way"):
+        hookscope.edge_attribution_patching(
+            model, {"input_ids": clean, "attention_mask": padded},
+            {"input_ids": corrupted, "attention_mask": torch.ones_like(corrupted)}, metric, steps=steps)
+    same = hookscope.edge_attribution_patching(
+        model, {"input_ids": clean, "attention_mask": padded},
+        {"input_ids": corrupted, "attention_mask": padded}, metric, steps=steps)
+    assert torch.isfinite(same.scores.nan_to_num(0.0)).all() and same.scores.nan_to_num(0.0).abs().sum() > 0

@@ -196,3 +196,21 @@ def test_the_doors_bulk_hooks_are_what_torchs_registration_writes(pre: bool, wit
     handle.remove()
     bulk.remove()
     assert tables(by_door) == empty == tables(by_torch)
+
+
+def test_an_observers_owned_hook_keeps_its_compiled_path_when_unfired_modules_are_explained() -> None:
+    """A review found ``Observer`` wrapping an ``OwnedHook`` in its ran-marker closure before
+    the ``isinstance`` test (``explain_unfired=True``, the default): the hook went in as a plain
+    function, its ``pick`` (the compiled-graph path) lost. Now its function is marked instead."""
+    from hookscope.engine import Observer, OwnedHook, Target, output_of, owner
+
+    model = nn.Sequential(nn.Linear(2, 2))
+    seen: list[torch.Tensor] = []
+    hook = OwnedHook(lambda module, args, output: seen.append(output), model[0], pick=output_of)
+    session = Observer(model, [Target("0", model[0])], forward=lambda target: hook)
+    with session:
+        [entry] = model[0]._forward_hooks.values()
+        assert owner(entry) is hook and hook.pick is output_of
+        model(torch.ones(1, 2))
+    assert len(seen) == 1 and "0" in session._ran
+    assert not model[0]._forward_hooks

@@ -542,10 +542,13 @@ def test_an_interrupt_at_any_line_of_untouched_leaves_neither_model_hooked() -> 
             assert counted.count > 20
             for at in range(1, counted.count + 1):
                 a, b = make()
+                interrupt = _RunLines(at)
                 try:
-                    _RunLines(at).run(lambda: block(a, b))  # noqa: B023 - run at once
+                    interrupt.run(lambda: block(a, b))  # noqa: B023 - run at once
                 except KeyboardInterrupt:
                     pass
+                else:  # no interrupt raised: only when a run takes fewer lines than the count
+                    assert interrupt.count < at
                 leaks = _leaks(a) + [f"second model: {leak}" for leak in _leaks(b)]
                 if leaks:
                     left.append((kind, at, leaks))
@@ -557,3 +560,28 @@ def test_an_interrupt_at_any_line_of_untouched_leaves_neither_model_hooked() -> 
     finally:
         signal.signal(signal.SIGINT, previous)
     assert left == []
+
+
+def test_a_graceful_stop_leaves_a_sigint_handler_set_inside_it() -> None:
+    """A review found ``GracefulStop.__exit__`` setting the default SIGINT handler back
+    whatever the handler was then: one the user set inside the block (a notebook's, a
+    server's) was replaced on the way out. Only its own handler is taken back."""
+    from hookscope.engine import GracefulStop
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        def users(signum: int, frame: Any) -> None:
+            pass
+        with GracefulStop("stopping") as stop:
+            assert stop.installed and signal.getsignal(signal.SIGINT) == stop._handler
+            signal.signal(signal.SIGINT, users)
+        assert signal.getsignal(signal.SIGINT) is users
+        with GracefulStop("stopping"):
+            pass
+        assert signal.getsignal(signal.SIGINT) is users  # not ours to install over
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        with GracefulStop("stopping"):
+            pass
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -387,7 +387,7 @@ def test_an_upload_that_fails_leaves_no_object_and_no_local_file(
         pipe_file(path, data, **kwargs)
 
     monkeypatch.setattr(fs, "pipe_file", failing)
-    with pytest.raises(ConnectionError):
+    with pytest.raises(ConnectionError, match="connection reset by peer"):
         _extract(place)
     assert not fs.exists(place.file("shard-00002.safetensors"))
     manifest = _manifest(place)
@@ -430,3 +430,13 @@ def test_a_closed_store_refuses_reads_and_drops_its_chunks(place: Place) -> None
         store["0"][0]
     with pytest.raises(StoreError, match="is closed"):
         store.verify()
+
+
+def test_equal_remote_paths_hash_equal() -> None:
+    """A review found ``RemotePath.__eq__`` comparing (fs, path) while ``__hash__`` hashed the
+    URL as typed: ``memory://acts`` and ``memory:///acts`` were equal with different hashes,
+    breaking sets, dicts and the lru_caches keyed by them."""
+    from hookscope.store import location
+
+    a, b = location("memory://acts", StoreError), location("memory:///acts", StoreError)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1

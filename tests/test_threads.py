@@ -443,24 +443,32 @@ def test_blocks_opened_at_once_on_one_module_get_distinct_compiled_keys(
     monkeypatch.setattr(compiled, "_sinks", Yielding())
     module, threads, rounds = nn.Linear(2, 2), 4, 200
     clashes: list[int] = []
+    done: list[int] = []
+    errors: list[BaseException] = []
     start = threading.Barrier(threads)
 
     def open_and_close() -> None:
         start.wait()
-        for _ in range(rounds):
-            sink = [].append
-            key = compiled.open_sink(module, sink)
-            time.sleep(0)
-            if compiled._sinks.get(key) is not sink:  # another thread took the same key
-                clashes.append(key)
-            compiled.close_sink(key)
+        try:
+            for _ in range(rounds):
+                sink = [].append
+                key = compiled.open_sink(module, sink)
+                time.sleep(0)
+                if compiled._sinks.get(key) is not sink:  # another thread took the same key
+                    clashes.append(key)
+                compiled.close_sink(key)
+        except BaseException as err:  # a thread's error is only a warning to pytest: keep it
+            errors.append(err)
+            raise
+        done.append(rounds)
 
     workers = [threading.Thread(target=open_and_close) for _ in range(threads)]
     for worker in workers:
         worker.start()
     for worker in workers:
         worker.join(timeout=60)
-    assert clashes == []
+    assert errors == [] and not any(worker.is_alive() for worker in workers)
+    assert sum(done) == threads * rounds and clashes == []
     assert len(compiled._places[module]) <= threads  # keys are reused, never leaked
 
 
@@ -518,3 +526,21 @@ def test_a_verb_never_rewinds_the_rng_of_a_thread_training_meanwhile(verb: str) 
     train_step()  # the trainer's next step, after the verb
     assert len(masks) == 2
     assert not torch.equal(masks[0], masks[1]), "the verb rewound the trainer's RNG"
+
+
+def test_a_compiled_backwards_gradient_reaches_only_its_sessions_thread() -> None:
+    """A review found the compiled gradient sink (``hookscope::gradient``) calling the monitor's
+    ``on_gradient`` for any thread's backward, where the eager tensor hook, registered by an
+    owned forward only, never sees another thread's: now ``OwnedHook.gradient_kept`` checks
+    the thread, as ``kept`` does for forward values, and counts the other thread's call."""
+    from hookscope.engine import OwnedHook, output_of
+
+    got: list[torch.Tensor] = []
+    module = nn.Linear(2, 2)
+    hook = OwnedHook(lambda *args: None, module, pick=output_of, on_gradient=got.append)
+    other = threading.Thread(target=hook.gradient_kept, args=(torch.ones(2),))
+    other.start()
+    other.join()
+    assert got == [] and hook.foreign_calls == 1
+    hook.gradient_kept(torch.full((2,), 3.0))
+    assert len(got) == 1 and torch.equal(got[0], torch.full((2,), 3.0)) and hook.foreign_calls == 1

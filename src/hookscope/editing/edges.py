@@ -50,10 +50,12 @@ from hookscope.editing.attribution import _differentiable, _once
 from hookscope.editing.edits import edit
 from hookscope.editing.sweep import Metric, _forward, _number, _plain, check_metric
 from hookscope.engine import (
+    Tokens,
     blocks_of,
     branch_norms,
     check_int,
     check_model,
+    check_no_unmasked_padding,
     index,
     one_index_per_call,
     resolve_standard,
@@ -196,13 +198,15 @@ def edge_attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metr
     upstream_names = [graph.input_key, *graph.z_keys,
                       *(f"mlp_out.{layer}" for layer in range(graph.layers))]
     with untouched(model):
-        clean_metric, clean_acts, heads_axis = _record(model, clean, metric, upstream_names)
+        clean_metric, clean_acts, heads_axis, tokens = _record(model, clean, metric, upstream_names)
         if steps is None:  # EAP: the corrupted run's gradient; its values recorded in that pass
-            step = _Pass(graph, clean_acts, heads_axis)
+            step = _Pass(graph, clean_acts, heads_axis, tokens=tokens)
             downstream, scores = step.run(model, corrupted, metric, None)
             corrupted_metric = step.metric
         else:  # EAP-IG: the mean over alpha = k / steps, k = 1 … steps, corrupted -> clean
-            corrupted_metric, corrupted_acts, _ = _record(model, corrupted, metric, upstream_names)
+            corrupted_metric, corrupted_acts, _, corrupted_tokens = _record(
+                model, corrupted, metric, upstream_names)
+            _check_same_tokens(tokens, corrupted_tokens)
             step = _Pass(graph, clean_acts, heads_axis, corrupted_acts)
             start, delta = corrupted_acts[graph.input_key], step.delta[graph.input_key]
             runs = [step.run(model, corrupted, metric, start + k / steps * delta.to(start.device))
@@ -225,14 +229,35 @@ def _graph(model: nn.Module) -> _Graph:
 
 
 def _record(model: nn.Module, inputs: Any, metric: Metric,
-            names: list[str]) -> tuple[float, dict[str, Tensor], int]:
-    """One forward under ``no_grad``: the metric, the values of ``names`` and the heads axis of
-    ``attn.z`` (``engine.layout``; ``names[1]`` is ``attn.z.0``)."""
+            names: list[str]) -> tuple[float, dict[str, Tensor], int, Tokens]:
+    """One forward under ``no_grad``: the metric, the values of ``names``, the heads axis of
+    ``attn.z`` and the forward's tokens (``engine.layout``; ``names[1]`` is ``attn.z.0``)."""
     with torch.no_grad(), capture(model, *names, on_unfired="error") as acts:
         value = _number(metric(_forward(model, inputs)))
     axis = acts.layout(names[1]).heads
     assert axis is not None  # attn.z is a heads value (the layout table)
-    return value, {name: acts[name] for name in names}, axis
+    return value, {name: acts[name] for name in names}, axis, acts.layout(names[0]).tokens
+
+
+def _check_same_tokens(clean: Tokens, corrupted: Tokens) -> None:
+    """Edges are scored position by position (clean minus corrupted at each position), so the
+    two runs' real tokens must sit at the same positions: the same attention mask (or none,
+    and no padding that looks real).
+
+    Raises:
+        PositionError: an input looks padded without a mask (``check_no_unmasked_padding``).
+        EditError: the two masks differ.
+    """
+    for tokens in (clean, corrupted):
+        check_no_unmasked_padding(tokens, "edge_attribution_patching", positions=False)
+    same = (clean.mask is None and corrupted.mask is None) or (
+        clean.mask is not None and corrupted.mask is not None
+        and torch.equal(clean.mask.bool(), corrupted.mask.bool()))
+    if not same:
+        raise EditError("edge_attribution_patching compares the clean and corrupted runs position "
+                        "by position, but their attention masks differ, so a real token would be "
+                        "set against padding or another token: pad both inputs the same way "
+                        "(the same attention_mask)")
 
 
 def _difference(clean: Any, corrupted: Any, name: str) -> Tensor:
@@ -240,7 +265,7 @@ def _difference(clean: Any, corrupted: Any, name: str) -> Tensor:
         shapes = [tuple(v.shape) if isinstance(v, Tensor) else type(v).__name__ for v in (clean, corrupted)]
         raise EditError(f"'{name}' gives {shapes[0]} on the clean input and {shapes[1]} on the "
                         f"corrupted one; edge attribution compares them position by position: "
-                        f"give two inputs of the same shape (pad the shorter, with its mask)")
+                        f"give two inputs of the same shape (pad both the same way, with the same mask)")
     return clean.double().cpu() - corrupted.double().cpu()
 
 
@@ -250,8 +275,9 @@ class _Pass:
     ``(batch, seq, d_model)`` gradient at a time, not one per node."""
 
     def __init__(self, graph: _Graph, clean_acts: dict[str, Tensor], heads_axis: int,
-                 corrupted_acts: dict[str, Tensor] | None = None):
+                 corrupted_acts: dict[str, Tensor] | None = None, tokens: Tokens | None = None):
         self.graph, self.clean_acts, self.heads_axis = graph, clean_acts, heads_axis
+        self.tokens = tokens  # the clean run's, to check the corrupted run's against (EAP)
         self.delta: dict[str, Tensor] = {} if corrupted_acts is None else _deltas(clean_acts, corrupted_acts)
         self.metric = math.nan
         # what the running pass found: (value, zero added) at each norm's input, projection and z
@@ -285,6 +311,8 @@ class _Pass:
                 value = _differentiable(metric(_forward(model, inputs)))
             self.metric = _number(value)
             if acts is not None:
+                if self.tokens is not None:
+                    _check_same_tokens(self.tokens, acts.layout(record[0]).tokens)
                 self.delta = _deltas(self.clean_acts, {name: acts[name] for name in record})
             if self.changes is None:  # the output projections are linear: once for every pass
                 self.changes = self._changes()

@@ -94,8 +94,11 @@ def _pool(records: SourceReader, target: Target, keys: tuple[int | str, ...], ho
 
 
 def steer_rule(vector: Tensor, scale: float) -> Rule:
-    """Add ``scale * vector`` to the output; the product is taken in each forward, so a vector
-    that requires grad gets its gradient from every backward (training a steering vector)."""
+    """Add ``scale * vector`` to the output; for a vector that requires grad the product is taken
+    in each forward, so it gets its gradient from every backward (training a steering vector),
+    once otherwise."""
+    fixed = None if vector.requires_grad else vector * scale
+
     def rule(value: Any, target: Target, call: int) -> Any:
         if not isinstance(value, Tensor):
             raise EditError(f"'{target.key}' returns a {type(value).__name__}; steer one tensor "
@@ -113,7 +116,7 @@ def steer_rule(vector: Tensor, scale: float) -> Rule:
             raise EditError(f"cannot add the complex vector ({vector.dtype}) to the output of "
                             f"'{target.key}', which is real ({value.dtype}): its imaginary part "
                             f"would be dropped; give a real vector")
-        scaled = vector * scale
+        scaled = fixed if fixed is not None else vector * scale
         if value.dtype in _NO_ARITHMETIC:  # float8: added in float32, rounded back to float8
             return (value.float() + scaled.to(value.device, torch.float32)).to(value.dtype)
         return value + scaled.to(device=value.device, dtype=value.dtype)

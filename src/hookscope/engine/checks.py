@@ -64,7 +64,7 @@ def _got(value: object) -> str:
 
 
 def warn_if_dropout_trains(model: nn.Module, verb: str) -> None:
-    """Warn once (``TrainingModeWarning``) when ``model`` has a dropout module (``nn.Dropout``
+    """Warn (``TrainingModeWarning``, once per call) when ``model`` has a dropout module (``nn.Dropout``
     and its kin, or a class named ``*Dropout*``) with a rate above 0 in training mode: each of
     ``verb``'s forwards would then sample another mask, and its table compare noise."""
     active = [path for path, module in model.named_modules()

@@ -126,7 +126,7 @@ def _replace(values: list[Tensor | None], kind: int, key: int, grad: bool) -> li
 def _gradient(grad: Tensor, key: int) -> Tensor:
     sink = _sinks.get(key)
     if sink is not None:
-        sink(grad.detach().clone())
+        sink(_copy(grad))
     return grad.clone()  # an operator's result is a tensor of its own
 
 

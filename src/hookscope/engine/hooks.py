@@ -138,6 +138,15 @@ class OwnedHook:
             return self.function(self.module, ())
         return self.function(self.module, (), value)  # a forward hook on its output (output_of)
 
+    def gradient_kept(self, grad: torch.Tensor) -> None:
+        """Run ``on_gradient`` on a compiled backward's gradient (a copy, from
+        ``hookscope::gradient``) when the session's thread runs that backward, as the eager
+        tensor hook, registered by an owned forward only, does; count it a foreign call else."""
+        if _get_ident() != self.thread:
+            self.foreign_calls += 1
+        elif self.on_gradient is not None:
+            self.on_gradient(grad)
+
     def __call__(self, module: nn.Module, *args: Any) -> Any:
         # a subclass with an inlined hot path (RecordingHook) makes these same four
         # tests, compiling first (dynamo must not trace the rest), and hands every other call here
@@ -154,9 +163,10 @@ class OwnedHook:
                     if self.gradient_key is None:
                         return None
                     return compiled.watch_gradient(flat[0], flat[1], self.gradient_key)
-                if flat is not None and (self.replaces == FULLGRAPH or not _needs_grad(flat[0])):
+                grad = flat is not None and _needs_grad(flat[0])
+                if flat is not None and (self.replaces == FULLGRAPH or not grad):
                     # the graph goes on with its result (or, fullgraph with gradients, an error)
-                    return compiled.replace(flat[0], flat[1], self.key, _needs_grad(flat[0]))
+                    return compiled.replace(flat[0], flat[1], self.key, grad)
             if self.traceable:
                 return self.function(module, *args)
             return _untraced(self.function, module, args)
@@ -378,7 +388,7 @@ class ModuleHooks:
         owned.key = compiled.open_sink(owned.module, owned.kept)
         self.keyed.append(owned)
         if owned.on_gradient is not None:
-            owned.gradient_key = compiled.open_sink(owned.module, owned.on_gradient)
+            owned.gradient_key = compiled.open_sink(owned.module, owned.gradient_kept)
 
     def add(self, owned: OwnedHook, *, pre: bool = False, with_kwargs: bool = False) -> None:
         """Register ``owned`` on ``owned.module`` as a forward (``pre``: forward-pre) hook,

@@ -200,7 +200,9 @@ class GracefulStop:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.installed:
+        # ours is still the handler (== : each access makes a new bound method); another set
+        # meanwhile (by the user) stays
+        if self.installed and signal.getsignal(signal.SIGINT) == self._handler:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def _handler(self, signum: int, frame: Any) -> None:

@@ -387,11 +387,12 @@ class Observer(HookSession):
                 self._hook(module, self._marked(target, self._pre(target)), pre=True,
                            with_kwargs=self._with_kwargs)
             if self._forward is not None:
-                hook = self._marked(target, self._forward(target))
+                hook = self._forward(target)
                 if isinstance(hook, OwnedHook):  # made whole by the caller (engine.compiled)
+                    hook.function = self._marked(target, hook.function)
                     self._own(hook)
                 else:
-                    self._hook_output(target, hook, with_kwargs=self._with_kwargs)
+                    self._hook_output(target, self._marked(target, hook), with_kwargs=self._with_kwargs)
 
     def _marked(self, target: Target, hook: Hook) -> Hook:
         """``hook``, also noting that the target ran when unfired modules are explained."""

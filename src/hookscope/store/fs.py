@@ -70,7 +70,7 @@ class RemotePath:
         return isinstance(other, RemotePath) and (other.fs, other.path) == (self.fs, self.path)
 
     def __hash__(self) -> int:
-        return hash(self.url)
+        return hash(self.path)  # __eq__ compares (fs, path): equal paths, equal hashes
 
     @property
     def name(self) -> str:

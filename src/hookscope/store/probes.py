@@ -135,7 +135,11 @@ def probe(store: Store | str | Path, layers: Sequence[str] | None = None, *,
         ArgumentValueError: ``test_fraction`` not in (0, 1), fewer than 2 classes, or a split
             leaving no training or no test row.
     """
-    store = store if isinstance(store, Store) else open_store(store)
+    if not isinstance(store, Store):  # opened here: closed here (its maps, a remote cache)
+        with open_store(store) as opened:
+            return probe(opened, layers, labels=labels, test_fraction=test_fraction, C=C,
+                         max_iter=max_iter, chunk=chunk, control_types=control_types, seed=seed,
+                         tokens=tokens)
     chosen = _layers(store, layers, tokens)
     examples = _examples(store, chosen, tokens)
     targets, classes = _label_ids(store, labels, examples)
