@@ -97,7 +97,9 @@ def test_overlay_png_is_written_atomically(tmp_path: Path) -> None:
     assert file == tmp_path / "sub" / "cam.png"
     assert file.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and file.stat().st_size > 5000
     assert [p.name for p in file.parent.iterdir()] == ["cam.png"]
-    with pytest.raises(hookscope.HookscopeError, match=r"pass overwrite=True"):
+    with pytest.raises(hookscope.errors.OutputExistsError, match=r"pass overwrite=True"):
         hookscope.save_gradcam_overlay(image, cam, file, overwrite=False)
+    with pytest.raises(hookscope.errors.OutputExistsError, match=r"is a folder"):  # as every save
+        hookscope.save_gradcam_overlay(image, cam, tmp_path, overwrite=True)
     with pytest.raises(GradcamError, match=r"permute\(1, 2, 0\)"):
         hookscope.save_gradcam_overlay(torch.rand(3, 32, 40), cam, tmp_path / "x.png")

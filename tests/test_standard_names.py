@@ -270,3 +270,17 @@ def test_a_misspelt_standard_or_transformer_lens_name_suggests_the_standard_name
 def test_transformer_lens_names_on_a_model_without_blocks_get_the_usual_message() -> None:
     with pytest.raises(SelectorError, match=r"top-level modules are '0', '1'"):
         hookscope.select(nn.Sequential(nn.Linear(2, 2), nn.ReLU()), "blocks.1.hook_resid_post")
+
+
+@pytest.mark.parametrize("name", ["resid_post.1", "attn_out.0", "attn.q.1", "mlp_out.1"])
+def test_a_standard_name_with_a_call_reads_as_its_record(name: str) -> None:
+    """A review found ``acts["resid_post.1:0"]`` (and ``layout`` of it) raising a bare
+    AssertionError: the call-numbered form of a standard name skipped the alias table."""
+    from tests.models import tiny_gpt2
+
+    model = tiny_gpt2()
+    ids = torch.tensor([[3, 5, 7, 9]])
+    with hookscope.capture(model, name) as acts:
+        model(ids)
+    assert torch.equal(acts[f"{name}:0"], acts[name])
+    assert acts.layout(f"{name}:0") == acts.layout(name)

@@ -49,9 +49,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from hookscope.engine import check_int, check_tensor, index, one_index_per_call, resolve, untouched
-from hookscope.errors import ArgumentTypeError, ArgumentValueError, GradcamError, SpecError
+from hookscope.errors import ArgumentTypeError, ArgumentValueError, GradcamError
 from hookscope.record import Capture, capture, grad_leaf, gradient_pass
-from hookscope.util import DPI, require, save_figure
+from hookscope.util import DPI, check_new_file, require, save_figure
 
 __all__ = ["gradcam", "save_gradcam_overlay", "class_scores", "check_class_target"]
 
@@ -253,12 +253,11 @@ def save_gradcam_overlay(image: np.ndarray | Tensor | str | os.PathLike[str], ca
     Raises:
         GradcamError: ``image`` is not ``(height, width, 3)`` or ``cam`` is not 2-D; ``image``
             is a path that does not exist or is not an image Pillow reads.
-        SpecError: ``path`` exists and ``overwrite`` is False.
+        OutputExistsError: ``path`` is a folder, or exists and ``overwrite`` is False
+            (``util.check_new_file``, as every ``save``).
         MissingExtraError: matplotlib is not installed (``pip install 'hookscope[viz]'``).
     """
-    if not overwrite and os.path.lexists(path):
-        raise SpecError(f"'{path}' exists; pass overwrite=True (--overwrite) to replace it, or "
-                        f"choose another file")
+    path = check_new_file(path, overwrite=overwrite, example="gradcam.png")
     picture = _as_picture(image)
     heat = _as_map(cam, picture.shape[:2])
     figure_module = require("matplotlib.figure", "save_gradcam_overlay")

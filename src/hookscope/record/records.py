@@ -227,7 +227,7 @@ class Records:
             return self._value(*key)
         if isinstance(key, str) and (key in self._entries or key in self.aliases):
             return self._only(key)
-        address = RecordKey.parse(key) if isinstance(key, str) else key
+        address = self._address(key)
         name, parts = self._name_for(address)
         value = self._only(name) if address.call is None else self._value(name, address.call)
         try:
@@ -271,7 +271,7 @@ class Records:
             CaptureError: as reading ``acts[key]``; the record is not a tensor.
             PositionError: as ``layout_of`` (a function of unknown layout without ``seq_dim``).
         """
-        address = RecordKey.parse(self.aliases.get(key, key)) if isinstance(key, str) else key
+        address = self._address(key)
         name, parts = self._name_for(address)  # a standard name is read as the record it names
         value = get_part(self._value(name, call), parts)
         if not isinstance(value, Tensor):
@@ -376,6 +376,15 @@ class Records:
         write_atomic(file, lambda tmp: save_file(tensors, tmp, metadata=meta))
 
     # ----------------------------------------------------------------- lookups
+    def _address(self, key: str | RecordKey) -> RecordKey:
+        """``key`` parsed, a recorded module's other name (``resid_post.1``, an alias path) in
+        it replaced by the record's address, its call and parts kept (``resid_post.1:0``)."""
+        address = RecordKey.parse(key) if isinstance(key, str) else key
+        if address.op is None and address.path in self.aliases:
+            base = RecordKey.parse(self.aliases[address.path])
+            address = RecordKey(base.path, address.call, base.parts + address.parts, base.op)
+        return address
+
     def _name_for(self, key: RecordKey) -> tuple[str, tuple[Part, ...]]:
         """The record name holding ``key`` (the longest recorded prefix of its parts) and the
         parts left to take inside that record's value."""
