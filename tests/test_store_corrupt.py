@@ -6,10 +6,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 
 from hookscope.errors import StoreCorruptError
 from hookscope.store.folder import prepare_output
-from hookscope.store.reader import MANIFEST, open_store
+from hookscope.store.reader import CHUNK_BYTES, MANIFEST, open_store
 from hookscope.store.writer import ShardData, StoreWriter
 
 HEADER = {"model": {"spec": None, "class": "x.Y"}, "extract": {},
@@ -98,3 +100,51 @@ def test_damaged_manifest_is_named(store_folder: tuple[Path, torch.Tensor]) -> N
     (folder / MANIFEST).write_text(text[: len(text) // 2])
     with pytest.raises(StoreCorruptError, match=r"cannot read .*manifest\.json"):
         open_store(folder)
+
+
+
+@pytest.fixture
+def one_shard(tmp_path: Path) -> tuple[Path, torch.Tensor]:
+    """A store of one 12 MiB shard: checksum chunk 1 lies wholly inside the rows."""
+    folder = tmp_path / "store"
+    prepare_output(folder, resume=False, overwrite=False)
+    writer = StoreWriter(folder, HEADER)
+    rows = torch.randn(3 * ROWS, 256, generator=torch.Generator().manual_seed(1))
+    shard = ShardData(batches=(0, 1))
+    shard.append({"a": rows}, {}, len(rows))
+    writer.write(shard)
+    writer.finish()
+    return folder, rows
+
+
+ROW_BYTES = 256 * 4
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(at=st.integers(0, 3 * ROWS * ROW_BYTES - 1),
+       span=st.tuples(st.integers(0, 3 * ROWS), st.integers(0, 3 * ROWS)))
+@example(at=CHUNK_BYTES, span=(0, 3 * ROWS))  # chunk 1 read whole: checked on the copy
+@example(at=CHUNK_BYTES, span=(ROWS + 100, ROWS + 200))  # chunk 1 read in part
+def test_any_read_over_a_damaged_byte_fails_and_others_return_the_rows(
+        one_shard: tuple[Path, torch.Tensor], at: int, span: tuple[int, int]) -> None:
+    """A flipped byte anywhere in the rows: a read of rows that holds a byte of its checksum
+    chunk fails, whether it covers that chunk whole (checked on the copy it returns) or in part
+    (checked on the mapping); any other read returns the rows."""
+    folder, rows = one_shard
+    shard = folder / "shard-00000.safetensors"
+    pristine = shard.read_bytes()
+    data_start = len(pristine) - len(rows) * ROW_BYTES
+    try:
+        _flip_byte(shard, data_start + at)
+        lo, hi = sorted(span)
+        begin, end = data_start + lo * ROW_BYTES, data_start + hi * ROW_BYTES
+        chunk = (data_start + at) // CHUNK_BYTES
+        store = open_store(folder)
+        if begin < end and begin // CHUNK_BYTES <= chunk <= (end - 1) // CHUNK_BYTES:
+            with pytest.raises(StoreCorruptError, match=r"shard-00000\.safetensors .* fail their checksum"):
+                store["a"][lo:hi]
+        else:
+            assert torch.equal(store["a"][lo:hi], rows[lo:hi])
+        store.close()
+    finally:
+        shard.write_bytes(pristine)
