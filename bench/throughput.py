@@ -15,8 +15,12 @@ bytes (``--mib`` of float32 rows, 1024 wide) go through:
   (``store.tokens(layer)[i:j]``) and through the shuffled stream in a ``DataLoader`` (single
   tokens collated by the DataLoader, and batches the stream makes itself).
 
-MB/s are 10^6 bytes per second; ratios are against the raw figure of the same direction. Goals:
-reads >= 0.8x raw read, extract <= 1.0x (bare loop + raw write).
+MB/s are 10^6 bytes per second; ratios are against the raw figure of the same direction,
+measured in the same round: ``--rounds`` rounds (default 5) each measure the limits and every
+row again in a folder of their own, and a row shows the median of its per-round figures (the
+disk's own speed moves by x3 from minute to minute on a shared machine: one raw figure against
+rows measured later says little). Goals: reads >= 0.8x raw read, extract <= 1.0x (bare loop +
+raw write).
 
 ``--places memory s3`` runs the same rows against ``memory://`` and S3 (moto's standalone
 server on 127.0.0.1, started here): there the limits are one PUT and one GET of the same bytes
@@ -31,6 +35,8 @@ import json
 import logging
 import os
 import secrets
+import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -110,6 +116,22 @@ class _Place:
     def url(self, sub: str) -> str:
         return f"{self.root}/{sub}"
 
+    @contextlib.contextmanager
+    def round(self, k: int) -> Iterator[_Place]:
+        """The place in a folder of round ``k``'s own, deleted when the round ends."""
+        one = _Place(self.name, self.url(f"round-{k}"), self.options)
+        if self.options is None and "://" not in self.root:
+            Path(one.root).mkdir()
+        try:
+            yield one
+        finally:
+            if self.options is None and "://" not in self.root:
+                shutil.rmtree(one.root, ignore_errors=True)
+            else:
+                fs, path = fsspec.core.url_to_fs(one.root, **(self.options or {}))
+                if fs.exists(path):
+                    fs.rm(path, recursive=True)
+
     def raw_write(self, data: torch.Tensor) -> None:
         if self.options is None and "://" not in self.root:
             _raw_write(Path(self.url("raw.bin")), data)
@@ -163,15 +185,20 @@ def _s3() -> Iterator[_Place]:
                 os.environ[key] = value
 
 
-def _place_rows(place: _Place, data: torch.Tensor,
-                row: Callable[[str, float, float | None], None],
-                table: list[tuple[str, float, float, str]]) -> None:
-    """The rows of one place: raw write and read (the limits), store write, extract, store
-    reads, token view and streams, each against the raw figure of its direction."""
+def _place_rows(place: _Place, data: torch.Tensor) -> list[tuple[str, float, float, str]]:
+    """One round of the rows of one place, as ``(row, MB/s, x limit, note)``: raw write and
+    read (the limits), store write, extract, store reads, token view and streams, each against
+    the raw figure of its direction measured in this round."""
     nbytes, rows = data.numel() * 4, len(data)
     shard_rows = 64 * 2**20 // (4 * WIDTH)  # 64 MiB shards
     label = "" if place.name == "local" else f"{place.name}: "
     options = place.options
+    table: list[tuple[str, float, float, str]] = []
+
+    def row(name: str, seconds: float, limit: float | None) -> None:
+        rate = nbytes / seconds / 1e6
+        table.append((name, rate, (rate / limit) if limit else 1.0, ""))
+
     write_s = _timed(lambda: place.raw_write(data))
     into = bytearray(nbytes)
     place.raw_read(into)  # warm
@@ -205,11 +232,28 @@ def _place_rows(place: _Place, data: torch.Tensor,
     stream = view.stream(buffer_tokens=2**14, block_tokens=1024, seed=0, batch_size=4096)
     row(f"{label}token stream, batch_size=4096 (DataLoader batch_size=None)",
         _timed(lambda: [b for b in DataLoader(stream, batch_size=None)]), raw_r)
+    return table
 
 
-def main(argv: list[str] | None = None) -> list[tuple[str, float, float, str]]:
+def _median_rows(rounds: list[list[tuple[str, float, float, str]]]) -> list[dict[str, Any]]:
+    """Per row: the median MB/s and x limit of the rounds, and each round's x limit."""
+    found = []
+    for k, (name, _, _, note) in enumerate(rounds[0]):
+        ratios = [one[k][2] for one in rounds]
+        found.append({"row": name, "mb_s": statistics.median(one[k][1] for one in rounds),
+                      "ratio": statistics.median(ratios), "ratios": ratios, "note": note})
+    return found
+
+
+def _spread(ratios: list[float]) -> str:
+    return f"x{min(ratios):.2f}-x{max(ratios):.2f}" if len(ratios) > 1 else ""
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--mib", type=int, default=256, help="MiB of rows")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="rounds, each measuring the limits and every row (default 5)")
     parser.add_argument("--out", type=Path, help="also write the table (markdown) here")
     parser.add_argument("--json", type=Path, help="also write the settings and rows (JSON) here")
     parser.add_argument("--places", nargs="+", choices=PLACES, default=["local"],
@@ -220,33 +264,32 @@ def main(argv: list[str] | None = None) -> list[tuple[str, float, float, str]]:
     rows = args.mib * 2**20 // (4 * WIDTH) // 64 * 64
     data = torch.randn(rows, WIDTH)
     nbytes = data.numel() * 4
-    table: list[tuple[str, float, float, str]] = []
-
-    def row(name: str, seconds: float, limit: float | None, note: str = "") -> None:
-        rate = nbytes / seconds / 1e6
-        table.append((name, rate, (rate / limit) if limit else 1.0, note))
-
+    table: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR")) as tmp:
         for name in args.places:
             with contextlib.ExitStack() as stack:
                 place = _Place("local", tmp) if name == "local" else \
                     stack.enter_context(_memory()) if name == "memory" else \
                     stack.enter_context(_s3())
-                _place_rows(place, data, row, table)
-    settings = (f"{nbytes / 2**20:.0f} MiB of float32 rows ({WIDTH} wide), one run, same disk; "
+                rounds = []
+                for k in range(args.rounds):
+                    with place.round(k) as one:
+                        rounds.append(_place_rows(one, data))
+                table += _median_rows(rounds)
+    settings = (f"{nbytes / 2**20:.0f} MiB of float32 rows ({WIDTH} wide), same disk, {args.rounds} rounds "
+                "(each row: the median of its per-round figures); "
                 "writes fsync'ed, reads from a warm page cache; MB/s = 10^6 bytes/s"
                 + ("; memory:// and S3 (moto's server on 127.0.0.1): against one PUT and one GET "
                    "of the bytes there" if args.places != ["local"] else ""))
-    lines = [settings, "", "| row | MB/s | x limit | note |", "|---|---|---|---|"]
-    lines += [f"| {name} | {rate:.0f} | x{ratio:.2f} | {note} |" for name, rate, ratio, note in table]
+    lines = [settings, "", "| row | MB/s | x limit | rounds | note |", "|---|---|---|---|---|"]
+    lines += [f"| {r['row']} | {r['mb_s']:.0f} | x{r['ratio']:.2f} | {_spread(r['ratios'])} | "
+              f"{r['note']} |" for r in table]
     text = "\n".join(lines)
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
     if args.json:
-        found = [{"row": name, "mb_s": rate, "ratio": ratio, "note": note}
-                 for name, rate, ratio, note in table]
-        args.json.write_text(json.dumps({"settings": settings, "rows": found}, indent=1))
+        args.json.write_text(json.dumps({"settings": settings, "rows": table}, indent=1))
     return table
 
 
