@@ -138,7 +138,8 @@ def _section(args: argparse.Namespace, interpreter: str, name: str) -> dict[str,
                            if args.quick else []), *threads, "--grad-mode", args.grad_mode],
             "compiled": [*(["--quick", "--runs", "2", "--backend", "eager"] if args.quick else
                            ["--runs", str(args.runs or 9)]), *threads],
-            "throughput": ["--mib", "2" if args.quick else "256", "--places", "local", "memory",
+            "throughput": ["--mib", "2" if args.quick else "256", "--rounds", "2" if args.quick else "5",
+                           "--places", "local", "memory",
                            "s3"]}[name]
     return _worker(args, interpreter, SECTIONS[name], argv)
 

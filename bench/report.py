@@ -38,24 +38,26 @@ def goals(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _throughput_goals(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Issue 33's goals on ``python -m bench.throughput``'s rows (one figure per run, no rounds):
-    each read row >= 0.8x the raw read, met when the worst run meets it; extraction <= 1.0x the
-    bare loop plus the raw write."""
+    """Issue 33's goals on ``python -m bench.throughput``'s rows: each read row >= 0.8x the raw
+    read, extraction <= 1.0x the bare loop plus the raw write, on the pooled per-round ratios
+    (each against the limit measured in its round); met when the quartile on the losing side
+    (the lower one for "at least", the upper one for "at most") meets the goal, as the other
+    goals use q3. Runs from before rounds count their one figure."""
     found = []
     for goal, prefix, limit, at_least in (
             ("store read rows, first pass >= 0.8x the raw disk read (issue 33)",
              "store read rows, first pass", 0.8, True),
             ("token view, flat reads >= 0.8x the raw disk read (issue 33)", "token view", 0.8, True),
             ("extract <= 1.0x the bare loop plus the raw write (issue 33)", "extract", 1.0, False)):
-        figures = [row["ratio"] for run in runs for row in (run.get("throughput") or {}).get("rows", [])
-                   if row["row"].startswith(prefix)]
-        worst = (min(figures) if at_least else max(figures)) if figures else None
-        spread = f", runs {_x(min(figures))}-{_x(max(figures))}" if len(figures) > 1 else ""
-        found.append({"goal": goal, "median": statistics.median(figures) if figures else None,
-                      "q3": worst, "spread": figures,
-                      "value": f"{_x(statistics.median(figures) if figures else None)} "
-                               f"(worst {_x(worst)}{spread})",
-                      "met": None if worst is None else worst >= limit if at_least else worst <= limit})
+        figures = [ratio for run in runs for row in (run.get("throughput") or {}).get("rows", [])
+                   if row["row"].startswith(prefix) for ratio in row.get("ratios", [row["ratio"]])]
+        median = statistics.median(figures) if figures else None
+        side = None if not figures else _upper_quartile(figures) if not at_least else \
+            figures[0] if len(figures) == 1 else statistics.quantiles(figures, n=4, method="inclusive")[0]
+        spread = f", rounds {_x(min(figures))}-{_x(max(figures))}" if len(figures) > 1 else ""
+        found.append({"goal": goal, "median": median, "q3": side, "spread": figures,
+                      "value": f"{_x(median)} ({'q1' if at_least else 'q3'} {_x(side)}{spread})",
+                      "met": None if side is None else side >= limit if at_least else side <= limit})
     return found
 
 
@@ -298,10 +300,16 @@ def _compiled_section(compiled: dict[str, Any] | None) -> list[str]:
     if "error" in compiled:
         return out + [f"Failed: `{compiled['error']}`", ""]
     out += ["| model | modules | graphs compiled | compile s | compiled forward ms | "
-            "with every-module capture ms | x compiled forward |", "|---|---:|---:|---:|---:|---:|---:|"]
+            "with every-module capture ms | x compiled forward | floor: plain traced hooks ms "
+            "(MiB out) | floor x compiled forward |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     out += [f"| {r['workload']} | {r['modules']} | {r['graphs']} | {r['compile_s']:.0f} | "
-            f"{r['bare_ms']:.1f} | {r['capture_ms']:.1f} | x{r['ratio']:.3f} |" for r in compiled["rows"]]
-    return out + [""]
+            f"{r['bare_ms']:.1f} | {r['capture_ms']:.1f} | x{r['ratio']:.3f} | "
+            + (f"{r['floor_ms']:.1f} ({r['floor_mib']:.0f}) | x{r['floor_ratio']:.3f} |" if "floor_ms" in r
+               else "n/a | n/a |") for r in compiled["rows"]]
+    return out + ["", "The floor is the same forward with every module's output handed out by plain "
+                  "forward hooks that dynamo traces (a clone appended to a list: graph outputs, "
+                  "written once by the kernel that computes them): what any every-module capture "
+                  "inside the graph writes at least (bench/compiled.py).", ""]
 
 
 def _throughput_section(throughput: dict[str, Any] | None) -> list[str]:
@@ -311,7 +319,8 @@ def _throughput_section(throughput: dict[str, Any] | None) -> list[str]:
            throughput.get("settings", ""), ""]
     if "error" in throughput:
         return out + [f"Failed: `{throughput['error']}`", ""]
-    out += ["| row | MB/s | x limit | note |", "|---|---:|---:|---|"]
-    out += [f"| {r['row']} | {r['mb_s']:.0f} | x{r['ratio']:.2f} | {r['note']} |"
-            for r in throughput["rows"]]
+    out += ["| row | MB/s | x limit | rounds | note |", "|---|---:|---:|---|---|"]
+    out += [f"| {r['row']} | {r['mb_s']:.0f} | x{r['ratio']:.2f} | "
+            f"{_x(min(r.get('ratios', [r['ratio']])))}-{_x(max(r.get('ratios', [r['ratio']])))} | "
+            f"{r['note']} |" for r in throughput["rows"]]
     return out + [""]
