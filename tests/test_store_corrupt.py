@@ -19,18 +19,22 @@ HEADER = {"model": {"spec": None, "class": "x.Y"}, "extract": {},
 ROWS = 4096  # 4 MiB of rows per shard: two checksum chunks per shard file
 
 
-@pytest.fixture
-def store_folder(tmp_path: Path) -> tuple[Path, torch.Tensor]:
-    folder = tmp_path / "store"
+def _store(folder: Path, shards: int, seed: int) -> tuple[Path, torch.Tensor]:
+    """A store of ``3 * ROWS`` random rows in ``shards`` equal shards."""
     prepare_output(folder, resume=False, overwrite=False)
     writer = StoreWriter(folder, HEADER)
-    rows = torch.randn(3 * ROWS, 256, generator=torch.Generator().manual_seed(0))
-    for s in range(3):
+    rows = torch.randn(3 * ROWS, 256, generator=torch.Generator().manual_seed(seed))
+    for s, block in enumerate(rows.chunk(shards)):
         shard = ShardData(batches=(s, s + 1))
-        shard.append({"a": rows[s * ROWS:(s + 1) * ROWS]}, {}, ROWS)
+        shard.append({"a": block}, {}, len(block))
         writer.write(shard)
     writer.finish()
     return folder, rows
+
+
+@pytest.fixture
+def store_folder(tmp_path: Path) -> tuple[Path, torch.Tensor]:
+    return _store(tmp_path / "store", 3, seed=0)
 
 
 def _flip_byte(file: Path, offset: int) -> None:
@@ -106,15 +110,7 @@ def test_damaged_manifest_is_named(store_folder: tuple[Path, torch.Tensor]) -> N
 @pytest.fixture
 def one_shard(tmp_path: Path) -> tuple[Path, torch.Tensor]:
     """A store of one 12 MiB shard: checksum chunk 1 lies wholly inside the rows."""
-    folder = tmp_path / "store"
-    prepare_output(folder, resume=False, overwrite=False)
-    writer = StoreWriter(folder, HEADER)
-    rows = torch.randn(3 * ROWS, 256, generator=torch.Generator().manual_seed(1))
-    shard = ShardData(batches=(0, 1))
-    shard.append({"a": rows}, {}, len(rows))
-    writer.write(shard)
-    writer.finish()
-    return folder, rows
+    return _store(tmp_path / "store", 1, seed=1)
 
 
 ROW_BYTES = 256 * 4
