@@ -17,10 +17,13 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import fsspec
+import fsspec.core
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -32,6 +35,7 @@ from hookscope.cli import extract as cli_extract
 from hookscope.cli.main import main
 from hookscope.errors import ExtractError
 from tests.models import MaskedTokens, MlpStack
+from tests.s3_server import KEY, SECRET
 
 ray = pytest.importorskip("ray")
 
@@ -45,15 +49,16 @@ OPTIONS = {"batch_size": 4, "shard_bytes": 600, "progress": False}
 
 class Rows(Dataset[Any]):
     """43 fixed rows of 10 features; with ``crash_at``, the process reading that row dies once
-    (``marker`` is created first, so its retry reads on), leaving the temporary file a worker
-    killed while writing a shard leaves; ``delay_s`` slows each row; with ``text_from``, rows
-    are ``(x, label)``: 1 before that row, "cat" from it on."""
+    (``marker`` is created first, so its retry reads on), leaving in the folder ``leftover``
+    (unless ``""``) the temporary file a worker killed while writing a shard leaves there;
+    ``delay_s`` slows each row; with ``text_from``, rows are ``(x, label)``: 1 before that row,
+    "cat" from it on."""
 
-    def __init__(self, crash_at: int | None = None, marker: str = "", delay_s: float = 0.0,
-                 text_from: int | None = None):
+    def __init__(self, crash_at: int | None = None, marker: str = "", leftover: str = "",
+                 delay_s: float = 0.0, text_from: int | None = None):
         self.x = torch.randn(43, 10, generator=torch.Generator().manual_seed(1))
-        self.crash_at, self.marker, self.delay_s = crash_at, marker, delay_s
-        self.text_from = text_from
+        self.crash_at, self.marker, self.leftover = crash_at, marker, leftover
+        self.delay_s, self.text_from = delay_s, text_from
 
     def __len__(self) -> int:
         return len(self.x)
@@ -62,8 +67,9 @@ class Rows(Dataset[Any]):
         time.sleep(self.delay_s)
         if i == self.crash_at and not os.path.exists(self.marker):
             Path(self.marker).touch()
-            folder = Path(self.marker).parent / "ray"
-            (folder / f".shard-00002.safetensors.tmp-{RUN}-{os.getpid()}-0badf00d").write_bytes(b"x")
+            if self.leftover:
+                name = f".shard-00002.safetensors.tmp-{RUN}-{os.getpid()}-0badf00d"
+                (Path(self.leftover) / name).write_bytes(b"x")
             os._exit(1)
         if self.text_from is not None:
             return self.x[i], 1 if i < self.text_from else "cat"
@@ -124,9 +130,23 @@ def _one_process(folder: Path) -> dict[str, bytes]:
     return _files(folder)
 
 
+def _s3(endpoint: str) -> tuple[str, dict[str, Any]]:
+    """A fresh folder on the test's S3 server, and the options to reach it (credentials too,
+    as a user passes them: the actors, started before the server, have none of their own)."""
+    return (f"s3://hookscope/{uuid.uuid4().hex[:12]}",
+            {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": endpoint}})
+
+
+def _objects(url: str, options: dict[str, Any]) -> dict[str, bytes]:
+    """Every object under ``url``, by name."""
+    fs, root = fsspec.core.url_to_fs(url, **options)
+    return {name.rsplit("/", 1)[-1]: fs.cat_file(name) for name in sorted(fs.ls(root, detail=False))}
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("_same_run")
-def test_cli_ray_writes_the_one_process_store_byte_for_byte(cluster: str, tmp_path: Path) -> None:
+def test_cli_ray_writes_the_one_process_store_byte_for_byte(
+        cluster: str, s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     weights, rows = tmp_path / "mlp.safetensors", tmp_path / "rows.pt"
     save_file(model().state_dict(), str(weights))
     torch.save(Rows().x, rows)
@@ -138,16 +158,52 @@ def test_cli_ray_writes_the_one_process_store_byte_for_byte(cluster: str, tmp_pa
     one, on_ray = _files(tmp_path / "one"), _files(tmp_path / "ray")
     assert list(on_ray) == ["manifest.json", *(f"shard-{k:05d}.safetensors" for k in range(6))]
     assert on_ray == one
+    url, options = _s3(s3_endpoint)  # the CLI has no storage_options: fsspec's own config
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"key": KEY, "secret": SECRET,
+                                                   "endpoint_url": s3_endpoint})
+    assert main([*args, "--out", url, "--ray", "--ray-actors", "1", "--ray-address",
+                 cluster]) == 0  # as FSSPEC_S3_KEY, _SECRET and _ENDPOINT_URL give a process
+    assert _objects(url, options) == one
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("_same_run")
+def test_ray_into_s3_is_the_one_process_store_and_keeps_no_credential(
+        cluster: str, s3_endpoint: str, tmp_path: Path) -> None:
+    url, options = _s3(s3_endpoint)
+    extract(model(), Rows(), LAYERS, f"{url}/one", storage_options=options, **OPTIONS)
+    store = extract(model(), Rows(), LAYERS, f"{url}/ray", engine=RayEngine(actors=2),
+                    storage_options=options, **OPTIONS)
+    on_ray = _objects(f"{url}/ray", options)
+    assert on_ray == _objects(f"{url}/one", options) == _one_process(tmp_path / "one")
+    store.verify()
+    for data in on_ray.values():  # the manifest, and each shard with its metadata
+        assert SECRET.encode() not in data and KEY.encode() not in data
+        assert s3_endpoint.encode() not in data
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("_same_run")
 def test_killed_worker_is_retried_without_duplicate_or_orphan(cluster: str, tmp_path: Path) -> None:
-    marker = tmp_path / "crashed"
-    store = extract(model(), Rows(crash_at=21, marker=str(marker)), LAYERS, tmp_path / "ray",
-                    engine=RayEngine(actors=2), **OPTIONS)
+    marker, out = tmp_path / "crashed", tmp_path / "ray"
+    out.mkdir()
+    store = extract(model(), Rows(crash_at=21, marker=str(marker), leftover=str(out)), LAYERS,
+                    f"file://{out}", engine=RayEngine(actors=2), **OPTIONS)  # file://: a folder
     assert marker.exists()  # the worker holding shard 2 (batches 4, 5: rows 16..23) died
-    assert _files(tmp_path / "ray") == _one_process(tmp_path / "one")  # its temporary file gone
+    assert _files(out) == _one_process(tmp_path / "one")  # its temporary file gone
+    store.verify()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("_same_run")
+def test_killed_worker_on_s3_leaves_no_duplicate_or_orphan_object(
+        cluster: str, s3_endpoint: str, tmp_path: Path) -> None:
+    url, options = _s3(s3_endpoint)
+    marker = tmp_path / "crashed"
+    store = extract(model(), Rows(crash_at=21, marker=str(marker)), LAYERS, url,
+                    engine=RayEngine(actors=2), storage_options=options, **OPTIONS)
+    assert marker.exists()  # died mid-shard: nothing of shard 2 was uploaded, its retry was
+    assert _objects(url, options) == _one_process(tmp_path / "one")  # every object, once
     store.verify()
 
 
@@ -301,12 +357,9 @@ def test_bad_engine_is_named_with_the_fix(engine: object, tmp_path: Path) -> Non
     assert not (tmp_path / "out").exists()
 
 
-
-def test_ray_into_an_object_store_url_is_refused_before_anything_is_written() -> None:
-    import fsspec
-
-    url = "memory://ray-refused/store"
-    with pytest.raises(ExtractError, match=r"engine='ray' writes a store into a folder .* leave "
-                                           r"engine out to write the URL"):
+def test_ray_into_memory_is_refused_before_anything_is_written() -> None:
+    url = "memory://ray-refused/store"  # each actor, a process of its own, has its own memory://
+    with pytest.raises(ExtractError, match=r"one file system per process.* URL every actor "
+                                           r"reaches \(s3://, gs://\).* or leave engine out"):
         extract(model(), Rows(), LAYERS, url, engine="ray", progress=False)
     assert not fsspec.filesystem("memory").exists("/ray-refused")
