@@ -138,7 +138,7 @@ def _s3(endpoint: str) -> tuple[str, dict[str, Any]]:
 
 
 def _objects(url: str, options: dict[str, Any]) -> dict[str, bytes]:
-    """Every object under ``url``, by name."""
+    """Every object (or file) under ``url`` (or a folder's path), by name."""
     fs, root = fsspec.core.url_to_fs(url, **options)
     return {name.rsplit("/", 1)[-1]: fs.cat_file(name) for name in sorted(fs.ls(root, detail=False))}
 
@@ -168,13 +168,15 @@ def test_cli_ray_writes_the_one_process_store_byte_for_byte(
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("_same_run")
-def test_ray_into_s3_is_the_one_process_store_and_keeps_no_credential(
+def test_ray_into_s3_is_the_one_process_store_despite_a_killed_worker_and_keeps_no_credential(
         cluster: str, s3_endpoint: str, tmp_path: Path) -> None:
     url, options = _s3(s3_endpoint)
+    marker = tmp_path / "crashed"
     extract(model(), Rows(), LAYERS, f"{url}/one", storage_options=options, **OPTIONS)
-    store = extract(model(), Rows(), LAYERS, f"{url}/ray", engine=RayEngine(actors=2),
-                    storage_options=options, **OPTIONS)
-    on_ray = _objects(f"{url}/ray", options)
+    store = extract(model(), Rows(crash_at=21, marker=str(marker)), LAYERS, f"{url}/ray",
+                    engine=RayEngine(actors=2), storage_options=options, **OPTIONS)
+    assert marker.exists()  # died mid-shard: nothing of shard 2 was uploaded, its retry was
+    on_ray = _objects(f"{url}/ray", options)  # every object once: no orphan, no duplicate
     assert on_ray == _objects(f"{url}/one", options) == _one_process(tmp_path / "one")
     store.verify()
     for data in on_ray.values():  # the manifest, and each shard with its metadata
@@ -196,39 +198,30 @@ def test_killed_worker_is_retried_without_duplicate_or_orphan(cluster: str, tmp_
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("_same_run")
-def test_killed_worker_on_s3_leaves_no_duplicate_or_orphan_object(
-        cluster: str, s3_endpoint: str, tmp_path: Path) -> None:
-    url, options = _s3(s3_endpoint)
-    marker = tmp_path / "crashed"
-    store = extract(model(), Rows(crash_at=21, marker=str(marker)), LAYERS, url,
-                    engine=RayEngine(actors=2), storage_options=options, **OPTIONS)
-    assert marker.exists()  # died mid-shard: nothing of shard 2 was uploaded, its retry was
-    assert _objects(url, options) == _one_process(tmp_path / "one")  # every object, once
-    store.verify()
-
-
-@pytest.mark.slow
-@pytest.mark.usefixtures("_same_run")
-def test_killed_driver_resumes_to_the_same_bytes(cluster: str, tmp_path: Path) -> None:
-    out = tmp_path / "ray"
+@pytest.mark.parametrize("place", ["folder", "s3"])
+def test_killed_driver_resumes_to_the_same_bytes(cluster: str, tmp_path: Path, place: str,
+                                                 request: pytest.FixtureRequest) -> None:
+    out, options = (str(tmp_path / "ray"), {}) if place == "folder" else \
+        _s3(request.getfixturevalue("s3_endpoint"))
     code = (f"import ray, hookscope.store.extraction as e, tests.test_extract_ray as t\n"
             f"e.secrets = t._FixedRun\n"
             f"ray.init(address={cluster!r}, log_to_driver=False)\n"
-            f"e.extract(t.model(), t.Rows(delay_s=0.1), t.LAYERS, {str(out)!r},\n"
-            f"          engine=t.RayEngine(actors=1), **t.OPTIONS)\n")
+            f"e.extract(t.model(), t.Rows(delay_s=0.1), t.LAYERS, {out!r},\n"
+            f"          engine=t.RayEngine(actors=1), storage_options={options or None!r},\n"
+            f"          **t.OPTIONS)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     driver = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        listed = _wait_for_shards(out / "manifest.json", 2, driver)
+        listed = _wait_for_shards(out, options, 2, driver)
         driver.send_signal(signal.SIGKILL)
     finally:
         driver.kill()
         driver.wait()
     assert 2 <= listed < 6
     store = extract(model(), Rows(), LAYERS, out, resume=True, engine=RayEngine(actors=1),
-                    **OPTIONS)
-    assert _files(out) == _one_process(tmp_path / "one")
+                    storage_options=options or None, **OPTIONS)
+    assert _objects(out, options) == _one_process(tmp_path / "one")
     store.verify()
 
 
@@ -251,7 +244,7 @@ def test_ctrl_c_keeps_the_shards_listed_in_order_and_resume_finishes(cluster: st
     driver = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        _wait_for_shards(out / "manifest.json", 1, driver)
+        _wait_for_shards(str(out), {}, 1, driver)
         driver.send_signal(signal.SIGINT)
         stdout, stderr = driver.communicate(timeout=120)
     finally:
@@ -266,13 +259,18 @@ def test_ctrl_c_keeps_the_shards_listed_in_order_and_resume_finishes(cluster: st
     store.verify()
 
 
-def _wait_for_shards(manifest: Path, count: int, driver: subprocess.Popen[Any]) -> int:
-    """Wait until ``manifest`` lists ``count`` shards; return how many it lists then."""
+def _wait_for_shards(out: str, options: dict[str, Any], count: int,
+                     driver: subprocess.Popen[Any]) -> int:
+    """Wait until the manifest at ``out`` lists ``count`` shards; return how many it lists then."""
+    fs, root = fsspec.core.url_to_fs(out, **options)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if driver.poll() is not None:
             raise AssertionError(f"the driver ended first: {driver.stderr.read()[-3000:]!r}")
-        text = manifest.read_text() if manifest.exists() else ""
+        try:
+            text = fs.cat_file(f"{root}/manifest.json").decode()
+        except FileNotFoundError:
+            text = ""
         if text.count('"file"') >= count:
             return text.count('"file"')
         time.sleep(0.05)
