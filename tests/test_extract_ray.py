@@ -227,6 +227,20 @@ def test_killed_driver_resumes_to_the_same_bytes(cluster: str, tmp_path: Path, p
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("_same_run")
+def test_a_relative_folder_is_this_processs_not_the_actors(cluster: str, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the actors' working directory stays the cluster's
+    store = extract(model(), Rows(), LAYERS, "relative", engine=RayEngine(actors=1), **OPTIONS)
+    assert sorted(os.listdir(tmp_path / "relative")) == \
+        ["manifest.json", *(f"shard-{k:05d}.safetensors" for k in range(6))]
+    store.verify()  # before: StoreCorruptError, the shards were in the cluster's folder
+    mlp, x = model(), Rows().x
+    with torch.no_grad():  # batches of 4, as extract runs them
+        assert torch.equal(store["fc2"][:], torch.cat([mlp(x[i:i + 4]) for i in range(0, 43, 4)]))
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("_same_run")
 def test_ctrl_c_keeps_the_shards_listed_in_order_and_resume_finishes(cluster: str,
                                                                      tmp_path: Path) -> None:
     out = tmp_path / "ray"

@@ -34,6 +34,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -406,9 +407,11 @@ def _worker_copy(job: _Job) -> _Job:
 
 def _for_workers(job: _Job, engine: RayEngine, folder: StorePath, writer: StoreWriter) -> Work:
     """What a Ray actor runs for one shard: ``write_batch_range`` over the shared copy of the
-    job, bound to this run's folder, run id and layers."""
+    job, bound to this run's folder (made absolute: an actor's working directory is not this
+    process's on a cluster, or after a ``chdir`` here), run id and layers."""
     device = "cuda" if engine.num_gpus > 0 else None
-    return write_batch_range, job.shared, (folder, writer.run, tensor_specs(writer.manifest),
+    where = folder.absolute() if isinstance(folder, Path) else folder
+    return write_batch_range, job.shared, (where, writer.run, tensor_specs(writer.manifest),
                                            device)
 
 

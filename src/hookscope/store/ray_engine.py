@@ -9,9 +9,10 @@ first batch, stop batch)`` to a Ray Data ``map_batches`` over a pool of actors. 
 a copy of the model and the data (pickled once, with cloudpickle), loads its own batches by
 index (``BatchSource``) and writes its shard by the writer's protocol (``fs.write_atomic``:
 in a folder, temporary name, fsync, rename; at a URL such as ``s3://``, a local temporary file
-uploaded in one PUT, so an object appears whole or not at all). The driver lists a shard in ``manifest.json`` once it and every shard before it are
-written, so after any crash the manifest lists complete shards from the first on, as one
-process's does, and ``resume`` goes on from there.
+uploaded in one PUT, so an object appears whole or not at all). The driver lists a shard in
+``manifest.json`` once it and every shard before it are written, so after any crash the manifest
+lists complete shards from the first on, as one process's does, and ``resume`` goes on from
+there.
 
 A worker killed mid-shard is restarted by Ray and its shard computed and written again under
 the same name (Ray Data's policy for actor pools: an actor that dies is restarted, without a
