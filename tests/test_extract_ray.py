@@ -4,7 +4,10 @@ One local Ray cluster for the module (4 logical CPUs on the 2-core machine, no d
 of fixed-size rows is compared byte for byte, every file, with the store one process writes from
 the same model, data and options: both runs draw the same run id (``_same_run``), so no field is
 left out of the comparison (a store's run id is otherwise random: it is in the manifest and each
-shard). The tests that start actors take seconds each (an actor imports torch): marked slow.
+shard). Stores at a URL go to moto's S3 server on 127.0.0.1 (``tests/s3_server.py``), with the
+endpoint in ``storage_options`` (the CLI: fsspec's config) only: an actor reaches the server
+only through what the job carries. The tests that start actors take seconds each (an actor imports
+torch): marked slow.
 """
 
 from __future__ import annotations
@@ -132,7 +135,7 @@ def _one_process(folder: Path) -> dict[str, bytes]:
 
 def _s3(endpoint: str) -> tuple[str, dict[str, Any]]:
     """A fresh folder on the test's S3 server, and the options to reach it (credentials too,
-    as a user passes them: the actors, started before the server, have none of their own)."""
+    as a user passes them; moto takes any, and the endpoint is the part an actor cannot guess)."""
     return (f"s3://hookscope/{uuid.uuid4().hex[:12]}",
             {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": endpoint}})
 

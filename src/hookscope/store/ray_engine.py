@@ -17,7 +17,8 @@ there.
 A worker killed mid-shard is restarted by Ray and its shard computed and written again under
 the same name (Ray Data's policy for actor pools: an actor that dies is restarted, without a
 limit; an error the code raises is not retried but raised by the driver). No shard is written
-under two names, and the temporary file a killed worker left is deleted when the run ends.
+under two names, and the temporary file a killed worker left in a folder is deleted when the
+run ends (at a URL nothing of a shard is there before its one PUT).
 Shards hold ``ceil(shard_bytes / first batch's bytes)`` batches (on resume, as many as the
 interrupted run's first shard): where one process closes its shards when every batch has the
 same bytes, so the store is then byte for byte one process's, run id aside (each run draws its
@@ -25,7 +26,8 @@ own, kept in its manifest and every shard's metadata). With ragged rows (tokens)
 and order are one process's and the shards are cut by batch count.
 
 ``out`` must be a place every actor can write: a folder (one machine, or a file system all nodes
-mount) or a URL of a shared service (``s3://``, ``gs://``); ``memory://`` is refused
+mount at the same path; a relative one is made absolute here) or a URL of a shared service
+(``s3://``, ``gs://``); ``memory://`` is refused
 (``check_reachable``). The folder goes to the actors with the job, pickled through Ray, and with
 it fsspec's file system and its ``storage_options`` (credentials included; never written into
 the store); credentials taken from the environment must be in the actors' environment too.
