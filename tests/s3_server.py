@@ -31,7 +31,8 @@ def s3_endpoint() -> Iterator[str]:
             patch.setenv("AWS_DEFAULT_REGION", "us-east-1")
             fs, _ = fsspec.core.url_to_fs("s3://hookscope",
                                           client_kwargs={"endpoint_url": endpoint})
-            fs.mkdir("hookscope")
+            if not fs.exists("hookscope"):  # moto keeps its buckets per process, not per server
+                fs.mkdir("hookscope")
             yield endpoint
     finally:
         server.stop()
