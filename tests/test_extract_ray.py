@@ -378,3 +378,14 @@ def test_ray_into_memory_is_refused_before_anything_is_written() -> None:
                                            r"reaches \(s3://, gs://\).* or leave engine out"):
         extract(model(), Rows(), LAYERS, url, engine="ray", progress=False)
     assert not fsspec.filesystem("memory").exists("/ray-refused")
+
+
+def test_cli_ray_into_memory_is_refused_with_the_fix(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    weights, rows = tmp_path / "mlp.safetensors", tmp_path / "rows.pt"
+    save_file(model().state_dict(), str(weights))
+    torch.save(Rows().x, rows)
+    assert main(["extract", f"tests.models:MlpStack@{weights}", "--data", str(rows), "--layers",
+                 "fc1", "--out", "memory://ray-refused-cli/store", "--ray"]) == 1
+    assert "or leave engine out to write memory:// from this process" in capsys.readouterr().err
+    assert not fsspec.filesystem("memory").exists("/ray-refused-cli")
