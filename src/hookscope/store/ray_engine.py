@@ -27,10 +27,10 @@ and order are one process's and the shards are cut by batch count.
 
 ``out`` must be a place every actor can write: a folder (one machine, or a file system all nodes
 mount at the same path; a relative one is made absolute here) or a URL of a shared service
-(``s3://``, ``gs://``); ``memory://`` is refused
-(``check_reachable``). The folder goes to the actors with the job, pickled through Ray, and with
-it fsspec's file system and its ``storage_options`` (credentials included; never written into
-the store); credentials taken from the environment must be in the actors' environment too.
+(``s3://``, ``gs://``); ``memory://`` is refused (``check_reachable``). The folder goes to the
+actors with the job, pickled through Ray, and with it fsspec's file system and its
+``storage_options`` (credentials included; never written into the store); credentials taken
+from the environment must be in the actors' environment too.
 """
 
 from __future__ import annotations
