@@ -16,6 +16,7 @@ from torch import nn
 
 from hookscope.diagnostics.inventory import _is_internal, _registered_by
 from hookscope.engine.hooks import registered
+from tests.s3_server import s3_endpoint  # noqa: F401  (a fixture for every test file)
 
 # Every live module, kept weakly: scanning ``gc.get_objects()`` (~400,000 objects once torch and
 # transformers are imported) took 0.15 s per scan, two scans per test: about 8 of the suite's

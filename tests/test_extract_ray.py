@@ -4,7 +4,10 @@ One local Ray cluster for the module (4 logical CPUs on the 2-core machine, no d
 of fixed-size rows is compared byte for byte, every file, with the store one process writes from
 the same model, data and options: both runs draw the same run id (``_same_run``), so no field is
 left out of the comparison (a store's run id is otherwise random: it is in the manifest and each
-shard). The tests that start actors take seconds each (an actor imports torch): marked slow.
+shard). Stores at a URL go to moto's S3 server on 127.0.0.1 (``tests/s3_server.py``), with the
+endpoint in ``storage_options`` (the CLI: fsspec's config) only: an actor reaches the server
+only through what the job carries. The tests that start actors take seconds each (an actor imports
+torch): marked slow.
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import fsspec
+import fsspec.core
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -32,6 +38,7 @@ from hookscope.cli import extract as cli_extract
 from hookscope.cli.main import main
 from hookscope.errors import ExtractError
 from tests.models import MaskedTokens, MlpStack
+from tests.s3_server import KEY, SECRET
 
 ray = pytest.importorskip("ray")
 
@@ -45,15 +52,16 @@ OPTIONS = {"batch_size": 4, "shard_bytes": 600, "progress": False}
 
 class Rows(Dataset[Any]):
     """43 fixed rows of 10 features; with ``crash_at``, the process reading that row dies once
-    (``marker`` is created first, so its retry reads on), leaving the temporary file a worker
-    killed while writing a shard leaves; ``delay_s`` slows each row; with ``text_from``, rows
-    are ``(x, label)``: 1 before that row, "cat" from it on."""
+    (``marker`` is created first, so its retry reads on), leaving in the folder ``leftover``
+    (unless ``""``) the temporary file a worker killed while writing a shard leaves there;
+    ``delay_s`` slows each row; with ``text_from``, rows are ``(x, label)``: 1 before that row,
+    "cat" from it on."""
 
-    def __init__(self, crash_at: int | None = None, marker: str = "", delay_s: float = 0.0,
-                 text_from: int | None = None):
+    def __init__(self, crash_at: int | None = None, marker: str = "", leftover: str = "",
+                 delay_s: float = 0.0, text_from: int | None = None):
         self.x = torch.randn(43, 10, generator=torch.Generator().manual_seed(1))
-        self.crash_at, self.marker, self.delay_s = crash_at, marker, delay_s
-        self.text_from = text_from
+        self.crash_at, self.marker, self.leftover = crash_at, marker, leftover
+        self.delay_s, self.text_from = delay_s, text_from
 
     def __len__(self) -> int:
         return len(self.x)
@@ -62,8 +70,9 @@ class Rows(Dataset[Any]):
         time.sleep(self.delay_s)
         if i == self.crash_at and not os.path.exists(self.marker):
             Path(self.marker).touch()
-            folder = Path(self.marker).parent / "ray"
-            (folder / f".shard-00002.safetensors.tmp-{RUN}-{os.getpid()}-0badf00d").write_bytes(b"x")
+            if self.leftover:
+                name = f".shard-00002.safetensors.tmp-{RUN}-{os.getpid()}-0badf00d"
+                (Path(self.leftover) / name).write_bytes(b"x")
             os._exit(1)
         if self.text_from is not None:
             return self.x[i], 1 if i < self.text_from else "cat"
@@ -124,9 +133,23 @@ def _one_process(folder: Path) -> dict[str, bytes]:
     return _files(folder)
 
 
+def _s3(endpoint: str) -> tuple[str, dict[str, Any]]:
+    """A fresh folder on the test's S3 server, and the options to reach it (credentials too,
+    as a user passes them; moto takes any, and the endpoint is the part an actor cannot guess)."""
+    return (f"s3://hookscope/{uuid.uuid4().hex[:12]}",
+            {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": endpoint}})
+
+
+def _objects(url: str, options: dict[str, Any]) -> dict[str, bytes]:
+    """Every object (or file) under ``url`` (or a folder's path), by name."""
+    fs, root = fsspec.core.url_to_fs(url, **options)
+    return {name.rsplit("/", 1)[-1]: fs.cat_file(name) for name in sorted(fs.ls(root, detail=False))}
+
+
 @pytest.mark.slow
 @pytest.mark.usefixtures("_same_run")
-def test_cli_ray_writes_the_one_process_store_byte_for_byte(cluster: str, tmp_path: Path) -> None:
+def test_cli_ray_writes_the_one_process_store_byte_for_byte(
+        cluster: str, s3_endpoint: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     weights, rows = tmp_path / "mlp.safetensors", tmp_path / "rows.pt"
     save_file(model().state_dict(), str(weights))
     torch.save(Rows().x, rows)
@@ -138,42 +161,85 @@ def test_cli_ray_writes_the_one_process_store_byte_for_byte(cluster: str, tmp_pa
     one, on_ray = _files(tmp_path / "one"), _files(tmp_path / "ray")
     assert list(on_ray) == ["manifest.json", *(f"shard-{k:05d}.safetensors" for k in range(6))]
     assert on_ray == one
+    url, options = _s3(s3_endpoint)  # the CLI has no storage_options: fsspec's own config
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"key": KEY, "secret": SECRET,
+                                                   "endpoint_url": s3_endpoint})
+    assert main([*args, "--out", url, "--ray", "--ray-actors", "1", "--ray-address",
+                 cluster]) == 0  # as FSSPEC_S3_KEY, _SECRET and _ENDPOINT_URL give a process
+    assert _objects(url, options) == one
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("_same_run")
+def test_ray_into_s3_is_the_one_process_store_despite_a_killed_worker_and_keeps_no_credential(
+        cluster: str, s3_endpoint: str, tmp_path: Path) -> None:
+    url, options = _s3(s3_endpoint)
+    marker = tmp_path / "crashed"
+    extract(model(), Rows(), LAYERS, f"{url}/one", storage_options=options, **OPTIONS)
+    store = extract(model(), Rows(crash_at=21, marker=str(marker)), LAYERS, f"{url}/ray",
+                    engine=RayEngine(actors=2), storage_options=options, **OPTIONS)
+    assert marker.exists()  # died mid-shard: nothing of shard 2 was uploaded, its retry was
+    on_ray = _objects(f"{url}/ray", options)  # every object once: no orphan, no duplicate
+    assert on_ray == _objects(f"{url}/one", options) == _one_process(tmp_path / "one")
+    store.verify()
+    for data in on_ray.values():  # the manifest, and each shard with its metadata
+        assert SECRET.encode() not in data and KEY.encode() not in data
+        assert s3_endpoint.encode() not in data
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("_same_run")
 def test_killed_worker_is_retried_without_duplicate_or_orphan(cluster: str, tmp_path: Path) -> None:
-    marker = tmp_path / "crashed"
-    store = extract(model(), Rows(crash_at=21, marker=str(marker)), LAYERS, tmp_path / "ray",
-                    engine=RayEngine(actors=2), **OPTIONS)
+    marker, out = tmp_path / "crashed", tmp_path / "ray"
+    out.mkdir()
+    store = extract(model(), Rows(crash_at=21, marker=str(marker), leftover=str(out)), LAYERS,
+                    f"file://{out}", engine=RayEngine(actors=2), **OPTIONS)  # file://: a folder
     assert marker.exists()  # the worker holding shard 2 (batches 4, 5: rows 16..23) died
-    assert _files(tmp_path / "ray") == _one_process(tmp_path / "one")  # its temporary file gone
+    assert _files(out) == _one_process(tmp_path / "one")  # its temporary file gone
     store.verify()
 
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("_same_run")
-def test_killed_driver_resumes_to_the_same_bytes(cluster: str, tmp_path: Path) -> None:
-    out = tmp_path / "ray"
+@pytest.mark.parametrize("place", ["folder", "s3"])
+def test_killed_driver_resumes_to_the_same_bytes(cluster: str, tmp_path: Path, place: str,
+                                                 request: pytest.FixtureRequest) -> None:
+    out, options = (str(tmp_path / "ray"), {}) if place == "folder" else \
+        _s3(request.getfixturevalue("s3_endpoint"))
     code = (f"import ray, hookscope.store.extraction as e, tests.test_extract_ray as t\n"
             f"e.secrets = t._FixedRun\n"
             f"ray.init(address={cluster!r}, log_to_driver=False)\n"
-            f"e.extract(t.model(), t.Rows(delay_s=0.1), t.LAYERS, {str(out)!r},\n"
-            f"          engine=t.RayEngine(actors=1), **t.OPTIONS)\n")
+            f"e.extract(t.model(), t.Rows(delay_s=0.1), t.LAYERS, {out!r},\n"
+            f"          engine=t.RayEngine(actors=1), storage_options={options or None!r},\n"
+            f"          **t.OPTIONS)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     driver = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        listed = _wait_for_shards(out / "manifest.json", 2, driver)
+        listed = _wait_for_shards(out, options, 2, driver)
         driver.send_signal(signal.SIGKILL)
     finally:
         driver.kill()
         driver.wait()
     assert 2 <= listed < 6
     store = extract(model(), Rows(), LAYERS, out, resume=True, engine=RayEngine(actors=1),
-                    **OPTIONS)
-    assert _files(out) == _one_process(tmp_path / "one")
+                    storage_options=options or None, **OPTIONS)
+    assert _objects(out, options) == _one_process(tmp_path / "one")
     store.verify()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("_same_run")
+def test_a_relative_folder_is_this_processs_not_the_actors(cluster: str, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the actors' working directory stays the cluster's
+    store = extract(model(), Rows(), LAYERS, "relative", engine=RayEngine(actors=1), **OPTIONS)
+    assert sorted(os.listdir(tmp_path / "relative")) == \
+        ["manifest.json", *(f"shard-{k:05d}.safetensors" for k in range(6))]
+    store.verify()  # before: StoreCorruptError, the shards were in the cluster's folder
+    mlp, x = model(), Rows().x
+    with torch.no_grad():  # batches of 4, as extract runs them
+        assert torch.equal(store["fc2"][:], torch.cat([mlp(x[i:i + 4]) for i in range(0, 43, 4)]))
 
 
 @pytest.mark.slow
@@ -195,7 +261,7 @@ def test_ctrl_c_keeps_the_shards_listed_in_order_and_resume_finishes(cluster: st
     driver = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        _wait_for_shards(out / "manifest.json", 1, driver)
+        _wait_for_shards(str(out), {}, 1, driver)
         driver.send_signal(signal.SIGINT)
         stdout, stderr = driver.communicate(timeout=120)
     finally:
@@ -210,13 +276,18 @@ def test_ctrl_c_keeps_the_shards_listed_in_order_and_resume_finishes(cluster: st
     store.verify()
 
 
-def _wait_for_shards(manifest: Path, count: int, driver: subprocess.Popen[Any]) -> int:
-    """Wait until ``manifest`` lists ``count`` shards; return how many it lists then."""
+def _wait_for_shards(out: str, options: dict[str, Any], count: int,
+                     driver: subprocess.Popen[Any]) -> int:
+    """Wait until the manifest at ``out`` lists ``count`` shards; return how many it lists then."""
+    fs, root = fsspec.core.url_to_fs(out, **options)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if driver.poll() is not None:
             raise AssertionError(f"the driver ended first: {driver.stderr.read()[-3000:]!r}")
-        text = manifest.read_text() if manifest.exists() else ""
+        try:
+            text = fs.cat_file(f"{root}/manifest.json").decode()
+        except FileNotFoundError:
+            text = ""
         if text.count('"file"') >= count:
             return text.count('"file"')
         time.sleep(0.05)
@@ -301,12 +372,20 @@ def test_bad_engine_is_named_with_the_fix(engine: object, tmp_path: Path) -> Non
     assert not (tmp_path / "out").exists()
 
 
-
-def test_ray_into_an_object_store_url_is_refused_before_anything_is_written() -> None:
-    import fsspec
-
-    url = "memory://ray-refused/store"
-    with pytest.raises(ExtractError, match=r"engine='ray' writes a store into a folder .* leave "
-                                           r"engine out to write the URL"):
+def test_ray_into_memory_is_refused_before_anything_is_written() -> None:
+    url = "memory://ray-refused/store"  # each actor, a process of its own, has its own memory://
+    with pytest.raises(ExtractError, match=r"one file system per process.* URL every actor "
+                                           r"reaches \(s3://, gs://\).* or leave engine out"):
         extract(model(), Rows(), LAYERS, url, engine="ray", progress=False)
     assert not fsspec.filesystem("memory").exists("/ray-refused")
+
+
+def test_cli_ray_into_memory_is_refused_with_the_fix(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    weights, rows = tmp_path / "mlp.safetensors", tmp_path / "rows.pt"
+    save_file(model().state_dict(), str(weights))
+    torch.save(Rows().x, rows)
+    assert main(["extract", f"tests.models:MlpStack@{weights}", "--data", str(rows), "--layers",
+                 "fc1", "--out", "memory://ray-refused-cli/store", "--ray"]) == 1
+    assert "or leave engine out to write memory:// from this process" in capsys.readouterr().err
+    assert not fsspec.filesystem("memory").exists("/ray-refused-cli")

@@ -14,7 +14,6 @@ import subprocess
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,29 +28,10 @@ from hookscope.errors import ExtractError, StoreCorruptError, StoreError, StoreE
 from hookscope.store import writer
 from hookscope.store.extraction import extract
 from hookscope.store.reader import open_store
+from tests.s3_server import KEY, SECRET
 
 ROWS = torch.randn(40, 64, generator=torch.Generator().manual_seed(0))  # 256 bytes a row
 SHARD = 2048  # 8 rows a shard: 5 shards
-KEY, SECRET = "hookscope-test-key", "hookscope-test-secret-do-not-store"
-
-
-@pytest.fixture(scope="module")
-def s3_endpoint() -> Iterator[str]:
-    """moto's S3 server on a free port of 127.0.0.1 with one bucket, ``hookscope``; fake
-    credentials in the environment for the module's tests."""
-    from moto.server import ThreadedMotoServer
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("AWS_ACCESS_KEY_ID", KEY)
-        patch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
-        patch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-        fs, _ = fsspec.core.url_to_fs("s3://hookscope", client_kwargs={"endpoint_url": endpoint})
-        fs.mkdir("hookscope")
-        yield endpoint
-    server.stop()
 
 
 @dataclass

@@ -79,7 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ray", action="store_true",
                         help="run the batches on Ray actors that write their own shards (pip "
                              "install 'hookscope[ray]'), one GPU each when --device is CUDA; "
-                             "this process writes the manifest")
+                             "this process writes the manifest. Into a URL (s3://, not "
+                             "memory://) each actor uploads its shards: fsspec's config here "
+                             "(FSSPEC_S3_KEY, ...) travels to the actors, credentials from the "
+                             "environment must be in theirs")
     parser.add_argument("--ray-address", metavar="ADDR", default=None,
                         help="with --ray: the Ray cluster to join (default: RAY_ADDRESS, else "
                              "a new local one)")

@@ -76,6 +76,7 @@ from hookscope.store.ray_engine import (
     Work,
     as_engine,
     check_data,
+    check_reachable,
     share,
     write_on_ray,
 )
@@ -157,7 +158,8 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
             this process would write (``hookscope.store.ray_engine``, which says when it is
             byte for byte the same). ``shard_seconds`` does not apply there (shards are sized
             by ``shard_bytes`` alone, so a store is reproducible); a Ctrl-C keeps the shards
-            finished in order.
+            finished in order. ``out`` may be a URL (``s3://``): each actor uploads its own
+            shards, with ``storage_options`` sent along; not ``memory://`` (one per process).
         storage_options: for a URL ``out``, fsspec's options (credentials, ``client_kwargs``
             such as an ``endpoint_url``); without them the environment's credentials apply.
             Never written into the store.
@@ -186,7 +188,8 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
             not one batch-first tensor, rows whose shape changes between batches, shuffled
             data, or a resume with other arguments; ``out`` a URL whose fsspec file system is not
             installed (``s3fs`` for ``s3://``), or ``storage_options`` that is not a dict or comes
-            with a local folder.
+            with a local folder; ``engine="ray"`` with a ``memory://`` ``out``, which the
+            actors cannot reach.
         StoreCorruptError: ``resume`` finds a damaged manifest.
         ExtractInterrupted: a Ctrl-C stopped the run gracefully (a ``KeyboardInterrupt``; its
             ``rows`` were written, the open shard's included); ``resume=True`` continues.
@@ -207,11 +210,8 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
         if on_ray is not None and ranks.world_size > 1:
             raise ExtractError("engine='ray' runs one driver that hands the batches to Ray "
                                "actors; run it as one process, not under torchrun")
-        if on_ray is not None and not isinstance(folder, Path):
-            raise ExtractError(f"engine='ray' writes a store into a folder that every actor can "
-                               f"reach, not yet into an object store ({out!s:.80}): extract into a "
-                               "local or shared folder, or leave engine out to write the URL "
-                               "from this process")
+        if on_ray is not None:
+            check_reachable(folder)
         config = {"layers": keys, "reduce": reduction_name(reduce), "batches": source.count,
                   "dtype": dtype_name(dtype) if dtype else None, "batch_size": source.batch_size}
         header = {"model": {"spec": model_spec, "class": _class_name(model)}, "extract": config}
@@ -407,9 +407,11 @@ def _worker_copy(job: _Job) -> _Job:
 
 def _for_workers(job: _Job, engine: RayEngine, folder: StorePath, writer: StoreWriter) -> Work:
     """What a Ray actor runs for one shard: ``write_batch_range`` over the shared copy of the
-    job, bound to this run's folder, run id and layers."""
+    job, bound to this run's folder (made absolute: an actor's working directory is not this
+    process's on a cluster, or after a ``chdir`` here), run id and layers."""
     device = "cuda" if engine.num_gpus > 0 else None
-    return write_batch_range, job.shared, (folder, writer.run, tensor_specs(writer.manifest),
+    where = folder.absolute() if isinstance(folder, Path) else folder
+    return write_batch_range, job.shared, (where, writer.run, tensor_specs(writer.manifest),
                                            device)
 
 

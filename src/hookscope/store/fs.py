@@ -41,8 +41,8 @@ from hookscope.errors import HookscopeError
 from hookscope.util import read_regular as read_local
 from hookscope.util import write_atomic as write_local
 
-__all__ = ["ChunkCache", "RemotePath", "StorePath", "listdir", "local_copy", "location", "open_read",
-           "read_range", "read_regular", "write_atomic"]
+__all__ = ["ChunkCache", "RemotePath", "StorePath", "in_this_process", "listdir", "local_copy",
+           "location", "open_read", "read_range", "read_regular", "write_atomic"]
 
 _URL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>.*)", re.S)
 
@@ -165,6 +165,17 @@ def location(path: str | os.PathLike[str], error: type[HookscopeError],
         raise error(f"cannot open {text!r:.100}: {err}. Stores at a URL go through fsspec: "
                     f"{extra}") from err
     return RemotePath(fs, root, text)
+
+
+def in_this_process(path: StorePath) -> bool:
+    """True when the files at ``path`` live in this process's memory (fsspec's
+    ``MemoryFileSystem``, ``memory://``): another process opening the same URL sees a file
+    system of its own. A local folder or any other URL is shared between the processes of a
+    machine (``file://``) or of every machine that reaches the service (``s3://``, ``gs://``)."""
+    if isinstance(path, Path):
+        return False
+    from fsspec.implementations.memory import MemoryFileSystem  # noqa: PLC0415  (loaded already)
+    return isinstance(path.fs, MemoryFileSystem)
 
 
 def listdir(folder: StorePath) -> list[str]:

@@ -7,21 +7,30 @@ changes. The driver cuts the remaining batches into shards of a fixed number of 
 each shard file as one process would (``shard-00000.safetensors`` ...), and hands ``(file,
 first batch, stop batch)`` to a Ray Data ``map_batches`` over a pool of actors. Each actor holds
 a copy of the model and the data (pickled once, with cloudpickle), loads its own batches by
-index (``BatchSource``) and writes its shard by the writer's protocol (temporary name, fsync,
-rename). The driver lists a shard in ``manifest.json`` once it and every shard before it are
-written, so after any crash the manifest lists complete shards from the first on, as one
-process's does, and ``resume`` goes on from there.
+index (``BatchSource``) and writes its shard by the writer's protocol (``fs.write_atomic``:
+in a folder, temporary name, fsync, rename; at a URL such as ``s3://``, a local temporary file
+uploaded in one PUT, so an object appears whole or not at all). The driver lists a shard in
+``manifest.json`` once it and every shard before it are written, so after any crash the manifest
+lists complete shards from the first on, as one process's does, and ``resume`` goes on from
+there.
 
 A worker killed mid-shard is restarted by Ray and its shard computed and written again under
 the same name (Ray Data's policy for actor pools: an actor that dies is restarted, without a
 limit; an error the code raises is not retried but raised by the driver). No shard is written
-under two names, and the temporary file a killed worker left is deleted when the run ends.
+under two names, and the temporary file a killed worker left in a folder is deleted when the
+run ends (at a URL nothing of a shard is there before its one PUT).
 Shards hold ``ceil(shard_bytes / first batch's bytes)`` batches (on resume, as many as the
 interrupted run's first shard): where one process closes its shards when every batch has the
 same bytes, so the store is then byte for byte one process's, run id aside (each run draws its
 own, kept in its manifest and every shard's metadata). With ragged rows (tokens) the rows, ids
-and order are one process's and the shards are cut by batch count. ``out`` must be a folder
-every actor can write (one machine, or a file system all nodes mount).
+and order are one process's and the shards are cut by batch count.
+
+``out`` must be a place every actor can write: a folder (one machine, or a file system all nodes
+mount at the same path; a relative one is made absolute here) or a URL of a shared service
+(``s3://``, ``gs://``); ``memory://`` is refused (``check_reachable``). The folder goes to the
+actors with the job, pickled through Ray, and with it fsspec's file system and its
+``storage_options`` (credentials included; never written into the store); credentials taken
+from the environment must be in the actors' environment too.
 """
 
 from __future__ import annotations
@@ -37,10 +46,11 @@ from tqdm import tqdm
 
 from hookscope.errors import ExtractError
 from hookscope.store.folder import remove_temporary
+from hookscope.store.fs import StorePath, in_this_process
 from hookscope.store.writer import StoreWriter
 
-__all__ = ["Engine", "RayEngine", "ShardMade", "Work", "as_engine", "check_data", "share",
-           "write_on_ray"]
+__all__ = ["Engine", "RayEngine", "ShardMade", "Work", "as_engine", "check_data", "check_reachable",
+           "share", "write_on_ray"]
 
 ShardMade = tuple[int, int, str, tuple[str, ...]]  # rows, bytes, sha256, chunk sums
 # what an actor runs for a shard: (function, reference of its shared first argument, the
@@ -100,6 +110,21 @@ def check_data(count: int | None) -> None:
     if count is None:
         raise ExtractError("engine='ray' needs data with a length (a Dataset, or a DataLoader "
                            "over one) so that the batches can be handed out by index")
+
+
+def check_reachable(folder: StorePath) -> None:
+    """Raise ``ExtractError`` unless the actors, other processes, can write into ``folder``.
+
+    Raises:
+        ExtractError: ``folder`` is in this process's memory (``memory://``).
+    """
+    if in_this_process(folder):
+        raise ExtractError(
+            f"engine='ray' has its actors, processes of their own, upload the shards, and "
+            f"{folder} is in this process's memory (fsspec's memory:// is one file system per "
+            f"process): each actor would write into its own memory, out of this store's reach. "
+            f"Extract into a URL every actor reaches (s3://, gs://) or a folder they all can "
+            f"write, or leave engine out to write memory:// from this process")
 
 
 def share(engine: RayEngine, value: Any) -> Any:
