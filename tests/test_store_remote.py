@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import tempfile
@@ -239,6 +240,22 @@ def test_an_unknown_scheme_names_what_to_install(tmp_path: Path,
                                            r"and the package for nosuch://"):
         _extract(Place("nosuch://bucket/s", None))
     assert os.listdir(tmp_path) == []  # no local folder named 'nosuch:'
+
+
+@pytest.mark.parametrize("url", ["simplecache::s3://bucket/s", "filecache::memory://s", "blockcache::file:///tmp/s",
+                                 "s3 ://bucket/s", "1x://bucket/s"])
+def test_a_url_that_is_not_plain_is_refused_not_made_a_local_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, url: str) -> None:
+    """A chained fsspec URL (or a malformed scheme) named a local folder 'simplecache::s3:' in
+    the working directory, silently: it is refused for writing and reading, naming the plain URL."""
+    monkeypatch.chdir(tmp_path)
+    plain = url.rsplit("::", 1)[-1]
+    with pytest.raises(ExtractError, match=rf"neither a folder nor a plain URL.*pass the plain URL, "
+                                           rf"e.g. '{re.escape(plain)}'"):
+        _extract(Place(url, None))
+    with pytest.raises(StoreError, match="neither a folder nor a plain URL"):
+        open_store(url)
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.slow

@@ -143,7 +143,8 @@ def location(path: str | os.PathLike[str], error: type[HookscopeError],
     Raises:
         error: ``storage_options`` that is not a dict, or given with a local folder; fsspec, or
             the package for the scheme (``s3fs`` for ``s3://``), is not installed; the scheme is
-            unknown.
+            unknown; ``path`` holds ``://`` but is no plain URL (a chained fsspec URL,
+            ``simplecache::s3://b/x``, would otherwise name a local folder ``simplecache::s3:``).
     """
     if storage_options is not None and not isinstance(storage_options, dict):
         raise error(f"storage_options must be a dict of fsspec options, e.g. {{'client_kwargs': "
@@ -151,6 +152,11 @@ def location(path: str | os.PathLike[str], error: type[HookscopeError],
                     f"{type(storage_options).__name__}")
     text = os.fspath(path)
     found = _URL.fullmatch(text) if isinstance(text, str) else None
+    if found is None and isinstance(text, str) and "://" in text:
+        raise error(f"{text!r:.100} is neither a folder nor a plain URL (scheme://path): "
+                    f"chained fsspec URLs (simplecache::s3://...) are not stores' (a store "
+                    f"checks and caches what it reads itself, 64 MiB of chunks); pass the plain "
+                    f"URL, e.g. {text.rsplit('::', 1)[-1]!r:.100}")
     if found is None or found["scheme"].lower() == "file":
         if storage_options:
             raise error(f"storage_options apply to a URL (s3://, gs://, memory://); {text!r:.100} "
