@@ -265,7 +265,8 @@ def test_sections_measured_alone_merge_into_results_and_render_again(bench_main,
     for row in rows:
         assert row["graphs"] == 2 and row["modules"] > 10 and len(row["ratios"]) == 2
         assert row["ratio"] == pytest.approx(statistics.median(row["ratios"]))
-        assert len(row["floors"]) == 2 and row["floor_mib"] > 0
+        assert len(row["plains"]) == len(row["floors"]) == 2 and row["captured_mib"] > 0
+        assert all(f > 1 for f in row["floors"])  # the compiled forward plus the fill
     names = [row["row"] for row in run["throughput"]["rows"]]
     assert names[:2] == ["raw sequential write + fsync (limit)", "raw sequential read, warm (limit)"]
     assert len(results["merged"]) == 1 and "--only throughput" in results["merged"][0]["command"]
