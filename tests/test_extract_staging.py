@@ -3,6 +3,7 @@ from the first batch's rows, and preparing them starts no OpenMP team beside the
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from pathlib import Path
@@ -63,3 +64,35 @@ def test_slabs_hold_about_four_batches(layer: str, batch: int, row_bytes: int, s
     store = extract(LeNet().eval(), data, layer, tmp_path / "s", batch_size=batch, progress=False)
     assert sizes == [slab]
     assert store[layer][0:1].numel() * 4 == row_bytes and len(store) == 2 * batch
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+            low, high = (int(x, 16) for x in head.split("-"))
+            inside = low <= address < high
+        elif inside and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    return []
+
+
+@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
+                    reason="transparent huge pages are Linux's")
+def test_slabs_are_huge_page_memory_that_outlives_its_mapping_object() -> None:
+    """A slab is an anonymous mapping advised MADV_HUGEPAGE ("hg" in its VmFlags; 4x faster to
+    copy rows into when fresh, here); the tensor alone keeps the mapping alive, and the rows
+    copied in stay."""
+    from hookscope.store.writer import _fresh, _touched
+
+    slab = _touched(4 * MIB)
+    assert slab.dtype == torch.uint8 and slab.shape == (4 * MIB,) and not slab.any()
+    assert "hg" in _vm_flags(slab.data_ptr())
+    rows = torch.randn(1024, 1024)
+    slab.view(torch.float32).view(1024, 1024).copy_(rows)
+    gc.collect()  # the mmap object has no name left but the tensor's
+    assert "hg" in _vm_flags(slab.data_ptr())
+    assert torch.equal(slab.view(torch.float32).view(1024, 1024), rows)
+    assert _fresh(0).shape == (0,)  # no mapping of 0 bytes: torch's own allocation
