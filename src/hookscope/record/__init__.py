@@ -18,9 +18,9 @@ from hookscope.record.positions import (
     tokens_first,
 )
 from hookscope.record.records import CallInputs, RecordKey, Records, load
-from hookscope.record.reductions import NAMES, Reduce, Reduction, reduction, reduction_name
+from hookscope.record.reductions import NAMES, REDUCTIONS, Reduce, Reduction, reduction, reduction_name
 
 __all__ = ["CallInputs", "Capture", "GenerationCapture", "Heads", "NAMES", "NoGrad", "Over", "Positions",
-           "RecordKey", "Records", "Reduce", "Reduction", "capture", "capture_generation", "check_over",
-           "grad_leaf", "gradient_pass", "layout_positions", "load", "reduction", "reduction_name",
-           "resolve_heads", "run", "selected", "tokens_first"]
+           "REDUCTIONS", "RecordKey", "Records", "Reduce", "Reduction", "capture", "capture_generation",
+           "check_over", "grad_leaf", "gradient_pass", "layout_positions", "load",
+           "reduction", "reduction_name", "resolve_heads", "run", "selected", "tokens_first"]

@@ -137,13 +137,13 @@ def selected(layout: Layout, positions: Positions, heads: Heads, key: str, *,
     shape = layout.shape
     batch, seq = layout.rows, layout.length
     sizes = [1] * len(shape)
-    sizes[0], sizes[layout.seq] = batch, seq
+    sizes[layout.batch], sizes[layout.seq] = batch, seq
     tokens = torch.ones(batch, seq, dtype=torch.bool)
     if positions is not None:
         rows, columns = layout_positions(positions, layout, key, absolute=absolute, over=over)
         tokens = torch.zeros(batch, seq, dtype=torch.bool)
         tokens[rows.cpu(), columns.cpu()] = True
-    chosen = tokens.reshape(sizes)
+    chosen = (tokens if layout.batch < layout.seq else tokens.T).reshape(sizes)
     if heads is not None and layout.heads is not None:
         count = int(shape[layout.heads])
         head_sizes = [1] * len(shape)
@@ -158,8 +158,8 @@ def tokens_first(t: Tensor, layout: Layout) -> Tensor:
     """A view of ``t`` as ``(batch, seq, heads, ...)`` (``(batch, seq, ...)`` without heads);
     writing into it writes into ``t``."""
     if layout.heads is None:
-        return t.movedim(layout.seq, 1)
-    return t.movedim((layout.seq, layout.heads), (1, 2))
+        return t.movedim((layout.batch, layout.seq), (0, 1))
+    return t.movedim((layout.batch, layout.seq, layout.heads), (0, 1, 2))
 
 
 def resolve_positions(positions: Positions, shape: Sequence[int], attention_mask: Tensor | None = None,

@@ -44,6 +44,7 @@ from tqdm import tqdm
 from hookscope.engine import (
     GracefulStop,
     as_patterns,
+    batch_first,
     brief,
     input_device,
     kind_of,
@@ -63,7 +64,15 @@ from hookscope.errors import (
     SelectorError,
     warn,
 )
-from hookscope.record import Capture, Reduce, Reduction, capture, reduction, reduction_name
+from hookscope.record import (
+    REDUCTIONS,
+    Capture,
+    Reduce,
+    Reduction,
+    capture,
+    reduction,
+    reduction_name,
+)
 from hookscope.store.batches import BatchSource
 from hookscope.store.folder import check_output, prepare_output, writing
 from hookscope.store.fs import StorePath, location
@@ -542,7 +551,7 @@ def _rows(job: _Job, batch: Any, ids: list[Any] | None) -> Rows:
             job.model(*args, **kwargs)
         acts.check_writes()
         _check_calls(acts, job.keys)
-    rows = {key: _layer_rows(key, acts[key], n, mask, job) for key in job.keys}
+    rows = {key: _layer_rows(key, acts[key], n, mask, job, _axes(acts, key)) for key in job.keys}
     tokens = mask if job.reducer is None else None  # ragged layers: token labels go ragged too
     return {**rows, **_columns(batch, ids, n, tokens), **_token_ids(kwargs, mask, rows)}
 
@@ -642,6 +651,12 @@ def _twice(key: str, count: int) -> str:
     return (f"'{key}' ran {count} times in one forward pass; a store layer takes one call per "
             f"batch (one row per input): {fix}")
 
+def _axes(acts: Capture, key: str) -> tuple[int, int | None]:
+    """The ``(batch, token)`` axes of the tensor ``acts[key]`` (``Records.token_axes``)."""
+    value = acts[key]
+    return acts.token_axes(key, value.dim()) if isinstance(value, Tensor) else (0, 1)
+
+
 def _check_calls(acts: Capture, keys: list[str]) -> None:
     """Each selected module runs once per batch (a store keeps one row per input)."""
     counts = acts.counts
@@ -670,9 +685,10 @@ def _one_tensor(key: str, output: Any) -> Tensor:
         f"{describe_keys(output)})")
 
 
-def _layer_rows(key: str, output: Any, n: int, mask: Tensor | None, job: _Job
-                ) -> tuple[Tensor, Tensor | None]:
-    """``(rows, None)`` or ``(flat tokens, lengths)`` of one layer's output. A value whose kind
+def _layer_rows(key: str, output: Any, n: int, mask: Tensor | None, job: _Job,
+                axes: tuple[int, int | None] = (0, 1)) -> tuple[Tensor, Tensor | None]:
+    """``(rows, None)`` or ``(flat tokens, lengths)`` of one layer's output, whose ``(batch,
+    token)`` axes are ``axes`` (``Records.token_axes``). A value whose kind
     has rows of its own (a nested tensor, a PackedSequence: ``engine.kinds``) is stored ragged,
     one row per input in input order, real tokens only."""
     kind = kind_of(output)
@@ -687,17 +703,23 @@ def _layer_rows(key: str, output: Any, n: int, mask: Tensor | None, job: _Job
         _check_storable(key, tokens)
         return tokens.detach(), counts
     t = values_for(_one_tensor(key, output), key, "extract", ExtractError)
+    t = batch_first(t, axes)  # a sequence-first or length-last output as (batch, seq, ...)
     if t.dim() == 0 or t.shape[0] != n:
         raise ExtractError(f"'{key}' returned shape {tuple(t.shape)}, whose first dimension is "
                            f"not the batch size {n}; a store keeps one row per input, so select "
                            f"a module whose output is batch-first")
     lengths = None
+    if axes[1] is None and job.reducer in REDUCTIONS.values():
+        raise ExtractError(f"'{key}', shape {tuple(t.shape)} (batch first), has no token axis "
+                           f"to reduce: it is one vector per row "
+                           f"and layer (an RNN's final state); select the output that holds the "
+                           f"tokens, '{key.split('[')[0]}[0]', or store it with reduce=None")
     if job.reducer is not None:
         t = job.reducer(t, mask)  # a function returning no tensor raises there (reductions.py)
         if t.dim() == 0 or t.shape[0] != n:
             raise ExtractError(f"reduce turned the output of '{key}' into shape "
                                f"{tuple(t.shape)}; it must keep dim 0 (the batch, {n})")
-    elif mask is not None and t.dim() >= 2 and t.shape[:2] == mask.shape:
+    elif mask is not None and axes[1] is not None and t.dim() >= 2 and t.shape[:2] == mask.shape:
         keep = mask.bool()  # (batch, seq): real tokens only, padding is not stored
         lengths, t = keep.sum(dim=1).to("cpu", torch.int64), t[keep]
     if job.dtype is not None and t.is_floating_point():
