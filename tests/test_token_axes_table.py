@@ -1,6 +1,6 @@
 """Every row of ``engine.layout.TOKEN_AXES`` (modules whose tokens are not dim 1: torch's
 sequence-first attention, transformer layers and RNNs, 1-D convolutions) read by every verb that
-takes tokens: capture's reductions, extract, ablate/steer/patch at positions, patching_sweep and
+takes tokens: capture's reductions, stats, extract, ablate/steer/patch at positions, patching_sweep and
 attribution_patching, each against plain PyTorch (a forward hook indexing the module's output
 by hand), on padded and unpadded batches. Before the table, each verb took the batch of a
 ``(seq, batch, d)`` output for its tokens and the channels of a ``(batch, channels, length)``
@@ -20,6 +20,7 @@ from torch import nn
 import hookscope
 from hookscope.engine import TOKEN_AXES
 from hookscope.errors import PositionError
+from tests.models import padding_mask
 
 D, VOCAB = 8, 20
 
@@ -104,10 +105,7 @@ def cases(draw: Any) -> dict[str, Any]:
     padding = draw(st.sampled_from([None, "left", "right"]))
     mask = None
     if padding is not None:
-        lengths = [draw(st.integers(1, seq)) for _ in range(rows)]
-        mask = torch.zeros(rows, seq, dtype=torch.long)
-        for r, n in enumerate(lengths):
-            mask[r, slice(seq - n, None) if padding == "left" else slice(None, n)] = 1
+        mask = padding_mask([draw(st.integers(1, seq)) for _ in range(rows)], seq, padding == "left")
     torch.manual_seed(draw(st.integers(0, 99)))
     return {"kind": draw(st.sampled_from(KINDS)), "ids": torch.randint(1, VOCAB, (rows, seq)),
             "other": torch.randint(1, VOCAB, (rows, seq)), "mask": mask,
@@ -132,6 +130,11 @@ def test_every_verb_reads_the_token_axis_of_the_row(case: dict[str, Any]) -> Non
         with torch.no_grad(), hookscope.capture(model, key, reduce=reduce) as acts:
             model(ids, **kwargs)
         torch.testing.assert_close(acts[key], expected, msg=f"capture reduce={reduce}")
+    batch = {"input_ids": ids} if mask is None else {"input_ids": ids, "attention_mask": mask}
+    running = hookscope.stats(model, [batch], key)[key]
+    kept = torch.cat([plain[r, picked[r]] for r in range(len(picked))])  # (tokens, d)
+    assert int(running.count.sum()) == kept.numel()
+    torch.testing.assert_close(float(running.mean), float(kept.double().mean()), msg="stats")
     if not _fits(case):
         return
     cells = [(r, picked[r][p]) for r in range(len(picked))]

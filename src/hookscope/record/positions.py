@@ -44,7 +44,7 @@ from hookscope.engine import Layout, brief, check_no_unmasked_padding
 from hookscope.errors import ArgumentValueError, PositionError
 
 __all__ = ["Positions", "Heads", "Over", "resolve_positions", "take_positions", "layout_positions",
-           "selected", "resolve_heads", "tokens_first", "check_over"]
+           "selected", "resolve_heads", "tokens_first", "real_tokens", "check_over"]
 
 Tensor = torch.Tensor
 Positions = int | Sequence[int] | slice | Tensor | None
@@ -160,6 +160,15 @@ def tokens_first(t: Tensor, layout: Layout) -> Tensor:
     if layout.heads is None:
         return t.movedim((layout.batch, layout.seq), (0, 1))
     return t.movedim((layout.batch, layout.seq, layout.heads), (0, 1, 2))
+
+
+def real_tokens(t: Tensor, layout: Layout) -> Tensor:
+    """The real tokens of ``t`` (of ``layout``), ``(tokens, [heads,] ...)`` row-major, by
+    ``layout.mask``; ``t`` itself when the forward had no mask of its ``(batch, seq)``."""
+    mask = layout.mask
+    if mask is None or tuple(mask.shape) != (layout.rows, layout.length):
+        return t
+    return tokens_first(t, layout)[mask.to(t.device).bool()]
 
 
 def resolve_positions(positions: Positions, shape: Sequence[int], attention_mask: Tensor | None = None,
