@@ -33,9 +33,11 @@ from hookscope.diagnostics.pairing import (
     weights,
 )
 from hookscope.engine import (
+    MaskWatcher,
     ModuleIndex,
     Observer,
     Target,
+    Tokens,
     as_patterns,
     check_number,
     comparable,
@@ -43,9 +45,10 @@ from hookscope.engine import (
     input_device,
     resolve_checked,
     untouched,
+    unwrap,
 )
 from hookscope.errors import ArgumentTypeError, ArgumentValueError, HookscopeError, SelectorError
-from hookscope.record import CallInputs, capture
+from hookscope.record import CallInputs, capture, padding_dropped
 from hookscope.util import (
     Keys,
     get_part,
@@ -210,7 +213,11 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
     Every tensor of an output is compared as float64 values: integer and bool ones exactly
     (up to 2**53), quantized ones dequantized, complex ones by real and imaginary parts, a
     ``DTensor`` (tensor parallelism) as its global tensor, so a sharded model compares with
-    the unsharded one.
+    the unsharded one. With an ``attention_mask`` only the real tokens of each output are
+    compared, on its token axis (``engine.layout``: dim 1 of a module output, the queries of
+    ``scaled_dot_product_attention``, dim 0 of a sequence-first ``nn.MultiheadAttention``):
+    what padding holds is no model's answer (SDPA and eager attention fill it differently);
+    ``LayerDiff.shape`` is still the whole output's. Without ``pair=``.
 
     Args:
         model_a: Reference model.
@@ -281,6 +288,8 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
     reference: dict[Key, dict[Keys, Tensor]] = {}
     order: list[Key] = []
 
+    tokens = _tokens(model_a, args, kwargs)  # the same inputs: the same real tokens in B
+
     def keep(key: Key, output: Any) -> None:
         reference[key] = {k: t.detach().clone() for k, t in _values(key[0], output).items()}
         order.append(key)
@@ -292,7 +301,12 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
         if key not in reference:
             unmatched.append(f"{key[0]}:{key[1]}")
             return
-        diffs[key] = _diff(key, reference.pop(key), _values(key[0], output), atol, rtol)
+        a_values, b_values = reference.pop(key), _values(key[0], output)
+        diff = _diff(key, _real(a_values, targets_a.get(key[0]), tokens),
+                     _real(b_values, targets_b.get(key[0]), tokens), atol, rtol)
+        diffs[key] = dataclasses.replace(  # the shapes of the outputs, padding included
+            diff, shape=next((tuple(t.shape) for t in a_values.values()), ()),
+            shape_b=diff.shape_b and tuple(tuple(t.shape) for t in b_values.values()))
 
     session_a = _watched_forward(_watching(model_a, names_a, [targets_a[k] for k in common], keep),
                                  model_a, keep, args, kwargs)
@@ -516,6 +530,21 @@ def _values(key: str, output: Any) -> dict[Keys, Tensor]:
         HookscopeError: a tensor is a meta tensor or a FakeTensor (no values to compare).
     """
     return {keys: comparable(t, key) for keys, t in iter_tensors_with_keys(output)}
+
+
+def _real(values: dict[Keys, Tensor], target: Target | None, tokens: Tokens) -> dict[Keys, Tensor]:
+    """Each value's real tokens when the forward had a mask (``record.padding_dropped``): what
+    padding holds is not compared."""
+    return {keys: padding_dropped(t, target, tokens, keys) for keys, t in values.items()}
+
+
+def _tokens(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tokens:
+    """The ``Tokens`` (attention mask) of ``model`` called on ``(args, kwargs)``, as the
+    root's ``MaskWatcher`` reads them in every verb."""
+    root = unwrap(model)[0]
+    watcher = MaskWatcher(root)
+    watcher.hook(root, args, kwargs)
+    return watcher.tokens
 
 
 def _shared(a: dict[Keys, Tensor], b: dict[Keys, Tensor]) -> tuple[list[Tensor], list[Tensor], str]:

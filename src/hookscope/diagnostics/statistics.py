@@ -26,7 +26,6 @@ from torch import nn
 from hookscope.diagnostics.histogram import MAX_BINS, Histogram
 from hookscope.engine import (
     HookSession,
-    Layout,
     MaskWatcher,
     OnUnfired,
     Target,
@@ -40,14 +39,13 @@ from hookscope.engine import (
     check_not_transformed,
     keepable,
     kind_of,
-    layout_of,
     model_inputs,
     untouched,
     unwrap,
     values_for,
 )
-from hookscope.errors import ArgumentValueError, HookscopeError, PositionError
-from hookscope.record import real_tokens
+from hookscope.errors import ArgumentValueError, HookscopeError
+from hookscope.record import padding_dropped
 from hookscope.util import get_part, iter_tensors
 
 __all__ = ["RunningStats", "stats"]
@@ -371,10 +369,8 @@ class _StatsSession(HookSession):
 
 
 def _real_tokens(tensor: Tensor, target: Target, tokens: Tokens) -> Tensor:
-    """The real tokens of ``tensor`` ``(tokens, [heads,] ...)`` by its layout (its token and
-    heads axes, ``engine.layout``) and the forward's mask, or ``tensor`` when the forward had no
-    mask or the value no token axis (``(batch, features)``, an RNN's final state). The value of a
-    function whose layout hookscope does not know is read as ``(batch, seq, ...)``.
+    """The real tokens of ``tensor`` (``record.padding_dropped``), ``tensor`` when the forward
+    said nothing about its tokens.
 
     Raises:
         PositionError: the input looks padded but no mask was given
@@ -383,16 +379,7 @@ def _real_tokens(tensor: Tensor, target: Target, tokens: Tokens) -> Tensor:
     if not tokens.known:
         return tensor
     check_no_unmasked_padding(tokens, f"stats of '{target.key}'", positions=False)
-    if tokens.mask is None or tensor.dim() < 2:
-        return tensor
-    try:
-        layout = layout_of(target.key, target.op, tensor.shape, tokens=tokens,
-                           module=target.module, parts=target.parts)
-    except PositionError:  # no token axis, or a function's value of unknown layout
-        if target.op is None:
-            return tensor
-        layout = Layout(tuple(tensor.shape), 1, None, tokens)
-    return real_tokens(tensor, layout)
+    return padding_dropped(tensor, target, tokens)
 
 
 def _summarised(tensors: list[Tensor], key: str) -> Tensor | None:

@@ -13,6 +13,7 @@ from hookscope.record.positions import (
     Positions,
     check_over,
     layout_positions,
+    padding_dropped,
     real_tokens,
     resolve_heads,
     selected,
@@ -24,4 +25,5 @@ from hookscope.record.reductions import NAMES, REDUCTIONS, Reduce, Reduction, re
 __all__ = ["CallInputs", "Capture", "GenerationCapture", "Heads", "NAMES", "NoGrad", "Over", "Positions",
            "REDUCTIONS", "RecordKey", "Records", "Reduce", "Reduction", "capture", "capture_generation",
            "check_over", "grad_leaf", "gradient_pass", "layout_positions", "load",
-           "reduction", "reduction_name", "resolve_heads", "run", "real_tokens", "selected", "tokens_first"]
+           "reduction", "reduction_name", "resolve_heads", "run", "padding_dropped", "real_tokens",
+           "selected", "tokens_first"]
