@@ -286,12 +286,14 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
     common = [key for key in targets_a if key in targets_b]
     _require_pairs(targets_a, targets_b, common)
     reference: dict[Key, dict[Keys, Tensor]] = {}
+    tokens: dict[Key, Tokens] = {}
     order: list[Key] = []
 
-    tokens = _tokens(model_a, args, kwargs)  # the same inputs: the same real tokens in B
+    watcher_a, watcher_b = MaskWatcher(unwrap(model_a)[0]), MaskWatcher(unwrap(model_b)[0])
 
     def keep(key: Key, output: Any) -> None:
         reference[key] = {k: t.detach().clone() for k, t in _values(key[0], output).items()}
+        tokens[key] = watcher_a.tokens  # the tokens of the forward (the stack) that made it
         order.append(key)
 
     diffs: dict[Key, LayerDiff] = {}
@@ -302,16 +304,16 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
             unmatched.append(f"{key[0]}:{key[1]}")
             return
         a_values, b_values = reference.pop(key), _values(key[0], output)
-        diff = _diff(key, _real(a_values, targets_a.get(key[0]), tokens),
-                     _real(b_values, targets_b.get(key[0]), tokens), atol, rtol)
+        diff = _diff(key, _real(a_values, targets_a.get(key[0]), tokens[key]),
+                     _real(b_values, targets_b.get(key[0]), watcher_b.tokens), atol, rtol)
         diffs[key] = dataclasses.replace(  # the shapes of the outputs, padding included
             diff, shape=next((tuple(t.shape) for t in a_values.values()), ()),
             shape_b=diff.shape_b and tuple(tuple(t.shape) for t in b_values.values()))
 
     session_a = _watched_forward(_watching(model_a, names_a, [targets_a[k] for k in common], keep),
-                                 model_a, keep, args, kwargs)
+                                 _token_watch(model_a, watcher_a), model_a, keep, args, kwargs)
     session_b = _watched_forward(_watching(model_b, names_b, [targets_b[k] for k in common], check),
-                                 model_b, check, args, kwargs)
+                                 _token_watch(model_b, watcher_b), model_b, check, args, kwargs)
     _require_hooks_fired(model_a, not common or len(order) > 1)  # order always holds OUTPUT
     _require_hooks_fired(model_b, not common or len(diffs) + len(unmatched) > 1)
     unmatched += [f"{path}:{k}" for path, k in reference]
@@ -492,14 +494,23 @@ def _targets(model: nn.Module, patterns: list[str]) -> tuple[dict[str, Target], 
     return {t.key: t for t in targets}, names
 
 
-def _watched_forward(session: Observer, model: nn.Module, sink: Callable[[Key, Any], None],
-                     args: tuple[Any, ...], kwargs: dict[str, Any]) -> Observer:
-    """Run ``model`` once on the inputs (cast to its dtype) in ``session``, without gradients,
-    leaving the model as it was (``untouched``); ``sink`` gets its output; return ``session``.
-    One ``with`` line: an exception at any line event still leaves every block
-    (``engine.interrupts``)."""
-    with untouched(model), torch.no_grad(), session: sink((OUTPUT, 0), _call(model, args, kwargs))  # noqa: E701
+def _watched_forward(session: Observer, tokens: Observer, model: nn.Module,
+                     sink: Callable[[Key, Any], None], args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> Observer:
+    """Run ``model`` once on the inputs (cast to its dtype) in ``session`` and ``tokens`` (its
+    ``_token_watch``), without gradients, leaving the model as it was (``untouched``);
+    ``sink`` gets its output; return ``session``. One ``with`` line: an exception at any line
+    event still leaves every block (``engine.interrupts``)."""
+    with untouched(model), torch.no_grad(), tokens, session: sink((OUTPUT, 0), _call(model, args, kwargs))  # noqa: E701
     return session
+
+
+def _token_watch(model: nn.Module, watcher: MaskWatcher) -> Observer:
+    """A session keeping ``watcher.tokens`` those of the running forward: its pre-hooks on the
+    root and an encoder-decoder's stacks (``engine.layout.MaskWatcher``)."""
+    roots = [Target(path, module) for path, module in watcher.modules]
+    return Observer(unwrap(model)[0], roots, pre=lambda t: watcher.hook, with_kwargs=True,
+                    explain_unfired=False)
 
 
 def _call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -536,15 +547,6 @@ def _real(values: dict[Keys, Tensor], target: Target | None, tokens: Tokens) -> 
     """Each value's real tokens when the forward had a mask (``record.padding_dropped``): what
     padding holds is not compared."""
     return {keys: padding_dropped(t, target, tokens, keys) for keys, t in values.items()}
-
-
-def _tokens(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tokens:
-    """The ``Tokens`` (attention mask) of ``model`` called on ``(args, kwargs)``, as the
-    root's ``MaskWatcher`` reads them in every verb."""
-    root = unwrap(model)[0]
-    watcher = MaskWatcher(root)
-    watcher.hook(root, args, kwargs)
-    return watcher.tokens
 
 
 def _shared(a: dict[Keys, Tensor], b: dict[Keys, Tensor]) -> tuple[list[Tensor], list[Tensor], str]:

@@ -335,7 +335,8 @@ class _StatsSession(HookSession):
         self.count_stats = True  # False: a second pass that only counts the histograms
 
     def _register(self) -> None:
-        self._hook(unwrap(self.model)[0], self.tokens.hook, pre=True, with_kwargs=True)
+        for _, module in self.tokens.modules:  # the root, an encoder-decoder's stacks
+            self._hook(module, self.tokens.hook, pre=True, with_kwargs=True)
         for target in self.targets:
             self._hook_output(target, self._updater(target))
         if self._early_stop:

@@ -52,7 +52,7 @@ from torch import nn
 from hookscope.errors import PositionError
 
 __all__ = ["Layout", "Tokens", "MaskWatcher", "layout_of", "unmasked_padding", "check_no_unmasked_padding",
-           "NO_TOKENS", "AxesRow", "TOKEN_AXES", "token_axes", "batch_first"]
+           "NO_TOKENS", "AxesRow", "TOKEN_AXES", "token_axes", "batch_first", "stacks"]
 
 Tensor = torch.Tensor
 
@@ -357,9 +357,14 @@ def check_no_unmasked_padding(tokens: Tokens, what: str, *, positions: bool = Tr
 
 
 class MaskWatcher:
-    """Keeps the ``Tokens`` the root module was called with in the current forward pass.
+    """Keeps the ``Tokens`` of the running forward pass: those the root module was called with,
+    then, in an encoder-decoder model, those of each stack as it starts.
 
-    Register ``watcher.hook`` as a forward pre-hook with ``with_kwargs=True`` on the root; the
+    Register ``watcher.hook`` as a forward pre-hook with ``with_kwargs=True`` on each of
+    ``watcher.modules``: the root, and the stacks of an encoder-decoder model (``get_encoder()``,
+    ``get_decoder()``: T5, BART, Whisper), whose decoder runs on tokens of its own, with its own
+    mask (``decoder_attention_mask``, handed to it as ``attention_mask``) or none; the
+    decoder's tokens hold from its start to the end of the forward (``lm_head`` included). The
     mask is read by name (``attention_mask``) whether passed by keyword or by position, the
     cache length from ``cache_position`` or ``past_key_values``, the padding from
     ``input_ids`` and ``config.pad_token_id``. ``tokens.mask`` is ``None`` when the call has no
@@ -369,8 +374,10 @@ class MaskWatcher:
     def __init__(self, model: nn.Module, given: Tensor | None = None):
         self.given = given
         self.tokens = Tokens(given)
+        self.modules = [(path, module) for path, module in stacks(model)]
         self._index = _positional_index(model, "attention_mask")
-        self._ids_index = _positional_index(model, "input_ids")
+        self._indices = {id(m): (_positional_index(m, "attention_mask"), _positional_index(m, "input_ids"))
+                         for _, m in self.modules}
         config = getattr(model, "config", None)
         self._pad = getattr(config, "pad_token_id", None)
         self._ambiguous = self._pad is not None and self._pad in (
@@ -382,13 +389,14 @@ class MaskWatcher:
         return self.tokens.mask
 
     def hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        mask_index, ids_index = self._indices.get(id(module), (self._index, None))
         found = self.given
         if found is None:
-            found = _argument(args, kwargs, "attention_mask", self._index)
+            found = _argument(args, kwargs, "attention_mask", mask_index)
         mask = found if isinstance(found, Tensor) else None
         ids = None
         if mask is None and self._pad is not None:
-            given = _argument(args, kwargs, "input_ids", self._ids_index)
+            given = _argument(args, kwargs, "input_ids", ids_index)
             ids = given if isinstance(given, Tensor) and given.dim() == 2 else None
         self.tokens = Tokens(mask, _past(kwargs), ids, self._pad, self._ambiguous)
 
@@ -415,6 +423,24 @@ class MaskWatcher:
         if len(shape) < 2:
             return self.tokens.mask
         return Layout(tuple(int(s) for s in shape), 1, None, self.tokens).mask
+
+
+def stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``[(path, module)]``: the root (``""``) and the encoder and decoder stacks of an
+    encoder-decoder model (``get_encoder()``/``get_decoder()``, submodules of the root that are
+    not it), whose calls each say which tokens run in them (``MaskWatcher``)."""
+    found = [("", model)]
+    paths = {id(m): path for path, m in model.named_modules()}
+    for name in ("get_encoder", "get_decoder"):
+        getter = getattr(model, name, None)
+        try:
+            stack = getter() if callable(getter) else None
+        except (TypeError, AttributeError, NotImplementedError):
+            continue
+        if isinstance(stack, nn.Module) and stack is not model and id(stack) in paths \
+                and getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            found.append((paths[id(stack)], stack))
+    return found
 
 
 def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, index: int | None) -> Any:

@@ -173,6 +173,8 @@ class Capture(HookSession, Records):
         # a compiled call passes its mask on through ``pick``/``on_kept`` (engine.compiled)
         self._own(OwnedHook(self._watch_tokens, unwrap(self.model)[0], pick=self._mask.find,
                             on_kept=self._compiled_tokens), pre=True, with_kwargs=True)
+        for _, stack in self._mask.modules[1:]:  # an encoder-decoder's stacks: their own tokens
+            self._hook(stack, self._watch_tokens, pre=True, with_kwargs=True)
         on_modules = []
         for slot in self._slots.values():
             if slot.target.op is None:

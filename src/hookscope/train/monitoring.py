@@ -263,8 +263,8 @@ class Monitor:
         self._file = self._open_file()
         self._write({"event": "start", "rank": self.rank, "every": self.every,
                      "modules": [t.key for t in self.targets], "guard": self.guard})
-        root = Target("", self.root)
-        self._root_session = Observer(self.root, [root], pre=lambda t: self._forward_begins,
+        roots = [Target(path, module) for path, module in self._tokens.modules]  # stacks' tokens too
+        self._root_session = Observer(self.root, roots, pre=lambda t: self._forward_begins,
                                       forward=lambda t: self._forward_ends, with_kwargs=True,
                                       explain_unfired=False)
         self._root_session.__enter__()
@@ -376,12 +376,12 @@ class Monitor:
 
     def _forward_begins(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._contained("statistics", lambda: self._tokens.hook(module, args, kwargs))
-        if self.guard is not None:  # only a replay needs the step's inputs and RNG
+        if self.guard is not None and module is self.root:  # only a replay needs the step's inputs
             self._inputs = self._contained(
                 "guard", lambda: StepInputs.now(args, kwargs, self._device_type))
 
     def _forward_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if self.guard is not None:
+        if self.guard is not None and module is self.root:  # not an encoder-decoder's stack
             self._contained("guard", lambda: self._watch_outputs(output))
 
     def _watch_outputs(self, output: Any) -> None:
