@@ -105,3 +105,23 @@ def test_each_stack_reads_its_own_tokens(source: int, target: int, decoder_mask:
         kept = torch.cat([plain[r, real[r]] for r in range(rows)])
         assert int(running.count.sum()) == kept.numel(), path
         torch.testing.assert_close(float(running.mean), float(kept.double().mean()))
+
+
+def test_extract_stores_the_decoder_tokens_by_its_own_mask(tmp_path: Any) -> None:
+    """reduce='last' and ragged rows of a decoder layer: its last real token and its real
+    tokens by ``decoder_attention_mask``; the encoder's by ``attention_mask``."""
+    mask = padding_mask([6, 2], 6, left=False)
+    decoder_mask = padding_mask([2, 3], 3, left=False)
+    inputs = {"input_ids": torch.randint(1, 40, (2, 6), generator=torch.Generator().manual_seed(1)),
+              "attention_mask": mask, "decoder_input_ids": torch.tensor([[0, 5, 6], [0, 7, 8]]),
+              "decoder_attention_mask": decoder_mask}
+    for path, real in ((DECODER, decoder_mask), (ENCODER, mask)):
+        plain = _plain(inputs, path)[1]
+        key = f"{path}[0]"
+        store = hookscope.extract(_t5(), [inputs], key, tmp_path / f"last{path}", reduce="last",
+                                  progress=False)
+        ends = real.sum(dim=1) - 1
+        torch.testing.assert_close(torch.as_tensor(store[key][:]), plain[torch.arange(2), ends])
+        store = hookscope.extract(_t5(), [inputs], key, tmp_path / f"all{path}", progress=False)
+        for row in range(2):
+            torch.testing.assert_close(torch.as_tensor(store[key][row]), plain[row, real[row].bool()])

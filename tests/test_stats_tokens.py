@@ -6,6 +6,7 @@ as padding, with no error), and a padded batch without a mask is refused, not co
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -53,9 +54,24 @@ def test_stats_count_the_real_tokens_of_each_layout(rows: int, seq: int, left: b
         torch.testing.assert_close(float(results[key].max), float(kept.max()))
 
 
-def test_stats_refuse_a_padded_batch_without_its_mask() -> None:
+@pytest.mark.parametrize("reduce", ["first", "last", "mean"])
+def test_token_verbs_refuse_a_padded_batch_without_its_mask(reduce: str, tmp_path: Path) -> None:
+    """stats, capture's and extract's token reductions (extract took the padding for the last
+    token, with no error): refused, no store left behind; a batch without padding runs."""
     ids = torch.tensor([[5, 6, 7, 0, 0, 0], [5, 6, 7, 8, 9, 10]])  # pad id 0 (tiny_gpt2)
-    with pytest.raises(PositionError, match=r"pass the tokenizer's attention_mask"):
-        hookscope.stats(_model(), [{"input_ids": ids}], BLOCK)
-    one_row = hookscope.stats(_model(), [{"input_ids": ids[1:]}], BLOCK)  # no padding: counted
+    model = _model()
+    fix = r"pass the tokenizer's attention_mask"
+    with pytest.raises(PositionError, match=fix):
+        hookscope.stats(model, [{"input_ids": ids}], BLOCK)
+    with pytest.raises(PositionError, match=fix):
+        with torch.no_grad(), hookscope.capture(model, BLOCK, reduce=reduce):
+            model(input_ids=ids)
+    with pytest.raises(PositionError, match=fix):
+        hookscope.extract(model, [{"input_ids": ids}], BLOCK, tmp_path / "store", reduce=reduce,
+                          progress=False)
+    assert list(tmp_path.iterdir()) == []
+    one_row = hookscope.stats(model, [{"input_ids": ids[1:]}], BLOCK)  # no padding: counted
     assert int(one_row[BLOCK].count.sum()) == 6 * 32
+    store = hookscope.extract(model, [{"input_ids": ids[1:]}], BLOCK, tmp_path / "one", reduce=reduce,
+                              progress=False)
+    assert tuple(store[BLOCK][:].shape) == (1, 32)
