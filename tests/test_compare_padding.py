@@ -48,14 +48,16 @@ def _outputs(model: Any, ids: torch.Tensor, mask: torch.Tensor) -> dict[str, tor
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.integers(2, 3), st.integers(3, 6), st.booleans(), st.data())
-def test_compare_reads_the_real_tokens_of_a_padded_batch(rows: int, seq: int, left: bool,
+@given(st.integers(2, 3), st.integers(3, 6), st.booleans(), st.sampled_from([None, "auto"]), st.data())
+def test_compare_reads_the_real_tokens_of_a_padded_batch(rows: int, seq: int, left: bool, pair: Any,
                                                          data: st.DataObject) -> None:
+    """By names, and by pair='auto' (each pair's accumulated and local difference)."""
     lengths = [seq] + [data.draw(st.integers(1, seq)) for _ in range(rows - 1)]
     mask = padding_mask(lengths, seq, left)
     ids = torch.randint(1, 60, (rows, seq), generator=torch.Generator().manual_seed(seq))
     sdpa, eager = _pair()
-    result = hookscope.compare(sdpa, eager, input_ids=ids, attention_mask=mask, layers=LAYERS)
+    result = hookscope.compare(sdpa, eager, input_ids=ids, attention_mask=mask, layers=LAYERS,
+                               pair=pair)
     a, b = _outputs(sdpa, ids, mask), _outputs(eager, ids, mask)
     real = mask.bool()
     assert {d.path for d in result.diffs} >= set(a)
@@ -67,3 +69,5 @@ def test_compare_reads_the_real_tokens_of_a_padded_batch(rows: int, seq: int, le
         assert diff.max_abs == pytest.approx(expected, abs=1e-12)
         assert diff.close
     assert result.first_divergent is None
+    for paired in result.pairs:  # pair="auto": B's module on A's inputs is exact
+        assert paired.local is not None and paired.local.close and paired.accumulated.close

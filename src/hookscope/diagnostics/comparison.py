@@ -352,7 +352,7 @@ def _compare_paired(model_a: nn.Module, model_b: nn.Module, args: tuple[Any, ...
                     table: dict[str, tuple[float, float]]) -> Comparison:
     """``compare`` with ``pair=``: run both, pair their calls, compare each pair twice."""
     calls_a, outputs_a, acts_a, modules_a = _run(model_a, patterns, args, kwargs, transforms)
-    calls_b, outputs_b, _, modules_b = _run(model_b, patterns, args, kwargs, {})
+    calls_b, outputs_b, acts_b, modules_b = _run(model_b, patterns, args, kwargs, {})
     pairing = pair_calls(spec, calls_a, calls_b, transforms)
     _require_paired(pairing, calls_a, calls_b)
     diffs = []
@@ -366,10 +366,17 @@ def _compare_paired(model_a: nn.Module, model_b: nn.Module, args: tuple[Any, ...
                           for value, default in zip(given, table[precision]))
             key = (a.part, a.call)
             local, why = _local(model_b, modules_b[b.path], acts_a.inputs(a.path, a.call))
+            # real tokens only: each value by its own module's layout and its run's mask
+            tokens_a, tokens_b = acts_a.tokens(a.path, a.call), acts_b.tokens(b.path, b.call)
+            real_a = _real_part(out_a, Target(a.path, modules_a[a.path]), tokens_a)
+            real_b = _real_part(outputs_b[(b.path, b.call)], Target(b.path, modules_b[b.path]), tokens_b)
+            real_local = _real_part(local, Target(b.path, modules_b[b.path]), tokens_a)
+            shape = () if out_a is None else tuple(out_a.shape)
             diffs.append(PairDiff(
-                a.part, b.path, a.call, _diff(key, _parts(out_a), _parts(outputs_b[(b.path, b.call)]),
-                                              atol, rtol),
-                None if local is None else _diff(key, _parts(out_a), _parts(local), atol, rtol),
+                a.part, b.path, a.call,
+                dataclasses.replace(_diff(key, _parts(real_a), _parts(real_b), atol, rtol), shape=shape),
+                None if local is None else dataclasses.replace(
+                    _diff(key, _parts(real_a), _parts(real_local), atol, rtol), shape=shape),
                 precision, atol, rtol, why))
     return Comparison(diffs=tuple(d.accumulated for d in diffs), unmatched=(),
                       atol=math.nan if given[0] is None else given[0],
@@ -408,6 +415,11 @@ def _run(model: nn.Module, patterns: list[str], args: tuple[Any, ...], kwargs: d
         model(*_cast_inputs(model, args), **_cast_inputs(model, kwargs))
     _require_hooks_fired(model, bool(calls))
     return calls, outputs, acts, modules
+
+
+def _real_part(value: Tensor | None, target: Target, tokens: Tokens) -> Tensor | None:
+    """The real tokens of a paired value (``record.padding_dropped``), ``None`` for none."""
+    return None if value is None else padding_dropped(value, target, tokens)
 
 
 def _local(model_b: nn.Module, module: nn.Module, inputs: CallInputs) -> tuple[Tensor | None, str]:
