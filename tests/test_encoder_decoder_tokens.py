@@ -109,7 +109,9 @@ def test_each_stack_reads_its_own_tokens(source: int, target: int, decoder_mask:
 
 def test_extract_stores_the_decoder_tokens_by_its_own_mask(tmp_path: Any) -> None:
     """reduce='last' and ragged rows of a decoder layer: its last real token and its real
-    tokens by ``decoder_attention_mask``; the encoder's by ``attention_mask``."""
+    tokens by ``decoder_attention_mask``; the encoder's by ``attention_mask``. The ``@token``
+    column (the root's input_ids) is kept for encoder layers only (it labelled the decoder's
+    tokens with the encoder's ids)."""
     mask = padding_mask([6, 2], 6, left=False)
     decoder_mask = padding_mask([2, 3], 3, left=False)
     inputs = {"input_ids": torch.randint(1, 40, (2, 6), generator=torch.Generator().manual_seed(1)),
@@ -125,3 +127,8 @@ def test_extract_stores_the_decoder_tokens_by_its_own_mask(tmp_path: Any) -> Non
         store = hookscope.extract(_t5(), [inputs], key, tmp_path / f"all{path}", progress=False)
         for row in range(2):
             torch.testing.assert_close(torch.as_tensor(store[key][row]), plain[row, real[row].bool()])
+        if path == ENCODER:  # the input_ids of the real tokens, one per stored token
+            assert [t.tolist() for t in store.token_ids] == [
+                inputs["input_ids"][row][mask[row].bool()].tolist() for row in range(2)]
+        else:  # the decoder's tokens are not the input_ids: no column claims they are
+            assert store.token_ids is None

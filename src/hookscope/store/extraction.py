@@ -561,7 +561,10 @@ def _rows(job: _Job, batch: Any, ids: list[Any] | None) -> Rows:
     rows = {key: _layer_rows(key, acts[key], n, acts.tokens(key), job, _axes(acts, key))
             for key in job.keys}
     tokens = mask if job.reducer is None else None  # ragged layers: token labels go ragged too
-    return {**rows, **_columns(batch, ids, n, tokens), **_token_ids(kwargs, mask, rows)}
+    # the @token column holds the root's input_ids: only for layers of the root's tokens (not
+    # an encoder-decoder's decoder layers, ragged by a mask of their own)
+    own = all(acts.tokens(key).mask is mask for key, (_, lengths) in rows.items() if lengths is not None)
+    return {**rows, **_columns(batch, ids, n, tokens), **(_token_ids(kwargs, mask, rows) if own else {})}
 
 
 def _token_ids(kwargs: dict[str, Any], mask: Tensor | None, rows: Rows) -> Rows:
