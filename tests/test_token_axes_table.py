@@ -8,6 +8,7 @@ one, with no error."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -240,3 +241,26 @@ def test_an_rnn_final_state_has_no_tokens() -> None:
     with pytest.raises(PositionError, match=r"'block\[1\]\[0\]', shape \(1, 2, 8\), has no token axis"):
         with torch.no_grad(), hookscope.ablate(model, "block", positions=-1):
             model(ids)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_compare_reads_the_real_tokens_of_each_row(kind: str) -> None:
+    """Model B differs from A only where its block's output holds padding: every layer agrees."""
+    model, key = MODELS[kind], SELECT[kind]
+    twin = copy.deepcopy(model)
+    mask = padding_mask([5, 2, 3], 5, left=True)
+
+    def pad_noise(module: nn.Module, args: Any, output: Any) -> Any:
+        value = (output[0] if isinstance(output, tuple) else output).clone()
+        tokens(kind, value)[mask == 0] += 1.0
+        return (value, *output[1:]) if isinstance(output, tuple) else value
+    handle = twin.block.register_forward_hook(pad_noise)
+    ids = torch.randint(1, VOCAB, (3, 5), generator=torch.Generator().manual_seed(5))
+    try:
+        result = hookscope.compare(model, twin, ids, attention_mask=mask, layers=[key, "out"])
+        plain = hookscope.compare(model, twin, ids, layers=[key])  # no mask: padding is compared
+    finally:
+        handle.remove()
+    assert [d.path for d in result.diffs] == [key, "out", ""]
+    assert all(d.max_abs == 0.0 and d.close for d in result.diffs), result.diffs
+    assert plain.diffs[0].max_abs == pytest.approx(1.0, abs=1e-5)

@@ -290,6 +290,7 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
     order: list[Key] = []
 
     watcher_a, watcher_b = MaskWatcher(unwrap(model_a)[0]), MaskWatcher(unwrap(model_b)[0])
+    root_a, root_b = Target("", unwrap(model_a)[0]), Target("", unwrap(model_b)[0])  # OUTPUT's
 
     def keep(key: Key, output: Any) -> None:
         reference[key] = {k: t.detach().clone() for k, t in _values(key[0], output).items()}
@@ -304,8 +305,8 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
             unmatched.append(f"{key[0]}:{key[1]}")
             return
         a_values, b_values = reference.pop(key), _values(key[0], output)
-        diff = _diff(key, _real(a_values, targets_a.get(key[0]), tokens[key]),
-                     _real(b_values, targets_b.get(key[0]), watcher_b.tokens), atol, rtol)
+        diff = _diff(key, _real(a_values, targets_a.get(key[0], root_a), tokens[key]),
+                     _real(b_values, targets_b.get(key[0], root_b), watcher_b.tokens), atol, rtol)
         diffs[key] = dataclasses.replace(  # the shapes of the outputs, padding included
             diff, shape=next((tuple(t.shape) for t in a_values.values()), ()),
             shape_b=diff.shape_b and tuple(tuple(t.shape) for t in b_values.values()))
@@ -555,7 +556,7 @@ def _values(key: str, output: Any) -> dict[Keys, Tensor]:
     return {keys: comparable(t, key) for keys, t in iter_tensors_with_keys(output)}
 
 
-def _real(values: dict[Keys, Tensor], target: Target | None, tokens: Tokens) -> dict[Keys, Tensor]:
+def _real(values: dict[Keys, Tensor], target: Target, tokens: Tokens) -> dict[Keys, Tensor]:
     """Each value's real tokens when the forward had a mask (``record.padding_dropped``): what
     padding holds is not compared."""
     return {keys: padding_dropped(t, target, tokens, keys) for keys, t in values.items()}
