@@ -132,3 +132,30 @@ def test_extract_stores_the_decoder_tokens_by_its_own_mask(tmp_path: Any) -> Non
                 inputs["input_ids"][row][mask[row].bool()].tolist() for row in range(2)]
         else:  # the decoder's tokens are not the input_ids: no column claims they are
             assert store.token_ids is None
+
+
+def test_generation_edits_each_new_decoder_token() -> None:
+    """Under generate()'s KV cache the decoder's one new token per forward is its last (the
+    encoder's mask, whose last column is padding here, made it padding: refused)."""
+    model = _t5()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [5, 6, 7, 0, 0, 0]])
+    kwargs = {"input_ids": ids, "attention_mask": (ids != 0).long(), "max_new_tokens": 3,
+              "min_new_tokens": 3, "do_sample": False, "output_scores": True,
+              "return_dict_in_generate": True}
+    vector = torch.linspace(-1, 1, 16)
+    with torch.no_grad(), hookscope.steer(model, {f"{DECODER}[0]": vector}, positions=-1):
+        got = model.generate(**kwargs).scores
+
+    def add(module: Any, args: Any, output: Any) -> Any:
+        value = output[0].clone()
+        value[:, -1] += vector
+        return (value, *output[1:])
+    handle = model.get_submodule(DECODER).register_forward_hook(add)
+    try:
+        with torch.no_grad():
+            expected = model.generate(**kwargs).scores
+    finally:
+        handle.remove()
+    assert len(got) == len(expected) == 3
+    for step, (a, b) in enumerate(zip(got, expected)):
+        torch.testing.assert_close(a, b, msg=f"step {step}")
