@@ -143,7 +143,7 @@ def test_a_function_of_unknown_layout_needs_seq_dim() -> None:
     torch.testing.assert_close(got, expected)
     with hookscope.ablate(model, "attn::softmax", positions=0, seq_dim=0), pytest.raises(
             PositionError, match=r"seq_dim=0 is not a token axis of 'attn::softmax', shape "
-                                 r"\(2, 4, 5, 5\): give one of 1 … 3 \(dim 0 is the batch\)"):
+                                 r"\(2, 4, 5, 5\): give a dim in 0 … 3 other than 0, the batch"):
         model(x)
 
 

@@ -33,9 +33,11 @@ from hookscope.diagnostics.pairing import (
     weights,
 )
 from hookscope.engine import (
+    MaskWatcher,
     ModuleIndex,
     Observer,
     Target,
+    Tokens,
     as_patterns,
     check_number,
     comparable,
@@ -43,9 +45,10 @@ from hookscope.engine import (
     input_device,
     resolve_checked,
     untouched,
+    unwrap,
 )
 from hookscope.errors import ArgumentTypeError, ArgumentValueError, HookscopeError, SelectorError
-from hookscope.record import CallInputs, capture
+from hookscope.record import CallInputs, capture, padding_dropped
 from hookscope.util import (
     Keys,
     get_part,
@@ -210,7 +213,11 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
     Every tensor of an output is compared as float64 values: integer and bool ones exactly
     (up to 2**53), quantized ones dequantized, complex ones by real and imaginary parts, a
     ``DTensor`` (tensor parallelism) as its global tensor, so a sharded model compares with
-    the unsharded one.
+    the unsharded one. With an ``attention_mask`` only the real tokens of each output are
+    compared, on its token axis (``engine.layout``: dim 1 of a module output, the queries of
+    ``scaled_dot_product_attention``, dim 0 of a sequence-first ``nn.MultiheadAttention``):
+    what padding holds is no model's answer (SDPA and eager attention fill it differently);
+    ``LayerDiff.shape`` is still the whole output's. Without ``pair=``.
 
     Args:
         model_a: Reference model.
@@ -279,10 +286,15 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
     common = [key for key in targets_a if key in targets_b]
     _require_pairs(targets_a, targets_b, common)
     reference: dict[Key, dict[Keys, Tensor]] = {}
+    tokens: dict[Key, Tokens] = {}
     order: list[Key] = []
+
+    watcher_a, watcher_b = MaskWatcher(unwrap(model_a)[0]), MaskWatcher(unwrap(model_b)[0])
+    root_a, root_b = Target("", unwrap(model_a)[0]), Target("", unwrap(model_b)[0])  # OUTPUT's
 
     def keep(key: Key, output: Any) -> None:
         reference[key] = {k: t.detach().clone() for k, t in _values(key[0], output).items()}
+        tokens[key] = watcher_a.tokens  # the tokens of the forward (the stack) that made it
         order.append(key)
 
     diffs: dict[Key, LayerDiff] = {}
@@ -292,12 +304,17 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
         if key not in reference:
             unmatched.append(f"{key[0]}:{key[1]}")
             return
-        diffs[key] = _diff(key, reference.pop(key), _values(key[0], output), atol, rtol)
+        a_values, b_values = reference.pop(key), _values(key[0], output)
+        diff = _diff(key, _real(a_values, targets_a.get(key[0], root_a), tokens[key]),
+                     _real(b_values, targets_b.get(key[0], root_b), watcher_b.tokens), atol, rtol)
+        diffs[key] = dataclasses.replace(  # the shapes of the outputs, padding included
+            diff, shape=next((tuple(t.shape) for t in a_values.values()), ()),
+            shape_b=diff.shape_b and tuple(tuple(t.shape) for t in b_values.values()))
 
     session_a = _watched_forward(_watching(model_a, names_a, [targets_a[k] for k in common], keep),
-                                 model_a, keep, args, kwargs)
+                                 _token_watch(model_a, watcher_a), model_a, keep, args, kwargs)
     session_b = _watched_forward(_watching(model_b, names_b, [targets_b[k] for k in common], check),
-                                 model_b, check, args, kwargs)
+                                 _token_watch(model_b, watcher_b), model_b, check, args, kwargs)
     _require_hooks_fired(model_a, not common or len(order) > 1)  # order always holds OUTPUT
     _require_hooks_fired(model_b, not common or len(diffs) + len(unmatched) > 1)
     unmatched += [f"{path}:{k}" for path, k in reference]
@@ -336,7 +353,7 @@ def _compare_paired(model_a: nn.Module, model_b: nn.Module, args: tuple[Any, ...
                     table: dict[str, tuple[float, float]]) -> Comparison:
     """``compare`` with ``pair=``: run both, pair their calls, compare each pair twice."""
     calls_a, outputs_a, acts_a, modules_a = _run(model_a, patterns, args, kwargs, transforms)
-    calls_b, outputs_b, _, modules_b = _run(model_b, patterns, args, kwargs, {})
+    calls_b, outputs_b, acts_b, modules_b = _run(model_b, patterns, args, kwargs, {})
     pairing = pair_calls(spec, calls_a, calls_b, transforms)
     _require_paired(pairing, calls_a, calls_b)
     diffs = []
@@ -350,10 +367,17 @@ def _compare_paired(model_a: nn.Module, model_b: nn.Module, args: tuple[Any, ...
                           for value, default in zip(given, table[precision]))
             key = (a.part, a.call)
             local, why = _local(model_b, modules_b[b.path], acts_a.inputs(a.path, a.call))
+            # real tokens only: each value by its own module's layout and its run's mask
+            tokens_a, tokens_b = acts_a.tokens(a.path, a.call), acts_b.tokens(b.path, b.call)
+            real_a = _real_part(out_a, Target(a.path, modules_a[a.path]), tokens_a)
+            real_b = _real_part(outputs_b[(b.path, b.call)], Target(b.path, modules_b[b.path]), tokens_b)
+            real_local = _real_part(local, Target(b.path, modules_b[b.path]), tokens_a)
+            shape = () if out_a is None else tuple(out_a.shape)
             diffs.append(PairDiff(
-                a.part, b.path, a.call, _diff(key, _parts(out_a), _parts(outputs_b[(b.path, b.call)]),
-                                              atol, rtol),
-                None if local is None else _diff(key, _parts(out_a), _parts(local), atol, rtol),
+                a.part, b.path, a.call,
+                dataclasses.replace(_diff(key, _parts(real_a), _parts(real_b), atol, rtol), shape=shape),
+                None if local is None else dataclasses.replace(
+                    _diff(key, _parts(real_a), _parts(real_local), atol, rtol), shape=shape),
                 precision, atol, rtol, why))
     return Comparison(diffs=tuple(d.accumulated for d in diffs), unmatched=(),
                       atol=math.nan if given[0] is None else given[0],
@@ -392,6 +416,11 @@ def _run(model: nn.Module, patterns: list[str], args: tuple[Any, ...], kwargs: d
         model(*_cast_inputs(model, args), **_cast_inputs(model, kwargs))
     _require_hooks_fired(model, bool(calls))
     return calls, outputs, acts, modules
+
+
+def _real_part(value: Tensor | None, target: Target, tokens: Tokens) -> Tensor | None:
+    """The real tokens of a paired value (``record.padding_dropped``), ``None`` for none."""
+    return None if value is None else padding_dropped(value, target, tokens)
 
 
 def _local(model_b: nn.Module, module: nn.Module, inputs: CallInputs) -> tuple[Tensor | None, str]:
@@ -478,14 +507,23 @@ def _targets(model: nn.Module, patterns: list[str]) -> tuple[dict[str, Target], 
     return {t.key: t for t in targets}, names
 
 
-def _watched_forward(session: Observer, model: nn.Module, sink: Callable[[Key, Any], None],
-                     args: tuple[Any, ...], kwargs: dict[str, Any]) -> Observer:
-    """Run ``model`` once on the inputs (cast to its dtype) in ``session``, without gradients,
-    leaving the model as it was (``untouched``); ``sink`` gets its output; return ``session``.
-    One ``with`` line: an exception at any line event still leaves every block
-    (``engine.interrupts``)."""
-    with untouched(model), torch.no_grad(), session: sink((OUTPUT, 0), _call(model, args, kwargs))  # noqa: E701
+def _watched_forward(session: Observer, tokens: Observer, model: nn.Module,
+                     sink: Callable[[Key, Any], None], args: tuple[Any, ...],
+                     kwargs: dict[str, Any]) -> Observer:
+    """Run ``model`` once on the inputs (cast to its dtype) in ``session`` and ``tokens`` (its
+    ``_token_watch``), without gradients, leaving the model as it was (``untouched``);
+    ``sink`` gets its output; return ``session``. One ``with`` line: an exception at any line
+    event still leaves every block (``engine.interrupts``)."""
+    with untouched(model), torch.no_grad(), tokens, session: sink((OUTPUT, 0), _call(model, args, kwargs))  # noqa: E701
     return session
+
+
+def _token_watch(model: nn.Module, watcher: MaskWatcher) -> Observer:
+    """A session keeping ``watcher.tokens`` those of the running forward: its pre-hooks on the
+    root and an encoder-decoder's stacks (``engine.layout.MaskWatcher``)."""
+    roots = [Target(path, module) for path, module in watcher.modules]
+    return Observer(unwrap(model)[0], roots, pre=lambda t: watcher.hook, with_kwargs=True,
+                    explain_unfired=False)
 
 
 def _call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -516,6 +554,12 @@ def _values(key: str, output: Any) -> dict[Keys, Tensor]:
         HookscopeError: a tensor is a meta tensor or a FakeTensor (no values to compare).
     """
     return {keys: comparable(t, key) for keys, t in iter_tensors_with_keys(output)}
+
+
+def _real(values: dict[Keys, Tensor], target: Target, tokens: Tokens) -> dict[Keys, Tensor]:
+    """Each value's real tokens when the forward had a mask (``record.padding_dropped``): what
+    padding holds is not compared."""
+    return {keys: padding_dropped(t, target, tokens, keys) for keys, t in values.items()}
 
 
 def _shared(a: dict[Keys, Tensor], b: dict[Keys, Tensor]) -> tuple[list[Tensor], list[Tensor], str]:

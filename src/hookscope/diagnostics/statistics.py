@@ -26,21 +26,26 @@ from torch import nn
 from hookscope.diagnostics.histogram import MAX_BINS, Histogram
 from hookscope.engine import (
     HookSession,
+    MaskWatcher,
     OnUnfired,
     Target,
+    Tokens,
     as_patterns,
     check_flag,
     check_has_values,
     check_int,
     check_iterable,
+    check_no_unmasked_padding,
     check_not_transformed,
     keepable,
     kind_of,
     model_inputs,
     untouched,
+    unwrap,
     values_for,
 )
 from hookscope.errors import ArgumentValueError, HookscopeError
+from hookscope.record import padding_dropped
 from hookscope.util import get_part, iter_tensors
 
 __all__ = ["RunningStats", "stats"]
@@ -209,9 +214,12 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
     ``engine.run.untouched``). A module
     returning a structure (tuple, dict, ...) contributes its first floating-point tensor (e.g.
     ``attn_output`` of MultiheadAttention); a module called several times per forward (a shared
-    activation) adds every call. For a dict batch with an ``attention_mask`` ``(batch, seq)``, an
-    output whose first two dimensions are ``(batch, seq)`` counts only the real tokens, so the
-    numbers do not depend on how sentences were batched and padded.
+    activation) adds every call. For a batch with an ``attention_mask`` ``(batch, seq)``, each
+    output counts only its real tokens, on its token axis (``engine.layout``: dim 1 of a module
+    output, the queries of ``scaled_dot_product_attention``, dim 0 of a sequence-first
+    ``nn.MultiheadAttention``; a function's value of unknown layout is read as ``(batch, seq,
+    ...)``), so the numbers do not depend on how sentences were batched and padded; a batch
+    that looks padded (``config.pad_token_id``) but has no mask is refused.
 
     Args:
         model: Root module.
@@ -250,6 +258,8 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
             forward that meets it).
         HookscopeError: the model is TorchScript, ``batches`` is empty, or an output is complex;
             ``hist`` without ``hist_range`` over a one-pass iterator (a generator).
+        PositionError: a batch looks padded (runs of ``config.pad_token_id``) but has no
+            ``attention_mask``, so padding would count as tokens.
     """
     patterns = as_patterns(layers)
     check_flag("early_stop", early_stop)
@@ -301,7 +311,6 @@ def _run_batches(model: nn.Module, session: _StatsSession, batches: Iterable[Any
     count = 0
     for batch in batches:
         args, kwargs = model_inputs(batch)
-        session.mask = kwargs.get("attention_mask")
         with session.forward_boundary():
             model(*args, **kwargs)
         count += 1
@@ -321,11 +330,13 @@ class _StatsSession(HookSession):
         self._early_stop = early_stop
         self.results = {t.key: RunningStats() for t in self.targets}
         self._per_channel = per_channel
-        self.mask: Tensor | None = None  # (batch, seq) attention mask of the batch running now
+        self.tokens = MaskWatcher(unwrap(model)[0])  # the mask of the batch running now
         self.histograms: dict[str, Histogram] = {}  # the keys whose outputs are also counted
         self.count_stats = True  # False: a second pass that only counts the histograms
 
     def _register(self) -> None:
+        for _, module in self.tokens.modules:  # the root, an encoder-decoder's stacks
+            self._hook(module, self.tokens.hook, pre=True, with_kwargs=True)
         for target in self.targets:
             self._hook_output(target, self._updater(target))
         if self._early_stop:
@@ -347,9 +358,7 @@ class _StatsSession(HookSession):
                 tensor = _summarised(tensors, target.key)
             if tensor is None:
                 return
-            mask = self.mask
-            if mask is not None and tensor.dim() >= 2 and tensor.shape[:2] == mask.shape:
-                tensor = tensor[mask.to(tensor.device).bool()]  # (tokens, ...): padding dropped
+            tensor = _real_tokens(tensor, target, self.tokens.tokens)  # padding dropped
             if target.key in self.histograms:
                 self.histograms[target.key].update(tensor)
             if not self.count_stats:
@@ -358,6 +367,20 @@ class _StatsSession(HookSession):
                 running.channel_dim = _channel_dim_for(tensor, per_channel)
             running.update(tensor)
         return hook
+
+
+def _real_tokens(tensor: Tensor, target: Target, tokens: Tokens) -> Tensor:
+    """The real tokens of ``tensor`` (``record.padding_dropped``), ``tensor`` when the forward
+    said nothing about its tokens.
+
+    Raises:
+        PositionError: the input looks padded but no mask was given
+            (``engine.layout.check_no_unmasked_padding``).
+    """
+    if not tokens.known:
+        return tensor
+    check_no_unmasked_padding(tokens, f"stats of '{target.key}'", positions=False)
+    return padding_dropped(tensor, target, tokens)
 
 
 def _summarised(tensors: list[Tensor], key: str) -> Tensor | None:

@@ -128,6 +128,8 @@ class Edit(HookSession):
             watcher = self._watcher
             self._own(OwnedHook(watcher.hook, unwrap(self.model)[0], in_recompute=True,
                                 pick=watcher.find, on_kept=watcher.set), pre=True, with_kwargs=True)
+            for _, stack in watcher.modules[1:]:  # an encoder-decoder's stacks: their own tokens
+                self._hook(stack, watcher.hook, pre=True, with_kwargs=True, in_recompute=True)
         for index, (target, rule) in enumerate(self._rules):
             if self._inputs:
                 self._hook(target.module, self._input_hook(index, target, rule), pre=True,

@@ -40,7 +40,7 @@ from hookscope.record import (
     selected,
     tokens_first,
 )
-from hookscope.util import get_part, iter_tensors_with_keys, map_tensors
+from hookscope.util import get_part, iter_tensors_with_keys, map_tensors, map_tensors_with_keys
 
 __all__ = ["Where", "at_positions", "check_fits", "is_positional", "layer_pairs", "patch_positions_rule",
            "patch_rule", "reference_rule", "source_targets", "steer_rule", "zero"]
@@ -74,7 +74,7 @@ def reference_rule(records: SourceReader, how: str) -> Rule:
             if how == "mean":
                 return rows.expand(live.shape).contiguous()
             return rows[torch.randint(rows.shape[0], (live.shape[0],), device=rows.device)]
-        return _map_with_keys(replace, value)
+        return map_tensors_with_keys(replace, value)
     return rule
 
 
@@ -150,7 +150,7 @@ def patch_rule(records: SourceReader, source_of: dict[str, Target]) -> Rule:
                     f"patch between runs with the same input shape (batch, sequence length), or "
                     f"give positions=... to patch chosen positions between prompts of any length")
             return recorded.to(device=live.device, dtype=live.dtype)
-        return _map_with_keys(replace, value)
+        return map_tensors_with_keys(replace, value)
     return rule
 
 
@@ -167,10 +167,11 @@ def patch_positions_rule(records: SourceReader, source_of: dict[str, Target], de
             name = f"{target.key}{_suffix(keys)}"
             origin_target = source_of.get(target.key, target)
             recorded = records.leaf(origin_target, call, keys)
-            layout = where.layout(name, target.op, live.shape, watcher.tokens)
+            layout = where.layout(name, target, keys, live.shape, watcher.tokens)
             recorded_tokens = (Tokens(source_mask) if source_mask is not None
                                else records.tokens(origin_target, call))
-            source_layout = where.layout(name, origin_target.op, recorded.shape, recorded_tokens)
+            source_layout = where.layout(name, origin_target, keys, recorded.shape,
+                                         recorded_tokens)
             rows, columns = layout_positions(destination, layout, name, absolute=where.absolute,
                                              over=where.over)
             src_rows, src_columns = layout_positions(origin, source_layout, f"the source's {name}",
@@ -194,7 +195,7 @@ def patch_positions_rule(records: SourceReader, source_of: dict[str, Target], de
                 tuple(i.to(recorded.device) for i in src_index)].to(device=live.device,
                                                                      dtype=live.dtype)
             return new
-        return _map_with_keys(replace, value)
+        return map_tensors_with_keys(replace, value)
     return rule
 
 
@@ -216,11 +217,12 @@ class Where:
             raise ArgumentTypeError(f"seq_dim must be an int (the token axis, e.g. seq_dim=2) or "
                                     f"None; got {type(self.seq_dim).__name__} {self.seq_dim!r}")
 
-    def layout(self, name: str, op: str | None, shape: Sequence[int],
+    def layout(self, name: str, target: Target, keys: tuple[int | str, ...], shape: Sequence[int],
                tokens: Tokens = NO_TOKENS) -> Layout:
-        """The value's layout (``engine.layout.layout_of``), with ``seq_dim`` and heads."""
-        return layout_of(name, op, shape, self.seq_dim, heads=self.heads is not None,
-                         tokens=tokens)
+        """The layout (``engine.layout.layout_of``), with ``seq_dim`` and heads, of the value
+        at ``keys`` in what ``target`` selects (its module's ``TOKEN_AXES`` row)."""
+        return layout_of(name, target.op, shape, self.seq_dim, heads=self.heads is not None,
+                         tokens=tokens, module=target.module, parts=(*target.parts, *keys))
 
 
 def at_positions(rule: Rule, positions: Positions, watcher: MaskWatcher, where: Where) -> Rule:
@@ -234,11 +236,11 @@ def at_positions(rule: Rule, positions: Positions, watcher: MaskWatcher, where: 
 
         def keep_outside(live: Tensor, keys: tuple[int | str, ...]) -> Tensor:
             name = f"{target.key}{_suffix(keys)}"
-            layout = where.layout(name, target.op, live.shape, watcher.tokens)
+            layout = where.layout(name, target, keys, live.shape, watcher.tokens)
             chosen = selected(layout, positions, where.heads, name, absolute=where.absolute,
                               over=where.over)
             return torch.where(chosen.to(live.device), get_part(new, keys) if keys else new, live)
-        return _map_with_keys(keep_outside, value)
+        return map_tensors_with_keys(keep_outside, value)
     _POSITIONAL.add(positioned)
     return positioned
 
@@ -363,12 +365,6 @@ def _broadcasts(shape: torch.Size, onto: torch.Size) -> bool:
         return bool(torch.broadcast_shapes(shape, onto) == onto)  # type: ignore[no-untyped-call]
     except RuntimeError:
         return False
-
-
-def _map_with_keys(fn: Callable[[Tensor, tuple[int | str, ...]], Tensor], value: Any) -> Any:
-    """``map_tensors`` whose function also gets each tensor's position (keys for ``get_part``)."""
-    keys = iter([k for k, _ in iter_tensors_with_keys(value)])
-    return map_tensors(lambda t: fn(t, next(keys)), value)
 
 
 def _suffix(keys: tuple[int | str, ...]) -> str:

@@ -57,11 +57,15 @@ from hookscope.engine.interrupts import GracefulStop, exit_at_interrupt
 from hookscope.engine.kinds import apply_edit, comparable, describe, inside, kind_of, rows_for, values_for
 from hookscope.engine.layout import (
     NO_TOKENS,
+    TOKEN_AXES,
+    AxesRow,
     Layout,
     MaskWatcher,
     Tokens,
+    batch_first,
     check_no_unmasked_padding,
     layout_of,
+    token_axes,
 )
 from hookscope.engine.names import ModuleIndex, index, one_index_per_call
 from hookscope.engine.origin import KNOWN_LIBRARIES, library_of
@@ -105,7 +109,8 @@ from hookscope.engine.values import (
 )
 from hookscope.engine.wrappers import unwrap
 
-__all__ = ["FULLGRAPH", "FunctionCall", "RecordingHook", "GracefulStop", "exit_at_interrupt", "HookSession",
+__all__ = ["AxesRow", "TOKEN_AXES", "batch_first", "token_axes",
+           "FULLGRAPH", "FunctionCall", "RecordingHook", "GracefulStop", "exit_at_interrupt", "HookSession",
            "KNOWN_LIBRARIES", "Layout", "MaskWatcher", "ModuleIndex", "NO_TOKENS", "NO_VALUES_FIX",
            "Observer", "OnUnfired", "OwnedHook", "Part", "RecordKey", "RngState", "Target", "Tokens",
            "Watch", "after_backward", "apply_edit", "as_patterns", "bind_arguments", "brief", "check_arity",

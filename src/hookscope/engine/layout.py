@@ -15,6 +15,13 @@ from the forward it is editing.
 dim 2. Any other function's value (``"path::fn"`` addresses) has no known layout and needs
 ``seq_dim=``; it is refused with its shape named.
 
+**Modules whose tokens are not dim 1.** ``TOKEN_AXES`` is the table of module kinds whose output
+is not ``(batch, seq, ...)``, one row each: torch's sequence-first modules
+(``nn.MultiheadAttention``, ``nn.Transformer*`` and the RNNs with ``batch_first=False``, the
+default) return ``(seq, batch, ...)``; 1-D convolutions, pools and norms return ``(batch,
+channels, length)``, tokens last; an RNN's final state ``(layers, batch, hidden)`` has no token
+axis and is refused. ``token_axes`` reads the row; every verb gets it through ``layout_of``.
+
 **Mask.** ``Tokens.mask`` is the ``attention_mask`` the model was called with, ``(batch,
 past + seq)`` under a KV cache (transformers' ``generate()`` passes it covering the cached
 tokens), ``(batch, seq)`` otherwise; ``Layout.mask`` is its last ``seq`` columns, the tokens of
@@ -35,7 +42,7 @@ from __future__ import annotations
 import functools
 import inspect
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,7 +52,7 @@ from torch import nn
 from hookscope.errors import PositionError
 
 __all__ = ["Layout", "Tokens", "MaskWatcher", "layout_of", "unmasked_padding", "check_no_unmasked_padding",
-           "NO_TOKENS"]
+           "NO_TOKENS", "AxesRow", "TOKEN_AXES", "token_axes", "batch_first", "stacks"]
 
 Tensor = torch.Tensor
 
@@ -152,8 +159,99 @@ class Layout:
         return None
 
 
+Parts = tuple[int | str, ...]
+
+
+def _batch_first(module: nn.Module) -> bool:
+    """The module's ``batch_first``, or its first ``nn.MultiheadAttention``'s (an
+    ``nn.TransformerEncoderLayer`` keeps it there); ``True`` when neither says."""
+    found = getattr(module, "batch_first", None)
+    if isinstance(found, bool):
+        return found
+    attention = next((m for m in module.modules() if isinstance(m, nn.MultiheadAttention)), None)
+    return True if attention is None else bool(attention.batch_first)
+
+
+Axes = tuple[int, int | None]
+
+
+def _sequence_first(module: nn.Module, parts: Parts, dims: int) -> Axes:
+    return (0, 1) if _batch_first(module) else (1, 0)
+
+
+def _attention(module: nn.Module, parts: Parts, dims: int) -> Axes:
+    """``(attn_output, attn_weights)``: the weights are ``(batch, [heads,] query, key)`` whatever
+    ``batch_first`` says; the output follows it."""
+    return (0, dims - 2) if parts[:1] == (1,) else _sequence_first(module, parts, dims)
+
+
+def _recurrent(module: nn.Module, parts: Parts, dims: int) -> Axes:
+    """``(output, h_n)`` or ``(output, (h_n, c_n))``: the output follows ``batch_first``; the
+    final state is ``(layers * directions, batch, hidden)`` whatever ``batch_first`` says, one
+    vector per row and layer: no token axis."""
+    return (1, None) if parts[:1] == (1,) else _sequence_first(module, parts, dims)
+
+
+def _length_last(module: nn.Module, parts: Parts, dims: int) -> Axes:
+    return (0, dims - 1)
+
+
+@dataclass(frozen=True)
+class AxesRow:
+    """One kind of module whose output is not ``(batch, seq, ...)``.
+
+    Attributes:
+        kind: what the row covers, for messages and tests.
+        types: the module classes (subclasses included).
+        axes: ``axes(module, parts, dims)`` -> ``(batch axis, token axis)`` of the output part
+            ``parts`` (``()``: the output, ``(1,)``: its item 1) with ``dims`` dims; the token
+            axis is ``None`` when the value has none (an RNN's final state).
+    """
+
+    kind: str
+    types: tuple[type[nn.Module], ...]
+    axes: Callable[[nn.Module, Parts, int], Axes]
+
+
+#: the module kinds whose tokens are not dim 1; a new kind is a new row
+TOKEN_AXES: tuple[AxesRow, ...] = (
+    AxesRow("RNN (seq, batch, hidden) unless batch_first", (nn.RNNBase,), _recurrent),
+    AxesRow("nn.MultiheadAttention (seq, batch, d) unless batch_first", (nn.MultiheadAttention,),
+            _attention),
+    AxesRow("nn.Transformer* (seq, batch, d) unless batch_first",
+            (nn.Transformer, nn.TransformerEncoder, nn.TransformerDecoder,
+             nn.TransformerEncoderLayer, nn.TransformerDecoderLayer), _sequence_first),
+    AxesRow("1-D convolution, pool or norm (batch, channels, length)",
+            (nn.Conv1d, nn.ConvTranspose1d, nn.MaxPool1d, nn.AvgPool1d, nn.LPPool1d,
+             nn.AdaptiveAvgPool1d, nn.AdaptiveMaxPool1d, nn.BatchNorm1d, nn.InstanceNorm1d),
+            _length_last),
+)
+
+
+def token_axes(module: nn.Module | None, parts: Parts = (), dims: int = 3) -> Axes:
+    """``(batch axis, token axis)`` of part ``parts`` of ``module``'s output, of ``dims`` dims:
+    the first ``TOKEN_AXES`` row whose types hold the module, else ``(0, 1)``; the token axis
+    is ``None`` when that value has none (an RNN's final state)."""
+    if module is not None:
+        for row in TOKEN_AXES:
+            if isinstance(module, row.types):
+                return row.axes(module, parts, dims)
+    return (0, 1)
+
+
+def batch_first(t: Tensor, axes: Axes) -> Tensor:
+    """A view of ``t`` as ``(batch, seq, ...)`` (``(batch, ...)`` when it has no token axis),
+    ``axes`` its ``(batch, token)`` axes (``token_axes``): how reductions and stores, which read
+    dim 0 as the batch and dim 1 as the tokens, see it."""
+    batch, seq = axes
+    if t.dim() < 2 or axes == (0, 1):
+        return t
+    return t.movedim(batch, 0) if seq is None else t.movedim((batch, seq), (0, 1))
+
+
 def layout_of(key: str, op: str | None, shape: Sequence[int], seq_dim: int | None = None, *,
-              heads: bool = False, tokens: Tokens = NO_TOKENS) -> Layout:
+              heads: bool = False, tokens: Tokens = NO_TOKENS, module: nn.Module | None = None,
+              parts: Parts = ()) -> Layout:
     """The layout of the value recorded as ``key``, of ``shape``.
 
     Args:
@@ -164,32 +262,44 @@ def layout_of(key: str, op: str | None, shape: Sequence[int], seq_dim: int | Non
         heads: the caller selects heads, so the value must have a heads axis.
         tokens: the forward's mask and cache length (``MaskWatcher.tokens``,
             ``Records.tokens``).
+        module: the module whose output (part ``parts``) the value is, for its ``TOKEN_AXES``
+            row (``None``: a ``(batch, seq, ...)`` output).
+        parts: the keys of the value inside the module's output (``(1,)``: its item 1).
 
     Raises:
         PositionError: ``seq_dim`` is the batch axis or out of range; ``op`` is a function whose
-            layout hookscope does not know and no ``seq_dim`` is given; ``heads`` and the
-            value has no heads axis (the message names the shape and the fix).
+            layout hookscope does not know and no ``seq_dim`` is given; the module's value has
+            no token axis (an RNN's final state); ``heads`` and the value has no heads axis
+            (the message names the shape and the fix).
     """
     dims, size = len(shape), tuple(int(s) for s in shape)
+    batch, seq = token_axes(module if op is None else None, parts, dims)
     known = op is not None and op.split("#")[0] in QUERY_LAST_BUT_ONE and dims >= 3
     head_axis = 1 if known and dims == 4 else None
     if op is None and dims == 4 and HEADS_PART_KEY.search(key):
         head_axis = 2
     if seq_dim is not None:
-        if not -dims <= seq_dim < dims or seq_dim % dims == 0:
+        if not -dims <= seq_dim < dims or seq_dim % dims == batch:
             raise PositionError(f"seq_dim={seq_dim} is not a token axis of '{key}', shape "
-                                f"{size}: give one of 1 … {dims - 1} (dim 0 is the batch)")
-        layout = Layout(size, seq_dim % dims, head_axis, tokens)
+                                f"{size}: give a dim in 0 … {dims - 1} other than {batch}, "
+                                f"the batch")
+        layout = Layout(size, seq_dim % dims, head_axis, tokens, batch)
     elif known:
         layout = Layout(size, dims - 2, head_axis, tokens)
     elif op is None:
+        if seq is None:
+            raise PositionError(
+                f"'{key}', shape {size}, has no token axis: dim {batch} is the batch and no "
+                f"other dim holds tokens ({type(module).__name__}'s final state, one vector per "
+                f"row and layer); select the part that holds the tokens, e.g. "
+                f"'{key.split('[')[0]}[0]'")
         if dims < 3:  # (batch, features): dim 1 is features, as reduce="first" refuses it
             raise PositionError(
                 f"positions index the token axis, dim 1 of a (batch, seq, ...) module output, but "
                 f"'{key}' has shape {size}, without one (dim 1 of a (batch, features) "
                 f"output is features, not tokens); select a module that returns (batch, seq, "
                 f"features), or give seq_dim=1 if dim 1 really holds the tokens")
-        layout = Layout(size, 1, head_axis, tokens)
+        layout = Layout(size, seq, head_axis, tokens, batch)
     else:
         raise PositionError(
             f"positions on '{key}': it is the value of the function {op.split('#')[0]}, shape "
@@ -247,9 +357,14 @@ def check_no_unmasked_padding(tokens: Tokens, what: str, *, positions: bool = Tr
 
 
 class MaskWatcher:
-    """Keeps the ``Tokens`` the root module was called with in the current forward pass.
+    """Keeps the ``Tokens`` of the running forward pass: those the root module was called with,
+    then, in an encoder-decoder model, those of each stack as it starts.
 
-    Register ``watcher.hook`` as a forward pre-hook with ``with_kwargs=True`` on the root; the
+    Register ``watcher.hook`` as a forward pre-hook with ``with_kwargs=True`` on each of
+    ``watcher.modules``: the root, and the stacks of an encoder-decoder model (``get_encoder()``,
+    ``get_decoder()``: T5, BART, Whisper), whose decoder runs on tokens of its own, with its own
+    mask (``decoder_attention_mask``, handed to it as ``attention_mask``) or none; the
+    decoder's tokens hold from its start to the end of the forward (``lm_head`` included). The
     mask is read by name (``attention_mask``) whether passed by keyword or by position, the
     cache length from ``cache_position`` or ``past_key_values``, the padding from
     ``input_ids`` and ``config.pad_token_id``. ``tokens.mask`` is ``None`` when the call has no
@@ -259,8 +374,10 @@ class MaskWatcher:
     def __init__(self, model: nn.Module, given: Tensor | None = None):
         self.given = given
         self.tokens = Tokens(given)
+        self.modules = [(path, module) for path, module in stacks(model)]
         self._index = _positional_index(model, "attention_mask")
-        self._ids_index = _positional_index(model, "input_ids")
+        self._indices = {id(m): (_positional_index(m, "attention_mask"), _positional_index(m, "input_ids"))
+                         for _, m in self.modules}
         config = getattr(model, "config", None)
         self._pad = getattr(config, "pad_token_id", None)
         self._ambiguous = self._pad is not None and self._pad in (
@@ -272,13 +389,14 @@ class MaskWatcher:
         return self.tokens.mask
 
     def hook(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        mask_index, ids_index = self._indices.get(id(module), (self._index, None))
         found = self.given
         if found is None:
-            found = _argument(args, kwargs, "attention_mask", self._index)
+            found = _argument(args, kwargs, "attention_mask", mask_index)
         mask = found if isinstance(found, Tensor) else None
         ids = None
         if mask is None and self._pad is not None:
-            given = _argument(args, kwargs, "input_ids", self._ids_index)
+            given = _argument(args, kwargs, "input_ids", ids_index)
             ids = given if isinstance(given, Tensor) and given.dim() == 2 else None
         self.tokens = Tokens(mask, _past(kwargs), ids, self._pad, self._ambiguous)
 
@@ -295,15 +413,34 @@ class MaskWatcher:
         self.tokens = Tokens(mask)
 
     def layout(self, key: str, op: str | None, shape: Sequence[int], seq_dim: int | None = None,
-               *, heads: bool = False) -> Layout:
+               *, heads: bool = False, module: nn.Module | None = None, parts: Parts = ()) -> Layout:
         """``layout_of`` a value of the running forward."""
-        return layout_of(key, op, shape, seq_dim, heads=heads, tokens=self.tokens)
+        return layout_of(key, op, shape, seq_dim, heads=heads, tokens=self.tokens, module=module,
+                         parts=parts)
 
     def mask_for(self, shape: Sequence[int]) -> Tensor | None:
         """The mask of a ``(batch, seq, ...)`` output of the running forward (``Layout.mask``)."""
         if len(shape) < 2:
             return self.tokens.mask
         return Layout(tuple(int(s) for s in shape), 1, None, self.tokens).mask
+
+
+def stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``[(path, module)]``: the root (``""``) and the encoder and decoder stacks of an
+    encoder-decoder model (``get_encoder()``/``get_decoder()``, submodules of the root that are
+    not it), whose calls each say which tokens run in them (``MaskWatcher``)."""
+    found = [("", model)]
+    paths = {id(m): path for path, m in model.named_modules()}
+    for name in ("get_encoder", "get_decoder"):
+        getter = getattr(model, name, None)
+        try:
+            stack = getter() if callable(getter) else None
+        except (TypeError, AttributeError, NotImplementedError):
+            continue
+        if isinstance(stack, nn.Module) and stack is not model and id(stack) in paths \
+                and getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            found.append((paths[id(stack)], stack))
+    return found
 
 
 def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, index: int | None) -> Any:

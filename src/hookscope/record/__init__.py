@@ -13,14 +13,17 @@ from hookscope.record.positions import (
     Positions,
     check_over,
     layout_positions,
+    padding_dropped,
+    real_tokens,
     resolve_heads,
     selected,
     tokens_first,
 )
 from hookscope.record.records import CallInputs, RecordKey, Records, load
-from hookscope.record.reductions import NAMES, Reduce, Reduction, reduction, reduction_name
+from hookscope.record.reductions import NAMES, REDUCTIONS, Reduce, Reduction, reduction, reduction_name
 
 __all__ = ["CallInputs", "Capture", "GenerationCapture", "Heads", "NAMES", "NoGrad", "Over", "Positions",
-           "RecordKey", "Records", "Reduce", "Reduction", "capture", "capture_generation", "check_over",
-           "grad_leaf", "gradient_pass", "layout_positions", "load", "reduction", "reduction_name",
-           "resolve_heads", "run", "selected", "tokens_first"]
+           "REDUCTIONS", "RecordKey", "Records", "Reduce", "Reduction", "capture", "capture_generation",
+           "check_over", "grad_leaf", "gradient_pass", "layout_positions", "load",
+           "reduction", "reduction_name", "resolve_heads", "run", "padding_dropped", "real_tokens",
+           "selected", "tokens_first"]

@@ -31,6 +31,7 @@ from hookscope.engine import (
     RecordingHook,
     Target,
     as_patterns,
+    batch_first,
     check_device,
     check_dtype,
     check_flag,
@@ -49,6 +50,7 @@ from hookscope.engine import (
     output_of,
     shares_memory,
     special,
+    token_axes,
     unwrap,
     version_of,
 )
@@ -56,7 +58,7 @@ from hookscope.errors import CaptureError, warn
 from hookscope.record.grads import converter, require_grad_mode, watch_inputs, watch_output
 from hookscope.record.records import CallInputs, Entry, RecordKey, Records
 from hookscope.record.reductions import REDUCTIONS, Reduce, Reduction, reduction
-from hookscope.util import get_part, iter_tensors, map_tensors
+from hookscope.util import Keys, get_part, iter_tensors, map_tensors, map_tensors_with_keys
 
 __all__ = ["Capture", "CaptureOptions", "CallInputs", "capture", "run", "capture_options"]
 
@@ -171,6 +173,8 @@ class Capture(HookSession, Records):
         # a compiled call passes its mask on through ``pick``/``on_kept`` (engine.compiled)
         self._own(OwnedHook(self._watch_tokens, unwrap(self.model)[0], pick=self._mask.find,
                             on_kept=self._compiled_tokens), pre=True, with_kwargs=True)
+        for _, stack in self._mask.modules[1:]:  # an encoder-decoder's stacks: their own tokens
+            self._hook(stack, self._watch_tokens, pre=True, with_kwargs=True)
         on_modules = []
         for slot in self._slots.values():
             if slot.target.op is None:
@@ -253,13 +257,13 @@ class Capture(HookSession, Records):
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if in_recompute():
-                _regrad(slots, output, grad_now())
+                _regrad(slots, output, grad_now)
                 return
             for slot in slots:
                 slot.outputs.append(snapshot(_part(output, slot), slot))
             if with_grads:
                 for slot in slots:
-                    slot.grads.append(watch_output(_part(output, slot), grad_now()))
+                    slot.grads.append(watch_output(_part(output, slot), grad_now(slot.target)))
         return hook
 
     def _function_hook(self, slot: _Slot) -> Callable[..., None]:
@@ -280,10 +284,10 @@ class Capture(HookSession, Records):
             if options.inputs:
                 entry.inputs.append((map_tensors(keep_input, args), map_tensors(keep_input, rest[0])))
             if options.grads:
-                entry.grads.append(watch_output(output, grad_now()))
+                entry.grads.append(watch_output(output, grad_now(slot.target)))
         return hook
 
-    def _grad_now(self) -> Callable[[Tensor], Tensor]:
+    def _grad_now(self, target: Target) -> Callable[[Tensor], Tensor]:
         """The conversion of the gradient of the call running now: ``to``/``dtype``, then
         ``reduce`` with this forward's attention mask (bound now: the backward pass may come
         after other forwards), so a gradient has the shape of its reduced output."""
@@ -294,7 +298,7 @@ class Capture(HookSession, Records):
 
         def convert(grad: Tensor) -> Tensor:
             grad = base(grad)
-            return reduce(grad, _mask_of(frozen, grad, reduce))
+            return _reduced(reduce, grad, frozen, target, ())
         return convert
 
     def _snapshot_fn(self) -> Callable[[Any, _Slot], Any]:
@@ -304,7 +308,7 @@ class Capture(HookSession, Records):
         converts = to is not None or dtype is not None or reduce is not None
         clone, watcher = self._options.clone, self._mask
 
-        def one(t: Tensor, slot: _Slot) -> Tensor:
+        def one(t: Tensor, slot: _Slot, keys: Keys = ()) -> Tensor:
             if special(t):  # quantized: dequantized; DTensor: global; in a functorch transform: refused
                 t = self._keepable(t, slot)
             kept = t.detach()
@@ -312,7 +316,7 @@ class Capture(HookSession, Records):
                 if to is not None or dtype is not None:
                     kept = kept.to(device=to, dtype=dtype)
                 if reduce is not None:
-                    kept = reduce(kept, _mask_of(watcher, kept, reduce))
+                    kept = _reduced(reduce, kept, watcher, slot.target, keys)
                 if not shares_memory(kept, t):
                     return kept
             if clone is None:
@@ -327,7 +331,7 @@ class Capture(HookSession, Records):
         def snapshot(output: Any, slot: _Slot) -> Any:
             if isinstance(output, Tensor):
                 return one(output, slot)
-            return map_tensors(lambda t: one(t, slot), output)
+            return map_tensors_with_keys(lambda t, keys: one(t, slot, keys), output)
         return snapshot
 
     def _keepable(self, t: Tensor, slot: _Slot) -> Tensor:
@@ -422,19 +426,28 @@ def _first_tensor(outputs: list[Any]) -> Tensor | None:
     return next(iter_tensors(outputs[:1]), None)
 
 
-def _mask_of(watcher: MaskWatcher, t: Tensor, reduce: Reduction) -> Tensor | None:
-    """The attention mask ``(batch, seq)`` of the running forward for output ``t``, on ``t``'s
-    device, or None when the model was called without one.
+def _reduced(reduce: Reduction, t: Tensor, watcher: MaskWatcher, target: Target,
+             keys: Keys) -> Tensor:
+    """``reduce`` of ``t`` (part ``keys`` of what ``target`` selects) seen as ``(batch, seq,
+    ...)`` (``engine.layout.batch_first``: a sequence-first or length-last output moved so),
+    with the attention mask of the running forward (None without one), on ``t``'s device.
 
     Raises:
         PositionError: ``reduce`` is one of the named token reductions (``"first"``,
             ``"last"``, ``"mean"``) and the input looks padded without a mask
-            (``engine.layout.check_no_unmasked_padding``)."""
+            (``engine.layout.check_no_unmasked_padding``), or ``t`` has no token axis (an
+            RNN's final state)."""
+    module, parts = (target.module if target.op is None else None), (*target.parts, *keys)
+    axes = token_axes(module, parts, t.dim())
     if reduce in REDUCTIONS.values():
         check_no_unmasked_padding(watcher.tokens, "a reduction over tokens (reduce='first', "
                                   "'last' or 'mean')", positions=False)
+        if axes[1] is None:  # refused, the message names it
+            watcher.layout(f"{target.key}{''.join(f'[{k}]' for k in keys)}", target.op, t.shape,
+                           module=module, parts=parts)
+    t = batch_first(t, axes)
     mask = watcher.mask_for(t.shape)
-    return None if mask is None else mask.to(t.device)
+    return reduce(t, None if mask is None else mask.to(t.device))
 
 
 def _part(output: Any, slot: _Slot) -> Any:
@@ -453,7 +466,8 @@ def _keep_input(t: Tensor, clone: bool | None) -> Tensor:
     return eager_copy(t) if clone else lazy_copy(t)
 
 
-def _regrad(slots: list[_Slot], output: Any, convert: Callable[[Tensor], Tensor]) -> None:
+def _regrad(slots: list[_Slot], output: Any,
+            convert: Callable[[Target], Callable[[Tensor], Tensor]]) -> None:
     """A checkpoint recompute of a call whose output could not take a gradient (reentrant
     checkpointing runs the first forward under no_grad): watch the recomputed output instead,
     which is what the gradient flows through. Recomputes come in call order within a segment."""
@@ -464,7 +478,7 @@ def _regrad(slots: list[_Slot], output: Any, convert: Callable[[Tensor], Tensor]
         call = slot.recomputed % len(grads)
         slot.recomputed += 1
         if grads[call].watched == 0:
-            grads[call] = watch_output(_part(output, slot), convert)
+            grads[call] = watch_output(_part(output, slot), convert(slot.target))
 
 
 def _inputs_hook(slots: list[_Slot], clone: bool | None) -> Callable[..., None]:

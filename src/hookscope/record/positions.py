@@ -40,11 +40,12 @@ from typing import Any, Literal
 
 import torch
 
-from hookscope.engine import Layout, brief, check_no_unmasked_padding
+from hookscope.engine import Layout, Target, Tokens, brief, check_no_unmasked_padding, layout_of
 from hookscope.errors import ArgumentValueError, PositionError
 
 __all__ = ["Positions", "Heads", "Over", "resolve_positions", "take_positions", "layout_positions",
-           "selected", "resolve_heads", "tokens_first", "check_over"]
+           "selected", "resolve_heads", "tokens_first", "real_tokens", "padding_dropped",
+           "check_over"]
 
 Tensor = torch.Tensor
 Positions = int | Sequence[int] | slice | Tensor | None
@@ -137,13 +138,13 @@ def selected(layout: Layout, positions: Positions, heads: Heads, key: str, *,
     shape = layout.shape
     batch, seq = layout.rows, layout.length
     sizes = [1] * len(shape)
-    sizes[0], sizes[layout.seq] = batch, seq
+    sizes[layout.batch], sizes[layout.seq] = batch, seq
     tokens = torch.ones(batch, seq, dtype=torch.bool)
     if positions is not None:
         rows, columns = layout_positions(positions, layout, key, absolute=absolute, over=over)
         tokens = torch.zeros(batch, seq, dtype=torch.bool)
         tokens[rows.cpu(), columns.cpu()] = True
-    chosen = tokens.reshape(sizes)
+    chosen = (tokens if layout.batch < layout.seq else tokens.T).reshape(sizes)
     if heads is not None and layout.heads is not None:
         count = int(shape[layout.heads])
         head_sizes = [1] * len(shape)
@@ -158,8 +159,40 @@ def tokens_first(t: Tensor, layout: Layout) -> Tensor:
     """A view of ``t`` as ``(batch, seq, heads, ...)`` (``(batch, seq, ...)`` without heads);
     writing into it writes into ``t``."""
     if layout.heads is None:
-        return t.movedim(layout.seq, 1)
-    return t.movedim((layout.seq, layout.heads), (1, 2))
+        return t.movedim((layout.batch, layout.seq), (0, 1))
+    return t.movedim((layout.batch, layout.seq, layout.heads), (0, 1, 2))
+
+
+def real_tokens(t: Tensor, layout: Layout) -> Tensor:
+    """The real tokens of ``t`` (of ``layout``), ``(tokens, [heads,] ...)`` row-major, by
+    ``layout.mask``; ``t`` itself when the forward had no mask of its ``(batch, seq)``."""
+    mask = layout.mask
+    if mask is None or tuple(mask.shape) != (layout.rows, layout.length):
+        return t
+    return tokens_first(t, layout)[mask.to(t.device).bool()]
+
+
+def padding_dropped(t: Tensor, target: Target | None, tokens: Tokens,
+                    keys: tuple[int | str, ...] = ()) -> Tensor:
+    """The real tokens of ``t`` (part ``keys`` of what ``target`` selects; ``None``: the root's
+    output), ``(tokens, [heads,] ...)``, by its layout (``engine.layout.layout_of``) and the
+    forward's mask ``tokens``; ``t`` itself without a mask, or for a value with no token axis:
+    ``(batch, features)``, an RNN's final state, and a module output of 4 dims or more, whose
+    dim 1 is channels or attention heads. A function's value of unknown layout is read as
+    ``(batch, seq, ...)``."""
+    if tokens.mask is None or t.dim() < 2:
+        return t
+    op, parts = (None, keys) if target is None else (target.op, (*target.parts, *keys))
+    module = None if target is None else target.module
+    try:
+        layout = layout_of("value", op, t.shape, tokens=tokens, module=module, parts=parts)
+    except PositionError:  # no token axis, or a function's value of unknown layout
+        if op is None:
+            return t
+        layout = Layout(tuple(t.shape), 1, None, tokens)
+    if op is None and t.dim() > 3 and layout.heads is None and (layout.batch, layout.seq) == (0, 1):
+        return t
+    return real_tokens(t, layout)
 
 
 def resolve_positions(positions: Positions, shape: Sequence[int], attention_mask: Tensor | None = None,

@@ -35,6 +35,7 @@ from hookscope.engine import (
     describe,
     layout_of,
     outside_inference,
+    token_axes,
     unresolved_standard,
     values_for,
 )
@@ -278,7 +279,21 @@ class Records:
             raise CaptureError(f"'{address}' is a {type(value).__name__}, not a tensor; give a "
                                f"part that is one, e.g. '{address}[0]'")
         return layout_of(str(address), address.op, value.shape, seq_dim, heads=heads,
-                         tokens=self.tokens(name, call))
+                         tokens=self.tokens(name, call), module=self._entry(name).module,
+                         parts=address.parts)
+
+    def token_axes(self, key: str | RecordKey, dims: int) -> tuple[int, int | None]:
+        """``(batch axis, token axis)`` of a ``dims``-dim tensor recorded at ``key``: the
+        ``TOKEN_AXES`` row of the module that made it (``(0, 1)`` for most; ``(1, 0)`` for a
+        sequence-first ``nn.MultiheadAttention``); the token axis is ``None`` when it has none.
+
+        Raises:
+            CaptureError: ``key`` was not recorded.
+        """
+        address = self._address(key)
+        name, _ = self._name_for(address)
+        module = self._entry(name).module if address.op is None else None
+        return token_axes(module, address.parts, dims)
 
     def grad(self, path: str, call: int = 0) -> Any:
         """d(loss)/d(output) of call ``call`` of ``path``; same structure and shapes as the output.

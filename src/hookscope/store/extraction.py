@@ -43,8 +43,11 @@ from tqdm import tqdm
 
 from hookscope.engine import (
     GracefulStop,
+    Tokens,
     as_patterns,
+    batch_first,
     brief,
+    check_no_unmasked_padding,
     input_device,
     kind_of,
     model_inputs,
@@ -63,7 +66,15 @@ from hookscope.errors import (
     SelectorError,
     warn,
 )
-from hookscope.record import Capture, Reduce, Reduction, capture, reduction, reduction_name
+from hookscope.record import (
+    REDUCTIONS,
+    Capture,
+    Reduce,
+    Reduction,
+    capture,
+    reduction,
+    reduction_name,
+)
 from hookscope.store.batches import BatchSource
 from hookscope.store.folder import check_output, prepare_output, writing
 from hookscope.store.fs import StorePath, location
@@ -121,11 +132,14 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
         data: a ``DataLoader`` (not shuffled), a map-style ``Dataset`` (batched here by
             ``batch_size``), or any iterable of batches. A batch is a tensor (``model(batch)``),
             a dict such as a tokenizer's output (``model(**batch)``; its ``attention_mask``
-            marks real tokens), or a tuple/list ``(inputs, labels, ...)`` whose first item is
+            marks real tokens, and an encoder-decoder's ``decoder_attention_mask`` those of its
+            decoder layers), or a tuple/list ``(inputs, labels, ...)`` whose first item is
             the inputs: a tensor, a dict, or a tuple of positional inputs (labels ignored).
         layers: patterns as in ``hookscope.select``; each selected module (or output part,
             ``"lstm[0]"``) becomes one store layer. Its output must hold one tensor whose dim 0
-            is the batch.
+            is the batch, or whose layout says where the batch is (``engine.layout.TOKEN_AXES``:
+            a sequence-first ``nn.MultiheadAttention``, a ``Conv1d``'s ``(batch, channels,
+            length)``): rows are stored as ``(batch, seq, ...)``.
         out: the store folder to create, a path or any fsspec URL (``s3://bucket/acts``,
             ``gs://``, ``memory://``, ``file://``; ``hookscope.store.fs`` says how a store keeps
             its guarantees there); its missing parent folders are created too (the
@@ -191,6 +205,8 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
             with a local folder; ``engine="ray"`` with a ``memory://`` ``out``, which the
             actors cannot reach.
         StoreCorruptError: ``resume`` finds a damaged manifest.
+        PositionError: ``reduce`` is ``"first"``/``"last"``/``"mean"`` and a batch looks padded
+            (runs of ``config.pad_token_id``) but has no ``attention_mask`` (nothing written).
         ExtractInterrupted: a Ctrl-C stopped the run gracefully (a ``KeyboardInterrupt``; its
             ``rows`` were written, the open shard's included); ``resume=True`` continues.
     """
@@ -544,9 +560,13 @@ def _rows(job: _Job, batch: Any, ids: list[Any] | None) -> Rows:
             job.model(*args, **kwargs)
         acts.check_writes()
         _check_calls(acts, job.keys)
-    rows = {key: _layer_rows(key, acts[key], n, mask, job) for key in job.keys}
+    rows = {key: _layer_rows(key, acts[key], n, acts.tokens(key), job, _axes(acts, key))
+            for key in job.keys}
     tokens = mask if job.reducer is None else None  # ragged layers: token labels go ragged too
-    return {**rows, **_columns(batch, ids, n, tokens), **_token_ids(kwargs, mask, rows)}
+    # the @token column holds the root's input_ids: only for layers of the root's tokens (not
+    # an encoder-decoder's decoder layers, ragged by a mask of their own)
+    own = all(acts.tokens(key).mask is mask for key, (_, lengths) in rows.items() if lengths is not None)
+    return {**rows, **_columns(batch, ids, n, tokens), **(_token_ids(kwargs, mask, rows) if own else {})}
 
 
 def _token_ids(kwargs: dict[str, Any], mask: Tensor | None, rows: Rows) -> Rows:
@@ -644,6 +664,12 @@ def _twice(key: str, count: int) -> str:
     return (f"'{key}' ran {count} times in one forward pass; a store layer takes one call per "
             f"batch (one row per input): {fix}")
 
+def _axes(acts: Capture, key: str) -> tuple[int, int | None]:
+    """The ``(batch, token)`` axes of the tensor ``acts[key]`` (``Records.token_axes``)."""
+    value = acts[key]
+    return acts.token_axes(key, value.dim()) if isinstance(value, Tensor) else (0, 1)
+
+
 def _check_calls(acts: Capture, keys: list[str]) -> None:
     """Each selected module runs once per batch (a store keeps one row per input)."""
     counts = acts.counts
@@ -672,9 +698,11 @@ def _one_tensor(key: str, output: Any) -> Tensor:
         f"{describe_keys(output)})")
 
 
-def _layer_rows(key: str, output: Any, n: int, mask: Tensor | None, job: _Job
-                ) -> tuple[Tensor, Tensor | None]:
-    """``(rows, None)`` or ``(flat tokens, lengths)`` of one layer's output. A value whose kind
+def _layer_rows(key: str, output: Any, n: int, tokens: Tokens, job: _Job,
+                axes: tuple[int, int | None] = (0, 1)) -> tuple[Tensor, Tensor | None]:
+    """``(rows, None)`` or ``(flat tokens, lengths)`` of one layer's output, whose ``(batch,
+    token)`` axes are ``axes`` (``Records.token_axes``), made in a forward with ``tokens``
+    (``Records.tokens``: the mask of the stack that ran it). A value whose kind
     has rows of its own (a nested tensor, a PackedSequence: ``engine.kinds``) is stored ragged,
     one row per input in input order, real tokens only."""
     kind = kind_of(output)
@@ -683,23 +711,32 @@ def _layer_rows(key: str, output: Any, n: int, mask: Tensor | None, job: _Job
         if job.reducer is not None:
             raise ExtractError(f"'{key}' returned {kind.what} [kind: {kind.name}]; store it with "
                                f"reduce=None (ragged rows: each input's real tokens)")
-        tokens, counts = ragged
+        flat, counts = ragged
         if len(counts) != n:
             raise ExtractError(f"'{key}' returned {len(counts)} sequences for a batch of {n}")
-        _check_storable(key, tokens)
-        return tokens.detach(), counts
+        _check_storable(key, flat)
+        return flat.detach(), counts
     t = values_for(_one_tensor(key, output), key, "extract", ExtractError)
+    t = batch_first(t, axes)  # a sequence-first or length-last output as (batch, seq, ...)
     if t.dim() == 0 or t.shape[0] != n:
         raise ExtractError(f"'{key}' returned shape {tuple(t.shape)}, whose first dimension is "
                            f"not the batch size {n}; a store keeps one row per input, so select "
                            f"a module whose output is batch-first")
-    lengths = None
+    lengths, mask = None, tokens.mask
+    if job.reducer in REDUCTIONS.values():
+        check_no_unmasked_padding(tokens, f"a reduction over the tokens of '{key}'",
+                                  positions=False)
+    if axes[1] is None and job.reducer in REDUCTIONS.values():
+        raise ExtractError(f"'{key}', shape {tuple(t.shape)} (batch first), has no token axis "
+                           f"to reduce: it is one vector per row "
+                           f"and layer (an RNN's final state); select the output that holds the "
+                           f"tokens, '{key.split('[')[0]}[0]', or store it with reduce=None")
     if job.reducer is not None:
         t = job.reducer(t, mask)  # a function returning no tensor raises there (reductions.py)
         if t.dim() == 0 or t.shape[0] != n:
             raise ExtractError(f"reduce turned the output of '{key}' into shape "
                                f"{tuple(t.shape)}; it must keep dim 0 (the batch, {n})")
-    elif mask is not None and t.dim() >= 2 and t.shape[:2] == mask.shape:
+    elif mask is not None and axes[1] is not None and t.dim() >= 2 and t.shape[:2] == mask.shape:
         keep = mask.bool()  # (batch, seq): real tokens only, padding is not stored
         lengths, t = keep.sum(dim=1).to("cpu", torch.int64), t[keep]
     if job.dtype is not None and t.is_floating_point():

@@ -45,6 +45,7 @@ from torch import nn
 
 from hookscope.diagnostics import MAX_BINS, Histogram, NonFiniteOrigin, RunningStats
 from hookscope.engine import (
+    MaskWatcher,
     Observer,
     OwnedHook,
     Target,
@@ -73,6 +74,7 @@ from hookscope.errors import (
     NonFiniteStepWarning,
     warn,
 )
+from hookscope.record import padding_dropped
 from hookscope.train.bundle import SUFFIX as BUNDLE_SUFFIX
 from hookscope.train.guard import (
     ReplayBundle,
@@ -83,7 +85,7 @@ from hookscope.train.guard import (
     replay,
 )
 from hookscope.train.records_file import RecordsFile
-from hookscope.util import advice, get_part, iter_tensors
+from hookscope.util import advice, get_part, iter_tensors_with_keys
 
 __all__ = ["GuardMode", "Monitor", "finding_key", "monitor"]
 
@@ -109,7 +111,9 @@ def monitor(model: nn.Module, layers: str | list[str] = "**", *, every: int = 10
     output (``"activation"``) and of the gradient of the loss with respect to that output
     (``"gradient"``): ``mean``, ``std`` (population, ``ddof=0``: ``torch.std(x,
     correction=0)``), ``absmax``, ``frac_zeros`` (dead units), ``frac_nonfinite``, ``count``
-    (elements), float64 as in ``hookscope.stats``; with ``scaler``, the gradient statistics
+    (elements), float64 as in ``hookscope.stats``, and like it over the real tokens of a batch
+    called with an ``attention_mask`` (padding and its zero gradients are not counted); with
+    ``scaler``, the gradient statistics
     are of the true gradient (each gradient divided by ``scaler.get_scale()`` in force during
     its backward; the record's ``loss_scale`` gives it, 1.0 without a scaler), as ``grad_norm``
     (read after ``scaler.step`` unscaled the ``.grad``) is; and of its
@@ -219,6 +223,7 @@ class Monitor:
         self._params = [p for p in self.root.parameters() if p.requires_grad]
         self._device_type = input_device(self.root).type
         self._inputs: StepInputs | None = None
+        self._tokens = MaskWatcher(self.root)  # the running forward's mask, for the statistics
         self._out_grads: list[Tensor | None] = []
         self._out_finite: Tensor | None = None  # (outputs,) bool, read only on a finding
         self._queued = False
@@ -258,8 +263,8 @@ class Monitor:
         self._file = self._open_file()
         self._write({"event": "start", "rank": self.rank, "every": self.every,
                      "modules": [t.key for t in self.targets], "guard": self.guard})
-        root = Target("", self.root)
-        self._root_session = Observer(self.root, [root], pre=lambda t: self._forward_begins,
+        roots = [Target(path, module) for path, module in self._tokens.modules]  # stacks' tokens too
+        self._root_session = Observer(self.root, roots, pre=lambda t: self._forward_begins,
                                       forward=lambda t: self._forward_ends, with_kwargs=True,
                                       explain_unfired=False)
         self._root_session.__enter__()
@@ -370,12 +375,13 @@ class Monitor:
     # -- the guard ---------------------------------------------------------------------------
 
     def _forward_begins(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self.guard is not None:  # only a replay needs the step's inputs and RNG
+        self._contained("statistics", lambda: self._tokens.hook(module, args, kwargs))
+        if self.guard is not None and module is self.root:  # only a replay needs the step's inputs
             self._inputs = self._contained(
                 "guard", lambda: StepInputs.now(args, kwargs, self._device_type))
 
     def _forward_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if self.guard is not None:
+        if self.guard is not None and module is self.root:  # not an encoder-decoder's stack
             self._contained("guard", lambda: self._watch_outputs(output))
 
     def _watch_outputs(self, output: Any) -> None:
@@ -506,7 +512,8 @@ class Monitor:
 
     def _start_sample_if_due(self) -> None:
         if self.every and self.step_index % self.every == 0:
-            self._sample = _Sample(self.root, self.targets, self.scaler, self._contained)
+            self._sample = _Sample(self.root, self.targets, self.scaler, self._contained,
+                                   self._tokens)
             self._sample.session.__enter__()  # held first: close() exits it, whatever happens
             if self.hist:
                 self._sample.count_histograms(self.hist, self._hist_ranges)
@@ -567,11 +574,13 @@ class _Sample:
 
     ``scaler``: the loop's GradScaler (or None): each gradient is divided by its scale in force
     during the backward, so the statistics are of the true gradient. ``contained``: the
-    monitor's fault handler, around each hook's work."""
+    monitor's fault handler, around each hook's work. ``tokens``: the root's ``MaskWatcher``:
+    activations and gradients count the real tokens of a batch given with an attention mask
+    (``record.padding_dropped``), as ``hookscope.stats`` does."""
 
     def __init__(self, root: nn.Module, targets: list[Target], scaler: Any,
-                 contained: Callable[[str, Callable[[], Any]], Any]):
-        self.scaler, self.contained = scaler, contained
+                 contained: Callable[[str, Callable[[], Any]], Any], tokens: MaskWatcher):
+        self.scaler, self.contained, self.tokens = scaler, contained, tokens
         self.scales: set[float] = set()
         self.activations = {t.key: RunningStats() for t in targets}
         self.gradients = {t.key: RunningStats() for t in targets}
@@ -598,16 +607,19 @@ class _Sample:
         activations, gradients = self.activations[target.key], self.gradients[target.key]
 
         def observe(output: Any) -> None:
-            tensor = next((t for t in iter_tensors(get_part(output, target.parts))
-                           if t.is_floating_point()), None)
+            keys, tensor = next(((k, t) for k, t in iter_tensors_with_keys(get_part(output, target.parts))
+                                 if t.is_floating_point()), ((), None))
             if tensor is None:
                 return
-            activations.update(tensor)
+            tokens = self.tokens.tokens  # this forward's: the backward may come after others
+            real = padding_dropped(tensor.detach(), target, tokens, keys)
+            activations.update(real)
             if self._hist is not None:
-                self._histogram(target.key, tensor)
+                self._histogram(target.key, real)
             if tensor.requires_grad:
                 on_tensor_grad(tensor, lambda g: self.contained(
-                    f"statistics of {target.key!r}", lambda: gradients.update(self._true(g))))
+                    f"statistics of {target.key!r}",
+                    lambda: gradients.update(self._true(padding_dropped(g, target, tokens, keys)))))
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             self.contained(f"statistics of {target.key!r}", lambda: observe(output))
@@ -615,8 +627,8 @@ class _Sample:
             return hook
 
         def gradient(grad: Tensor) -> None:
-            self.contained(f"statistics of {target.key!r}",
-                           lambda: gradients.update(self._true(grad)))
+            self.contained(f"statistics of {target.key!r}", lambda: gradients.update(
+                self._true(padding_dropped(grad, target, self.tokens.tokens))))
         # inside a compiled graph: ``hook`` on a copy of the output (detached: no tensor hook),
         # and the gradient that the backward graph hands over (engine.compiled)
         return OwnedHook(hook, target.module, pick=output_of, on_gradient=gradient)

@@ -20,10 +20,12 @@ from hookscope.util.nested import (
     iter_tensors,
     iter_tensors_with_keys,
     map_tensors,
+    map_tensors_with_keys,
     set_part,
 )
 
 __all__ = ["DPI", "FIGURE_SIZE_PX", "Keys", "advice", "check_new_file", "describe_keys", "get_part",
            "heads_part",
-           "iter_tensors", "iter_tensors_with_keys", "map_tensors", "new_figure", "read_regular", "require",
+           "iter_tensors", "iter_tensors_with_keys", "map_tensors", "map_tensors_with_keys", "new_figure",
+           "read_regular", "require",
            "save_figure", "set_part", "write_all", "write_atomic", "write_bytes"]

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 __all__ = ["Keys", "describe_keys", "get_part", "heads_part", "iter_tensors", "iter_tensors_with_keys",
-           "map_tensors", "set_part"]
+           "map_tensors", "map_tensors_with_keys", "set_part"]
 
 Tensor = torch.Tensor
 
@@ -81,6 +81,12 @@ def map_tensors(fn: Callable[[Tensor], Any], obj: Any) -> Any:
                    for f in dataclasses.fields(obj) if f.init}
         return dataclasses.replace(obj, **changes)
     return obj
+
+
+def map_tensors_with_keys(fn: Callable[[Tensor, Keys], Any], obj: Any) -> Any:
+    """``map_tensors`` whose function also gets each tensor's keys (``get_part(obj, keys)``)."""
+    keys = iter([k for k, _ in iter_tensors_with_keys(obj)])
+    return map_tensors(lambda t: fn(t, next(keys)), obj)
 
 
 def iter_tensors(obj: Any) -> Iterator[Tensor]:
