@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -93,25 +95,123 @@ def test_fullgraph_capture_equals_eager_and_compiles_twice_over_ten_blocks(
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
-def test_fullgraph_capture_under_inductor_equals_eager(dynamo_warnings: list[str]) -> None:
-    """The default backend: inductor keeps the operator and its order (an ordered effect)."""
-    model, x = _cnn(), torch.randn(2, 3, 6, 6)
-    with torch.no_grad(), hookscope.capture(model, "*") as eager:
-        model(x)
+@pytest.mark.parametrize(("name", "pattern"), [
+    *((name, MODELS[name][2]) for name in MODELS),
+    ("gpt2", "transformer.h.*"), ("gpt2", "transformer.h.0.attn")])
+def test_fullgraph_capture_under_inductor_equals_eager(name: str, pattern: str,
+                                                       dynamo_warnings: list[str]) -> None:
+    """The default backend: inductor keeps the operator and its order (an ordered effect).
+    GPT-2 found a bug: a witness's operator (a module near a selected one, noting that it ran)
+    took no tensor, and inductor freed a buffer before a later kernel read it
+    (``UnboundLocalError: buf22``); it now takes an empty one."""
+    make, data, _ = MODELS[name]
+    model, inputs = make(), data()
+    with torch.no_grad(), hookscope.capture(model, pattern) as eager:
+        _call(model, inputs)
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     with torch.no_grad():
         for _ in range(3):
-            with hookscope.capture(compiled, "*") as acts:
-                compiled(x)
-            compiled(x)
+            with hookscope.capture(compiled, pattern) as acts:
+                _call(compiled, inputs)
+            _call(compiled, inputs)
     assert counter.frame_count <= 2
-    for key in eager.counts:
-        torch.testing.assert_close(acts[key], eager[key], rtol=1e-5, atol=1e-5)
+    assert len(eager.counts) >= 1
+    for key, count in eager.counts.items():
+        assert acts.counts[key] == count
+        torch.testing.assert_close(acts.calls(key), eager.calls(key), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_fullgraph_inputs_equal_eager_and_compile_twice_over_ten_blocks(
+        name: str, backend: str, dynamo_warnings: list[str]) -> None:
+    """``inputs=True`` inside the full graph: each call's arguments and keywords (GPT-2's
+    blocks: tensors, ``None``, flags) as the eager capture keeps them, the graph whole."""
+    make, data, pattern = MODELS[name]
+    model, inputs = make(), data()
+    with torch.no_grad(), hookscope.capture(model, pattern, inputs=True) as eager:
+        _call(model, inputs)
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with torch.no_grad():
+        for _ in range(BLOCKS):
+            with hookscope.capture(compiled, pattern, inputs=True) as acts:
+                _call(compiled, inputs)
+            _call(compiled, inputs)
+    assert counter.frame_count <= 2
+    assert [m for m in dynamo_warnings if "recompil" in m] == []
+    assert len(eager.counts) >= 4
+    for key, count in eager.counts.items():
+        assert acts.counts[key] == count
+        for k in range(count):
+            want, got = eager.inputs(key, k), acts.inputs(key, k)
+            assert list(got.named) == list(want.named) and got.kwargs.keys() == want.kwargs.keys()
+            _assert_same((got.args, got.kwargs), (want.args, want.kwargs))
+            torch.testing.assert_close(acts.calls(key)[k], eager.calls(key)[k], rtol=1e-5, atol=1e-5)
+    if name == "gpt2":  # its attention's KV cache, an object, is named
+        assert repr(acts.inputs("transformer.h.0.attn").kwargs["cache"]) == "NotKept('DynamicCache')"
+
+
+def _assert_same(got: Any, want: Any) -> None:
+    """``got`` (a compiled capture's input) is ``want`` (the eager one's): tensors close, other
+    leaves equal, and an object that is no tensor, number, string, None or plain container
+    ``NotKept`` with its type's name."""
+    if isinstance(want, Tensor):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    elif type(want) in (tuple, list):
+        assert type(got) is type(want) and len(got) == len(want)
+        for g, w in zip(got, want):
+            _assert_same(g, w)
+    elif type(want) is dict:
+        assert list(got) == list(want)
+        for k in want:
+            _assert_same(got[k], want[k])
+    elif want is None or type(want) in (bool, int, float, str):
+        assert got == want and type(got) is type(want)
+    else:
+        assert got == hookscope.NotKept(type(want).__name__)
+
+
+def test_fullgraph_inputs_keep_numbers_dynamic_sizes_and_name_what_a_graph_cannot_hand_out(
+        dynamo_warnings: list[str]) -> None:
+    """A call's numbers (a dynamic size, which dynamo calls an ``int``, included) come back as
+    numbers, its strings and flags as they were, and an object a graph cannot hand out as
+    ``NotKept`` with its type's name, under ``dynamic=True`` and inductor."""
+    class Tag:
+        pass
+
+    class Inner(nn.Module):
+        def forward(self, x: Tensor, n: int, scale: float, *, how: str, tag: Tag,
+                    extra: dict[str, Any]) -> Tensor:
+            return x[:, :n] * scale + extra["bias"][:n]
+
+    class Top(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.tag = Inner(), Tag()
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.inner(x, x.shape[1] - 1, 0.5, how="mean", tag=self.tag,
+                              extra={"bias": torch.ones(x.shape[1]), "on": True, "w": [1.5, None]})
+
+    model = Top()
+    compiled = torch.compile(model, backend="inductor", fullgraph=True, dynamic=True)
+    for width in (5, 7):
+        x = torch.randn(2, width)
+        with torch.no_grad(), hookscope.capture(compiled, "inner", inputs=True) as acts:
+            compiled(x)
+        call = acts.inputs("inner")
+        assert call.args[1:] == (width - 1, 0.5) and type(call.args[1]) is int
+        assert torch.equal(call.args[0], x)
+        assert call.kwargs["how"] == "mean" and repr(call.kwargs["tag"]) == "NotKept('Tag')"
+        assert call.kwargs["extra"]["on"] is True and call.kwargs["extra"]["w"] == [1.5, None]
+        assert torch.equal(call.kwargs["extra"]["bias"], torch.ones(width))
+        torch.testing.assert_close(acts["inner"], model(x))
 
 
 @pytest.mark.parametrize(("options", "pattern", "named"), [
-    ({"inputs": True}, "*.0", "inputs=True"), ({"grads": True}, "*.0", "grads=True"),
+    ({"grads": True}, "*.0", "grads=True"),
     ({"early_stop": True}, "*.0", "early_stop=True")])
 def test_fullgraph_refuses_what_the_graph_cannot_hold_at_entry(
         options: dict[str, Any], pattern: str, named: str, dynamo_warnings: list[str]) -> None:
@@ -144,3 +244,53 @@ def test_kept_values_survive_the_graph_writing_its_buffers_again(dynamo_warnings
     assert len(eager.counts) == 12
     for key in eager.counts:
         torch.testing.assert_close(acts[key], eager[key], rtol=1e-5, atol=1e-6)
+
+
+class _Object:
+    """A value no graph hands out (a cache, a config)."""
+
+
+_LEAVES = st.one_of(
+    st.none(), st.booleans(), st.integers(-2**62, 2**62), st.text(max_size=5),
+    st.floats(width=64),  # inf and nan included
+    st.builds(lambda n: torch.arange(float(n)), st.integers(0, 3)), st.builds(_Object))
+
+
+@pytest.mark.hypothesis
+@given(st.recursive(_LEAVES, lambda inner: st.one_of(
+    st.lists(inner, max_size=3), st.lists(inner, max_size=3).map(tuple),
+    st.dictionaries(st.text(max_size=4), inner, max_size=3)), max_leaves=8))
+def test_a_flattened_call_fills_back_to_itself(value: Any) -> None:
+    """``engine.compiled.flatten`` then the sink's fill give back any nesting of tuples, lists
+    and string-keyed dicts of tensors, None, flags, numbers (inf and nan) and strings, the
+    types kept; an object comes back ``NotKept`` with its type's name."""
+    from hookscope.engine import compiled
+
+    values, spec = compiled.flatten(value)
+    assert compiled.whole(spec) == (_Object not in _types(value))
+    _assert_equal(compiled._filled(values, spec), value)
+
+
+def _types(value: Any) -> set[type]:
+    if type(value) in (tuple, list):
+        return {t for v in value for t in _types(v)}
+    if type(value) is dict:
+        return {t for v in value.values() for t in _types(v)}
+    return {type(value)}
+
+
+def _assert_equal(got: Any, want: Any) -> None:
+    if isinstance(want, _Object):
+        assert got == hookscope.NotKept("_Object")
+    elif isinstance(want, Tensor):
+        assert torch.equal(got, want)
+    elif type(want) in (tuple, list):
+        assert type(got) is type(want) and len(got) == len(want)
+        for g, w in zip(got, want):
+            _assert_equal(g, w)
+    elif type(want) is dict:
+        assert list(got) == list(want)
+        for k in want:
+            _assert_equal(got[k], want[k])
+    else:
+        assert type(got) is type(want) and (got == want or got != got and want != want)

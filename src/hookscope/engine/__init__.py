@@ -34,7 +34,7 @@ from hookscope.engine.checks import (
     check_token_ids,
     warn_if_dropout_trains,
 )
-from hookscope.engine.compiled import eager_when_called
+from hookscope.engine.compiled import NotKept, eager_when_called
 from hookscope.engine.copy_on_write import eager_copy, lazy_copy, shares_memory, version_of
 from hookscope.engine.diagnose import explain_no_hooks, fullgraph, locate_error, preflight
 from hookscope.engine.function_mode import FunctionCall, Watch, each_call
@@ -111,7 +111,7 @@ from hookscope.engine.wrappers import unwrap
 
 __all__ = ["AxesRow", "TOKEN_AXES", "batch_first", "token_axes",
            "FULLGRAPH", "FunctionCall", "RecordingHook", "GracefulStop", "exit_at_interrupt", "HookSession",
-           "KNOWN_LIBRARIES", "Layout", "MaskWatcher", "ModuleIndex", "NO_TOKENS", "NO_VALUES_FIX",
+           "KNOWN_LIBRARIES", "Layout", "MaskWatcher", "ModuleIndex", "NO_TOKENS", "NO_VALUES_FIX", "NotKept",
            "Observer", "OnUnfired", "OwnedHook", "Part", "RecordKey", "RngState", "Target", "Tokens",
            "Watch", "after_backward", "apply_edit", "as_patterns", "bind_arguments", "brief", "check_arity",
            "check_callable", "check_device", "check_dtype", "check_finite", "check_flag",

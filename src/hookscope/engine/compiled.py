@@ -1,11 +1,14 @@
 """Private: module hooks that a ``torch.compile`` graph holds whole (``fullgraph=True``).
 
 A forward hook that only reads its module's output (a capture, ``stats``) runs, inside a
-compiled graph, as one opaque operator, ``hookscope::keep(values, kind, key)``: dynamo puts it
+compiled graph, as one opaque operator, ``hookscope::keep(values, spec, key)``: dynamo puts it
 in the graph as it is (an operator of a ``torch.library.Library``), registered as an ordered
 side effect (``EffectType.ORDERED``: no compiler pass drops it, though it returns nothing, or
 moves it across another). At run time the operator calls the sink registered under ``key``
-with the real output, rebuilt as the module returned it. So:
+with the real value, rebuilt as the module had it: ``values`` are its tensors and ``spec`` the
+rest, written while dynamo traces (``flatten``: a Python literal with ``...`` for each tensor,
+so the numbers, strings and ``None`` of a call's arguments and keywords, which the graph holds
+as constants, travel as one string constant). So:
 
 - no graph break, and the graph runs at compiled speed: the only added work is a copy of each
   kept tensor (``_copy``: copy-on-write on the CPU, so bytes move only for a buffer the graph
@@ -42,6 +45,8 @@ module per call). Code compiled before that still ignores new hooks: a block rep
 
 from __future__ import annotations
 
+import ast
+import functools
 import sys
 import threading
 import weakref
@@ -55,12 +60,12 @@ from torch._library.effects import EffectType
 from hookscope.errors import EditError, HookscopeError
 
 __all__ = ["prepare", "eager_when_called", "open_sink", "close_sink", "keep", "replace", "watch_gradient",
-           "flat_output"]
+           "flat_output", "flatten", "whole", "NotKept"]
 
 Tensor = torch.Tensor
 Sink = Callable[[Any], None]
 
-TENSOR, TUPLE, LIST = 0, 1, 2  # how ``keep`` rebuilds what the module returned
+TENSOR, TUPLE, LIST = 0, 1, 2  # how ``replace`` rebuilds what the module returned (flat_output)
 _sinks: dict[int, Sink] = {}
 _places: weakref.WeakKeyDictionary[nn.Module, list[int]] = weakref.WeakKeyDictionary()
 _next_key = [0]
@@ -96,11 +101,11 @@ def eager_when_called(code: Any) -> None:
     _hook_codes.append(code)
 
 
-def _keep(values: list[Tensor | None], kind: int, key: int) -> None:
+def _keep(values: list[Tensor], spec: str, key: int) -> None:
     sink = _sinks.get(key)
     if sink is None:  # the block closed: code compiled with its hooks is never run then
         return
-    sink(_rebuilt([None if v is None else _copy(v) for v in values], kind))
+    sink(_filled([_copy(v) for v in values], spec))
 
 
 def _copy(value: Tensor) -> Tensor:
@@ -132,8 +137,8 @@ def _gradient(grad: Tensor, key: int) -> Tensor:
 
 #: name: (schema, kernel, fake); values are ``Tensor?[]``: a module may return None in a tuple
 _OPS: dict[str, tuple[str, Callable[..., Any], Callable[..., Any]]] = {
-    "keep": ("keep(Tensor?[] values, int kind, int key) -> ()", _keep,
-             lambda values, kind, key: None),
+    "keep": ("keep(Tensor[] values, str spec, int key) -> ()", _keep,
+             lambda values, spec, key: None),
     "replace": ("replace(Tensor?[] values, int kind, int key, bool grad) -> Tensor[]", _replace,
                 lambda values, kind, key, grad: [torch.empty_like(v) for v in values if v is not None]),
     "gradient": ("gradient(Tensor grad, int key) -> Tensor", _gradient,
@@ -230,8 +235,10 @@ def close_sink(key: int) -> None:
 
 
 def flat_output(output: Any) -> tuple[list[Tensor | None], int] | None:
-    """``(values, kind)`` for an output ``keep`` can pass: a tensor, None, or a tuple or list of
-    tensors and ``None`` (a transformer block's ``(hidden, None)``); else None."""
+    """``(values, kind)`` of an output that ``replace`` can edit and ``watch_gradient`` watch
+    (both rebuild it while dynamo traces, from ``kind``): a tensor, None, or a tuple or list of
+    tensors and ``None`` (a transformer block's ``(hidden, None)``); else None. ``keep``, whose
+    sink rebuilds at run time, takes any value (``flatten``)."""
     if output is None or isinstance(output, Tensor):
         return [output], TENSOR
     if type(output) in (tuple, list) and all(v is None or isinstance(v, Tensor) for v in output):
@@ -239,9 +246,99 @@ def flat_output(output: Any) -> tuple[list[Tensor | None], int] | None:
     return None
 
 
-def keep(values: list[Tensor | None], kind: int, key: int) -> None:
-    """Call ``hookscope::keep``: inside a compiled graph, one opaque ordered operator."""
-    _op[0][0](values, kind, key)
+def flatten(value: Any) -> tuple[list[Tensor], str]:
+    """``(tensors, spec)`` of ``value`` (a module's output, or a call's ``(args, kwargs)``) for
+    ``keep``: its tensors in order, and the rest as a Python literal with ``...`` for each
+    tensor (``"((..., None, ), {'mask': ..., 'use_cache': False, }, )"``). Dynamo traces this
+    function whole: the strings, flags and ``None`` of a traced call are constants of the
+    graph, so the spec is one string constant, and code compiled for one spec is reused while
+    calls keep it.
+
+    Written: tensors, ``None``, ``bool``, ``int``, ``float`` (each a 0-d int64 or float64
+    tensor, a number again in the sink: dynamo gives a dynamic size, a ``SymInt``, the type
+    ``int``, and cannot write it as text), ``str``, and ``tuple``, ``list`` and ``dict`` (with
+    string keys) of them, exactly these types. Any other object (a Hugging Face ``Cache``, a
+    ``ModelOutput``, a dataclass) is written as a marker of its type's name, which ``keep``'s
+    sink receives as ``NotKept(name)``: a graph hands out tensors, not objects (``whole`` is
+    False then)."""
+    values: list[Tensor] = []
+    return values, _spec(value, values)
+
+
+def _spec(value: Any, values: list[Tensor]) -> str:
+    if isinstance(value, Tensor):
+        values.append(value)
+        return "..."
+    kind = type(value)
+    if value is None or kind is bool or kind is str:
+        return repr(value)
+    if kind is int or kind is float:  # maybe a dynamic size (dynamo calls a SymInt an int,
+        # whose repr it cannot trace): a 0-d tensor, a number again in the sink
+        values.append(torch.scalar_tensor(value, dtype=torch.int64 if kind is int else torch.float64))
+        return "b'#'"
+    if kind is tuple or kind is list:
+        inner = "".join([_spec(v, values) + ", " for v in value])
+        return f"({inner})" if kind is tuple else f"[{inner}]"
+    if kind is dict and all(type(k) is str for k in value):
+        return "{" + "".join([f"{k!r}: {_spec(v, values)}, " for k, v in value.items()]) + "}"
+    return f"b'?{kind.__name__}'"  # an object: not in the graph's hands
+
+
+def whole(spec: str) -> bool:
+    """True when ``flatten`` wrote every part of the value (no ``NotKept`` marker)."""
+    return "b'?" not in spec
+
+
+class NotKept:
+    """What a capture inside a ``torch.compile`` graph records in place of a value that is no
+    tensor, number, string, ``None`` or plain tuple/list/dict of them (``flatten``): a graph
+    hands out tensors only. ``name`` is the value's type (``"DynamicCache"``); the eager model
+    (``compiled._orig_mod``) keeps the object itself."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"NotKept({self.name!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, NotKept) and other.name == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+
+@functools.lru_cache(maxsize=1024)
+def _template(spec: str) -> Any:
+    return ast.literal_eval(spec)  # Ellipsis for a tensor, b"#" for a number, b"?..." NotKept
+
+
+def _filled(values: list[Tensor], spec: str) -> Any:
+    """The value ``flatten`` wrote as ``spec``, with ``values`` in place of its tensors."""
+    if spec == "...":  # a module's output: one tensor
+        return values[0]
+    return _fill(_template(spec), iter(values))
+
+
+def _fill(template: Any, values: Any) -> Any:
+    if template is Ellipsis:
+        return next(values)
+    kind = type(template)
+    if kind is bytes:
+        return next(values).item() if template == b"#" else NotKept(template[1:].decode())
+    if kind is tuple or kind is list:
+        return kind(_fill(v, values) for v in template)
+    if kind is dict:
+        return {k: _fill(v, values) for k, v in template.items()}
+    return template
+
+
+def keep(values: list[Tensor], spec: str, key: int) -> None:
+    """Call ``hookscope::keep`` with ``flatten``'s ``(values, spec)`` of a value: inside a
+    compiled graph, one opaque ordered operator."""
+    _op[0][0](values, spec, key)
 
 
 def watch_gradient(values: list[Tensor | None], kind: int, key: int) -> Any:

@@ -157,10 +157,10 @@ class OwnedHook:
             if _exporting():  # torch.export: FakeTensors, no values to record
                 raise refuse_export_trace()
             if self.key is not None and self.pick is not None:
-                flat = compiled.flat_output(self.pick(module, *args))
-                if flat is not None and not self.replaces:  # one opaque operator in the graph
-                    compiled.keep(flat[0], flat[1], self.key)
-                    if self.gradient_key is None:
+                value = self.pick(module, *args)
+                flat = compiled.flat_output(value)
+                if not self.replaces and self._keeps(value, flat, self.key):  # one operator
+                    if self.gradient_key is None or flat is None:
                         return None
                     return compiled.watch_gradient(flat[0], flat[1], self.gradient_key)
                 grad = flat is not None and _needs_grad(flat[0])
@@ -177,6 +177,23 @@ class OwnedHook:
             return None
         self.recomputes += 1  # a forward inside backward: a checkpoint recompute
         return self.function(module, *args) if self.in_recompute else None
+
+    def _keeps(self, value: Any, flat: Any, key: int) -> bool:
+        """Inside a compiled graph, hand ``value`` to this hook's sink by ``hookscope::keep``;
+        False (and nothing done) when the hook must run outside the graph instead: an output
+        ``flatten`` cannot write whole (the eager hook then keeps the objects themselves), or
+        one whose gradient is watched but ``watch_gradient`` cannot pass (``flat`` is None).
+        A call's arguments (any other ``pick``) are always kept: an argument that is no
+        tensor, number or string (a ``Cache``) is recorded as ``NotKept``, as a pre-hook
+        outside the graph would split it before every hooked module."""
+        values, spec = compiled.flatten(value)
+        if (self.pick is output_of and not compiled.whole(spec)) or (
+                self.gradient_key is not None and flat is None):
+            return False
+        # an operator without a tensor (a witness's) gets an empty one: torch 2.13's inductor
+        # frees a buffer before a later kernel reads it when an effectful operator takes none
+        compiled.keep(values or [torch.empty(0)], spec, key)
+        return True
 
 
 compiled.eager_when_called(OwnedHook.__call__.__code__)

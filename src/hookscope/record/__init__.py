@@ -4,6 +4,7 @@ gradients (``grads``), generation steps (``generation``), reductions and token p
 Imports the engine, ``errors`` and ``util``.
 """
 
+from hookscope.engine import NotKept
 from hookscope.record.captures import Capture, capture, run
 from hookscope.record.generation import GenerationCapture, capture_generation
 from hookscope.record.grads import NoGrad, grad_leaf, gradient_pass
@@ -22,8 +23,8 @@ from hookscope.record.positions import (
 from hookscope.record.records import CallInputs, RecordKey, Records, load
 from hookscope.record.reductions import NAMES, REDUCTIONS, Reduce, Reduction, reduction, reduction_name
 
-__all__ = ["CallInputs", "Capture", "GenerationCapture", "Heads", "NAMES", "NoGrad", "Over", "Positions",
-           "REDUCTIONS", "RecordKey", "Records", "Reduce", "Reduction", "capture", "capture_generation",
-           "check_over", "grad_leaf", "gradient_pass", "layout_positions", "load",
+__all__ = ["CallInputs", "Capture", "GenerationCapture", "Heads", "NAMES", "NoGrad", "NotKept", "Over",
+           "Positions", "REDUCTIONS", "RecordKey", "Records", "Reduce", "Reduction", "capture",
+           "capture_generation", "check_over", "grad_leaf", "gradient_pass", "layout_positions", "load",
            "reduction", "reduction_name", "resolve_heads", "run", "padding_dropped", "real_tokens",
            "selected", "tokens_first"]

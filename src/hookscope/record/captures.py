@@ -143,8 +143,6 @@ class Capture(HookSession, Records):
             return
         options = self._options
         why = {
-            "inputs=True": "the pre-hook keeps arguments and keywords of any structure, which "
-                           "the graph's one operator (tensors only) cannot carry",
             "grads=True": "a gradient hook on a value made inside a compiled graph needs "
                           "compiled autograd",
             "grad_inputs=True": "a gradient hook on a value made inside a compiled graph needs "
@@ -159,7 +157,8 @@ class Capture(HookSession, Records):
                 f"{first} cannot run inside torch.compile(model, fullgraph=True): {why[first]}. "
                 f"Compile with fullgraph=False (each hooked module then splits the graph, and "
                 f"values equal eager), or capture on the eager model (compiled._orig_mod); "
-                f"captures of outputs (to=, dtype=, reduce=, clone=) run inside the full graph")
+                f"captures of outputs and inputs (to=, dtype=, reduce=, clone=) run inside the full "
+                f"graph")
 
     @property
     def records(self) -> Records:
@@ -219,7 +218,8 @@ class Capture(HookSession, Records):
         """The hooks of one module whose records need more than the output as it is (inputs,
         gradients, conversions, output parts): one forward hook serves all its records."""
         if self._options.inputs:  # before the call: a module may write its input in place
-            self._hook(module, _inputs_hook(slots, self._options.clone), pre=True, with_kwargs=True)
+            hook, kept = _inputs_hook(slots, self._options.clone)
+            self._own(OwnedHook(hook, module, pick=_call_of, on_kept=kept), pre=True, with_kwargs=True)
         # with grads, a checkpoint recompute reaches the hook: under reentrant checkpointing
         # the gradient flows only through the recomputed output (_regrad)
         # without grads the hook reads the output only: a compiled graph holds it (output_of)
@@ -481,17 +481,28 @@ def _regrad(slots: list[_Slot], output: Any,
             grads[call] = watch_output(_part(output, slot), convert(slot.target))
 
 
-def _inputs_hook(slots: list[_Slot], clone: bool | None) -> Callable[..., None]:
-    """A forward pre-hook keeping each call's inputs as the module receives them."""
+def _inputs_hook(slots: list[_Slot], clone: bool | None
+                 ) -> tuple[Callable[..., None], Callable[[Any], None]]:
+    """A forward pre-hook keeping each call's inputs as the module receives them, and its
+    ``on_kept`` for a call inside a compiled graph (``engine.compiled``): ``(args, kwargs)``
+    already copied, an argument the graph cannot hand out as ``NotKept``."""
     def keep(t: Tensor) -> Tensor:
         return _keep_input(t, clone)
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         for slot in slots:
             slot.inputs.append((map_tensors(keep, args), map_tensors(keep, kwargs)))
-    return hook
+
+    def kept(call: tuple[tuple[Any, ...], dict[str, Any]]) -> None:
+        for slot in slots:
+            slot.inputs.append((call[0], dict(call[1])))
+    return hook, kept
 
 
+def _call_of(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``pick`` of the inputs pre-hook: the call's arguments and keywords."""
+    return args, kwargs
 
 
 def capture(model: nn.Module, *layers: str | Sequence[str], inputs: bool = False, grads: bool = False,
