@@ -168,10 +168,10 @@ class Staging:
         if self.slab is None or self.used + size > self.slab_bytes:
             self.slab, self.used = self._take(), 0
             shard.buffers.append(self.slab)
-        kept = self.slab[self.used:self.used + size].view(t.dtype).view(t.shape)
-        kept.copy_(t)
+        kept = self.slab[self.used:self.used + size]
+        _serial_copy(kept, t)
         self.used += -(-size // 64) * 64  # keep every tensor 64-byte aligned
-        return kept
+        return kept.view(t.dtype).view(t.shape)
 
     def start_shard(self) -> None:
         """Give the next shard slabs of its own (a shard's slabs are recycled together)."""
@@ -199,6 +199,33 @@ class Staging:
                 return
             if self.free.empty():
                 self.free.put(_touched(self.slab_bytes))
+
+
+_GRAIN = 32768  # at::internal::GRAIN_SIZE: torch copies fewer elements on the calling thread
+
+
+def _serial_copy(dest: Tensor, t: Tensor) -> None:
+    """Copy ``t`` into ``dest`` (uint8, ``t``'s bytes, contiguous) on this thread alone: a CPU
+    tensor laid out densely in pieces of fewer than ``_GRAIN`` elements (8-byte words where
+    the bytes allow), anything else by one ``copy_``.
+
+    One ``copy_`` of a large tensor splits over torch's OpenMP threads, and its barrier waits
+    for the slowest: beside the writer's two threads (write and sha256) on a 2-core machine, a
+    preempted OpenMP thread made copying 256 MiB of rows take 26 ms to 1.5 s (median 62 ms);
+    in pieces it took 20 ms, 18 ms on an idle machine where one ``copy_`` took 13
+    (``bench/throughput.py``'s extract row; ``torch.set_num_threads(1)`` around the copy did
+    as well, but would change a setting of the user's process for every thread). Copying a
+    copy-on-write capture (``torch._lazy_clone``) this way reads it without making it a copy
+    of its own, which numpy (``Tensor.numpy()``) would."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg() or t.is_quantized:
+        dest.view(t.dtype).view(t.shape).copy_(t)
+        return
+    size = dest.numel()
+    source = t.as_strided((t.numel(),), (1,)).view(torch.uint8)  # dense (size-1 axes' strides aside)
+    if size % 8 == 0 and t.storage_offset() * t.element_size() % 8 == 0:
+        dest, source = dest.view(torch.int64), source.view(torch.int64)
+    for at in range(0, dest.numel(), _GRAIN - 1):
+        dest[at:at + _GRAIN - 1].copy_(source[at:at + _GRAIN - 1])
 
 
 def _fresh(nbytes: int) -> Tensor:
