@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from torch import nn
 from torch.utils.data import TensorDataset
 
@@ -131,10 +132,9 @@ def test_a_shard_header_nested_past_the_recursion_limit_is_corrupt(tmp_path: Pat
     shard.write_bytes(len(header).to_bytes(8, "little") + header)
     from hookscope.store.reader import chunk_sums
     data = shard.read_bytes()
-    import hashlib
-
+    
     def edit(m: dict) -> None:  # type: ignore[type-arg]
-        m["shards"][0].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest(),
+        m["shards"][0].update(bytes=len(data), xxh3_128=xxhash.xxh3_128(data).hexdigest(),
                               chunk_sum=chunk_sums(data, len(data), m["chunk_bytes"]))
     _edit_manifest(out, edit)
     with pytest.raises(StoreCorruptError, match="shard-00000"):

@@ -6,7 +6,6 @@ resume. ``_damage_outcome`` / ``_planted_outcome`` classify one attack: "clean",
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -17,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
@@ -97,11 +97,11 @@ def _damage_outcome(store: Path, pristine: Any, attack: str) -> str:
 
 
 def _reseal(store: Path, k: int, raw: bytes) -> None:
-    """Write shard ``k`` as ``raw`` and give the manifest its size, sha256 and chunk sums."""
+    """Write shard ``k`` as ``raw`` and give the manifest its size, digest and chunk sums."""
     manifest = json.loads((store / "manifest.json").read_text())
     entry = manifest["shards"][k]
     (store / entry["file"]).write_bytes(raw)
-    entry.update(bytes=len(raw), sha256=hashlib.sha256(raw).hexdigest(),
+    entry.update(bytes=len(raw), xxh3_128=xxhash.xxh3_128(raw).hexdigest(),
                  chunk_sum=chunk_sums(raw, len(raw), manifest["chunk_bytes"]))
     (store / "manifest.json").write_text(json.dumps(manifest))
 

@@ -48,7 +48,7 @@ def test_flipped_byte_found_by_verify_and_by_reading(store_folder: tuple[Path, t
     shard = folder / "shard-00001.safetensors"
     _flip_byte(shard, shard.stat().st_size - 1000)  # a byte of the last rows of shard 1
     store = open_store(folder)  # sizes are right: opening succeeds
-    with pytest.raises(StoreCorruptError, match=r"shard shard-00001\.safetensors .* sha256"):
+    with pytest.raises(StoreCorruptError, match=r"shard shard-00001\.safetensors .* xxh3_128"):
         store.verify()
     with pytest.raises(StoreCorruptError, match=r"shard-00001\.safetensors .* fail their checksum"):
         store["a"][2 * ROWS - 2]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import pickle
 from pathlib import Path
@@ -11,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import xxhash
 from safetensors import safe_open
 
 from hookscope.errors import StoreCorruptError, StoreError, StoreExistsError
@@ -130,7 +130,7 @@ def test_shards_are_plain_safetensors_files(folder: Path) -> None:
     with safe_open(str(folder / "shard-00001.safetensors"), "pt") as f:
         assert sorted(f.keys()) == ["a", "t", "t:offsets"]
         run = json.loads((folder / MANIFEST).read_text())["run"]
-        assert f.metadata() == {"format": "hookscope.store", "version": "1", "run": run}
+        assert f.metadata() == {"format": "hookscope.store", "version": "2", "run": run}
         assert torch.equal(f.get_tensor("a"), fixed[8:16])
         offsets = f.get_tensor("t:offsets")
         assert offsets.tolist() == [0, 0, 3, 4, 9, 9, 12, 13, 18]
@@ -140,15 +140,16 @@ def test_shards_are_plain_safetensors_files(folder: Path) -> None:
 def test_manifest_lists_shards_with_rows_bytes_and_checksums(folder: Path) -> None:
     _write(folder, 2)
     manifest = json.loads((folder / MANIFEST).read_text())
-    assert manifest["format"] == "hookscope.store" and manifest["version"] == 1
+    assert manifest["format"] == "hookscope.store" and manifest["version"] == 2
     assert manifest["complete"] is True and manifest["rows"] == 16
     assert manifest["model"] == {"spec": "test", "class": "x.Y"}
     first, second = manifest["shards"]
     assert first["file"] == "shard-00000.safetensors" and first["rows"] == [0, 8]
     assert second["rows"] == [8, 16] and second["batches"] == [2, 4]
     assert second["bytes"] == (folder / second["file"]).stat().st_size
-    for entry in manifest["shards"]:  # hashed on a thread of its own beside the write
-        assert entry["sha256"] == hashlib.sha256((folder / entry["file"]).read_bytes()).hexdigest()
+    for entry in manifest["shards"]:  # XXH3-128 of the file (sha256 in a version-1 store)
+        data = (folder / entry["file"]).read_bytes()
+        assert "sha256" not in entry and entry["xxh3_128"] == xxhash.xxh3_128(data).hexdigest()
     assert second["chunk_sum"] == chunk_sums((folder / second["file"]).read_bytes(), second["bytes"])
     assert sorted(p.name for p in folder.iterdir()) == [MANIFEST, "shard-00000.safetensors",
                                                        "shard-00001.safetensors"]

@@ -1,5 +1,5 @@
 """User files are never deleted by guessing from their names (issue 26): ``overwrite`` and
-``resume`` delete only what the store's manifest lists with name, size and sha256 agreeing, and
+``resume`` delete only what the store's manifest lists with name, size and digest agreeing, and
 the files its writer can prove it made (the run id in the manifest, in each shard's metadata and
 in each temporary name); anything else makes them refuse, naming it, with nothing touched."""
 
@@ -67,7 +67,7 @@ def _other_stores_manifest(store: Path, name: str) -> None:
 
 def _same_size_other_bytes(store: Path, name: str) -> None:
     data = bytearray((store / name).read_bytes())
-    data[-1] ^= 0xFF  # the user's own edit of a listed file: size agrees, sha256 does not
+    data[-1] ^= 0xFF  # the user's own edit of a listed file: size agrees, digest does not
     (store / name).write_bytes(bytes(data))
 
 
@@ -96,7 +96,7 @@ def test_planted_user_files_are_refused_by_name_and_kept(store: Path, case: str,
     assert _files(store) == before
 
 
-def test_a_listed_shard_whose_sha256_differs_is_refused_by_overwrite(store: Path) -> None:
+def test_a_listed_shard_whose_digest_differs_is_refused_by_overwrite(store: Path) -> None:
     _same_size_other_bytes(store, "shard-00001.safetensors")
     before = _files(store)
     with pytest.raises(StoreExistsError, match=r"'shard-00001\.safetensors' is not part of the "

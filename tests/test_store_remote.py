@@ -109,7 +109,7 @@ def test_credentials_in_storage_options_are_used_and_never_stored(
 
 def test_every_manifest_lists_only_whole_shards(place: Place,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each time a manifest appears, every shard it lists is there with its size and sha256:
+    """Each time a manifest appears, every shard it lists is there with its size and digest:
     a reader, trusting only the manifest, never meets a half-written shard."""
     seen: list[int] = []
     write_atomic = writer.write_atomic
@@ -168,27 +168,27 @@ def test_resume_continues_a_failed_run_reading_a_few_bytes_of_its_shards(
                 shard_bytes=SHARD, progress=False, storage_options=place.options)
     manifest = _manifest(place)
     assert not manifest["complete"] and manifest["rows"] == 24  # 3 shards of 8 rows
-    before = {e["file"]: e["sha256"] for e in manifest["shards"]}
+    before = {e["file"]: e["xxh3_128"] for e in manifest["shards"]}
     read: list[int] = []
     read_range = folder.read_range
     monkeypatch.setattr(folder, "read_range", lambda path, begin, end:
                         read.append(end - begin) or read_range(path, begin, end))
-    monkeypatch.setattr(folder, "open_read", None)  # whole-file reads (sha256): none
+    monkeypatch.setattr(folder, "open_read", None)  # whole-file reads (the digest): none
     store = _extract(place, resume=True)
     assert torch.equal(store["0"][:], ROWS) and store.complete and len(store.shards) == 5
-    assert {s.file: s.sha256 for s in store.shards[:3]} == before
+    assert {s.file: s.digest for s in store.shards[:3]} == before
     largest = max(e["bytes"] for e in manifest["shards"])  # the last shard's final chunk
     assert sum(read) < largest + 3 * 1024  # + the headers: a few KiB, not the shards' bytes
 
 
 def test_resume_continues_an_interrupted_run_and_keeps_its_shards(place: Place) -> None:
     _interrupt(place, keep=3)
-    before = {e["file"]: e["sha256"] for e in _manifest(place)["shards"]}
+    before = {e["file"]: e["xxh3_128"] for e in _manifest(place)["shards"]}
     store = _extract(place, resume=True)
     assert torch.equal(store["0"][:], ROWS) and store.complete and len(store.shards) == 5
-    assert {s.file: s.sha256 for s in store.shards[:3]} == before
+    assert {s.file: s.digest for s in store.shards[:3]} == before
     again = _extract(place, resume=True)  # complete: nothing to extract, nothing rewritten
-    assert [s.sha256 for s in again.shards] == [s.sha256 for s in store.shards]
+    assert [s.digest for s in again.shards] == [s.digest for s in store.shards]
 
 
 def test_verify_finds_a_changed_byte_and_reading_finds_it_too(place: Place) -> None:
@@ -198,7 +198,7 @@ def test_verify_finds_a_changed_byte_and_reading_finds_it_too(place: Place) -> N
     data[-3] ^= 0x40
     place.fs.pipe_file(name, bytes(data))
     store = open_store(place.url, storage_options=place.options)
-    with pytest.raises(StoreCorruptError, match=r"shard-00001.*sha256 differs.*Restore the file"):
+    with pytest.raises(StoreCorruptError, match=r"shard-00001.*xxh3_128 differs.*Restore the file"):
         store.verify()
     with pytest.raises(StoreCorruptError, match=r"shard-00001.*fail their checksum"):
         store["0"][8:16]

@@ -75,7 +75,7 @@ def test_resume_reads_a_few_kib_of_the_listed_shards_not_their_bytes(tmp_path: P
     finally:
         maps, _MAPS = _MAPS, None
     # the last listed shard's final chunk (here the whole shard: it is under a chunk), the other
-    # shards' headers and the manifest; sha256 of every listed shard read 3x more before
+    # shards' headers and the manifest; the digest of every listed shard read 3x more before
     assert largest <= read < largest + 64 * 1024, (read, listed)
     assert maps == [largest]  # the new shard only, mapped once to compute its chunk sums
     print(f"\nresume read {read} bytes of {listed} listed")
@@ -95,7 +95,7 @@ def test_damage_in_an_earlier_shard_is_caught_on_read_and_by_verify(tmp_path: Pa
     with pytest.raises(StoreCorruptError, match=r"shard shard-00000\.safetensors .* fail their "
                                                 r"checksum"):
         store["0"][:16]
-    with pytest.raises(StoreCorruptError, match=r"shard shard-00000\.safetensors .* sha256"):
+    with pytest.raises(StoreCorruptError, match=r"shard shard-00000\.safetensors .* xxh3_128"):
         open_store(tmp_path / "s", verify_reads=False).verify()
 
 

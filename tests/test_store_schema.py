@@ -99,7 +99,7 @@ DAMAGES = {
     "missing complete": (_drop(["complete"]), r"field complete is missing"),
     "missing shards": (_drop(["shards"]), r"field shards is missing"),
     "missing layers": (_drop(["layers"]), r"field layers is missing"),
-    "missing sha256": (_drop(["shards", 1, "sha256"]), r"field shards\[1\]\.sha256 is missing"),
+    "missing digest": (_drop(["shards", 1, "xxh3_128"]), r"field shards\[1\]\.xxh3_128 is missing"),
     "rows as a string": (_set(["shards", 0, "rows"], "0,4"), r"field shards\[0\]\.rows must be"),
     "empty shard": (_set(["shards", 2, "rows"], [7, 7]), r"field shards\[2\]\.rows must be"),
     "short chunk_sum": (_set(["shards", 1, "chunk_sum"], []),
@@ -162,11 +162,11 @@ def test_show_verify_fails_on_an_incomplete_store(folder: Path,
     assert "is INCOMPLETE" in capsys.readouterr().err
 
 
-def test_show_verify_checks_chunk_sums_and_sha256(folder: Path) -> None:
+def test_show_verify_checks_chunk_sums_and_the_digest(folder: Path) -> None:
     manifest = json.loads((folder / MANIFEST).read_text())
-    manifest["shards"][2]["sha256"] = "0" * 64  # bytes intact, the manifest's sha256 wrong
+    manifest["shards"][2]["xxh3_128"] = "0" * 32  # bytes intact, the manifest's digest wrong
     (folder / MANIFEST).write_text(json.dumps(manifest))
-    assert _is_original(_read_all(folder))  # reading checks chunk sums, not sha256
+    assert _is_original(_read_all(folder))  # reading checks chunk sums, not the digest
     assert main(["show", "--verify", str(folder)]) == 1
 
 

@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("store", metavar="STORE", help="folder or URL written by `hookscope extract`")
     parser.add_argument("--verify", action="store_true",
                         help="check everything reading checks (manifest, shard headers, sizes, "
-                             "chunk sums) and every shard's sha256 (reads every byte); exit 1 "
+                             "chunk sums) and every shard's digest (reads every byte); exit 1 "
                              "when anything fails or the store is incomplete")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -89,7 +89,7 @@ def print_store(store: Store, *, as_json: bool, verified: bool = False) -> None:
     if data["labels"] is not None:
         print(f"labels: {', '.join(f'{k} ({n})' for k, n in data['labels'].items())}")
     if verified:
-        say("verified: manifest, shard headers, sizes, chunk sums and sha256 of every shard")
+        say("verified: manifest, shard headers, sizes, chunk sums and digest of every shard")
 
 
 def _size(n: int) -> str:

@@ -427,18 +427,18 @@ def _for_workers(job: _Job, engine: RayEngine, folder: StorePath, writer: StoreW
     process's on a cluster, or after a ``chdir`` here), run id and layers."""
     device = "cuda" if engine.num_gpus > 0 else None
     where = folder.absolute() if isinstance(folder, Path) else folder
-    return write_batch_range, job.shared, (where, writer.run, tensor_specs(writer.manifest),
-                                           device)
+    return write_batch_range, job.shared, (where, writer.run, writer.manifest["version"],
+                                           tensor_specs(writer.manifest), device)
 
 
-def write_batch_range(job: _Job, folder: StorePath, run: str, layers: dict[str, Any],
+def write_batch_range(job: _Job, folder: StorePath, run: str, version: int, layers: dict[str, Any],
                       device: str | None, name: str, start: int, stop: int) -> ShardMade:
     """Run batches ``start:stop`` and write their rows as the shard file ``folder/name`` (a
     Ray actor's unit of work: the same per-batch code as ``_write_batches``), with the model
     moved to ``device`` first unless it is ``None``.
 
     Returns:
-        ``(rows, bytes, sha256, chunk sums)`` of the shard written.
+        ``(rows, bytes, digest, chunk sums)`` of the shard written (a store of ``version``).
 
     Raises:
         ExtractError: as ``extract`` does for a batch whose rows do not fit ``layers``.
@@ -452,7 +452,7 @@ def write_batch_range(job: _Job, folder: StorePath, run: str, layers: dict[str, 
                                       early_stop=job.early_stop) as job.session:
             for index, batch, ids in job.source.batches(start, stop):
                 _keep_batch(shard, index, _rows(job, batch, ids), layers, staging)
-        return (shard.rows, *write_shard(folder / name, shard, run))
+        return (shard.rows, *write_shard(folder / name, shard, run, version))
     finally:
         job.session = None
         staging.close()

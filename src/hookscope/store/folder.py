@@ -7,7 +7,7 @@ alone. A store owns exactly:
   torchrun run) when they parse, pass the schema and carry one run id (``"run"``, 32 hex digits
   the writer draws when a store is started and keeps on resume);
 - the shards a manifest lists, when the file there is a regular file whose size agrees with the
-  manifest and, before anything is deleted, whose sha256 agrees too; before a resume appends to
+  manifest and, before anything is deleted, whose digest agrees too; before a resume appends to
   them, whose safetensors metadata carries the run id and, for the last shard a manifest lists
   (the one written last), whose final chunk agrees with its ``chunk_sum``: a few KiB per shard
   instead of every byte, so resuming a large store does not re-read it (damage elsewhere is
@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
-import hashlib
 import os
 import re
 import struct
@@ -38,6 +37,7 @@ from typing import Any
 from hookscope.errors import StoreCorruptError, StoreExistsError
 from hookscope.store.fs import RemotePath, StorePath, listdir, open_read, read_range
 from hookscope.store.manifest import (
+    DIGESTS,
     FORMAT,
     MAX_MANIFEST_BYTES,
     SHARD_NAME,
@@ -61,7 +61,7 @@ def check_output(folder: StorePath, *, resume: bool, overwrite: bool) -> None:
         StoreExistsError: ``folder`` is a file; or it holds files and neither ``resume`` nor
             ``overwrite`` is set (a folder that holds no store: the message names another
             folder as the fix); or it holds a file or folder that is not the store's
-            (named; a listed shard is the store's only while its size and sha256 agree with the
+            (named; a listed shard is the store's only while its size and digest agree with the
             manifest), or no valid store at all, with ``resume`` or ``overwrite``.
     """
     if folder.exists() and not folder.is_dir():
@@ -86,7 +86,7 @@ def check_output(folder: StorePath, *, resume: bool, overwrite: bool) -> None:
     owned = owned_files(folder, flag, deleting=overwrite, resuming=resume)
     foreign = [n for n in names if n not in owned]
     changed = [n for n in foreign if n in listed_shards(folder)]
-    note = (f" ({_listing(changed)}: listed by the manifest, but a link, or its size, sha256, "
+    note = (f" ({_listing(changed)}: listed by the manifest, but a link, or its size, digest, "
             f"run id or final chunk differ: edited or replaced since it was written; restore it "
             f"from a copy)"
             if changed else "")
@@ -149,7 +149,7 @@ def owned_files(folder: StorePath, flag: str, *, deleting: bool = False,
     Args:
         flag: the option asking (for the error); ``""`` when the folder was checked already.
         deleting: the files are to be deleted (overwrite): a listed shard is the store's only
-            when its sha256 agrees with the manifest too (reads it; the digest is kept while the
+            when its digest agrees with the manifest too (reads it; the digest is kept while the
             file's inode, size and mtime stay the same).
         resuming: a resume is to append to the listed shards: a listed shard is the store's
             only when its metadata carries the run id, and the last one a manifest lists only
@@ -170,13 +170,13 @@ def owned_files(folder: StorePath, flag: str, *, deleting: bool = False,
             raise StoreExistsError(
                 f"refusing {flag} on {folder}: it is not a hookscope store (no {MANIFEST}; it "
                 f"holds {_listing(files)}). Choose another output folder.")
-    listed = {entry["file"]: entry for m in manifests.values() for entry in m["shards"]}
+    listed = {entry["file"]: (entry, m["version"]) for m in manifests.values() for entry in m["shards"]}
     owned = {n for n in names - set(listed) if _regular(folder / n) and (
         n in manifests or _is_temporary(folder, n, run) or _is_run_shard(folder / n, run))}
     last = {m["shards"][-1]["file"]: int(m["chunk_bytes"]) for m in manifests.values()
             if m["shards"]}
-    owned.update(n for n, entry in listed.items()
-                 if _is_listed_shard(folder / n, entry, deleting) and
+    owned.update(n for n, (entry, version) in listed.items()
+                 if _is_listed_shard(folder / n, entry, version, deleting) and
                  (not resuming or _resumable(folder / n, entry, run, last.get(n))))
     return owned
 
@@ -217,16 +217,17 @@ def _regular(path: StorePath) -> bool:
     return not path.is_symlink() and path.is_file()
 
 
-def _is_listed_shard(path: StorePath, entry: dict[str, Any], deleting: bool) -> bool:
-    """True when ``path`` is the shard the manifest ``entry`` lists: size (and sha256 when
-    ``deleting``) agree."""
+def _is_listed_shard(path: StorePath, entry: dict[str, Any], version: int, deleting: bool) -> bool:
+    """True when ``path`` is the shard the manifest ``entry`` (of a store of ``version``) lists:
+    size (and the digest when ``deleting``) agree."""
     if not _regular(path):
         return False
     status = path.stat()
     if status.st_size != entry["bytes"]:
         return False
-    return not deleting or _sha256(path, status.st_ino, status.st_size,
-                                   status.st_mtime_ns) == entry["sha256"]
+    digest = DIGESTS[version]
+    return not deleting or _digest(path, status.st_ino, status.st_size, status.st_mtime_ns,
+                                   version) == entry[digest.name]
 
 
 def _resumable(path: StorePath, entry: dict[str, Any], run: str | None,
@@ -254,13 +255,14 @@ def _tail_sum(path: StorePath, inode: int, size: int, mtime_ns: int, chunk_bytes
 
 
 @functools.lru_cache(maxsize=256)
-def _sha256(path: StorePath, inode: int, size: int, mtime_ns: int) -> str:
-    """sha256 of the file at ``path`` (cached while its inode, size and mtime stay the same)."""
-    sha = hashlib.sha256()
+def _digest(path: StorePath, inode: int, size: int, mtime_ns: int, version: int) -> str:
+    """The digest of a version-``version`` store (``DIGESTS``) of the file at ``path`` (cached
+    while its inode, size and mtime stay the same)."""
+    hashed = DIGESTS[version].new()
     with open_read(path) as f:
         while block := f.read(16 * 2**20):
-            sha.update(block)
-    return sha.hexdigest()
+            hashed.update(block)
+    return str(hashed.hexdigest())
 
 
 def remove_temporary(folder: StorePath, run: str) -> None:

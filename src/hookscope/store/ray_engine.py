@@ -52,7 +52,7 @@ from hookscope.store.writer import StoreWriter
 __all__ = ["Engine", "RayEngine", "ShardMade", "Work", "as_engine", "check_data", "check_reachable",
            "share", "write_on_ray"]
 
-ShardMade = tuple[int, int, str, tuple[str, ...]]  # rows, bytes, sha256, chunk sums
+ShardMade = tuple[int, int, str, tuple[str, ...]]  # rows, bytes, digest, chunk sums
 # what an actor runs for a shard: (function, reference of its shared first argument, the
 # arguments after it); it calls function(shared, *arguments, file name, first, stop batch)
 Work = tuple[Callable[..., ShardMade], Any, tuple[Any, ...]]
@@ -157,7 +157,7 @@ def write_on_ray(engine: RayEngine, work: Work, writer: StoreWriter, start: int,
     Args:
         work: what an actor runs for one shard (``extract.write_batch_range`` over the
             shared job, ``share``): ``... (file name, first batch, stop batch) -> (rows,
-            bytes, sha256, sums)``.
+            bytes, digest, sums)``.
         stop: the run's graceful stop (its ``asked`` ends the run after the next shard).
 
     Returns:
@@ -179,8 +179,8 @@ def write_on_ray(engine: RayEngine, work: Work, writer: StoreWriter, start: int,
         for index, made in results:
             done[index] = made
             while listed in done:  # in order: a manifest lists shards from the first on
-                (name, b0, b1), (rows, size, sha, sums) = plan[listed], done.pop(listed)
-                writer.add(name, rows, (b0, b1), size, sha, sums)
+                (name, b0, b1), (rows, size, digest, sums) = plan[listed], done.pop(listed)
+                writer.add(name, rows, (b0, b1), size, digest, sums)
                 bar.update(b1 - b0)
                 listed += 1
             if stop is not None and stop.asked:
@@ -214,7 +214,7 @@ def _run(engine: RayEngine, work: Work, plan: list[tuple[str, int, int]]
             if row["error"]:
                 raise pickle.loads(row["error"])
             sums = tuple(str(row["chunk_sum"]).split(",")) if row["chunk_sum"] else ()
-            yield int(row["index"]), (int(row["rows"]), int(row["bytes"]), str(row["sha256"]),
+            yield int(row["index"]), (int(row["rows"]), int(row["bytes"]), str(row["digest"]),
                                       sums)
     except ray.exceptions.RayError as err:
         raise ExtractError(f"the Ray run failed ({type(err).__name__}: "
@@ -258,5 +258,5 @@ class _ShardWorker:
         return {"index": batch["index"], "error": np.array(errors, dtype=object),
                 "rows": np.array([m[0] for m in made], dtype=np.int64),
                 "bytes": np.array([m[1] for m in made], dtype=np.int64),
-                "sha256": np.array([m[2] for m in made]),
+                "digest": np.array([m[2] for m in made]),
                 "chunk_sum": np.array([",".join(m[3]) for m in made])}

@@ -2,14 +2,15 @@
 
 A store holds, per layer, one row per input: a fixed-shape tensor, or for a ragged layer (token
 sequences of different lengths) the tokens of all rows stored flat with offsets, padding left
-out. ``manifest.json`` lists the shards in row order with their row ranges, byte sizes, sha256,
-and a checksum of every ``CHUNK_BYTES`` of file (``chunk_sum``); the README documents the format
-field by field. Writing lives in ``hookscope.store.writer``.
+out. ``manifest.json`` lists the shards in row order with their row ranges, byte sizes, a digest
+of the whole file (``xxh3_128``; ``sha256`` in a version-1 store: ``manifest.DIGESTS``) and a
+checksum of every ``CHUNK_BYTES`` of file (``chunk_sum``); the README documents the format field
+by field. Writing lives in ``hookscope.store.writer``.
 
 Reading is memory-mapped and checked, so nothing reads damaged data silently: a shard whose size
 differs from the manifest fails when the store is opened, and each chunk is compared with its
 checksum the first time any byte of it is read (``StoreCorruptError`` names the shard);
-``Store.verify()`` also checks every shard's sha256. The chunk checksum (``chunk_sums``) is a
+``Store.verify()`` also checks every shard's digest. The chunk checksum (``chunk_sums``) is a
 page-weighted sum of 64-bit words: it runs at memory speed (about 7x zlib's crc32 here), so a
 first read stays near memmap speed.
 """
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import bisect
 import fnmatch
-import hashlib
 import mmap
 import operator
 import os
@@ -45,6 +45,7 @@ from hookscope.store.fs import (
 )
 from hookscope.store.manifest import (
     COLUMN_PREFIX,
+    DIGESTS,
     FORMAT,
     MAX_MANIFEST_BYTES,
     check_header,
@@ -107,24 +108,28 @@ class LayerInfo:
 
 @dataclass(frozen=True)
 class ShardInfo:
-    """One shard as the manifest lists it: global row range ``[start, stop)``, size, checksums."""
+    """One shard as the manifest lists it: global row range ``[start, stop)``, size, checksums
+    (``digest``: the whole file's, by the store's ``version``: ``manifest.DIGESTS``)."""
 
     file: str
     rows: tuple[int, int]
     batches: tuple[int, int]
     bytes: int
-    sha256: str
+    digest: str
     chunk_sums: tuple[str, ...]
+    version: int
 
     def to_json(self) -> dict[str, Any]:
         return {"file": self.file, "rows": list(self.rows), "batches": list(self.batches),
-                "bytes": self.bytes, "sha256": self.sha256, "chunk_sum": list(self.chunk_sums)}
+                "bytes": self.bytes, DIGESTS[self.version].name: self.digest,
+                "chunk_sum": list(self.chunk_sums)}
 
     @staticmethod
-    def from_json(entry: dict[str, Any]) -> ShardInfo:
+    def from_json(entry: dict[str, Any], version: int) -> ShardInfo:
         return ShardInfo(str(entry["file"]), (int(entry["rows"][0]), int(entry["rows"][1])),
                          (int(entry["batches"][0]), int(entry["batches"][1])), int(entry["bytes"]),
-                         str(entry["sha256"]), tuple(str(c) for c in entry["chunk_sum"]))
+                         str(entry[DIGESTS[version].name]), tuple(str(c) for c in entry["chunk_sum"]),
+                         version)
 
 
 def chunk_sums(data: bytes | mmap.mmap | np.ndarray, size: int, chunk_bytes: int = CHUNK_BYTES,
@@ -318,7 +323,7 @@ class _Shard:
         return self._offsets[path]
 
     def verify(self) -> None:
-        """Check size, sha256, the header against the manifest, every chunk sum, that
+        """Check size, the digest, the header against the manifest, every chunk sum, that
         safetensors' own parser accepts the file, and ragged offsets. Reads the whole file once
         (a remote shard is downloaded to a temporary file, its size on disk, for the time of the
         check).
@@ -330,14 +335,16 @@ class _Shard:
         self._check_open()
         self.check_size()
         with local_copy(self.path) as copy:
-            sha, sums = hashlib.sha256(), []
+            digest, sums = DIGESTS[self.info.version], []
+            hashed = digest.new()
             with open(copy, "rb") as f:
                 while block := f.read(self.chunk_bytes):
-                    sha.update(block)
+                    hashed.update(block)
                     sums.append(chunk_sums(block, len(block), self.chunk_bytes)[0])
-            if sha.hexdigest() != self.info.sha256:
+            if hashed.hexdigest() != self.info.digest:
                 raise StoreCorruptError(f"shard {self.info.file} of {self.path.parent} is "
-                                        f"corrupt: its sha256 differs from the manifest's; {_REDO}")
+                                        f"corrupt: its {digest.name} differs from the manifest's; "
+                                        f"{_REDO}")
             entries = self.open()
             for k, found in enumerate(sums):
                 self._check_sum(k, found)
@@ -545,7 +552,7 @@ class Store:
         self.columns: dict[str, LayerInfo] = {
             name: LayerInfo(COLUMN_PREFIX + name, tuple(spec["shape"]), _dtype(spec["dtype"]))
             for name, spec in manifest.get("columns", {}).items()}
-        self.shards = [ShardInfo.from_json(e) for e in manifest["shards"]]
+        self.shards = [ShardInfo.from_json(e, manifest["version"]) for e in manifest["shards"]]
         chunk = int(manifest["chunk_bytes"])
         self._cache = ChunkCache(REMOTE_CACHE_BYTES)  # used by remote shards only
         self._shards = [_Shard(path, info, chunk, verify_reads, tensor_specs(manifest),

@@ -12,7 +12,6 @@ output folder may hold and what ``overwrite`` deletes is ``hookscope.store.folde
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import json
 import mmap
 import queue
@@ -28,7 +27,7 @@ import torch
 
 from hookscope.errors import StoreCorruptError, StoreError
 from hookscope.store.fs import StorePath, listdir, write_atomic
-from hookscope.store.manifest import FORMAT, VERSION, tensor_specs
+from hookscope.store.manifest import DIGESTS, FORMAT, VERSION, Digest, tensor_specs
 from hookscope.store.reader import _ST_DTYPES, CHUNK_BYTES, MANIFEST, ShardInfo, chunk_sums, read_manifest
 
 __all__ = ["BackgroundWriter", "ShardData", "Staging", "StoreWriter", "join_parts", "read_part",
@@ -65,27 +64,15 @@ class ShardData:
 
 
 # ---------------------------------------------------------------------------------------- writing
-def _hash_while_writing(f: Any, pieces: list[memoryview]) -> tuple[int, str]:
-    """Write ``pieces`` to the file ``f`` in order while a second thread hashes them; return the
-    bytes written and their sha256 (hex).
-
-    Both threads read the same memory and release the GIL (``hashlib`` for any piece over 2 KiB,
-    the file's ``write`` in its system call), so hashing (about 2 GB/s) costs no time beside a
-    write to a disk of that speed, where hashing first cost as much as the write."""
-    sha = hashlib.sha256()
-
-    def hash_all() -> None:
-        for piece in pieces:
-            sha.update(piece)
-
-    hashing = threading.Thread(target=hash_all, name="hookscope-sha256")
-    hashing.start()
-    try:
-        for piece in pieces:
-            f.write(piece)
-    finally:
-        hashing.join()
-    return sum(len(p) for p in pieces), sha.hexdigest()
+def _write_hashed(f: Any, pieces: list[memoryview], digest: Digest) -> tuple[int, str]:
+    """Write ``pieces`` to the file ``f`` in order, hashing each first; return the bytes
+    written and their ``digest`` (hex). XXH3-128 (version 2) hashes at memory speed, so it
+    runs inline: sha256 (version 1) cost a thread of its own beside the write."""
+    hashed = digest.new()
+    for piece in pieces:
+        hashed.update(piece)
+        f.write(piece)
+    return sum(len(p) for p in pieces), hashed.hexdigest()
 
 
 def _bytes_of(t: Tensor) -> memoryview:
@@ -106,11 +93,13 @@ def _shard_tensors(shard: ShardData) -> list[tuple[str, tuple[int, ...], torch.d
     return out
 
 
-def write_shard(path: StorePath, shard: ShardData, run: str) -> tuple[int, str, tuple[str, ...]]:
+def write_shard(path: StorePath, shard: ShardData, run: str, version: int
+                ) -> tuple[int, str, tuple[str, ...]]:
     """Write ``shard`` as one safetensors file at ``path`` (atomically; its metadata and its
-    temporary name carry the ``run`` id); return its size, sha256 and chunk checksums (computed
-    from the written file, read back from the page cache)."""
-    header: dict[str, Any] = {"__metadata__": {"format": FORMAT, "version": str(VERSION),
+    temporary name carry the ``run`` id) of a store of format ``version``; return its size,
+    digest (``DIGESTS[version]``) and chunk checksums (computed from the written file, read
+    back from the page cache)."""
+    header: dict[str, Any] = {"__metadata__": {"format": FORMAT, "version": str(version),
                                                "run": run}}
     begin, tensors = 0, _shard_tensors(shard)
     for key, shape, dtype, _ in tensors:
@@ -125,10 +114,10 @@ def write_shard(path: StorePath, shard: ShardData, run: str) -> tuple[int, str, 
         pieces = [memoryview(struct.pack("<Q", len(text)) + text),
                   *(_bytes_of(chunk) for _, _, _, chunks in tensors for chunk in chunks)]
         with open(tmp, "wb") as f:
-            size, sha = _hash_while_writing(f, pieces)
+            size, digest = _write_hashed(f, pieces, DIGESTS[version])
         with open(tmp, "rb") as f:  # the mapping closes when collected (numpy views outlive it)
             mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            written.extend([size, sha, tuple(chunk_sums(mapped, size))])
+            written.extend([size, digest, tuple(chunk_sums(mapped, size))])
 
     write_atomic(path, write, tag=run)
     return written[0], written[1], written[2]
@@ -210,7 +199,7 @@ def _serial_copy(dest: Tensor, t: Tensor) -> None:
     the bytes allow), anything else by one ``copy_``.
 
     One ``copy_`` of a large tensor splits over torch's OpenMP threads, and its barrier waits
-    for the slowest: beside the writer's two threads (write and sha256) on a 2-core machine, a
+    for the slowest: beside the writer's two threads of the time (write, sha256) on a 2-core machine, a
     preempted OpenMP thread made copying 256 MiB of rows take 26 ms to 1.5 s (median 62 ms);
     in pieces it took 20 ms, 18 ms on an idle machine where one ``copy_`` took 13
     (``bench/throughput.py``'s extract row; ``torch.set_num_threads(1)`` around the copy did
@@ -332,26 +321,29 @@ class StoreWriter:
                                          "world_size": world_size, "shards": []}
         if world_size > 1:
             self.manifest["rank"] = rank
-        if resume_from is not None:
-            self.manifest.update(rows=resume_from["rows"], shards=resume_from["shards"])
+        if resume_from is not None:  # the store keeps its version (its shards' digest)
+            self.manifest.update(version=resume_from["version"], rows=resume_from["rows"],
+                                 shards=resume_from["shards"])
         else:  # a run killed before its first shard leaves a store that says it is unfinished
             self._save()
 
     def write(self, shard: ShardData) -> None:
         """Write ``shard`` as the next shard file, then the manifest that lists it."""
         name = self.shard_name(0)
-        self.add(name, shard.rows, shard.batches, *write_shard(self.folder / name, shard, self.run))
+        self.add(name, shard.rows, shard.batches,
+                 *write_shard(self.folder / name, shard, self.run, self.manifest["version"]))
 
     def shard_name(self, ahead: int) -> str:
         """The file name of the shard ``ahead`` places after the last one listed (0: the next)."""
         return _shard_name(self.rank, self.world_size, len(self.manifest["shards"]) + ahead)
 
-    def add(self, name: str, rows: int, batches: tuple[int, int], size: int, sha: str,
+    def add(self, name: str, rows: int, batches: tuple[int, int], size: int, digest: str,
             sums: tuple[str, ...]) -> None:
         """List the shard ``name`` (already written: ``write_shard``) as the next one, holding
         ``rows`` rows of ``batches``, then replace the manifest."""
         start = self.manifest["rows"]
-        info = ShardInfo(name, (start, start + rows), batches, size, sha, sums)
+        info = ShardInfo(name, (start, start + rows), batches, size, digest, sums,
+                         self.manifest["version"])
         self.manifest["shards"].append(info.to_json())
         self.manifest["rows"] = start + rows
         self._save()
@@ -424,6 +416,10 @@ def join_parts(folder: StorePath, world_size: int) -> None:
         raise StoreCorruptError(f"the parts of {folder} carry different run ids {runs}: one was "
                                 f"copied from another run and its shards are not this store's. "
                                 f"Extract again (overwrite=True).")
+    versions = [part["version"] for part in parts]
+    if len(set(versions)) > 1:  # a rank that began after a hookscope upgrade: other digests
+        raise StoreCorruptError(f"the parts of {folder} have store versions {versions}: the ranks "
+                                f"ran different hookscope releases. Extract again (overwrite=True).")
     for key in ("layers", "columns"):  # a rank without rows has none to describe
         joined[key] = next((p.get(key, {}) for p in parts if p["rows"]), joined.get(key, {}))
     shards: list[dict[str, Any]] = []
