@@ -153,22 +153,25 @@ def test_fullgraph_inputs_equal_eager_and_compile_twice_over_ten_blocks(
         assert repr(acts.inputs("transformer.h.0.attn").kwargs["cache"]) == "NotKept('DynamicCache')"
 
 
-def _assert_same(got: Any, want: Any) -> None:
-    """``got`` (a compiled capture's input) is ``want`` (the eager one's): tensors close, other
-    leaves equal, and an object that is no tensor, number, string, None or plain container
-    ``NotKept`` with its type's name."""
-    if isinstance(want, Tensor):
+def _assert_same(got: Any, want: Any, *, exact: bool = False) -> None:
+    """``got`` (a compiled capture's input, or a value ``flatten`` wrote and the sink filled)
+    is ``want`` (the eager one): tensors close (``exact``: equal), other leaves equal and of
+    the same type (nan equal to nan), and an object that is no tensor, number, string, None or
+    plain container ``NotKept`` with its type's name."""
+    if isinstance(want, Tensor) and exact:
+        assert torch.equal(got, want)
+    elif isinstance(want, Tensor):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     elif type(want) in (tuple, list):
         assert type(got) is type(want) and len(got) == len(want)
         for g, w in zip(got, want):
-            _assert_same(g, w)
+            _assert_same(g, w, exact=exact)
     elif type(want) is dict:
         assert list(got) == list(want)
         for k in want:
-            _assert_same(got[k], want[k])
+            _assert_same(got[k], want[k], exact=exact)
     elif want is None or type(want) in (bool, int, float, str):
-        assert got == want and type(got) is type(want)
+        assert type(got) is type(want) and (got == want or got != got and want != want)
     else:
         assert got == hookscope.NotKept(type(want).__name__)
 
@@ -268,7 +271,7 @@ def test_a_flattened_call_fills_back_to_itself(value: Any) -> None:
 
     values, spec = compiled.flatten(value)
     assert compiled.whole(spec) == (_Object not in _types(value))
-    _assert_equal(compiled._filled(values, spec), value)
+    _assert_same(compiled._filled(values, spec), value, exact=True)
 
 
 def _types(value: Any) -> set[type]:
@@ -277,20 +280,3 @@ def _types(value: Any) -> set[type]:
     if type(value) is dict:
         return {t for v in value.values() for t in _types(v)}
     return {type(value)}
-
-
-def _assert_equal(got: Any, want: Any) -> None:
-    if isinstance(want, _Object):
-        assert got == hookscope.NotKept("_Object")
-    elif isinstance(want, Tensor):
-        assert torch.equal(got, want)
-    elif type(want) in (tuple, list):
-        assert type(got) is type(want) and len(got) == len(want)
-        for g, w in zip(got, want):
-            _assert_equal(g, w)
-    elif type(want) is dict:
-        assert list(got) == list(want)
-        for k in want:
-            _assert_equal(got[k], want[k])
-    else:
-        assert type(got) is type(want) and (got == want or got != got and want != want)
