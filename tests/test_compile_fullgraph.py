@@ -186,7 +186,7 @@ def test_fullgraph_inputs_keep_numbers_dynamic_sizes_and_name_what_a_graph_canno
 
     class Inner(nn.Module):
         def forward(self, x: Tensor, n: int, scale: float, *, how: str, tag: Tag,
-                    extra: dict[str, Any]) -> Tensor:
+                    extra: dict[str, Any], wide: bool, big: int) -> Tensor:
             return x[:, :n] * scale + extra["bias"][:n]
 
     class Top(nn.Module):
@@ -196,7 +196,8 @@ def test_fullgraph_inputs_keep_numbers_dynamic_sizes_and_name_what_a_graph_canno
 
         def forward(self, x: Tensor) -> Tensor:
             return self.inner(x, x.shape[1] - 1, 0.5, how="mean", tag=self.tag,
-                              extra={"bias": torch.ones(x.shape[1]), "on": True, "w": [1.5, None]})
+                              extra={"bias": torch.ones(x.shape[1]), "on": True, "w": [1.5, None]},
+                              wide=x.shape[1] > 6, big=2**70)  # a SymBool, an int beyond int64
 
     model = Top()
     compiled = torch.compile(model, backend="inductor", fullgraph=True, dynamic=True)
@@ -209,6 +210,7 @@ def test_fullgraph_inputs_keep_numbers_dynamic_sizes_and_name_what_a_graph_canno
         assert torch.equal(call.args[0], x)
         assert call.kwargs["how"] == "mean" and repr(call.kwargs["tag"]) == "NotKept('Tag')"
         assert call.kwargs["extra"]["on"] is True and call.kwargs["extra"]["w"] == [1.5, None]
+        assert call.kwargs["wide"] is (width > 6) and call.kwargs["big"] == 2**70
         assert torch.equal(call.kwargs["extra"]["bias"], torch.ones(width))
         torch.testing.assert_close(acts["inner"], model(x))
 
@@ -253,10 +255,15 @@ class _Object:
     """A value no graph hands out (a cache, a config)."""
 
 
+_Größe = type("_Größe", (), {})  # class names no bytes literal holds (found by an attack)
+_Quoted = type("_we'ird\\", (), {})
+
+
 _LEAVES = st.one_of(
-    st.none(), st.booleans(), st.integers(-2**62, 2**62), st.text(max_size=5),
+    st.none(), st.booleans(), st.integers(), st.text(max_size=5),  # ints beyond int64 too
     st.floats(width=64),  # inf and nan included
-    st.builds(lambda n: torch.arange(float(n)), st.integers(0, 3)), st.builds(_Object))
+    st.builds(lambda n: torch.arange(float(n)), st.integers(0, 3)),
+    st.sampled_from([_Object, _Größe, _Quoted]).map(lambda kind: kind()))
 
 
 @pytest.mark.hypothesis
@@ -269,8 +276,8 @@ def test_a_flattened_call_fills_back_to_itself(value: Any) -> None:
     types kept; an object comes back ``NotKept`` with its type's name."""
     from hookscope.engine import compiled
 
-    values, spec = compiled.flatten(value)
-    assert compiled.whole(spec) == (_Object not in _types(value))
+    values, spec, whole = compiled.flatten(value)
+    assert whole == (not {_Object, _Größe, _Quoted} & _types(value))
     _assert_same(compiled._filled(values, spec), value, exact=True)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -94,14 +95,25 @@ def test_overwrite_proves_a_version_1_stores_shards_by_sha256(store: Path, tmp_p
     assert _manifest(clean)["version"] == 2
 
 
-@pytest.mark.parametrize("version", [0, 3, "2", True, None])
+@pytest.mark.parametrize("version", [0, 3, "2", True, None, [2], {"v": 2}])
 def test_a_version_this_hookscope_does_not_read_is_refused(store: Path, version: object) -> None:
     manifest = _manifest(store)
     manifest["version"] = version
     (store / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(StoreCorruptError, match=rf"format version {version!r}; this hookscope "
+    with pytest.raises(StoreCorruptError, match=rf"format version {re.escape(repr(version))}; this hookscope "
                                                 rf"reads versions 1, 2\. Upgrade hookscope"):
         open_store(store)
+
+
+def test_a_shard_entry_holding_another_versions_digest_too_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "store"
+    _extract(out)
+    manifest = _manifest(out)
+    manifest["shards"][1]["sha256"] = "0" * 64  # found by an attack: it opened and verified
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(StoreCorruptError, match=r"field shards\[1\]\['sha256'\] is not a field of "
+                                                r"a version-2 shard"):
+        open_store(out)
 
 
 def test_torchrun_parts_of_two_versions_are_not_joined(tmp_path: Path) -> None:

@@ -60,7 +60,7 @@ from torch._library.effects import EffectType
 from hookscope.errors import EditError, HookscopeError
 
 __all__ = ["prepare", "eager_when_called", "open_sink", "close_sink", "keep", "replace", "watch_gradient",
-           "flat_output", "flatten", "whole", "NotKept"]
+           "flat_output", "flatten", "NotKept"]
 
 Tensor = torch.Tensor
 Sink = Callable[[Any], None]
@@ -246,47 +246,49 @@ def flat_output(output: Any) -> tuple[list[Tensor | None], int] | None:
     return None
 
 
-def flatten(value: Any) -> tuple[list[Tensor], str]:
-    """``(tensors, spec)`` of ``value`` (a module's output, or a call's ``(args, kwargs)``) for
-    ``keep``: its tensors in order, and the rest as a Python literal with ``...`` for each
-    tensor (``"((..., None, ), {'mask': ..., 'use_cache': False, }, )"``). Dynamo traces this
-    function whole: the strings, flags and ``None`` of a traced call are constants of the
-    graph, so the spec is one string constant, and code compiled for one spec is reused while
-    calls keep it.
+def flatten(value: Any) -> tuple[list[Tensor], str, bool]:
+    """``(tensors, spec, whole)`` of ``value`` (a module's output, or a call's ``(args,
+    kwargs)``) for ``keep``: its tensors in order, the rest as a Python literal with ``...``
+    for each tensor (``"((..., None, ), {'mask': ..., 'how': 'mean', }, )"``), and whether
+    every part was written (no ``NotKept``). Dynamo traces this function whole: the strings
+    and ``None`` of a traced call are constants of the graph, so the spec is one string
+    constant, and code compiled for one spec is reused while calls keep it.
 
-    Written: tensors, ``None``, ``bool``, ``int``, ``float`` (each a 0-d int64 or float64
-    tensor, a number again in the sink: dynamo gives a dynamic size, a ``SymInt``, the type
-    ``int``, and cannot write it as text), ``str``, and ``tuple``, ``list`` and ``dict`` (with
+    Written: tensors, ``None``, ``bool``, ``int``, ``float`` (each a 0-d tensor, a Python
+    number again in the sink: dynamo gives a dynamic size or a comparison of sizes, a
+    ``SymInt`` or ``SymBool``, the type ``int`` or ``bool`` and cannot write it as text; an
+    int beyond int64, a constant, as text), ``str``, and ``tuple``, ``list`` and ``dict`` (with
     string keys) of them, exactly these types. Any other object (a Hugging Face ``Cache``, a
-    ``ModelOutput``, a dataclass) is written as a marker of its type's name, which ``keep``'s
-    sink receives as ``NotKept(name)``: a graph hands out tensors, not objects (``whole`` is
-    False then)."""
+    ``ModelOutput``, a namedtuple, ``torch.Size``) is written as a one-element set holding its
+    type's name, which ``keep``'s sink receives as ``NotKept(name)``: a graph hands out
+    tensors, not objects."""
     values: list[Tensor] = []
-    return values, _spec(value, values)
+    missing: list[str] = []
+    return values, _spec(value, values, missing), not missing
 
 
-def _spec(value: Any, values: list[Tensor]) -> str:
+def _spec(value: Any, values: list[Tensor], missing: list[str]) -> str:
     if isinstance(value, Tensor):
         values.append(value)
         return "..."
     kind = type(value)
-    if value is None or kind is bool or kind is str:
+    if value is None or kind is str:
         return repr(value)
-    if kind is int or kind is float:  # maybe a dynamic size (dynamo calls a SymInt an int,
-        # whose repr it cannot trace): a 0-d tensor, a number again in the sink
-        values.append(torch.scalar_tensor(value, dtype=torch.int64 if kind is int else torch.float64))
+    if kind is int and not -2**63 <= value < 2**63:  # a constant: no dynamic size is so large
+        return repr(value)
+    if kind is bool or kind is int or kind is float:
+        values.append(torch.scalar_tensor(value, dtype=_NUMBERS[kind]))
         return "b'#'"
     if kind is tuple or kind is list:
-        inner = "".join([_spec(v, values) + ", " for v in value])
+        inner = "".join([_spec(v, values, missing) + ", " for v in value])
         return f"({inner})" if kind is tuple else f"[{inner}]"
     if kind is dict and all(type(k) is str for k in value):
-        return "{" + "".join([f"{k!r}: {_spec(v, values)}, " for k, v in value.items()]) + "}"
-    return f"b'?{kind.__name__}'"  # an object: not in the graph's hands
+        return "{" + "".join([f"{k!r}: {_spec(v, values, missing)}, " for k, v in value.items()]) + "}"
+    missing.append(kind.__name__)
+    return "{" + repr(kind.__name__) + "}"  # an object: not in the graph's hands
 
 
-def whole(spec: str) -> bool:
-    """True when ``flatten`` wrote every part of the value (no ``NotKept`` marker)."""
-    return "b'?" not in spec
+_NUMBERS = {bool: torch.bool, int: torch.int64, float: torch.float64}
 
 
 class NotKept:
@@ -312,7 +314,7 @@ class NotKept:
 
 @functools.lru_cache(maxsize=1024)
 def _template(spec: str) -> Any:
-    return ast.literal_eval(spec)  # Ellipsis for a tensor, b"#" for a number, b"?..." NotKept
+    return ast.literal_eval(spec)  # Ellipsis for a tensor, b"#" for a number, {name} NotKept
 
 
 def _filled(values: list[Tensor], spec: str) -> Any:
@@ -326,8 +328,10 @@ def _fill(template: Any, values: Any) -> Any:
     if template is Ellipsis:
         return next(values)
     kind = type(template)
-    if kind is bytes:
-        return next(values).item() if template == b"#" else NotKept(template[1:].decode())
+    if kind is bytes:  # b"#": a number, handed out as a 0-d tensor
+        return next(values).item()
+    if kind is set:
+        return NotKept(next(iter(template)))
     if kind is tuple or kind is list:
         return kind(_fill(v, values) for v in template)
     if kind is dict:

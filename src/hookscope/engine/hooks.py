@@ -186,8 +186,8 @@ class OwnedHook:
         A call's arguments (any other ``pick``) are always kept: an argument that is no
         tensor, number or string (a ``Cache``) is recorded as ``NotKept``, as a pre-hook
         outside the graph would split it before every hooked module."""
-        values, spec = compiled.flatten(value)
-        if (self.pick is output_of and not compiled.whole(spec)) or (
+        values, spec, whole = compiled.flatten(value)
+        if (self.pick is output_of and not whole) or (
                 self.gradient_key is not None and flat is None):
             return False
         # an operator without a tensor (a witness's) gets an empty one: torch 2.13's inductor

@@ -112,7 +112,7 @@ def check_manifest(data: Any, file: StorePath) -> None:
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise StoreCorruptError(f"{file} is not a hookscope store manifest (no \"format\": "
                                 f"\"{FORMAT}\").")
-    if data.get("version") not in DIGESTS or type(data.get("version")) is not int:
+    if type(data.get("version")) is not int or data["version"] not in DIGESTS:
         raise StoreCorruptError(f"{file} has store format version {data.get('version')!r}; this "
                                 f"hookscope reads versions {', '.join(map(str, DIGESTS))}. Upgrade "
                                 f"hookscope.")
@@ -144,7 +144,7 @@ def check_manifest(data: Any, file: StorePath) -> None:
     rows = _want(file, data, "rows", _is_int, f"a row count (0..{MAX_COUNT})")
     stop, batch, names = 0, None, set()
     for k, entry in enumerate(shards):
-        stop, batch = _check_shard(file, k, entry, stop, batch, chunk, DIGESTS[data["version"]])
+        stop, batch = _check_shard(file, k, entry, stop, batch, chunk, data["version"])
         if entry["file"] in names:
             raise corrupt(file, f"shards[{k}].file", f"repeats {entry['file']!r}")
         names.add(entry["file"])
@@ -273,14 +273,21 @@ def tensor_specs(manifest: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_shard(file: StorePath, k: int, entry: Any, start: int, batch: int | None,
-                 chunk: int, digest: Digest) -> tuple[int, int]:
-    """Check ``shards[k]``; return the row and batch where the next shard must start."""
+                 chunk: int, version: int) -> tuple[int, int]:
+    """Check ``shards[k]`` of a store of ``version``; return the row and batch where the next
+    shard must start."""
+    digest = DIGESTS[version]
     field = f"shards[{k}]"
     if not isinstance(entry, dict):
         raise corrupt(file, field, "must be an object")
 
     def want(name: str, check: Callable[[Any], bool], what: str) -> Any:
         return _want(file, entry, name, check, what, prefix=f"{field}.")
+
+    fields = {"file", "rows", "batches", "bytes", digest.name, "chunk_sum"}
+    for key in sorted(entry.keys() - fields)[:1]:  # another version's digest, say
+        raise corrupt(file, f"{field}[{key!r}]", f"is not a field of a version-{version} shard "
+                                                 f"({', '.join(sorted(fields))})")
 
     check_file_name(want("file", lambda v: isinstance(v, str), "a file name"), file, field)
     rows = want("rows", _pair, f"[start, stop) with start < stop <= {MAX_COUNT}")
