@@ -129,6 +129,7 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
         self._rng_shared = False  # another thread's block was open during this one
         self._rng_thread = 0
         self._grad = True
+        self._finished = False  # _finish ran (an interrupt during _open, or the exit)
 
     def __enter__(self) -> None:
         # one line each (engine.interrupts): an exception at any line restores and unhooks
@@ -138,14 +139,21 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
             raise
 
     def _open(self) -> None:
+        self._finished, made = False, []
         with interrupts.deferred(undo=self._finish):  # interrupted: as if never entered
             self._grad = torch.is_grad_enabled()
             self._rng = RngState.now()
             _open_rng(self)
             interrupts.guard(self, self._finish)
             for model in self._models:  # kept before its hooks exist: an interrupt removes them
-                self._kept.append(state := _State(model))
+                made.append(state := _State(model))
+                self._kept.append(state)
                 state.watch()
+        if self._finished:  # an interrupt ran _finish, then its KeyboardInterrupt was lost
+            for state in made:  # (raised in a gc callback): undo what came after, and raise
+                state.restore()
+            raise KeyboardInterrupt("an interrupt stopped this block while it was entered, "
+                                    "and its KeyboardInterrupt was lost on the way")
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: object) -> None:
@@ -175,6 +183,7 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
         for state in self._kept:
             shared += state.restore()
         self._kept = []
+        self._finished = True
         if self._rng is not None:
             if not (_close_rng(self) or foreign):
                 self._rng.restore()
