@@ -537,42 +537,8 @@ def test_an_interrupt_at_any_line_of_untouched_leaves_neither_model_hooked() -> 
     owned pre-hook; an interrupt while those hooks were being added left the ones already
     added on the model (found on ``compare``'s second model by the random-SIGINT run): every
     line of ``engine/run.py`` during ``compare`` and ``stats`` on a model with BatchNorm."""
-    x = torch.randn(4, 8)
-
-    def make() -> tuple[nn.Module, nn.Module]:
-        torch.manual_seed(0)
-        return (nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU()),
-                nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU()))
-
-    blocks = {"compare": lambda a, b: hookscope.compare(a, b, x, layers=["0", "1"]),
-              "stats": lambda a, b: hookscope.stats(a, [x, x], ["0", "1"])}
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    left = []
-    try:
-        for kind, block in blocks.items():
-            counted = _RunLines()
-            counted.run(lambda: block(*make()))  # noqa: B023 - run at once
-            assert counted.count > 20
-            for at in range(1, counted.count + 1):
-                a, b = make()
-                interrupt = _RunLines(at)
-                try:
-                    interrupt.run(lambda: block(a, b))  # noqa: B023 - run at once
-                except KeyboardInterrupt:
-                    pass
-                else:  # no interrupt raised: only when a run takes fewer lines than the count
-                    assert interrupt.count < at
-                leaks = _leaks(a) + [f"second model: {leak}" for leak in _leaks(b)]
-                if leaks:
-                    left.append((kind, at, leaks))
-                    hookscope.remove_hooks(a)
-                    hookscope.remove_hooks(b)
-                    signal.signal(signal.SIGINT, signal.default_int_handler)
-                    interrupts._guarded.clear()
-                    interrupts._previous = interrupts._UNSET
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    assert left == []
+    left, raised, lines = _sweep_untouched(_RunLines)
+    assert left == [] and raised > lines - 40  # every line raises but those of a shorter run
 
 
 class _SwallowedAt(_RunLines):
@@ -601,6 +567,15 @@ def test_an_interrupt_lost_in_a_gc_callback_at_any_line_of_untouched_leaves_noth
     2,840 lines here). Now the block sees that its cleanup ran, undoes what came after and
     raises the lost ``KeyboardInterrupt``; every line of ``engine/run.py`` during ``stats``
     and ``compare``."""
+    left, raised, _ = _sweep_untouched(_SwallowedAt)
+    assert left == []
+    assert raised > 0  # the lost interrupts are raised, not dropped
+
+
+def _sweep_untouched(tracer: type[_RunLines]) -> tuple[list[Any], int, int]:
+    """Run ``compare`` and ``stats`` on two BatchNorm models with ``tracer(at)`` acting at each
+    line of ``engine/run.py`` in turn; return what was left behind (hooks, changed buffers),
+    how many runs raised ``KeyboardInterrupt`` and how many lines there were."""
     x = torch.randn(4, 8)
 
     def make() -> tuple[nn.Module, nn.Module]:
@@ -611,21 +586,24 @@ def test_an_interrupt_lost_in_a_gc_callback_at_any_line_of_untouched_leaves_noth
     blocks = {"compare": lambda a, b: hookscope.compare(a, b, x, layers=["0", "1"]),
               "stats": lambda a, b: hookscope.stats(a, [x, x], ["0", "1"])}
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    left, raised = [], 0
+    left: list[Any] = []
+    raised = lines = 0
     try:
         for kind, block in blocks.items():
-            counted = _SwallowedAt()
+            counted = tracer()
             counted.run(lambda: block(*make()))  # noqa: B023 - run at once
             assert counted.count > 20
+            lines += counted.count
             for at in range(1, counted.count + 1):
                 a, b = make()
                 before = {k: v.clone() for k, v in a.state_dict().items()}
                 try:
-                    _SwallowedAt(at).run(lambda: block(a, b))  # noqa: B023 - run at once
+                    tracer(at).run(lambda: block(a, b))  # noqa: B023 - run at once
                 except KeyboardInterrupt:
                     raised += 1
                 leaks = _leaks(a) + [f"second model: {leak}" for leak in _leaks(b)]
-                leaks += [f"{k} changed" for k, v in a.state_dict().items() if not torch.equal(v, before[k])]
+                leaks += [f"{k} changed" for k, v in a.state_dict().items()
+                          if not torch.equal(v, before[k])]
                 if leaks:
                     left.append((kind, at, leaks))
                     hookscope.remove_hooks(a)
@@ -635,8 +613,7 @@ def test_an_interrupt_lost_in_a_gc_callback_at_any_line_of_untouched_leaves_noth
                     interrupts._previous = interrupts._UNSET
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert left == []
-    assert raised > 0  # the lost interrupts are raised, not dropped
+    return left, raised, lines
 
 
 def test_a_graceful_stop_leaves_a_sigint_handler_set_inside_it() -> None:
