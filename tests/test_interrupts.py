@@ -525,6 +525,65 @@ def test_an_interrupt_at_any_line_of_hookscope_leaves_nothing_behind(kind: str) 
     assert left == [], f"{len(left)} of {len(sample)} lines left something: {left[:5]}"
 
 
+class LineLost(LineInterrupt):
+    """``LineInterrupt`` whose interrupt is lost: at the kth line it runs the SIGINT handler in
+    place, as a signal arriving there would, and drops its ``KeyboardInterrupt``, as Python
+    does for one raised in a weakref or gc callback."""
+
+    def _line(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "line":
+            self.count += 1
+            if self.count == self.at:
+                self.where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
+                handler = signal.getsignal(signal.SIGINT)
+                try:
+                    if callable(handler):
+                        handler(signal.SIGINT, frame)
+                except KeyboardInterrupt:
+                    pass
+        return self._line
+
+
+@pytest.mark.hypothesis  # `make fuzz` runs it at every line
+@pytest.mark.parametrize("kind", [
+    "capture", "capture ::relu", "edit", "steer", "ablate", "patch", "run", "stats", "compare",
+    "tree", "gradcam", "logit_lens", "attention", "rollout", "find_nonfinite",
+    "capture_generation", "monitor", "patching_sweep", "attribution_patching", "replay"])
+def test_an_interrupt_lost_at_any_line_of_hookscope_leaves_nothing_behind(kind: str) -> None:
+    """An interrupt whose ``KeyboardInterrupt`` is lost (raised in a gc callback) at the kth
+    line of a block (the lines ``_sample`` picks) leaves no hook, function mode, copyreg entry,
+    SIGINT handler or grad mode behind, whether the block then went on or raised it at exit
+    (``untouched`` went on and left its root pre-hook, found under load)."""
+    make, block = _line_blocks()[kind]
+    block(make())
+    counted = LineLost()
+    counted.run(lambda: block(make()))
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    left: list[tuple[str, list[str]]] = []
+    try:
+        for at in _sample(counted.count, counted.risky, 120):
+            model = make()
+            lost = LineLost(at)
+            try:
+                lost.run(lambda: block(model))  # noqa: B023 - run at once
+            except KeyboardInterrupt:
+                pass
+            leaks = _leaks(model)
+            if leaks:
+                left.append((lost.where, leaks))
+                hookscope.remove_hooks(model)
+                while torch._C._len_torch_function_stack():
+                    torch._C._pop_torch_function_stack()
+                copyreg.dispatch_table.pop(OrderedDict, None)
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                torch.set_grad_enabled(True)
+                interrupts._guarded.clear()
+                interrupts._previous = interrupts._UNSET
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert left == [], f"{len(left)} lines left something: {left[:5]}"
+
+
 class _RunLines(LineInterrupt):
     """``LineInterrupt`` counting only the lines of ``engine/run.py`` (``untouched``)."""
 

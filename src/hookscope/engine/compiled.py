@@ -135,7 +135,8 @@ def _gradient(grad: Tensor, key: int) -> Tensor:
     return grad.clone()  # an operator's result is a tensor of its own
 
 
-#: name: (schema, kernel, fake); values are ``Tensor?[]``: a module may return None in a tuple
+#: name: (schema, kernel, fake); ``replace``'s values are ``Tensor?[]`` (a module may return None in
+#: a tuple); ``keep``'s are tensors only, its ``spec`` holding the rest (``flatten``)
 _OPS: dict[str, tuple[str, Callable[..., Any], Callable[..., Any]]] = {
     "keep": ("keep(Tensor[] values, str spec, int key) -> ()", _keep,
              lambda values, spec, key: None),
