@@ -171,13 +171,18 @@ def logit_lens(model: nn.Module, input_ids: Tensor, *, layers: str | Sequence[st
     acts, inputs = capture(model, *keys, on_unfired="error"), {"attention_mask": attention_mask}
     with untouched(model), torch.no_grad(), acts: model(input_ids, **inputs)  # noqa: E701 - body on the with line (engine.interrupts)
     hidden = _width(unembed)
-    with torch.no_grad():
-        log_probs = torch.stack([torch.log_softmax(unembed(norm(_residual(acts, key, hidden))).float(),
-                                                   dim=-1) for key in keys])
+    with torch.no_grad(): log_probs = _read_out(acts, keys, norm, unembed, hidden)  # noqa: E701 - as above
     lens = LogitLens(log_probs, keys, acts.tokens(keys[0]))
     if plot is not None:
         lens.plot(plot)
     return lens
+
+
+def _read_out(acts: Any, keys: list[str], norm: nn.Module, unembed: nn.Module, hidden: int | None) -> Tensor:
+    """``(layers, batch, seq, vocab)`` float32 log-probabilities of each block's residual read
+    out through the final norm and the unembedding."""
+    return torch.stack([torch.log_softmax(unembed(norm(_residual(acts, key, hidden))).float(), dim=-1)
+                        for key in keys])
 
 
 def _vocab_size(model: nn.Module, unembed: nn.Module) -> int:

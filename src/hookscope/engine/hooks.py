@@ -5,7 +5,8 @@ A hook on a module is run by more than the calls its ``with`` block means:
 - **copies**: ``copy.copy(model)`` shares the module's hook dictionaries, hooks included (a
   ``deepcopy`` or pickle made inside a block leaves them out: ``copies.py``);
 - **threads**: another thread calling the same model (a server running requests in parallel)
-  runs the same hooks;
+  runs the same hooks; blocks of several threads share their entries (``ModuleHooks``), each
+  hook calling the one acting for the calling thread;
 - **export tracing**: ``torch.export.export`` runs (or dynamo-traces) hooks on FakeTensors,
   which hold no values: a hook refuses then (``refuse_export_trace``);
 - **torch.compile**: dynamo traces the hooks of a model compiled while a block is open. A hook
@@ -96,11 +97,15 @@ class OwnedHook:
 
     Attributes:
         recomputes: forwards re-run during backward that reached this hook.
-        foreign_calls: calls from threads other than the session's.
+        foreign_calls: calls from threads other than the session's (and its guests').
+        guests: hooks of other threads' blocks that this one's table entry serves
+            (``ModuleHooks``): a call in a guest's thread runs the guest (``_guest``).
+        entries: the ``(table, id)`` entries it holds while registered by ``ModuleHooks``.
     """
 
     __slots__ = ("function", "module", "thread", "in_recompute", "traceable", "recomputes",
-                 "foreign_calls", "pick", "on_kept", "replaces", "on_gradient", "key", "gradient_key")
+                 "foreign_calls", "pick", "on_kept", "replaces", "on_gradient", "key", "gradient_key",
+                 "guests", "entries")
 
     def __init__(self, function: Callable[..., Any], module: nn.Module, *, in_recompute: bool = False,
                  traceable: bool = False, thread: int | None = None,
@@ -120,14 +125,18 @@ class OwnedHook:
         self.on_gradient = on_gradient
         self.key: int | None = None  # set while registered, when ``pick`` is
         self.gradient_key: int | None = None  # set while registered, when ``on_gradient`` is
+        # hosting (ModuleHooks): the table entries it holds, and the hooks of other threads'
+        # blocks it calls for their threads (a new list on each change: read without a lock)
+        self.entries: list[tuple[dict[int, Any], int]] = []
+        self.guests: list[OwnedHook] = []
 
     def kept(self, value: Any) -> Any:
         """Run ``function`` on ``value``, what ``pick`` took from a compiled call (a copy, from
         ``engine.compiled``'s operator), with the checks of an eager call that a compiled
         call can still make (thread, recompute); return what it returned (an edit's output)."""
         if _get_ident() != self.thread:
-            self.foreign_calls += 1
-            return None
+            guest = self._guest()
+            return self._foreign() if guest is None else guest.kept(value)
         if _graph_task_id() != -1:
             self.recomputes += 1
             if not self.in_recompute:
@@ -143,7 +152,11 @@ class OwnedHook:
         ``hookscope::gradient``) when the session's thread runs that backward, as the eager
         tensor hook, registered by an owned forward only, does; count it a foreign call else."""
         if _get_ident() != self.thread:
-            self.foreign_calls += 1
+            guest = self._guest()
+            if guest is None:
+                self._foreign()
+            else:
+                guest.gradient_kept(grad)
         elif self.on_gradient is not None:
             self.on_gradient(grad)
 
@@ -173,10 +186,25 @@ class OwnedHook:
         if module is not self.module:  # a shallow copy sharing the hook tables
             return None
         if _get_ident() != self.thread:
-            self.foreign_calls += 1
-            return None
+            guest = self._guest()
+            return self._foreign() if guest is None else guest.__call__(module, *args)
         self.recomputes += 1  # a forward inside backward: a checkpoint recompute
         return self.function(module, *args) if self.in_recompute else None
+
+    def _guest(self) -> OwnedHook | None:
+        """The hook of another block that this one hosts for the calling thread, if any."""
+        ident = _get_ident()
+        return next((guest for guest in self.guests if guest.thread == ident), None)
+
+    def acts_for(self, thread: int) -> bool:
+        """Whether a call in ``thread`` runs this hook's function or a guest's."""
+        return self.thread == thread or any(guest.thread == thread for guest in self.guests)
+
+    def _foreign(self) -> None:
+        """Count a call of a thread that no block hosted here acts for: a foreign call of each."""
+        self.foreign_calls += 1
+        for guest in self.guests:
+            guest.foreign_calls += 1
 
     def _keeps(self, value: Any, flat: Any, key: int) -> bool:
         """Inside a compiled graph, hand ``value`` to this hook's sink by ``hookscope::keep``;
@@ -381,10 +409,20 @@ class ModuleHooks:
     """A session's module hooks, registered and removed in bulk.
 
     ``add`` writes an ``OwnedHook`` (its bound ``__call__``) straight into its module's hook
-    tables, as torch's
-    ``register_forward_(pre_)hook`` does (the same tables, an id from torch's
+    tables, as torch's ``register_forward_(pre_)hook`` does (the same tables, an id from torch's
     ``RemovableHandle`` counter), without a ``RemovableHandle`` per hook; ``remove`` pops every
     entry. For 200 hooks this halves set-up and take-down (``python -m bench.dispatch``).
+
+    Blocks open at once in several threads share entries: a hook whose module's table ends
+    with an entry of the same kind (``_kind``), made by a block of another thread, joins that
+    entry (its host calls it for its thread: ``OwnedHook._guest``) instead of adding one, and
+    an entry stays until the last block it serves closes. So the tables, and what
+    ``torch.compile`` traces from them and guards on, are the same however many threads have
+    blocks open: without this, four threads opening blocks on one compiled model hit dynamo's
+    recompile limit, and a table changed under another thread's trace broke it
+    (``Unsupported``, or dynamo's "Guard failed on the same frame it was created"). Entries are
+    written and popped under dynamo's compile lock once ``torch._dynamo`` is loaded: never
+    while a trace reads them.
 
     Attributes:
         flags: ``(table, id)`` of the entries whose value is not the hook (the
@@ -392,66 +430,147 @@ class ModuleHooks:
             of copies by id.
     """
 
-    __slots__ = ("entries", "flags", "keyed")
+    __slots__ = ("hosted", "joined", "flags")
 
     def __init__(self) -> None:
-        self.entries: list[tuple[dict[int, Any], int]] = []
+        self.hosted: list[OwnedHook] = []  # hooks whose own entries this session wrote
+        self.joined: list[tuple[OwnedHook, OwnedHook]] = []  # (host, hook): hosted by another
         self.flags: list[tuple[dict[int, Any], int]] = []
-        self.keyed: list[OwnedHook] = []  # hooks with a compiled sink (``engine.compiled``)
-
-    def _open(self, owned: OwnedHook) -> None:
-        """Give ``owned`` its compiled sink when it has a ``pick`` and dynamo is loaded (a
-        process that has not loaded it compiles nothing: eager blocks pay nothing for it)."""
-        owned.key = compiled.open_sink(owned.module, owned.kept)
-        self.keyed.append(owned)
-        if owned.on_gradient is not None:
-            owned.gradient_key = compiled.open_sink(owned.module, owned.gradient_kept)
 
     def add(self, owned: OwnedHook, *, pre: bool = False, with_kwargs: bool = False) -> None:
         """Register ``owned`` on ``owned.module`` as a forward (``pre``: forward-pre) hook,
         last in its table; ``with_kwargs`` as torch's."""
-        if _ready_for_compile() and owned.pick is not None:
-            self._open(owned)
+        _locked(self._add, owned, pre, with_kwargs)
+
+    def _add(self, owned: OwnedHook, pre: bool, with_kwargs: bool) -> None:
         module = owned.module
-        key = RemovableHandle.next_id
-        RemovableHandle.next_id = key + 1
         table = module._forward_pre_hooks if pre else module._forward_hooks
-        # each entry recorded before it is written: an exception between leaves nothing unrecorded
-        self.entries.append((table, key))
+        flags = None
         if with_kwargs:
             flags = module._forward_pre_hooks_with_kwargs if pre else module._forward_hooks_with_kwargs
-            self.entries.append((flags, key))
-            self.flags.append((flags, key))
-            flags[key] = True
-        table[key] = owned.__call__  # a bound method: see owner()
+        if self._join(owned, table, flags):
+            return
+        key = RemovableHandle.next_id
+        RemovableHandle.next_id = key + 1
+        self._host(owned, table, flags, key, _ready_for_compile())
 
     def add_forward(self, hooks: list[OwnedHook]) -> None:
         """``add`` each of ``hooks`` as a plain forward hook (no kwargs), in one loop: a
         capture of every module registers one per module."""
+        _locked(self._add_forward, hooks)
+
+    def _add_forward(self, hooks: list[OwnedHook]) -> None:
         keyed = _ready_for_compile()
         key = RemovableHandle.next_id
         RemovableHandle.next_id = key + len(hooks)  # the ids are taken before any is written
-        entries = self.entries
+        hosted = self.hosted
         for owned in hooks:
-            if keyed and owned.pick is not None:
-                self._open(owned)
             table = owned.module._forward_hooks
-            entries.append((table, key))  # recorded before written, as add()
-            table[key] = owned.__call__
+            if table and self._join(owned, table, None):
+                pass
+            elif keyed:
+                self._host(owned, table, None, key, keyed)
+            else:  # _host inlined, as in remove
+                owned.entries = [(table, key)]
+                hosted.append(owned)  # recorded before written, as _host
+                table[key] = owned.__call__
             key += 1
 
+    def _host(self, owned: OwnedHook, table: dict[int, Any], flags: dict[int, Any] | None,
+              key: int, keyed: bool) -> None:
+        """Write ``owned``'s own entry ``key`` in ``table`` (and ``flags``), with a compiled
+        sink when it has a ``pick`` and ``keyed`` (dynamo is loaded: a process that has not
+        loaded it compiles nothing)."""
+        # each entry recorded before it is written: an exception between leaves nothing unrecorded
+        owned.entries = [(table, key)] if flags is None else [(table, key), (flags, key)]
+        self.hosted.append(owned)
+        if keyed and owned.pick is not None:
+            owned.key = compiled.open_sink(owned.module, owned.kept)
+            if owned.on_gradient is not None:
+                owned.gradient_key = compiled.open_sink(owned.module, owned.gradient_kept)
+        if flags is not None:
+            self.flags.append((flags, key))
+            flags[key] = True
+        table[key] = owned.__call__  # a bound method: see owner()
+
+    def _join(self, owned: OwnedHook, table: dict[int, Any], flags: dict[int, Any] | None) -> bool:
+        """Make ``owned`` a guest of an entry of ``table`` of the same kind, hosting no block of
+        this thread, after which only entries of other threads' blocks come (each does nothing
+        for this thread's calls, so ``owned`` runs as if last); False when ``owned`` needs an
+        entry of its own."""
+        kind = _kind(owned)
+        if kind is None:
+            return False
+        for value in reversed(table.values()):
+            host = owner(value)
+            if host is None or host.acts_for(owned.thread):  # a user's hook, or this thread's
+                return False
+            if (host.entries and host.module is owned.module and _kind(host) == kind
+                    and (len(host.entries) == 2) == (flags is not None)):
+                break
+        else:
+            return False
+        self.joined.append((host, owned))  # recorded before written
+        if flags is not None:  # left out of this block's copies too (copies.KeptOut)
+            self.flags.append(host.entries[1])
+        host.guests = [*host.guests, owned]
+        return True
+
     def remove(self) -> None:
-        """Remove every hook added (again: nothing happens)."""
-        for table, key in self.entries:
-            table.pop(key, None)
-        for owned in self.keyed:
-            for sink in (owned.key, owned.gradient_key):
-                if sink is not None:
-                    compiled.close_sink(sink)
-            owned.key = owned.gradient_key = None
-        self.entries.clear()
+        """Remove every hook added (again: nothing happens); an entry another thread's open
+        block still uses stays, until that block closes."""
+        _locked(self._remove)
+
+    def _remove(self) -> None:
+        for host, guest in self.joined:
+            host.guests = [other for other in host.guests if other is not guest]
+            _release(host)
+        for owned in self.hosted:
+            owned.thread = _NOBODY  # its block is over: no call is its own now
+            if not owned.guests:  # _release inlined: a block of every module removes hundreds
+                for table, key in owned.entries:
+                    table.pop(key, None)
+                if owned.key is not None:
+                    _release(owned)
+        self.hosted.clear()
+        self.joined.clear()
         self.flags.clear()
-        self.keyed.clear()
+
+
+_NOBODY = -1  # the ``thread`` of a host whose own block closed: no thread's ident
+_sharing = threading.RLock()  # entries shared between blocks of several threads (ModuleHooks)
+
+
+def _kind(owned: OwnedHook) -> tuple[Any, ...] | None:
+    """What a compiled call of ``owned`` does, for ``ModuleHooks._join``: hooks of one kind
+    trace to the same operator and take the same value from a call (``pick``), whatever their
+    block, so one entry serves them all; None for a hook that shares no entry (no ``pick``: a
+    traced call runs its own function; a ``pick`` bound to one block's state)."""
+    pick = owned.pick
+    if pick is None or hasattr(pick, "__self__"):
+        return None
+    return type(owned), pick, owned.replaces, owned.on_gradient is None, owned.in_recompute
+
+
+def _release(host: OwnedHook) -> None:
+    """Pop ``host``'s entries and close its sinks once no open block uses them."""
+    if host.thread != _NOBODY or host.guests:
+        return
+    for table, key in host.entries:
+        table.pop(key, None)
+    for sink in (host.key, host.gradient_key):
+        if sink is not None:
+            compiled.close_sink(sink)
+    host.key = host.gradient_key = None
+
+
+def _locked(function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)`` under ``_sharing`` and, once ``torch._dynamo`` is loaded, dynamo's
+    compile lock, so no trace (another thread's) reads a hook table while it changes."""
+    # half made while another thread imports it (no trace runs before it is whole): ours alone
+    lock = getattr(sys.modules.get("torch._dynamo.convert_frame"), "compile_lock", _sharing)
+    # one line each (engine.interrupts): an exception at a line event of the body still unlocks
+    with _sharing, lock: return function(*args)  # noqa: E701
 
 
 def on_tensor_grad(tensor: torch.Tensor, function: Callable[[torch.Tensor], Any]) -> RemovableHandle:

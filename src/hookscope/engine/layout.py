@@ -400,17 +400,18 @@ class MaskWatcher:
             ids = given if isinstance(given, Tensor) and given.dim() == 2 else None
         self.tokens = Tokens(mask, _past(kwargs), ids, self._pad, self._ambiguous)
 
-    def find(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
-        """The mask of the call ``(args, kwargs)`` (``given`` when set), or None: what a compiled
-        graph passes out of the root's pre-hook (``engine.compiled``)."""
-        if self.given is not None:
-            return self.given
-        found = _argument(args, kwargs, "attention_mask", self._index)
-        return found if isinstance(found, Tensor) else None
+    @property
+    def find(self) -> Callable[..., Tensor | None]:
+        """``find(module, args, kwargs)``: the mask of the call, or None: what a compiled graph
+        passes out of the root's pre-hook (``engine.compiled``) to ``set``. One function per
+        position of ``attention_mask`` (``_finding``), so the blocks of several threads on one
+        model hook its root with one shared entry (``hooks.ModuleHooks``)."""
+        return _finding(self._index)
 
     def set(self, mask: Tensor | None) -> None:
-        """Make ``Tokens(mask)`` the running forward's (a compiled call's mask, ``find``)."""
-        self.tokens = Tokens(mask)
+        """Make ``Tokens(mask)`` (the mask given at construction, when one was) the running
+        forward's: a compiled call's mask, ``find``."""
+        self.tokens = Tokens(mask if self.given is None else self.given)
 
     def layout(self, key: str, op: str | None, shape: Sequence[int], seq_dim: int | None = None,
                *, heads: bool = False, module: nn.Module | None = None, parts: Parts = ()) -> Layout:
@@ -441,6 +442,15 @@ def stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
                 and getattr(getattr(model, "config", None), "is_encoder_decoder", False):
             found.append((paths[id(stack)], stack))
     return found
+
+
+@functools.cache
+def _finding(index: int | None) -> Callable[..., Tensor | None]:
+    """``MaskWatcher.find`` for a model taking ``attention_mask`` at position ``index``."""
+    def find(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor | None:
+        found = _argument(args, kwargs, "attention_mask", index)
+        return found if isinstance(found, Tensor) else None
+    return find
 
 
 def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, index: int | None) -> Any:

@@ -50,6 +50,10 @@ __all__ = ["HookSession", "Observer", "OnUnfired", "resolve_checked", "resolve_e
 OnUnfired = Literal["warn", "error", "ignore"]
 
 
+_LOST = ("an interrupt removed this block's hooks while it was entered, and its "
+         "KeyboardInterrupt was lost on the way")
+
+
 class HookSession:
     """A ``with`` block that owns hooks on selected modules of ``model``.
 
@@ -150,8 +154,7 @@ class HookSession:
         if not entered:  # never entered, or left already: nothing to report twice
             return None
         if lost:
-            raise KeyboardInterrupt("an interrupt removed this block's hooks while it was "
-                                    "entered, and its KeyboardInterrupt was lost on the way")
+            raise KeyboardInterrupt(_LOST)
         self._finish()
         stopped = stopped_by(exc, self._stopper)  # our early stop: the block ends cleanly
         if exc is not None and not stopped:
@@ -226,7 +229,11 @@ class HookSession:
 
         Raises:
             HookscopeError: the session is not active (the hook would never be removed).
+            KeyboardInterrupt: an interrupt removed the block's hooks and its own
+                KeyboardInterrupt was lost (dropped in a gc callback).
         """
+        if self._entered and not self._active:  # an interrupt removed the hooks (see _close)
+            raise KeyboardInterrupt(_LOST)
         if not self._active:
             raise HookscopeError("hook_grad_node adds a hook until the block exits: call it "
                                  "inside the `with` block of this session")
