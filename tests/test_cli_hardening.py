@@ -164,7 +164,7 @@ def test_disk_full_during_extract_leaves_no_temporary_file(
 
     write_hashed = _store_writer._write_hashed  # the real one
     monkeypatch.setattr(_store_writer, "_write_hashed",
-                        lambda f, pieces, digest: write_hashed(Full(), pieces, digest))
+                        lambda f, pieces, digest, sums: write_hashed(Full(), pieces, digest, sums))
     torch.save(torch.randn(6, 4), tmp_path / "rows.pt")
     out = tmp_path / "store"
     assert main(["extract", f"{models}:small", "--data", str(tmp_path / "rows.pt"), "--layers", "0",

@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from hypothesis import given
+from hypothesis import strategies as st
 from safetensors import safe_open
 
 from hookscope.errors import StoreCorruptError, StoreError, StoreExistsError
 from hookscope.store.folder import prepare_output
-from hookscope.store.reader import MANIFEST, chunk_sums, open_store
+from hookscope.store.reader import MANIFEST, ChunkSums, chunk_sums, open_store
 from hookscope.store.writer import ShardData, StoreWriter, join_parts
 
 HEADER = {"model": {"spec": "test", "class": "x.Y"}, "extract": {},
@@ -234,6 +236,22 @@ def test_chunk_sum_is_the_documented_weighted_word_sum() -> None:
     assert chunk_sums(data, len(data), chunk_bytes=2**20) == [f"{expected:016x}"]
     halves = chunk_sums(data, len(data), chunk_bytes=8192)
     assert len(halves) == 2 and halves[1] == chunk_sums(data[8192:], 2051, chunk_bytes=8192)[0]
+
+
+@given(size=st.integers(0, 5 * 8192 + 100), cuts=st.lists(st.integers(0, 5 * 8192 + 100), max_size=8),
+       chunk_bytes=st.sampled_from([1024, 4096, 6000, 8192, 12288]), seed=st.integers(0, 2**16))
+def test_chunk_sums_of_pieces_as_written_equal_those_of_the_whole(
+        size: int, cuts: list[int], chunk_bytes: int, seed: int) -> None:
+    """The writer sums each shard's pieces as it writes them (``ChunkSums``), cut anywhere:
+    inside a page, on a page or chunk boundary, into empty pieces, chunks of whole pages or not
+    (a test's 1 KiB); the sums are those of the file's bytes read whole (``chunk_sums``, what
+    readers check)."""
+    data = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+    bounds = sorted({0, size, *(c for c in cuts if c <= size)})
+    summed = ChunkSums(chunk_bytes)
+    for begin, end in zip(bounds, bounds[1:]):
+        summed.update(memoryview(data)[begin:end])
+    assert summed.finish() == chunk_sums(data, size, chunk_bytes=chunk_bytes)
 
 
 @pytest.mark.parametrize("position", [0, 8, 4095, 4096 + 7, 10242])

@@ -6,7 +6,6 @@ to a local store's, every listed shard whole whenever a manifest appears, files 
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import pickle
@@ -344,7 +343,6 @@ def test_a_read_spanning_chunks_gets_them_in_one_request_each_checked(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from hookscope.store import reader
     monkeypatch.setattr(writer, "CHUNK_BYTES", 1024)  # 4 rows a chunk
-    monkeypatch.setattr(writer, "chunk_sums", functools.partial(reader.chunk_sums, chunk_bytes=1024))
     place = Place(f"memory://hookscope-tests/{uuid.uuid4().hex[:12]}", None)
     store = _extract(place, shard_bytes=ROWS.numel() * 4)  # one shard of 10+ chunks
     (shard,) = store.shards

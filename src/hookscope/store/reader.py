@@ -61,8 +61,8 @@ from hookscope.store.manifest import (
 if TYPE_CHECKING:
     from hookscope.store.tokens import TokenView
 
-__all__ = ["FORMAT", "LayerInfo", "LayerView", "ShardInfo", "Store", "StoreDataset", "chunk_sums",
-           "open_store", "read_manifest", "CHUNK_BYTES", "MANIFEST", "dtype_name"]
+__all__ = ["FORMAT", "ChunkSums", "LayerInfo", "LayerView", "ShardInfo", "Store", "StoreDataset",
+           "chunk_sums", "open_store", "read_manifest", "CHUNK_BYTES", "MANIFEST", "dtype_name"]
 
 MANIFEST = "manifest.json"
 CHUNK_BYTES = 4 * 2**20  # granularity of the read-time checksums
@@ -158,6 +158,64 @@ def chunk_sums(data: bytes | mmap.mmap | np.ndarray, size: int, chunk_bytes: int
             total += (2 * pages + 1) * int(np.add.reduce(last))
         sums.append(f"{total % 2**64:016x}")
     return sums
+
+
+class ChunkSums:
+    """``chunk_sums`` of bytes handed over piece by piece (a shard's, as it is written), each
+    byte read once, from memory: the writer no longer maps the file it wrote to read it all
+    again (25 ms of the writer's 200 per 256 MiB extracted, ``bench/throughput.py``).
+
+    ``update`` each piece in file order, then ``finish()`` returns what ``chunk_sums(data,
+    len(data), chunk_bytes)`` of their concatenation returns."""
+
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES):
+        self.chunk_bytes = chunk_bytes
+        self.sums: list[str] = []
+        self._pos, self._page, self._total = 0, 0, 0  # in the current chunk: bytes, whole pages, sum
+        self._carry = bytearray()  # a page begun in one piece and ended in the next
+
+    def update(self, piece: Any) -> None:
+        view = memoryview(piece).cast("B")
+        at, n = 0, len(view)
+        while at < n:
+            left = self.chunk_bytes - self._pos  # in the current chunk
+            if not self._carry and min(left, n - at) >= PAGE_BYTES:  # whole pages, read in place
+                pages = min(n - at, left) // PAGE_BYTES
+                self._add(np.frombuffer(view, "<u8", pages * PAGE_BYTES // 8, at).reshape(pages, -1))
+                at += pages * PAGE_BYTES
+            else:  # a page, or a chunk's last bytes, across pieces
+                take = min(PAGE_BYTES - len(self._carry), left, n - at)
+                self._carry += view[at:at + take]
+                self._pos += take
+                at += take
+                if len(self._carry) == PAGE_BYTES:
+                    self._pos -= PAGE_BYTES  # counted again by _add
+                    self._add(np.frombuffer(self._carry, "<u8").reshape(1, -1))
+                    self._carry = bytearray()
+            if self._pos == self.chunk_bytes:
+                self._close()
+
+    def finish(self) -> list[str]:
+        """The checksum of each chunk, the last one (shorter) included."""
+        if self._pos:
+            self._close()
+        return self.sums
+
+    def _add(self, words: np.ndarray) -> None:
+        """Sum ``words``, ``(pages, 512)`` uint64: the current chunk's next whole pages."""
+        first = self._page
+        self._total += int(np.dot(np.add.reduce(words, axis=1), _odd(first + len(words))[first:]))
+        self._page += len(words)
+        self._pos += len(words) * PAGE_BYTES
+
+    def _close(self) -> None:
+        """End the current chunk: its last bytes short of a page (zero-padded to whole words)
+        weigh as the next page."""
+        if self._carry:
+            tail = bytes(self._carry).ljust(-(-len(self._carry) // 8) * 8, b"\0")
+            self._total += (2 * self._page + 1) * int(np.add.reduce(np.frombuffer(tail, "<u8")))
+        self.sums.append(f"{self._total % 2**64:016x}")
+        self._pos, self._page, self._total, self._carry = 0, 0, 0, bytearray()
 
 
 def _odd(n: int) -> np.ndarray:

@@ -28,7 +28,7 @@ import torch
 from hookscope.errors import StoreCorruptError, StoreError
 from hookscope.store.fs import StorePath, listdir, write_atomic
 from hookscope.store.manifest import DIGESTS, FORMAT, VERSION, Digest, tensor_specs
-from hookscope.store.reader import _ST_DTYPES, CHUNK_BYTES, MANIFEST, ShardInfo, chunk_sums, read_manifest
+from hookscope.store.reader import _ST_DTYPES, CHUNK_BYTES, MANIFEST, ChunkSums, ShardInfo, read_manifest
 
 __all__ = ["BackgroundWriter", "ShardData", "Staging", "StoreWriter", "join_parts", "read_part",
            "write_shard"]
@@ -64,13 +64,15 @@ class ShardData:
 
 
 # ---------------------------------------------------------------------------------------- writing
-def _write_hashed(f: Any, pieces: list[memoryview], digest: Digest) -> tuple[int, str]:
-    """Write ``pieces`` to the file ``f`` in order, hashing each first; return the bytes
-    written and their ``digest`` (hex). XXH3-128 (version 2) hashes at memory speed, so it
-    runs inline: sha256 (version 1) cost a thread of its own beside the write."""
+def _write_hashed(f: Any, pieces: list[memoryview], digest: Digest, sums: ChunkSums) -> tuple[int, str]:
+    """Write ``pieces`` to the file ``f`` in order, hashing each first and adding it to
+    ``sums``; return the bytes written and their ``digest`` (hex). XXH3-128 (version 2) hashes
+    at memory speed, so it runs inline: sha256 (version 1) cost a thread of its own beside the
+    write."""
     hashed = digest.new()
     for piece in pieces:
         hashed.update(piece)
+        sums.update(piece)
         f.write(piece)
     return sum(len(p) for p in pieces), hashed.hexdigest()
 
@@ -113,11 +115,10 @@ def write_shard(path: StorePath, shard: ShardData, run: str, version: int
     def write(tmp: str) -> None:
         pieces = [memoryview(struct.pack("<Q", len(text)) + text),
                   *(_bytes_of(chunk) for _, _, _, chunks in tensors for chunk in chunks)]
+        sums = ChunkSums(CHUNK_BYTES)
         with open(tmp, "wb") as f:
-            size, digest = _write_hashed(f, pieces, DIGESTS[version])
-        with open(tmp, "rb") as f:  # the mapping closes when collected (numpy views outlive it)
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            written.extend([size, digest, tuple(chunk_sums(mapped, size))])
+            size, digest = _write_hashed(f, pieces, DIGESTS[version], sums)
+        written.extend([size, digest, tuple(sums.finish())])
 
     write_atomic(path, write, tag=run)
     return written[0], written[1], written[2]
