@@ -14,10 +14,13 @@ the last block, and copies leave shared entries out."""
 from __future__ import annotations
 
 import copy
+import os
 import queue
+import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -135,6 +138,12 @@ def _same(got: Any, want: Any) -> bool:
 
 def _same_tensors(got: Any, want: Any) -> bool:
     return _same((got.args, got.kwargs), (want.args, want.kwargs))
+
+
+def _no_grad(model: nn.Module, x: Tensor) -> Tensor:
+    """``model(x)`` under ``torch.no_grad()`` (grad mode is the calling thread's own)."""
+    with torch.no_grad():
+        return model(x)
 
 
 class Net(nn.Module):
@@ -275,3 +284,287 @@ def test_a_shared_entry_hosts_later_blocks_and_leaves_with_the_last() -> None:
         want = model.a(x)
     assert b.counts["a"] == 1 and torch.equal(b["a"], want) and a.counts["a"] == 0
     assert torch.equal(b.inputs("a")[0], x)
+
+
+# ---------------------------------------------------------------- found by an attack (session 11)
+def test_a_joined_block_says_its_module_ran_only_in_other_threads() -> None:
+    """A block sharing another thread's entry counts that thread's calls as foreign, both ways:
+    its report says the module ran in other threads, not that no forward pass ran."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    for caller in (0, 1):
+        workers = [Worker(), Worker()]
+        try:
+            blocks = [hookscope.capture(model, "0", on_unfired="ignore") for _ in workers]
+            for worker, block in zip(workers, blocks):
+                worker.run(block.__enter__)
+            assert len(model[0]._forward_hooks) == 1  # shared
+            workers[caller].run(lambda: model(torch.ones(1, 4)))  # noqa: B023 - run at once
+            for worker, block in zip(workers, blocks):
+                worker.run(lambda: block.__exit__(None, None, None))  # noqa: B023
+        finally:
+            for worker in workers:
+                worker.stop()
+        silent = blocks[1 - caller]
+        assert blocks[caller].counts["0"] == 1 and silent.counts["0"] == 0
+        assert "ran 1 time, all in other threads" in silent.unfired["0"]
+
+
+def test_blocks_of_two_hooks_of_one_kind_per_thread_keep_the_tables_as_they_are(
+        interleaved: None, dynamo_warnings: list[str]) -> None:
+    """Each request opens a capture and a steer of one module (two witnesses of one kind on
+    the next module): the n-th thread's hooks joined the last entry, then needed one of their
+    own, so the tables grew by one entry per open request, each a recompile, and the ninth
+    raised dynamo's FailOnRecompileLimitHit. Each hook now joins the earliest entry it can."""
+    model = Net().eval()
+    counter = CompileCounterWithBackend("eager")
+    compiled_model = torch.compile(model, backend=counter, fullgraph=True)
+    x = torch.ones(1, 4)
+
+    def blocks() -> list[Any]:
+        return [hookscope.capture(compiled_model, "a"),
+                hookscope.steer(compiled_model, {"a": torch.ones(4)})]
+
+    with torch.no_grad(), blocks()[0] as acts, blocks()[1]:
+        want = compiled_model(x)
+    workers, opened, tables = [Worker() for _ in range(9)], [], None
+    try:
+        for worker in workers:
+            pair = blocks()
+            for block in pair:
+                worker.run(block.__enter__)  # noqa: B023 - run at once
+            opened.append((worker, pair))
+            got = worker.run(lambda: _no_grad(compiled_model, x))
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            now = [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()]
+            assert now == (tables := tables or now)  # as the first request left them
+        for worker, pair in opened:
+            for block in reversed(pair):
+                worker.run(lambda: block.__exit__(None, None, None))  # noqa: B023
+            assert pair[0].counts["a"] == 1 and torch.equal(pair[0]["a"], acts["a"])
+    finally:
+        for worker in workers:
+            worker.stop()
+    assert counter.frame_count == 1 and dynamo_warnings == []
+    assert _tables_empty(model)
+
+
+def test_a_model_compiled_in_another_thread_checks_for_new_hooks() -> None:
+    """torch 2.13 keeps a dynamo setting per thread: hookscope turned hook guards on in the
+    thread that first opened a block only, so code compiled in a worker thread ignored later
+    blocks there (an ablation did nothing, with a warning blaming code compiled earlier)."""
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)).eval()
+    compiled_model = torch.compile(model, backend="eager")
+    x = torch.ones(1, 4)
+    with torch.no_grad(), hookscope.capture(compiled_model, "0"):
+        compiled_model(x)
+    worker = Worker()
+    try:
+        def compile_then_ablate() -> tuple[Tensor, dict[str, int]]:
+            with torch.no_grad():
+                compiled_model(x)  # compiled here, without a block
+                with hookscope.ablate(compiled_model, "2") as ablation:
+                    return compiled_model(x), ablation.counts
+        out, counts = worker.run(compile_then_ablate)
+    finally:
+        worker.stop()
+        torch._dynamo.reset()
+    assert torch.equal(out, torch.zeros(1, 4)) and counts == {"2": 1}
+
+
+def test_a_compile_in_another_thread_leaves_eager_hooks_their_thread_checks() -> None:
+    """``torch.compiler.is_compiling()`` is True in every thread while any thread compiles: a
+    hook running eagerly meanwhile took the traced branch, with no thread check, so one
+    thread's call ran another thread's edit. The compile here waits in its backend while the
+    eager calls run."""
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    x = torch.ones(1, 4)
+    inside, leave = threading.Event(), threading.Event()
+
+    def waiting_backend(gm: Any, example_inputs: Any) -> Any:
+        inside.set()
+        leave.wait(60)
+        return gm.forward
+
+    compiling = threading.Thread(target=lambda: torch.compile(
+        lambda t: t * 2 + 1, backend=waiting_backend)(torch.ones(3)))
+    doubling, tripling = Worker(), Worker()
+    edits = [hookscope.edit(model, {"0": lambda o: o * 2}, on_unfired="ignore"),
+             hookscope.edit(model, {"0": lambda o: o * 3})]
+    try:
+        doubling.run(edits[0].__enter__)
+        tripling.run(edits[1].__enter__)
+        alone = tripling.run(lambda: model(x)).detach()
+        compiling.start()
+        assert inside.wait(60) and torch.compiler.is_compiling()
+        during = tripling.run(lambda: model(x)).detach()
+    finally:
+        leave.set()
+        compiling.join(60)
+        for worker, edit in zip((doubling, tripling), edits):
+            worker.run(lambda: edit.__exit__(None, None, None))  # noqa: B023
+            worker.stop()
+        torch._dynamo.reset()
+    with torch.no_grad():
+        want = model[2](torch.relu(model[0](x) * 3))
+    torch.testing.assert_close(alone, want, rtol=0, atol=0)
+    torch.testing.assert_close(during, want, rtol=0, atol=0)
+    assert edits[0].counts == {"0": 0} and edits[1].counts == {"0": 2}
+
+
+def test_an_export_in_another_thread_leaves_eager_captures_alone() -> None:
+    """``torch.compiler.is_exporting()`` is one flag for the process: while a thread exported
+    another model, every eager capture in other threads raised 'torch.export.export traced the
+    model'. The export here waits inside its traced forward while the capture runs."""
+    inside, leave = threading.Event(), threading.Event()
+
+    class Waiting(nn.Module):
+        def forward(self, t: Tensor) -> Tensor:
+            inside.set()
+            leave.wait(60)
+            return t + 1
+
+    exporting = threading.Thread(target=lambda: torch.export.export(Waiting(), (torch.ones(2),),
+                                                                    strict=False))
+    model = Net().eval()
+    x = torch.ones(1, 4)
+    exporting.start()
+    try:
+        assert inside.wait(60) and torch.compiler.is_exporting()
+        with torch.no_grad(), hookscope.capture(model, "a") as acts:
+            model(x)
+    finally:
+        leave.set()
+        exporting.join(60)
+    with torch.no_grad():
+        assert torch.equal(acts["a"], model.a(x))
+
+
+def test_a_thread_without_an_edit_is_told_why_a_fullgraph_call_with_gradients_fails(
+        interleaved: None) -> None:
+    """A fullgraph model holds another thread's open edit as an operator without a derivative:
+    a call with gradients cannot pass it in any thread (gradients would stop there). The error
+    says it is another thread's edit and what to do."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)).eval()
+    compiled_model = torch.compile(model, backend="eager", fullgraph=True)
+    x = torch.ones(1, 4)
+    with torch.no_grad(), hookscope.edit(compiled_model, {"0": lambda o: o * 2}):
+        compiled_model(x)
+    worker = Worker()
+    edit = hookscope.edit(compiled_model, {"0": lambda o: o * 2}, on_unfired="ignore")
+    try:
+        worker.run(edit.__enter__)
+        with pytest.raises(hookscope.EditError, match="another thread's edit block is open"):
+            compiled_model(x)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled_model(x), model(x), rtol=0, atol=0)  # unedited here
+    finally:
+        worker.run(lambda: edit.__exit__(None, None, None))
+        worker.stop()
+
+
+def test_removing_hooks_waits_for_a_trace_in_another_thread() -> None:
+    """``remove_hooks`` changed hook tables outside dynamo's compile lock: another thread's
+    trace then met a table changing under it (IndexError from dynamo's guard builder,
+    'OrderedDict mutated during iteration'). It now waits while a trace holds the lock."""
+    import torch._dynamo.convert_frame as frames
+    model = Net().eval()
+    handle = model.a.register_forward_hook(lambda m, a, out: None)
+    done = threading.Event()
+    remover = threading.Thread(target=lambda: (hookscope.remove_hooks(model), done.set()))
+    with frames.compile_lock:  # a trace in progress
+        remover.start()
+        assert not done.wait(0.3) and len(model.a._forward_hooks) == 1
+    remover.join(60)
+    assert done.is_set() and not model.a._forward_hooks
+    handle.remove()
+
+
+def test_a_flag_is_left_out_of_copies_before_it_is_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A block's ``with_kwargs`` flag was written before the block noted it as its own
+    (``copies.KeptOut``): a ``deepcopy`` made by another thread in between carried it. Each
+    flag is now noted first, the host's flag by each block that joins it too."""
+    from hookscope.engine import copies as copies_module
+    noted: list[tuple[int, bool]] = []
+    add_entry = copies_module.KeptOut.add_entry
+
+    def noting(self: Any, table: Any, key: int) -> None:
+        noted.append((key, key in table))
+        add_entry(self, table, key)
+
+    monkeypatch.setattr(copies_module.KeptOut, "add_entry", noting)
+    model = Net().eval()
+    worker = Worker()
+    try:
+        blocks = [hookscope.capture(model, "a", inputs=True, on_unfired="ignore") for _ in range(2)]
+        blocks[0].__enter__()
+        worker.run(blocks[1].__enter__)  # joins: notes the host's flag, already written
+        copied = worker.run(lambda: copy.deepcopy(model))
+        blocks[0].__exit__(None, None, None)
+        copied_after = worker.run(lambda: copy.deepcopy(model))  # the host's block is gone
+        worker.run(lambda: blocks[1].__exit__(None, None, None))
+    finally:
+        worker.stop()
+    hosted = [key for key, _ in noted[:2]]  # the root's and a's flags, by the first block
+    assert [written for _, written in noted[:2]] == [False, False]
+    assert [key for key, _ in noted[2:]] == hosted  # the joining block notes the same flags
+    assert _tables_empty(copied) and _tables_empty(copied_after) and _tables_empty(model)
+
+
+_BEFORE_DYNAMO = """
+import queue, sys, threading, warnings
+import torch
+from torch import nn
+import hookscope
+warnings.simplefilter("ignore")
+
+class Worker:  # runs each job handed to it in a thread of its own, when told
+    def __init__(self):
+        self.jobs, self.done = queue.Queue(), queue.Queue()
+        threading.Thread(target=lambda: [self.done.put(job()) for job in iter(self.jobs.get, None)],
+                         daemon=True).start()
+    def run(self, job):
+        self.jobs.put(job)
+        return self.done.get(timeout=60)
+    def stop(self):
+        self.jobs.put(None)
+
+class Net(nn.Module):  # tests.test_compile_threads.Net (a Sequential did not show it)
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+model = Net().eval()
+x1, x2 = torch.ones(1, 4), torch.full((1, 4), 2.0)
+first, second = Worker(), Worker()
+assert "torch._dynamo" not in sys.modules
+a = hookscope.capture(model, "a", on_unfired="ignore")
+first.run(a.__enter__)  # a long-lived block, opened before anything compiled
+import torch._dynamo
+compiled = torch.compile(model, backend="eager")
+b = hookscope.capture(compiled, "a", on_unfired="ignore")
+second.run(b.__enter__)
+second.run(lambda: compiled(x2))
+first.run(lambda: model(x1))
+second.run(lambda: b.__exit__(None, None, None))
+first.run(lambda: a.__exit__(None, None, None))
+with torch.no_grad():
+    print(torch.equal(a.calls("a")[0], model.a(x1)), a.counts["a"],
+          b.counts["a"] == 1 and torch.equal(b.calls("a")[0], model.a(x2)), b.counts["a"])
+first.stop(); second.stop()
+"""
+
+
+def test_a_block_on_a_compiled_model_does_not_join_one_opened_before_dynamo_loaded() -> None:
+    """An entry made before ``torch._dynamo`` was loaded has no compiled sink: a traced call
+    runs its host's function, never a guest's. A block of another thread on the compiled
+    model joined it and recorded nothing (its call went to the first block)."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", _BEFORE_DYNAMO], capture_output=True, text=True,
+                          timeout=300, cwd=root, env={**os.environ, "PYTHONPATH": f"{root / 'src'}:{root}"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "1", "True", "1"]

@@ -82,7 +82,10 @@ def prepare() -> None:
     if not _op:
         _op.append(_define())
     if not _checked and (dynamo := sys.modules.get("torch._dynamo")) is not None:
-        dynamo.config.skip_nnmodule_hook_guards = False
+        dynamo.config.skip_nnmodule_hook_guards = False  # this thread's setting (a ContextVar)
+        entry = getattr(dynamo.config, "_config", {}).get("skip_nnmodule_hook_guards")
+        if entry is not None:  # and every other thread's: torch 2.13's config is per thread
+            entry.default = False
         frames: Any = dynamo.eval_frame
         skip = frames.FrameExecStrategy(frames.FrameAction.SKIP, frames.FrameAction.SKIP)
         for code in _hook_codes:  # a frame of its own: eager, whole (see eager_when_called)
@@ -121,10 +124,12 @@ def _copy(value: Tensor) -> Tensor:
 
 
 def _replace(values: list[Tensor | None], kind: int, key: int, grad: bool) -> list[Tensor]:
-    if grad:
-        raise EditError(_NO_GRAD_EDIT)
-    kept = [None if v is None else v.detach().clone() for v in values]
     sink = _sinks.get(key)
+    if grad:  # no derivative: not even a thread without an edit of its own can pass
+        hook = getattr(sink, "__self__", None)  # the OwnedHook whose kept() the sink is
+        mine = hook is None or hook.acts_for(threading.get_ident())
+        raise EditError(_NO_GRAD_EDIT if mine else _OTHER_THREADS_EDIT)
+    kept = [None if v is None else v.detach().clone() for v in values]
     return _fresh(kept, None if sink is None else sink(_rebuilt(kept, kind)))
 
 
@@ -184,6 +189,14 @@ _NO_GRAD_EDIT = (
     "edit is any function), and a full graph cannot run it outside. Call the model under "
     "torch.no_grad() or torch.inference_mode(), compile with fullgraph=False (the edit then "
     "splits the graph and gradients equal eager), or edit the eager model (compiled._orig_mod)")
+
+
+_OTHER_THREADS_EDIT = (
+    "another thread's edit block is open on this torch.compile(model, fullgraph=True) model, and "
+    "this call runs with gradients: the graph holds that edit as one operator without a "
+    "derivative, which every thread's call goes through (gradients would stop there). Call the "
+    "model under torch.no_grad() or torch.inference_mode() while edit blocks are open, compile "
+    "with fullgraph=False, or edit a copy of the model (copy.deepcopy) in the other thread")
 
 
 def _rebuilt(values: list[Tensor | None], kind: int) -> Any:

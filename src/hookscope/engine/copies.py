@@ -110,9 +110,10 @@ def _close_block(kept: KeptOut) -> None:
 
 
 def _reduce(table: OrderedDict[Any, Any]) -> Any:
+    items = list(table.items())  # one step (C): a block of another thread may change the table
     ours = [ids for kept in _open if (ids := kept.ids_in(table))]
-    if not ours and not any(owner(value) is not None for value in table.values()):
+    if not ours and not any(owner(value) is not None for _, value in items):
         return table.__reduce__() if _previous is None else _previous(table)
-    kept = [(key, value) for key, value in table.items()
+    kept = [(key, value) for key, value in items
             if owner(value) is None and not any(key in ids for ids in ours)]
     return OrderedDict, (), None, None, iter(kept)

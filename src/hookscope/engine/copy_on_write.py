@@ -36,7 +36,7 @@ __all__ = ["eager_copy", "lazy_copy", "shares_memory", "version_of"]
 Tensor = torch.Tensor
 
 lazy_clone = torch._lazy_clone
-compiling = torch.compiler.is_compiling
+compiling = torch.compiler.is_dynamo_compiling  # True only where dynamo traces (is_compiling: any thread)
 
 
 def lazy_copy(t: Tensor) -> Tensor:

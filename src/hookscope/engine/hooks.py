@@ -61,6 +61,17 @@ _compiling = torch.compiler.is_compiling
 _exporting = torch.compiler.is_exporting
 _transforms_active = torch._C._are_functorch_transforms_active
 _lazy_clone = torch._lazy_clone
+_dynamo_tracing = torch.compiler.is_dynamo_compiling  # True only in code dynamo traces
+_fake_mode = torch._C._get_dispatch_mode
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
+
+
+def _traced() -> bool:
+    """Whether this call is traced: dynamo traces it, or this thread runs it on FakeTensors (a
+    non-strict ``torch.export``). ``torch.compiler.is_compiling()`` alone is one flag for the
+    whole process, True in every thread while any thread compiles: a hook running eagerly in
+    another thread then took the traced branch, and skipped its thread checks."""
+    return _dynamo_tracing() or _fake_mode(_FAKE) is not None
 
 
 class OwnedHook:
@@ -134,9 +145,11 @@ class OwnedHook:
         """Run ``function`` on ``value``, what ``pick`` took from a compiled call (a copy, from
         ``engine.compiled``'s operator), with the checks of an eager call that a compiled
         call can still make (thread, recompute); return what it returned (an edit's output)."""
-        if _get_ident() != self.thread:
-            guest = self._guest()
-            return self._foreign() if guest is None else guest.kept(value)
+        ident = _get_ident()
+        self._count(ident)
+        if ident != self.thread:
+            guest = self._guest(ident)
+            return None if guest is None else guest.kept(value)
         if _graph_task_id() != -1:
             self.recomputes += 1
             if not self.in_recompute:
@@ -151,22 +164,22 @@ class OwnedHook:
         """Run ``on_gradient`` on a compiled backward's gradient (a copy, from
         ``hookscope::gradient``) when the session's thread runs that backward, as the eager
         tensor hook, registered by an owned forward only, does; count it a foreign call else."""
-        if _get_ident() != self.thread:
-            guest = self._guest()
-            if guest is None:
-                self._foreign()
-            else:
+        ident = _get_ident()
+        self._count(ident)
+        if ident != self.thread:
+            guest = self._guest(ident)
+            if guest is not None:
                 guest.gradient_kept(grad)
         elif self.on_gradient is not None:
             self.on_gradient(grad)
 
     def __call__(self, module: nn.Module, *args: Any) -> Any:
-        # a subclass with an inlined hot path (RecordingHook) makes these same four
-        # tests, compiling first (dynamo must not trace the rest), and hands every other call here
-        compiling = _compiling()
-        if not compiling and module is self.module and _get_ident() == self.thread and _graph_task_id() == -1:
+        # a subclass with an inlined hot path (RecordingHook) makes these same five tests,
+        # compiling first (dynamo must not trace the rest), and hands every other call here
+        if (not _compiling() and module is self.module and _get_ident() == self.thread
+                and _graph_task_id() == -1 and not self.guests):
             return self.function(module, *args)
-        if compiling:  # traced into a compiled graph: calls are the model's
+        if _compiling() and _traced():  # traced into a compiled graph: calls are the model's
             if _exporting():  # torch.export: FakeTensors, no values to record
                 raise refuse_export_trace()
             if self.key is not None and self.pick is not None:
@@ -180,31 +193,43 @@ class OwnedHook:
                 if flat is not None and (self.replaces == FULLGRAPH or not grad):
                     # the graph goes on with its result (or, fullgraph with gradients, an error)
                     return compiled.replace(flat[0], flat[1], self.key, grad)
-            if self.traceable:
-                return self.function(module, *args)
-            return _untraced(self.function, module, args)
+            if self.traceable and (self.key is not None or self.pick is None):
+                return self.function(module, *args)  # no thread check: every call's (see docs)
+            # with its checks, at run time (a hook whose block began before dynamo was loaded)
+            return _untraced(self._eager, module, args)
+        return self._eager(module, args)
+
+    def _eager(self, module: nn.Module, args: tuple[Any, ...]) -> Any:
+        """A call run as it comes (not traced; another thread may be compiling): the session's
+        own, a guest's (run by the guest), a checkpoint recompute, or another thread's."""
         if module is not self.module:  # a shallow copy sharing the hook tables
             return None
-        if _get_ident() != self.thread:
-            guest = self._guest()
-            return self._foreign() if guest is None else guest.__call__(module, *args)
+        ident = _get_ident()
+        self._count(ident)
+        if ident != self.thread:
+            guest = self._guest(ident)
+            return None if guest is None else guest.__call__(module, *args)
+        if _graph_task_id() == -1:
+            return self.function(module, *args)
         self.recomputes += 1  # a forward inside backward: a checkpoint recompute
         return self.function(module, *args) if self.in_recompute else None
 
-    def _guest(self) -> OwnedHook | None:
-        """The hook of another block that this one hosts for the calling thread, if any."""
-        ident = _get_ident()
-        return next((guest for guest in self.guests if guest.thread == ident), None)
+    def _guest(self, thread: int) -> OwnedHook | None:
+        """The hook of another block that this one hosts for ``thread``, if any."""
+        return next((guest for guest in self.guests if guest.thread == thread), None)
 
     def acts_for(self, thread: int) -> bool:
         """Whether a call in ``thread`` runs this hook's function or a guest's."""
         return self.thread == thread or any(guest.thread == thread for guest in self.guests)
 
-    def _foreign(self) -> None:
-        """Count a call of a thread that no block hosted here acts for: a foreign call of each."""
-        self.foreign_calls += 1
+    def _count(self, thread: int) -> None:
+        """Count a call in ``thread`` as a foreign call of this hook and of each guest whose
+        block is another thread's (the report of a block whose module ran only elsewhere)."""
+        if thread != self.thread:
+            self.foreign_calls += 1
         for guest in self.guests:
-            guest.foreign_calls += 1
+            if guest.thread != thread:
+                guest.foreign_calls += 1
 
     def _keeps(self, value: Any, flat: Any, key: int) -> bool:
         """Inside a compiled graph, hand ``value`` to this hook's sink by ``hookscope::keep``;
@@ -256,7 +281,8 @@ class RecordingHook(OwnedHook):
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
         # OwnedHook.__call__'s checks and lazy_copy inlined (a frame less per call: keep them
         # in step); compiling first: dynamo must not trace on
-        if _compiling() or module is not self.module or _get_ident() != self.thread or _graph_task_id() != -1:
+        if (_compiling() or module is not self.module or _get_ident() != self.thread
+                or _graph_task_id() != -1 or self.guests):
             return OwnedHook.__call__(self, module, args, output)  # a copy, a thread, a recompute
         # no functorch transform running: no output can be a transform's wrapper (a cheaper
         # test than asking the output); under one, snapshot() asks the output itself
@@ -325,16 +351,18 @@ def owner(value: Any) -> OwnedHook | None:
 
 
 def _outside_graph(function: Callable[..., Any], module: nn.Module, args: tuple[Any, ...]) -> Any:
-    """Run a session's hook ``function`` where ``torch.compile`` traces a hooked call: outside
-    the graph (dynamo splits the graph there), on the real values, once ``_untraced`` is this
-    function wrapped in ``torch.compiler.disable`` (``_ready_for_compile``).
+    """Run ``function(module, args)`` (a hook's ``OwnedHook._eager``: the session's function,
+    after the checks of an eager call) where ``torch.compile`` traces a hooked call: outside
+    the graph (dynamo splits the graph there), on the real values, in the thread running the
+    compiled call, once ``_untraced`` is this function wrapped in ``torch.compiler.disable``
+    (``_ready_for_compile``).
 
     Traced instead, a hook that dynamo cannot trace (a gradient watch, a version counter, a
     storage comparison) breaks the graph inside ``OwnedHook.__call__``, whose frame dynamo then
     compiles once per hook object (each guards on its own ``function``): 12 hooked modules hit
     dynamo's recompile limit (8) and print its warning (issue 25). Disabled, this one shared
     function is never compiled, so no hook adds a recompile."""
-    return function(module, *args)
+    return function(module, args)
 
 
 _untraced = _outside_graph
@@ -424,18 +452,19 @@ class ModuleHooks:
     written and popped under dynamo's compile lock once ``torch._dynamo`` is loaded: never
     while a trace reads them.
 
-    Attributes:
-        flags: ``(table, id)`` of the entries whose value is not the hook (the
-            ``*_with_kwargs`` tables map an id to ``True``): ``copies.KeptOut`` leaves them out
+    Args:
+        left_out: ``left_out(table, id)`` is called for each entry whose value is not the hook
+            (the ``*_with_kwargs`` tables map an id to ``True``) before it is written, and for
+            the entries of a host a hook joins: ``copies.KeptOut.add_entry`` leaves them out
             of copies by id.
     """
 
-    __slots__ = ("hosted", "joined", "flags")
+    __slots__ = ("hosted", "joined", "_left_out")
 
-    def __init__(self) -> None:
+    def __init__(self, left_out: Callable[[dict[int, Any], int], None] = lambda table, key: None) -> None:
         self.hosted: list[OwnedHook] = []  # hooks whose own entries this session wrote
         self.joined: list[tuple[OwnedHook, OwnedHook]] = []  # (host, hook): hosted by another
-        self.flags: list[tuple[dict[int, Any], int]] = []
+        self._left_out = left_out
 
     def add(self, owned: OwnedHook, *, pre: bool = False, with_kwargs: bool = False) -> None:
         """Register ``owned`` on ``owned.module`` as a forward (``pre``: forward-pre) hook,
@@ -448,11 +477,12 @@ class ModuleHooks:
         flags = None
         if with_kwargs:
             flags = module._forward_pre_hooks_with_kwargs if pre else module._forward_hooks_with_kwargs
-        if self._join(owned, table, flags):
+        keyed = _ready_for_compile() and owned.pick is not None
+        if self._join(owned, table, flags, keyed):
             return
         key = RemovableHandle.next_id
         RemovableHandle.next_id = key + 1
-        self._host(owned, table, flags, key, _ready_for_compile())
+        self._host(owned, table, flags, key, keyed)
 
     def add_forward(self, hooks: list[OwnedHook]) -> None:
         """``add`` each of ``hooks`` as a plain forward hook (no kwargs), in one loop: a
@@ -466,10 +496,10 @@ class ModuleHooks:
         hosted = self.hosted
         for owned in hooks:
             table = owned.module._forward_hooks
-            if table and self._join(owned, table, None):
+            if table and self._join(owned, table, None, keyed and owned.pick is not None):
                 pass
             elif keyed:
-                self._host(owned, table, None, key, keyed)
+                self._host(owned, table, None, key, owned.pick is not None)
             else:  # _host inlined, as in remove
                 owned.entries = [(table, key)]
                 hosted.append(owned)  # recorded before written, as _host
@@ -479,41 +509,45 @@ class ModuleHooks:
     def _host(self, owned: OwnedHook, table: dict[int, Any], flags: dict[int, Any] | None,
               key: int, keyed: bool) -> None:
         """Write ``owned``'s own entry ``key`` in ``table`` (and ``flags``), with a compiled
-        sink when it has a ``pick`` and ``keyed`` (dynamo is loaded: a process that has not
+        sink when ``keyed`` (it has a ``pick`` and dynamo is loaded: a process that has not
         loaded it compiles nothing)."""
         # each entry recorded before it is written: an exception between leaves nothing unrecorded
         owned.entries = [(table, key)] if flags is None else [(table, key), (flags, key)]
         self.hosted.append(owned)
-        if keyed and owned.pick is not None:
+        if keyed:
             owned.key = compiled.open_sink(owned.module, owned.kept)
             if owned.on_gradient is not None:
                 owned.gradient_key = compiled.open_sink(owned.module, owned.gradient_kept)
         if flags is not None:
-            self.flags.append((flags, key))
+            self._left_out(flags, key)  # out of copies before it exists (copies.KeptOut)
             flags[key] = True
         table[key] = owned.__call__  # a bound method: see owner()
 
-    def _join(self, owned: OwnedHook, table: dict[int, Any], flags: dict[int, Any] | None) -> bool:
-        """Make ``owned`` a guest of an entry of ``table`` of the same kind, hosting no block of
-        this thread, after which only entries of other threads' blocks come (each does nothing
-        for this thread's calls, so ``owned`` runs as if last); False when ``owned`` needs an
-        entry of its own."""
+    def _join(self, owned: OwnedHook, table: dict[int, Any], flags: dict[int, Any] | None,
+              keyed: bool) -> bool:
+        """Make ``owned`` a guest of the earliest entry of ``table`` of the same kind (``_kind``,
+        with or without a compiled sink as ``keyed`` says), hosting no block of this thread,
+        after which only entries of other threads' blocks come (each does nothing for this
+        thread's calls, so ``owned`` runs as if last); False when ``owned`` needs an entry of its
+        own. The earliest: a thread whose block makes two hooks of one kind (a capture's and a
+        steer's witness) joins two entries, not the last one and then a new one."""
         kind = _kind(owned)
         if kind is None:
             return False
+        found = None
         for value in reversed(table.values()):
             host = owner(value)
             if host is None or host.acts_for(owned.thread):  # a user's hook, or this thread's
-                return False
-            if (host.entries and host.module is owned.module and _kind(host) == kind
-                    and (len(host.entries) == 2) == (flags is not None)):
                 break
-        else:
+            if (host.entries and host.module is owned.module and _kind(host) == kind
+                    and (host.key is not None) == keyed and (len(host.entries) == 2) == (flags is not None)):
+                found = host
+        if found is None:
             return False
-        self.joined.append((host, owned))  # recorded before written
+        self.joined.append((found, owned))  # recorded before written
         if flags is not None:  # left out of this block's copies too (copies.KeptOut)
-            self.flags.append(host.entries[1])
-        host.guests = [*host.guests, owned]
+            self._left_out(*found.entries[1])
+        found.guests = [*found.guests, owned]
         return True
 
     def remove(self) -> None:
@@ -534,7 +568,6 @@ class ModuleHooks:
                     _release(owned)
         self.hosted.clear()
         self.joined.clear()
-        self.flags.clear()
 
 
 _NOBODY = -1  # the ``thread`` of a host whose own block closed: no thread's ident
@@ -650,6 +683,10 @@ def unregister(module: nn.Module | None, kind: str, hook_id: int) -> None:
     hook" mark goes back to unset (else a later ``register_backward_hook`` /
     ``register_module_backward_hook`` raises 'Cannot use both regular backward hooks and full
     backward hooks')."""
+    _locked(_unregister, module, kind, hook_id)  # as ModuleHooks: never under a trace
+
+
+def _unregister(module: nn.Module | None, kind: str, hook_id: int) -> None:
     owner_of: Any = torch_module if module is None else module
     if module is None:
         table, flags, mark = GLOBAL_TABLES[kind], GLOBAL_FLAGS, "_global_is_full_backward_hook"
@@ -665,5 +702,5 @@ def unregister(module: nn.Module | None, kind: str, hook_id: int) -> None:
 
 def in_recompute() -> bool:
     """True while autograd runs a backward pass: a forward now is a checkpoint recompute."""
-    return not _compiling() and _graph_task_id() != -1
+    return not (_compiling() and _traced()) and _graph_task_id() != -1
 

@@ -151,7 +151,7 @@ def _is_tensor(value: Any) -> bool:
 
 
 def _functorch(value: Any) -> bool:
-    return (isinstance(value, Tensor) and not torch.compiler.is_compiling()
+    return (isinstance(value, Tensor) and not torch.compiler.is_dynamo_compiling()
             and bool(torch._C._functorch.is_functorch_wrapped_tensor(value)))
 
 

@@ -96,7 +96,6 @@ class HookSession:
         self.unmatched: set[str] = set()
         self._on_unfired = on_unfired
         self._handles: list[RemovableHandle] = []  # function and autograd node hooks
-        self._module_hooks = ModuleHooks()
         self._owned: list[tuple[OwnedHook, bool]] = []  # (hook, is a forward hook)
         self._ran: set[str] = set()  # paths of selected modules and witnesses that ran
         self._stopper: EarlyStop | None = None  # set by _register for early_stop=True
@@ -104,6 +103,7 @@ class HookSession:
         self._active = False  # hooks registered (until removed, also by an interrupt)
         self._entered = False  # __enter__ completed and __exit__ not yet called
         self._left_out = copies.KeptOut(self._handles)  # this block's hooks, left out of copies
+        self._module_hooks = ModuleHooks(self._left_out.add_entry)
         self._copies_open = False  # whether copies.open_block(self._left_out) is in force
 
     def __enter__(self) -> Self:
@@ -250,10 +250,8 @@ class HookSession:
     def _own(self, owned: OwnedHook, *, pre: bool = False, with_kwargs: bool = False) -> None:
         """Register ``owned`` (an ``OwnedHook``, or a subclass with its own fast ``__call__``)
         on its module as this session's hook. Its table entry is left out of copies by its
-        value (``copies._reduce``), a ``with_kwargs`` flag by its id."""
+        value (``copies._reduce``), a ``with_kwargs`` flag by its id (``ModuleHooks``)."""
         self._module_hooks.add(owned, pre=pre, with_kwargs=with_kwargs)
-        if with_kwargs:
-            self._left_out.add_entry(*self._module_hooks.flags[-1])
         self._owned.append((owned, not pre))
 
     def _own_forward(self, hooks: list[OwnedHook]) -> None:

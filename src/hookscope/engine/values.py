@@ -60,7 +60,7 @@ def special(t: Tensor) -> bool:
     (While dynamo traces a hook there is no transform, and the C check would break the graph.)"""
     if t.is_quantized or (type(t) is not Tensor and is_dtensor(t)):
         return True
-    return not torch.compiler.is_compiling() and bool(_is_transformed(t))
+    return not torch.compiler.is_dynamo_compiling() and bool(_is_transformed(t))
 
 
 def keepable(t: Tensor, where: str) -> Tensor:
@@ -171,7 +171,7 @@ def check_not_transformed(t: torch.Tensor, where: str) -> None:
     Raises:
         CaptureError: naming the transform (vmap, or grad/jacrev/vjp) and what to do instead.
     """
-    if torch.compiler.is_compiling() or not _functorch.is_functorch_wrapped_tensor(t):
+    if torch.compiler.is_dynamo_compiling() or not _functorch.is_functorch_wrapped_tensor(t):
         return  # (dynamo traces hooks: a transform never wraps what it compiles here)
     if _functorch.is_batchedtensor(t):
         transform = "torch.func.vmap"
