@@ -441,10 +441,11 @@ class ModuleHooks:
     ``RemovableHandle`` counter), without a ``RemovableHandle`` per hook; ``remove`` pops every
     entry. For 200 hooks this halves set-up and take-down (``python -m bench.dispatch``).
 
-    Blocks open at once in several threads share entries: a hook whose module's table ends
-    with an entry of the same kind (``_kind``), made by a block of another thread, joins that
-    entry (its host calls it for its thread: ``OwnedHook._guest``) instead of adding one, and
-    an entry stays until the last block it serves closes. So the tables, and what
+    Blocks open at once in several threads share entries: a hook joins an entry of the same
+    kind (``_kind``) made by a block of another thread, when only other threads' hookscope
+    entries come after it (``_join``), instead of adding one (the entry's hook, its host,
+    calls it for its thread: ``OwnedHook._guest``), and an entry stays until the last block it
+    serves closes. So the tables, and what
     ``torch.compile`` traces from them and guards on, are the same however many threads have
     blocks open: without this, four threads opening blocks on one compiled model hit dynamo's
     recompile limit, and a table changed under another thread's trace broke it
@@ -497,8 +498,9 @@ class ModuleHooks:
         for owned in hooks:
             table = owned.module._forward_hooks
             if table and self._join(owned, table, None, keyed and owned.pick is not None):
-                pass
-            elif keyed:
+                key += 1
+                continue
+            if keyed:
                 self._host(owned, table, None, key, owned.pick is not None)
             else:  # _host inlined, as in remove
                 owned.entries = [(table, key)]
