@@ -5,7 +5,7 @@ graph with the hooks, one without), never once per block (``engine.compiled``)."
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -172,6 +172,13 @@ def _assert_same(got: Any, want: Any, *, exact: bool = False) -> None:
             _assert_same(got[k], want[k], exact=exact)
     elif want is None or type(want) in (bool, int, float, str):
         assert type(got) is type(want) and (got == want or got != got and want != want)
+    elif isinstance(want, (tuple, dict)):  # a namedtuple or a ModelOutput: its class, its fields
+        assert type(got) is type(want)
+        fields = want._asdict() if isinstance(want, tuple) else dict(want)
+        got_fields = got._asdict() if isinstance(got, tuple) else dict(got)
+        assert list(got_fields) == list(fields)
+        for k in fields:
+            _assert_same(got_fields[k], fields[k], exact=exact)
     else:
         assert got == hookscope.NotKept(type(want).__name__)
 
@@ -266,24 +273,31 @@ _LEAVES = st.one_of(
     st.sampled_from([_Object, _Größe, _Quoted]).map(lambda kind: kind()))
 
 
+class _Pair(NamedTuple):
+    first: Any
+    second: Any
+
+
+def _output(fields: dict[str, Any]) -> Any:
+    """A Hugging Face ``ModelOutput`` of ``fields`` (its tensors, by the output's names)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+    names = ("last_hidden_state", "past_key_values", "hidden_states", "attentions")
+    return BaseModelOutputWithPast(**dict(zip(names, fields.values())))
+
+
 @pytest.mark.hypothesis
 @given(st.recursive(_LEAVES, lambda inner: st.one_of(
     st.lists(inner, max_size=3), st.lists(inner, max_size=3).map(tuple),
-    st.dictionaries(st.text(max_size=4), inner, max_size=3)), max_leaves=8))
+    st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    st.tuples(inner, inner).map(lambda pair: _Pair(*pair)),
+    st.dictionaries(st.text(max_size=4), inner.filter(lambda v: v is not None),
+                    max_size=4).map(_output)), max_leaves=8))
 def test_a_flattened_call_fills_back_to_itself(value: Any) -> None:
     """``engine.compiled.flatten`` then the sink's fill give back any nesting of tuples, lists
-    and string-keyed dicts of tensors, None, flags, numbers (inf and nan) and strings, the
-    types kept; an object comes back ``NotKept`` with its type's name."""
+    and string-keyed dicts of tensors, None, flags, numbers (inf and nan) and strings, and of
+    namedtuples and ``ModelOutput``s, the types kept; an object comes back ``NotKept`` with
+    its type's name."""
     from hookscope.engine import compiled
 
-    values, spec, whole = compiled.flatten(value)
-    assert whole == (not {_Object, _Größe, _Quoted} & _types(value))
+    values, spec = compiled.flatten(value)
     _assert_same(compiled._filled(values, spec), value, exact=True)
-
-
-def _types(value: Any) -> set[type]:
-    if type(value) in (tuple, list):
-        return {t for v in value for t in _types(v)}
-    if type(value) is dict:
-        return {t for v in value.values() for t in _types(v)}
-    return {type(value)}

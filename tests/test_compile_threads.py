@@ -21,7 +21,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -568,3 +568,84 @@ def test_a_block_on_a_compiled_model_does_not_join_one_opened_before_dynamo_load
                           timeout=300, cwd=root, env={**os.environ, "PYTHONPATH": f"{root / 'src'}:{root}"})
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True", "1", "True", "1"]
+
+
+class _Pair(NamedTuple):
+    h: Tensor
+    g: Tensor
+
+
+class _Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> _Pair:
+        h = self.lin(x)
+        return _Pair(h, h * 2)
+
+
+class _Outer(nn.Module):
+    """A module returning a namedtuple inside (as a Hugging Face model returns ModelOutputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner, self.out = _Inner(), nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(self.inner(x).g)
+
+
+@pytest.mark.parametrize("fullgraph", [True, False])
+def test_a_namedtuple_output_is_kept_in_the_graph_for_its_own_thread(fullgraph: bool) -> None:
+    """An output holding an object was captured by tracing the hook itself into the graph,
+    with no thread check: a block recorded every thread's calls (and, sharing an entry, a
+    joined block none). A namedtuple (and a ModelOutput) is now kept by the graph's operator
+    as its fields and built again, so each block gets its own thread's calls, as its class."""
+    torch._dynamo.reset()
+    model = _Outer().eval()
+    compiled_model = torch.compile(model, backend="eager", fullgraph=fullgraph)
+    xs = [torch.ones(1, 4), torch.full((1, 4), 3.0)]
+    with torch.no_grad(), hookscope.capture(compiled_model, "inner"):
+        compiled_model(xs[0])
+    workers = [Worker(), Worker()]
+    blocks = [hookscope.capture(compiled_model, "inner", on_unfired="ignore") for _ in workers]
+    try:
+        for worker, block in zip(workers, blocks):
+            worker.run(block.__enter__)
+        for worker, x in zip(workers, xs):
+            worker.run(lambda: _no_grad(compiled_model, x))  # noqa: B023 - run at once
+        for worker, block in zip(workers, blocks):
+            worker.run(lambda: block.__exit__(None, None, None))  # noqa: B023
+    finally:
+        for worker in workers:
+            worker.stop()
+        torch._dynamo.reset()
+    for block, x in zip(blocks, xs):
+        with torch.no_grad():
+            want = model.inner(x)
+        (got,) = block.calls("inner")
+        assert type(got) is _Pair and torch.equal(got.h, want.h) and torch.equal(got.g, want.g)
+
+
+def test_gpt2s_model_output_is_kept_with_its_cache_named() -> None:
+    """GPT-2's ``transformer`` returns a ModelOutput holding a KV cache: inside a fullgraph
+    model the capture is the same ModelOutput class, its tensors equal eager, and the cache,
+    an object no graph hands out, ``NotKept``."""
+    from tests.models import tiny_gpt2
+    torch._dynamo.reset()
+    model = tiny_gpt2()
+    ids = torch.tensor([[3, 5, 7, 9]])
+    with torch.no_grad(), hookscope.capture(model, "transformer") as eager:
+        model(ids)
+    compiled_model = torch.compile(model, backend="eager", fullgraph=True)
+    try:
+        with torch.no_grad(), hookscope.capture(compiled_model, "transformer") as acts:
+            compiled_model(ids)
+    finally:
+        torch._dynamo.reset()
+    got, want = acts["transformer"], eager["transformer"]
+    assert type(got) is type(want) and list(got.keys()) == list(want.keys())
+    torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, rtol=1e-5, atol=1e-6)
+    assert got.past_key_values == hookscope.NotKept(type(want.past_key_values).__name__)

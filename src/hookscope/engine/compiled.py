@@ -90,6 +90,7 @@ def prepare() -> None:
         skip = frames.FrameExecStrategy(frames.FrameAction.SKIP, frames.FrameAction.SKIP)
         for code in _hook_codes:  # a frame of its own: eager, whole (see eager_when_called)
             frames.set_code_exec_strategy(code, skip)
+        _class_code[0] = dynamo.assume_constant_result(_code)
         _checked.append(True)
 
 
@@ -260,11 +261,11 @@ def flat_output(output: Any) -> tuple[list[Tensor | None], int] | None:
     return None
 
 
-def flatten(value: Any) -> tuple[list[Tensor], str, bool]:
-    """``(tensors, spec, whole)`` of ``value`` (a module's output, or a call's ``(args,
-    kwargs)``) for ``keep``: its tensors in order, the rest as a Python literal with ``...``
-    for each tensor (``"((..., None, ), {'mask': ..., 'how': 'mean', }, )"``), and whether
-    every part was written (no ``NotKept``). Dynamo traces this function whole: the strings
+def flatten(value: Any) -> tuple[list[Tensor], str]:
+    """``(tensors, spec)`` of ``value`` (a module's output, or a call's ``(args, kwargs)``)
+    for ``keep``: its tensors in order, the rest as a Python literal with ``...`` for each
+    tensor (``"((..., None, ), {'mask': ..., 'how': 'mean', }, )"``). Dynamo traces this
+    function whole: the strings
     and ``None`` of a traced call are constants of the graph, so the spec is one string
     constant, and code compiled for one spec is reused while calls keep it.
 
@@ -272,16 +273,16 @@ def flatten(value: Any) -> tuple[list[Tensor], str, bool]:
     number again in the sink: dynamo gives a dynamic size or a comparison of sizes, a
     ``SymInt`` or ``SymBool``, the type ``int`` or ``bool`` and cannot write it as text; an
     int beyond int64, a constant, as text), ``str``, and ``tuple``, ``list`` and ``dict`` (with
-    string keys) of them, exactly these types. Any other object (a Hugging Face ``Cache``, a
-    ``ModelOutput``, a namedtuple, ``torch.Size``) is written as a one-element set holding its
-    type's name, which ``keep``'s sink receives as ``NotKept(name)``: a graph hands out
-    tensors, not objects."""
+    string keys) of them, exactly these types; a namedtuple and a Hugging Face ``ModelOutput``
+    as their fields, with a number standing for their class (``_class_code``: the sink builds
+    the same class again). Any other object (a ``Cache``, ``torch.Size``) is written as a
+    one-element set holding its type's name, which ``keep``'s sink receives as
+    ``NotKept(name)``: a graph hands out tensors, not objects."""
     values: list[Tensor] = []
-    missing: list[str] = []
-    return values, _spec(value, values, missing), not missing
+    return values, _spec(value, values)
 
 
-def _spec(value: Any, values: list[Tensor], missing: list[str]) -> str:
+def _spec(value: Any, values: list[Tensor]) -> str:
     if isinstance(value, Tensor):
         values.append(value)
         return "..."
@@ -294,15 +295,40 @@ def _spec(value: Any, values: list[Tensor], missing: list[str]) -> str:
         values.append(torch.scalar_tensor(value, dtype=_NUMBERS[kind]))
         return "b'#'"
     if kind is tuple or kind is list:
-        inner = "".join([_spec(v, values, missing) + ", " for v in value])
+        inner = "".join([_spec(v, values) + ", " for v in value])
         return f"({inner})" if kind is tuple else f"[{inner}]"
     if kind is dict and all(type(k) is str for k in value):
-        return "{" + "".join([f"{k!r}: {_spec(v, values, missing)}, " for k, v in value.items()]) + "}"
-    missing.append(kind.__name__)
+        return "{" + "".join([f"{k!r}: {_spec(v, values)}, " for k, v in value.items()]) + "}"
+    code = _class_code[0](kind)  # a constant of the trace (prepare)
+    if code >= 0:  # {b'@': the class's code, b'=': {field: spec}}
+        fields = dict(zip(kind._fields, value)) if isinstance(value, tuple) else dict(value.items())
+        return f"{{b'@': {code}, b'=': {_spec(fields, values)}}}"
     return "{" + repr(kind.__name__) + "}"  # an object: not in the graph's hands
 
 
 _NUMBERS = {bool: torch.bool, int: torch.int64, float: torch.float64}
+_CLASSES: list[tuple[type, bool]] = []  # code -> (class, built by keyword): see _code
+
+
+def _code(kind: type) -> int:
+    """The code of ``kind`` in ``_CLASSES`` when ``flatten`` writes its values as fields and
+    the sink builds it again: a namedtuple (by position), a Hugging Face ``ModelOutput`` (by
+    name: empty, then each field set); -1 for any other class. Dynamo runs it once per class
+    while it traces, and the graph holds the number (``torch._dynamo.assume_constant_result``,
+    in ``prepare``)."""
+    if issubclass(kind, tuple):
+        rebuilt, by_name = isinstance(getattr(kind, "_fields", None), tuple), False
+    else:
+        rebuilt = issubclass(kind, dict) and any(c.__name__ == "ModelOutput" for c in kind.__mro__)
+        by_name = True
+    if not rebuilt:
+        return -1
+    if (kind, by_name) not in _CLASSES:
+        _CLASSES.append((kind, by_name))
+    return _CLASSES.index((kind, by_name))
+
+
+_class_code: list[Callable[[type], int]] = [_code]  # wrapped for dynamo by prepare
 
 
 class NotKept:
@@ -349,6 +375,15 @@ def _fill(template: Any, values: Any) -> Any:
     if kind is tuple or kind is list:
         return kind(_fill(v, values) for v in template)
     if kind is dict:
+        if b"@" in template:  # a namedtuple or ModelOutput, by its code (_code)
+            cls, by_name = _CLASSES[template[b"@"]]
+            fields = _fill(template[b"="], values)
+            if not by_name:
+                return cls(*fields.values())
+            built = cls()  # a ModelOutput: every field optional; each set as the model set it
+            for name, field in fields.items():
+                built[name] = field
+            return built
         return {k: _fill(v, values) for k, v in template.items()}
     return template
 

@@ -234,14 +234,13 @@ class OwnedHook:
     def _keeps(self, value: Any, flat: Any, key: int) -> bool:
         """Inside a compiled graph, hand ``value`` to this hook's sink by ``hookscope::keep``;
         False (and nothing done) when the hook must run outside the graph instead: an output
-        ``flatten`` cannot write whole (the eager hook then keeps the objects themselves), or
-        one whose gradient is watched but ``watch_gradient`` cannot pass (``flat`` is None).
-        A call's arguments (any other ``pick``) are always kept: an argument that is no
-        tensor, number or string (a ``Cache``) is recorded as ``NotKept``, as a pre-hook
-        outside the graph would split it before every hooked module."""
-        values, spec, whole = compiled.flatten(value)
-        if (self.pick is output_of and not whole) or (
-                self.gradient_key is not None and flat is None):
+        whose gradient is watched but ``watch_gradient`` cannot pass (``flat`` is None). Any
+        other value is kept: an object in it that is no tensor, number, string, namedtuple or
+        ``ModelOutput`` (a ``Cache``) is recorded as ``NotKept``. Traced instead, the hook
+        would record every thread's calls (a traced function has no thread check), and
+        outside the graph it would split the graph before every hooked module."""
+        values, spec = compiled.flatten(value)
+        if self.gradient_key is not None and flat is None:
             return False
         # an operator without a tensor (a witness's) gets an empty one: torch 2.13's inductor
         # frees a buffer before a later kernel reads it when an effectful operator takes none
