@@ -4,6 +4,8 @@ graph with the hooks, one without), never once per block (``engine.compiled``)."
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -14,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
+from transformers.utils import ModelOutput
 
 import hookscope
 from tests.models import InplaceRelu, tiny_gpt2
@@ -301,3 +304,81 @@ def test_a_flattened_call_fills_back_to_itself(value: Any) -> None:
 
     values, spec = compiled.flatten(value)
     _assert_same(compiled._filled(values, spec), value, exact=True)
+
+
+# ------------------------------------------------------------- found by an attack (session 11)
+@dataclasses.dataclass
+class _Required(ModelOutput):
+    """A ModelOutput whose first field is required (transformers allows one)."""
+
+    logits: Tensor
+    extra: Tensor | None = None
+
+
+class _Derived(collections.namedtuple("_Derived", "a b")):
+    """A namedtuple whose own ``__new__`` takes one value and derives the other."""
+
+    def __new__(cls, a: Tensor) -> _Derived:
+        return super().__new__(cls, a, a * 2)
+
+
+class _Returning(nn.Module):
+    def __init__(self, make: Callable[[Tensor], Any]) -> None:
+        super().__init__()
+        self.lin, self.make = nn.Linear(4, 4), make
+
+    def forward(self, x: Tensor) -> Any:
+        return self.make(self.lin(x))
+
+
+class _Top(nn.Module):
+    def __init__(self, make: Callable[[Tensor], Any]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = _Returning(make)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(x)[0] + 1
+
+
+@pytest.mark.parametrize("make", [lambda h: _Required(logits=h), _Derived], ids=["required", "own-new"])
+def test_outputs_whose_class_builds_otherwise_are_kept_as_eager_keeps_them(
+        make: Callable[[Tensor], Any]) -> None:
+    """A ModelOutput with a required first field raised the class's own TypeError at the
+    compiled call (the sink built it empty); a namedtuple with a ``__new__`` of its own broke
+    even the eager capture (rebuilt by calling it). Both come back as their class, as eager."""
+    model, x = _Top(make).eval(), torch.randn(2, 4)
+    with torch.no_grad(), hookscope.capture(model, "inner") as eager:
+        model(x)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with torch.no_grad(), hookscope.capture(compiled, "inner") as acts:
+        compiled(x)
+    _assert_same(acts["inner"], eager["inner"], exact=True)
+
+
+def test_an_edit_a_full_graph_cannot_take_back_says_so_at_the_call() -> None:
+    """An edit of a module returning a namedtuple (or a ModelOutput, a dict) on a fullgraph
+    model raised dynamo's own ``Unsupported``: its output cannot come back as the graph's
+    tensors, and a full graph cannot run the edit outside. It is now an ``EditError`` naming
+    the fixes, and the block leaves nothing behind."""
+    model, x = _Top(lambda h: _Derived(h)).eval(), torch.randn(2, 4)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with pytest.raises(hookscope.EditError, match="submodule whose output is a tensor"), \
+            torch.no_grad(), hookscope.edit(compiled, {"inner": lambda out: _Derived(out.a * 2)}):
+        compiled(x)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    with torch.no_grad(), hookscope.edit(compiled, {"inner.lin": lambda out: out * 2}):
+        edited = compiled(x)
+    with torch.no_grad():
+        torch.testing.assert_close(edited, model.inner.lin(x) * 2 + 1, rtol=0, atol=0)
+
+
+def test_a_verb_whose_hooks_run_outside_the_graph_is_refused_on_a_full_graph_at_entry() -> None:
+    """``stats`` (its hooks run outside the graph) on a fullgraph model raised dynamo's own
+    ``Unsupported`` from inside the forward; it is refused when the block opens, naming the
+    fixes, with nothing left behind."""
+    model, x = _Top(lambda h: (h,)).eval(), torch.randn(2, 4)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with pytest.raises(hookscope.HookscopeError, match=r"stats runs a hook .* fullgraph=False"):
+        hookscope.stats(compiled, [x], "inner.lin")
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())

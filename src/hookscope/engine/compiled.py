@@ -46,6 +46,7 @@ module per call). Code compiled before that still ignores new hooks: a block rep
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import sys
 import threading
@@ -59,13 +60,14 @@ from torch._library.effects import EffectType
 
 from hookscope.errors import EditError, HookscopeError
 
-__all__ = ["prepare", "eager_when_called", "open_sink", "close_sink", "keep", "replace", "watch_gradient",
-           "flat_output", "flatten", "NotKept"]
+__all__ = ["prepare", "eager_when_called", "open_sink", "close_sink", "keep", "replace", "refuse_edit",
+           "watch_gradient", "flat_output", "flatten", "NotKept"]
 
 Tensor = torch.Tensor
 Sink = Callable[[Any], None]
 
 TENSOR, TUPLE, LIST = 0, 1, 2  # how ``replace`` rebuilds what the module returned (flat_output)
+REFUSED = 3  # ``replace`` of an output it cannot rebuild in a full graph: EditError at the call
 _sinks: dict[int, Sink] = {}
 _places: weakref.WeakKeyDictionary[nn.Module, list[int]] = weakref.WeakKeyDictionary()
 _next_key = [0]
@@ -125,6 +127,8 @@ def _copy(value: Tensor) -> Tensor:
 
 
 def _replace(values: list[Tensor | None], kind: int, key: int, grad: bool) -> list[Tensor]:
+    if kind == REFUSED:
+        raise EditError(_NO_STRUCTURE_EDIT)
     sink = _sinks.get(key)
     if grad:  # no derivative: not even a thread without an edit of its own can pass
         hook = getattr(sink, "__self__", None)  # the OwnedHook whose kept() the sink is
@@ -190,6 +194,15 @@ _NO_GRAD_EDIT = (
     "edit is any function), and a full graph cannot run it outside. Call the model under "
     "torch.no_grad() or torch.inference_mode(), compile with fullgraph=False (the edit then "
     "splits the graph and gradients equal eager), or edit the eager model (compiled._orig_mod)")
+
+
+_NO_STRUCTURE_EDIT = (
+    "an edit cannot run inside torch.compile(model, fullgraph=True) on a module whose output is "
+    "not a tensor or a tuple or list of tensors (a namedtuple, a ModelOutput, a dict): the graph "
+    "takes an edited output back only as tensors in those places, and a full graph cannot run "
+    "the edit outside. Edit a submodule whose output is a tensor, compile with fullgraph=False "
+    "(the edit then splits the graph and values equal eager), or edit the eager model "
+    "(compiled._orig_mod)")
 
 
 _OTHER_THREADS_EDIT = (
@@ -378,14 +391,25 @@ def _fill(template: Any, values: Any) -> Any:
         if b"@" in template:  # a namedtuple or ModelOutput, by its code (_code)
             cls, by_name = _CLASSES[template[b"@"]]
             fields = _fill(template[b"="], values)
-            if not by_name:
-                return cls(*fields.values())
-            built = cls()  # a ModelOutput: every field optional; each set as the model set it
-            for name, field in fields.items():
-                built[name] = field
-            return built
+            return _output(cls, fields) if by_name else cls._make(fields.values())
         return {k: _fill(v, values) for k, v in template.items()}
     return template
+
+
+def _output(cls: type, fields: dict[str, Any]) -> Any:
+    """The ``ModelOutput`` ``cls`` holding ``fields``, each set as the model set it (keys in
+    order, ``None`` fields left out); ``NotKept`` when ``cls`` cannot be built so."""
+    try:
+        try:
+            built = cls()  # every field optional, as transformers' own outputs
+        except TypeError:  # a required first field (transformers allows one)
+            first = dataclasses.fields(cls)[0].name
+            built = cls(**{first: fields[first]})
+        for name, field in fields.items():
+            built[name] = field
+    except Exception:  # noqa: BLE001 - a class of the user's own: its constructor is theirs
+        return NotKept(cls.__name__)
+    return built
 
 
 def keep(values: list[Tensor], spec: str, key: int) -> None:
@@ -406,6 +430,13 @@ def watch_gradient(values: list[Tensor | None], kind: int, key: int) -> Any:
     values = list(values)
     values[first] = _op[0][2](values[first], key)
     return _rebuilt(values, kind)
+
+
+def refuse_edit(key: int) -> None:
+    """Put in the graph an operator that raises ``EditError`` (``_NO_STRUCTURE_EDIT``) when it
+    runs: an edit entered on a ``fullgraph=True`` model, of an output ``replace`` cannot
+    rebuild. (A Python exception raised while dynamo traces becomes its own ``Unsupported``.)"""
+    _op[0][1]([], REFUSED, key, False)
 
 
 def replace(values: list[Tensor | None], kind: int, key: int, grad: bool) -> Any:

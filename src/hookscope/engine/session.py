@@ -132,8 +132,27 @@ class HookSession:
                 for path, module in near.items():
                     # a compiled graph holds a witness whole (engine.compiled)
                     self._own(OwnedHook(self._witness(path), module, pick=nothing), pre=True)
+            if diagnose.fullgraph(self.model):
+                self._refuse_outside_graph()
         self._entered = True
         return self
+
+    def _refuse_outside_graph(self) -> None:
+        """Refuse, on entry, a block on a ``torch.compile(fullgraph=True)`` model with a hook
+        that runs outside the graph (no ``pick``: ``engine.hooks._untraced``), which splits it:
+        a full graph cannot split, and torch would raise its own ``Unsupported`` at the call
+        (verbs that refuse an option first, as ``capture(grads=True)``, say which).
+
+        Raises:
+            HookscopeError: naming the module and the fixes."""
+        outside = next((h for h, _ in self._owned if h.pick is None and not h.traceable), None)
+        if outside is not None:
+            raise HookscopeError(
+                f"{type(self).__name__.strip('_').removesuffix('Session').lower()} runs a hook on "
+                f"{type(outside.module).__name__} outside the "
+                f"compiled graph, and a torch.compile(model, fullgraph=True) model cannot split "
+                f"its graph there. Use the eager model (compiled._orig_mod), or compile with "
+                f"fullgraph=False (the hook then splits the graph, and values equal eager)")
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool | None:

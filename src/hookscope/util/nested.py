@@ -70,8 +70,8 @@ def map_tensors(fn: Callable[[Tensor], Any], obj: Any) -> Any:
         return fn(obj)
     if isinstance(obj, (list, tuple)):
         items = [map_tensors(fn, v) for v in obj]
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-            return type(obj)(*items)
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple (its own __new__ aside)
+            return type(obj)._make(items)  # type: ignore[attr-defined]
         return type(obj)(items) if type(obj) in (list, tuple) else _rebuild_sequence(obj, items)
     if isinstance(obj, dict):
         mapped = {k: map_tensors(fn, v) for k, v in obj.items()}
