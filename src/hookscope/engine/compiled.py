@@ -325,8 +325,8 @@ _CLASSES: list[tuple[type, bool]] = []  # code -> (class, built by keyword): see
 
 def _code(kind: type) -> int:
     """The code of ``kind`` in ``_CLASSES`` when ``flatten`` writes its values as fields and
-    the sink builds it again: a namedtuple (by position), a Hugging Face ``ModelOutput`` (by
-    name: empty, then each field set); -1 for any other class. Dynamo runs it once per class
+    the sink builds it again: a namedtuple (by position, ``_make``), a Hugging Face
+    ``ModelOutput`` (by name, ``_output``); -1 for any other class. Dynamo runs it once per class
     while it traces, and the graph holds the number (``torch._dynamo.assume_constant_result``,
     in ``prepare``)."""
     if issubclass(kind, tuple):
