@@ -281,11 +281,13 @@ class _Pair(NamedTuple):
     second: Any
 
 
-def _output(fields: dict[str, Any]) -> Any:
-    """A Hugging Face ``ModelOutput`` of ``fields`` (its tensors, by the output's names)."""
+def _output(first: Tensor, fields: dict[str, Any]) -> Any:
+    """A Hugging Face ``ModelOutput``: a tensor first (a first field of another kind is read as
+    the fields themselves, transformers' own rule), then ``fields``' values by the output's
+    other names."""
     from transformers.modeling_outputs import BaseModelOutputWithPast
-    names = ("last_hidden_state", "past_key_values", "hidden_states", "attentions")
-    return BaseModelOutputWithPast(**dict(zip(names, fields.values())))
+    names = ("past_key_values", "hidden_states", "attentions")
+    return BaseModelOutputWithPast(first, **dict(zip(names, fields.values())))
 
 
 @pytest.mark.hypothesis
@@ -293,8 +295,9 @@ def _output(fields: dict[str, Any]) -> Any:
     st.lists(inner, max_size=3), st.lists(inner, max_size=3).map(tuple),
     st.dictionaries(st.text(max_size=4), inner, max_size=3),
     st.tuples(inner, inner).map(lambda pair: _Pair(*pair)),
-    st.dictionaries(st.text(max_size=4), inner.filter(lambda v: v is not None),
-                    max_size=4).map(_output)), max_leaves=8))
+    st.builds(_output, st.builds(lambda n: torch.arange(float(n)), st.integers(0, 3)),
+              st.dictionaries(st.text(max_size=4), inner.filter(lambda v: v is not None),
+                              max_size=3))), max_leaves=8))
 def test_a_flattened_call_fills_back_to_itself(value: Any) -> None:
     """``engine.compiled.flatten`` then the sink's fill give back any nesting of tuples, lists
     and string-keyed dicts of tensors, None, flags, numbers (inf and nan) and strings, and of
