@@ -143,11 +143,7 @@ def interrupt_runs(runs_per_kind: int, seed: int = 0) -> dict[str, dict[str, int
                 tally["leaked modes"] += _MODE in leaks
                 tally["changed output"] += not _computes(model, x, reference)
                 if leaks:  # start the next run clean
-                    while torch._C._len_torch_function_stack():
-                        torch._C._pop_torch_function_stack()
-                    hookscope.remove_hooks(model)
-                    copyreg.dispatch_table.pop(OrderedDict, None)
-                    signal.signal(signal.SIGINT, signal.default_int_handler)
+                    _clean_up(model)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGINT, previous)
@@ -512,17 +508,23 @@ def test_an_interrupt_at_any_line_of_hookscope_leaves_nothing_behind(kind: str) 
                           if not torch.equal(v, before[k])]
             if leaks:
                 left.append((interrupt.where, leaks))
-                hookscope.remove_hooks(model)
-                while torch._C._len_torch_function_stack():
-                    torch._C._pop_torch_function_stack()
-                copyreg.dispatch_table.pop(OrderedDict, None)
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-                torch.set_grad_enabled(True)
-                interrupts._guarded.clear()  # so that one leak is not counted again by the next
-                interrupts._previous = interrupts._UNSET
+                _clean_up(model)
     finally:
         signal.signal(signal.SIGINT, previous)
     assert left == [], f"{len(left)} of {len(sample)} lines left something: {left[:5]}"
+
+
+def _clean_up(model: nn.Module) -> None:
+    """Undo what a leaking run left (hooks, function modes, copyreg entry, SIGINT handler, grad
+    mode, guards), so that one leak is not counted again by the next line's run."""
+    hookscope.remove_hooks(model)
+    while torch._C._len_torch_function_stack():
+        torch._C._pop_torch_function_stack()
+    copyreg.dispatch_table.pop(OrderedDict, None)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    torch.set_grad_enabled(True)
+    interrupts._guarded.clear()
+    interrupts._previous = interrupts._UNSET
 
 
 class LineLost(LineInterrupt):
@@ -571,14 +573,7 @@ def test_an_interrupt_lost_at_any_line_of_hookscope_leaves_nothing_behind(kind: 
             leaks = _leaks(model)
             if leaks:
                 left.append((lost.where, leaks))
-                hookscope.remove_hooks(model)
-                while torch._C._len_torch_function_stack():
-                    torch._C._pop_torch_function_stack()
-                copyreg.dispatch_table.pop(OrderedDict, None)
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-                torch.set_grad_enabled(True)
-                interrupts._guarded.clear()
-                interrupts._previous = interrupts._UNSET
+                _clean_up(model)
     finally:
         signal.signal(signal.SIGINT, previous)
     assert left == [], f"{len(left)} lines left something: {left[:5]}"

@@ -146,24 +146,19 @@ def chunk_sums(data: bytes | mmap.mmap | np.ndarray, size: int, chunk_bytes: int
         One 16-hex-digit string per chunk.
     """
     sums = []
-    for k in chunks if chunks is not None else range(-(-size // chunk_bytes)):
-        begin, end = k * chunk_bytes, min((k + 1) * chunk_bytes, size)
-        pages = (end - begin) // PAGE_BYTES
-        words = np.frombuffer(data, "<u8", pages * PAGE_BYTES // 8, begin)
-        words = words.reshape(pages, PAGE_BYTES // 8)  # (pages, 512) uint64
-        total = int(np.dot(np.add.reduce(words, axis=1), _odd(pages)))
-        tail = bytes(data[begin + pages * PAGE_BYTES:end])
-        if tail:
-            last = np.frombuffer(tail.ljust(-(-len(tail) // 8) * 8, b"\0"), "<u8")
-            total += (2 * pages + 1) * int(np.add.reduce(last))
-        sums.append(f"{total % 2**64:016x}")
+    with memoryview(data) as raw, raw.cast("B") as view:
+        for k in chunks if chunks is not None else range(-(-size // chunk_bytes)):
+            one = ChunkSums(chunk_bytes)  # the one algorithm, fed the chunk whole
+            one.update(view[k * chunk_bytes:min((k + 1) * chunk_bytes, size)])
+            sums += one.finish()
     return sums
 
 
 class ChunkSums:
-    """``chunk_sums`` of bytes handed over piece by piece (a shard's, as it is written), each
-    byte read once, from memory: the writer no longer maps the file it wrote to read it all
-    again (25 ms of the writer's 200 per 256 MiB extracted, ``bench/throughput.py``).
+    """``chunk_sums`` of bytes handed over piece by piece (a shard's, as it is written; a
+    reader's chunk, whole), each byte read once, from memory: the writer no longer maps the
+    file it wrote to read it all again (25 ms of the writer's 200 per 256 MiB extracted,
+    ``bench/throughput.py``).
 
     ``update`` each piece in file order, then ``finish()`` returns what ``chunk_sums(data,
     len(data), chunk_bytes)`` of their concatenation returns."""
