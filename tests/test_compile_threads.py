@@ -119,6 +119,49 @@ def test_blocks_in_four_threads_on_one_fullgraph_model_record_their_own_calls(
     assert not any(key in compiled._sinks for m in model.modules() for key in compiled._places.get(m, []))
 
 
+EDITS: dict[str, Callable[[nn.Module, int, list[Any]], Any]] = {  # thread t's own edit
+    "edit": lambda model, t, refs: hookscope.edit(model, {"3.0": lambda out: out * (t + 2)}),
+    "steer": lambda model, t, refs: hookscope.steer(model, {"3.0": torch.full((8,), float(t))}),
+    # the mean of thread t's own reference capture (threads whose blocks hook *other* modules
+    # make other tables: a compile per combination, see docs/capture.md)
+    "ablate": lambda model, t, refs: hookscope.ablate(model, ["3.0"], how="mean", reference=refs[t]),
+}
+
+
+@pytest.mark.parametrize("verb", list(EDITS))
+def test_edits_in_four_threads_on_one_fullgraph_model_each_apply_their_own(
+        verb: str, interleaved: None, dynamo_warnings: list[str]) -> None:
+    """The edit verbs across threads: each thread's block applies its own edit to its own
+    calls only (the output equals the eager model under that thread's edit alone), and the
+    model compiles no more after the warm-up."""
+    make, data, _ = MODELS["mlp"]
+    model, x = make(), data()["input"]
+    expected, refs = [], []
+    with torch.no_grad():
+        for t in range(THREADS):
+            with hookscope.capture(model, "3.0") as ref:
+                model(x + t)
+            refs.append(ref)
+            with EDITS[verb](model, t, refs):
+                expected.append(model(x))
+    counter = CompileCounterWithBackend("eager")
+    compiled_model = torch.compile(model, backend=counter, fullgraph=True)
+    with torch.no_grad(), EDITS[verb](compiled_model, 0, refs):
+        compiled_model(x)
+    warm, wrong = counter.frame_count, []
+
+    def work(t: int) -> None:
+        for block in range(BLOCKS):
+            with torch.no_grad(), EDITS[verb](compiled_model, t, refs):
+                got = compiled_model(x)
+            if not torch.equal(got, expected[t]):
+                wrong.append((t, block))
+
+    assert _in_threads(work) == []
+    assert wrong == [] and counter.frame_count == warm and dynamo_warnings == []
+    assert _tables_empty(model)
+
+
 def _tensors(value: Any) -> list[Tensor]:
     """The tensors of a call's inputs, in order (objects a graph cannot hand out are left out:
     ``NotKept`` in a compiled capture, the object in an eager one)."""
