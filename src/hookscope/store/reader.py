@@ -146,11 +146,11 @@ def chunk_sums(data: bytes | mmap.mmap | np.ndarray, size: int, chunk_bytes: int
         One 16-hex-digit string per chunk.
     """
     sums = []
-    with memoryview(data) as raw, raw.cast("B") as view:
-        for k in chunks if chunks is not None else range(-(-size // chunk_bytes)):
-            one = ChunkSums(chunk_bytes)  # the one algorithm, fed the chunk whole
-            one.update(view[k * chunk_bytes:min((k + 1) * chunk_bytes, size)])
-            sums += one.finish()
+    flat = np.frombuffer(data, np.uint8, size)
+    for k in chunks if chunks is not None else range(-(-size // chunk_bytes)):
+        one = ChunkSums(chunk_bytes)  # the one algorithm, fed the chunk whole
+        one.update(flat[k * chunk_bytes:min((k + 1) * chunk_bytes, size)])
+        sums += one.finish()
     return sums
 
 
