@@ -538,7 +538,10 @@ class ModuleHooks:
         if kind is None:
             return False
         found = None
-        for value in reversed(table.values()):
+        # a copy (one step, in C): hooks registered by torch's own calls (handles, other
+        # threads' ``register``) change tables outside ``_sharing`` ('OrderedDict mutated
+        # during iteration': compare beside a capture in another thread, tests/test_threads_generated)
+        for value in reversed(list(table.values())):
             host = owner(value)
             if host is None or host.acts_for(owned.thread):  # a user's hook, or this thread's
                 break
