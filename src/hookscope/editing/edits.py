@@ -91,6 +91,7 @@ class Edit(HookSession):
     """
 
     _unfired_consequence = "their edit was never applied"
+    _edits = True
 
     def __init__(self, model: nn.Module, rules: Sequence[tuple[str, Rule]], *,
                  inputs: bool = False, on_unfired: OnUnfired = "warn",

@@ -129,13 +129,13 @@ def witnesses(model: nn.Module, names: ModuleIndex, targets: Sequence[Target]) -
     for path, module in modules.items():  # one pass, no child index (a capture's set-up)
         if path and path not in selected and path.rpartition(".")[0] in around:
             found[path] = module
-    wrapper = _compile_wrapper(model)
+    wrapper = compile_wrapper(model)
     if wrapper is not None:
         found[COMPILED] = wrapper
     return found
 
 
-def _compile_wrapper(model: nn.Module) -> nn.Module | None:
+def compile_wrapper(model: nn.Module) -> nn.Module | None:
     """The ``torch.compile`` wrapper (``OptimizedModule``) around the model, if any. Its own
     hooks run on every call, outside the compiled code, even when those inside do not."""
     while (attribute := wrapped_attribute(model)) is not None:
@@ -147,7 +147,7 @@ def _compile_wrapper(model: nn.Module) -> nn.Module | None:
 
 def fullgraph(model: nn.Module) -> bool:
     """True when ``model`` is (or wraps) a ``torch.compile(..., fullgraph=True)`` wrapper."""
-    wrapper = _compile_wrapper(model)
+    wrapper = compile_wrapper(model)
     context = getattr(wrapper, "dynamo_ctx", None)
     return bool(getattr(context, "fullgraph", False))
 
@@ -257,7 +257,7 @@ def explain_no_hooks(model: nn.Module, ran: Collection[str] = ()) -> str | None:
         ran: paths of the hooked modules that did run; None is known when any but the root
             (``""``) did, whose hooks dynamo may run outside the compiled code.
     """
-    if _compile_wrapper(model) is None or set(ran) - {""}:
+    if compile_wrapper(model) is None or set(ran) - {""}:
         return None
     return f"the torch.compile'd model ran but none of its modules' hooks fired: {_COMPILED_WHY}"
 

@@ -22,12 +22,32 @@ whose forward is running), and the torch calls an ``on_call`` makes are never re
 A call is passed to ``on_call(call)`` as a ``FunctionCall`` once the function has returned;
 whatever ``on_call`` returns other than ``None`` replaces the function's return value, so edits
 reach everything the forward computes after it.
+
+**Inside a ``torch.compile`` graph** (the watcher is given the model's compile wrapper) the
+same hooks are traced, and the mode with them: dynamo traces a ``TorchFunctionMode`` that is on
+the stack when the compiled call starts, but not one that a hook enters inside the graph (dynamo
+2.13 fails with ``RecursionError``). So the wrapper's own forward pre-hook, which runs eagerly
+before the compiled code, enters the mode for the whole call, and its forward hook leaves it. While
+dynamo traces, the hooks keep a frame of the trace, and the mode hands each call a watch wants
+out of the graph where it is made (``_Frame.note``: its arguments and result, by one
+``hookscope::keep`` operator, ``engine.compiled``, which copies them before the forward goes on
+and writes them in place); the module's forward hook then hands out the names of the other calls
+(``pick=_taken``). At run time the leave hook's sink reports each call to the watches as an
+eager call would (``_replayed``). The graph holds no Python state: a frame exists while dynamo
+traces only, and the graph compiled for one block serves the next.
+A compiled call cannot take an edited value back (sessions refuse edits there:
+``function_names.refuse_uninterceptable``). A graph hands a call's values to the blocks whose
+mode was on the stack when it was traced, in the thread that traced it, and torch's guard on the
+mode stack compares types only, so another thread would run that graph for its own block and
+record nothing: a second thread's block of function addresses on the same compiled model is
+refused at entry (``_claim``).
 """
 
 from __future__ import annotations
 
 import gc
 import threading
+import weakref
 from collections.abc import Callable, Collection, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import GeneratorType
@@ -38,8 +58,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
+from hookscope.engine import compiled
 from hookscope.engine.function_names import bind_arguments, function_name, parse_op
-from hookscope.engine.hooks import OwnedHook, in_recompute, other_threads, register
+from hookscope.engine.hooks import OwnedHook, drop_sink, in_recompute, other_threads, register, traced
+from hookscope.errors import HookscopeError
 
 __all__ = ["FunctionCall", "FunctionWatcher", "FunctionHooks", "Watch", "entered", "each_call", "take_off"]
 
@@ -94,6 +116,8 @@ class Watch:
         enter: the installed forward pre-hook that opens the module's frame (its
             ``foreign_calls`` count the module's calls in other threads); ``None`` until
             ``FunctionWatcher.install``.
+        leave: the installed forward hook that closes it (in a compiled call, the one that
+            counts other threads' calls); ``None`` until ``FunctionWatcher.install``.
     """
 
     module: nn.Module
@@ -104,6 +128,11 @@ class Watch:
     module_calls: int = field(default=0, init=False)
     made: dict[str, None] = field(default_factory=dict, init=False)
     enter: OwnedHook | None = field(default=None, init=False)
+    leave: OwnedHook | None = field(default=None, init=False)
+
+    def foreign_calls(self) -> int:
+        """The module's calls in other threads than the watch's (``OwnedHook.foreign_calls``)."""
+        return max((h.foreign_calls for h in (self.enter, self.leave) if h is not None), default=0)
 
 
 class FunctionWatcher:
@@ -115,9 +144,14 @@ class FunctionWatcher:
     back around it (``interrupts.deferred``). Sessions do all three (``FunctionHooks``); the
     hooks are owned (``hooks.register``), so a forward run by another thread, or by a copy of a
     watched module, never enters the mode and is never reported.
+
+    Args:
+        wrapper: the ``torch.compile`` wrapper (``OptimizedModule``) that the watched modules
+            are called through, if any: its calls hold the mode whole (see the module's
+            docstring).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, wrapper: nn.Module | None = None) -> None:
         self._watches: dict[nn.Module, list[Watch]] = {}
         self._frames: list[_Frame] = []  # one per running watched forward, innermost last
         self._mode = _Mode(self)
@@ -125,6 +159,12 @@ class FunctionWatcher:
         # an interrupt in between makes it claim the mode, never lose it; close() goes by
         # torch's stack itself.
         self._entered = False
+        self._wrapper = wrapper
+        self._root = getattr(wrapper, "_orig_mod", None)  # the module the wrapper compiles
+        self._whole = False  # entered for a whole call of the wrapper (_enter_call)
+        self._keyed: list[OwnedHook] = []  # hooks with a compiled sink (closed by close())
+        self._replaying: dict[int, _Frame] = {}  # id(watches) -> frame of a compiled call (_replayed)
+        self._claimed = False  # whether this thread's claim on the wrapper is held (_claim)
 
     def watch(self, module: nn.Module, on_call: OnCall, *, names: Iterable[str] | None = None,
               deep: bool = False, in_recompute: bool = False) -> Watch:
@@ -144,51 +184,101 @@ class FunctionWatcher:
         suspending = {child: None for module, watches in self._watches.items()
                       if not all(w.deep for w in watches) for child in module.children()}
         again = any(w.in_recompute for watches in self._watches.values() for w in watches)
+        # Under a compile wrapper, whose forward hook ends every frame, the hooks inside are not
+        # always called: dynamo guards on their ids in that table (a recompile per block).
+        wrapper = self._wrapper
+        always = wrapper is None
+        if wrapper is not None and self._watches:  # outside the compiled code
+            self._claimed = _claim(wrapper, +1)  # first: refused, nothing is registered
+            _trace_constants()
+            handles.append(register(wrapper, self._enter_call, pre=True))
+            handles.append(register(wrapper, self._leave_call, always_call=True))
         for child in suspending:  # first in, last out: the child's other hooks are not ours
-            handles.append(register(child, self._suspend_hook, pre=True, prepend=True,
-                                    in_recompute=again))
-            handles.append(register(child, self._resume_hook, always_call=True, in_recompute=again))
+            handles.append(register(child, OwnedHook(self._suspend_hook, child, in_recompute=again,
+                                                     traceable=True), pre=True, prepend=True))
+            handles.append(register(child, OwnedHook(self._resume_hook, child, in_recompute=again,
+                                                     traceable=True), always_call=always))
         for module, watches in self._watches.items():
             again = any(w.in_recompute for w in watches)
-            enter = OwnedHook(self._enter_hook(watches), module, in_recompute=again)
+            enter = OwnedHook(self._enter_hook(watches), module, in_recompute=again, traceable=True)
+            leave = OwnedHook(self._leave_hook(), module, in_recompute=again, traceable=True,
+                              pick=self._taken, on_kept=self._replayed(watches))
             for watch in watches:
-                watch.enter = enter
+                watch.enter, watch.leave = enter, leave
             handles.append(register(module, enter, pre=True))
-            handles.append(register(module, self._leave_hook(), prepend=True, always_call=True,
-                                    in_recompute=again))
+            self._keyed.append(leave)  # before register opens its sink: close() closes it
+            handles.append(register(module, leave, prepend=True, always_call=always))
 
     def close(self) -> None:
         """Take the mode off torch's mode stack wherever it is (a forward interrupted inside a
         watched module leaves it entered, maybe under modes entered after it, which stay in
         their order); nothing is popped when it is not there."""
         self._frames.clear()
+        self._replaying.clear()
         if self._entered:
             take_off(self._mode)
         else:
             _take_off(self._mode)
-        self._entered = False
+        self._entered = self._whole = False
         _reporting.active = False  # an exception between its set and reset left it on
+        for hook in self._keyed:
+            drop_sink(hook)
+        if self._claimed and self._wrapper is not None:
+            self._claimed = _claim(self._wrapper, -1)
 
     # ---------------------------------------------------------------- hooks
     def _enter_hook(self, watches: list[Watch]) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
-            if in_recompute():  # the same call again: reported only to the watches that ask
-                active = [w for w in watches if w.in_recompute]
-                calls = [max(w.module_calls - 1, 0) for w in active]
-            else:
-                active, calls = watches, [w.module_calls for w in watches]
-                for watch in watches:
-                    watch.module_calls += 1
-            self._frames.append(_Frame(active, calls))
+            if self._whole and module is self._root:  # the wrapper's call began its frame
+                return
+            if traced():  # a frame of the trace (_Frame.note), ended by the leave hook (_taken)
+                self._frames.append(_Frame(watches, [], watches[0].leave))
+                return
+            self._frames.append(_counted(watches))
             self._sync()
         return hook
 
     def _leave_hook(self) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if self._whole and module is self._root:  # the wrapper's call ends its frame
+                return
             if self._frames:
                 self._frames.pop()
             self._sync()
         return hook
+
+    def _taken(self, module: nn.Module, args: Any, output: Any) -> tuple[str, ...]:
+        """``pick`` of the leave hook while dynamo traces: the frame ends, handing out the
+        heads of all its calls in order (``_Frame.note``), after ``_END``."""
+        return (_END, *self._frames.pop().heads) if self._frames else (_END,)
+
+    def _replayed(self, watches: list[Watch]) -> Callable[[tuple[Any, ...]], None]:
+        """The sink of a compiled call's watched forward (``on_kept``, run after the thread and
+        recompute checks of ``OwnedHook.kept``): each value handed out of the graph is a call
+        a watch wants (``_CALL``, head, args, kwargs, output: copies), reported to the watches
+        as ``dispatch`` does, or the end of the forward (``_END`` and the heads of all its
+        calls: the names it made, in order). Its first value counts the forward's call
+        (``_counted``)."""
+        def replay(value: tuple[Any, ...]) -> None:
+            frame = self._replaying.pop(id(watches), None) or _counted(watches)
+            if value[0] == _CALL:
+                self._replaying[id(watches)] = frame
+                self._replay(frame, *value[1:])
+                return
+            _note_made(frame, value[1:])
+        return replay
+
+    def _replay(self, frame: _Frame, head: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                output: Any) -> None:
+        """Report one call of a compiled forward, written as ``_Frame.note``'s ``head`` (the
+        names made are noted at its end: ``_replayed``)."""
+        code, _, suspended = head.split(" ")
+        frame.suspended = int(suspended)
+        _reporting.active = True  # as dispatch: the torch calls on_call makes are its own
+        try:
+            self._report(frame, _FUNCTIONS[int(code)], args, kwargs, output, made=False)
+        finally:
+            _reporting.active = False
 
     def _suspend_hook(self, module: nn.Module, args: Any) -> None:
         if self._frames:
@@ -200,11 +290,43 @@ class FunctionWatcher:
             self._frames[-1].suspended -= 1
             self._sync()
 
+    def _enter_call(self, module: nn.Module, args: Any) -> None:
+        """The compile wrapper's pre-hook: the mode on the stack for the whole call, where
+        dynamo traces it (and its guards find it), and the frame of the compiled module when
+        it is watched: dynamo runs that module's own hooks outside the graph, so none of
+        them runs while it traces."""
+        if self._entered:
+            return
+        self._entered = self._whole = True  # set before the push: claimed, never lost
+        torch._C._push_on_torch_function_stack(self._mode)
+        watches = self._watches.get(self._root)  # type: ignore[arg-type]
+        if watches:
+            frame = _counted(watches)
+            frame.leave = watches[0].leave
+            self._frames.append(frame)  # read while dynamo traces (note)
+            self._replaying[id(watches)] = frame  # the sink's, at run time (_replayed)
+
+    def _leave_call(self, module: nn.Module, args: Any, output: Any) -> None:
+        """The compile wrapper's forward hook (also when the call raised): the mode off, the
+        names the compiled module's forward made noted, and the frames of forwards that
+        raised ended."""
+        if self._whole and self._frames and self._frames[0].leave is not None:
+            _note_made(self._frames[0], self._frames[0].heads)  # its dynamo-replayed list
+        self._frames.clear()
+        self._replaying.clear()
+        if self._whole:
+            take_off(self._mode)
+            self._entered = self._whole = False
+
     def _sync(self) -> None:
         """Have the mode entered exactly while the innermost watched forward wants calls: not
         while one of its children runs (unless a watch is deep), so children run at full speed.
         Leaving needs the mode on top of torch's stack; if another mode is above it (one that
-        the model entered), it stays, and ``dispatch`` passes the children's calls through."""
+        the model entered), it stays, and ``dispatch`` passes the children's calls through.
+        Nothing changes while the wrapper's call holds it (``_enter_call``), or while dynamo
+        traces (a hook there is traced into the graph, not run)."""
+        if self._whole or traced():
+            return
         frame = self._frames[-1] if self._frames else None
         wanted = frame is not None and (not frame.suspended or frame.deep)
         if wanted and not self._entered:
@@ -219,8 +341,13 @@ class FunctionWatcher:
                  kwargs: dict[str, Any]) -> Any:
         """Run ``func`` and report it to the innermost running watched forward."""
         output = func(*args, **kwargs)
-        if not self._frames or _reporting.active:
+        if not self._frames:
             return output
+        if traced():  # dynamo traces the call: noted, reported at run time (_replayed)
+            self._frames[-1].note(func, args, kwargs, output)
+            return output
+        if _reporting.active or self._frames[-1].leave is not None:  # a compiled call's frame:
+            return output  # its graph runs (the eager backend's calls), reported by its sink
         _reporting.active = True  # torch calls made by on_call are hookscope's, not the module's
         try:
             return self._report(self._frames[-1], func, args, kwargs, output)
@@ -228,12 +355,13 @@ class FunctionWatcher:
             _reporting.active = False
 
     def _report(self, frame: _Frame, func: Callable[..., Any], args: tuple[Any, ...],
-                kwargs: dict[str, Any], output: Any) -> Any:
+                kwargs: dict[str, Any], output: Any, *, made: bool = True) -> Any:
         name = function_name(func)
         for watch, module_call in zip(frame.watches, frame.module_calls):
             if frame.suspended and not watch.deep:
                 continue
-            watch.made.setdefault(name)
+            if made:
+                watch.made.setdefault(name)
             if watch.names is not None and name not in watch.names:
                 continue
             occurrence = frame.count(watch, name)
@@ -264,11 +392,16 @@ class FunctionHooks:
     ``add(module, op, hook)`` makes ``hook(module, args, output)`` (or ``hook(module, args,
     kwargs, output)``) run after each call of ``op`` in ``module``'s own forward, exactly as a
     forward hook runs after the module: ``args``/``kwargs`` are the function's, ``output`` its
-    return value, and a non-``None`` return replaces it.
+    return value, and a non-``None`` return replaces it (not in a compiled call: see
+    ``FunctionWatcher``).
+
+    Args:
+        wrapper: the ``torch.compile`` wrapper the model is called through, if any (see
+            ``FunctionWatcher``).
     """
 
-    def __init__(self) -> None:
-        self._watcher = FunctionWatcher()
+    def __init__(self, wrapper: nn.Module | None = None) -> None:
+        self._watcher = FunctionWatcher(wrapper)
         self._watches: dict[str, tuple[Watch, str]] = {}
         self.called: set[str] = set()  # record names whose function was called
         self.functions: dict[str, Callable[..., Any]] = {}  # record name -> function called
@@ -316,7 +449,7 @@ class FunctionHooks:
         if key in self.called:
             return None
         if not watch.module_calls:
-            foreign = watch.enter.foreign_calls if watch.enter is not None else 0
+            foreign = watch.foreign_calls()
             return other_threads(path, foreign) if foreign else None
         name, occurrence = parse_op(op)
         what = f"call {occurrence} of {name}" if occurrence is not None else f"any {name}"
@@ -340,17 +473,61 @@ def _made(made: Collection[str]) -> str:
     return f"it made: {', '.join(names[:_NAMED])}{rest}"
 
 
+def _note_made(frame: _Frame, heads: Iterable[str]) -> None:
+    """Note in ``made`` the names of a compiled forward's calls (``_Frame.note``'s heads), for
+    the watches that see each (not inside a child, unless deep)."""
+    for head in heads:
+        _, name, suspended = head.split(" ")
+        for watch in frame.watches:
+            if watch.deep or suspended == "0":
+                watch.made.setdefault(name)
+
+
+def _counted(watches: list[Watch]) -> _Frame:
+    """The frame of a watched forward that begins (eagerly, or replayed from a compiled call),
+    counted as a call of each watch; a checkpoint recompute (the same call again) is counted by
+    none and reported only to the watches that ask for recomputes."""
+    if in_recompute():
+        active = [w for w in watches if w.in_recompute]
+        return _Frame(active, [max(w.module_calls - 1, 0) for w in active])
+    calls = [w.module_calls for w in watches]
+    for watch in watches:
+        watch.module_calls += 1
+    return _Frame(watches, calls)
+
+
 class _Frame:
-    """One running forward of a watched module."""
+    """One running forward of a watched module (or, while dynamo traces, of its trace, whose
+    calls go to the compiled sink of ``leave``)."""
 
-    __slots__ = ("watches", "module_calls", "suspended", "counts", "deep")
+    __slots__ = ("watches", "module_calls", "suspended", "counts", "deep", "leave", "heads")
 
-    def __init__(self, watches: list[Watch], module_calls: list[int]):
+    def __init__(self, watches: list[Watch], module_calls: list[int], leave: OwnedHook | None = None):
         self.watches = watches
         self.deep = any(w.deep for w in watches)
         self.module_calls = module_calls
         self.suspended = 0  # > 0 while a direct child runs
         self.counts: dict[tuple[int, str], int] = {}
+        self.leave = leave
+        self.heads: list[str] = []  # traced: the calls no watch wanted (note)
+
+    def note(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+             output: Any) -> None:
+        """While dynamo traces: write a call as its head, ``"<code> <name> <suspended>"``
+        (``_function_code``: strings are constants of the graph). A call a watch wants goes
+        out of the graph here, with copies of its ``args``, ``kwargs`` and ``output`` made
+        before the forward goes on (``engine.compiled.keep``); every head goes out at the
+        end, with all the others' (``_taken``): the names a forward made, in order."""
+        called = _function_code[0](func)
+        name = called.partition(" ")[2]
+        head = f"{called} {self.suspended}"
+        self.heads.append(head)
+        key = None if self.leave is None else self.leave.key
+        if key is None or not any(w.names is None or name in w.names for w in self.watches
+                                  if w.deep or not self.suspended):
+            return
+        values, spec = compiled.flatten((_CALL, head, args, kwargs, output))
+        compiled.keep(values, spec, key)
 
     def count(self, watch: Watch, name: str) -> int:
         key = (id(watch), name)
@@ -458,6 +635,60 @@ def _take_off(mode: TorchFunctionMode) -> None:
     for other in above:
         if other is not mode:
             torch._C._push_on_torch_function_stack(other)
+
+
+_claims: weakref.WeakKeyDictionary[nn.Module, dict[int, int]] = weakref.WeakKeyDictionary()
+_claims_lock = threading.Lock()
+
+
+def _claim(wrapper: nn.Module, change: int) -> bool:
+    """Count a block of function addresses on the compile ``wrapper`` opening (``change=+1``)
+    or closing (-1) in this thread; return whether this one holds a claim now.
+
+    Raises:
+        HookscopeError: opening while a block of another thread holds one (see the module's
+            docstring), naming the fixes."""
+    # one line (engine.interrupts): an exception at a line event of the body still unlocks
+    with _claims_lock: return _claimed(wrapper, threading.get_ident(), change)  # noqa: E701
+
+
+def _claimed(wrapper: nn.Module, thread: int, change: int) -> bool:
+    threads = _claims.setdefault(wrapper, {})
+    if change > 0 and any(other != thread for other in threads):
+        raise HookscopeError(
+            "another thread has a block open with a function address ('path::fn') on this "
+            "torch.compile'd model: its compiled graph hands a call's values to the blocks of "
+            "the thread that traced it, so a second thread's block would record nothing. Open "
+            "such blocks in one thread at a time, give each thread its own compiled copy "
+            "(torch.compile(copy.deepcopy(model))), or capture in the eager model "
+            "(model._orig_mod); module addresses (without '::') may be open in many threads")
+    threads[thread] = threads.get(thread, 0) + change
+    if threads[thread] <= 0:
+        del threads[thread]
+    return change > 0
+
+
+_CALL, _END = "call", "end"  # the first item of what a compiled forward hands out (_replayed)
+_FUNCTIONS: list[Callable[..., Any]] = []  # code -> function (_code_of)
+
+
+def _code_of(func: Callable[..., Any]) -> str:
+    """``"<code> <name>"`` of a torch function: its place in ``_FUNCTIONS`` and
+    ``function_name``. Dynamo runs it once per function while it traces, and the graph holds
+    the string (``torch._dynamo.assume_constant_result``: ``_function_code``)."""
+    if func not in _FUNCTIONS:
+        _FUNCTIONS.append(func)
+    return f"{_FUNCTIONS.index(func)} {function_name(func)}"
+
+
+_function_code: list[Callable[[Callable[..., Any]], str]] = [_code_of]  # see _trace_constants
+
+
+def _trace_constants() -> None:
+    """Have dynamo run ``_code_of`` while it traces and hold its result as a constant (once;
+    ``torch._dynamo`` is loaded: a compile wrapper exists)."""
+    if _function_code[0] is _code_of:
+        _function_code[0] = torch._dynamo.assume_constant_result(_code_of)  # type: ignore[no-untyped-call]
 
 
 class _Mode(TorchFunctionMode):

@@ -179,14 +179,16 @@ def functional_hint(parent: str, module: nn.Module) -> str:
 
 
 # ------------------------------------------------------------------------------- refusals
-def refuse_uninterceptable(model: nn.Module, address: str) -> None:
-    """Raise before running when calls inside ``model``'s forward cannot be seen one by one.
+def refuse_uninterceptable(model: nn.Module, address: str, *, edits: bool = True) -> None:
+    """Raise before running when calls inside ``model``'s forward cannot be seen one by one
+    (``edits``: and changed).
 
     Raises:
         HookscopeError: ``model`` (or the module addressed) is a TorchScript module, whose code
             runs in the TorchScript interpreter, which never dispatches to a
-            ``TorchFunctionMode``; or a ``torch.compile`` wrapper, whose compiled graph replaces
-            the Python forward so its calls are not made one by one.
+            ``TorchFunctionMode``; or, for ``edits``, a ``torch.compile`` wrapper: dynamo traces
+            its calls into a graph, which hands a call's values out (``function_mode``: a
+            capture) but cannot take an edited one back in its place.
     """
     if isinstance(model, torch.jit.ScriptModule):
         raise HookscopeError(
@@ -194,9 +196,10 @@ def refuse_uninterceptable(model: nn.Module, address: str) -> None:
             f"module ({type(model).__name__}): its code runs in the TorchScript interpreter, "
             f"which does not dispatch calls to Python, so they cannot be seen. Address the eager "
             f"module (before torch.jit.script/trace), or a module-level name without '::'")
-    if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+    if edits and hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
         raise HookscopeError(
-            f"'{address}' addresses a function call inside forward, but the model is "
-            f"torch.compile'd: the compiled graph runs instead of the Python forward, so its "
-            f"calls are not made one by one. Pass the eager model (model._orig_mod) for "
-            f"function-level addresses")
+            f"'{address}' edits a function call inside forward, but the model is "
+            f"torch.compile'd: the compiled graph holds that call, and hands its values out "
+            f"(capture '{address}' works) but takes no edited value back in its place. Edit the "
+            f"eager model (model._orig_mod), or edit the output of the module that makes the "
+            f"call (an address without '::')")

@@ -50,9 +50,9 @@ from hookscope.engine import compiled
 from hookscope.errors import HookscopeError
 
 __all__ = ["OwnedHook", "RecordingHook", "FULLGRAPH", "output_of", "nothing", "ModuleHooks", "register",
-           "owner", "on_tensor_grad", "on_node", "on_optimizer_step", "after_backward", "in_recompute",
-           "refuse_export_trace", "MODULE_TABLES", "GLOBAL_TABLES", "MODULE_FLAGS", "GLOBAL_FLAGS",
-           "registered", "unregister"]
+           "drop_sink", "owner", "on_tensor_grad", "on_node", "on_optimizer_step", "after_backward",
+           "in_recompute", "refuse_export_trace", "traced", "MODULE_TABLES", "GLOBAL_TABLES",
+           "MODULE_FLAGS", "GLOBAL_FLAGS", "registered", "unregister"]
 
 FULLGRAPH = 2  # ``OwnedHook(replaces=FULLGRAPH)``: an edit entered on a fullgraph=True model
 _graph_task_id = torch._C._current_graph_task_id
@@ -423,15 +423,27 @@ def register(module: nn.Module, hook: OwnedHook | Callable[..., Any], *, pre: bo
         always_call: forward hooks only: run also when the forward raises.
         in_recompute: for a plain function, also run it during an activation-checkpointing
             recompute (see ``OwnedHook``).
+
+    An ``OwnedHook`` with a ``pick`` gets a compiled sink (its ``key``: a compiled call hands
+    it the value, ``engine.compiled``) once ``torch._dynamo`` is loaded; the caller closes it
+    after removing the hook (``drop_sink``).
     """
     owned = hook if isinstance(hook, OwnedHook) else OwnedHook(hook, module, in_recompute=in_recompute)
-    _ready_for_compile()
+    if _ready_for_compile() and owned.pick is not None and owned.key is None:
+        owned.key = compiled.open_sink(module, owned.kept)
     # returned as made: no line runs between the registration and the caller's record of it
     if pre:
         return module.register_forward_pre_hook(owned.__call__, with_kwargs=with_kwargs,
                                                 prepend=prepend)
     return module.register_forward_hook(owned.__call__, with_kwargs=with_kwargs,
                                         prepend=prepend, always_call=always_call)
+
+
+def drop_sink(owned: OwnedHook) -> None:
+    """Close the compiled sink that ``register`` opened for ``owned`` (again: nothing)."""
+    if owned.key is not None:
+        compiled.close_sink(owned.key)
+        owned.key = None
 
 
 class ModuleHooks:
@@ -704,6 +716,12 @@ def _unregister(module: nn.Module | None, kind: str, hook_id: int) -> None:
         getattr(owner_of, flag).pop(hook_id, None)
     if kind.endswith("backward") and not hooks:
         setattr(owner_of, mark, None)
+
+
+def traced() -> bool:
+    """True while dynamo traces this call into a compiled graph (or this thread runs it on
+    FakeTensors): its Python side effects happen once, at trace time, not at each call."""
+    return _compiling() and _traced()
 
 
 def in_recompute() -> bool:

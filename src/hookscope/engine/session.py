@@ -74,6 +74,7 @@ class HookSession:
 
     _unfired_consequence = "nothing was recorded"
     _explain_unfired = True  # find out why silent modules did not run, even when not reporting it
+    _edits = False  # its hooks' returns replace what they hook (a torch.compile graph refuses that for calls)
 
     def __init__(self, model: nn.Module, patterns: Sequence[str], on_unfired: OnUnfired, *,
                  targets: Sequence[Target] | None = None, names: ModuleIndex | None = None):
@@ -89,9 +90,10 @@ class HookSession:
         self._names = names  # built on first use when the caller resolved without one
         for target in self.targets:
             if target.op is not None:  # before anything runs: calls there cannot be seen
-                refuse_uninterceptable(model, target.key)
-                refuse_uninterceptable(target.module, target.key)
-        self._functions = FunctionHooks()  # serves targets that address a function call
+                refuse_uninterceptable(model, target.key, edits=self._edits)
+                refuse_uninterceptable(target.module, target.key, edits=self._edits)
+        # serves targets that address a function call (in the compiled graph of a wrapper)
+        self._functions = FunctionHooks(diagnose.compile_wrapper(model))
         self.unfired: dict[str, str] = {}
         self.unmatched: set[str] = set()
         self._on_unfired = on_unfired

@@ -1,0 +1,356 @@
+"""Issue 32: function addresses (``path::fn``) inside ``torch.compile(model, fullgraph=True)``.
+
+The calls a forward makes (``F.relu``, ``scaled_dot_product_attention``, ``x + y``) are seen by a
+``TorchFunctionMode`` that the compile wrapper's own pre-hook enters for the whole call, where
+dynamo traces it; each call a capture wants leaves the graph by one ordered operator
+(``engine.function_mode``). These tests hold: no graph break, values (outputs, arguments,
+keywords) equal the eager capture's, opening and closing blocks compiles at most twice, the
+"never made" report names what the forward did make, other threads' calls are not recorded, an
+edit is refused before anything is registered, and nothing is left on torch's mode stack.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn.functional as F
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import hookscope
+from tests.models import InplaceRelu, tiny_gpt2
+from tests.test_compile_fullgraph import _assert_same
+
+Tensor = torch.Tensor
+BLOCKS = 10
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(4)]).eval()
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return InplaceRelu().eval()
+
+
+GPT2_INPUTS = {"input_ids": torch.tensor([[3, 5, 7, 9], [2, 4, 6, 0]]),
+               "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])}
+#: name: (model, inputs, function addresses): of a submodule, of the compiled module itself
+#: ("::add_": the CNN's ``z += y``, an in-place call), an occurrence, one call per block
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], dict[str, Tensor]], list[str]]] = {
+    "mlp": (_mlp, lambda: {"input": torch.randn(2, 8)}, ["*.0::linear", "*.1::relu"]),
+    "cnn": (_cnn, lambda: {"input": torch.randn(2, 3, 6, 6)}, ["::add_", "relu::relu", "conv::conv2d"]),
+    "gpt2": (tiny_gpt2, lambda: dict(GPT2_INPUTS),
+             ["transformer.h.*.attn::scaled_dot_product_attention", "transformer.h.0.attn::transpose#1",
+              "transformer::add", "transformer::dropout"]),
+}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _call(model: nn.Module, inputs: dict[str, Tensor]) -> Any:
+    return model(inputs["input"]) if "input" in inputs else model(**inputs)
+
+
+def _assert_like_eager(acts: Any, eager: Any, *, times: int = 1, exact: bool = False) -> None:
+    """Each address ran ``times`` as often as in the eager capture, every call's output and
+    inputs as eager's (``exact``: equal tensors), bound to the function's parameters
+    (``named``: how torch splits a call into positions and keywords differs, ``F.relu(x)`` is
+    ``(x,), {'inplace': False}`` in eager mode and ``(x,), {}`` in a graph). (A wide
+    pattern, ``*.0``, on the compile wrapper also matches the module it wraps, ``_orig_mod.0``
+    shown as ``0``: such a record holds nothing when its eager twin is not in the eager
+    capture.)"""
+    assert eager.counts and {k: acts.counts[k] for k in eager.counts} == {
+        k: c * times for k, c in eager.counts.items()}
+    assert all(c == 0 for k, c in acts.counts.items() if k not in eager.counts)
+    for key, count in eager.counts.items():
+        for k in range(count * times):
+            want, got = eager.inputs(key, k % count), acts.inputs(key, k)
+            _assert_same(got.named, want.named, exact=exact)
+            _assert_same(acts.calls(key)[k], eager.calls(key)[k % count], exact=exact)
+
+
+def _assert_same_report(got: dict[str, str], want: dict[str, str]) -> None:
+    """The same silent addresses, with the same reasons; the names a forward made (``it made:
+    a, b``) are eager's, in order, less what dynamo computes while it traces and never calls
+    in the graph (``x.shape``, ``x.dtype``: a tensor's attributes)."""
+    assert list(got) == list(want)
+    for key, reason in want.items():
+        head, _, made = reason.partition("it made: ")
+        assert got[key].startswith(head)
+        names = got[key][len(head):].removeprefix("it made: ").split(" (")[0].split(", ")
+        wanted = made.split(" (")[0].split(", ")
+        assert [n for n in wanted if n in names] == names
+
+
+def _unhooked(model: nn.Module) -> bool:
+    return all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_function_addresses_in_a_full_graph_equal_eager_and_compile_twice(
+        name: str, backend: str, dynamo_warnings: list[str]) -> None:
+    make, data, patterns = MODELS[name]
+    model, inputs = make(), data()
+    with torch.no_grad(), hookscope.capture(model, patterns, inputs=True) as eager:
+        expected = _call(model, inputs)
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with torch.no_grad():
+        for _ in range(BLOCKS if backend == "eager" else 3):
+            with hookscope.capture(compiled, patterns, inputs=True, on_unfired="error") as acts:
+                out = _call(compiled, inputs)
+                _call(compiled, inputs)
+            assert torch._C._len_torch_function_stack() == 0
+            _call(compiled, inputs)  # no hooks: its own graph
+    assert counter.frame_count <= 2
+    assert [m for m in dynamo_warnings if "recompil" in m or "graph break" in m.lower()] == []
+    _assert_like_eager(acts, eager, times=2, exact=backend == "eager")
+    logits = out if isinstance(out, Tensor) else out.logits
+    torch.testing.assert_close(logits, expected if isinstance(out, Tensor) else expected.logits)
+    assert _unhooked(model)
+    if name == "gpt2":  # attention's query, key and value, and its flags, as eager has them
+        call = acts.inputs("transformer.h.0.attn::scaled_dot_product_attention")
+        assert [a.shape for a in call.args[:3]] == [torch.Size([2, 4, 4, 8])] * 3
+
+
+@pytest.mark.parametrize("options", [{"dtype": torch.float64}, {"reduce": "mean"}, {"to": "cpu"},
+                                     {"clone": True}])
+def test_function_addresses_in_a_full_graph_take_the_capture_options(options: dict[str, Any]) -> None:
+    model, inputs = _cnn(), {"input": torch.randn(2, 3, 6, 6)}
+    patterns = ["relu::relu", "::add_"]
+    with torch.no_grad(), hookscope.capture(model, patterns, **options) as eager:
+        model(inputs["input"])
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with torch.no_grad(), hookscope.capture(compiled, patterns, **options) as acts:
+        compiled(inputs["input"])
+    for key in patterns:
+        assert acts.counts[key] == eager.counts[key] == 1
+        assert acts[key].dtype == eager[key].dtype and torch.equal(acts[key], eager[key])
+
+
+def test_an_in_place_call_is_kept_as_it_returned_not_as_the_forward_left_it() -> None:
+    """``F.relu(y, inplace=True)`` then ``y.add_(1)``: the relu's output is kept as the relu
+    made it. (Handed out at the end of the forward, it held the +1: found while building.)"""
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 3, 3, padding=1)
+
+        def forward(self, x: Tensor) -> Tensor:
+            y = F.relu(self.conv(x), inplace=True)
+            y.add_(1)
+            return y * 2
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(Block(), Block()).eval(), torch.randn(2, 3, 6, 6)
+    with torch.no_grad(), hookscope.capture(model, "*::relu", "*::add_") as eager:
+        model(x)
+    for backend in ("eager", "inductor"):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        with torch.no_grad(), hookscope.capture(compiled, "*::relu", "*::add_") as acts:
+            compiled(x)
+        for key in ("0::relu", "1::relu", "0::add_", "1::add_"):
+            torch.testing.assert_close(acts[key], eager[key], rtol=0, atol=1e-6)
+        assert float((acts["0::add_"] - acts["0::relu"]).min()) == pytest.approx(1.0)
+
+
+def test_a_call_the_forward_never_made_is_reported_as_eager_reports_it() -> None:
+    model, x = _cnn(), torch.randn(2, 3, 6, 6)
+    with torch.no_grad(), hookscope.capture(model, "::softmax", "conv::relu", on_unfired="ignore") as eager:
+        model(x)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    for _ in range(2):  # the call that compiles and one that does not
+        with torch.no_grad(), hookscope.capture(compiled, "::softmax", "conv::relu",
+                                                on_unfired="ignore") as acts:
+            compiled(x)
+        _assert_same_report(acts.unfired, eager.unfired)
+    assert ("the model ran 1 time but its own forward never made any softmax; it made: add_"
+            in acts.unfired["::softmax"])
+    assert "it made: conv2d" in acts.unfired["conv::relu"]
+
+
+def test_calls_of_another_thread_are_not_recorded_and_are_named() -> None:
+    model, x = _mlp(), torch.randn(2, 8)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        compiled(x)  # warm up in one thread (torch compiles per thread on a first call at once)
+        with hookscope.capture(compiled, "0.1::relu", on_unfired="ignore") as acts:
+            worker = threading.Thread(target=lambda: [compiled(x) for _ in range(3)])
+            worker.start()
+            worker.join()
+        assert acts.counts == {"0.1::relu": 0}
+        assert acts.unfired["0.1::relu"].startswith("0.1 ran 3 times, all in other threads")
+        with hookscope.capture(compiled, "0.1::relu") as acts:
+            worker = threading.Thread(target=lambda: compiled(x + 1))
+            worker.start()
+            worker.join()
+            compiled(x)
+        assert acts.counts == {"0.1::relu": 1}
+        torch.testing.assert_close(acts["0.1::relu"], model[0](x))
+
+
+@pytest.mark.parametrize("verb", [
+    lambda m: hookscope.edit(m, {"0.1::relu": lambda o: o * 0}),
+    lambda m: hookscope.ablate(m, "0.1::relu"),
+    lambda m: hookscope.steer(m, {"0.1::relu": torch.ones(8)})])
+def test_an_edit_of_a_call_in_a_compiled_model_is_refused_before_anything_is_registered(
+        verb: Callable[[nn.Module], Any]) -> None:
+    model = _mlp()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with pytest.raises(hookscope.HookscopeError, match=r"edits a function call.*model\._orig_mod"):
+        with verb(compiled):
+            compiled(torch.randn(2, 8))
+    assert _unhooked(model) and _unhooked(compiled)
+
+
+def test_a_compiled_call_that_raises_leaves_no_mode_and_the_next_call_is_recorded() -> None:
+    model = _mlp()
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    x = torch.randn(2, 8)
+    with torch.no_grad(), hookscope.capture(compiled, "*.1::relu", "::linear",
+                                            on_unfired="ignore") as acts:
+        with pytest.raises(RuntimeError, match="same reduction dim"):  # raised while dynamo traces
+            compiled(torch.randn(2, 5))
+        assert torch._C._len_torch_function_stack() == 0
+        compiled(x)
+        model(x)  # the eager module in the same block: its calls are seen too
+    assert acts.counts["0.1::relu"] == 2
+    for got in acts.calls("0.1::relu"):
+        torch.testing.assert_close(got, model[0](x))
+    assert torch._C._len_torch_function_stack() == 0 and _unhooked(compiled)
+
+
+def test_statistics_of_a_call_inside_a_compiled_model_equal_eager() -> None:
+    """``stats`` (its token hook on the root runs outside the graph: not under
+    ``fullgraph=True``, tests/test_compile_fullgraph.py) of calls the graph hands out."""
+    model, batches = _mlp(), [torch.randn(2, 8), torch.randn(3, 8)]
+    eager = hookscope.stats(model, batches, "*.1::relu")
+    compiled = torch.compile(model, backend="eager")
+    got = hookscope.stats(compiled, batches, "*.1::relu")
+    assert set(eager) <= set(got) and len(eager) == 4  # (and "1::relu": see _assert_like_eager)
+    for key in eager:
+        assert got[key].count == eager[key].count == 5 * 8
+        torch.testing.assert_close(got[key].mean, eager[key].mean)
+
+
+# ------------------------------------------------------------------ generated models
+#: functions a generated forward calls: name -> how it changes ``x`` (``y``: a second tensor)
+STEPS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "relu": lambda x, y: F.relu(x),
+    "sigmoid": lambda x, y: torch.sigmoid(x),
+    "softmax": lambda x, y: torch.softmax(x, dim=-1),
+    "add": lambda x, y: x + y,
+    "mul": lambda x, y: torch.mul(x, 0.5),
+    "tanh": lambda x, y: x.tanh(),
+    "relu_": lambda x, y: x.clone().relu_(),  # a call writing its input in place
+    "layer_norm": lambda x, y: F.layer_norm(x, (x.shape[-1],)),
+}
+
+
+class _Step(nn.Module):
+    """A Linear, then ``steps`` (names of ``STEPS``) in its own forward, a child's result
+    between them (its calls are the child's own)."""
+
+    def __init__(self, steps: list[str], child: nn.Module | None):
+        super().__init__()
+        self.lin, self.steps, self.child = nn.Linear(6, 6), steps, child
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.lin(x)
+        for k, step in enumerate(self.steps):
+            if k == len(self.steps) // 2 and self.child is not None:
+                y = y + self.child(y)
+            y = STEPS[step](y, x)
+        return y
+
+
+def _generated(steps: list[list[str]]) -> nn.Module:
+    torch.manual_seed(0)
+    module: nn.Module | None = None
+    for own in reversed(steps):  # steps[0] is the outermost
+        module = _Step(own, module)
+    assert module is not None
+    return module.eval()
+
+
+_STEP = st.sampled_from(sorted(STEPS))
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(st.lists(_STEP, min_size=1, max_size=4), min_size=1, max_size=3),
+       which=st.lists(st.tuples(st.integers(0, 2), _STEP, st.none() | st.integers(0, 2)),
+                      min_size=1, max_size=3))
+@example(steps=[["relu", "relu_", "relu"], ["add", "relu"]], which=[(0, "relu", 1), (1, "add", None)])
+def test_generated_forwards_in_a_full_graph_record_what_eager_records(
+        steps: list[list[str]], which: list[tuple[int, str, int | None]]) -> None:
+    """Any nesting of forwards calling any of ``STEPS``, any address ``path::fn`` or
+    ``path::fn#k`` (one the forward never makes included): the compiled capture records the
+    same calls, with the same outputs and inputs, and reports the same silent addresses."""
+    torch._dynamo.reset()
+    model, x = _generated(steps), torch.randn(2, 6)
+    paths = ["", "child", "child.child"][:len(steps)]
+    patterns = sorted({f"{paths[depth % len(paths)]}::{name}{'' if k is None else f'#{k}'}"
+                       for depth, name, k in which})
+    with torch.no_grad(), hookscope.capture(model, patterns, inputs=True, on_unfired="ignore") as eager:
+        model(x)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with torch.no_grad(), hookscope.capture(compiled, patterns, inputs=True, on_unfired="ignore") as acts:
+        compiled(x)
+    _assert_same_report(acts.unfired, eager.unfired)
+    if eager.counts:
+        _assert_like_eager(acts, eager, exact=True)
+    assert torch._C._len_torch_function_stack() == 0 and _unhooked(model)
+
+
+def test_a_second_threads_block_of_calls_on_one_compiled_model_is_refused_at_entry() -> None:
+    """Found building: two threads capturing ``0.1::relu`` on one compiled model at once; the
+    graph traced in one thread served the other's calls, so one block recorded 1 call of 3.
+    It is refused now, naming the fixes; blocks one after the other, and nested blocks in one
+    thread, still record every call."""
+    model, x = _mlp(), torch.randn(2, 8)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    opened, release, errors = threading.Event(), threading.Event(), []
+
+    def first() -> None:
+        with torch.no_grad(), hookscope.capture(compiled, "0.1::relu") as acts:
+            opened.set()
+            release.wait(30)
+            for _ in range(3):
+                compiled(x)
+        errors.append(acts.counts)
+
+    worker = threading.Thread(target=first)
+    worker.start()
+    opened.wait(30)
+    try:
+        with pytest.raises(hookscope.HookscopeError, match=r"another thread.*copy\.deepcopy"):
+            hookscope.capture(compiled, "1.1::relu").__enter__()
+        assert not model[1][1]._forward_hooks and not model[1]._forward_pre_hooks
+    finally:
+        release.set()
+        worker.join()
+    assert errors == [{"0.1::relu": 3}]
+    with torch.no_grad(), hookscope.capture(compiled, "0.1::relu") as outer:
+        with hookscope.capture(compiled, "0.1::relu", "1.1::relu") as inner:
+            compiled(x)
+        compiled(x)
+    assert outer.counts == {"0.1::relu": 2} and inner.counts == {"0.1::relu": 1, "1.1::relu": 1}
+    torch.testing.assert_close(inner["1.1::relu"], model[:2](x))
+    assert _unhooked(model)
