@@ -9,7 +9,10 @@ ratio is the median of the per-round ratios (each round measures both cases), so
 the baseline measured in the same run. Wall time (``time.perf_counter``): inductor's kernels run
 on torch's intra-op threads. It also prints how many graphs dynamo compiled (goal: 2 per model).
 
-Each round also times two references:
+Each round also times a capture of function calls inside the graph (``CALLS``: each attention
+module's ``scaled_dot_product_attention`` call on GPT-2, each bottleneck's residual ``out +=
+identity`` on the CNN; ``engine.function_mode``), against the same compiled forward, and two
+references:
 
 - **plain traced hooks**: the same modules hooked by plain forward hooks that dynamo traces
   whole, each appending a clone of its module's output to a list (``_PlainHook``; the clone is
@@ -38,6 +41,8 @@ from bench import models
 
 #: per-model goal of the every-module capture, as a ratio to the compiled forward
 GOAL = 1.05
+#: per model: the function addresses of the calls capture
+CALLS = {"gpt2": "transformer.h.*.attn::scaled_dot_product_attention", "resnet": "layer*.*::add_"}
 
 
 def _time(body: Callable[[], Any]) -> float:
@@ -98,6 +103,11 @@ def measure(name: str, model: nn.Module, example: tuple[Any, ...], *, backend: s
             compiled(*example)
         return acts
 
+    def calls() -> Any:
+        with hookscope.capture(compiled, CALLS[name]) as acts:
+            compiled(*example)
+        return acts
+
     with torch.no_grad():
         started = time.perf_counter()
         acts = captured()  # compiles the graph with the hooks
@@ -107,11 +117,14 @@ def measure(name: str, model: nn.Module, example: tuple[Any, ...], *, backend: s
         graphs = counter.frame_count
         modules = [model.get_submodule(p) for p in paths]
         specs = _plain(compiled, modules, example)  # compiles the plain hooks' graph
+        called = calls()  # and the graph holding the calls' mode
+        assert called.counts and all(called.counts.values()), "a call was not captured"
         compiled_before = counter.frame_count
-        bare, hooked, plain, fill = [], [], [], []
+        bare, hooked, plain, fill, function = [], [], [], [], []
         for _ in range(runs):
             bare.append(_time(lambda: compiled(*example)))
             hooked.append(_time(captured))
+            function.append(_time(calls))
             plain.append(_time(lambda: _plain(compiled, modules, example)))
             fill.append(_time(lambda: _fill(specs)))
         assert counter.frame_count == compiled_before, "a timed round compiled again"
@@ -124,7 +137,9 @@ def measure(name: str, model: nn.Module, example: tuple[Any, ...], *, backend: s
             "ratios": ratios, "plain_ms": 1e3 * statistics.median(plain),
             "plain_ratio": statistics.median(plains), "plains": plains,
             "floor_ratio": statistics.median(floors), "floors": floors,
-            "captured_mib": sum(math.prod(shape) * dtype.itemsize for shape, dtype in specs) / 2**20}
+            "captured_mib": sum(math.prod(shape) * dtype.itemsize for shape, dtype in specs) / 2**20,
+            "calls": CALLS[name], "calls_count": len(called.counts),
+            "calls_ratio": statistics.median([c / b for c, b in zip(function, bare)])}
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -153,7 +168,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
               f"({'meets' if row['ratio'] <= GOAL else 'misses'} the goal); graphs compiled "
               f"{row['graphs']}, compile {row['compile_s']:.0f} s; plain traced hooks "
               f"{row['plain_ms']:.1f} ms: x{row['plain_ratio']:.3f}; the bytes floor "
-              f"({row['captured_mib']:.0f} MiB written) x{row['floor_ratio']:.3f}")
+              f"({row['captured_mib']:.0f} MiB written) x{row['floor_ratio']:.3f}; function calls "
+              f"{row['calls']!r} ({row['calls_count']}) x{row['calls_ratio']:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
     return rows

@@ -301,16 +301,21 @@ def _compiled_section(compiled: dict[str, Any] | None) -> list[str]:
         return out + [f"Failed: `{compiled['error']}`", ""]
     out += ["| model | modules | graphs compiled | compile s | compiled forward ms | "
             "with every-module capture ms | x compiled forward | plain traced hooks | "
-            "bytes floor (MiB captured) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "bytes floor (MiB captured) | function calls captured |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     out += [f"| {r['workload']} | {r['modules']} | {r['graphs']} | {r['compile_s']:.0f} | "
             f"{r['bare_ms']:.1f} | {r['capture_ms']:.1f} | x{r['ratio']:.3f} | "
             + (f"x{r['plain_ratio']:.3f} | x{r['floor_ratio']:.3f} ({r['captured_mib']:.0f}) |"
-               if "plain_ratio" in r else "n/a | n/a |") for r in compiled["rows"]]
+               if "plain_ratio" in r else "n/a | n/a |")
+            + (f" x{r['calls_ratio']:.3f} (`{r['calls']}`, {r['calls_count']} addresses) |"
+               if "calls_ratio" in r else " n/a |") for r in compiled["rows"]]
     return out + ["", "Plain traced hooks: the same modules hooked by plain forward hooks that dynamo "
                   "traces, each appending a clone of its output to a list (graph outputs), what a "
                   "user writes without hookscope. Bytes floor: the compiled forward plus allocating "
                   "and filling tensors of the captured values' shapes, in the same round: what any "
-                  "capture handing out every module's output pays at least (bench/compiled.py).", ""]
+                  "capture handing out every module's output pays at least. Function calls "
+                  "captured: a capture of those calls inside the same graph, against the same "
+                  "compiled forward (bench/compiled.py).", ""]
 
 
 def _throughput_section(throughput: dict[str, Any] | None) -> list[str]:

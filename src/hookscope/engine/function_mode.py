@@ -293,8 +293,9 @@ class FunctionWatcher:
     def _enter_call(self, module: nn.Module, args: Any) -> None:
         """The compile wrapper's pre-hook: the mode on the stack for the whole call, where
         dynamo traces it (and its guards find it), and the frame of the compiled module when
-        it is watched: dynamo runs that module's own hooks outside the graph, so none of
-        them runs while it traces."""
+        it is watched, begun here, outside the compiled code, for the whole call (its own
+        enter and leave hooks then do nothing): one frame object per call, which dynamo
+        reads while it traces and to which it replays the heads noted in it (``_leave_call``)."""
         if self._entered:
             return
         self._entered = self._whole = True  # set before the push: claimed, never lost
@@ -509,7 +510,7 @@ class _Frame:
         self.suspended = 0  # > 0 while a direct child runs
         self.counts: dict[tuple[int, str], int] = {}
         self.leave = leave
-        self.heads: list[str] = []  # traced: the calls no watch wanted (note)
+        self.heads: list[str] = []  # traced: the head of each call, in order (note)
 
     def note(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
              output: Any) -> None:

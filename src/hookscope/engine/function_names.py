@@ -5,7 +5,7 @@
 parameter names, ``split_address``/``parse_op`` read ``path::name#N[parts]``, and
 ``functional_counterpart`` says which function name reaches the value of an ``nn.ReLU`` that a
 forward replaced by ``F.relu``. ``refuse_uninterceptable`` refuses, before running, models whose
-calls cannot be seen one by one.
+calls cannot be seen one by one (TorchScript), or edited (a compiled graph).
 """
 
 from __future__ import annotations
