@@ -344,14 +344,16 @@ class FunctionWatcher:
         output = func(*args, **kwargs)
         if not self._frames:
             return output
-        if traced():  # dynamo traces the call: noted, reported at run time (_replayed)
-            self._frames[-1].note(func, args, kwargs, output)
+        frame = self._frames[-1]
+        if frame.leave is not None:  # a compiled call's frame (the only kind dynamo traces)
+            if traced():  # noted in the graph, reported at run time (_replayed)
+                frame.note(func, args, kwargs, output)
+            return output  # else its graph runs (the eager backend's calls): its sink reports
+        if _reporting.active:
             return output
-        if _reporting.active or self._frames[-1].leave is not None:  # a compiled call's frame:
-            return output  # its graph runs (the eager backend's calls), reported by its sink
         _reporting.active = True  # torch calls made by on_call are hookscope's, not the module's
         try:
-            return self._report(self._frames[-1], func, args, kwargs, output)
+            return self._report(frame, func, args, kwargs, output)
         finally:
             _reporting.active = False
 
