@@ -3,10 +3,11 @@
 The calls a forward makes (``F.relu``, ``scaled_dot_product_attention``, ``x + y``) are seen by a
 ``TorchFunctionMode`` that the compile wrapper's own pre-hook enters for the whole call, where
 dynamo traces it; each call a capture wants leaves the graph by one ordered operator
-(``engine.function_mode``). These tests hold: no graph break, values (outputs, arguments,
-keywords) equal the eager capture's, opening and closing blocks compiles at most twice, the
-"never made" report names what the forward did make, other threads' calls are not recorded, an
-edit is refused before anything is registered, and nothing is left on torch's mode stack.
+(``engine.function_mode``), and a call an edit wants goes through ``hookscope::replace``. These
+tests hold: no graph break, values (outputs, arguments, keywords; an edited forward's output)
+equal eager mode's, opening and closing blocks compiles at most twice, the "never made" report
+names what the forward did make, other threads' calls are not recorded, and nothing is left on
+torch's mode stack.
 """
 
 from __future__ import annotations
@@ -206,18 +207,108 @@ def test_calls_of_another_thread_are_not_recorded_and_are_named() -> None:
         torch.testing.assert_close(acts["0.1::relu"], model[0](x))
 
 
-@pytest.mark.parametrize("verb", [
-    lambda m: hookscope.edit(m, {"0.1::relu": lambda o: o * 0}),
-    lambda m: hookscope.ablate(m, "0.1::relu"),
-    lambda m: hookscope.steer(m, {"0.1::relu": torch.ones(8)})])
-def test_an_edit_of_a_call_in_a_compiled_model_is_refused_before_anything_is_registered(
-        verb: Callable[[nn.Module], Any]) -> None:
-    model = _mlp()
+SDPA = "scaled_dot_product_attention"
+#: name: (the edits a model's calls get; each one edit block, in turn)
+EDITS: dict[str, list[Callable[[nn.Module], Any]]] = {
+    "mlp": [lambda m: hookscope.edit(m, {"1.1::relu": lambda o: o * 0}),
+            lambda m: hookscope.ablate(m, "2.1::relu"),
+            lambda m: hookscope.steer(m, {"0.1::relu": torch.ones(8)}, scale=2.0)],
+    "cnn": [lambda m: hookscope.edit(m, {"::add_": lambda o: o * -1}),
+            lambda m: hookscope.steer(m, {"conv::conv2d": torch.ones(4, 1, 1)})],
+    "gpt2": [lambda m: hookscope.edit(m, {f"transformer.h.0.attn::{SDPA}": lambda o: o * 0}),
+             lambda m: hookscope.steer(m, {f"transformer.h.1.attn::{SDPA}": torch.ones(8)},
+                                       positions=[-1], attention_mask=GPT2_INPUTS["attention_mask"]),
+             lambda m: hookscope.edit(m, {"transformer.h.1.attn::transpose#1": lambda o: o.flip(-1)})],
+}
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("name", list(EDITS))
+def test_edits_of_calls_in_a_full_graph_equal_eager_and_compile_once_per_edit(
+        name: str, backend: str, dynamo_warnings: list[str]) -> None:
+    """``edit``, ``steer`` (at a token position, with the attention mask) and ``ablate`` of a
+    call: the forward goes on with the edited value, as in eager mode, whatever the call
+    returns to."""
+    make, data, _ = MODELS[name]
+    model, inputs = make(), data()
+    with torch.no_grad():
+        plain = _call(model, inputs)
+        expected = []
+        for verb in EDITS[name]:
+            with verb(model) as applied:
+                expected.append(_call(model, inputs))
+            assert sum(applied.counts.values()) >= 1
+    counter = CompileCounterWithBackend(backend)
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    with torch.no_grad():
+        for _ in range(3):
+            for verb, want in zip(EDITS[name], expected):
+                with verb(compiled) as applied:
+                    got = _call(compiled, inputs)
+                    again = _call(compiled, inputs)
+                assert sum(applied.counts.values()) >= 2
+                for out in (got, again):
+                    out, want_out = (out, want) if isinstance(out, Tensor) else (out.logits, want.logits)
+                    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+                    assert not torch.allclose(out, plain if isinstance(plain, Tensor) else plain.logits)
+        _call(compiled, inputs)
+    assert counter.frame_count <= len(EDITS[name]) + 1  # a graph per edit, one without: no more
+    assert [m for m in dynamo_warnings if "recompil" in m] == []
+    assert _unhooked(model) and torch._C._len_torch_function_stack() == 0
+
+
+def test_an_edit_of_one_occurrence_changes_that_call_only_and_a_capture_sees_it() -> None:
+    """``::relu#1`` edits the second ``F.relu`` of each forward; a capture of ``::relu`` in the
+    same block sees the edited value where the edit ran before it (the capture's block
+    entered inside the edit's), as in eager mode."""
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 6)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return F.relu(self.lin(F.relu(x))) + F.relu(x - 1)
+
+    torch.manual_seed(0)
+    model, x = Twice().eval(), torch.randn(3, 6)
+    results = []
+    for target in (model, torch.compile(model, backend="eager", fullgraph=True)):
+        with torch.no_grad(), hookscope.edit(target, {"::relu#1": lambda o: o + 10}) as edited:
+            with hookscope.capture(target, "::relu") as seen:
+                out = target(x)
+        results.append((out, seen.calls("::relu"), edited.counts))
+    (eager_out, eager_seen, eager_counts), (out, seen_calls, counts) = results
+    assert counts == eager_counts == {"::relu#1": 1}
+    assert torch.equal(out, eager_out) and len(seen_calls) == len(eager_seen) == 3
+    for got, want in zip(seen_calls, eager_seen):
+        assert torch.equal(got, want)
+    assert float(seen_calls[1].min()) >= 10 and float(seen_calls[0].min()) == 0
+
+
+def test_an_edit_of_a_call_says_what_a_graph_cannot_take_back_at_the_call() -> None:
+    """Gradients through the edited call (no derivative), and a result that is no tensor
+    (``torch.max``'s values and indices): ``EditError`` at the call, naming the fixes; the
+    same block edits again once the call has no gradients."""
+    class Pick(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return torch.max(F.relu(self.lin(x)), dim=1).values
+
+    model, x = Pick(), torch.randn(2, 4)
     compiled = torch.compile(model, backend="eager", fullgraph=True)
-    with pytest.raises(hookscope.HookscopeError, match=r"edits a function call.*model\._orig_mod"):
-        with verb(compiled):
-            compiled(torch.randn(2, 8))
-    assert _unhooked(model) and _unhooked(compiled)
+    with hookscope.edit(compiled, {"::relu": lambda o: o * 0}, on_unfired="ignore") as edit:
+        with pytest.raises(hookscope.EditError, match=r"gradients flow.*torch\.no_grad\(\)"):
+            compiled(x)
+        with torch.no_grad():
+            assert torch.equal(compiled(x), torch.zeros(2))
+    assert edit.counts == {"::relu": 1}
+    with torch.no_grad(), hookscope.edit(compiled, {"::max": lambda o: o}, on_unfired="ignore"):
+        with pytest.raises(hookscope.EditError, match=r"not a tensor or a tuple or list of tensors"):
+            compiled(x)
+    assert _unhooked(model) and torch._C._len_torch_function_stack() == 0
 
 
 def test_a_compiled_call_that_raises_leaves_no_mode_and_the_next_call_is_recorded() -> None:
@@ -354,3 +445,33 @@ def test_a_second_threads_block_of_calls_on_one_compiled_model_is_refused_at_ent
     assert outer.counts == {"0.1::relu": 2} and inner.counts == {"0.1::relu": 1, "1.1::relu": 1}
     torch.testing.assert_close(inner["1.1::relu"], model[:2](x))
     assert _unhooked(model)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(steps=st.lists(st.lists(_STEP, min_size=1, max_size=4), min_size=1, max_size=3),
+       edited=st.tuples(st.integers(0, 2), _STEP, st.none() | st.integers(0, 2)),
+       seen=st.tuples(st.integers(0, 2), _STEP, st.none() | st.integers(0, 2)))
+@example(steps=[["relu", "relu_", "relu"], ["add", "relu"]], edited=(0, "relu", 1), seen=(0, "relu", None))
+def test_generated_forwards_edited_in_a_full_graph_equal_eager(
+        steps: list[list[str]], edited: tuple[int, str, int | None],
+        seen: tuple[int, str, int | None]) -> None:
+    """Any nesting, an edit of any address (``o + 1``) and a capture of any address inside
+    it: the compiled forward's output, the calls edited and the values captured (edited ones
+    where the edit came first) are eager mode's."""
+    torch._dynamo.reset()
+    model, x = _generated(steps), torch.randn(2, 6)
+    paths = ["", "child", "child.child"][:len(steps)]
+    edit_at, capture_at = (f"{paths[depth % len(paths)]}::{name}{'' if k is None else f'#{k}'}"
+                           for depth, name, k in (edited, seen))
+    results = []
+    for target in (model, torch.compile(model, backend="eager", fullgraph=True)):
+        with torch.no_grad(), hookscope.edit(target, {edit_at: lambda o: o + 1}, on_unfired="ignore") as edit:
+            with hookscope.capture(target, capture_at, on_unfired="ignore") as acts:
+                out = target(x)
+        calls = acts.calls(capture_at) if acts.counts.get(capture_at) else []  # never ran: an error
+        results.append((out, dict(edit.counts), dict(acts.counts), calls))
+    (want, want_edits, want_counts, want_calls), (got, got_edits, got_counts, got_calls) = results
+    assert got_edits == want_edits and got_counts == want_counts and torch.equal(got, want)
+    for a, b in zip(got_calls, want_calls, strict=True):
+        assert torch.equal(a, b)
+    assert torch._C._len_torch_function_stack() == 0 and _unhooked(model)

@@ -33,7 +33,9 @@ Two more operators serve hooks that do more than read:
   while tracing (dynamo turns it into its own ``Unsupported``, so errors are raised by the
   operators at run time).
 
-A sink runs eagerly, on real tensors, in the thread running the compiled call.
+A sink runs eagerly, on real tensors, in the thread running the compiled call. While these
+functions put operators in a graph, ``making[0]`` is True: a block's function mode, which sees
+every torch call a traced forward makes, passes them through (``engine.function_mode``).
 
 Code compiled without hooks must check that the hook tables are still empty, or it would run on
 silently when a block adds hooks: dynamo skips that check by default
@@ -60,14 +62,15 @@ from torch._library.effects import EffectType
 
 from hookscope.errors import EditError, HookscopeError
 
-__all__ = ["prepare", "eager_when_called", "open_sink", "close_sink", "keep", "replace", "refuse_edit",
-           "watch_gradient", "flat_output", "flatten", "NotKept"]
+__all__ = ["prepare", "eager_when_called", "open_sink", "close_sink", "keep", "replace", "replace_call",
+           "call_refusal", "refuse_edit", "watch_gradient", "flat_output", "flatten", "NotKept"]
 
 Tensor = torch.Tensor
 Sink = Callable[[Any], None]
 
 TENSOR, TUPLE, LIST = 0, 1, 2  # how ``replace`` rebuilds what the module returned (flat_output)
 REFUSED = 3  # ``replace`` of an output it cannot rebuild in a full graph: EditError at the call
+CALL_STRUCTURE, CALL_GRAD = 4, 5  # ``replace_call`` refusals: EditError at the call
 _sinks: dict[int, Sink] = {}
 _places: weakref.WeakKeyDictionary[nn.Module, list[int]] = weakref.WeakKeyDictionary()
 _next_key = [0]
@@ -75,6 +78,9 @@ _keys_lock = threading.Lock()  # two threads opening blocks on one module get tw
 _op: list[Any] = []  # the operators (keep, replace, Tap.apply), defined once on first use
 _checked: list[bool] = []  # whether torch._dynamo was set up (prepare)
 _hook_codes: list[Any] = []  # code objects of hooks' __call__ (eager_when_called)
+#: while dynamo traces: ``[True]`` while hookscope puts its own operators in the graph. A plain
+#: list: dynamo models its writes (a ``threading.local`` it cannot); nothing reads it at run time.
+making = [False]
 
 
 def prepare() -> None:
@@ -127,8 +133,8 @@ def _copy(value: Tensor) -> Tensor:
 
 
 def _replace(values: list[Tensor | None], kind: int, key: int, grad: bool) -> list[Tensor]:
-    if kind == REFUSED:
-        raise EditError(_NO_STRUCTURE_EDIT)
+    if kind in _REFUSALS:
+        raise EditError(_REFUSALS[kind])
     sink = _sinks.get(key)
     if grad:  # no derivative: not even a thread without an edit of its own can pass
         hook = getattr(sink, "__self__", None)  # the OwnedHook whose kept() the sink is
@@ -205,12 +211,33 @@ _NO_STRUCTURE_EDIT = (
     "(compiled._orig_mod)")
 
 
+_NO_CALL_STRUCTURE_EDIT = (
+    "an edit of a function call ('path::fn') inside a torch.compile graph cannot replace a result "
+    "that is not a tensor or a tuple or list of tensors (torch.max's values and indices, a "
+    "dict): the graph takes an edited value back only as tensors in those places. Edit a call "
+    "that returns a tensor, or edit the eager model (compiled._orig_mod)")
+
+
+_NO_CALL_GRAD_EDIT = (
+    "an edit of a function call ('path::fn') inside a torch.compile graph cannot run while "
+    "gradients flow through the call's result: the graph holds the edit as one operator without "
+    "a derivative (an edit is any function), and a call inside a compiled forward cannot run "
+    "outside its graph. Call the model under torch.no_grad() or torch.inference_mode(), edit the "
+    "output of the module that makes the call (an address without '::'; compiled with "
+    "fullgraph=False, that edit runs outside the graph), or edit the eager model "
+    "(compiled._orig_mod)")
+
+
 _OTHER_THREADS_EDIT = (
     "another thread's edit block is open on this torch.compile(model, fullgraph=True) model, and "
     "this call runs with gradients: the graph holds that edit as one operator without a "
     "derivative, which every thread's call goes through (gradients would stop there). Call the "
     "model under torch.no_grad() or torch.inference_mode() while edit blocks are open, compile "
     "with fullgraph=False, or edit a copy of the model (copy.deepcopy) in the other thread")
+
+
+_REFUSALS = {REFUSED: _NO_STRUCTURE_EDIT, CALL_STRUCTURE: _NO_CALL_STRUCTURE_EDIT,
+             CALL_GRAD: _NO_CALL_GRAD_EDIT}
 
 
 def _rebuilt(values: list[Tensor | None], kind: int) -> Any:
@@ -292,7 +319,10 @@ def flatten(value: Any) -> tuple[list[Tensor], str]:
     one-element set holding its type's name, which ``keep``'s sink receives as
     ``NotKept(name)``: a graph hands out tensors, not objects."""
     values: list[Tensor] = []
-    return values, _spec(value, values)
+    making[0] = True  # numbers become tensors (scalar_tensor): hookscope's calls
+    spec = _spec(value, values)
+    making[0] = False
+    return values, spec
 
 
 def _spec(value: Any, values: list[Tensor]) -> str:
@@ -414,8 +444,12 @@ def _output(cls: type, fields: dict[str, Any]) -> Any:
 
 def keep(values: list[Tensor], spec: str, key: int) -> None:
     """Call ``hookscope::keep`` with ``flatten``'s ``(values, spec)`` of a value: inside a
-    compiled graph, one opaque ordered operator."""
-    _op[0][0](values, spec, key)
+    compiled graph, one opaque ordered operator. A value without a tensor (a witness's) gets an
+    empty one: torch 2.13's inductor frees a buffer before a later kernel reads it when an
+    effectful operator takes none."""
+    making[0] = True
+    _op[0][0](values or [torch.empty(0)], spec, key)
+    making[0] = False
 
 
 def watch_gradient(values: list[Tensor | None], kind: int, key: int) -> Any:
@@ -428,15 +462,43 @@ def watch_gradient(values: list[Tensor | None], kind: int, key: int) -> Any:
     if first is None or not (torch.is_grad_enabled() and values[first].requires_grad):  # type: ignore[union-attr]
         return None
     values = list(values)
+    making[0] = True
     values[first] = _op[0][2](values[first], key)
+    making[0] = False
     return _rebuilt(values, kind)
 
 
-def refuse_edit(key: int) -> None:
-    """Put in the graph an operator that raises ``EditError`` (``_NO_STRUCTURE_EDIT``) when it
-    runs: an edit entered on a ``fullgraph=True`` model, of an output ``replace`` cannot
-    rebuild. (A Python exception raised while dynamo traces becomes its own ``Unsupported``.)"""
-    _op[0][1]([], REFUSED, key, False)
+def refuse_edit(key: int, kind: int = REFUSED) -> None:
+    """Put in the graph an operator that raises ``EditError`` when it runs (``_REFUSALS[kind]``):
+    an edit entered on a ``fullgraph=True`` model, of an output ``replace`` cannot rebuild
+    (``REFUSED``), or an edit of a call ``call_refusal`` names. (A Python exception raised while
+    dynamo traces becomes its own ``Unsupported``.) It takes an empty tensor: inductor lowers
+    no operator without one ("Not sure where to find device info")."""
+    making[0] = True
+    _op[0][1]([torch.empty(0)], kind, key, False)
+    making[0] = False
+
+
+def call_refusal(output: Any) -> int | None:
+    """Why ``replace_call`` cannot take an edit of a function call's result ``output`` back
+    (``refuse_edit``'s kind), or None: ``CALL_STRUCTURE`` for a result that is no tensor,
+    tuple or list of tensors, ``CALL_GRAD`` for one gradients may flow through (the operator
+    has no derivative, and a call inside a compiled forward cannot run outside the graph as a
+    module's hook can)."""
+    flat = flat_output(output)
+    if flat is None:
+        return CALL_STRUCTURE
+    if torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in flat[0]):
+        return CALL_GRAD
+    return None
+
+
+def replace_call(output: Any, key: int) -> Any:
+    """``replace`` for the result of a function call inside a compiled graph (an edit of
+    ``path::fn``, ``engine.function_mode``; ``call_refusal(output)`` is None): what the sink
+    of ``key`` made of a copy of ``output``, which the forward goes on with."""
+    values, kind = flat_output(output)  # type: ignore[misc]
+    return replace(values, kind, key, False)
 
 
 def replace(values: list[Tensor | None], kind: int, key: int, grad: bool) -> Any:
@@ -451,5 +513,7 @@ def replace(values: list[Tensor | None], kind: int, key: int, grad: bool) -> Any
     Raises:
         EditError: at run time, when ``grad`` (a backward pass may go through ``values``):
             the operator has no derivative, an edit being any function."""
+    making[0] = True
     new = iter(_op[0][1](values, kind, key, grad))
+    making[0] = False
     return _rebuilt([None if v is None else next(new) for v in values], kind)

@@ -31,12 +31,12 @@ before the compiled code, enters the mode for the whole call, and its forward ho
 dynamo traces, the hooks keep a frame of the trace, and the mode hands each call a watch wants
 out of the graph where it is made (``_Frame.note``: its arguments and result, by one
 ``hookscope::keep`` operator, ``engine.compiled``, which copies them before the forward goes on
-and writes them in place); the module's forward hook then hands out the names of the other calls
+and writes them in place); a call an edit wants goes through ``hookscope::replace``, whose result
+the forward goes on with; the module's forward hook then hands out the names of all the calls
 (``pick=_taken``). At run time the leave hook's sink reports each call to the watches as an
-eager call would (``_replayed``). The graph holds no Python state: a frame exists while dynamo
-traces only, and the graph compiled for one block serves the next.
-A compiled call cannot take an edited value back (sessions refuse edits there:
-``function_names.refuse_uninterceptable``). A graph hands a call's values to the blocks whose
+eager call would, and returns an edit's value (``_replayed``). The graph holds no Python state:
+a frame exists while dynamo traces only, and the graph compiled for one block serves the next.
+A graph hands a call's values to the blocks whose
 mode was on the stack when it was traced, in the thread that traced it, and torch's guard on the
 mode stack compares types only, so another thread would run that graph for its own block and
 record nothing: a second thread's block of function addresses on the same compiled model is
@@ -110,6 +110,10 @@ class Watch:
         in_recompute: also report the calls of a forward that activation checkpointing re-runs
             during backward (edits, so the recompute equals the real forward); such a forward
             is never counted in ``module_calls``.
+        occurrence: only the call with this index among the calls of its name in each forward
+            (``relu#1``): while dynamo traces, the others are not handed out of the graph.
+        edits: ``on_call`` may return a value that replaces the call's result: inside a
+            compiled graph, the call goes through ``hookscope::replace``.
         module_calls: the module's forward calls seen so far (its own thread's, not recomputes).
         made: the names of the calls its own forward made, in order of their first call (so a
             target that matched none can name what the forward did call).
@@ -125,6 +129,8 @@ class Watch:
     names: frozenset[str] | None = None
     deep: bool = False
     in_recompute: bool = False
+    occurrence: int | None = None
+    edits: bool = False
     module_calls: int = field(default=0, init=False)
     made: dict[str, None] = field(default_factory=dict, init=False)
     enter: OwnedHook | None = field(default=None, init=False)
@@ -164,14 +170,16 @@ class FunctionWatcher:
         self._whole = False  # entered for a whole call of the wrapper (_enter_call)
         self._keyed: list[OwnedHook] = []  # hooks with a compiled sink (closed by close())
         self._replaying: dict[int, _Frame] = {}  # id(watches) -> frame of a compiled call (_replayed)
+        self._pending: dict[int, tuple[Any, ...]] = {}  # id(watches) -> a call an edit waits on
         self._claimed = False  # whether this thread's claim on the wrapper is held (_claim)
 
     def watch(self, module: nn.Module, on_call: OnCall, *, names: Iterable[str] | None = None,
-              deep: bool = False, in_recompute: bool = False) -> Watch:
+              deep: bool = False, in_recompute: bool = False, occurrence: int | None = None,
+              edits: bool = False) -> Watch:
         """Report the calls of ``names`` (every call when ``None``) in ``module``'s forward; see
-        ``Watch`` for ``deep`` and ``in_recompute``."""
+        ``Watch`` for ``deep``, ``in_recompute``, ``occurrence`` and ``edits``."""
         entry = Watch(module, on_call, None if names is None else frozenset(names), deep,
-                      in_recompute)
+                      in_recompute, occurrence, edits)
         self._watches.setdefault(module, []).append(entry)
         return entry
 
@@ -215,6 +223,7 @@ class FunctionWatcher:
         their order); nothing is popped when it is not there."""
         self._frames.clear()
         self._replaying.clear()
+        self._pending.clear()
         if self._entered:
             take_off(self._mode)
         else:
@@ -252,31 +261,49 @@ class FunctionWatcher:
         heads of all its calls in order (``_Frame.note``), after ``_END``."""
         return (_END, *self._frames.pop().heads) if self._frames else (_END,)
 
-    def _replayed(self, watches: list[Watch]) -> Callable[[tuple[Any, ...]], None]:
+    def _replayed(self, watches: list[Watch]) -> Callable[[Any], Any]:
         """The sink of a compiled call's watched forward (``on_kept``, run after the thread and
-        recompute checks of ``OwnedHook.kept``): each value handed out of the graph is a call
-        a watch wants (``_CALL``, head, args, kwargs, output: copies), reported to the watches
-        as ``dispatch`` does, or the end of the forward (``_END`` and the heads of all its
-        calls: the names it made, in order). Its first value counts the forward's call
-        (``_counted``)."""
-        def replay(value: tuple[Any, ...]) -> None:
-            frame = self._replaying.pop(id(watches), None) or _counted(watches)
-            if value[0] == _CALL:
-                self._replaying[id(watches)] = frame
-                self._replay(frame, *value[1:])
-                return
-            _note_made(frame, value[1:])
+        recompute checks of ``OwnedHook.kept``). Each value handed out of the graph is:
+
+        - a call a watch wants (``_CALL``, head, args, kwargs, output: copies), reported to the
+          watches as ``dispatch`` does;
+        - a call an edit wants (``_EDIT``, head, args, kwargs), then, from ``hookscope::replace``,
+          a copy of its result, reported the same way; what the watches return (None: the
+          result as it was) is what the forward goes on with;
+        - the end of the forward (``_END`` and the heads of all its calls: the names it made,
+          in order).
+
+        Its first value counts the forward's call (``_counted``)."""
+        key = id(watches)
+
+        def replay(value: Any) -> Any:
+            frame = self._replaying.pop(key, None) or _counted(watches)
+            pending = self._pending.pop(key, None)
+            if pending is not None:  # the result the edit's call waited on
+                self._replaying[key] = frame
+                head, args, kwargs = pending
+                return self._replay(frame, watches, head, args, kwargs, value)
+            if value[0] == _END:
+                _note_made(frame, value[1:])
+                return None
+            self._replaying[key] = frame
+            if value[0] == _EDIT:
+                self._pending[key] = value[1:]
+                return None
+            return self._replay(frame, watches, *value[1:])
         return replay
 
-    def _replay(self, frame: _Frame, head: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                output: Any) -> None:
+    def _replay(self, frame: _Frame, watches: list[Watch], head: str, args: tuple[Any, ...],
+                kwargs: dict[str, Any], output: Any) -> Any:
         """Report one call of a compiled forward, written as ``_Frame.note``'s ``head`` (the
-        names made are noted at its end: ``_replayed``)."""
-        code, _, suspended = head.split(" ")
+        names made are noted at its end: ``_replayed``); return what replaces its result."""
+        code, _, suspended, occurrences = head.split(" ")
         frame.suspended = int(suspended)
+        counted = {id(w): int(k) for w, k in zip(watches, occurrences.split(","))}
         _reporting.active = True  # as dispatch: the torch calls on_call makes are its own
         try:
-            self._report(frame, _FUNCTIONS[int(code)], args, kwargs, output, made=False)
+            return self._report(frame, _FUNCTIONS[int(code)], args, kwargs, output, made=False,
+                                occurrences=counted)
         finally:
             _reporting.active = False
 
@@ -315,6 +342,7 @@ class FunctionWatcher:
             _note_made(self._frames[0], self._frames[0].heads)  # its dynamo-replayed list
         self._frames.clear()
         self._replaying.clear()
+        self._pending.clear()
         if self._whole:
             take_off(self._mode)
             self._entered = self._whole = False
@@ -346,8 +374,9 @@ class FunctionWatcher:
             return output
         frame = self._frames[-1]
         if frame.leave is not None:  # a compiled call's frame (the only kind dynamo traces)
-            if traced():  # noted in the graph, reported at run time (_replayed)
-                frame.note(func, args, kwargs, output)
+            if traced() and not compiled.making[0]:  # noted in the graph, reported at run time
+                # (_replayed); hookscope's own operators (compiled.making) pass through
+                return frame.note(func, args, kwargs, output)
             return output  # else its graph runs (the eager backend's calls): its sink reports
         if _reporting.active:
             return output
@@ -358,7 +387,12 @@ class FunctionWatcher:
             _reporting.active = False
 
     def _report(self, frame: _Frame, func: Callable[..., Any], args: tuple[Any, ...],
-                kwargs: dict[str, Any], output: Any, *, made: bool = True) -> Any:
+                kwargs: dict[str, Any], output: Any, *, made: bool = True,
+                occurrences: dict[int, int] | None = None) -> Any:
+        """Hand a call to the frame's watches that see it (``on_call``); return what replaces
+        its output. ``occurrences`` (``{id(watch): index}``): the call's index among its
+        name's calls as dynamo counted them while tracing (a compiled call hands out only the
+        calls a watch wants), instead of counting here."""
         name = function_name(func)
         for watch, module_call in zip(frame.watches, frame.module_calls):
             if frame.suspended and not watch.deep:
@@ -367,7 +401,7 @@ class FunctionWatcher:
                 watch.made.setdefault(name)
             if watch.names is not None and name not in watch.names:
                 continue
-            occurrence = frame.count(watch, name)
+            occurrence = frame.count(watch, name) if occurrences is None else occurrences[id(watch)]
             call = FunctionCall(watch.module, name, func, args, kwargs, output, module_call,
                                 occurrence)
             new = watch.on_call(call)
@@ -395,8 +429,7 @@ class FunctionHooks:
     ``add(module, op, hook)`` makes ``hook(module, args, output)`` (or ``hook(module, args,
     kwargs, output)``) run after each call of ``op`` in ``module``'s own forward, exactly as a
     forward hook runs after the module: ``args``/``kwargs`` are the function's, ``output`` its
-    return value, and a non-``None`` return replaces it (not in a compiled call: see
-    ``FunctionWatcher``).
+    return value, and a non-``None`` return replaces it.
 
     Args:
         wrapper: the ``torch.compile`` wrapper the model is called through, if any (see
@@ -410,10 +443,11 @@ class FunctionHooks:
         self.functions: dict[str, Callable[..., Any]] = {}  # record name -> function called
 
     def add(self, key: str, module: nn.Module, op: str, hook: Callable[..., Any], *,
-            with_kwargs: bool = False, in_recompute: bool = False) -> None:
+            with_kwargs: bool = False, in_recompute: bool = False, edits: bool = False) -> None:
         """Call ``hook`` for the calls ``op`` (``"relu"``, ``"relu#1"``) selects in ``module``;
         ``key`` is the record name (``"conv_stack::relu"``); ``in_recompute`` also for the
-        forward that activation checkpointing re-runs during backward (see ``Watch``)."""
+        forward that activation checkpointing re-runs during backward, ``edits`` when
+        ``hook`` may return a value (see ``Watch``)."""
         name, occurrence = parse_op(op)
         called, functions = self.called, self.functions
 
@@ -426,7 +460,8 @@ class FunctionHooks:
                 return hook(call.module, call.args, call.kwargs, call.output)
             return hook(call.module, call.args, call.output)
         self._watches[key] = (self._watcher.watch(module, on_call, names={name},
-                                                  in_recompute=in_recompute), op)
+                                                  in_recompute=in_recompute, occurrence=occurrence,
+                                                  edits=edits), op)
 
     def watch(self, module: nn.Module, on_call: OnCall, *, names: Iterable[str] | None = None,
               deep: bool = False) -> Watch:
@@ -480,7 +515,7 @@ def _note_made(frame: _Frame, heads: Iterable[str]) -> None:
     """Note in ``made`` the names of a compiled forward's calls (``_Frame.note``'s heads), for
     the watches that see each (not inside a child, unless deep)."""
     for head in heads:
-        _, name, suspended = head.split(" ")
+        _, name, suspended, _ = head.split(" ")
         for watch in frame.watches:
             if watch.deep or suspended == "0":
                 watch.made.setdefault(name)
@@ -515,22 +550,41 @@ class _Frame:
         self.heads: list[str] = []  # traced: the head of each call, in order (note)
 
     def note(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-             output: Any) -> None:
-        """While dynamo traces: write a call as its head, ``"<code> <name> <suspended>"``
-        (``_function_code``: strings are constants of the graph). A call a watch wants goes
-        out of the graph here, with copies of its ``args``, ``kwargs`` and ``output`` made
-        before the forward goes on (``engine.compiled.keep``); every head goes out at the
-        end, with all the others' (``_taken``): the names a forward made, in order."""
+             output: Any) -> Any:
+        """While dynamo traces: write a call as its head, ``"<code> <name> <suspended> <k,...>"``
+        (``_function_code``; k: the call's index among its name's calls for each watch, -1 for a
+        watch that does not see it; strings are constants of the graph); return what the
+        forward goes on with. A call a watch wants goes out of the graph here, with copies of its ``args``,
+        ``kwargs`` and ``output`` made before the forward goes on (``engine.compiled.keep``);
+        one an edit wants, its result through ``engine.compiled.replace_call``; every head
+        goes out at the end (``_taken``): the names a forward made, in order."""
         called = _function_code[0](func)
         name = called.partition(" ")[2]
-        head = f"{called} {self.suspended}"
+        wanted = edits = False
+        occurrences = []
+        for place, watch in enumerate(self.watches):  # as _report and FunctionHooks.add choose
+            if (self.suspended and not watch.deep) or (watch.names is not None and name not in watch.names):
+                occurrences.append("-1")
+                continue
+            seen = self.counts.get((place, name), 0)  # by place: an id() is a guard per object
+            self.counts[place, name] = seen + 1
+            occurrences.append(str(seen))
+            if watch.occurrence in (None, seen):
+                wanted, edits = True, edits or watch.edits
+        head = f"{called} {self.suspended} {','.join(occurrences)}"
         self.heads.append(head)
         key = None if self.leave is None else self.leave.key
-        if key is None or not any(w.names is None or name in w.names for w in self.watches
-                                  if w.deep or not self.suspended):
-            return
-        values, spec = compiled.flatten((_CALL, head, args, kwargs, output))
-        compiled.keep(values, spec, key)
+        if key is None or not wanted:
+            return output
+        refusal = compiled.call_refusal(output) if edits else None
+        if refusal is not None:  # raises EditError at the call, before anything is reported
+            compiled.refuse_edit(key, refusal)
+        else:
+            values, spec = compiled.flatten((_EDIT, head, args, kwargs) if edits
+                                            else (_CALL, head, args, kwargs, output))
+            compiled.keep(values, spec, key)
+            output = compiled.replace_call(output, key) if edits else output
+        return output
 
     def count(self, watch: Watch, name: str) -> int:
         key = (id(watch), name)
@@ -671,7 +725,7 @@ def _claimed(wrapper: nn.Module, thread: int, change: int) -> bool:
     return change > 0
 
 
-_CALL, _END = "call", "end"  # the first item of what a compiled forward hands out (_replayed)
+_CALL, _EDIT, _END = "call", "edit", "end"  # the first item of what a compiled forward hands out
 _FUNCTIONS: list[Callable[..., Any]] = []  # code -> function (_code_of)
 
 

@@ -5,7 +5,7 @@
 parameter names, ``split_address``/``parse_op`` read ``path::name#N[parts]``, and
 ``functional_counterpart`` says which function name reaches the value of an ``nn.ReLU`` that a
 forward replaced by ``F.relu``. ``refuse_uninterceptable`` refuses, before running, models whose
-calls cannot be seen one by one (TorchScript), or edited (a compiled graph).
+calls cannot be seen one by one (TorchScript).
 """
 
 from __future__ import annotations
@@ -179,16 +179,15 @@ def functional_hint(parent: str, module: nn.Module) -> str:
 
 
 # ------------------------------------------------------------------------------- refusals
-def refuse_uninterceptable(model: nn.Module, address: str, *, edits: bool = True) -> None:
-    """Raise before running when calls inside ``model``'s forward cannot be seen one by one
-    (``edits``: and changed).
+def refuse_uninterceptable(model: nn.Module, address: str) -> None:
+    """Raise before running when calls inside ``model``'s forward cannot be seen one by one.
+    (A ``torch.compile`` wrapper's can: dynamo traces the calls, and ``function_mode`` hands
+    them out of the graph.)
 
     Raises:
         HookscopeError: ``model`` (or the module addressed) is a TorchScript module, whose code
             runs in the TorchScript interpreter, which never dispatches to a
-            ``TorchFunctionMode``; or, for ``edits``, a ``torch.compile`` wrapper: dynamo traces
-            its calls into a graph, which hands a call's values out (``function_mode``: a
-            capture) but cannot take an edited one back in its place.
+            ``TorchFunctionMode``.
     """
     if isinstance(model, torch.jit.ScriptModule):
         raise HookscopeError(
@@ -196,10 +195,3 @@ def refuse_uninterceptable(model: nn.Module, address: str, *, edits: bool = True
             f"module ({type(model).__name__}): its code runs in the TorchScript interpreter, "
             f"which does not dispatch calls to Python, so they cannot be seen. Address the eager "
             f"module (before torch.jit.script/trace), or a module-level name without '::'")
-    if edits and hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
-        raise HookscopeError(
-            f"'{address}' edits a function call inside forward, but the model is "
-            f"torch.compile'd: the compiled graph holds that call, and hands its values out "
-            f"(capture '{address}' works) but takes no edited value back in its place. Edit the "
-            f"eager model (model._orig_mod), or edit the output of the module that makes the "
-            f"call (an address without '::')")

@@ -244,9 +244,7 @@ class OwnedHook:
         values, spec = compiled.flatten(value)
         if self.gradient_key is not None and flat is None:
             return False
-        # an operator without a tensor (a witness's) gets an empty one: torch 2.13's inductor
-        # frees a buffer before a later kernel reads it when an effectful operator takes none
-        compiled.keep(values or [torch.empty(0)], spec, key)
+        compiled.keep(values, spec, key)
         return True
 
 

@@ -74,7 +74,7 @@ class HookSession:
 
     _unfired_consequence = "nothing was recorded"
     _explain_unfired = True  # find out why silent modules did not run, even when not reporting it
-    _edits = False  # its hooks' returns replace what they hook (a torch.compile graph refuses that for calls)
+    _edits = False  # its hooks' returns replace what they hook (a compiled graph routes such calls)
 
     def __init__(self, model: nn.Module, patterns: Sequence[str], on_unfired: OnUnfired, *,
                  targets: Sequence[Target] | None = None, names: ModuleIndex | None = None):
@@ -90,8 +90,8 @@ class HookSession:
         self._names = names  # built on first use when the caller resolved without one
         for target in self.targets:
             if target.op is not None:  # before anything runs: calls there cannot be seen
-                refuse_uninterceptable(model, target.key, edits=self._edits)
-                refuse_uninterceptable(target.module, target.key, edits=self._edits)
+                refuse_uninterceptable(model, target.key)
+                refuse_uninterceptable(target.module, target.key)
         # serves targets that address a function call (in the compiled graph of a wrapper)
         self._functions = FunctionHooks(diagnose.compile_wrapper(model))
         self.unfired: dict[str, str] = {}
@@ -306,7 +306,7 @@ class HookSession:
             self._hook(target.module, hook, with_kwargs=with_kwargs, in_recompute=in_recompute)
         else:
             self._functions.add(target.key, target.module, target.op, hook, with_kwargs=with_kwargs,
-                                in_recompute=in_recompute)
+                                in_recompute=in_recompute, edits=self._edits)
 
     def _remove(self) -> None:
         with interrupts.deferred():
