@@ -475,3 +475,153 @@ def test_generated_forwards_edited_in_a_full_graph_equal_eager(
     for a, b in zip(got_calls, want_calls, strict=True):
         assert torch.equal(a, b)
     assert torch._C._len_torch_function_stack() == 0 and _unhooked(model)
+
+
+# ------------------------------------------------------------------ found by an attack
+class _Sums(nn.Module):
+    """Three ``sum`` calls inductor schedules last first, and a structseq result."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        v, i = torch.max(x, dim=1)
+        cat = torch.cat([x, v[:, None]], dim=1)
+        return cat.sum() + i.sum() + x[0].sum()
+
+
+class _Twice(nn.Module):
+    """``_Sums`` called twice in one forward (a shared module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = _Sums()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c(x) + self.c(x * 2)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_calls_are_reported_in_the_order_the_forward_made_them_whatever_inductor_runs_first(
+        backend: str) -> None:
+    """Inductor ran the operators handing out ``::sum`` last first (calls came out as
+    [-0.36, 6, -0.58] for eager's [-0.58, 6, -0.36]), and, for a module called twice, one
+    forward's end before its calls ("'c' ran 3 times"): calls are now kept until the compiled
+    call returns and reported forward by forward, call by call, in the traced order."""
+    torch.manual_seed(0)
+    model, x = _Twice().eval(), torch.randn(3, 4)
+    patterns = ["c::sum", "c::sum#2", "c::max", "c::softmax"]
+    with torch.no_grad(), hookscope.capture(model, patterns, inputs=True, on_unfired="ignore") as eager:
+        model(x)
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with torch.no_grad(), hookscope.capture(compiled, patterns, inputs=True, on_unfired="ignore") as acts:
+        compiled(x)
+    assert dict(acts.counts) == dict(eager.counts) == {
+        "c::sum": 6, "c::sum#2": 2, "c::max": 2, "c::softmax": 0}
+    for key in ("c::sum", "c::sum#2"):
+        for got, want in zip(acts.calls(key), eager.calls(key), strict=True):
+            torch.testing.assert_close(got, want)
+    for got, want in zip(acts.calls("c::max"), eager.calls("c::max"), strict=True):  # a structseq
+        assert type(got) is type(want) and torch.equal(got.indices, want.indices)
+        torch.testing.assert_close(got.values, want.values)
+    assert acts.unfired["c::softmax"].startswith("'c' ran 2 times")
+
+
+def test_threads_calling_the_compiled_model_without_a_block_are_left_alone() -> None:
+    """A trace in another thread ran the block's traced hooks, and dynamo wrote the frames
+    it changed back after each of that thread's calls, over the block's own: IndexError and
+    StopIteration in both threads, a recompile storm, a block with 4 calls of 5."""
+    torch.manual_seed(0)
+    model, x = _mlp(), torch.randn(2, 8)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        compiled(x)
+    stop, problems = threading.Event(), []
+
+    def serve() -> None:
+        try:
+            with torch.no_grad():
+                while not stop.is_set():
+                    y = torch.randn(2, 8)
+                    if not torch.allclose(compiled(y), model(y)):
+                        problems.append("wrong output")
+        except Exception as error:  # noqa: BLE001 - any error of the serving thread is the finding
+            problems.append(repr(error))
+
+    workers = [threading.Thread(target=serve) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    try:
+        for _ in range(6):
+            with torch.no_grad(), hookscope.capture(compiled, "*.1::relu", "::linear",
+                                                    on_unfired="ignore") as acts:
+                for _ in range(4):
+                    compiled(x)
+            assert acts.counts["2.1::relu"] == 4
+            torch.testing.assert_close(acts.calls("2.1::relu")[-1], model[:3](x))
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join()
+    assert problems == [] and _unhooked(model)
+
+
+def test_a_tensor_attribute_is_refused_on_a_compiled_model_before_anything_runs() -> None:
+    """``x.T``: dynamo computes it while it traces, no call is left in the graph; a capture
+    recorded nothing and said the forward never made it."""
+    compiled = torch.compile(_mlp(), backend="eager", fullgraph=True)
+    for address in ("0.0::T", "::shape"):
+        with pytest.raises(hookscope.HookscopeError, match=r"tensor attribute .*model\._orig_mod"):
+            hookscope.capture(compiled, address)
+
+
+class _Broken(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = nn.Sequential(nn.Linear(4, 4))
+        self.inner = _BreaksInside()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(self.b(x)) * 2
+
+
+class _BreaksInside(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.relu(x)
+        torch._dynamo.graph_break()
+        return y + 1
+
+
+def test_what_dynamo_cannot_follow_is_an_error_that_names_the_fix() -> None:
+    """Raw torch errors before (``InternalTorchDynamoError: NameError``, ``Unsupported``): a
+    graph break inside a watched forward; a block opened on a model compiled later, or on one
+    with a compiled submodule; a watched forward inside ``torch.utils.checkpoint``."""
+    x = torch.randn(3, 4)
+    split = torch.compile(_Broken().eval(), backend="eager")
+    with pytest.raises(hookscope.HookscopeError, match=r"graph break .*fullgraph=True"):
+        with torch.no_grad(), hookscope.capture(split, "inner::relu"):
+            split(x)
+    late = _Broken().eval()
+    late.inner = _Sums()  # type: ignore[assignment]
+    with pytest.raises(hookscope.HookscopeError, match=r"compiled after the block opened"):
+        with torch.no_grad(), hookscope.capture(late, "inner::sum"):
+            torch.compile(late, backend="eager", fullgraph=True)(x)
+    inside = _Broken().eval()
+    inside.inner = torch.compile(_Sums(), backend="eager", fullgraph=True)  # type: ignore[assignment]
+    with pytest.raises(hookscope.HookscopeError, match=r"inside a torch\.compile'd submodule"):
+        with torch.no_grad(), hookscope.capture(inside, "inner::sum"):
+            inside(x)
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.b = _Sums()
+
+        def forward(self, x: Tensor) -> Tensor:
+            return torch.utils.checkpoint.checkpoint(self.b, x, use_reentrant=False) * 2
+
+    checkpointed = torch.compile(Checkpointed(), backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match="Unsafe side effect") as raised:
+        with torch.no_grad(), hookscope.capture(checkpointed, "b::sum"):
+            checkpointed(x)
+    assert any("torch.utils.checkpoint region" in note for note in raised.value.__notes__)
+    for model in (split, late, inside, checkpointed):
+        assert _unhooked(model)
+    assert torch._C._len_torch_function_stack() == 0

@@ -20,7 +20,8 @@ as constants, travel as one string constant). So:
 
 Two more operators serve hooks that do more than read:
 
-- ``hookscope::replace(values, kind, key, grad)`` (an edit): the sink gets a copy of the output
+- ``hookscope::replace(values, kind, key, grad, tag)`` (an edit): the sink gets a copy of the output
+  (with ``tag``, a function call's: ``(*tag, output)``)
   and returns the edited one; the operator returns its tensors (fresh, with the strides its fake
   promised: those of the output), and the graph goes on with them. It has no derivative (an
   edit is any function): a hook whose output needs gradients runs outside the graph instead
@@ -63,7 +64,8 @@ from torch._library.effects import EffectType
 from hookscope.errors import EditError, HookscopeError
 
 __all__ = ["prepare", "eager_when_called", "open_sink", "close_sink", "keep", "replace", "replace_call",
-           "call_refusal", "refuse_edit", "watch_gradient", "flat_output", "flatten", "NotKept"]
+           "call_refusal", "refuse", "CALLS_UNCOMPILED", "CALLS_SPLIT", "watch_gradient", "flat_output",
+           "flatten", "NotKept"]
 
 Tensor = torch.Tensor
 Sink = Callable[[Any], None]
@@ -71,6 +73,8 @@ Sink = Callable[[Any], None]
 TENSOR, TUPLE, LIST = 0, 1, 2  # how ``replace`` rebuilds what the module returned (flat_output)
 REFUSED = 3  # ``replace`` of an output it cannot rebuild in a full graph: EditError at the call
 CALL_STRUCTURE, CALL_GRAD = 4, 5  # ``replace_call`` refusals: EditError at the call
+CALLS_UNCOMPILED = 6  # function addresses set up for eager calls, traced: HookscopeError
+CALLS_SPLIT = 7  # a graph break inside a watched forward: HookscopeError
 _sinks: dict[int, Sink] = {}
 _places: weakref.WeakKeyDictionary[nn.Module, list[int]] = weakref.WeakKeyDictionary()
 _next_key = [0]
@@ -132,16 +136,20 @@ def _copy(value: Tensor) -> Tensor:
     return value.clone()
 
 
-def _replace(values: list[Tensor | None], kind: int, key: int, grad: bool) -> list[Tensor]:
+def _replace(values: list[Tensor | None], kind: int, key: int, grad: bool, tag: str) -> list[Tensor]:
     if kind in _REFUSALS:
-        raise EditError(_REFUSALS[kind])
+        error, message = _REFUSALS[kind]
+        raise error(message)
     sink = _sinks.get(key)
     if grad:  # no derivative: not even a thread without an edit of its own can pass
         hook = getattr(sink, "__self__", None)  # the OwnedHook whose kept() the sink is
         mine = hook is None or hook.acts_for(threading.get_ident())
         raise EditError(_NO_GRAD_EDIT if mine else _OTHER_THREADS_EDIT)
     kept = [None if v is None else v.detach().clone() for v in values]
-    return _fresh(kept, None if sink is None else sink(_rebuilt(kept, kind)))
+    if sink is None:
+        return _fresh(kept, None)
+    value = _rebuilt(kept, kind)  # a call's result goes with its tag (replace_call)
+    return _fresh(kept, sink((*tag.split(" ", 1), value) if tag else value))
 
 
 def _gradient(grad: Tensor, key: int) -> Tensor:
@@ -156,8 +164,8 @@ def _gradient(grad: Tensor, key: int) -> Tensor:
 _OPS: dict[str, tuple[str, Callable[..., Any], Callable[..., Any]]] = {
     "keep": ("keep(Tensor[] values, str spec, int key) -> ()", _keep,
              lambda values, spec, key: None),
-    "replace": ("replace(Tensor?[] values, int kind, int key, bool grad) -> Tensor[]", _replace,
-                lambda values, kind, key, grad: [torch.empty_like(v) for v in values if v is not None]),
+    "replace": ("replace(Tensor?[] values, int kind, int key, bool grad, str tag) -> Tensor[]", _replace,
+                lambda values, kind, key, grad, tag: [torch.empty_like(v) for v in values if v is not None]),
     "gradient": ("gradient(Tensor grad, int key) -> Tensor", _gradient,
                  lambda grad, key: torch.empty_like(grad)),
 }
@@ -236,8 +244,27 @@ _OTHER_THREADS_EDIT = (
     "with fullgraph=False, or edit a copy of the model (copy.deepcopy) in the other thread")
 
 
-_REFUSALS = {REFUSED: _NO_STRUCTURE_EDIT, CALL_STRUCTURE: _NO_CALL_STRUCTURE_EDIT,
-             CALL_GRAD: _NO_CALL_GRAD_EDIT}
+_CALLS_UNCOMPILED = (
+    "a block with function addresses ('path::fn') was opened on a module that torch.compile now "
+    "traces (the model was compiled after the block opened, or the module is inside a "
+    "torch.compile'd submodule): such a block sees calls inside a compiled graph only when it is "
+    "opened on the compiled module itself. Open it on that module (hookscope.capture(compiled, "
+    "'path::fn'), the path relative to it), or call the eager module")
+
+
+_CALLS_SPLIT = (
+    "torch.compile split the forward of a module whose function calls this block watches "
+    "('path::fn') at a graph break (fullgraph=False), and ran part of it outside the graph, "
+    "where a compiled call's calls cannot be followed. Remove the graph break in that forward "
+    "(torch.compile(model, fullgraph=True) names it), address calls of a module whose forward "
+    "has none, or capture on the eager model (compiled._orig_mod)")
+
+
+#: kind -> (the error ``refuse`` raises at the call, its message)
+_REFUSALS: dict[int, tuple[type[Exception], str]] = {
+    REFUSED: (EditError, _NO_STRUCTURE_EDIT), CALL_STRUCTURE: (EditError, _NO_CALL_STRUCTURE_EDIT),
+    CALL_GRAD: (EditError, _NO_CALL_GRAD_EDIT), CALLS_UNCOMPILED: (HookscopeError, _CALLS_UNCOMPILED),
+    CALLS_SPLIT: (HookscopeError, _CALLS_SPLIT)}
 
 
 def _rebuilt(values: list[Tensor | None], kind: int) -> Any:
@@ -344,31 +371,38 @@ def _spec(value: Any, values: list[Tensor]) -> str:
         return "{" + "".join([f"{k!r}: {_spec(v, values)}, " for k, v in value.items()]) + "}"
     code = _class_code[0](kind)  # a constant of the trace (prepare)
     if code >= 0:  # {b'@': the class's code, b'=': {field: spec}}
-        fields = dict(zip(kind._fields, value)) if isinstance(value, tuple) else dict(value.items())
+        if isinstance(value, tuple):  # a structseq's fields by position (_code)
+            names = getattr(kind, "_fields", None) or [str(k) for k in range(len(value))]
+            fields = dict(zip(names, value))
+        else:
+            fields = dict(value.items())
         return f"{{b'@': {code}, b'=': {_spec(fields, values)}}}"
     return "{" + repr(kind.__name__) + "}"  # an object: not in the graph's hands
 
 
 _NUMBERS = {bool: torch.bool, int: torch.int64, float: torch.float64}
-_CLASSES: list[tuple[type, bool]] = []  # code -> (class, built by keyword): see _code
+MAKE, BY_NAME, SEQUENCE = 0, 1, 2  # how the sink builds a class again (_code)
+_CLASSES: list[tuple[type, int]] = []  # code -> (class, how it is built): see _code
 
 
 def _code(kind: type) -> int:
     """The code of ``kind`` in ``_CLASSES`` when ``flatten`` writes its values as fields and
-    the sink builds it again: a namedtuple (by position, ``_make``), a Hugging Face
-    ``ModelOutput`` (by name, ``_output``); -1 for any other class. Dynamo runs it once per class
-    while it traces, and the graph holds the number (``torch._dynamo.assume_constant_result``,
-    in ``prepare``)."""
+    the sink builds it again: a namedtuple (by position, ``_make``), torch's structseq results
+    (``torch.return_types.max``: ``values, indices``, built from the sequence; found by an
+    attack, they came back as ``NotKept``), a Hugging Face ``ModelOutput`` (by name,
+    ``_output``); -1 for any other class. Dynamo runs it once per class while it traces, and
+    the graph holds the number (``torch._dynamo.assume_constant_result``, in ``prepare``)."""
     if issubclass(kind, tuple):
-        rebuilt, by_name = isinstance(getattr(kind, "_fields", None), tuple), False
+        how = MAKE if isinstance(getattr(kind, "_fields", None), tuple) else \
+            SEQUENCE if isinstance(getattr(kind, "n_sequence_fields", None), int) else -1
     else:
-        rebuilt = issubclass(kind, dict) and any(c.__name__ == "ModelOutput" for c in kind.__mro__)
-        by_name = True
-    if not rebuilt:
+        how = BY_NAME if issubclass(kind, dict) and any(
+            c.__name__ == "ModelOutput" for c in kind.__mro__) else -1
+    if how < 0:
         return -1
-    if (kind, by_name) not in _CLASSES:
-        _CLASSES.append((kind, by_name))
-    return _CLASSES.index((kind, by_name))
+    if (kind, how) not in _CLASSES:
+        _CLASSES.append((kind, how))
+    return _CLASSES.index((kind, how))
 
 
 _class_code: list[Callable[[type], int]] = [_code]  # wrapped for dynamo by prepare
@@ -419,9 +453,11 @@ def _fill(template: Any, values: Any) -> Any:
         return kind(_fill(v, values) for v in template)
     if kind is dict:
         if b"@" in template:  # a namedtuple or ModelOutput, by its code (_code)
-            cls, by_name = _CLASSES[template[b"@"]]
+            cls, how = _CLASSES[template[b"@"]]
             fields = _fill(template[b"="], values)
-            return _output(cls, fields) if by_name else cls._make(fields.values())
+            if how == BY_NAME:
+                return _output(cls, fields)
+            return cls._make(fields.values()) if how == MAKE else cls(list(fields.values()))
         return {k: _fill(v, values) for k, v in template.items()}
     return template
 
@@ -468,20 +504,21 @@ def watch_gradient(values: list[Tensor | None], kind: int, key: int) -> Any:
     return _rebuilt(values, kind)
 
 
-def refuse_edit(key: int, kind: int = REFUSED) -> None:
-    """Put in the graph an operator that raises ``EditError`` when it runs (``_REFUSALS[kind]``):
+def refuse(key: int, kind: int = REFUSED) -> None:
+    """Put in the graph an operator that raises an error when it runs (``_REFUSALS[kind]``):
     an edit entered on a ``fullgraph=True`` model, of an output ``replace`` cannot rebuild
-    (``REFUSED``), or an edit of a call ``call_refusal`` names. (A Python exception raised while
-    dynamo traces becomes its own ``Unsupported``.) It takes an empty tensor: inductor lowers
-    no operator without one ("Not sure where to find device info")."""
+    (``REFUSED``), an edit of a call ``call_refusal`` names, or a block set up for eager calls
+    that dynamo traces (``CALLS_UNCOMPILED``). (A Python exception raised while dynamo traces
+    becomes its own ``Unsupported``.) It takes an empty tensor: inductor lowers no operator
+    without one ("Not sure where to find device info")."""
     making[0] = True
-    _op[0][1]([torch.empty(0)], kind, key, False)
+    _op[0][1]([torch.empty(0)], kind, key, False, "")
     making[0] = False
 
 
 def call_refusal(output: Any) -> int | None:
     """Why ``replace_call`` cannot take an edit of a function call's result ``output`` back
-    (``refuse_edit``'s kind), or None: ``CALL_STRUCTURE`` for a result that is no tensor,
+    (``refuse``'s kind), or None: ``CALL_STRUCTURE`` for a result that is no tensor,
     tuple or list of tensors, ``CALL_GRAD`` for one gradients may flow through (the operator
     has no derivative, and a call inside a compiled forward cannot run outside the graph as a
     module's hook can)."""
@@ -493,15 +530,15 @@ def call_refusal(output: Any) -> int | None:
     return None
 
 
-def replace_call(output: Any, key: int) -> Any:
+def replace_call(output: Any, key: int, tag: tuple[str, str]) -> Any:
     """``replace`` for the result of a function call inside a compiled graph (an edit of
     ``path::fn``, ``engine.function_mode``; ``call_refusal(output)`` is None): what the sink
-    of ``key`` made of a copy of ``output``, which the forward goes on with."""
+    of ``key`` made of ``(*tag, copy of output)``, which the forward goes on with."""
     values, kind = flat_output(output)  # type: ignore[misc]
-    return replace(values, kind, key, False)
+    return replace(values, kind, key, False, " ".join(tag))
 
 
-def replace(values: list[Tensor | None], kind: int, key: int, grad: bool) -> Any:
+def replace(values: list[Tensor | None], kind: int, key: int, grad: bool, tag: str = "") -> Any:
     """Call ``hookscope::replace``: inside a compiled graph, one opaque ordered operator whose
     result is what the sink of ``key`` returned for a copy of ``values`` (None: the copy), so
     the graph goes on with the edited output. The shapes, dtypes and strides are ``values``'
@@ -514,6 +551,6 @@ def replace(values: list[Tensor | None], kind: int, key: int, grad: bool) -> Any
         EditError: at run time, when ``grad`` (a backward pass may go through ``values``):
             the operator has no derivative, an edit being any function."""
     making[0] = True
-    new = iter(_op[0][1](values, kind, key, grad))
+    new = iter(_op[0][1](values, kind, key, grad, tag))
     making[0] = False
     return _rebuilt([None if v is None else next(new) for v in values], kind)

@@ -46,6 +46,7 @@ refused at entry (``_claim``).
 from __future__ import annotations
 
 import gc
+import itertools
 import threading
 import weakref
 from collections.abc import Callable, Collection, Generator, Iterable, Mapping
@@ -66,6 +67,7 @@ from hookscope.errors import HookscopeError
 __all__ = ["FunctionCall", "FunctionWatcher", "FunctionHooks", "Watch", "entered", "each_call", "take_off"]
 
 OnCall = Callable[["FunctionCall"], Any]
+_dynamo_tracing = torch.compiler.is_dynamo_compiling  # False unless dynamo traces the caller
 
 
 @dataclass
@@ -160,6 +162,11 @@ class FunctionWatcher:
     def __init__(self, wrapper: nn.Module | None = None) -> None:
         self._watches: dict[nn.Module, list[Watch]] = {}
         self._frames: list[_Frame] = []  # one per running watched forward, innermost last
+        # While dynamo traces in the block's thread (only then): the frames of the traced
+        # forward (the compiled module's own is in _frames: _enter_call). Dynamo writes a list
+        # a trace changed back after each compiled call with what the trace left (nothing).
+        self._traced: list[_Frame] = []
+        self._thread = threading.get_ident()  # the block's (install)
         self._mode = _Mode(self)
         # Whether self._mode is entered (once). Set before the push and cleared after the pop:
         # an interrupt in between makes it claim the mode, never lose it; close() goes by
@@ -167,10 +174,13 @@ class FunctionWatcher:
         self._entered = False
         self._wrapper = wrapper
         self._root = getattr(wrapper, "_orig_mod", None)  # the module the wrapper compiles
+        self.for_compiled = wrapper is not None  # read while dynamo traces (not the module)
         self._whole = False  # entered for a whole call of the wrapper (_enter_call)
         self._keyed: list[OwnedHook] = []  # hooks with a compiled sink (closed by close())
-        self._replaying: dict[int, _Frame] = {}  # id(watches) -> frame of a compiled call (_replayed)
-        self._pending: dict[int, tuple[Any, ...]] = {}  # id(watches) -> a call an edit waits on
+        self._replaying: dict[int, _Frame] = {}  # id(watches) -> an edited compiled forward's frame
+        # a compiled call's calls and ends, kept until the call returns (_replayed, _flush)
+        self._arrived: list[tuple[list[Watch], tuple[Any, ...]]] = []
+        self._root_frame: _Frame | None = None  # the compiled module's, during a call (_enter_call)
         self._claimed = False  # whether this thread's claim on the wrapper is held (_claim)
 
     def watch(self, module: nn.Module, on_call: OnCall, *, names: Iterable[str] | None = None,
@@ -195,6 +205,7 @@ class FunctionWatcher:
         # Under a compile wrapper, whose forward hook ends every frame, the hooks inside are not
         # always called: dynamo guards on their ids in that table (a recompile per block).
         wrapper = self._wrapper
+        self._thread = threading.get_ident()
         always = wrapper is None
         if wrapper is not None and self._watches:  # outside the compiled code
             self._claimed = _claim(wrapper, +1)  # first: refused, nothing is registered
@@ -223,7 +234,7 @@ class FunctionWatcher:
         their order); nothing is popped when it is not there."""
         self._frames.clear()
         self._replaying.clear()
-        self._pending.clear()
+        self._arrived.clear()
         if self._entered:
             take_off(self._mode)
         else:
@@ -238,10 +249,15 @@ class FunctionWatcher:
     # ---------------------------------------------------------------- hooks
     def _enter_hook(self, watches: list[Watch]) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
-            if self._whole and module is self._root:  # the wrapper's call began its frame
+            if self._whole and module is self._root:  # (run outside the graph) begun by the call
                 return
             if traced():  # a frame of the trace (_Frame.note), ended by the leave hook (_taken)
-                self._frames.append(_Frame(watches, [], watches[0].leave))
+                if not self.for_compiled:  # set up for eager calls: an error at the call
+                    compiled.refuse(-1, compiled.CALLS_UNCOMPILED)
+                elif self._tracing_here():
+                    frame = _Frame(watches, [], watches[0].leave)
+                    frame.number = _frame_number[0]()
+                    self._traced.append(frame)
                 return
             self._frames.append(_counted(watches))
             self._sync()
@@ -249,55 +265,91 @@ class FunctionWatcher:
 
     def _leave_hook(self) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self._whole and module is self._root:  # the wrapper's call ends its frame
+            if self._whole and module is self._root:  # ended by the call (_leave_call)
+                return
+            if traced():
+                if self._tracing_here() and self._traced:
+                    self._traced.pop()
                 return
             if self._frames:
                 self._frames.pop()
             self._sync()
         return hook
 
+    def _tracing_here(self) -> bool:
+        """While dynamo traces: whether in the block's thread. A trace in another thread (a
+        call without this block) leaves the block's frames alone: its graph serves calls
+        without this block's mode, which note nothing."""
+        return self.for_compiled and _thread_now[0]() == self._thread
+
+    def _innermost(self) -> _Frame | None:
+        """While dynamo traces in the block's thread: the innermost frame (of the trace, or
+        the compiled module's own, begun by the call: ``_enter_call``)."""
+        return self._traced[-1] if self._traced else self._frames[-1] if self._frames else None
+
     def _taken(self, module: nn.Module, args: Any, output: Any) -> tuple[str, ...]:
-        """``pick`` of the leave hook while dynamo traces: the frame ends, handing out the
-        heads of all its calls in order (``_Frame.note``), after ``_END``."""
-        return (_END, *self._frames.pop().heads) if self._frames else (_END,)
+        """``pick`` of the leave hook while dynamo traces: the frame ends, handing out its
+        number and the heads of all its calls in order (``_Frame.note``), after ``_END``."""
+        if self._tracing_here() and self._traced:
+            frame = self._traced.pop()
+            return (_END, str(frame.number), *frame.heads)
+        return (_END, "-1")
 
     def _replayed(self, watches: list[Watch]) -> Callable[[Any], Any]:
         """The sink of a compiled call's watched forward (``on_kept``, run after the thread and
         recompute checks of ``OwnedHook.kept``). Each value handed out of the graph is:
 
-        - a call a watch wants (``_CALL``, head, args, kwargs, output: copies), reported to the
-          watches as ``dispatch`` does;
-        - a call an edit wants (``_EDIT``, head, args, kwargs), then, from ``hookscope::replace``,
-          a copy of its result, reported the same way; what the watches return (None: the
-          result as it was) is what the forward goes on with;
-        - the end of the forward (``_END`` and the heads of all its calls: the names it made,
-          in order).
-
-        Its first value counts the forward's call (``_counted``)."""
+        - a call a watch wants (``_CALL``, head, args, kwargs, output: copies), or the end of a
+          forward (``_END``, its frame's number, the heads of all its calls): kept until the
+          compiled call returns, then reported in the order the forward made them
+          (``_flush``): inductor runs the operators that hand them out in an order of its own,
+          though they are ordered effects (found by an attack: three ``sum`` calls came out
+          last first);
+        - a call an edit wants (``_EDIT``, head, a copy of its result, from
+          ``hookscope::replace``): reported at once, its watches' return (None: the result
+          as it was) being what the forward goes on with; its forward's frame is counted at
+          its first edit and ends at its ``_END``."""
         key = id(watches)
+        edits = any(w.edits for w in watches)
 
         def replay(value: Any) -> Any:
-            frame = self._replaying.pop(key, None) or _counted(watches)
-            pending = self._pending.pop(key, None)
-            if pending is not None:  # the result the edit's call waited on
-                self._replaying[key] = frame
-                head, args, kwargs = pending
-                return self._replay(frame, watches, head, args, kwargs, value)
-            if value[0] == _END:
-                _note_made(frame, value[1:])
-                return None
-            self._replaying[key] = frame
             if value[0] == _EDIT:
-                self._pending[key] = value[1:]
+                if key not in self._replaying:  # the forward's first edited call
+                    self._replaying[key] = _counted(watches)
+                return self._replay(self._replaying[key], watches, value[1], (), {}, value[2])
+            if edits and value[0] == _END:
+                frame = self._replaying.pop(key) if key in self._replaying else _counted(watches)
+                _note_made(frame, value[2:])
                 return None
-            return self._replay(frame, watches, *value[1:])
+            self._arrived.append((watches, value))
+            return None
         return replay
+
+    def _flush(self) -> None:
+        """Report the calls a compiled call handed out (``_replayed``), forward by forward in
+        the order dynamo traced the forwards (a frame's number) and call by call in the order
+        each forward made them (a head's last field), as eager calls report them."""
+        arrived, self._arrived = self._arrived, []
+        forwards: dict[int, tuple[list[Watch], list[tuple[Any, ...]], tuple[str, ...]]] = {}
+        for watches, value in arrived:
+            number = int(value[1] if value[0] == _END else value[1].rpartition(" ")[2].split(".")[0])
+            entry = forwards.setdefault(number, (watches, [], ()))
+            if value[0] == _END:
+                forwards[number] = (entry[0], entry[1], value[2:])
+            else:
+                entry[1].append(value[1:])
+        for number in sorted(forwards):
+            watches, calls, heads = forwards[number]
+            frame = self._root_frame if number == 0 and self._root_frame is not None else _counted(watches)
+            for call in sorted(calls, key=lambda c: int(c[0].rpartition(".")[2])):
+                self._replay(frame, watches, *call)
+            _note_made(frame, heads)
 
     def _replay(self, frame: _Frame, watches: list[Watch], head: str, args: tuple[Any, ...],
                 kwargs: dict[str, Any], output: Any) -> Any:
         """Report one call of a compiled forward, written as ``_Frame.note``'s ``head`` (the
         names made are noted at its end: ``_replayed``); return what replaces its result."""
-        code, _, suspended, occurrences = head.split(" ")
+        code, _, suspended, occurrences, _ = head.split(" ")
         frame.suspended = int(suspended)
         counted = {id(w): int(k) for w, k in zip(watches, occurrences.split(","))}
         _reporting.active = True  # as dispatch: the torch calls on_call makes are its own
@@ -308,44 +360,53 @@ class FunctionWatcher:
             _reporting.active = False
 
     def _suspend_hook(self, module: nn.Module, args: Any) -> None:
-        if self._frames:
-            self._frames[-1].suspended += 1
+        frame = (self._innermost() if self._tracing_here() else None) if traced() else \
+            self._frames[-1] if self._frames else None
+        if frame is not None:
+            frame.suspended += 1
             self._sync()
 
     def _resume_hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._frames and self._frames[-1].suspended:
-            self._frames[-1].suspended -= 1
+        frame = (self._innermost() if self._tracing_here() else None) if traced() else \
+            self._frames[-1] if self._frames else None
+        if frame is not None and frame.suspended:
+            frame.suspended -= 1
             self._sync()
 
     def _enter_call(self, module: nn.Module, args: Any) -> None:
         """The compile wrapper's pre-hook: the mode on the stack for the whole call, where
         dynamo traces it (and its guards find it), and the frame of the compiled module when
-        it is watched, begun here, outside the compiled code, for the whole call (its own
-        enter and leave hooks then do nothing): one frame object per call, which dynamo
-        reads while it traces and to which it replays the heads noted in it (``_leave_call``)."""
+        it is watched, begun here for the whole call: dynamo runs that module's own hooks
+        outside the graph (they are frames of their own, ``compiled.eager_when_called``), so
+        they do nothing then. One frame object per call, which dynamo reads while it traces
+        and to which it replays the heads noted in it (``_leave_call``)."""
         if self._entered:
             return
         self._entered = self._whole = True  # set before the push: claimed, never lost
         torch._C._push_on_torch_function_stack(self._mode)
         watches = self._watches.get(self._root)  # type: ignore[arg-type]
         if watches:
-            frame = _counted(watches)
+            frame = self._root_frame = _counted(watches)
             frame.leave = watches[0].leave
-            self._frames.append(frame)  # read while dynamo traces (note)
-            self._replaying[id(watches)] = frame  # the sink's, at run time (_replayed)
+            self._frames.append(frame)  # read while dynamo traces (note: number 0)
+            if any(w.edits for w in watches):
+                self._replaying[id(watches)] = frame  # the sink's, at run time (_replayed)
 
     def _leave_call(self, module: nn.Module, args: Any, output: Any) -> None:
-        """The compile wrapper's forward hook (also when the call raised): the mode off, the
-        names the compiled module's forward made noted, and the frames of forwards that
-        raised ended."""
-        if self._whole and self._frames and self._frames[0].leave is not None:
-            _note_made(self._frames[0], self._frames[0].heads)  # its dynamo-replayed list
-        self._frames.clear()
-        self._replaying.clear()
-        self._pending.clear()
-        if self._whole:
-            take_off(self._mode)
-            self._entered = self._whole = False
+        """The compile wrapper's forward hook (also when the call raised): the calls it handed
+        out reported (``_flush``), the names the compiled module's forward made noted, the
+        mode off, and the frames of forwards that raised ended."""
+        try:
+            self._flush()
+            if self._root_frame is not None:
+                _note_made(self._root_frame, self._root_frame.heads)  # its dynamo-replayed list
+        finally:
+            self._root_frame = None
+            self._frames.clear()
+            self._replaying.clear()
+            if self._whole:
+                take_off(self._mode)
+                self._entered = self._whole = False
 
     def _sync(self) -> None:
         """Have the mode entered exactly while the innermost watched forward wants calls: not
@@ -370,16 +431,17 @@ class FunctionWatcher:
                  kwargs: dict[str, Any]) -> Any:
         """Run ``func`` and report it to the innermost running watched forward."""
         output = func(*args, **kwargs)
-        if not self._frames:
+        frames = self._frames
+        if self._traced or (frames and frames[-1].leave is not None):  # a compiled call's
+            if traced() and not compiled.making[0]:  # noted in the graph, reported by the sink
+                return (self._traced or frames)[-1].note(func, args, kwargs, output)  # (_replayed)
+            return output  # at run time: its graph's calls (eager backend), or hookscope's own
+        if not frames or _reporting.active:
             return output
-        frame = self._frames[-1]
-        if frame.leave is not None:  # a compiled call's frame (the only kind dynamo traces)
-            if traced() and not compiled.making[0]:  # noted in the graph, reported at run time
-                # (_replayed); hookscope's own operators (compiled.making) pass through
-                return frame.note(func, args, kwargs, output)
-            return output  # else its graph runs (the eager backend's calls): its sink reports
-        if _reporting.active:
+        if _dynamo_tracing():  # an eager frame, in code dynamo traces: an error at the call
+            compiled.refuse(-1, compiled.CALLS_SPLIT if self.for_compiled else compiled.CALLS_UNCOMPILED)
             return output
+        frame = frames[-1]
         _reporting.active = True  # torch calls made by on_call are hookscope's, not the module's
         try:
             return self._report(frame, func, args, kwargs, output)
@@ -479,6 +541,14 @@ class FunctionHooks:
         """Leave the mode if a forward was interrupted (see ``FunctionWatcher.close``)."""
         self._watcher.close()
 
+    def explain(self, exc: BaseException) -> None:
+        """Add a note to ``exc`` when dynamo refused to trace what the watches need (inside
+        ``torch.utils.checkpoint``, dynamo refuses any change to state from outside the
+        checkpointed function, as a frame of a watched forward is: found by an attack)."""
+        if (self._watches and self._watcher.for_compiled and type(exc).__name__ == "Unsupported"
+                and "Unsafe side effect" in str(exc)):
+            exc.add_note(_UNSAFE)
+
     def unfired(self, key: str, path: str) -> str | None:
         """Why the calls of record ``key`` were never seen although its module ran (in this
         block's thread, or only in other threads), or ``None`` when they were seen or the module
@@ -498,6 +568,11 @@ class FunctionHooks:
                 f"MODEL --input X --ops' lists the calls of every module's own forward")
 
 
+_UNSAFE = ("hookscope: a function address ('path::fn') inside a torch.utils.checkpoint region "
+           "of a torch.compile(fullgraph=True) model: dynamo refuses the state hookscope keeps "
+           "while it traces a watched forward there. Compile with fullgraph=False (checkpointing "
+           "then runs outside the graph), address a module (without '::') in that region, or "
+           "capture on the eager model (compiled._orig_mod)")
 _NAMED = 12  # calls an unfired reason names (then a count)
 
 
@@ -515,7 +590,7 @@ def _note_made(frame: _Frame, heads: Iterable[str]) -> None:
     """Note in ``made`` the names of a compiled forward's calls (``_Frame.note``'s heads), for
     the watches that see each (not inside a child, unless deep)."""
     for head in heads:
-        _, name, suspended, _ = head.split(" ")
+        _, name, suspended, _, _ = head.split(" ")
         for watch in frame.watches:
             if watch.deep or suspended == "0":
                 watch.made.setdefault(name)
@@ -538,7 +613,7 @@ class _Frame:
     """One running forward of a watched module (or, while dynamo traces, of its trace, whose
     calls go to the compiled sink of ``leave``)."""
 
-    __slots__ = ("watches", "module_calls", "suspended", "counts", "deep", "leave", "heads")
+    __slots__ = ("watches", "module_calls", "suspended", "counts", "deep", "leave", "heads", "number")
 
     def __init__(self, watches: list[Watch], module_calls: list[int], leave: OwnedHook | None = None):
         self.watches = watches
@@ -548,6 +623,7 @@ class _Frame:
         self.counts: dict[tuple[int, str], int] = {}
         self.leave = leave
         self.heads: list[str] = []  # traced: the head of each call, in order (note)
+        self.number = 0  # traced: its place among the frames traced (_frame_number); 0: eager
 
     def note(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
              output: Any) -> Any:
@@ -571,19 +647,20 @@ class _Frame:
             occurrences.append(str(seen))
             if watch.occurrence in (None, seen):
                 wanted, edits = True, edits or watch.edits
-        head = f"{called} {self.suspended} {','.join(occurrences)}"
+        head = f"{called} {self.suspended} {','.join(occurrences)} {self.number}.{len(self.heads)}"
         self.heads.append(head)
         key = None if self.leave is None else self.leave.key
         if key is None or not wanted:
             return output
         refusal = compiled.call_refusal(output) if edits else None
         if refusal is not None:  # raises EditError at the call, before anything is reported
-            compiled.refuse_edit(key, refusal)
+            compiled.refuse(key, refusal)
         else:
-            values, spec = compiled.flatten((_EDIT, head, args, kwargs) if edits
-                                            else (_CALL, head, args, kwargs, output))
-            compiled.keep(values, spec, key)
-            output = compiled.replace_call(output, key) if edits else output
+            if edits:
+                output = compiled.replace_call(output, key, (_EDIT, head))
+            else:
+                values, spec = compiled.flatten((_CALL, head, args, kwargs, output))
+                compiled.keep(values, spec, key)
         return output
 
     def count(self, watch: Watch, name: str) -> int:
@@ -739,6 +816,23 @@ def _code_of(func: Callable[..., Any]) -> str:
 
 
 _function_code: list[Callable[[Callable[..., Any]], str]] = [_code_of]  # see _trace_constants
+def _thread() -> int:
+    """The calling thread's ident (``threading.get_ident``; a Python function, which dynamo can
+    hold as a constant: ``_trace_constants``)."""
+    return threading.get_ident()
+
+
+_thread_now: list[Callable[[], int]] = [_thread]  # the tracing thread's (see _trace_constants)
+_numbers = itertools.count(1)
+
+
+def _next_number() -> int:
+    """A number no frame traced before had (1, 2, ...): increasing in the order dynamo traces
+    forwards, so a compiled call's forwards are reported in that order (``_flush``)."""
+    return next(_numbers)
+
+
+_frame_number: list[Callable[[], int]] = [_next_number]  # a constant of the trace (ditto)
 
 
 def _trace_constants() -> None:
@@ -746,6 +840,8 @@ def _trace_constants() -> None:
     ``torch._dynamo`` is loaded: a compile wrapper exists)."""
     if _function_code[0] is _code_of:
         _function_code[0] = torch._dynamo.assume_constant_result(_code_of)  # type: ignore[no-untyped-call]
+        _thread_now[0] = torch._dynamo.assume_constant_result(_thread)  # type: ignore[no-untyped-call]
+        _frame_number[0] = torch._dynamo.assume_constant_result(_next_number)  # type: ignore[no-untyped-call]
 
 
 class _Mode(TorchFunctionMode):

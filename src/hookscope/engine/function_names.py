@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -187,7 +188,10 @@ def refuse_uninterceptable(model: nn.Module, address: str) -> None:
     Raises:
         HookscopeError: ``model`` (or the module addressed) is a TorchScript module, whose code
             runs in the TorchScript interpreter, which never dispatches to a
-            ``TorchFunctionMode``.
+            ``TorchFunctionMode``; or ``address`` names a tensor attribute (``x.T``,
+            ``x.shape``) in a ``torch.compile`` wrapper: dynamo computes it while it traces,
+            and no call of it is left in the graph (found by an attack: ``::T`` recorded
+            nothing, and the report said the forward never made it).
     """
     if isinstance(model, torch.jit.ScriptModule):
         raise HookscopeError(
@@ -195,3 +199,16 @@ def refuse_uninterceptable(model: nn.Module, address: str) -> None:
             f"module ({type(model).__name__}): its code runs in the TorchScript interpreter, "
             f"which does not dispatch calls to Python, so they cannot be seen. Address the eager "
             f"module (before torch.jit.script/trace), or a module-level name without '::'")
+    name = parse_op(split_address(address)[1] or "")[0] if "::" in address else ""
+    if name and _compiled(model) and isinstance(inspect.getattr_static(torch.Tensor, name, None),
+                                                  (property, types.GetSetDescriptorType)):
+        raise HookscopeError(
+            f"'{address}' addresses a tensor attribute (x.{name}) inside a torch.compile'd model: "
+            f"dynamo computes attributes while it traces, and no call of them is left in the "
+            f"compiled graph to hand out. Address the call that uses the value, or capture "
+            f"'{address}' on the eager model (model._orig_mod)")
+
+
+def _compiled(model: nn.Module) -> bool:
+    """Whether ``model`` is a ``torch.compile`` wrapper (``OptimizedModule``)."""
+    return hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule"

@@ -194,7 +194,7 @@ class OwnedHook:
                     # the graph goes on with its result (or, fullgraph with gradients, an error)
                     return compiled.replace(flat[0], flat[1], self.key, grad)
                 if self.replaces == FULLGRAPH:  # an output it cannot rebuild: an error at the call
-                    return compiled.refuse_edit(self.key)
+                    return compiled.refuse(self.key)
             if self.traceable and (self.key is not None or self.pick is None):
                 return self.function(module, *args)  # no thread check: every call's (see docs)
             # with its checks, at run time (a hook whose block began before dynamo was loaded)

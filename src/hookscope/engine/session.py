@@ -181,6 +181,7 @@ class HookSession:
         if exc is not None and not stopped:
             if not isinstance(exc, StopForward):  # another block's stop is no error
                 diagnose.locate_error(self._module_index(), exc)
+                self._functions.explain(exc)
             return None
         if not self._explain_unfired:
             return True if stopped else None
