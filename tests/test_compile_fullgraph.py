@@ -385,3 +385,33 @@ def test_a_verb_whose_hooks_run_outside_the_graph_is_refused_on_a_full_graph_at_
     with pytest.raises(hookscope.HookscopeError, match=r"stats runs a hook .* fullgraph=False"):
         hookscope.stats(compiled, [x], "inner.lin")
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_a_module_called_several_times_is_recorded_in_the_order_it_ran_under_inductor() -> None:
+    """Inductor ran the ``keep`` operators of a shared module's three calls last first (they
+    are ordered effects, yet the third call's came first): ``calls()`` came back reversed for
+    the first and last. Values now go to the sinks in the order dynamo traced them
+    (``compiled.hold``). Found by the attack on function addresses, which had the same cause."""
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.act = nn.Identity()
+
+        def forward(self, x: Tensor) -> Tensor:
+            v, i = torch.max(x, dim=1)
+            cat = torch.cat([x, v[:, None]], dim=1)
+            return self.act(cat).sum() + self.act(i).sum() + self.act(x[0]).sum()
+
+    torch.manual_seed(0)
+    model, x = Shared().eval(), torch.randn(3, 4)
+    with torch.no_grad(), hookscope.capture(model, "act", inputs=True) as eager:
+        model(x)
+    compiled = torch.compile(model, backend="inductor", fullgraph=True)
+    with torch.no_grad(), hookscope.capture(compiled, "act", inputs=True) as acts:
+        compiled(x)
+        compiled(x)
+    assert acts.counts == {"act": 6}
+    for k, got in enumerate(acts.calls("act")):
+        want = eager.calls("act")[k % 3]
+        assert got.shape == want.shape and torch.equal(got, want)
+        assert torch.equal(acts.inputs("act", k)[0], eager.inputs("act", k % 3)[0])

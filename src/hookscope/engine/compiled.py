@@ -34,7 +34,11 @@ Two more operators serve hooks that do more than read:
   while tracing (dynamo turns it into its own ``Unsupported``, so errors are raised by the
   operators at run time).
 
-A sink runs eagerly, on real tensors, in the thread running the compiled call. While these
+A sink runs eagerly, on real tensors, in the thread running the compiled call; during a call
+of a compiled model a block is open on (``hold``/``release``, the block's hooks on its compile
+wrapper), ``keep``'s values reach their sinks when the call returns, in the order dynamo traced
+them: inductor runs the ``keep`` operators in an order of its own, though they are ordered
+effects (a shared module's three calls were recorded last first). While these
 functions put operators in a graph, ``making[0]`` is True: a block's function mode, which sees
 every torch call a traced forward makes, passes them through (``engine.function_mode``).
 
@@ -51,6 +55,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import itertools
 import sys
 import threading
 import weakref
@@ -63,9 +68,9 @@ from torch._library.effects import EffectType
 
 from hookscope.errors import EditError, HookscopeError
 
-__all__ = ["prepare", "eager_when_called", "open_sink", "close_sink", "keep", "replace", "replace_call",
-           "call_refusal", "refuse", "CALLS_UNCOMPILED", "CALLS_SPLIT", "watch_gradient", "flat_output",
-           "flatten", "NotKept"]
+__all__ = ["prepare", "eager_when_called", "open_sink", "close_sink", "hold", "release", "keep", "replace",
+           "replace_call", "call_refusal", "refuse", "CALLS_UNCOMPILED", "CALLS_SPLIT", "watch_gradient",
+           "flat_output", "flatten", "NotKept"]
 
 Tensor = torch.Tensor
 Sink = Callable[[Any], None]
@@ -103,6 +108,7 @@ def prepare() -> None:
         for code in _hook_codes:  # a frame of its own: eager, whole (see eager_when_called)
             frames.set_code_exec_strategy(code, skip)
         _class_code[0] = dynamo.assume_constant_result(_code)
+        _order[0] = dynamo.assume_constant_result(_next_order)
         _checked.append(True)
 
 
@@ -117,11 +123,58 @@ def eager_when_called(code: Any) -> None:
     _hook_codes.append(code)
 
 
-def _keep(values: list[Tensor], spec: str, key: int) -> None:
+def _keep(values: list[Tensor], spec: str, key: int, order: int) -> None:
     sink = _sinks.get(key)
     if sink is None:  # the block closed: code compiled with its hooks is never run then
         return
-    sink(_filled([_copy(v) for v in values], spec))
+    value = _filled([_copy(v) for v in values], spec)  # copied now: the graph goes on
+    if not _held.depth:
+        sink(value)
+        return
+    items = _held.__dict__.setdefault("items", [])
+    items.append((order, len(items), sink, value))
+
+
+class _Held(threading.local):
+    """``depth``: how many ``hold``s are open in this thread; ``items``: what ``keep``'s
+    operator handed out meanwhile, ``(order, arrival, sink, value)``."""
+
+    depth = 0
+
+
+_held = _Held()
+
+
+def hold() -> None:
+    """Hold what compiled calls in this thread hand out to sinks (``keep``) until the matching
+    ``release``: sessions hold it around each call of a compiled model (its wrapper's hooks).
+
+    Inductor runs the ``keep`` operators in an order of its own, though they are ordered
+    effects (an attack found three calls of one shared module recorded last first, and the
+    end of a forward handed out before its calls); each carries its place in the order dynamo
+    traced them (``_order``), and ``release`` hands them out in that order."""
+    _held.depth += 1
+
+
+def release() -> None:
+    """End a ``hold``; the outermost hands every held value to its sink, in traced order."""
+    _held.depth = max(_held.depth - 1, 0)
+    if _held.depth:
+        return
+    items, _held.items = _held.__dict__.get("items", []), []
+    for _, _, sink, value in sorted(items, key=lambda item: item[:2]):
+        sink(value)
+
+
+_orders = itertools.count()
+
+
+def _next_order() -> int:
+    """A number no ``keep`` traced before had: increasing in the order dynamo traces them."""
+    return next(_orders)
+
+
+_order: list[Callable[[], int]] = [_next_order]  # a constant of the trace (prepare)
 
 
 def _copy(value: Tensor) -> Tensor:
@@ -162,8 +215,8 @@ def _gradient(grad: Tensor, key: int) -> Tensor:
 #: name: (schema, kernel, fake); ``replace``'s values are ``Tensor?[]`` (a module may return None in
 #: a tuple); ``keep``'s are tensors only, its ``spec`` holding the rest (``flatten``)
 _OPS: dict[str, tuple[str, Callable[..., Any], Callable[..., Any]]] = {
-    "keep": ("keep(Tensor[] values, str spec, int key) -> ()", _keep,
-             lambda values, spec, key: None),
+    "keep": ("keep(Tensor[] values, str spec, int key, int order) -> ()", _keep,
+             lambda values, spec, key, order: None),
     "replace": ("replace(Tensor?[] values, int kind, int key, bool grad, str tag) -> Tensor[]", _replace,
                 lambda values, kind, key, grad, tag: [torch.empty_like(v) for v in values if v is not None]),
     "gradient": ("gradient(Tensor grad, int key) -> Tensor", _gradient,
@@ -484,7 +537,7 @@ def keep(values: list[Tensor], spec: str, key: int) -> None:
     empty one: torch 2.13's inductor frees a buffer before a later kernel reads it when an
     effectful operator takes none."""
     making[0] = True
-    _op[0][0](values or [torch.empty(0)], spec, key)
+    _op[0][0](values or [torch.empty(0)], spec, key, _order[0]())
     making[0] = False
 
 

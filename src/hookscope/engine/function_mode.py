@@ -46,7 +46,6 @@ refused at entry (``_claim``).
 from __future__ import annotations
 
 import gc
-import itertools
 import threading
 import weakref
 from collections.abc import Callable, Collection, Generator, Iterable, Mapping
@@ -177,9 +176,7 @@ class FunctionWatcher:
         self.for_compiled = wrapper is not None  # read while dynamo traces (not the module)
         self._whole = False  # entered for a whole call of the wrapper (_enter_call)
         self._keyed: list[OwnedHook] = []  # hooks with a compiled sink (closed by close())
-        self._replaying: dict[int, _Frame] = {}  # id(watches) -> an edited compiled forward's frame
-        # a compiled call's calls and ends, kept until the call returns (_replayed, _flush)
-        self._arrived: list[tuple[list[Watch], tuple[Any, ...]]] = []
+        self._replaying: dict[int, _Frame] = {}  # id(watches) -> a compiled forward's frame (_replayed)
         self._root_frame: _Frame | None = None  # the compiled module's, during a call (_enter_call)
         self._claimed = False  # whether this thread's claim on the wrapper is held (_claim)
 
@@ -219,9 +216,10 @@ class FunctionWatcher:
                                                      traceable=True), always_call=always))
         for module, watches in self._watches.items():
             again = any(w.in_recompute for w in watches)
-            enter = OwnedHook(self._enter_hook(watches), module, in_recompute=again, traceable=True)
-            leave = OwnedHook(self._leave_hook(), module, in_recompute=again, traceable=True,
-                              pick=self._taken, on_kept=self._replayed(watches))
+            root = module is self._root  # its frame is the call's (_enter_call)
+            enter = OwnedHook(self._enter_hook(watches, root), module, in_recompute=again, traceable=True)
+            leave = OwnedHook(self._leave_hook(root), module, in_recompute=again, traceable=True,
+                              pick=self._taken(root), on_kept=self._replayed(watches))
             for watch in watches:
                 watch.enter, watch.leave = enter, leave
             handles.append(register(module, enter, pre=True))
@@ -234,7 +232,6 @@ class FunctionWatcher:
         their order); nothing is popped when it is not there."""
         self._frames.clear()
         self._replaying.clear()
-        self._arrived.clear()
         if self._entered:
             take_off(self._mode)
         else:
@@ -247,29 +244,32 @@ class FunctionWatcher:
             self._claimed = _claim(self._wrapper, -1)
 
     # ---------------------------------------------------------------- hooks
-    def _enter_hook(self, watches: list[Watch]) -> Callable[[nn.Module, Any], None]:
+    # While dynamo traces, a hook reads only what no other thread changes (dynamo guards what
+    # it reads): never _whole, which the block's thread sets for each call (an attack's threads
+    # without a block recompiled on it until dynamo's limit). ``root``: the hook is on the
+    # compiled module, whose frame is the call's (_enter_call), whether dynamo traces its hooks
+    # or runs them apart.
+    def _enter_hook(self, watches: list[Watch], root: bool) -> Callable[[nn.Module, Any], None]:
         def hook(module: nn.Module, args: Any) -> None:
-            if self._whole and module is self._root:  # (run outside the graph) begun by the call
-                return
             if traced():  # a frame of the trace (_Frame.note), ended by the leave hook (_taken)
                 if not self.for_compiled:  # set up for eager calls: an error at the call
                     compiled.refuse(-1, compiled.CALLS_UNCOMPILED)
-                elif self._tracing_here():
-                    frame = _Frame(watches, [], watches[0].leave)
-                    frame.number = _frame_number[0]()
-                    self._traced.append(frame)
+                elif not root and self._tracing_here():
+                    self._traced.append(_Frame(watches, [], watches[0].leave))
+                return
+            if root and self._whole:  # begun by the call
                 return
             self._frames.append(_counted(watches))
             self._sync()
         return hook
 
-    def _leave_hook(self) -> Callable[[nn.Module, Any, Any], None]:
+    def _leave_hook(self, root: bool) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            if self._whole and module is self._root:  # ended by the call (_leave_call)
-                return
             if traced():
-                if self._tracing_here() and self._traced:
+                if not root and self._tracing_here() and self._traced:
                     self._traced.pop()
+                return
+            if root and self._whole:  # ended by the call (_leave_call)
                 return
             if self._frames:
                 self._frames.pop()
@@ -287,69 +287,52 @@ class FunctionWatcher:
         the compiled module's own, begun by the call: ``_enter_call``)."""
         return self._traced[-1] if self._traced else self._frames[-1] if self._frames else None
 
-    def _taken(self, module: nn.Module, args: Any, output: Any) -> tuple[str, ...]:
-        """``pick`` of the leave hook while dynamo traces: the frame ends, handing out its
-        number and the heads of all its calls in order (``_Frame.note``), after ``_END``."""
-        if self._tracing_here() and self._traced:
-            frame = self._traced.pop()
-            return (_END, str(frame.number), *frame.heads)
-        return (_END, "-1")
+    def _taken(self, root: bool) -> Callable[..., tuple[str, ...]]:
+        """``pick`` of the leave hook while dynamo traces: the frame ends, handing out the
+        heads of all its calls in order (``_Frame.note``), after ``_END`` (the compiled
+        module's frame ends with the call: ``_leave_call``)."""
+        def taken(module: nn.Module, args: Any, output: Any) -> tuple[str, ...]:
+            if not root and self._tracing_here() and self._traced:
+                return (_END, *self._traced.pop().heads)
+            return (_END,)
+        return taken
 
     def _replayed(self, watches: list[Watch]) -> Callable[[Any], Any]:
         """The sink of a compiled call's watched forward (``on_kept``, run after the thread and
-        recompute checks of ``OwnedHook.kept``). Each value handed out of the graph is:
+        recompute checks of ``OwnedHook.kept``). Each value handed out of the graph, in the
+        order the forward made them (``compiled.hold``: inductor runs the operators in an order
+        of its own), is:
 
-        - a call a watch wants (``_CALL``, head, args, kwargs, output: copies), or the end of a
-          forward (``_END``, its frame's number, the heads of all its calls): kept until the
-          compiled call returns, then reported in the order the forward made them
-          (``_flush``): inductor runs the operators that hand them out in an order of its own,
-          though they are ordered effects (found by an attack: three ``sum`` calls came out
-          last first);
+        - a call a watch wants (``_CALL``, head, args, kwargs, output: copies), reported to the
+          watches as ``dispatch`` does;
         - a call an edit wants (``_EDIT``, head, a copy of its result, from
-          ``hookscope::replace``): reported at once, its watches' return (None: the result
-          as it was) being what the forward goes on with; its forward's frame is counted at
-          its first edit and ends at its ``_END``."""
+          ``hookscope::replace``, at once), whose watches' return (None: the result as it was)
+          is what the forward goes on with;
+        - the end of the forward (``_END`` and the heads of all its calls: the names it made,
+          in order).
+
+        The first value of a forward counts its call (``_counted``); the compiled module's own
+        frame is counted by the call (``_enter_call``)."""
         key = id(watches)
-        edits = any(w.edits for w in watches)
 
         def replay(value: Any) -> Any:
-            if value[0] == _EDIT:
-                if key not in self._replaying:  # the forward's first edited call
-                    self._replaying[key] = _counted(watches)
-                return self._replay(self._replaying[key], watches, value[1], (), {}, value[2])
-            if edits and value[0] == _END:
-                frame = self._replaying.pop(key) if key in self._replaying else _counted(watches)
-                _note_made(frame, value[2:])
-                return None
-            self._arrived.append((watches, value))
-            return None
-        return replay
-
-    def _flush(self) -> None:
-        """Report the calls a compiled call handed out (``_replayed``), forward by forward in
-        the order dynamo traced the forwards (a frame's number) and call by call in the order
-        each forward made them (a head's last field), as eager calls report them."""
-        arrived, self._arrived = self._arrived, []
-        forwards: dict[int, tuple[list[Watch], list[tuple[Any, ...]], tuple[str, ...]]] = {}
-        for watches, value in arrived:
-            number = int(value[1] if value[0] == _END else value[1].rpartition(" ")[2].split(".")[0])
-            entry = forwards.setdefault(number, (watches, [], ()))
+            if key not in self._replaying:  # the forward's first value
+                self._replaying[key] = _counted(watches)
+            frame = self._replaying[key]
             if value[0] == _END:
-                forwards[number] = (entry[0], entry[1], value[2:])
-            else:
-                entry[1].append(value[1:])
-        for number in sorted(forwards):
-            watches, calls, heads = forwards[number]
-            frame = self._root_frame if number == 0 and self._root_frame is not None else _counted(watches)
-            for call in sorted(calls, key=lambda c: int(c[0].rpartition(".")[2])):
-                self._replay(frame, watches, *call)
-            _note_made(frame, heads)
+                del self._replaying[key]
+                _note_made(frame, value[1:])
+                return None
+            if value[0] == _EDIT:
+                return self._replay(frame, watches, value[1], (), {}, value[2])
+            return self._replay(frame, watches, *value[1:])
+        return replay
 
     def _replay(self, frame: _Frame, watches: list[Watch], head: str, args: tuple[Any, ...],
                 kwargs: dict[str, Any], output: Any) -> Any:
         """Report one call of a compiled forward, written as ``_Frame.note``'s ``head`` (the
         names made are noted at its end: ``_replayed``); return what replaces its result."""
-        code, _, suspended, occurrences, _ = head.split(" ")
+        code, _, suspended, occurrences = head.split(" ")
         frame.suspended = int(suspended)
         counted = {id(w): int(k) for w, k in zip(watches, occurrences.split(","))}
         _reporting.active = True  # as dispatch: the torch calls on_call makes are its own
@@ -388,16 +371,14 @@ class FunctionWatcher:
         if watches:
             frame = self._root_frame = _counted(watches)
             frame.leave = watches[0].leave
-            self._frames.append(frame)  # read while dynamo traces (note: number 0)
-            if any(w.edits for w in watches):
-                self._replaying[id(watches)] = frame  # the sink's, at run time (_replayed)
+            self._frames.append(frame)  # read while dynamo traces (note)
+            self._replaying[id(watches)] = frame  # the sink's, at run time (_replayed)
 
     def _leave_call(self, module: nn.Module, args: Any, output: Any) -> None:
-        """The compile wrapper's forward hook (also when the call raised): the calls it handed
-        out reported (``_flush``), the names the compiled module's forward made noted, the
-        mode off, and the frames of forwards that raised ended."""
+        """The compile wrapper's forward hook (also when the call raised; after the session's
+        ``compiled.release`` handed the call's values out): the names the compiled module's
+        forward made noted, the mode off, and the frames of forwards that raised ended."""
         try:
-            self._flush()
             if self._root_frame is not None:
                 _note_made(self._root_frame, self._root_frame.heads)  # its dynamo-replayed list
         finally:
@@ -415,7 +396,7 @@ class FunctionWatcher:
         the model entered), it stays, and ``dispatch`` passes the children's calls through.
         Nothing changes while the wrapper's call holds it (``_enter_call``), or while dynamo
         traces (a hook there is traced into the graph, not run)."""
-        if self._whole or traced():
+        if traced() or self._whole:  # (traced first: dynamo guards what it reads)
             return
         frame = self._frames[-1] if self._frames else None
         wanted = frame is not None and (not frame.suspended or frame.deep)
@@ -590,7 +571,7 @@ def _note_made(frame: _Frame, heads: Iterable[str]) -> None:
     """Note in ``made`` the names of a compiled forward's calls (``_Frame.note``'s heads), for
     the watches that see each (not inside a child, unless deep)."""
     for head in heads:
-        _, name, suspended, _, _ = head.split(" ")
+        _, name, suspended, _ = head.split(" ")
         for watch in frame.watches:
             if watch.deep or suspended == "0":
                 watch.made.setdefault(name)
@@ -613,7 +594,7 @@ class _Frame:
     """One running forward of a watched module (or, while dynamo traces, of its trace, whose
     calls go to the compiled sink of ``leave``)."""
 
-    __slots__ = ("watches", "module_calls", "suspended", "counts", "deep", "leave", "heads", "number")
+    __slots__ = ("watches", "module_calls", "suspended", "counts", "deep", "leave", "heads")
 
     def __init__(self, watches: list[Watch], module_calls: list[int], leave: OwnedHook | None = None):
         self.watches = watches
@@ -623,7 +604,6 @@ class _Frame:
         self.counts: dict[tuple[int, str], int] = {}
         self.leave = leave
         self.heads: list[str] = []  # traced: the head of each call, in order (note)
-        self.number = 0  # traced: its place among the frames traced (_frame_number); 0: eager
 
     def note(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
              output: Any) -> Any:
@@ -647,7 +627,7 @@ class _Frame:
             occurrences.append(str(seen))
             if watch.occurrence in (None, seen):
                 wanted, edits = True, edits or watch.edits
-        head = f"{called} {self.suspended} {','.join(occurrences)} {self.number}.{len(self.heads)}"
+        head = f"{called} {self.suspended} {','.join(occurrences)}"
         self.heads.append(head)
         key = None if self.leave is None else self.leave.key
         if key is None or not wanted:
@@ -823,16 +803,6 @@ def _thread() -> int:
 
 
 _thread_now: list[Callable[[], int]] = [_thread]  # the tracing thread's (see _trace_constants)
-_numbers = itertools.count(1)
-
-
-def _next_number() -> int:
-    """A number no frame traced before had (1, 2, ...): increasing in the order dynamo traces
-    forwards, so a compiled call's forwards are reported in that order (``_flush``)."""
-    return next(_numbers)
-
-
-_frame_number: list[Callable[[], int]] = [_next_number]  # a constant of the trace (ditto)
 
 
 def _trace_constants() -> None:
@@ -841,7 +811,6 @@ def _trace_constants() -> None:
     if _function_code[0] is _code_of:
         _function_code[0] = torch._dynamo.assume_constant_result(_code_of)  # type: ignore[no-untyped-call]
         _thread_now[0] = torch._dynamo.assume_constant_result(_thread)  # type: ignore[no-untyped-call]
-        _frame_number[0] = torch._dynamo.assume_constant_result(_next_number)  # type: ignore[no-untyped-call]
 
 
 class _Mode(TorchFunctionMode):

@@ -50,7 +50,7 @@ from hookscope.engine import compiled
 from hookscope.errors import HookscopeError
 
 __all__ = ["OwnedHook", "RecordingHook", "FULLGRAPH", "output_of", "nothing", "ModuleHooks", "register",
-           "drop_sink", "owner", "on_tensor_grad", "on_node", "on_optimizer_step", "after_backward",
+           "drop_sink", "locked", "owner", "on_tensor_grad", "on_node", "on_optimizer_step", "after_backward",
            "in_recompute", "refuse_export_trace", "traced", "MODULE_TABLES", "GLOBAL_TABLES",
            "MODULE_FLAGS", "GLOBAL_FLAGS", "registered", "unregister"]
 
@@ -481,7 +481,7 @@ class ModuleHooks:
     def add(self, owned: OwnedHook, *, pre: bool = False, with_kwargs: bool = False) -> None:
         """Register ``owned`` on ``owned.module`` as a forward (``pre``: forward-pre) hook,
         last in its table; ``with_kwargs`` as torch's."""
-        _locked(self._add, owned, pre, with_kwargs)
+        locked(self._add, owned, pre, with_kwargs)
 
     def _add(self, owned: OwnedHook, pre: bool, with_kwargs: bool) -> None:
         module = owned.module
@@ -499,7 +499,7 @@ class ModuleHooks:
     def add_forward(self, hooks: list[OwnedHook]) -> None:
         """``add`` each of ``hooks`` as a plain forward hook (no kwargs), in one loop: a
         capture of every module registers one per module."""
-        _locked(self._add_forward, hooks)
+        locked(self._add_forward, hooks)
 
     def _add_forward(self, hooks: list[OwnedHook]) -> None:
         keyed = _ready_for_compile()
@@ -569,7 +569,7 @@ class ModuleHooks:
     def remove(self) -> None:
         """Remove every hook added (again: nothing happens); an entry another thread's open
         block still uses stays, until that block closes."""
-        _locked(self._remove)
+        locked(self._remove)
 
     def _remove(self) -> None:
         for host, guest in self.joined:
@@ -613,9 +613,10 @@ def _release(host: OwnedHook) -> None:
     host.key = host.gradient_key = None
 
 
-def _locked(function: Callable[..., Any], *args: Any) -> Any:
+def locked(function: Callable[..., Any], *args: Any) -> Any:
     """``function(*args)`` under ``_sharing`` and, once ``torch._dynamo`` is loaded, dynamo's
-    compile lock, so no trace (another thread's) reads a hook table while it changes."""
+    compile lock (both reentrant), so no trace (another thread's) reads a hook table while it
+    changes: sessions register and remove a block's hooks under it."""
     # half made while another thread imports it (no trace runs before it is whole): ours alone
     lock = getattr(sys.modules.get("torch._dynamo.convert_frame"), "compile_lock", _sharing)
     # one line each (engine.interrupts): an exception at a line event of the body still unlocks
@@ -699,7 +700,7 @@ def unregister(module: nn.Module | None, kind: str, hook_id: int) -> None:
     hook" mark goes back to unset (else a later ``register_backward_hook`` /
     ``register_module_backward_hook`` raises 'Cannot use both regular backward hooks and full
     backward hooks')."""
-    _locked(_unregister, module, kind, hook_id)  # as ModuleHooks: never under a trace
+    locked(_unregister, module, kind, hook_id)  # as ModuleHooks: never under a trace
 
 
 def _unregister(module: nn.Module | None, kind: str, hook_id: int) -> None:

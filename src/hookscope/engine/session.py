@@ -23,7 +23,7 @@ from typing import Any, Literal, Self
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from hookscope.engine import copies, diagnose, interrupts
+from hookscope.engine import compiled, copies, diagnose, interrupts
 from hookscope.engine.early_stop import (
     SKIPPED_BY_STOP,
     EarlyStop,
@@ -34,7 +34,7 @@ from hookscope.engine.early_stop import (
 )
 from hookscope.engine.function_mode import FunctionHooks
 from hookscope.engine.function_names import refuse_uninterceptable
-from hookscope.engine.hooks import ModuleHooks, OwnedHook, nothing, on_node, other_threads
+from hookscope.engine.hooks import ModuleHooks, OwnedHook, locked, nothing, on_node, other_threads, register
 from hookscope.engine.names import ModuleIndex, index
 from hookscope.engine.selection import Target, resolve, unwrap
 from hookscope.errors import (
@@ -127,17 +127,39 @@ class HookSession:
         with interrupts.deferred(undo=self._remove):  # an interrupt: nothing stays registered
             self._copies_open = True  # first: an exception inside open_block still closes it
             copies.open_block(self._left_out)
-            self._register()
-            self._functions.install(self._handles)
-            if self._explain_unfired:  # witnesses serve only the explanation on exit
-                near = diagnose.witnesses(self.model, self._module_index(), self.targets)
-                for path, module in near.items():
-                    # a compiled graph holds a witness whole (engine.compiled)
-                    self._own(OwnedHook(self._witness(path), module, pick=nothing), pre=True)
+            locked(self._install)
             if diagnose.fullgraph(self.model):
                 self._refuse_outside_graph()
         self._entered = True
         return self
+
+    def _install(self) -> None:
+        """Register every hook of the block, at once for traces in other threads
+        (``hooks.locked``: a thread calling a compiled model meanwhile compiled a graph per
+        half-registered table, up to dynamo's recompile limit)."""
+        self._hold_compiled_values()
+        self._register()
+        self._functions.install(self._handles)
+        if self._explain_unfired:  # witnesses serve only the explanation on exit
+            near = diagnose.witnesses(self.model, self._module_index(), self.targets)
+            for path, module in near.items():
+                # a compiled graph holds a witness whole (engine.compiled)
+                self._own(OwnedHook(self._witness(path), module, pick=nothing), pre=True)
+
+    def _remove_handles(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hold_compiled_values(self) -> None:
+        """On a ``torch.compile`` wrapper: around each of this thread's calls, hold what the
+        compiled graph hands to this block's hooks and hand it out in the order the forward
+        made it (``compiled.hold``), before any hook the block adds to the wrapper later
+        runs (a function watch's ``_leave_call``)."""
+        wrapper = diagnose.compile_wrapper(self.model)
+        if wrapper is not None:
+            self._handles.append(register(wrapper, _hold, pre=True))
+            self._handles.append(register(wrapper, _release, always_call=True))
 
     def _refuse_outside_graph(self) -> None:
         """Refuse, on entry, a block on a ``torch.compile(fullgraph=True)`` model with a hook
@@ -312,9 +334,7 @@ class HookSession:
     def _remove(self) -> None:
         with interrupts.deferred():
             self._module_hooks.remove()
-            for handle in self._handles:
-                handle.remove()
-            self._handles.clear()
+            locked(self._remove_handles)
             self._functions.close()
             if self._copies_open:  # cleared once closed: close_block is idempotent, may rerun
                 copies.close_block(self._left_out)
@@ -373,6 +393,14 @@ def resolve_each(model: nn.Module, groups: Sequence[Sequence[str]],
     resolved = [resolve(model, list(group), names=names) for group in groups]
     diagnose.check_targets(names, [t for targets in resolved for t in targets])
     return resolved, names
+
+
+def _hold(module: nn.Module, args: Any) -> None:
+    compiled.hold()
+
+
+def _release(module: nn.Module, args: Any, output: Any) -> None:
+    compiled.release()
 
 
 class Observer(HookSession):
