@@ -68,9 +68,9 @@ from torch._library.effects import EffectType
 
 from hookscope.errors import EditError, HookscopeError
 
-__all__ = ["prepare", "eager_when_called", "open_sink", "close_sink", "hold", "release", "keep", "replace",
-           "replace_call", "call_refusal", "refuse", "CALLS_UNCOMPILED", "CALLS_SPLIT", "watch_gradient",
-           "flat_output", "flatten", "NotKept"]
+__all__ = ["prepare", "eager_when_called", "open_sink", "close_sink", "hold", "release", "abandon", "keep",
+           "replace", "replace_call", "call_refusal", "refuse", "CALLS_UNCOMPILED", "CALL_IN_PLACE",
+           "rebuilt", "watch_gradient", "flat_output", "flatten", "NotKept"]
 
 Tensor = torch.Tensor
 Sink = Callable[[Any], None]
@@ -79,7 +79,7 @@ TENSOR, TUPLE, LIST = 0, 1, 2  # how ``replace`` rebuilds what the module return
 REFUSED = 3  # ``replace`` of an output it cannot rebuild in a full graph: EditError at the call
 CALL_STRUCTURE, CALL_GRAD = 4, 5  # ``replace_call`` refusals: EditError at the call
 CALLS_UNCOMPILED = 6  # function addresses set up for eager calls, traced: HookscopeError
-CALLS_SPLIT = 7  # a graph break inside a watched forward: HookscopeError
+CALL_IN_PLACE = 7  # an edit of an in-place call's result: EditError at the call
 _sinks: dict[int, Sink] = {}
 _places: weakref.WeakKeyDictionary[nn.Module, list[int]] = weakref.WeakKeyDictionary()
 _next_key = [0]
@@ -156,6 +156,16 @@ def hold() -> None:
     _held.depth += 1
 
 
+def abandon(holds: int) -> None:
+    """End ``holds`` holds a block began and never released (an interrupt skips a wrapper's
+    forward hooks, ``always_call`` ones too: torch runs those on ``Exception`` only); once none
+    is open, what they held is dropped (an attack found a Ctrl-C left a hold open, and every
+    later capture in that thread recorded nothing)."""
+    _held.depth = max(_held.depth - holds, 0)
+    if not _held.depth:
+        _held.items = []
+
+
 def release() -> None:
     """End a ``hold``; the outermost hands every held value to its sink, in traced order."""
     _held.depth = max(_held.depth - 1, 0)
@@ -201,7 +211,7 @@ def _replace(values: list[Tensor | None], kind: int, key: int, grad: bool, tag: 
     kept = [None if v is None else v.detach().clone() for v in values]
     if sink is None:
         return _fresh(kept, None)
-    value = _rebuilt(kept, kind)  # a call's result goes with its tag (replace_call)
+    value = rebuilt(kept, kind)  # a call's result goes with its tag (replace_call)
     return _fresh(kept, sink((*tag.split(" ", 1), value) if tag else value))
 
 
@@ -305,22 +315,22 @@ _CALLS_UNCOMPILED = (
     "'path::fn'), the path relative to it), or call the eager module")
 
 
-_CALLS_SPLIT = (
-    "torch.compile split the forward of a module whose function calls this block watches "
-    "('path::fn') at a graph break (fullgraph=False), and ran part of it outside the graph, "
-    "where a compiled call's calls cannot be followed. Remove the graph break in that forward "
-    "(torch.compile(model, fullgraph=True) names it), address calls of a module whose forward "
-    "has none, or capture on the eager model (compiled._orig_mod)")
+_NO_IN_PLACE_EDIT = (
+    "an edit of an in-place call ('path::fn' of x.relu_(), x.add_(y), x += y) cannot run inside a "
+    "torch.compile graph: the forward may go on with the tensor the call wrote rather than with "
+    "its result, and a graph takes an edited value back only as the result (inductor dropped "
+    "such an edit, silently: found by an attack). Edit the call that made the tensor, the "
+    "output of the module (an address without '::'), or the eager model (compiled._orig_mod)")
 
 
 #: kind -> (the error ``refuse`` raises at the call, its message)
 _REFUSALS: dict[int, tuple[type[Exception], str]] = {
     REFUSED: (EditError, _NO_STRUCTURE_EDIT), CALL_STRUCTURE: (EditError, _NO_CALL_STRUCTURE_EDIT),
     CALL_GRAD: (EditError, _NO_CALL_GRAD_EDIT), CALLS_UNCOMPILED: (HookscopeError, _CALLS_UNCOMPILED),
-    CALLS_SPLIT: (HookscopeError, _CALLS_SPLIT)}
+    CALL_IN_PLACE: (EditError, _NO_IN_PLACE_EDIT)}
 
 
-def _rebuilt(values: list[Tensor | None], kind: int) -> Any:
+def rebuilt(values: list[Tensor | None], kind: int) -> Any:
     """The output as the module returned it, from ``flat_output``'s ``(values, kind)``."""
     return values[0] if kind == TENSOR else tuple(values) if kind == TUPLE else values
 
@@ -554,7 +564,7 @@ def watch_gradient(values: list[Tensor | None], kind: int, key: int) -> Any:
     making[0] = True
     values[first] = _op[0][2](values[first], key)
     making[0] = False
-    return _rebuilt(values, kind)
+    return rebuilt(values, kind)
 
 
 def refuse(key: int, kind: int = REFUSED) -> None:
@@ -606,4 +616,4 @@ def replace(values: list[Tensor | None], kind: int, key: int, grad: bool, tag: s
     making[0] = True
     new = iter(_op[0][1](values, kind, key, grad, tag))
     making[0] = False
-    return _rebuilt([None if v is None else next(new) for v in values], kind)
+    return rebuilt([None if v is None else next(new) for v in values], kind)

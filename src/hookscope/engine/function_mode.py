@@ -61,7 +61,7 @@ from torch.utils.hooks import RemovableHandle
 from hookscope.engine import compiled
 from hookscope.engine.function_names import bind_arguments, function_name, parse_op
 from hookscope.engine.hooks import OwnedHook, drop_sink, in_recompute, other_threads, register, traced
-from hookscope.errors import HookscopeError
+from hookscope.errors import EditError, HookscopeError
 
 __all__ = ["FunctionCall", "FunctionWatcher", "FunctionHooks", "Watch", "entered", "each_call", "take_off"]
 
@@ -218,7 +218,7 @@ class FunctionWatcher:
             again = any(w.in_recompute for w in watches)
             root = module is self._root  # its frame is the call's (_enter_call)
             enter = OwnedHook(self._enter_hook(watches, root), module, in_recompute=again, traceable=True)
-            leave = OwnedHook(self._leave_hook(root), module, in_recompute=again, traceable=True,
+            leave = OwnedHook(self._leave_hook(watches, root), module, in_recompute=again, traceable=True,
                               pick=self._taken(root), on_kept=self._replayed(watches))
             for watch in watches:
                 watch.enter, watch.leave = enter, leave
@@ -259,11 +259,15 @@ class FunctionWatcher:
                 return
             if root and self._whole:  # begun by the call
                 return
-            self._frames.append(_counted(watches))
+            frame = _counted(watches)
+            if self._whole:  # run apart during a compiled call (at a graph break): the rest of
+                frame.leave = watches[0].leave  # its forward may be traced, as the compiled
+                self._replaying[id(watches)] = frame  # module's own frame is (_enter_call)
+            self._frames.append(frame)
             self._sync()
         return hook
 
-    def _leave_hook(self, root: bool) -> Callable[[nn.Module, Any, Any], None]:
+    def _leave_hook(self, watches: list[Watch], root: bool) -> Callable[[nn.Module, Any, Any], None]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if traced():
                 if not root and self._tracing_here() and self._traced:
@@ -272,7 +276,10 @@ class FunctionWatcher:
             if root and self._whole:  # ended by the call (_leave_call)
                 return
             if self._frames:
-                self._frames.pop()
+                frame = self._frames.pop()
+                if frame.leave is not None:  # (see the enter hook) the names dynamo noted in it
+                    self._replaying.pop(id(watches), None)
+                    _note_made(frame, frame.heads)
             self._sync()
         return hook
 
@@ -323,10 +330,25 @@ class FunctionWatcher:
                 del self._replaying[key]
                 _note_made(frame, value[1:])
                 return None
-            if value[0] == _EDIT:
-                return self._replay(frame, watches, value[1], (), {}, value[2])
+            if value[0] in (_EDIT, _EDIT_SHARED):
+                return self._edited(frame, watches, *value)
             return self._replay(frame, watches, *value[1:])
         return replay
+
+    def _edited(self, frame: _Frame, watches: list[Watch], kind: str, head: str, output: Any) -> Any:
+        """Report a call an edit wants (``_replay``) with a copy of its result; return what the
+        forward goes on with.
+
+        Raises:
+            EditError: the edit wrote the copy in place, and the call's result is a view
+                (``h.view(...)``): eagerly that write reaches the viewed tensor too, in a compiled
+                graph it cannot (found by an attack: the outputs differed silently)."""
+        tensors = [t for t in _results(output) if isinstance(t, torch.Tensor)]
+        versions = [t._version for t in tensors]
+        new = self._replay(frame, watches, head, (), {}, output)
+        if kind == _EDIT_SHARED and [t._version for t in tensors] != versions:
+            raise EditError(_SHARED_WRITE.format(name=head.split(" ")[1]))
+        return new
 
     def _replay(self, frame: _Frame, watches: list[Watch], head: str, args: tuple[Any, ...],
                 kwargs: dict[str, Any], output: Any) -> Any:
@@ -419,8 +441,8 @@ class FunctionWatcher:
             return output  # at run time: its graph's calls (eager backend), or hookscope's own
         if not frames or _reporting.active:
             return output
-        if _dynamo_tracing():  # an eager frame, in code dynamo traces: an error at the call
-            compiled.refuse(-1, compiled.CALLS_SPLIT if self.for_compiled else compiled.CALLS_UNCOMPILED)
+        if _dynamo_tracing():  # an eager frame of a block set up for eager calls, in code dynamo
+            compiled.refuse(-1, compiled.CALLS_UNCOMPILED)  # traces: an error at the call
             return output
         frame = frames[-1]
         _reporting.active = True  # torch calls made by on_call are hookscope's, not the module's
@@ -549,6 +571,30 @@ class FunctionHooks:
                 f"MODEL --input X --ops' lists the calls of every module's own forward")
 
 
+_SHARED_WRITE = (
+    "an edit wrote the result of '{name}' in place inside a torch.compile graph, and that result "
+    "is a view of another tensor (x.view(...), x.transpose(...)): eagerly the write reaches "
+    "that tensor too, inside a compiled graph it cannot. "
+    "Return a new tensor instead (o = o.clone(); o[..., 0] = 0; return o), or edit the eager "
+    "model (compiled._orig_mod)")
+
+
+def _results(output: Any) -> tuple[Any, ...]:
+    return tuple(output) if isinstance(output, (tuple, list)) else (output,)
+
+
+def _shares_memory(output: Any) -> bool:
+    """While dynamo traces: whether a call's result is a view of another tensor (``_base``)."""
+    return any(isinstance(r, torch.Tensor) and r._base is not None for r in _results(output))
+
+
+def _in_place(output: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """While dynamo traces: whether a call returned one of its tensor arguments (an in-place
+    call: ``x.relu_()``, ``x += y``)."""
+    inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    return any(r is a for r in _results(output) for a in inputs)
+
+
 _UNSAFE = ("hookscope: a function address ('path::fn') inside a torch.utils.checkpoint region "
            "of a torch.compile(fullgraph=True) model: dynamo refuses the state hookscope keeps "
            "while it traces a watched forward there. Compile with fullgraph=False (checkpointing "
@@ -633,11 +679,14 @@ class _Frame:
         if key is None or not wanted:
             return output
         refusal = compiled.call_refusal(output) if edits else None
+        if edits and refusal is None and _in_place(output, args, kwargs):
+            refusal = compiled.CALL_IN_PLACE
         if refusal is not None:  # raises EditError at the call, before anything is reported
             compiled.refuse(key, refusal)
         else:
-            if edits:
-                output = compiled.replace_call(output, key, (_EDIT, head))
+            if edits:  # (a view of an input: an edit writing it in place is refused)
+                kind = _EDIT_SHARED if _shares_memory(output) else _EDIT
+                output = compiled.replace_call(output, key, (kind, head))
             else:
                 values, spec = compiled.flatten((_CALL, head, args, kwargs, output))
                 compiled.keep(values, spec, key)
@@ -782,7 +831,8 @@ def _claimed(wrapper: nn.Module, thread: int, change: int) -> bool:
     return change > 0
 
 
-_CALL, _EDIT, _END = "call", "edit", "end"  # the first item of what a compiled forward hands out
+#: the first item of what a compiled forward hands out (_replayed)
+_CALL, _EDIT, _EDIT_SHARED, _END = "call", "edit", "edit-shared", "end"
 _FUNCTIONS: list[Callable[..., Any]] = []  # code -> function (_code_of)
 
 

@@ -107,6 +107,7 @@ class HookSession:
         self._left_out = copies.KeptOut(self._handles)  # this block's hooks, left out of copies
         self._module_hooks = ModuleHooks(self._left_out.add_entry)
         self._copies_open = False  # whether copies.open_block(self._left_out) is in force
+        self._holding = 0  # compiled.hold()s of this block's not yet released (_hold)
 
     def __enter__(self) -> Self:
         if self._active:
@@ -158,8 +159,19 @@ class HookSession:
         runs (a function watch's ``_leave_call``)."""
         wrapper = diagnose.compile_wrapper(self.model)
         if wrapper is not None:
-            self._handles.append(register(wrapper, _hold, pre=True))
-            self._handles.append(register(wrapper, _release, always_call=True))
+            self._handles.append(register(wrapper, self._hold, pre=True))
+            self._handles.append(register(wrapper, self._release, always_call=True))
+
+    def _hold(self, module: nn.Module, args: Any) -> None:
+        if self._holding:  # an interrupted call's (a KeyboardInterrupt skips _release)
+            compiled.abandon(self._holding)
+            self._holding = 0
+        self._holding += 1
+        compiled.hold()
+
+    def _release(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._holding -= 1
+        compiled.release()
 
     def _refuse_outside_graph(self) -> None:
         """Refuse, on entry, a block on a ``torch.compile(fullgraph=True)`` model with a hook
@@ -335,6 +347,9 @@ class HookSession:
         with interrupts.deferred():
             self._module_hooks.remove()
             locked(self._remove_handles)
+            if self._holding:  # a call interrupted before _release: its hold ends here
+                compiled.abandon(self._holding)
+                self._holding = 0
             self._functions.close()
             if self._copies_open:  # cleared once closed: close_block is idempotent, may rerun
                 copies.close_block(self._left_out)
@@ -393,14 +408,6 @@ def resolve_each(model: nn.Module, groups: Sequence[Sequence[str]],
     resolved = [resolve(model, list(group), names=names) for group in groups]
     diagnose.check_targets(names, [t for targets in resolved for t in targets])
     return resolved, names
-
-
-def _hold(module: nn.Module, args: Any) -> None:
-    compiled.hold()
-
-
-def _release(module: nn.Module, args: Any, output: Any) -> None:
-    compiled.release()
 
 
 class Observer(HookSession):
