@@ -34,9 +34,11 @@ out of the graph where it is made (``_Frame.note``: its arguments and result, by
 and writes them in place); a call an edit wants goes through ``hookscope::replace``, whose result
 the forward goes on with; the module's forward hook then hands out the names of all the calls
 (``pick=_taken``). At run time the leave hook's sink reports each call to the watches as an
-eager call would, and returns an edit's value (``_replayed``). The graph holds no Python state:
-a frame exists while dynamo traces only, and the graph compiled for one block serves the next.
-A graph hands a call's values to the blocks whose
+eager call would, and returns an edit's value (``_replayed``), in the order the forward made
+the calls (``compiled.hold``). The graph holds no Python state: the frames of traced forwards
+exist while dynamo traces only (the compiled module's own, ``_enter_call``, and one dynamo runs
+apart at a graph break are eager frames of the call), and the graph compiled for one block
+serves the next. A graph hands a call's values to the blocks whose
 mode was on the stack when it was traced, in the thread that traced it, and torch's guard on the
 mode stack compares types only, so another thread would run that graph for its own block and
 record nothing: a second thread's block of function addresses on the same compiled model is
