@@ -13,7 +13,7 @@ torch's mode stack.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -26,25 +26,19 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import hookscope
-from tests.models import InplaceRelu, tiny_gpt2
-from tests.test_compile_fullgraph import _assert_same
+from tests.models import tiny_gpt2
+from tests.test_compile_fullgraph import (
+    BLOCKS,
+    _assert_same,
+    _call,
+    _cnn,
+    _mlp,
+    fresh_dynamo,  # noqa: F401 - autouse: each test compiles from nothing
+)
+from tests.test_compile_fullgraph import MODELS as MODULE_MODELS
 
 Tensor = torch.Tensor
-BLOCKS = 10
-
-
-def _mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(4)]).eval()
-
-
-def _cnn() -> nn.Module:
-    torch.manual_seed(0)
-    return InplaceRelu().eval()
-
-
-GPT2_INPUTS = {"input_ids": torch.tensor([[3, 5, 7, 9], [2, 4, 6, 0]]),
-               "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])}
+GPT2_INPUTS = MODULE_MODELS["gpt2"][1]()
 #: name: (model, inputs, function addresses): of a submodule, of the compiled module itself
 #: ("::add_": the CNN's ``z += y``, an in-place call), an occurrence, one call per block
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], dict[str, Tensor]], list[str]]] = {
@@ -54,17 +48,6 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], dict[str, Tensor]]
              ["transformer.h.*.attn::scaled_dot_product_attention", "transformer.h.0.attn::transpose#1",
               "transformer::add", "transformer::dropout"]),
 }
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-def _call(model: nn.Module, inputs: dict[str, Tensor]) -> Any:
-    return model(inputs["input"]) if "input" in inputs else model(**inputs)
 
 
 def _assert_like_eager(acts: Any, eager: Any, *, times: int = 1, exact: bool = False) -> None:
@@ -335,7 +318,7 @@ def test_statistics_of_a_call_inside_a_compiled_model_equal_eager() -> None:
     eager = hookscope.stats(model, batches, "*.1::relu")
     compiled = torch.compile(model, backend="eager")
     got = hookscope.stats(compiled, batches, "*.1::relu")
-    assert set(eager) <= set(got) and len(eager) == 4  # (and "1::relu": see _assert_like_eager)
+    assert set(eager) <= set(got) and len(eager) == 8  # (and "1::relu": see _assert_like_eager)
     for key in eager:
         assert got[key].count == eager[key].count == 5 * 8
         torch.testing.assert_close(got[key].mean, eager[key].mean)
@@ -713,3 +696,39 @@ def test_an_interrupted_compiled_call_leaves_later_captures_recording() -> None:
         compiled(x)
     assert later.counts == {"1.0": 1} and torch.equal(later["1.0"], model[1][0](model[0](x)))
     assert _unhooked(model) and torch._C._len_torch_function_stack() == 0
+
+
+def test_holds_belong_to_their_block_and_thread_and_an_interrupt_ends_only_its_own() -> None:
+    """``compiled.hold`` is per thread and per block: an interrupted block's holds end at its
+    next call or exit (``abandon``) without ending another block's, and another thread never
+    sees them. (A count kept by each block went wrong when an interrupt landed between the
+    count and the hold.)"""
+    from hookscope.engine import compiled as engine
+
+    outer, inner = object(), object()
+    engine.hold(outer)
+    engine.hold(inner)
+    seen: list[int] = []
+    worker = threading.Thread(target=lambda: seen.append(engine._held.depth))
+    worker.start()
+    worker.join()
+    engine.abandon(inner)  # the inner block's call was interrupted
+    assert seen == [0] and engine._held.depth == 1
+    engine.release(inner)  # a release that is not its own any more changes nothing
+    assert engine._held.depth == 1
+    engine.release(outer)
+    assert engine._held.depth == 0
+
+    model, x = _mlp(), torch.randn(2, 8)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+
+    def interrupt(output: Tensor) -> Tensor:
+        raise KeyboardInterrupt
+
+    with torch.no_grad(), hookscope.capture(compiled, "1.0", "2.1::relu") as kept:
+        compiled(x)
+        with pytest.raises(KeyboardInterrupt), hookscope.edit(compiled, {"0.1::relu": interrupt}):
+            compiled(x)
+        compiled(x)
+    assert kept.counts == {"1.0": 2, "2.1::relu": 2} and engine._held.depth == 0  # (1.0 comes after 0.1)
+    assert _unhooked(model)

@@ -136,40 +136,48 @@ def _keep(values: list[Tensor], spec: str, key: int, order: int) -> None:
 
 
 class _Held(threading.local):
-    """``depth``: how many ``hold``s are open in this thread; ``items``: what ``keep``'s
-    operator handed out meanwhile, ``(order, arrival, sink, value)``."""
+    """``owners``: one entry per ``hold`` open in this thread, the block that holds (one list
+    operation per change, so an interrupt never leaves a count half changed); ``items``: what
+    ``keep``'s operator handed out meanwhile, ``(order, arrival, sink, value)``."""
 
-    depth = 0
+    @property
+    def depth(self) -> int:
+        return len(self.__dict__.setdefault("owners", []))
 
 
 _held = _Held()
 
 
-def hold() -> None:
-    """Hold what compiled calls in this thread hand out to sinks (``keep``) until the matching
-    ``release``: sessions hold it around each call of a compiled model (its wrapper's hooks).
+def hold(owner: object) -> None:
+    """Hold what compiled calls in this thread hand out to sinks (``keep``) until ``owner``
+    (a block) releases it: sessions hold it around each call of a compiled model (its
+    wrapper's hooks).
 
     Inductor runs the ``keep`` operators in an order of its own, though they are ordered
     effects (an attack found three calls of one shared module recorded last first, and the
     end of a forward handed out before its calls); each carries its place in the order dynamo
     traced them (``_order``), and ``release`` hands them out in that order."""
-    _held.depth += 1
+    _held.__dict__.setdefault("owners", []).append(owner)
 
 
-def abandon(holds: int) -> None:
-    """End ``holds`` holds a block began and never released (an interrupt skips a wrapper's
-    forward hooks, ``always_call`` ones too: torch runs those on ``Exception`` only); once none
-    is open, what they held is dropped (an attack found a Ctrl-C left a hold open, and every
+def abandon(owner: object) -> None:
+    """End every hold of ``owner`` it never released (an interrupt skips a wrapper's forward
+    hooks, ``always_call`` ones too: torch runs those on ``Exception`` only); once none is
+    open, what they held is dropped (an attack found a Ctrl-C left a hold open, and every
     later capture in that thread recorded nothing)."""
-    _held.depth = max(_held.depth - holds, 0)
-    if not _held.depth:
+    owners = _held.__dict__.setdefault("owners", [])
+    owners[:] = [other for other in owners if other is not owner]
+    if not owners:
         _held.items = []
 
 
-def release() -> None:
-    """End a ``hold``; the outermost hands every held value to its sink, in traced order."""
-    _held.depth = max(_held.depth - 1, 0)
-    if _held.depth:
+def release(owner: object) -> None:
+    """End a hold of ``owner``; the last one open hands every held value to its sink, in
+    traced order."""
+    owners = _held.__dict__.setdefault("owners", [])
+    if owner in owners:
+        owners.remove(owner)
+    if owners:
         return
     items, _held.items = _held.__dict__.get("items", []), []
     for _, _, sink, value in sorted(items, key=lambda item: item[:2]):

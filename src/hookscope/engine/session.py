@@ -107,7 +107,6 @@ class HookSession:
         self._left_out = copies.KeptOut(self._handles)  # this block's hooks, left out of copies
         self._module_hooks = ModuleHooks(self._left_out.add_entry)
         self._copies_open = False  # whether copies.open_block(self._left_out) is in force
-        self._holding = 0  # compiled.hold()s of this block's not yet released (_hold)
 
     def __enter__(self) -> Self:
         if self._active:
@@ -163,15 +162,11 @@ class HookSession:
             self._handles.append(register(wrapper, self._release, always_call=True))
 
     def _hold(self, module: nn.Module, args: Any) -> None:
-        if self._holding:  # an interrupted call's (a KeyboardInterrupt skips _release)
-            compiled.abandon(self._holding)
-            self._holding = 0
-        self._holding += 1
-        compiled.hold()
+        compiled.abandon(self)  # an interrupted call's hold (a KeyboardInterrupt skips _release)
+        compiled.hold(self)
 
     def _release(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._holding -= 1
-        compiled.release()
+        compiled.release(self)
 
     def _refuse_outside_graph(self) -> None:
         """Refuse, on entry, a block on a ``torch.compile(fullgraph=True)`` model with a hook
@@ -347,9 +342,7 @@ class HookSession:
         with interrupts.deferred():
             self._module_hooks.remove()
             locked(self._remove_handles)
-            if self._holding:  # a call interrupted before _release: its hold ends here
-                compiled.abandon(self._holding)
-                self._holding = 0
+            compiled.abandon(self)  # a call interrupted before _release: its hold ends here
             self._functions.close()
             if self._copies_open:  # cleared once closed: close_block is idempotent, may rerun
                 copies.close_block(self._left_out)
