@@ -144,6 +144,13 @@ class StoreError(HookscopeError, LookupError):
     """A path is not a finished hookscope store, or a store lacks the layer asked for."""
 
 
+class StoreFaultError(StoreError):
+    """An object store (``s3://``, ``gs://``...) failed: unreachable, refused the credentials,
+    lacks the bucket, or kept failing after bounded retries. The message names the store URL,
+    the endpoint and what to check; raised during an extraction it also says how many rows are
+    kept and how to resume."""
+
+
 class StoreExistsError(HookscopeError, FileExistsError):
     """An extraction's output exists and neither resume nor overwrite was asked for."""
 
