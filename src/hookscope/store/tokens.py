@@ -1,7 +1,7 @@
 """Token-level reading for training on activations (sparse autoencoders): ``TokenView``, a flat
 ``(tokens, *shape)`` view over the rows of a ragged layer (``store.tokens(layer)``), and
 ``TokenStream``, a shuffled, resumable stream of its tokens that a ``DataLoader`` reads
-(``store.token_stream(layer)``); ``pad_rows``, the collate function for whole ragged rows.
+(``store.tokens(layer).stream()``); ``pad_rows``, the collate function for whole ragged rows.
 
 A ragged layer keeps each row's real tokens only (padding was dropped by the attention mask at
 extraction), and the ``token`` column keeps their token ids in the same order, so token ``k`` of
@@ -10,7 +10,7 @@ the flat view is token ``k`` of the flat id column: leaving special tokens out i
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,11 +18,12 @@ import torch
 
 from hookscope.errors import StoreError
 from hookscope.store.reader import LayerInfo, _as_tensor
+from hookscope.store.token_stream import TokenLoader, TokenStream
 
 if TYPE_CHECKING:
     from hookscope.store.reader import Store
 
-__all__ = ["TokenStream", "TokenView", "pad_rows"]
+__all__ = ["TokenLoader", "TokenStream", "TokenView", "pad_rows"]
 
 Tensor = torch.Tensor
 
@@ -133,131 +134,6 @@ class TokenView:
         """A shuffled, resumable stream of these tokens (``TokenStream``)."""
         return TokenStream(self, buffer_tokens=buffer_tokens, block_tokens=block_tokens,
                            seed=seed, batch_size=batch_size)
-
-
-class TokenStream(torch.utils.data.IterableDataset[Tensor]):
-    """The tokens of a ``TokenView``, shuffled with a seed, each once; ``DataLoader(stream,
-    batch_size=B)`` gives ``(B, *shape)`` batches.
-
-    The shuffle (a buffer shuffle whose state is one number): the tokens are cut into blocks of
-    ``block_tokens`` (contiguous on disk, so reads stay sequential); the blocks are permuted by
-    ``numpy.random.default_rng(seed)``; consecutive runs of ``buffer_tokens // block_tokens``
-    permuted blocks make a window, read whole into memory and yielded in the order
-    ``numpy.random.default_rng([seed, w]).permutation`` gives for window ``w``. So at most one
-    window, ``buffer_tokens`` tokens, is in memory, a token's neighbours come from blocks all
-    over the store, and ``state_dict()`` (``{"seed", "position"}``: tokens yielded so far) is
-    enough to continue the same sequence after a restart (``load_state_dict``), reading only
-    the window the position falls in again. Window ``w``'s tokens are its blocks' tokens
-    concatenated in the permuted order (``windows()``), then indexed by that permutation.
-    ``set_epoch(e)`` gives another order per epoch.
-
-    With ``batch_size=B`` the stream yields ``(B, *shape)`` tensors itself (the same tokens in
-    the same order, the last batch shorter), one gather per batch instead of one item per token:
-    read it with ``DataLoader(stream, batch_size=None)``, many times faster than a ``DataLoader``
-    collating single tokens (``bench/throughput.py``).
-
-    Read with one DataLoader worker at most (the default, ``num_workers=0``): several would each
-    yield every token.
-    """
-
-    def __init__(self, view: TokenView, *, buffer_tokens: int, block_tokens: int, seed: int,
-                 batch_size: int | None = None):
-        """Raises:
-            ValueError: ``block_tokens``, ``buffer_tokens`` or ``batch_size`` is not a positive
-                int, or the buffer holds less than one block.
-        """
-        if batch_size is not None and (type(batch_size) is not int or batch_size <= 0):
-            raise ValueError(f"batch_size must be None or a positive int, not {batch_size!r:.40}")
-        self.batch_size = batch_size
-        for name, value in (("buffer_tokens", buffer_tokens), ("block_tokens", block_tokens)):
-            if type(value) is not int or value <= 0:
-                raise ValueError(f"{name} must be a positive int, not {value!r:.40}")
-        if buffer_tokens < block_tokens:
-            raise ValueError(f"buffer_tokens ({buffer_tokens}) must hold at least one block "
-                             f"(block_tokens={block_tokens}); pass a larger buffer_tokens")
-        self.view, self.seed, self.block = view, int(seed), block_tokens
-        self.blocks_per_window = buffer_tokens // block_tokens
-        self.position, self.epoch = 0, 0
-        self._buffer: Tensor | None = None  # the window's tokens, reused window after window
-
-    def __len__(self) -> int:
-        return len(self.view)
-
-    def state_dict(self) -> dict[str, int]:
-        """``{"seed", "epoch", "position"}``: where the stream is (tokens yielded so far)."""
-        return {"seed": self.seed, "epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from ``state`` (``state_dict()`` of a stream over the same store)."""
-        self.seed, self.epoch, self.position = int(state["seed"]), int(state.get("epoch", 0)), \
-            int(state["position"])
-
-    def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch`` (another order of the same tokens) from its beginning."""
-        self.epoch, self.position = int(epoch), 0
-
-    def windows(self) -> list[list[np.ndarray]]:
-        """The token numbers of each window: its blocks, each a run of consecutive numbers,
-        in the permuted order they are read and concatenated (before the window's shuffle)."""
-        n = len(self.view)
-        blocks = np.random.default_rng([self.seed, self.epoch]).permutation(-(-n // self.block))
-        runs = [np.arange(b * self.block, min((b + 1) * self.block, n)) for b in blocks]
-        per = self.blocks_per_window
-        return [runs[w:w + per] for w in range(0, len(runs), per)]
-
-    def __iter__(self) -> Iterator[Tensor]:
-        info = torch.utils.data.get_worker_info()
-        if info is not None and info.num_workers > 1:
-            raise StoreError(f"a TokenStream is read by one DataLoader worker (each of "
-                             f"{info.num_workers} would yield every token): pass num_workers=0 "
-                             f"or 1")
-        if self.batch_size is None:
-            for window, order in self._windows():
-                for k in order:
-                    self.position += 1
-                    yield window[int(k)].clone()  # the buffer is reused
-            return
-        pending: list[Tensor] = []  # tokens of a batch that a window's end cut short
-        for window, order in self._windows():
-            at = 0  # into order
-            while at < len(order):
-                need = self.batch_size - sum(len(p) for p in pending)
-                pending.append(window[torch.from_numpy(order[at:at + need])])
-                at += len(pending[-1])
-                if sum(len(p) for p in pending) == self.batch_size:
-                    yield self._batch(pending)
-        if pending:
-            yield self._batch(pending)
-
-    def _batch(self, pending: list[Tensor]) -> Tensor:
-        batch = pending[0] if len(pending) == 1 else torch.cat(pending)
-        pending.clear()
-        self.position += len(batch)
-        return batch
-
-    def _windows(self) -> Iterator[tuple[Tensor, np.ndarray]]:
-        """Each window from ``position`` (when iteration starts) on: its tokens (the only ones
-        in memory) and the order of those still to yield."""
-        done, start = 0, self.position
-        for w, blocks in enumerate(self.windows()):
-            size = sum(len(b) for b in blocks)
-            if done + size > start:
-                order = np.random.default_rng([self.seed, self.epoch, w]).permutation(size)
-                yield self._read_window(blocks, size), order[max(start - done, 0):]
-            done += size
-
-    def _read_window(self, blocks: list[np.ndarray], size: int) -> Tensor:
-        """The tokens of ``blocks``, concatenated into one buffer kept across windows (fresh
-        memory for each window would cost its page faults again: on a 2-core machine they
-        took longer than the reads)."""
-        shape = (self.blocks_per_window * self.block, *self.view._row_shape)
-        if self._buffer is None or self._buffer.shape != shape:
-            self._buffer = torch.empty(shape, dtype=self.view.info.dtype)
-        at = 0
-        for block in blocks:
-            self._buffer[at:at + len(block)] = self.view.read(block)
-            at += len(block)
-        return self._buffer[:size]
 
 
 def pad_rows(rows: list[Tensor]) -> tuple[Tensor, Tensor]:
