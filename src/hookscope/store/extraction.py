@@ -588,7 +588,28 @@ def _rows(job: _Job, batch: Any, ids: list[Any] | None) -> Rows:
     # the @token column holds the root's input_ids: only for layers of the root's tokens (not
     # an encoder-decoder's decoder layers, ragged by a mask of their own)
     own = all(acts.tokens(key).mask is mask for key, (_, lengths) in rows.items() if lengths is not None)
-    return {**rows, **_columns(batch, ids, n, tokens), **(_token_ids(kwargs, mask, rows) if own else {})}
+    token_ids = _token_ids(kwargs, mask, rows) if own else {}
+    if mask is None and job.reducer is None:
+        token_ids = _packed_ids(args, kwargs, rows)
+    return {**rows, **_columns(batch, ids, n, tokens), **token_ids}
+
+
+def _packed_ids(args: tuple[Any, ...], kwargs: dict[str, Any], rows: Rows) -> Rows:
+    """The ``@token`` column of packed windows: a batch of ``(batch, seq)`` integer token ids
+    (``input_ids``, or the one positional input) without an attention mask, every token real,
+    when a layer keeps a ``(batch, seq, ...)`` row per window. Stored as ``(seq,)`` rows beside
+    the layer, so ``Store.tokens`` flattens the layer's windows and their ids alike."""
+    ids = kwargs.get("input_ids")
+    if ids is None and len(args) == 1 and not kwargs:
+        ids = args[0]
+    if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.is_floating_point() or \
+            ids.is_complex() or ids.dtype == torch.bool:
+        return {}
+    seq = ids.shape[1]
+    if not any(lengths is None and data.dim() >= 2 and data.shape[1] == seq
+               for data, lengths in rows.values()):
+        return {}
+    return {COLUMN_PREFIX + "token": (ids.to("cpu", torch.int64), None)}
 
 
 def _token_ids(kwargs: dict[str, Any], mask: Tensor | None, rows: Rows) -> Rows:

@@ -29,7 +29,12 @@ Tensor = torch.Tensor
 
 
 class TokenView:
-    """The tokens of ragged layer ``info`` of ``store`` as one flat sequence, in row order.
+    """The tokens of a per-token layer ``info`` of ``store`` as one flat sequence, in row order.
+
+    A per-token layer is a ragged one (padding dropped by the attention mask at extraction), or
+    a fixed one of packed windows: rows ``(seq, *shape)`` extracted from ``(batch, seq)`` token
+    ids without a mask, which the store keeps beside them as its ``token`` column of ``(seq,)``
+    rows (every token of a window is real, so row ``i`` holds tokens ``i * seq ...``).
 
     ``view[k]`` is a ``(*shape)`` tensor (``shape`` the layer's row shape without its token
     axis, e.g. ``(d,)``), ``view[i:j]`` a ``(j - i, *shape)`` tensor, ``len(view)`` the number
@@ -41,18 +46,23 @@ class TokenView:
 
     def __init__(self, store: Store, info: LayerInfo, exclude: Sequence[int] = ()):
         """Raises:
-            StoreError: the layer is not ragged, or ``exclude`` is given and the store holds
-                no token ids (its data gave no ``input_ids`` beside the ``attention_mask``).
+            StoreError: the layer is neither ragged nor of packed windows with stored token
+                ids, or ``exclude`` is given and the store holds no token ids (its data gave no
+                ``input_ids``).
         """
-        if not info.ragged:
+        self.seq = 0 if info.ragged else _packed_length(store, info)  # tokens a fixed row holds
+        if self.seq is None:
             raise StoreError(f"layer {info.path!r} is not ragged (rows of shape "
-                             f"{tuple(info.shape)}), so it has no token axis to flatten; "
-                             f"store.tokens() reads layers extracted per token (reduce=None "
-                             f"with an attention_mask); read this one with store[{info.path!r}]")
+                             f"{tuple(info.shape)}) and the store keeps no token ids of that "
+                             f"length, so it has no token axis to flatten; store.tokens() reads "
+                             f"layers extracted per token (reduce=None, from an attention_mask "
+                             f"or from (batch, seq) token ids); read this one with "
+                             f"store[{info.path!r}]")
         self.store, self.info = store, info
         self._row_shape = tuple(int(n or 0) for n in info.shape[1:])
         shards = store._shards
-        self._counts = np.array([int(s.offsets(info.path)[-1]) for s in shards], dtype=np.int64)
+        self._counts = np.array([(s.info.rows[1] - s.info.rows[0]) * self.seq if self.seq else
+                                 int(s.offsets(info.path)[-1]) for s in shards], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(self._counts)])  # raw token -> shard
         self._keep: np.ndarray | None = None  # kept raw token indices, when some are excluded
         if len(exclude):
@@ -99,7 +109,12 @@ class TokenView:
         while start < stop:
             shard, base = self.store._shards[k], int(self._starts[k])
             end = min(stop, int(self._starts[k + 1]))
-            if end > start:
+            if end > start and self.seq:  # packed windows: the rows that hold the tokens
+                a, b = (start - base) // self.seq, -(-(end - base) // self.seq)
+                rows = _as_tensor(shard.array(self.info.path, a, b), self.info.dtype,
+                                  ((b - a) * self.seq, *self._row_shape))
+                pieces.append(rows[start - base - a * self.seq:end - base - a * self.seq])
+            elif end > start:
                 a, b = start - base, end - base
                 pieces.append(_as_tensor(shard.array(self.info.path, a, b), self.info.dtype,
                                          (b - a, *self._row_shape)))
@@ -117,8 +132,13 @@ class TokenView:
     @property
     def rows(self) -> Tensor:
         """The row each token came from (``(tokens,)`` int64)."""
-        lengths = np.concatenate([np.diff(s.offsets(self.info.path)) for s in self.store._shards]) \
-            if self.store._shards else np.zeros(0, np.int64)
+        if not self.store._shards:
+            lengths = np.zeros(0, np.int64)
+        elif self.seq:
+            lengths = np.full(len(self.store), self.seq, dtype=np.int64)
+        else:
+            lengths = np.concatenate([np.diff(s.offsets(self.info.path))
+                                      for s in self.store._shards])
         rows = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
         return torch.from_numpy(rows if self._keep is None else rows[self._keep])
 
@@ -134,6 +154,16 @@ class TokenView:
         """A shuffled, resumable stream of these tokens (``TokenStream``)."""
         return TokenStream(self, buffer_tokens=buffer_tokens, block_tokens=block_tokens,
                            seed=seed, batch_size=batch_size)
+
+
+def _packed_length(store: Store, info: LayerInfo) -> int | None:
+    """``seq`` when fixed layer ``info`` holds packed windows: its rows are ``(seq, ...)`` and
+    the store's ``token`` column holds ``(seq,)`` token ids per row; else ``None``."""
+    token = store.columns.get("token")
+    if token is None or token.ragged or len(token.shape) != 1 or not info.shape or \
+            info.shape[0] != token.shape[0] or not token.shape[0]:
+        return None
+    return int(token.shape[0])
 
 
 def pad_rows(rows: list[Tensor]) -> tuple[Tensor, Tensor]:
