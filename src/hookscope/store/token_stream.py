@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from hookscope.errors import StoreError
+from hookscope.errors import ArgumentValueError, StoreError
 
 if TYPE_CHECKING:
     from hookscope.store.tokens import TokenView
@@ -70,17 +70,20 @@ class TokenStream(torch.utils.data.IterableDataset[Tensor]):
     def __init__(self, view: TokenView, *, buffer_tokens: int, block_tokens: int, seed: int,
                  batch_size: int | None = None):
         """Raises:
-            ValueError: ``block_tokens``, ``buffer_tokens`` or ``batch_size`` is not a positive
+            ArgumentValueError: (a ``ValueError``) ``seed`` is not an int >= 0, ``block_tokens``,
+                ``buffer_tokens`` or ``batch_size`` is not a positive
                 int, or the buffer holds less than one block.
         """
+        if type(seed) is not int or seed < 0:
+            raise ArgumentValueError(f"seed must be an int >= 0, not {seed!r:.40}")
         if batch_size is not None and (type(batch_size) is not int or batch_size <= 0):
-            raise ValueError(f"batch_size must be None or a positive int, not {batch_size!r:.40}")
+            raise ArgumentValueError(f"batch_size must be None or a positive int, not {batch_size!r:.40}")
         self.batch_size = batch_size
         for name, value in (("buffer_tokens", buffer_tokens), ("block_tokens", block_tokens)):
             if type(value) is not int or value <= 0:
-                raise ValueError(f"{name} must be a positive int, not {value!r:.40}")
+                raise ArgumentValueError(f"{name} must be a positive int, not {value!r:.40}")
         if buffer_tokens < block_tokens:
-            raise ValueError(f"buffer_tokens ({buffer_tokens}) must hold at least one block "
+            raise ArgumentValueError(f"buffer_tokens ({buffer_tokens}) must hold at least one block "
                              f"(block_tokens={block_tokens}); pass a larger buffer_tokens")
         self.view, self.seed, self.block = view, int(seed), block_tokens
         self.blocks_per_window = buffer_tokens // block_tokens
@@ -98,13 +101,34 @@ class TokenStream(torch.utils.data.IterableDataset[Tensor]):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continue from ``state`` (``state_dict()`` of a stream over the same store): the next
-        iteration begins after the tokens it counts."""
-        self.seed, self.epoch = int(state["seed"]), int(state.get("epoch", 0))
-        self.position = self._start = int(state["position"])
+        iteration begins after the tokens it counts.
+
+        Raises:
+            StoreError: ``state`` is not a dict with int ``seed`` >= 0, ``position`` in
+                ``[0, len(stream)]`` and (optionally) ``epoch`` >= 0 (nothing is changed).
+        """
+        if not isinstance(state, dict) or "seed" not in state or "position" not in state:
+            raise StoreError(f"load_state_dict takes what state_dict() returned, a dict with "
+                             f"'seed', 'epoch' and 'position'; got {state!r:.80}")
+        seed, epoch, position = state["seed"], state.get("epoch", 0), state["position"]
+        limits = (("seed", seed, 2**63), ("epoch", epoch, 2**63), ("position", position, len(self)))
+        for name, value, most in limits:
+            if type(value) is not int or not 0 <= value <= most:
+                raise StoreError(f"state[{name!r}] is {value!r:.40}: it must be an int in "
+                                 f"[0, {most}] (this stream holds {len(self)} tokens); pass "
+                                 f"the state_dict() of a stream over the same store")
+        self.seed, self.epoch = seed, epoch
+        self.position = self._start = position
 
     def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch`` (another order of the same tokens) from its beginning."""
-        self.epoch, self.position, self._start = int(epoch), 0, 0
+        """Start epoch ``epoch`` (another order of the same tokens) from its beginning.
+
+        Raises:
+            StoreError: ``epoch`` is not an int >= 0.
+        """
+        if type(epoch) is not int or epoch < 0:
+            raise StoreError(f"set_epoch({epoch!r:.40}): an epoch is an int >= 0")
+        self.epoch, self.position, self._start = epoch, 0, 0
 
     def loader(self, *, num_workers: int = 0, **options: Any) -> TokenLoader:
         """A loader of this stream's batches with ``num_workers`` worker processes whose

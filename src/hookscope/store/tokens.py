@@ -11,12 +11,12 @@ the flat view is token ``k`` of the flat id column: leaving special tokens out i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from hookscope.errors import StoreError
+from hookscope.errors import ArgumentTypeError, PositionError, StoreError
 from hookscope.store.reader import LayerInfo, _as_tensor
 from hookscope.store.token_stream import TokenLoader, TokenStream
 
@@ -50,6 +50,7 @@ class TokenView:
                 ids, or ``exclude`` is given and the store holds no token ids (its data gave no
                 ``input_ids``).
         """
+        exclude = _check_exclude(exclude)
         self.seq = 0 if info.ragged else _packed_length(store, info)  # tokens a fixed row holds
         if self.seq is None:
             raise StoreError(f"layer {info.path!r} is not ragged (rows of shape "
@@ -78,23 +79,34 @@ class TokenView:
         return int(self._starts[-1]) if self._keep is None else len(self._keep)
 
     def __getitem__(self, index: int | slice) -> Tensor:
+        """Raises:
+            PositionError: (an ``IndexError``) a slice with a step other than 1, an index that
+                is not an int or a slice, or one out of range.
+        """
         if isinstance(index, slice):
             start, stop, step = index.indices(len(self))
             if step != 1:
-                raise IndexError("token views take a slice with step 1, an int, or read(indices)")
+                raise PositionError("token views take a slice with step 1, an int, or "
+                                    "read(indices)")
             return self.read(np.arange(start, max(start, stop)))
         if not isinstance(index, (int, np.integer)) or isinstance(index, bool):
-            raise IndexError(f"a token is indexed by an int or a slice, not "
-                             f"{type(index).__name__}")
+            raise PositionError(f"a token is indexed by an int or a slice, not "
+                                f"{type(index).__name__}")
         k = int(index) + (len(self) if index < 0 else 0)
         if not 0 <= k < len(self):
-            raise IndexError(f"token {index} is out of range for {len(self)} tokens")
+            raise PositionError(f"token {index} is out of range for {len(self)} tokens")
         return self.read(np.array([k]))[0]
 
     def read(self, indices: np.ndarray) -> Tensor:
         """Return the tokens at ``indices`` (kept-token numbers, ascending) as a
         ``(len(indices), *shape)`` tensor; reads the stored span from the first to the last
-        (the tokens between that ``exclude`` left out included), so keep them close."""
+        (the tokens between that ``exclude`` left out included), so keep them close.
+
+        Raises:
+            PositionError: ``indices`` is not a 1-dim integer array, not ascending, or out of
+                range.
+        """
+        indices = _check_indices(indices, len(self))
         raw = indices if self._keep is None else self._keep[indices]
         if not len(raw):
             return torch.empty(0, *self._row_shape, dtype=self.info.dtype)
@@ -154,6 +166,34 @@ class TokenView:
         """A shuffled, resumable stream of these tokens (``TokenStream``)."""
         return TokenStream(self, buffer_tokens=buffer_tokens, block_tokens=block_tokens,
                            seed=seed, batch_size=batch_size)
+
+
+def _check_indices(indices: Any, count: int) -> np.ndarray:
+    """``indices`` as an int64 array, checked: 1-dim, integers, ascending, in ``[0, count)``."""
+    if isinstance(indices, Tensor):
+        indices = indices.numpy()
+    array = np.asarray(indices) if isinstance(indices, (np.ndarray, list, tuple, range)) else None
+    if array is None or array.ndim != 1 or (len(array) and array.dtype.kind not in "iu"):
+        raise PositionError(f"read(indices) takes a 1-dim array of token numbers (ints), e.g. "
+                            f"np.arange(0, 10); got {type(indices).__name__} {indices!r:.60}")
+    array = array.astype(np.int64)
+    if len(array) and (array[0] < 0 or array[-1] >= count or (np.diff(array) < 0).any()):
+        raise PositionError(f"read(indices) takes ascending token numbers in [0, {count}); got "
+                            f"{array[:8].tolist()}{' ...' if len(array) > 8 else ''}: sort them "
+                            f"(np.sort) and keep them in range")
+    return array
+
+
+def _check_exclude(exclude: Any) -> Sequence[int]:
+    """``exclude`` checked: a sequence of int token ids (a str or a float is refused)."""
+    if isinstance(exclude, (str, bytes)) or not isinstance(exclude, (list, tuple, range,
+                                                                     np.ndarray, Tensor)):
+        raise ArgumentTypeError(f"exclude must be a list of token ids, e.g. exclude=[0, 2]; got "
+                                f"{type(exclude).__name__} {exclude!r:.40}")
+    values = exclude.tolist() if isinstance(exclude, (np.ndarray, Tensor)) else list(exclude)
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
+        raise ArgumentTypeError(f"exclude holds token ids, ints; got {values!r:.60}")
+    return [int(v) for v in values]
 
 
 def _packed_length(store: Store, info: LayerInfo) -> int | None:
