@@ -16,7 +16,7 @@ __all__ = ["ArgumentTypeError", "ArgumentValueError", "AttentionError", "BundleE
            "HookscopeError", "HookscopeWarning", "MisalignedLabelsWarning", "MissingExtraError",
            "ModelCodeError", "MonitorFaultWarning", "NonFiniteStepError", "NonFiniteStepWarning",
            "OutputExistsError", "PositionError", "SelectorError", "SpecError", "StoreCorruptError",
-           "StoreError", "StoreExistsError", "TrainingModeWarning", "warn"]
+           "StoreError", "StoreExistsError", "StoreFaultError", "TrainingModeWarning", "warn"]
 
 # Frames in these files are hookscope's or the machinery between the user's line and hookscope
 # (context managers, nn.Module.__call__ running hooks): a warning is attributed past them.
