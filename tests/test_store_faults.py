@@ -243,3 +243,39 @@ def test_attack_table() -> None:
     tried = sum(OUTCOMES.values())
     print(f"\nS3 faults: tried {tried} clean {OUTCOMES['clean']} raw 0 silent 0 lost 0")
     assert issubclass(StoreFaultError, HookscopeError)
+
+
+def test_cli_fault_mid_run_prints_rows_kept_and_the_resume_command(
+        moto: MotoServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str], local_digests: list[str]) -> None:
+    """The CLI in this process, its endpoint from the environment; the third shard's upload
+    fails on every try: exit 1, the rows kept and the exact command that goes on."""
+    from hookscope.cli.main import main
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto.endpoint)
+    torch.save(ROWS, tmp_path / "rows.pt")
+    (tmp_path / "ident.py").write_text(
+        "import torch\ndef make():\n    return torch.nn.Sequential(torch.nn.Identity())\n")
+    monkeypatch.chdir(tmp_path)
+    fs = fsspec.filesystem("s3")  # the instance a URL without storage_options gets
+    pipe_file = fs.pipe_file
+
+    def failing(path: str, data: bytes, **kw: Any) -> None:
+        if path.endswith("shard-00002.safetensors"):
+            raise ConnectionError("connection reset by peer")
+        pipe_file(path, data, **kw)
+
+    monkeypatch.setattr(fs, "pipe_file", failing)
+    url = f"s3://hookscope/{uuid.uuid4().hex[:8]}"
+    argv = ["extract", "ident.py:make", "--data", "rows.pt", "--layers", "0", "--out", url,
+            "--batch-size", "4", "--shard-bytes", "2048", "--no-progress"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert f"cannot write {url}/shard-00002.safetensors" in err and moto.endpoint in err
+    assert "tried 4 times" in err and "16 rows are kept" in err
+    command = err.split("resume with:\n  ")[1].strip()
+    assert command.startswith("hookscope extract ident.py:make") and command.endswith("--resume")
+    monkeypatch.setattr(fs, "pipe_file", pipe_file)
+    assert main(command.split()[1:]) == 0
+    assert _digests(url, moto.endpoint) == local_digests
+    OUTCOMES["clean"] += 1
