@@ -75,6 +75,7 @@ from hookscope.errors import (
     StoreCorruptError,
     StoreError,
     StoreExistsError,
+    StoreFaultError,
     TrainingModeWarning,
 )
 from hookscope.record import (
@@ -143,6 +144,7 @@ __all__ = [
     "Store",
     "StoreCorruptError",
     "StoreError",
+    "StoreFaultError",
     "StoreExistsError",
     "Sweep",
     "Edges",
