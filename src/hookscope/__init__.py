@@ -9,6 +9,15 @@ The layers are sub-packages (``engine`` <- ``record`` <- ``editing`` / ``diagnos
 transformers, PIL, matplotlib).
 """
 
+from hookscope.circuits import (
+    SAE,
+    Graph,
+    Transcoder,
+    attribution_graph,
+    load_sae,
+    load_transcoder,
+    splice,
+)
 from hookscope.diagnostics import (
     Comparison,
     HookInfo,
@@ -52,6 +61,7 @@ from hookscope.errors import (
     AttentionError,
     BundleError,
     CaptureError,
+    CircuitError,
     ConcurrentModelError,
     EditError,
     EmptySelectionError,
@@ -96,6 +106,13 @@ from hookscope.train import Monitor, ReplayBundle, monitor, replay
 __version__ = "0.1.0"
 
 __all__ = [
+    "Graph",
+    "SAE",
+    "Transcoder",
+    "attribution_graph",
+    "load_sae",
+    "load_transcoder",
+    "splice",
     "ArgumentTypeError",
     "ProbeResult",
     "probe",
@@ -105,6 +122,7 @@ __all__ = [
     "CallInputs",
     "Capture",
     "CaptureError",
+    "CircuitError",
     "ConcurrentModelError",
     "Comparison",
     "Edit",
