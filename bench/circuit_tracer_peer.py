@@ -11,7 +11,9 @@ random tensors. One file holds the model's state dict (``model.*``), the transco
 circuit-tracer's graph: ``adjacency``, ``active_features``, ``selected_features``,
 ``activation_values``, ``logit_ids``, ``logit_probabilities``, and ``prune_node_mask`` /
 ``prune_edge_mask`` / ``prune_scores`` of ``prune_graph(graph, 0.8, 0.98)``; the test rebuilds
-the model and transcoders from it and compares hookscope's graph.
+the model and transcoders from it and compares hookscope's graph. Beside it, ``...graph.json`` is
+the viewer's JSON (``create_graph_files``' steps) and ``...transcoder0.safetensors`` the layer-0
+transcoder as circuit-tracer saves one (``to_safetensors``).
 
 ``--memory SEQ`` instead measures one graph of a SEQ-token prompt (peak RSS, seconds).
 """
@@ -116,6 +118,7 @@ def peer_graph(out_path: str) -> None:
                    prune_edge_mask=pruned.edge_mask.to(torch.uint8), prune_scores=pruned.cumulative_scores)
     save_file(tensors, out_path, metadata={"circuit_tracer": __import__("circuit_tracer").__version__})
     _viewer_json(graph, model.tokenizer, out_path.replace(".safetensors", ".json"))
+    model.transcoders[0].to_safetensors(out_path.replace("graph.safetensors", "transcoder0.safetensors"))
     print(f"wrote {out_path}: {graph.adjacency_matrix.shape[0]} nodes, "
           f"{len(graph.active_features)} active features, {int(pruned.node_mask.sum())} kept")
 

@@ -12,11 +12,14 @@ transformers, PIL, matplotlib).
 from hookscope.circuits import (
     SAE,
     Graph,
+    Training,
     Transcoder,
     attribution_graph,
     load_sae,
     load_transcoder,
     splice,
+    train_sae,
+    train_transcoder,
 )
 from hookscope.diagnostics import (
     Comparison,
@@ -108,11 +111,14 @@ __version__ = "0.1.0"
 __all__ = [
     "Graph",
     "SAE",
+    "Training",
     "Transcoder",
     "attribution_graph",
     "load_sae",
     "load_transcoder",
     "splice",
+    "train_sae",
+    "train_transcoder",
     "ArgumentTypeError",
     "ProbeResult",
     "probe",
