@@ -68,7 +68,7 @@ def test_same_active_features_and_logits(built: tuple[hookscope.Graph, dict[str,
 
 def test_edges_equal_circuit_tracers(built: tuple[hookscope.Graph, dict[str, torch.Tensor]]) -> None:
     graph, peer = built
-    ours = torch.from_numpy(np.asarray(graph.adjacency))
+    ours = torch.from_numpy(np.array(graph.adjacency))
     assert ours.shape == peer["adjacency"].shape == (len(graph.nodes),) * 2
     scale = float(peer["adjacency"].abs().max())
     assert scale > 1 and int((peer["adjacency"] != 0).sum()) > 1000      # a graph with edges to compare
@@ -120,5 +120,5 @@ def test_live_peer_regenerates_the_same_graph(tmp_path: Path) -> None:
     model, transcoders, peer = rebuild(out)
     graph = hookscope.attribution_graph(model, peer["input_ids"], transcoders=transcoders,
                                         folder=tmp_path / "graph")
-    torch.testing.assert_close(torch.from_numpy(np.asarray(graph.adjacency)), peer["adjacency"], rtol=0,
+    torch.testing.assert_close(torch.from_numpy(np.array(graph.adjacency)), peer["adjacency"], rtol=0,
                                atol=1e-5 * float(peer["adjacency"].abs().max()))

@@ -15,6 +15,7 @@ and errors at position 0 are zeroed.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from hookscope.errors import CircuitError
 __all__ = ["Graph", "attribution_graph"]
 
 Tensor = torch.Tensor
+_CHUNK = 4096  # feature sources contracted at once: (batch, _CHUNK, d_model) floats
 
 
 @dataclass
@@ -44,8 +46,8 @@ class Graph:
         activations: ``(n_features,)`` float32 activation of each.
         logit_ids: ``(n_logits,)`` int64, the target tokens, most probable first.
         logit_probabilities: ``(n_logits,)`` float32.
-        adjacency: ``(n_nodes, n_nodes)`` float32 ``[target, source]``, a ``numpy.memmap`` of
-            ``folder/adjacency.npy`` (rows of errors and tokens are zero).
+        adjacency: ``(n_nodes, n_nodes)`` float32 ``[target, source]``, ``folder/adjacency.npy``
+            memory-mapped read-only (rows of errors and tokens are zero).
         n_layers: transcoded layers; ``layer_paths`` their MLP paths.
         folder: where the adjacency lives.
     """
@@ -146,7 +148,7 @@ def attribution_graph(model: nn.Module, inputs: Any, *, transcoders: Mapping[str
     ``max_feature_nodes`` ordering by partial influence is not done). Gradients run once per
     batch of ``batch_size`` targets, batched over the targets (``is_grads_batched``) on one
     forward, so memory holds one forward and ``batch_size`` gradients; each batch's rows go to
-    ``folder/adjacency.npy`` (a memory-mapped file) as they are computed.
+    ``folder/adjacency.npy`` as they are computed (written in place, not held).
 
     Args:
         model: a transformers causal language model (eager attention is switched on for the
@@ -197,20 +199,45 @@ def _build(run: Linearized, ids: Tensor, tcs: list[Transcoder], paths: list[str]
     n_nodes = n_feat + (n_layers + 1) * n_pos + n_logits
     folder = Path(tempfile.mkdtemp(prefix="hookscope-graph-") if folder is None else folder)
     folder.mkdir(parents=True, exist_ok=True)
-    adjacency = np.lib.format.open_memmap(folder / "adjacency.npy", mode="w+", dtype=np.float32,
-                                          shape=(n_nodes, n_nodes))
+    path = folder / "adjacency.npy"
     sources = _Sources(run, feats, dec, errors)
     targets = [(n_layers, n_pos - 1, logit_vecs[i], n_nodes - n_logits + i) for i in range(n_logits)]
     targets += [(int(feats[i, 0]), int(feats[i, 1]), enc[i], i) for i in range(n_feat)]
-    for start in range(0, len(targets), batch_size):
-        batch = targets[start:start + batch_size]
-        rows = sources.rows(batch, n_pos)                 # (batch, n_sources)
-        for (_, _, _, node), row in zip(batch, rows.numpy()):
-            adjacency[node, :n_nodes - n_logits] = row
-    adjacency.flush()
+    with _RowWriter(path, n_nodes) as writer:
+        for start in range(0, len(targets), batch_size):
+            batch = targets[start:start + batch_size]
+            rows = sources.rows(batch, n_pos).numpy()     # (batch, n_nodes - n_logits)
+            for (_, _, _, node), row in zip(batch, rows):
+                writer.write(node, row)
+    adjacency = np.load(path, mmap_mode="r")
     return Graph(input_ids=ids.cpu(), features=feats, activations=acts, logit_ids=logit_ids.cpu(),
                  logit_probabilities=logit_p.cpu(), adjacency=adjacency, n_layers=n_layers,
                  layer_paths=paths, folder=folder)
+
+
+class _RowWriter:
+    """Write rows of an ``(n, n)`` float32 ``.npy`` file in place (``os.pwrite``, not a writable
+    memory map: written rows leave memory, rather than staying as the process's dirty pages)."""
+
+    def __init__(self, path: Path, n: int):
+        with open(path, "wb") as f:
+            np.lib.format.write_array_header_1_0(f, {"descr": "<f4", "fortran_order": False, "shape": (n, n)})
+            self.offset = f.tell()
+            f.truncate(self.offset + 4 * n * n)            # a sparse file: unwritten rows read as 0
+        self.n, self.fd = n, os.open(path, os.O_WRONLY)
+
+    def __enter__(self) -> _RowWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.fsync(self.fd)
+        os.close(self.fd)
+
+    def write(self, node: int, row: np.ndarray) -> None:
+        data = np.ascontiguousarray(row, dtype="<f4").tobytes()
+        written = os.pwrite(self.fd, data, self.offset + 4 * self.n * node)
+        if written != len(data):
+            raise OSError(f"short write of adjacency row {node}: {written} of {len(data)} bytes")
 
 
 def _features(run: Linearized,
@@ -269,7 +296,9 @@ class _Sources:
                 pieces += [torch.zeros(len(batch), len(self.dec[layer]))]
                 continue
             g = g[:, 0].float()                                   # (batch, seq, d)
-            pieces.append(torch.einsum("bnd,nd->bn", g[:, self.layer_pos[layer]], self.dec[layer]))
+            positions, vectors = self.layer_pos[layer], self.dec[layer]
+            pieces += [torch.einsum("bnd,nd->bn", g[:, positions[i:i + _CHUNK]], vectors[i:i + _CHUNK])
+                       for i in range(0, len(vectors), _CHUNK)] or [torch.zeros(len(batch), 0)]
         for layer in range(n_layers):
             g = grads[1 + layer]
             pieces.append(torch.zeros(len(batch), n_pos) if g is None else
