@@ -39,11 +39,11 @@ def tiny_gpt2(n_positions: int = 64, n_layer: int = N_LAYER, d_model: int = D_MO
     return transformers.GPT2LMHeadModel(config).eval()
 
 
-def random_transcoders(n_layer: int = N_LAYER, d_model: int = D_MODEL,
-                       d_features: int = D_FEATURES) -> list[dict[str, torch.Tensor]]:
+def random_transcoders(n_layer: int = N_LAYER, d_model: int = D_MODEL, d_features: int = D_FEATURES,
+                       bias: float = -0.1) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(SEED + 1)
     return [{"W_enc": torch.randn(d_model, d_features, generator=g) / d_model ** 0.5,
-             "b_enc": torch.randn(d_features, generator=g) * 0.1 - 0.1,
+             "b_enc": torch.randn(d_features, generator=g) * 0.1 + bias,
              "W_dec": torch.randn(d_features, d_model, generator=g) / d_features ** 0.5,
              "b_dec": torch.randn(d_model, generator=g) * 0.1} for _ in range(n_layer)]
 
@@ -137,20 +137,42 @@ def _viewer_json(graph, tokenizer, path: str) -> None:
         f.write(model.model_dump_json(indent=2))
 
 
+#: the memory sweep's model: GPT-2-shaped, 2 layers, width 64, sparse random transcoders (a
+#: negative encoder bias: one or two of 512 features active per token and layer)
+MEMORY = {"n_layer": 2, "d_model": 64, "vocab": 512, "d_features": 512, "bias": -2.8}
+
+
+def memory_setup(seq: int):
+    """The sweep's model (transformers), transcoder weights and prompt for a ``seq``-token graph."""
+    m = MEMORY
+    hf = tiny_gpt2(n_positions=seq, n_layer=m["n_layer"], d_model=m["d_model"], vocab=m["vocab"])
+    tcs = random_transcoders(m["n_layer"], m["d_model"], m["d_features"], m["bias"])
+    ids = torch.randint(1, m["vocab"], (seq,), generator=torch.Generator().manual_seed(3))
+    ids[0] = 0
+    return hf, tcs, ids
+
+
+def rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
 def peer_memory(seq: int) -> None:
-    """One graph of a ``seq``-token prompt on a GPT-2-small-shaped width (for the memory note)."""
+    """One circuit-tracer graph of a ``seq``-token prompt: peak RSS above the RSS once the model
+    is built (MiB), seconds. Prints one JSON line."""
+    import json
     import resource
 
     from circuit_tracer import attribute
 
-    hf = tiny_gpt2(n_positions=seq, n_layer=4, d_model=256, vocab=1000)
-    model = replacement_model(hf, random_transcoders(4, 256, 1024), seq)
-    ids = torch.randint(1, 1000, (seq,), generator=torch.Generator().manual_seed(3))
-    ids[0] = 0
+    hf, tcs, ids = memory_setup(seq)
+    model = replacement_model(hf, tcs, seq)
+    base = rss_mib()
     start = time.perf_counter()
     graph = attribute(ids, model, max_n_logits=10, batch_size=64)
-    print({"seq": seq, "nodes": graph.adjacency_matrix.shape[0], "seconds": time.perf_counter() - start,
-           "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+    print(json.dumps({"tool": "circuit-tracer", "seq": seq, "nodes": graph.adjacency_matrix.shape[0],
+                      "features": len(graph.active_features), "seconds": time.perf_counter() - start,
+                      "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 - base}))
 
 
 if __name__ == "__main__":

@@ -160,15 +160,15 @@ def _first(pairs: Pairs) -> tuple[tuple[Tensor, Tensor], Pairs]:
     return first, chained()
 
 
-def train_sae(source: Store | Iterable[Any], layer: str, options: Training, *,
+def train_sae(source: Store | Iterable[Any], layers: str, options: Training, *,
               model: nn.Module | None = None) -> SAE:
-    """Train an SAE on the activations of ``layer`` (a module's output).
+    """Train an SAE on the activations of ``layers`` (one store layer, or one module's output).
 
     Args:
-        source: a ``Store`` (its ragged ``layer``, read as a shuffled token stream: memory holds
+        source: a ``Store`` (its ragged layer, read as a shuffled token stream: memory holds
             ``options.buffer_tokens`` tokens), or batches to run ``model`` on (forward mode:
             one batch's activations in memory, none on disk; the order is the batches').
-        layer: the store's layer, or the module path.
+        layers: the store's layer, or the module path (one; named as every verb names them).
         options: ``Training``.
         model: the model, for forward mode only.
 
@@ -177,9 +177,9 @@ def train_sae(source: Store | Iterable[Any], layer: str, options: Training, *,
 
     Raises:
         CircuitError: forward mode without a model, a store given a model, or no tokens.
-        StoreError: ``layer`` is not a ragged layer of the store.
+        StoreError: ``layers`` is not a ragged layer of the store.
     """
-    pairs = _pairs(source, layer, layer, options, model, sae=True)
+    pairs = _pairs(source, layers, layers, options, model, sae=True)
     (x, _), pairs = _first(pairs)
     sae = _init(SAE, x.shape[-1], x.shape[-1], options)
     sae.losses = fit(sae, pairs, options)  # type: ignore[assignment]
