@@ -75,7 +75,7 @@ def _frozen_norm(module: nn.Module, path: str, x: Tensor, y: Tensor) -> Tensor:
     if not torch.allclose(check, y.detach().float(), rtol=1e-3, atol=tolerance):
         raise CircuitError(f"{path!r} ({type(module).__name__}) does not compute (x - mean) / sigma "
                            f"* weight + bias or x / rms * weight (max difference "
-                           f"{float((check - y.float()).abs().max()):.3g}), so its scale cannot be "
+                           f"{float((check - y.detach().float()).abs().max()):.3g}), so its scale cannot be "
                            f"frozen: attribution graphs read LayerNorm and RMSNorm models")
     linear = linear.to(y.dtype)
     return y.detach() + (linear - linear.detach())
