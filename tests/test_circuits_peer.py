@@ -21,8 +21,8 @@ import transformers
 from safetensors.torch import load_file
 
 import hookscope
+from hookscope.circuits import prune
 from hookscope.circuits.graph_json import graph_payload
-from hookscope.circuits.pruning import prune
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 PEER = BENCH / "circuit_tracer_graph.safetensors"

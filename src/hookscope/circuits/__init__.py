@@ -9,10 +9,11 @@ Imports ``editing``, ``store``, ``record``, the engine, ``errors`` and ``util``.
 
 from hookscope.circuits.dictionary import Dictionary
 from hookscope.circuits.graph import Graph, attribution_graph
+from hookscope.circuits.pruning import Pruned, prune
 from hookscope.circuits.sae import SAE, load_sae
 from hookscope.circuits.splicing import Splice, splice
 from hookscope.circuits.training import Training, train_sae, train_transcoder
 from hookscope.circuits.transcoder import Transcoder, load_transcoder
 
-__all__ = ["Dictionary", "Graph", "SAE", "Splice", "Training", "Transcoder", "attribution_graph",
-           "load_sae", "load_transcoder", "splice", "train_sae", "train_transcoder"]
+__all__ = ["Dictionary", "Graph", "Pruned", "SAE", "Splice", "Training", "Transcoder", "attribution_graph",
+           "load_sae", "load_transcoder", "prune", "splice", "train_sae", "train_transcoder"]
