@@ -14,7 +14,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "hookscope"
 FILES = sorted(p for p in SRC.rglob("*.py"))
 #: the order of the layers: a file may import its own package and lower ranks only
 RANK = {"errors": -1, "util": 0, "engine": 1, "record": 2, "editing": 3, "diagnostics": 3,
-        "store": 3, "zoo": 4, "train": 4, "cli": 5, "hookscope": 6}
+        "store": 3, "zoo": 4, "train": 4, "circuits": 4, "cli": 5, "hookscope": 6}
 #: torch's hook registration, for modules, tensors, autograd nodes and the global tables
 TORCH_HOOK_API = {
     "register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook",

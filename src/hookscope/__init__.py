@@ -9,6 +9,18 @@ The layers are sub-packages (``engine`` <- ``record`` <- ``editing`` / ``diagnos
 transformers, PIL, matplotlib).
 """
 
+from hookscope.circuits import (
+    SAE,
+    Graph,
+    Training,
+    Transcoder,
+    attribution_graph,
+    load_sae,
+    load_transcoder,
+    splice,
+    train_sae,
+    train_transcoder,
+)
 from hookscope.diagnostics import (
     Comparison,
     HookInfo,
@@ -52,6 +64,7 @@ from hookscope.errors import (
     AttentionError,
     BundleError,
     CaptureError,
+    CircuitError,
     ConcurrentModelError,
     EditError,
     EmptySelectionError,
@@ -97,6 +110,16 @@ from hookscope.train import Monitor, ReplayBundle, monitor, replay
 __version__ = "0.1.0"
 
 __all__ = [
+    "Graph",
+    "SAE",
+    "Training",
+    "Transcoder",
+    "attribution_graph",
+    "load_sae",
+    "load_transcoder",
+    "splice",
+    "train_sae",
+    "train_transcoder",
     "ArgumentTypeError",
     "ProbeResult",
     "probe",
@@ -106,6 +129,7 @@ __all__ = [
     "CallInputs",
     "Capture",
     "CaptureError",
+    "CircuitError",
     "ConcurrentModelError",
     "Comparison",
     "Edit",

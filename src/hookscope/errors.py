@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 
 __all__ = ["ArgumentTypeError", "ArgumentValueError", "AttentionError", "BundleError", "CaptureError",
-           "ConcurrentModelError", "EditError", "EmptySelectionError", "ExtractError", "ExtractInterrupted",
+           "CircuitError", "ConcurrentModelError", "EditError", "EmptySelectionError", "ExtractError",
+           "ExtractInterrupted",
            "FusedModuleWarning", "GradcamError", "HookNeverFiredError", "HookNeverFiredWarning",
            "HookscopeError", "HookscopeWarning", "MisalignedLabelsWarning", "MissingExtraError",
            "ModelCodeError", "MonitorFaultWarning", "NonFiniteStepError", "NonFiniteStepWarning",
@@ -215,3 +216,9 @@ def warn(message: str, category: type[Warning]) -> None:
 class AttentionError(HookscopeError, ValueError):
     """Attention probabilities cannot be taken from a module: it never ran, or one of its calls
     computed no attention or more than one; the message names the module and the pattern to use."""
+
+
+class CircuitError(HookscopeError, ValueError):
+    """A dictionary (SAE, transcoder) or an attribution graph cannot be built: a folder that is
+    not SAELens's or circuit-tracer's format, weights of mismatched shapes, a model whose norms or
+    attention cannot be frozen; the message names the file, module or shape and the fix."""
