@@ -97,6 +97,13 @@ class Target:
                 f"parts={self.parts!r}, op={self.op!r}, wide={self.wide})")
 
     @property
+    def name(self) -> str:
+        """The name the user asked for: the first standard name it was selected by
+        (``"attn.z.0"``), else its record name ``key`` (a glob's match, an exact path). Results
+        are keyed and printed by it, with ``key`` (the module path) beside it."""
+        return self.standard[0] if self.standard else self.key
+
+    @property
     def record_key(self) -> RecordKey:
         """The ``RecordKey`` of its records: path, op and parts, no call."""
         return RecordKey(self.path, None, self.parts, self.op)
