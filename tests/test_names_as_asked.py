@@ -204,3 +204,16 @@ def test_the_capture_command_prints_the_names_asked_beside_the_paths(
     records = json.loads(capsys.readouterr().out)["records"]
     assert [(r["name"], r["path"]) for r in records] == [("h.0.mlp", "h.0.mlp"),
                                                          ("resid_post.1", "h.1")]
+
+
+def test_a_probe_answers_under_the_names_a_store_was_extracted_by(gpt2: nn.Module,
+                                                                  tmp_path: Path) -> None:
+    pytest.importorskip("sklearn")
+    ids = torch.randint(0, 40, (16, 4), generator=torch.Generator().manual_seed(2))
+    labels = torch.arange(16) % 2
+    store = hookscope.extract(gpt2, [(ids, labels)], ["transformer.h.0.mlp", "resid_post.1"],
+                              tmp_path / "st", reduce="mean", progress=False)
+    result = hookscope.probe(store)
+    assert [p.layer for p in result.layers] == ["transformer.h.0.mlp", "resid_post.1"]
+    by_path = hookscope.probe(store, ["transformer.h.1"])  # the path still reads
+    assert [p.layer for p in by_path.layers] == ["resid_post.1"]
