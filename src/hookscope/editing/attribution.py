@@ -34,7 +34,6 @@ from hookscope.editing.sweep import (
     _number,
     _plain,
     _sequence_tensor,
-    asked_names,
     captured_metric,
     cells,
     check_metric,
@@ -43,6 +42,7 @@ from hookscope.editing.sweep import (
 from hookscope.engine import (
     Layout,
     as_patterns,
+    asked_names,
     check_flag,
     check_int,
     one_index_per_call,

@@ -23,8 +23,8 @@ from tqdm import tqdm
 from hookscope.editing.edits import edit
 from hookscope.engine import (
     Layout,
-    Target,
     as_patterns,
+    asked_names,
     check_callable,
     check_flag,
     check_int,
@@ -40,8 +40,7 @@ from hookscope.errors import ArgumentTypeError, ArgumentValueError, EditError, P
 from hookscope.record import Capture, capture, layout_positions, tokens_first
 from hookscope.util import map_tensors, new_figure, require, save_figure
 
-__all__ = ["Sweep", "patching_sweep", "Metric", "asked_names", "cells", "check_metric",
-           "check_sweep_positions"]
+__all__ = ["Sweep", "patching_sweep", "Metric", "cells", "check_metric", "check_sweep_positions"]
 
 Tensor = torch.Tensor
 Metric = Callable[[Any], "Tensor | float"]
@@ -286,15 +285,6 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
     if plot is not None:
         sweep.plot(plot)
     return sweep
-
-
-def asked_names(targets: Sequence[Target]) -> tuple[list[str], list[str]]:
-    """The distinct record names of ``targets`` (what is captured and edited) and, beside
-    each, the name the user asked for (``Target.name``: ``"attn.z.0"`` for
-    ``"h.0.attn::scaled_dot_product_attention"``), which results are keyed by."""
-    first = {t.key: t for t in reversed(targets)}  # the first target of each record name wins
-    keys = list(dict.fromkeys(t.key for t in targets))
-    return keys, [first[key].name for key in keys]
 
 
 def check_metric(metric: object) -> None:
