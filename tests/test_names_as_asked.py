@@ -217,3 +217,30 @@ def test_a_probe_answers_under_the_names_a_store_was_extracted_by(gpt2: nn.Modul
     assert [p.layer for p in result.layers] == ["transformer.h.0.mlp", "resid_post.1"]
     by_path = hookscope.probe(store, ["transformer.h.1"])  # the path still reads
     assert [p.layer for p in by_path.layers] == ["resid_post.1"]
+
+
+def test_stats_answer_under_the_names_asked(gpt2: nn.Module, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    clean, _ = _ids()
+    result = hookscope.stats(gpt2, [clean], layers=["resid_post.1", "transformer.h.0.mlp"])
+    assert list(result) == ["transformer.h.0.mlp", "resid_post.1"]
+    assert result.paths == {"transformer.h.0.mlp": "transformer.h.0.mlp",
+                            "resid_post.1": "transformer.h.1"}
+    plain = _block_outputs(gpt2, clean)[1].double()
+    assert result["resid_post.1"].as_dict()["mean"] == pytest.approx(float(plain.mean()), rel=1e-9)
+    (tmp_path / "tiny.py").write_text(
+        "import torch, transformers\n"
+        "def build():\n"
+        "    torch.manual_seed(0)\n"
+        "    return transformers.GPT2Model(transformers.GPT2Config(n_layer=2, n_embd=16, "
+        "n_head=2, vocab_size=40, n_positions=16, bos_token_id=0, eos_token_id=0)).eval()\n")
+    torch.save(torch.tensor([[1, 2, 3]]), tmp_path / "ids.pt")
+    args = ["stats", f"{tmp_path / 'tiny.py'}:build", "--input", str(tmp_path / "ids.pt"),
+            "--layers", "resid_post.1"]
+    assert main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["name", "path", "count"]
+    assert lines[1].split()[:3] == ["resid_post.1", "h.1", "48"]
+    assert main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert list(data) == ["resid_post.1"] and data["resid_post.1"]["path"] == "h.1"
