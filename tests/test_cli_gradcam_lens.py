@@ -84,7 +84,7 @@ def test_lens_verb_prints_the_api_table_and_writes_the_png(
     lens = hookscope.logit_lens(loaded, IDS)
     assert printed[0] == "top 4 next tokens at position 4 of input 1"
     assert printed[1:] == lens.table(4, row=1, position=4).splitlines()
-    assert [line.split()[0] for line in printed[1:]] == ["transformer.h.0", "transformer.h.1"]
+    assert [line.split()[0] for line in printed[1:]] == ["resid_post.0", "resid_post.1"]
     top = lens.top(4)[1][-1, 1, 4].tolist()  # the last block's top 4 = the model's own logits
     assert top == loaded(IDS).logits[1, 4].topk(4).indices.tolist()
     assert Image.open(out / "logit_lens.png").size == (1600, 800)

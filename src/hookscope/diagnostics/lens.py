@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from hookscope.engine import (
     NO_TOKENS,
     Tokens,
     as_patterns,
+    asked_names,
     blocks_of,
     check_tensor,
     check_token_ids,
@@ -48,14 +49,19 @@ class LogitLens:
     Attributes:
         log_probs: ``(len(layers), batch, seq, vocab)`` float32 log-probabilities of the next
             token read from each layer's residual stream.
-        layers: record names of the blocks read, ``named_modules()`` order.
+        layers: the blocks read by the names asked, ``named_modules()`` order: ``resid_post.0``
+            ... by default (a standard name as given), else the record names (an exact path,
+            a glob's matches).
         tokens: the forward's ``Tokens`` (its ``attention_mask``), from the capture's record:
             positions count among each row's real tokens.
+        paths: ``{name in layers: module path}`` (``{"resid_post.0": "transformer.h.0"}``); a
+            name that is a path maps to itself. Empty for a ``LogitLens`` built by hand.
     """
 
     log_probs: Tensor
     layers: list[str]
     tokens: Tokens = NO_TOKENS
+    paths: dict[str, str] = field(default_factory=dict)
 
     def position(self, row: int = 0, position: int = -1) -> int:
         """The index on the token axis of ``position`` of batch ``row``, counted among the row's
@@ -167,12 +173,12 @@ def logit_lens(model: nn.Module, input_ids: Tensor, *, layers: str | Sequence[st
     norm, unembed = _readout(model)
     check_token_ids("input_ids", input_ids, _vocab_size(model, unembed))
     _check_mask(attention_mask, input_ids)
-    keys = list(dict.fromkeys(t.key for t in resolve(model, _patterns(model, layers))))
+    keys, names = asked_names(resolve(model, _patterns(model, layers)))
     acts, inputs = capture(model, *keys, on_unfired="error"), {"attention_mask": attention_mask}
     with untouched(model), torch.no_grad(), acts: model(input_ids, **inputs)  # noqa: E701 - body on the with line (engine.interrupts)
     hidden = _width(unembed)
     with torch.no_grad(): log_probs = _read_out(acts, keys, norm, unembed, hidden)  # noqa: E701 - as above
-    lens = LogitLens(log_probs, keys, acts.tokens(keys[0]))
+    lens = LogitLens(log_probs, names, acts.tokens(keys[0]), dict(zip(names, keys)))
     if plot is not None:
         lens.plot(plot)
     return lens

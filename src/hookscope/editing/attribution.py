@@ -42,6 +42,7 @@ from hookscope.editing.sweep import (
 from hookscope.engine import (
     Layout,
     as_patterns,
+    asked_names,
     check_flag,
     check_int,
     one_index_per_call,
@@ -107,7 +108,8 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
     Returns:
         A ``Sweep`` (``values`` float64 ``(len(layers), len(positions))``, ``(len(layers),
         len(positions), len(heads))`` with ``heads``; ``clean`` and ``corrupted`` are the two
-        runs' metrics).
+        runs' metrics; ``layers`` are the names asked, a standard name as given, and
+        ``paths`` maps each to its module path, as ``patching_sweep``'s).
 
     Raises:
         SelectorError: a pattern matches no module.
@@ -119,7 +121,7 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
         EditError: a layer's output is not a ``(batch, seq, ...)`` tensor or the layer runs
             more than once; ``metric`` does not return one differentiable number.
     """
-    keys = list(dict.fromkeys(t.key for t in resolve(model, as_patterns(layers))))
+    keys, names = asked_names(resolve(model, as_patterns(layers)))
     check_metric(metric)
     check_flag("heads", heads)
     check_flag("all_positions", all_positions)
@@ -144,8 +146,8 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
                           for key, grad in zip(keys, grads)])  # (layers, positions[, heads])
     if all_positions:
         values = values.sum(dim=1, keepdim=True)
-    sweep = Sweep(values + _number(value), keys, chosen, clean_metric, _number(value), head_list,
-                  all_positions)
+    sweep = Sweep(values + _number(value), names, chosen, clean_metric, _number(value), head_list,
+                  all_positions, dict(zip(names, keys)))
     if plot is not None:
         sweep.plot(plot)
     return sweep

@@ -81,6 +81,7 @@ from hookscope.engine.run import (
 from hookscope.engine.selection import (
     Target,
     as_patterns,
+    asked_names,
     flat_patterns,
     is_container,
     resolve,
@@ -91,6 +92,7 @@ from hookscope.engine.standard_naming import (
     blocks_of,
     branch_norms,
     from_transformer_lens,
+    is_standard,
     known_standard_names,
     resolve_standard,
     standard_names,
@@ -128,4 +130,4 @@ __all__ = ["AxesRow", "TOKEN_AXES", "batch_first", "token_axes",
            "record_name", "from_transformer_lens", "known_standard_names", "unresolved_standard",
            "warn_if_dropout_trains", "state_snapshot", "unregister",
            "untouched", "unwrap", "values_for", "version_of", "blocks_of", "branch_norms",
-           "resolve_standard"]
+           "resolve_standard", "is_standard", "asked_names"]

@@ -57,7 +57,8 @@ from hookscope.engine.standard_naming import (
 from hookscope.engine.wrappers import unwrap
 from hookscope.errors import SelectorError
 
-__all__ = ["flat_patterns", "Target", "select", "resolve", "unwrap", "is_container", "ROOT", "as_patterns"]
+__all__ = ["flat_patterns", "Target", "select", "resolve", "unwrap", "is_container", "ROOT", "as_patterns",
+           "asked_names"]
 
 _PART = re.compile(r"\[([^\[\]]+)\]$")
 _INNER_INDEX = re.compile(r"\[\s*(['\"]?)([^\[\]'\"]+)\1\s*\](?=[.\[]|$)")
@@ -95,6 +96,13 @@ class Target:
     def __repr__(self) -> str:
         return (f"Target(path={self.path!r}, module={type(self.module).__name__}, "
                 f"parts={self.parts!r}, op={self.op!r}, wide={self.wide})")
+
+    @property
+    def name(self) -> str:
+        """The name the user asked for: the first standard name it was selected by
+        (``"attn.z.0"``), else its record name ``key`` (a glob's match, an exact path). Results
+        are keyed and printed by it, with ``key`` (the module path) beside it."""
+        return self.standard[0] if self.standard else self.key
 
     @property
     def record_key(self) -> RecordKey:
@@ -155,6 +163,15 @@ def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str], *,
                 kept = chosen[(target.path, target.parts, target.op)]
                 kept.standard = tuple(dict.fromkeys(known.standard + target.standard))
     return sorted(chosen.values(), key=lambda t: order[t.path])
+
+
+def asked_names(targets: Sequence[Target]) -> tuple[list[str], list[str]]:
+    """The distinct record names of ``targets`` (what a verb captures and edits) and, beside
+    each, the name the user asked for (``Target.name``: ``"attn.z.0"`` for
+    ``"h.0.attn::scaled_dot_product_attention"``), which results are keyed and printed by."""
+    first = {t.key: t for t in reversed(targets)}  # the first target of each record name wins
+    keys = list(dict.fromkeys(t.key for t in targets))
+    return keys, [first[key].name for key in keys]
 
 
 def flat_patterns(patterns: Sequence[object]) -> list[str]:

@@ -49,7 +49,8 @@ class LayerProbe:
     """One layer's probe.
 
     Attributes:
-        layer: the store's layer name.
+        layer: the layer by the name it was extracted by (``"resid_post.1"``; the store's
+            ``paths`` gives its module path).
         accuracy: held-out accuracy of the task probe, in [0, 1].
         control_accuracy: held-out accuracy of the same probe on the control task.
         selectivity: ``accuracy - control_accuracy``.
@@ -197,9 +198,12 @@ def _finite_keys(what: str, values: list[Any]) -> None:
 
 
 def _layers(store: Store, layers: Sequence[str] | None, tokens: bool) -> list[str]:
-    """The layers to probe: fixed-shape ones for rows, ragged ones for tokens."""
-    fitting = [name for name, info in store.layers.items() if info.ragged == tokens]
-    chosen = list(layers) if layers is not None else fitting
+    """The layers to probe: fixed-shape ones for rows, ragged ones for tokens, each by the name
+    it was extracted by (``store.paths``: ``"resid_post.1"``, not ``"transformer.h.1"``)."""
+    asked = {layer: name for name, layer in store.paths.items()}
+    fitting = [asked[layer] for layer, info in store.layers.items() if info.ragged == tokens]
+    chosen = ([asked.get(store.standard_names.get(layer, layer), layer) for layer in layers]
+              if layers is not None else fitting)
     for layer in chosen:
         if layer not in fitting:
             raise StoreError(

@@ -117,8 +117,14 @@ def monitor(model: nn.Module, layers: str | list[str] = "**", *, every: int = 10
     are of the true gradient (each gradient divided by ``scaler.get_scale()`` in force during
     its backward; the record's ``loss_scale`` gives it, 1.0 without a scaler), as ``grad_norm``
     (read after ``scaler.step`` unscaled the ``.grad``) is; and of its
-    parameters: ``grad_norm`` (L2 over all ``.grad``, read at the end of the step) and
-    ``update_ratio`` = ||W_after - W_before|| / ||W_before|| (L2 over all its parameters).
+    parameters, all of them together (weight and bias, and its submodules':
+    ``module.parameters()``, each tensor flattened and joined into one vector, float64):
+    ``grad_norm`` = sqrt(sum over p of sum(p.grad ** 2)) (parameters without ``.grad`` left
+    out, ``None`` when none has one; read at the end of the step) and ``update_ratio`` =
+    sqrt(sum over p of sum((p_after - p_before) ** 2)) / sqrt(sum over p of sum(p_before ** 2))
+    (``p_before`` when the sampled step starts, ``p_after`` at its end; not the weight's own
+    ratio: the bias counts too; ``inf`` when the parameters were all zero and moved, ``None``
+    for a module without parameters). docs/training.md shows both computed by hand.
 
     The guard (every backward, see the module docstring) detects the first non-finite gradient
     (or, with ``scaler``, a non-finite output: gradient overflows there are the scaler's and
@@ -680,7 +686,9 @@ def _summary(stats: RunningStats) -> dict[str, float] | None:
 
 
 def _update_ratio(before: list[Tensor], params: list[nn.Parameter]) -> float | None:
-    """||W_after - W_before|| / ||W_before|| over all of a module's parameters (float64)."""
+    """||W_after - W_before|| / ||W_before||, W all of a module's parameters (weight and bias)
+    flattened and joined into one vector, float64; ``inf`` when ||W_before|| is 0 and W moved,
+    0.0 when nothing moved, ``None`` without parameters."""
     if not params:
         return None
     delta = sum(float((p.detach().double() - b.double()).square().sum())
