@@ -171,3 +171,77 @@ def _plain_steer(model: nn.Module, paths: list[str], vector: torch.Tensor, x: to
     finally:
         for handle in handles:
             handle.remove()
+
+
+# ------------------------------------------------------------------ every verb, one pattern
+def _issue_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(D, D), nn.ReLU()) for _ in range(3)))
+
+
+@pytest.mark.parametrize("kind", ["compile", "dataparallel", "ddp", "fsdp", "opacus", "peft"])
+def test_every_verb_on_a_wrapped_model_acts_on_what_the_pattern_selects_unwrapped(
+        kind: str, tmp_path: Any) -> None:
+    """'*.0' (the issue's glob, which also matched the wrapper's own segment) in capture, edit,
+    steer, ablate, patch, stats, monitor and extract: the same records, outputs and statistics
+    as on the eager model."""
+    _needs(kind)
+    model = _issue_model()
+    wrap, _ = WRAPPERS[kind]
+    eager = copy.deepcopy(model)
+    wrapped = wrap(model)
+    reference = unwrapped_reference(kind, wrapped)
+    if reference is not None:
+        eager = copy.deepcopy(reference)
+    x, source = torch.randn(5, D), torch.randn(5, D)
+    pattern, expected = "*.0", ["0.0", "1.0", "2.0"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # FSDP's, opacus' and peft's own notes
+        outputs = {name: [_verb(m, name, pattern, x, source, tmp_path / f"{name}-{i}")
+                          for i, m in enumerate((wrapped, eager))]
+                   for name in ("capture", "edit", "steer", "ablate", "patch", "stats", "extract")}
+        assert list(hookscope.select(wrapped, pattern)) == expected
+        for name, (got, want) in outputs.items():
+            assert type(got) is type(want), name
+            if isinstance(want, dict):
+                assert list(got) == list(want) == expected, name
+                for path in want:
+                    torch.testing.assert_close(got[path], want[path], rtol=1e-5, atol=1e-6)
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        watched = _monitored(wrapped, pattern, x)
+    assert list(watched) == expected
+
+
+def _verb(model: nn.Module, verb: str, pattern: str, x: torch.Tensor, source: torch.Tensor,
+          out: Any) -> Any:
+    """What one verb gives on ``model`` with ``pattern``: records, an output or statistics."""
+    with torch.no_grad():
+        if verb == "capture":
+            with hookscope.capture(model, pattern) as acts:
+                model(x)
+            return {p: acts[p] for p in acts.paths}
+        if verb == "stats":
+            found = hookscope.stats(model, [x, source], pattern)
+            return {p: s.mean for p, s in found.items()}
+        if verb == "extract":
+            store = hookscope.extract(model, [(x,)], pattern, out, progress=False)
+            return {layer: store[layer][:] for layer in store.layers}  # type: ignore[attr-defined]
+        if verb == "patch":
+            with hookscope.capture(model, pattern) as acts:
+                model(source)
+            context = hookscope.patch(model, source=acts, layers=pattern)
+        else:
+            context = {"edit": lambda: hookscope.edit(model, {pattern: lambda out: out * 2}),
+                       "steer": lambda: hookscope.steer(model, {pattern: torch.linspace(-1, 1, D)}),
+                       "ablate": lambda: hookscope.ablate(model, pattern)}[verb]()
+        with context:
+            return model(x)
+
+
+def _monitored(model: nn.Module, pattern: str, x: torch.Tensor) -> dict[str, Any]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with hookscope.monitor(model, pattern, every=1, optimizer=optimizer) as mon:
+        model(x).pow(2).sum().backward()
+        optimizer.step()
+    return mon.latest
