@@ -350,10 +350,10 @@ class _Pass:
         at_projection = dict(zip(_projections(graph), grads[graph.layers + 1:], strict=True))
         for layer in range(graph.layers):
             norm = graph.attention_norms[layer]
-            norm_zero = _once(self.at_norms[norm], norm)[1]
             for x in "qkv":  # a head's input as only its q (k, v) reads it: (d q / d x)^T g_q[head]
                 key = f"attn.{x}.{layer}"
                 projected, g = _once(self.live[key], key)[0], at_projection[key]
+                norm_zero = _read_call(self.at_norms[norm], norm, projected, key)
                 kept = torch.zeros(g.shape[2], *g.shape, dtype=g.dtype, device=g.device)
                 for h in range(g.shape[2]):  # g: (batch, seq, heads, head_dim); kept[h]: head h's
                     kept[h, :, :, h] = g[:, :, h]
@@ -396,6 +396,30 @@ class _Pass:
                 found[f"a{layer}.h{h}"] = change.detach().double().cpu().flatten()
             found[f"m{layer}"] = self.delta[f"mlp_out.{layer}"].flatten()
         return torch.stack([found[node] for node in self.upstream])
+
+
+def _read_call(found: Found, norm: str, projected: Tensor, key: str) -> Tensor:
+    """The zero added to the input of the call of ``norm`` that ``projected`` (``attn.q.{l}``,
+    ``.k``, ``.v``) reads. One call feeds q, k and v on most models (Hugging Face GPT-2, Llama);
+    TransformerLens's ``HookedTransformer`` calls ``ln1`` once per q, k and v input (its
+    ``TransformerBlock.forward``), so the call is found from the graph (the only one whose zero
+    ``projected`` depends on), not assumed from the order of the calls.
+
+    Raises:
+        EditError: ``projected`` reads no call of ``norm``, or more than one.
+    """
+    if len(found) == 1:
+        return found[0][1]
+    zeros = [zero for _, zero in found]
+    reached = torch.autograd.grad(projected, zeros, grad_outputs=torch.ones_like(projected),
+                                  retain_graph=True, allow_unused=True)
+    read = [zero for zero, g in zip(zeros, reached, strict=True) if g is not None]
+    if len(read) != 1:
+        raise EditError(f"'{norm}' ran {len(found)} times in one forward pass and '{key}' reads "
+                        f"{len(read)} of its calls; edge attribution needs the norm before the "
+                        f"attention called once, or once for each of q, k and v (as "
+                        f"TransformerLens's HookedTransformer does)")
+    return read[0]
 
 
 def _projections(graph: _Graph) -> list[str]:

@@ -217,7 +217,8 @@ class Monitor:
         self.root, _ = unwrap(model)
         self.every, self.guard, self.scaler, self.writer = every, guard, scaler, writer
         self._optimizer = optimizer
-        self.targets = resolve_checked(self.root, as_patterns(layers))[0] if every else []
+        # resolved on the model as given: names with wrapper segments ("_module.0") work as in capture
+        self.targets = resolve_checked(model, as_patterns(layers))[0] if every else []
         self.rank, self.world = _rank()
         self.run_dir = Path(run_dir) if run_dir is not None else None
         name = "records.jsonl" if self.world == 1 else f"records-rank{self.rank}.jsonl"
