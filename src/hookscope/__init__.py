@@ -36,9 +36,11 @@ from hookscope.diagnostics import (
 from hookscope.editing import (
     Edges,
     Edit,
+    LogitAttribution,
     Sweep,
     ablate,
     attribution_patching,
+    direct_logit_attribution,
     edge_attribution_patching,
     edit,
     patch,
@@ -179,5 +181,7 @@ __all__ = [
     "stats",
     "steer",
     "tree",
+    "LogitAttribution",
+    "direct_logit_attribution",
 ]
 
