@@ -13,5 +13,5 @@ from hookscope.editing.edits import Edit, ablate, edit, patch, steer
 from hookscope.editing.sweep import Sweep, patching_sweep
 
 __all__ = ["Edges", "Edit", "Sweep", "ablate", "attribution_patching", "edge_attribution_patching", "edit",
-           "patch", "patching_sweep", "steer"]
-__all__ += ["LogitAttribution", "direct_logit_attribution"]
+           "patch", "patching_sweep", "steer",
+           "LogitAttribution", "direct_logit_attribution"]
