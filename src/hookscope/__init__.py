@@ -37,6 +37,7 @@ from hookscope.editing import (
     Edges,
     Edit,
     LogitAttribution,
+    PathPatch,
     Sweep,
     ablate,
     attribution_patching,
@@ -45,6 +46,7 @@ from hookscope.editing import (
     edit,
     patch,
     patching_sweep,
+    path_patching,
     steer,
 )
 from hookscope.engine import select
@@ -183,5 +185,7 @@ __all__ = [
     "tree",
     "LogitAttribution",
     "direct_logit_attribution",
+    "PathPatch",
+    "path_patching",
 ]
 
