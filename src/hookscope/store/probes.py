@@ -350,10 +350,13 @@ def _moments(read: Callable[[Tensor], Tensor], rows: Tensor, chunk: int) -> tupl
 def _fit(scaled: Any, train: Tensor, targets: Tensor, classes: int, C: float,
          max_iter: int) -> tuple[Tensor, Tensor]:
     """``(W (features, classes), b (classes,))`` minimising ``C * sum(CE) + ||W||^2 / 2`` by
-    LBFGS on the streamed full-data objective."""
+    LBFGS on the streamed full-data objective. Two classes are scikit-learn's binary model: one
+    weight vector, the logit of class 1 over class 0 (class 0's column is zero); a softmax over
+    two penalised vectors would put ``||w||^2 / 4`` on their difference ``w``, i.e. fit ``2 C``."""
     first = next(iter(scaled(train[:1])))[1]
-    weight = torch.zeros(first.shape[1], classes, dtype=torch.float64, requires_grad=True)
-    bias = torch.zeros(classes, dtype=torch.float64, requires_grad=True)
+    width = 1 if classes == 2 else classes
+    weight = torch.zeros(first.shape[1], width, dtype=torch.float64, requires_grad=True)
+    bias = torch.zeros(width, dtype=torch.float64, requires_grad=True)
     optimizer = torch.optim.LBFGS([weight, bias], lr=1, max_iter=max_iter,
                                   tolerance_grad=1e-9, tolerance_change=1e-12,
                                   history_size=20, line_search_fn="strong_wolfe")
@@ -364,7 +367,7 @@ def _fit(scaled: Any, train: Tensor, targets: Tensor, classes: int, C: float,
         total.backward()  # type: ignore[no-untyped-call]
         value = float(total.detach())
         for index, x in scaled(train):
-            loss = C * torch.nn.functional.cross_entropy(x @ weight + bias, targets[index],
+            loss = C * torch.nn.functional.cross_entropy(_logits(x @ weight + bias), targets[index],
                                                          reduction="sum")
             loss.backward()  # type: ignore[no-untyped-call]  # adds up chunk by chunk: bounded memory
             value += float(loss.detach())
@@ -372,7 +375,15 @@ def _fit(scaled: Any, train: Tensor, targets: Tensor, classes: int, C: float,
 
     # one line (engine.interrupts): an interrupt at the with's exit still restores grad mode
     with torch.enable_grad(): optimizer.step(closure)  # type: ignore[no-untyped-call]  # noqa: E701
+    if classes == 2:  # class 0's logit is 0: W (features, 2), b (2,)
+        return _logits(weight.detach()), _logits(bias.detach()[None])[0]
     return weight.detach(), bias.detach()
+
+
+def _logits(z: Tensor) -> Tensor:
+    """``(rows, classes)`` logits from ``(rows, width)``: two classes (width 1) get class 0's
+    logit 0 in front."""
+    return torch.cat([torch.zeros_like(z), z], 1) if z.shape[1] == 1 else z
 
 
 def _accuracy(fit: tuple[Tensor, Tensor], scaled: Any, rows: Tensor, targets: Tensor) -> float:
