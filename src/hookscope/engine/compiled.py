@@ -99,6 +99,7 @@ def prepare() -> None:
     if not _op:
         _op.append(_define())
     if not _checked and (dynamo := sys.modules.get("torch._dynamo")) is not None:
+        unguarded = dynamo.config.skip_nnmodule_hook_guards  # code compiled so far ignores hooks
         dynamo.config.skip_nnmodule_hook_guards = False  # this thread's setting (a ContextVar)
         entry = getattr(dynamo.config, "_config", {}).get("skip_nnmodule_hook_guards")
         if entry is not None:  # and every other thread's: torch 2.13's config is per thread
@@ -109,7 +110,27 @@ def prepare() -> None:
             frames.set_code_exec_strategy(code, skip)
         _class_code[0] = dynamo.assume_constant_result(_code)
         _order[0] = dynamo.assume_constant_result(_next_order)
+        if unguarded:
+            _recompile_unguarded()
         _checked.append(True)
+
+
+def _recompile_unguarded() -> None:
+    """Drop the code dynamo compiled before ``prepare`` (its cache entries, per code object):
+    compiled while ``skip_nnmodule_hook_guards`` was on, it never checks the hook tables, so
+    a model compiled and warmed up before the first hookscope block (as a server warms up)
+    ran on without the block's hooks: every later ``steer`` returned the unsteered output
+    (issue 46). Each such code compiles again at its next call, once, with the hook checks.
+    Run once per process, under dynamo's compile lock, as ``torch._dynamo.reset_code_caches``
+    clears them, but only for code that has compiled entries (the rest of dynamo's records
+    stay)."""
+    convert: Any = sys.modules["torch._dynamo.convert_frame"]
+    frames: Any = sys.modules["torch._dynamo.eval_frame"]
+    with convert.compile_lock:
+        for weak in (*convert.input_codes.seen, *convert.output_codes.seen):
+            code = weak()
+            if code is not None and frames._debug_get_cache_entry_list(code):
+                frames.reset_code(code)
 
 
 def eager_when_called(code: Any) -> None:

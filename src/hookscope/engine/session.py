@@ -39,6 +39,7 @@ from hookscope.engine.names import ModuleIndex, index
 from hookscope.engine.selection import Target, resolve, unwrap
 from hookscope.errors import (
     ArgumentValueError,
+    EditError,
     HookNeverFiredError,
     HookNeverFiredWarning,
     HookscopeError,
@@ -231,8 +232,27 @@ class HookSession:
         self.unfired.update(inside)
         self.unmatched = set(inside)
         self.unfired.update(self._other_threads(silent))
+        if self._edits and self._on_unfired == "warn":
+            self._refuse_bypassed([t for t in silent if not t.op], ran)
         self._report_unfired()
         return True if stopped else None
+
+    def _refuse_bypassed(self, silent: Sequence[Target], ran: set[str]) -> None:
+        """Raise when an edit never applied because its module ran without its hooks
+        (``diagnose.bypassed``): the model's output is then the unedited one, and a served
+        model must never return it as edited (issue 46). A module the input never reached
+        is only reported (``on_unfired``).
+
+        Raises:
+            EditError: naming each such module, the cause and the fix."""
+        found = diagnose.bypassed(self._module_index(), silent, ran)
+        if found:
+            lines = "\n".join(f"  - {key}: {why}" for key, why in found.items())
+            raise EditError(
+                f"the model ran, but {len(found)} selected module{'s' if len(found) > 1 else ''} "
+                f"ran without {'their' if len(found) > 1 else 'its'} hooks, so the edit was never "
+                f"applied there and the output is the unedited model's:\n{lines}\n(pass "
+                f"on_unfired='ignore' to accept an edit that did not apply)")
 
     def _register(self) -> None:
         """Add this session's hooks (``self._own``, ``self._hook``; a handle straight into
