@@ -32,7 +32,7 @@ from hookscope.engine.wrappers import wrapped_attribute
 from hookscope.errors import FusedModuleWarning, HookscopeError
 
 __all__ = ["preflight", "check_targets", "witnesses", "explain_unfired", "explain_no_hooks", "locate_error",
-           "fullgraph", "COMPILED"]
+           "fullgraph", "bypassed", "COMPILED"]
 
 COMPILED = "<torch.compile wrapper>"  # witness key of an OptimizedModule around the model
 
@@ -165,6 +165,29 @@ def explain_unfired(names: ModuleIndex, targets: Sequence[Target], ran: set[str]
     modules = names.modules
     children = _child_index(modules)
     return {t.key: _reason(t.path, modules, children, ran) for t in targets}
+
+
+def bypassed(names: ModuleIndex, targets: Sequence[Target], ran: set[str]) -> dict[str, str]:
+    """``{record key: reason}`` of the silent ``targets`` whose module's code ran although its
+    hooks did not: compiled code built before the hooks (the compiled model ran, no hook
+    inside it did), or a parent that calls ``module.forward(...)`` directly (a child of the
+    module ran). Not a branch the input did not take: such a module is simply not called.
+
+    Args:
+        names: the model's ``ModuleIndex``.
+        targets: selected targets (module addresses) that never ran.
+        ran: paths of every hooked module (selected or witness) that ran.
+    """
+    modules = names.modules
+    children = _child_index(modules)
+    found = {}
+    for target in targets:
+        why = _compiled_reason(target.path, type(modules[target.path]).__name__, ran)
+        if why is None and any(child in ran for child in children.get(target.path, ())):
+            why = _reason(target.path, modules, children, ran)
+        if why is not None:
+            found[target.key] = why
+    return found
 
 
 _LISTED = 10  # names a warning lists with their reasons (an error lists all)

@@ -34,11 +34,21 @@ from hookscope.engine.early_stop import (
 )
 from hookscope.engine.function_mode import FunctionHooks
 from hookscope.engine.function_names import refuse_uninterceptable
-from hookscope.engine.hooks import ModuleHooks, OwnedHook, locked, nothing, on_node, other_threads, register
+from hookscope.engine.hooks import (
+    ModuleHooks,
+    OwnedHook,
+    kind_of_hook,
+    locked,
+    nothing,
+    on_node,
+    other_threads,
+    register,
+)
 from hookscope.engine.names import ModuleIndex, index
 from hookscope.engine.selection import Target, resolve, unwrap
 from hookscope.errors import (
     ArgumentValueError,
+    EditError,
     HookNeverFiredError,
     HookNeverFiredWarning,
     HookscopeError,
@@ -99,6 +109,7 @@ class HookSession:
         self._on_unfired = on_unfired
         self._handles: list[RemovableHandle] = []  # function and autograd node hooks
         self._owned: list[tuple[OwnedHook, bool]] = []  # (hook, is a forward hook)
+        self._layout: list[tuple[OwnedHook, bool, bool]] = []  # (hook, pre, with_kwargs)
         self._ran: set[str] = set()  # paths of selected modules and witnesses that ran
         self._stopper: EarlyStop | None = None  # set by _register for early_stop=True
         self._stops_before = 0  # forwards of this model cut short before the block began
@@ -139,12 +150,52 @@ class HookSession:
         half-registered table, up to dynamo's recompile limit)."""
         self._hold_compiled_values()
         self._register()
+        padded = diagnose.fullgraph(self.model) and self._pad_for_compile()
         self._functions.install(self._handles)
         if self._explain_unfired:  # witnesses serve only the explanation on exit
             near = diagnose.witnesses(self.model, self._module_index(), self.targets)
+            if padded:  # on every module, the selected ones too: the tables stay as they are
+                near = {**self._each_module(), **near}
             for path, module in near.items():
                 # a compiled graph holds a witness whole (engine.compiled)
                 self._own(OwnedHook(self._witness(path), module, pick=nothing), pre=True)
+
+    def _pad_for_compile(self) -> bool:
+        """On a ``torch.compile(fullgraph=True)`` model: give every module this block does not
+        select hooks of the kinds each selected module got (``OwnedHook.filler``: they act for
+        no call), so the hook tables dynamo guards are the same whichever modules a block
+        selects: a sweep over any number of layers, one block each, compiles one graph for
+        them all (per kind of hook: a capture's, an edit's), never one per layer up to dynamo's
+        recompile limit, after which even a plain call of a fullgraph model raised (issue 47).
+        Every module then also gets a witness (``_install``). Return whether it padded: not
+        when the selected modules got hooks of different kinds (a block of several rules on
+        one module), which stays as it was.
+
+        The graph then holds an operator per module (a filler's hands nothing out: a capture's
+        copies nothing; an edit's copies the module's output, as its operator must return
+        tensors of its own), on every call while a block is open."""
+        selected = {id(t.module) for t in self.targets if t.op is None}
+        per_module: dict[int, list[tuple[OwnedHook, bool, bool]]] = {}
+        for owned, pre, with_kwargs in self._layout:
+            if id(owned.module) in selected:
+                per_module.setdefault(id(owned.module), []).append((owned, pre, with_kwargs))
+        shapes = {tuple((kind_of_hook(o), pre, kw) for o, pre, kw in hooks) for hooks in per_module.values()}
+        if not per_module or len(per_module) != len(selected) or len(shapes) != 1 or any(
+                kind is None for kind, _, _ in next(iter(shapes))):
+            return False
+        template = next(iter(per_module.values()))
+        for module in self._each_module().values():
+            if id(module) not in selected:
+                for owned, pre, with_kwargs in template:
+                    self._module_hooks.add(owned.filler(module), pre=pre, with_kwargs=with_kwargs)
+        return True
+
+    def _each_module(self) -> dict[str, nn.Module]:
+        """``{path: module}`` of the model's modules, each once."""
+        found: dict[int, tuple[str, nn.Module]] = {}
+        for path, module in self._module_index().modules.items():
+            found.setdefault(id(module), (path, module))
+        return dict(found.values())
 
     def _remove_handles(self) -> None:
         for handle in self._handles:
@@ -226,13 +277,35 @@ class HookSession:
             return True if stopped else None
         inside = {t.key: why for t in silent if t.op
                   and (why := self._functions.unfired(t.key, t.path)) is not None}
+        refused = {key: why for key, why in inside.items() if self._functions.refuses(key)}
+        if refused:  # an address that can never record: refused, whatever on_unfired says
+            raise HookscopeError("\n".join(f"{key}: {why}" for key, why in refused.items()))
         self.unfired = diagnose.explain_unfired(self._module_index(),
                                                 [t for t in silent if t.key not in inside], ran)
         self.unfired.update(inside)
         self.unmatched = set(inside)
         self.unfired.update(self._other_threads(silent))
+        if self._edits and self._on_unfired == "warn":
+            self._refuse_bypassed([t for t in silent if not t.op], ran)
         self._report_unfired()
         return True if stopped else None
+
+    def _refuse_bypassed(self, silent: Sequence[Target], ran: set[str]) -> None:
+        """Raise when an edit never applied because its module ran without its hooks
+        (``diagnose.bypassed``): the model's output is then the unedited one, and a served
+        model must never return it as edited (issue 46). A module the input never reached
+        is only reported (``on_unfired``).
+
+        Raises:
+            EditError: naming each such module, the cause and the fix."""
+        found = diagnose.bypassed(self._module_index(), silent, ran)
+        if found:
+            lines = "\n".join(f"  - {key}: {why}" for key, why in found.items())
+            raise EditError(
+                f"the model ran, but {len(found)} selected module{'s' if len(found) > 1 else ''} "
+                f"ran without {'their' if len(found) > 1 else 'its'} hooks, so the edit was never "
+                f"applied there and the output is the unedited model's:\n{lines}\n(pass "
+                f"on_unfired='ignore' to accept an edit that did not apply)")
 
     def _register(self) -> None:
         """Add this session's hooks (``self._own``, ``self._hook``; a handle straight into
@@ -304,11 +377,13 @@ class HookSession:
         value (``copies._reduce``), a ``with_kwargs`` flag by its id (``ModuleHooks``)."""
         self._module_hooks.add(owned, pre=pre, with_kwargs=with_kwargs)
         self._owned.append((owned, not pre))
+        self._layout.append((owned, pre, with_kwargs))
 
     def _own_forward(self, hooks: list[OwnedHook]) -> None:
         """``_own`` for many plain forward hooks (no kwargs) at once, registered in bulk."""
         self._module_hooks.add_forward(hooks)
         self._owned.extend((owned, True) for owned in hooks)
+        self._layout.extend((owned, False, False) for owned in hooks)
 
     @property
     def recomputes(self) -> dict[str, int]:
