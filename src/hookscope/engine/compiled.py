@@ -367,8 +367,8 @@ def open_sink(module: nn.Module, sink: Sink) -> int:
     """Register ``sink(output)`` to run for each compiled call of a hook on ``module``; return
     its key (the first free place on ``module``: the same key as the last block's hook there).
     Thread-safe: blocks opened at once in several threads get distinct keys."""
-    # one line (engine.interrupts): an exception at a line event of the body still unlocks
-    with _keys_lock: return _claim(module, sink)  # noqa: E701
+    with _keys_lock:
+        return _claim(module, sink)
 
 
 def _claim(module: nn.Module, sink: Sink) -> int:

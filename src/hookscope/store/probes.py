@@ -308,8 +308,8 @@ def _fit(scaled: Any, train: Tensor, targets: Tensor, classes: int, C: float,
             value += float(loss.detach())
         return torch.tensor(value, dtype=torch.float64)
 
-    # one line (engine.interrupts): an interrupt at the with's exit still restores grad mode
-    with torch.enable_grad(): optimizer.step(closure)  # type: ignore[no-untyped-call]  # noqa: E701
+    with torch.enable_grad():
+        optimizer.step(closure)  # type: ignore[no-untyped-call]
     return weight.detach(), bias.detach()
 
 
