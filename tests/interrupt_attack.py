@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copyreg
 import ctypes
+import dis
 import random
 import signal
 import sys
@@ -57,7 +58,11 @@ _SIGNALS = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signa
 VERBS = ("capture", "edit", "steer", "ablate", "patch", "stats", "monitor step", "run")
 ATTACKERS = ("alarm", "async")
 TALLY = ("runs", "completed", "interrupted", "other error", "hooks left", "copyreg left",
-         "grad mode changed", "signal handlers changed", "function modes left", "forward changed")
+         "grad mode changed", "signal handlers changed", "function modes left", "forward changed",
+         "left by one at __exit__'s entry")
+#: what an exception raised at the first instruction of a block's ``__exit__`` left (before
+#: any of its code ran: beyond Python code; ``engine.interrupts``), counted apart
+AT_EXIT_ENTRY = "left by one at __exit__'s entry"
 
 
 def state(model: nn.Module) -> dict[str, Any]:
@@ -97,6 +102,10 @@ def restore(model: nn.Module, before: dict[str, Any]) -> None:
             signal.signal(signum, handler)
     while torch._C._len_torch_function_stack() > before["function modes"]:
         torch._C._pop_torch_function_stack()
+    from hookscope.engine import interrupts  # the guard of a block whose exit never ran
+
+    for name in ("_open", "_stood_in", "_pending"):
+        getattr(interrupts, name, {}).clear()
 
 
 def blocks(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[], Any]]:
@@ -202,12 +211,12 @@ def attack(verbs: tuple[str, ...] = VERBS, runs: int = 100, *, attacker: str = "
             for _ in range(runs):
                 tally["runs"] += 1
                 delay = max(rng.uniform(0.0, durations[verb] * 1.2), 1e-6)
-                outcome = _one(made[verb], delay, attacker, striker)
+                outcome, at_exit_entry = _one(made[verb], delay, attacker, striker)
                 tally[outcome] += 1
                 left = differences(before, state(model))
                 if not _computes(model, x, reference):
                     left.append("forward changed")
-                for what in left:
+                for what in [AT_EXIT_ENTRY] if left and at_exit_entry else left:
                     tally[what] += 1
                 if left:
                     if on_leak is not None:
@@ -216,8 +225,9 @@ def attack(verbs: tuple[str, ...] = VERBS, runs: int = 100, *, attacker: str = "
     return counts
 
 
-def _one(block: Callable[[], Any], delay: float, attacker: str, striker: _Async) -> str:
-    """Run ``block`` with the attacker armed; 'completed', 'interrupted' or 'other error'."""
+def _one(block: Callable[[], Any], delay: float, attacker: str, striker: _Async) -> tuple[str, bool]:
+    """Run ``block`` with the attacker armed: 'completed', 'interrupted' or 'other error', and
+    whether the interrupt was raised at the first instruction of an ``__exit__``."""
     try:
         try:
             if attacker == "alarm":
@@ -231,12 +241,23 @@ def _one(block: Callable[[], Any], delay: float, attacker: str, striker: _Async)
             else:
                 striker.disarm()
             _settle()
-        return "completed"
-    except KeyboardInterrupt:
-        return "interrupted"
+        return "completed", False
+    except KeyboardInterrupt as err:
+        return "interrupted", _at_exit_entry(err)
     except BaseException as err:  # noqa: BLE001 - counted and printed
         print(f"{type(err).__name__}: {err}", file=sys.stderr)
-        return "other error"
+        return "other error", False
+
+
+def _at_exit_entry(err: BaseException) -> bool:
+    """Whether ``err`` was raised in an ``__exit__`` at its first instruction (``RESUME``)."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None or tb.tb_frame.f_code.co_name != "__exit__":
+        return False
+    resume = next(i.offset for i in dis.get_instructions(tb.tb_frame.f_code) if i.opname == "RESUME")
+    return tb.tb_lasti <= resume
 
 
 def _settle() -> None:
