@@ -104,8 +104,9 @@ def restore(model: nn.Module, before: dict[str, Any]) -> None:
         torch._C._pop_torch_function_stack()
     from hookscope.engine import interrupts  # the guard of a block whose exit never ran
 
-    for name in ("_open", "_stood_in", "_pending"):
+    for name in ("_open", "_pending"):
         getattr(interrupts, name, {}).clear()
+    getattr(interrupts, "_put_back", lambda: None)()
 
 
 def blocks(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[], Any]]:

@@ -44,6 +44,7 @@ cleanup runs (a signal there waits, as above).
 
 from __future__ import annotations
 
+import _thread
 import os
 import signal
 import sys
@@ -60,6 +61,7 @@ _open: set[int] = set()  # id() of the open main-thread blocks (one set operatio
 _stood_in: dict[int, Any] = {}  # signal number -> the Python handler hookscope stands in for
 _CRITICAL: set[CodeType] = set()  # code during which a signal waits (besides __enter__/__exit__)
 _ENTRY_EXIT = frozenset(("__enter__", "__exit__"))
+_UNKNOWN: dict[int, Any] = {signal.SIGINT: signal.default_int_handler}  # when none is known
 _pending: dict[int, Any] = {}  # signal number -> its handler, for signals held back
 _scheduled = False  # a courier is on its way
 _RESEND_S = 0.001  # how soon a held-back signal is sent again
@@ -103,11 +105,11 @@ def _put_back() -> None:
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
+    handler = _stood_in.get(signum, _UNKNOWN.get(signum))
     if _open and _waits(frame):
-        _pending[signum] = _stood_in.get(signum, signal.SIG_DFL)  # one dict write
+        _pending[signum] = handler  # one dict write
         _courier()
         return
-    handler = _stood_in.get(signum, signal.SIG_DFL)
     if not _open and _in_main_thread():  # the last block was closed by another thread
         _put_back()
     _deliver(signum, handler, frame)
@@ -118,23 +120,19 @@ def release_signals() -> None:
     outside the caller (an outer ``__exit__``): call it last in a block's entry and exit, so
     an interrupt held back there surfaces at the ``with`` statement, from the block itself."""
     if _pending and not _waits(sys._getframe(2)):
-        for signum in list(_pending):
-            handler = _pending.pop(signum, None)
-            if handler is not None:
-                _deliver(signum, handler, sys._getframe(1))
+        while _pending:  # a handler delivered may hold back another signal (raise_signal)
+            signum, handler = _pending.popitem()
+            _deliver(signum, handler, sys._getframe(1))
 
 
 def _deliver(signum: int, handler: Any, frame: FrameType | None) -> None:
     if callable(handler):
         handler(signum, frame)
-    elif handler == signal.SIG_DFL:  # stood in for when there was no Python handler: none now
-        signal.signal(signum, signal.SIG_DFL)
-        signal.raise_signal(signum)
 
 
 def _courier() -> None:
-    """Send the held-back signals to the main thread again in a moment (from another thread:
-    resending from the handler would run it again at once), for holds that no ``release``
+    """Mark the held-back signals as arrived again in a moment (from another thread: doing
+    it in the handler would run it again at once), for holds that no ``release``
     ends (a ``torch.no_grad()`` exit): the handler then delivers them, or holds them again."""
     global _scheduled
     if not _scheduled:
@@ -145,12 +143,14 @@ def _courier() -> None:
 
 
 def _resend() -> None:
+    """In the timer thread: mark each held-back signal as arrived again, for the main thread's
+    Python handler only (``_thread.interrupt_main``: no kernel signal, nothing when the
+    program has put back ``SIG_DFL`` or ``SIG_IGN`` meanwhile)."""
     global _scheduled
     _scheduled = False
-    main = threading.main_thread().ident
     for signum in list(_pending):
-        if _pending.pop(signum, None) is not None and main is not None:
-            signal.pthread_kill(main, signum)
+        if _pending.pop(signum, None) is not None:
+            _thread.interrupt_main(signal.Signals(signum))
 
 
 def _waits(frame: FrameType | None) -> bool:

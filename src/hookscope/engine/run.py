@@ -137,10 +137,11 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
             self._open()
             interrupts.release_signals()  # a signal held back so far: a failed entry
         except BaseException:
-            self._finish()
+            try:
+                self._finish()
+            finally:
+                interrupts.release_signals()  # one held back while the entry was undone
             raise
-        finally:
-            interrupts.release_signals()  # one held back while the entry was undone
 
     def _open(self) -> None:
         self._finished = False

@@ -117,13 +117,14 @@ class HookSession:
         try:
             self._open()
             interrupts.release_signals()  # a signal held back so far: a failed entry
-            return self
         except BaseException:
             self._entered = False  # a failed entry is no block: leaving it reports nothing
-            self._remove()
+            try:
+                self._remove()
+            finally:
+                interrupts.release_signals()  # one held back while the entry was undone
             raise
-        finally:
-            interrupts.release_signals()  # one held back while the entry was undone
+        return self
 
     def _open(self) -> None:
         interrupts.guard(self)  # signals wait during entry and exit; _remove unguards

@@ -99,12 +99,13 @@ class GenerationCapture:
             self._labels.__enter__()
             self.capture.__enter__()
             release_signals()  # a signal held back so far: a failed entry
-            return self
         except BaseException as exc:
-            self._abort(exc)
+            try:
+                self._abort(exc)
+            finally:
+                release_signals()  # one held back while the entry was undone
             raise
-        finally:
-            release_signals()  # one held back while the entry was undone
+        return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool | None:

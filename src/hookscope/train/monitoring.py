@@ -263,12 +263,10 @@ class Monitor:
         try:
             self._start()
             release_signals()  # a signal held back so far: a failed open
-            return self
         except BaseException:
-            self.close()  # nothing it registered or opened outlives a failed open
+            self.close()  # nothing it registered or opened outlives a failed open (releases)
             raise
-        finally:
-            release_signals()  # one held back while the open was undone
+        return self
 
     def _start(self) -> None:
         self._file = self._open_file()
