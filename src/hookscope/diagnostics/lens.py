@@ -175,9 +175,11 @@ def logit_lens(model: nn.Module, input_ids: Tensor, *, layers: str | Sequence[st
     _check_mask(attention_mask, input_ids)
     keys, names = asked_names(resolve(model, _patterns(model, layers)))
     acts, inputs = capture(model, *keys, on_unfired="error"), {"attention_mask": attention_mask}
-    with untouched(model), torch.no_grad(), acts: model(input_ids, **inputs)  # noqa: E701 - body on the with line (engine.interrupts)
+    with untouched(model), torch.no_grad(), acts:
+        model(input_ids, **inputs)
     hidden = _width(unembed)
-    with torch.no_grad(): log_probs = _read_out(acts, keys, norm, unembed, hidden)  # noqa: E701 - as above
+    with torch.no_grad():
+        log_probs = _read_out(acts, keys, norm, unembed, hidden)
     lens = LogitLens(log_probs, names, acts.tokens(keys[0]), dict(zip(names, keys)))
     if plot is not None:
         lens.plot(plot)

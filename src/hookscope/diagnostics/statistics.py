@@ -274,14 +274,16 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
     if hist is not None and fixed is not None:
         session.histograms = {t.key: Histogram(hist, *fixed) for t in session.targets}
     with untouched(model), torch.no_grad():
-        with session: _run_batches(model, session, batches)  # noqa: E701 (engine.interrupts)
+        with session:
+            _run_batches(model, session, batches)
         if hist is not None and fixed is None:  # the second pass: edges from the first
             counting = _StatsSession(model, patterns, per_channel, early_stop, "ignore")
             counting.histograms = {key: Histogram.spanning(hist, float(r.min.min()),
                                                            float(r.max.max()))
                                    for key, r in session.results.items()}
             counting.count_stats = False
-            with counting: _run_batches(model, counting, batches)  # noqa: E701 (as above)
+            with counting:
+                _run_batches(model, counting, batches)
             session.histograms = counting.histograms
     for key, histogram in session.histograms.items():
         session.results[key].histogram = histogram

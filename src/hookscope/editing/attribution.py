@@ -131,7 +131,8 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
     check_sweep_positions(positions, clean, corrupted)
     warn_if_dropout_trains(model, "attribution_patching")
     found: dict[str, list[tuple[Tensor, Tensor]]] = {key: [] for key in keys}
-    with untouched(model): runs = _runs(model, keys, clean, corrupted, metric, found)  # noqa: E701 - body on the with line (engine.interrupts)
+    with untouched(model):
+        runs = _runs(model, keys, clean, corrupted, metric, found)
     (acts, clean_metric), (live_acts, value, grads) = runs
     sources = {key: _sequence_tensor(acts[key], key) for key in keys}
     # what each value holds (token and heads axes, the mask of its run), from its record
@@ -156,9 +157,11 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
 def _runs(model: nn.Module, keys: list[str], clean: Any, corrupted: Any, metric: Metric,
           found: dict[str, list[tuple[Tensor, Tensor]]]) -> tuple[Any, Any]:
     """The clean run (captured, without gradients) and the corrupted one (``_corrupted_run``)."""
-    with torch.no_grad(): clean_run = captured_metric(model, keys, clean, metric)  # noqa: E701 - body on the with line (engine.interrupts)
+    with torch.no_grad():
+        clean_run = captured_metric(model, keys, clean, metric)
     passing = gradient_pass(model, EditError)
-    with passing: corrupted_run = _corrupted_run(model, keys, corrupted, metric, found)  # noqa: E701 - body on the with line (engine.interrupts)
+    with passing:
+        corrupted_run = _corrupted_run(model, keys, corrupted, metric, found)
     return clean_run, corrupted_run
 
 
@@ -168,7 +171,8 @@ def _corrupted_run(model: nn.Module, keys: list[str], corrupted: Any, metric: Me
     ``(capture, metric, d metric / d zero of each layer)``."""
     edits = edit(model, {key: _zero_added(found[key], key) for key in keys}, on_unfired="error")
     live_acts = capture(model, *keys, on_unfired="error")
-    with edits, live_acts: value = _differentiable(metric(_forward(model, corrupted)))  # noqa: E701 - body on the with line (engine.interrupts)
+    with edits, live_acts:
+        value = _differentiable(metric(_forward(model, corrupted)))
     grads = torch.autograd.grad(value, [_once(found[key], key)[1] for key in keys], allow_unused=True)
     return live_acts, value, grads
 

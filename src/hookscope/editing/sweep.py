@@ -330,7 +330,8 @@ def _run_chunk(model: nn.Module, corrupted: Any, key: str, source: Tensor,
     rows = _rows(corrupted)
     edits, inputs = edit(model, {key: _patcher(key, source, layouts, chunk, rows)},
                          on_unfired="error"), _repeat(corrupted, len(chunk), rows)
-    with edits: output = _forward(model, inputs)  # noqa: E701 - body on the with line (engine.interrupts)
+    with edits:
+        output = _forward(model, inputs)
     bar.update()
     return [_number(metric(_copy_of(output, j, len(chunk), rows))) for j in range(len(chunk))]
 
@@ -417,7 +418,8 @@ def captured_metric(model: nn.Module, keys: list[str], inputs: Any,
                     metric: Callable[[Any], Any]) -> tuple[Capture, float]:
     """A capture of ``keys`` over one forward of ``inputs``, and ``metric`` of its output."""
     acts = capture(model, *keys, on_unfired="error")
-    with acts: value = metric(_forward(model, inputs))  # noqa: E701 - body on the with line (engine.interrupts)
+    with acts:
+        value = metric(_forward(model, inputs))
     return acts, _number(value)
 
 

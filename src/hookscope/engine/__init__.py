@@ -53,7 +53,7 @@ from hookscope.engine.hooks import (
     registered,
     unregister,
 )
-from hookscope.engine.interrupts import GracefulStop, exit_at_interrupt
+from hookscope.engine.interrupts import GracefulStop, critical, exit_at_interrupt, release_signals
 from hookscope.engine.kinds import apply_edit, comparable, describe, inside, kind_of, rows_for, values_for
 from hookscope.engine.layout import (
     NO_TOKENS,
@@ -112,7 +112,8 @@ from hookscope.engine.values import (
 from hookscope.engine.wrappers import unwrap
 
 __all__ = ["AxesRow", "TOKEN_AXES", "batch_first", "token_axes",
-           "FULLGRAPH", "FunctionCall", "RecordingHook", "GracefulStop", "exit_at_interrupt", "HookSession",
+           "FULLGRAPH", "FunctionCall", "RecordingHook", "GracefulStop", "critical", "exit_at_interrupt",
+           "release_signals", "HookSession",
            "KNOWN_LIBRARIES", "Layout", "MaskWatcher", "ModuleIndex", "NO_TOKENS", "NO_VALUES_FIX", "NotKept",
            "Observer", "OnUnfired", "OwnedHook", "Part", "RecordKey", "RngState", "Target", "Tokens",
            "Watch", "after_backward", "apply_edit", "as_patterns", "bind_arguments", "brief", "check_arity",

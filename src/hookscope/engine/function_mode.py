@@ -778,13 +778,15 @@ class entered:  # noqa: N801 - used as a function: ``with entered(mode):``
         self.mode = mode
 
     def __enter__(self) -> None:
-        try: torch._C._push_on_torch_function_stack(self.mode)  # noqa: E701 (engine.interrupts)
+        try:
+            torch._C._push_on_torch_function_stack(self.mode)
         except BaseException:
             take_off(self.mode)
             raise
 
     def __exit__(self, *exc: object) -> None:
-        try: take_off(self.mode)  # noqa: E701
+        try:
+            take_off(self.mode)
         except BaseException:
             take_off(self.mode)  # idempotent: what an exception halfway left
             raise
@@ -877,8 +879,8 @@ def _claim(wrapper: nn.Module, change: int) -> bool:
     Raises:
         HookscopeError: opening while a block of another thread holds one (see the module's
             docstring), naming the fixes."""
-    # one line (engine.interrupts): an exception at a line event of the body still unlocks
-    with _claims_lock: return _claimed(wrapper, threading.get_ident(), change)  # noqa: E701
+    with _claims_lock:
+        return _claimed(wrapper, threading.get_ident(), change)
 
 
 def _claimed(wrapper: nn.Module, thread: int, change: int) -> bool:

@@ -402,7 +402,8 @@ def _ready_for_compile() -> bool:
         # another thread may still be importing it (in sys.modules, half made): an import
         # statement waits for that to finish; one thread sets up, under a lock
         import torch._dynamo  # noqa: F401
-        with _compile_lock: _set_up_for_compile()  # noqa: E701 - one line: see copies._open_block
+        with _compile_lock:
+            _set_up_for_compile()
     return True
 
 
@@ -653,8 +654,8 @@ def locked(function: Callable[..., Any], *args: Any) -> Any:
     changes: sessions register and remove a block's hooks under it."""
     # half made while another thread imports it (no trace runs before it is whole): ours alone
     lock = getattr(sys.modules.get("torch._dynamo.convert_frame"), "compile_lock", _sharing)
-    # one line each (engine.interrupts): an exception at a line event of the body still unlocks
-    with _sharing, lock: return function(*args)  # noqa: E701
+    with _sharing, lock:
+        return function(*args)
 
 
 def on_tensor_grad(tensor: torch.Tensor, function: Callable[[torch.Tensor], Any]) -> RemovableHandle:

@@ -123,26 +123,30 @@ class HookSession:
         if self._active:
             raise HookscopeError(f"this {type(self).__name__} is already active: enter it once, "
                                  f"and build a new one for another block")
-        # One line each (engine.interrupts): an exception at any line, a KeyboardInterrupt or
-        # an exception of a user's callback alike, leaves nothing registered.
-        try: return self._open()  # noqa: E701
+        # an exception anywhere in entering (an interrupt, a user's callback) leaves nothing
+        # registered: _open writes down each thing before doing it, _remove undoes what is there
+        try:
+            self._open()
+            interrupts.release_signals()  # a signal held back so far: a failed entry
         except BaseException:
             self._entered = False  # a failed entry is no block: leaving it reports nothing
-            self._remove()
+            try:
+                self._remove()
+            finally:
+                interrupts.release_signals()  # one held back while the entry was undone
             raise
+        return self
 
-    def _open(self) -> Self:
-        interrupts.guard(self, self._remove)  # an interrupt from here on removes our hooks first
+    def _open(self) -> None:
+        interrupts.guard(self)  # signals wait during entry and exit; _remove unguards
         self._active = True
         self._stops_before = stops(unwrap(self.model)[0])
-        with interrupts.deferred(undo=self._remove):  # an interrupt: nothing stays registered
-            self._copies_open = True  # first: an exception inside open_block still closes it
-            copies.open_block(self._left_out)
-            locked(self._install)
-            if diagnose.fullgraph(self.model):
-                self._refuse_outside_graph()
+        self._copies_open = True  # first: an exception inside open_block still closes it
+        copies.open_block(self._left_out)
+        locked(self._install)
+        if diagnose.fullgraph(self.model):
+            self._refuse_outside_graph()
         self._entered = True
-        return self
 
     def _install(self) -> None:
         """Register every hook of the block, at once for traces in other threads
@@ -240,10 +244,13 @@ class HookSession:
                  tb: TracebackType | None) -> bool | None:
         # as __enter__: an exception anywhere in leaving still removes every hook; a second
         # exit (a caller's cleanup after its own failure) does nothing
-        try: return self._close(exc)  # noqa: E701
+        try:
+            return self._close(exc)
         except BaseException:
             self._remove()
             raise
+        finally:
+            interrupts.release_signals()  # a signal held back during the exit surfaces here
 
     def _close(self, exc: BaseException | None) -> bool | None:
         entered, self._entered = self._entered, False
@@ -414,16 +421,24 @@ class HookSession:
                                 in_recompute=in_recompute, edits=self._edits)
 
     def _remove(self) -> None:
-        with interrupts.deferred():
-            self._module_hooks.remove()
-            locked(self._remove_handles)
-            compiled.abandon(self)  # a call interrupted before _release: its hold ends here
-            self._functions.close()
-            if self._copies_open:  # cleared once closed: close_block is idempotent, may rerun
-                copies.close_block(self._left_out)
-                self._copies_open = False
-            self._active = False
-            interrupts.unguard(self)
+        """Remove everything the block added (idempotent: each step undoes what is there, so
+        a pass that an exception stopped is completed by running it again, here at once)."""
+        try:
+            self._remove_once()
+        except BaseException:
+            self._remove_once()
+            raise
+
+    def _remove_once(self) -> None:
+        self._module_hooks.remove()
+        locked(self._remove_handles)
+        compiled.abandon(self)  # a call interrupted before _release: its hold ends here
+        self._functions.close()
+        if self._copies_open:  # cleared once closed: close_block is idempotent, may rerun
+            copies.close_block(self._left_out)
+            self._copies_open = False
+        self._active = False
+        interrupts.unguard(self)
 
     def _witness(self, path: str) -> Callable[..., None]:
         ran = self._ran

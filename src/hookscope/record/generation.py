@@ -35,6 +35,7 @@ from hookscope.engine import (
     check_options,
     flat_patterns,
     layout_of,
+    release_signals,
     unwrap,
 )
 from hookscope.errors import CaptureError
@@ -92,19 +93,29 @@ class GenerationCapture:
 
     def __enter__(self) -> GenerationCapture:
         # the labels first: their hooks run before the capture's, so before an early stop.
-        # One line (engine.interrupts): an exception at any line, a KeyboardInterrupt included,
-        # leaves neither session entered; leaving a session never entered does nothing.
-        try: self._labels.__enter__(); self.capture.__enter__(); return self  # noqa: E701, E702
+        # an exception anywhere, a KeyboardInterrupt included, leaves neither session entered;
+        # leaving a session never entered does nothing.
+        try:
+            self._labels.__enter__()
+            self.capture.__enter__()
+            release_signals()  # a signal held back so far: a failed entry
         except BaseException as exc:
-            self._abort(exc)
+            try:
+                self._abort(exc)
+            finally:
+                release_signals()  # one held back while the entry was undone
             raise
+        return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool | None:
-        try: return self._leave(exc_type, exc, tb)  # noqa: E701 - see __enter__
+        try:
+            return self._leave(exc_type, exc, tb)
         except BaseException as error:
             self._abort(error)  # what an exception in the first exit left (exits are idempotent)
             raise
+        finally:
+            release_signals()  # a signal held back during the exit surfaces here
 
     def _leave(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                tb: TracebackType | None) -> bool | None:

@@ -398,7 +398,8 @@ def _write_all(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Rows]],
     staging = Staging(_slab_bytes(job))
     try:
         job.session = capture(job.model, *job.keys, on_unfired="ignore", early_stop=job.early_stop)
-        with job.session: _write_batches(job, writer, todo, start, staging)  # noqa: E701 - body on the with line (engine.interrupts)
+        with job.session:
+            _write_batches(job, writer, todo, start, staging)
     finally:
         staging.close()
 
@@ -686,7 +687,8 @@ def _first_capture(job: _Job, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             "ops=True)")
     try:
         acts = capture(job.model, *job.keys, on_unfired="error", early_stop=job.early_stop)
-        with acts: job.model(*args, **kwargs)  # noqa: E701 - body on the with line (engine.interrupts)
+        with acts:
+            job.model(*args, **kwargs)
     except HookNeverFiredError as err:
         lines = "".join(f"\n  - {key}: {why}" for key, why in err.unfired.items())
         unmatched: set[str] = getattr(err.capture, "unmatched", set())

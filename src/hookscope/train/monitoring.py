@@ -55,12 +55,14 @@ from hookscope.engine import (
     check_int,
     check_model,
     check_run_dir,
+    critical,
     detached_clones,
     fullgraph,
     input_device,
     on_optimizer_step,
     on_tensor_grad,
     output_of,
+    release_signals,
     resolve_checked,
     state_snapshot,
     unwrap,
@@ -248,11 +250,15 @@ class Monitor:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        try: self.close()  # noqa: E701 - one line (engine.interrupts)
+        try:
+            self.close()
         except BaseException:
             self.close()  # idempotent: what an exception (Ctrl-C) halfway through left
             raise
+        finally:
+            release_signals()  # a signal held back during the exit surfaces here
 
+    @critical
     def open(self) -> Monitor:
         """Start watching (hooks, records file); return self.
 
@@ -261,10 +267,13 @@ class Monitor:
         """
         if self._root_session is not None:
             raise HookscopeError("this monitor is already open: open it once, or build a new one")
-        try: self._start(); return self  # noqa: E701, E702 - one line (engine.interrupts)
+        try:
+            self._start()
+            release_signals()  # a signal held back so far: a failed open
         except BaseException:
-            self.close()  # nothing it registered or opened outlives a failed open
+            self.close()  # nothing it registered or opened outlives a failed open (releases)
             raise
+        return self
 
     def _start(self) -> None:
         self._file = self._open_file()
@@ -289,6 +298,7 @@ class Monitor:
                 self._handles.append(on_optimizer_step(stepped, self._end_step, pre=False))
         self._contained("statistics", self._start_sample_if_due)
 
+    @critical
     def close(self) -> None:
         """Stop watching: replay a guard still pending (it may raise), then remove every hook,
         end a sampled step without writing it, and close the records file."""
@@ -315,6 +325,7 @@ class Monitor:
                     if self._file is not None:
                         self._file.close()
                         self._file = None
+                    release_signals()  # a signal held back while closing surfaces here
 
     def step(self) -> None:
         """End the step in progress (call once per optimizer step, after ``optimizer.step()``
