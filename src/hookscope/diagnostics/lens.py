@@ -176,7 +176,7 @@ def logit_lens(model: nn.Module, input_ids: Tensor, *, layers: str | Sequence[st
     keys = list(dict.fromkeys(t.key for t in resolve(model, _patterns(model, layers))))
     acts, inputs = capture(model, *keys, on_unfired="error"), {"attention_mask": attention_mask}
     with untouched(model), torch.no_grad(), acts: model(input_ids, **inputs)  # noqa: E701 - body on the with line (engine.interrupts)
-    hidden = _width(readout.modules[0] if readout.modules else unembed)
+    hidden = readout.width
     with torch.no_grad(): log_probs = _read_out(acts, keys, readout, hidden)  # noqa: E701 - as above
     lens = LogitLens(log_probs, keys, acts.tokens(keys[0]))
     if plot is not None:

@@ -42,13 +42,15 @@ TOLERANCE = 1e-4
 class Readout:
     """``modules`` applied in order (each after multiplying by its ``scales`` entry), then
     ``post``: the residual stream ``(batch, seq, hidden)`` -> logits ``(batch, seq, vocab)``.
-    ``checked`` says whether it was checked against the model's logits (else why not)."""
+    ``checked`` says whether it was checked against the model's logits (else why not);
+    ``width`` is the residual stream's width (``hidden``), when known."""
 
     modules: list[nn.Module]
     scales: list[float]
     post: Callable[[Tensor], Tensor] = field(default=lambda x: x)
     described: str = ""
     checked: str = ""
+    width: int | None = None
 
     def __call__(self, residual: Tensor) -> Tensor:
         value = residual
@@ -67,13 +69,19 @@ def model_readout(model: nn.Module, norm: nn.Module, unembed: nn.Module) -> Read
     """
     names = index(model)
     probe = probe_of(names)
-    structural = Readout([norm, unembed], [1.0, 1.0], described="final norm, then unembedding")
+    weight = getattr(unembed, "weight", None)
+    width = int(weight.shape[-1]) if isinstance(weight, Tensor) and weight.dim() == 2 else None
+    structural = Readout([norm, unembed], [1.0, 1.0], described="final norm, then unembedding",
+                         width=width)
     if not isinstance(probe, Probe) or not isinstance(getattr(probe.output, "logits", None), Tensor):
         structural.checked = probe if isinstance(probe, str) else "the model returned no logits"
         return structural
     if "lens" not in probe.memo:
         probe.memo["lens"] = _find(model, probe)
     found = probe.memo["lens"]
+    if found == "no last block that ran once":
+        structural.checked = found
+        return structural
     if isinstance(found, str):
         raise CaptureError(found)
     readout: Readout = found
@@ -94,13 +102,13 @@ def _find(model: nn.Module, probe: Probe) -> Readout | str:
     logits = probe.output.logits.detach().float()
     last = _last_block(model)
     if last is None or probe.once(last) is None:
-        return Readout([], [], checked="no last block that ran once")
+        return "no last block that ran once"  # the structural readout, unchecked
     end = next(e for path, _, e in probe.calls if path == last)
     after = [(path, begin, e) for path, begin, e in probe.calls if begin > end]
     outer = [(path, begin, e) for path, begin, e in after
              if not any(b < begin and e2 > e for _, b, e2 in after)]
-    value = probe.once(last)
-    assert value is not None
+    value = first = probe.once(last)
+    assert value is not None and first is not None
     modules, scales, read = [], [], []
     for path, _, _ in sorted(outer, key=lambda item: item[1]):
         given = probe.inputs.get(path, [None])[0]
@@ -133,7 +141,8 @@ def _find(model: nn.Module, probe: Probe) -> Readout | str:
         gaps.append(float((torch.log_softmax(post(raw), dim=-1) - target).abs().max()))
         if gaps[-1] <= TOLERANCE:
             return Readout(modules, scales, post, described + (f", {name}" if name else ""),
-                           checked="checked against the model's log-probabilities")
+                           checked="checked against the model's log-probabilities",
+                           width=int(first.shape[-1]))
     worst = min(gaps)
     touching = _logit_settings(model)
     return (f"the logit lens's last layer would differ from {type(model).__name__}'s own "
