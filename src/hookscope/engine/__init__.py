@@ -39,6 +39,7 @@ from hookscope.engine.copy_on_write import eager_copy, lazy_copy, shares_memory,
 from hookscope.engine.diagnose import explain_no_hooks, fullgraph, locate_error, preflight
 from hookscope.engine.function_mode import FunctionCall, Watch, each_call
 from hookscope.engine.function_names import bind_arguments, functional_hint, refuse_uninterceptable
+from hookscope.engine.ground_truth import Probe, first_tensor, probe_of, same_values
 from hookscope.engine.hooks import (
     FULLGRAPH,
     OwnedHook,
@@ -111,7 +112,8 @@ from hookscope.engine.values import (
 )
 from hookscope.engine.wrappers import unwrap
 
-__all__ = ["AxesRow", "TOKEN_AXES", "batch_first", "token_axes",
+__all__ = ["Probe", "first_tensor", "probe_of", "same_values",
+           "AxesRow", "TOKEN_AXES", "batch_first", "token_axes",
            "FULLGRAPH", "FunctionCall", "RecordingHook", "GracefulStop", "critical", "exit_at_interrupt",
            "release_signals", "HookSession",
            "KNOWN_LIBRARIES", "Layout", "MaskWatcher", "ModuleIndex", "NO_TOKENS", "NO_VALUES_FIX", "NotKept",

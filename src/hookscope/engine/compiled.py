@@ -388,21 +388,14 @@ def _fresh(kept: list[Tensor | None], new: Any) -> list[Tensor]:
 
 def open_sink(module: nn.Module, sink: Sink | None, kind: Any = None) -> int:
     """Register ``sink(output)`` to run for each compiled call of a hook on ``module``; return
-<<<<<<< HEAD
     its key (the first free place on ``module`` for hooks of ``kind``, hashable: the same key
     as the last block's hook of that kind there, whatever hooks of other kinds other threads'
     blocks hold meanwhile, so a key a graph guards stays the same however blocks interleave).
     Thread-safe: blocks opened at once in several threads get distinct keys. ``None`` holds
     the place with no sink (a filler's, ``hooks.OwnedHook.filler``): its operators hand
     nothing out and copy nothing, until ``serve`` gives it one."""
-    # one line (engine.interrupts): an exception at a line event of the body still unlocks
-    with _keys_lock: return _claim(module, sink, kind)  # noqa: E701
-=======
-    its key (the first free place on ``module``: the same key as the last block's hook there).
-    Thread-safe: blocks opened at once in several threads get distinct keys."""
     with _keys_lock:
-        return _claim(module, sink)
->>>>>>> interrupts47
+        return _claim(module, sink, kind)
 
 
 def _claim(module: nn.Module, sink: Sink | None, kind: Any) -> int:

@@ -52,7 +52,7 @@ from hookscope.errors import HookscopeError
 
 __all__ = ["OwnedHook", "RecordingHook", "FULLGRAPH", "output_of", "nothing", "ModuleHooks", "register",
            "drop_sink", "locked", "owner", "on_tensor_grad", "on_node", "on_optimizer_step", "after_backward",
-           "in_recompute", "refuse_export_trace", "traced", "MODULE_TABLES", "GLOBAL_TABLES",
+           "in_recompute", "refuse_export_trace", "traced", "set_aside", "MODULE_TABLES", "GLOBAL_TABLES",
            "MODULE_FLAGS", "GLOBAL_FLAGS", "registered", "unregister", "kind_of_hook"]
 
 FULLGRAPH = 2  # ``OwnedHook(replaces=FULLGRAPH)``: an edit entered on a fullgraph=True model
@@ -762,3 +762,34 @@ def in_recompute() -> bool:
     """True while autograd runs a backward pass: a forward now is a checkpoint recompute."""
     return not (_compiling() and _traced()) and _graph_task_id() != -1
 
+
+
+class set_aside:  # noqa: N801 - used as a function: ``with set_aside(model):``
+    """Take hookscope's own forward (pre-)hooks off every module of ``model`` for the block and
+    put them back, in their order, when it ends (returned or raised): a forward hookscope runs
+    for itself (``engine.ground_truth``'s probe) is then seen by no open session's capture or
+    edit. Hooks others registered (a user's, ``weight_norm``'s, accelerate's) stay: they may be
+    part of the computation. A forward another thread runs during the block misses the hooks
+    set aside (the block lasts one probe forward)."""
+
+    def __init__(self, model: nn.Module):
+        self._model = model
+        self._held: list[tuple[dict[int, Any], dict[int, Any]]] = []
+
+    def __enter__(self) -> None:
+        for module in self._model.modules():
+            for attr in ("_forward_pre_hooks", "_forward_hooks"):
+                table: dict[int, Any] = getattr(module, attr)
+                ours = {key: value for key, value in table.items() if owner(value) is not None}
+                if ours:
+                    self._held.append((table, dict(table)))
+                    for key in ours:
+                        del table[key]
+
+    def __exit__(self, *exc: Any) -> None:
+        for table, before in self._held:
+            added = {key: value for key, value in table.items() if key not in before}
+            table.clear()
+            table.update(before)
+            table.update(added)
+        self._held.clear()

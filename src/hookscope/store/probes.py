@@ -373,15 +373,10 @@ def _fit(scaled: Any, train: Tensor, targets: Tensor, classes: int, C: float,
             value += float(loss.detach())
         return torch.tensor(value, dtype=torch.float64)
 
-<<<<<<< HEAD
-    # one line (engine.interrupts): an interrupt at the with's exit still restores grad mode
-    with torch.enable_grad(): optimizer.step(closure)  # type: ignore[no-untyped-call]  # noqa: E701
-    if classes == 2:  # class 0's logit is 0: W (features, 2), b (2,)
-        return _logits(weight.detach()), _logits(bias.detach()[None])[0]
-=======
     with torch.enable_grad():
         optimizer.step(closure)  # type: ignore[no-untyped-call]
->>>>>>> interrupts47
+    if classes == 2:  # class 0's logit is 0: W (features, 2), b (2,)
+        return _logits(weight.detach()), _logits(bias.detach()[None])[0]
     return weight.detach(), bias.detach()
 
 
