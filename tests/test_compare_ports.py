@@ -252,7 +252,7 @@ def test_a_compiled_model_compiled_before_says_why_and_the_fix() -> None:
     compiled = torch.compile(port, backend="eager")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        # code compiled before hookscope turned dynamo's hook guards on (engine.compiled):
+        # code compiled before hookscope turned dynamo's hook guards on (engine.compile.graph):
         # it ignores hooks added later
         with torch.no_grad(), torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
             compiled(x)

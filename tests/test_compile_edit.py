@@ -1,7 +1,7 @@
 """Issue 32: edit, steer, patch and ablate inside ``torch.compile(model, fullgraph=True)``: no
 graph break, values equal the eager edit's, and opening and closing blocks compiles the model at
 most twice (a graph with the edits, one without). Each output edit runs in the graph as one
-opaque operator whose result the graph goes on with (``engine.compiled.replace``)."""
+opaque operator whose result the graph goes on with (``engine.compile.graph.replace``)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Issue 32: a capture inside ``torch.compile(model, fullgraph=True)``: no graph break, values
 equal the eager capture's, and opening and closing blocks compiles the model at most twice (a
-graph with the hooks, one without), never once per block (``engine.compiled``)."""
+graph with the hooks, one without), never once per block (``engine.compile.graph``)."""
 
 from __future__ import annotations
 
@@ -241,7 +241,7 @@ def test_fullgraph_refuses_what_the_graph_cannot_hold_at_entry(
 
 def test_kept_values_survive_the_graph_writing_its_buffers_again(dynamo_warnings: list[str]) -> None:
     """Inductor reuses intermediate buffers within a call, and each later call writes its own:
-    a value kept copy-on-write (``engine.compiled._copy``) keeps what the module returned, as
+    a value kept copy-on-write (``engine.compile.graph._copy``) keeps what the module returned, as
     the graph's kernels take their pointers through torch's mutable accessor, which gives the
     buffer a storage of its own first."""
     torch.manual_seed(0)
@@ -299,11 +299,11 @@ def _output(first: Tensor, fields: dict[str, Any]) -> Any:
               st.dictionaries(st.text(max_size=4), inner.filter(lambda v: v is not None),
                               max_size=3))), max_leaves=8))
 def test_a_flattened_call_fills_back_to_itself(value: Any) -> None:
-    """``engine.compiled.flatten`` then the sink's fill give back any nesting of tuples, lists
+    """``engine.compile.graph.flatten`` then the sink's fill give back any nesting of tuples, lists
     and string-keyed dicts of tensors, None, flags, numbers (inf and nan) and strings, and of
     namedtuples and ``ModelOutput``s, the types kept; an object comes back ``NotKept`` with
     its type's name."""
-    from hookscope.engine import compiled
+    from hookscope.engine.compile import graph as compiled
 
     values, spec = compiled.flatten(value)
     _assert_same(compiled._filled(values, spec), value, exact=True)

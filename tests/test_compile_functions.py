@@ -703,7 +703,7 @@ def test_holds_belong_to_their_block_and_thread_and_an_interrupt_ends_only_its_o
     next call or exit (``abandon``) without ending another block's, and another thread never
     sees them. (A count kept by each block went wrong when an interrupt landed between the
     count and the hold.)"""
-    from hookscope.engine import compiled as engine
+    from hookscope.engine.compile import graph as engine
 
     outer, inner = object(), object()
     engine.hold(outer)

@@ -1,6 +1,6 @@
 """Issue 32: ``grads=True`` under ``torch.compile``. Gradient hooks on values made inside a
 compiled graph would need compiled autograd; hookscope's documented fallback is the graph split:
-with ``fullgraph=False`` the gradient watch runs outside the graph (``engine.hooks._untraced``)
+with ``fullgraph=False`` the gradient watch runs outside the graph (``engine.door.hooks._untraced``)
 and every captured gradient equals eager; ``fullgraph=True`` refuses the option at entry with
 that fix (``tests/test_compile_fullgraph.py``)."""
 

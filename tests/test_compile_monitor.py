@@ -1,7 +1,7 @@
 """Issue 32: the monitor and its guard on a ``torch.compile``'d model: a sampled step's
 statistics run inside the graph (the activation's through ``hookscope::keep``,
 the gradient's through a tensor hook's place in the backward graph,
-``engine.compiled.watch_gradient``), so records equal the eager model's and six steps with
+``engine.compile.graph.watch_gradient``), so records equal the eager model's and six steps with
 ``every=2`` compile twice in all (a graph with the sampled step's hooks, one without), never
 once per sampled step. The root's hooks (the inputs and RNG kept for a replay, the guard's
 gradient hooks) run outside the graph, between the model's call and its compiled frame, so

@@ -2,7 +2,7 @@
 recompile hookscope's hook ``__call__`` once per hook object (a hook that breaks the graph: a
 gradient watch, a dtype conversion, ``clone=False``'s version counter), so 12 hooked Linears hit
 dynamo's recompile limit (8) and printed its warning. Hooks now run outside the graph where they
-would break it (``engine.hooks._untraced``), and the values stay those of the eager forward."""
+would break it (``engine.door.hooks._untraced``), and the values stay those of the eager forward."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from torch import nn
 from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
 import hookscope
-from hookscope.engine.hooks import OwnedHook
+from hookscope.engine.door.hooks import OwnedHook
 
 Tensor = torch.Tensor
 LAYERS = 12  # more than dynamo's default recompile limit (8)

@@ -1,5 +1,5 @@
 """Blocks opened at once in several threads on one model share its hook-table entries
-(``engine.hooks.ModuleHooks``): a hook of another thread's block joins an entry of the same
+(``engine.door.hooks.ModuleHooks``): a hook of another thread's block joins an entry of the same
 kind, and an entry stays until the last block it serves closes.
 
 On a ``torch.compile(fullgraph=True)`` model, four threads opening five captures each failed in
@@ -32,7 +32,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import hookscope
-from hookscope.engine import compiled
+from hookscope.engine.compile import graph as compiled
 from tests.test_compile_fullgraph import MODELS, _call
 
 Tensor = torch.Tensor
@@ -530,7 +530,7 @@ def test_a_flag_is_left_out_of_copies_before_it_is_written(monkeypatch: pytest.M
     """A block's ``with_kwargs`` flag was written before the block noted it as its own
     (``copies.KeptOut``): a ``deepcopy`` made by another thread in between carried it. Each
     flag is now noted first, the host's flag by each block that joins it too."""
-    from hookscope.engine import copies as copies_module
+    from hookscope.engine.door import copies as copies_module
     noted: list[tuple[int, bool]] = []
     add_entry = copies_module.KeptOut.add_entry
 

@@ -52,7 +52,7 @@ def _blocks(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[], Any]]:
 @contextmanager
 def _observing(model: nn.Module) -> Iterator[None]:
     """An Observer-based block (what stats, compare, tree use), open while copies are made."""
-    from hookscope.engine.selection import resolve
+    from hookscope.engine.naming.selection import resolve
     from hookscope.engine.session import Observer
     seen: list[torch.Tensor] = []
     with Observer(model, resolve(model, ["blocks.*", "blocks.*::relu"]),

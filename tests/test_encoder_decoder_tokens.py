@@ -2,7 +2,7 @@
 (or none), never the encoder's ``attention_mask``. Every verb read the root's mask for the
 decoder's values too, and took its last columns as a KV cache's (``Layout.mask``): positions,
 reductions and stats on the decoder counted the encoder's padding. The ``MaskWatcher`` now
-watches each stack as it starts (``engine.layout.stacks``); each result is checked against a
+watches each stack as it starts (``engine.values.layout.stacks``); each result is checked against a
 plain forward hook on a tiny T5."""
 
 from __future__ import annotations

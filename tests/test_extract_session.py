@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from hookscope.engine.hooks import ModuleHooks, OwnedHook
+from hookscope.engine.door.hooks import ModuleHooks, OwnedHook
 from hookscope.store.extraction import extract
 from tests.models import LeNet
 

@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hookscope.engine.function_mode import FunctionCall, FunctionWatcher
-from hookscope.engine.function_names import function_name
+from hookscope.engine.naming.function_names import function_name
 from tests.functional_models import FusedSelfAttention, SeedLeNet
 
 

@@ -17,8 +17,8 @@ from hookscope.diagnostics.inventory import hooks
 from hookscope.diagnostics.nonfinite import find_nonfinite
 from hookscope.diagnostics.statistics import stats
 from hookscope.engine import diagnose
-from hookscope.engine.names import index
-from hookscope.engine.selection import resolve
+from hookscope.engine.naming.names import index
+from hookscope.engine.naming.selection import resolve
 from hookscope.errors import HookNeverFiredWarning, HookscopeError, SelectorError
 from tests.models import DirectForwardCall, LeNet
 

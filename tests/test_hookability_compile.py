@@ -29,7 +29,7 @@ def test_capture_on_a_warmed_up_compiled_model_explains_and_gives_the_fix() -> N
     model, compiled = _compiled_mlp()
     x = torch.randn(16, 8)
     # compiled, without hooks, with skip_nnmodule_hook_guards on (a user's own setting: code
-    # compiled before hookscope's first block is recompiled, engine.compiled): the code
+    # compiled before hookscope's first block is recompiled, engine.compile.graph): the code
     # ignores new hooks
     with hookscope.capture(model, "0", on_unfired="ignore"):  # dynamo set up first
         pass

@@ -40,7 +40,7 @@ def _compiled(name: str, backend: str, warm: bool) -> tuple[nn.Module, nn.Module
         compiled = torch.compile(model, backend=backend)
         if warm:  # compiles without hooks, with and without grad (the verbs use both), as
             # dynamo does with skip_nnmodule_hook_guards on (a user's own setting: code
-            # compiled before hookscope's first block is recompiled, engine.compiled): that
+            # compiled before hookscope's first block is recompiled, engine.compile.graph): that
             # code ignores hooks added later
             with hookscope.capture(model, paths[0], on_unfired="ignore"):  # dynamo set up first
                 pass

@@ -15,7 +15,7 @@ from torch.nn.utils import weight_norm
 from torch.nn.utils.weight_norm import WeightNorm
 
 import hookscope
-from hookscope.engine.hooks import (
+from hookscope.engine.door.hooks import (
     GLOBAL_FLAGS,
     GLOBAL_TABLES,
     MODULE_FLAGS,

@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 import hookscope
 from hookscope.engine import interrupts
-from hookscope.engine.hooks import owner
+from hookscope.engine.door.hooks import owner
 from tests.models import LeNet, ReluBlocks
 
 pytestmark = pytest.mark.skipif(

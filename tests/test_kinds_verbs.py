@@ -1,5 +1,5 @@
 """Every kind of value x every verb (issue 31, items 1, 2): a tiny model whose module ``make``
-returns one kind of value (a row of ``hookscope.engine.kinds.KINDS``), built from generated
+returns one kind of value (a row of ``hookscope.engine.values.kinds.KINDS``), built from generated
 batches (hypothesis: batch size, sequence lengths, values). Each cell gives what plain PyTorch
 gives, or a ``HookscopeError`` naming the kind; a torch error from inside fails the cell.
 
@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 import hookscope
-from hookscope.engine.kinds import KINDS
+from hookscope.engine.values.kinds import KINDS
 from hookscope.errors import HookscopeError
 
 Tensor = torch.Tensor

@@ -1,5 +1,5 @@
 """The layers: each file's layer is read from its path, imports run one way, no file reaches
-into another package's private names, and only ``engine/hooks.py`` calls torch's hook API."""
+into another package's private names, and only ``engine/door/hooks.py`` calls torch's hook API."""
 
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ TORCH_HOOK_API = {
     "register_module_backward_hook", "register_multi_grad_hook", "register_step_pre_hook",
     "register_step_post_hook", "queue_callback",
 }
-DOOR = SRC / "engine" / "hooks.py"
+DOOR = SRC / "engine" / "door" / "hooks.py"
 
 
 def layer(path: Path) -> str:
-    """``engine`` for ``src/hookscope/engine/selection.py``; ``errors``; ``hookscope`` for the
+    """``engine`` for ``src/hookscope/engine/naming/selection.py``; ``errors``; ``hookscope`` for the
     package's own ``__init__``/``__main__``."""
     parts = path.relative_to(SRC).parts
     if len(parts) > 1:
@@ -103,7 +103,7 @@ def violations(path: Path, source: str) -> list[str]:
 
 def _past_the_face(own: str, other: str, parts: list[str], names: list[str]) -> list[str]:
     """An import by ``own`` of ``hookscope.<other>...`` that does not go through ``other``'s face:
-    an inner module (``hookscope.engine.selection``), or a name its ``__all__`` does not offer (a
+    an inner module (``hookscope.engine.naming.selection``), or a name its ``__all__`` does not offer (a
     module: ``from hookscope.engine import diagnose``)."""
     module = ".".join(parts)
     if len(parts) > 2:
@@ -129,7 +129,7 @@ def test_only_the_door_calls_torchs_hook_api(path: Path) -> None:
 
 
 def test_the_checks_can_fail() -> None:
-    engine = SRC / "engine" / "selection.py"
+    engine = SRC / "engine" / "naming" / "selection.py"
     assert violations(engine, "from hookscope.record import capture") == [
         "engine imports hookscope.record (layer record)"]
     assert violations(SRC / "store" / "x.py", "from hookscope.editing import edit") == [
@@ -148,12 +148,14 @@ def test_the_face_check_sees_every_import_past_a_face() -> None:
     module) that the package's ``__all__`` does not offer."""
     record = SRC / "record" / "x.py"
     inner = "record imports hookscope.engine.{}, an inner module of engine: import from hookscope.engine"
-    assert violations(record, "from hookscope.engine.selection import select") == [inner.format("selection")]
-    assert violations(record, "import hookscope.engine.hooks as h") == [inner.format("hooks")]
-    assert violations(record, "import importlib\nimportlib.import_module('hookscope.engine.names')") == [
-        inner.format("names")]
-    assert violations(record, "def f():\n    return __import__('hookscope.engine.kinds')") == [
-        inner.format("kinds")]
+    assert violations(record, "from hookscope.engine.naming.selection import select") == [
+        inner.format("naming.selection")]
+    assert violations(record, "import hookscope.engine.door.hooks as h") == [inner.format("door.hooks")]
+    assert violations(record, "import importlib\n"
+                              "importlib.import_module('hookscope.engine.naming.names')") == [
+        inner.format("naming.names")]
+    assert violations(record, "def f():\n    return __import__('hookscope.engine.values.kinds')") == [
+        inner.format("values.kinds")]
     assert violations(SRC / "cli" / "x.py", "import_module(f'hookscope.zoo.{name}')") == [
         "cli imports hookscope.zoo.*, an inner module of zoo: import from hookscope.zoo"]
     assert violations(record, "from hookscope.engine import diagnose, select") == [
@@ -186,7 +188,7 @@ def test_every_module_says_what_it_offers(path: Path) -> None:
 
 
 def test_every_package_has_a_layer() -> None:
-    packages = {p.parent.name for p in FILES if p.parent != SRC}
+    packages = {p.relative_to(SRC).parts[0] for p in FILES if p.parent != SRC}
     assert packages <= set(RANK) and {"engine", "record", "store", "zoo", "cli"} <= packages
 
 
@@ -223,7 +225,7 @@ def test_every_module_has_one_path() -> None:
 #: guarantees) -> the files that may use it. A use is found however it is spelled: an attribute
 #: (``m.register_forward_hook``), an imported name (``from signal import signal``) or a string
 #: (``getattr(m, "register_forward_hook")``, ``importlib.import_module("copyreg")``).
-_HOOK_DOOR = {"engine/hooks.py"}
+_HOOK_DOOR = {"engine/door/hooks.py"}
 _TABLES_READ = _HOOK_DOOR  # hooks() lists them and remove_hooks clears them through the door
 WAYS_IN: dict[str, set[str]] = {
     **{name: _HOOK_DOOR for name in TORCH_HOOK_API | {"register_post_accumulate_grad_hook"}},
@@ -239,7 +241,7 @@ WAYS_IN: dict[str, set[str]] = {
     "TorchDispatchMode": set(),
     # SIGINT: the engine's stand-in, extract's graceful stop and the CLI's exit at an interrupt
     "signal": {"engine/interrupts.py"},
-    "copyreg": {"engine/copies.py"},
+    "copyreg": {"engine/door/copies.py"},
     # the ownership check (not a checkpoint recompute) is the door's: capture's hot path had a
     # copy of OwnedHook's checks; it is the door's RecordingHook now
     "_current_graph_task_id": _HOOK_DOOR,
@@ -314,7 +316,7 @@ def floor_of(path: Path) -> set[str]:
 
 
 #: the ground floor: the door and the engine modules it owns stand only on these
-GROUND = {"engine/hooks.py", "engine/compiled.py", "engine/function_names.py", "errors.py"}
+GROUND = {"engine/door/hooks.py", "engine/compile/graph.py", "engine/naming/function_names.py", "errors.py"}
 
 
 @pytest.mark.parametrize("where", sorted({f for files in WAYS_IN.values() for f in files}))
@@ -323,10 +325,10 @@ def test_every_door_stands_on_the_ground_floor(where: str) -> None:
     engine's 8 (and function_mode, a door for function modes, stood on diagnose too): a way into
     torch's hook machinery must not depend on the selection language or the sessions above it."""
     assert floor_of(SRC / where) <= GROUND
-    assert floor_of(SRC / "engine" / "hooks.py") == {"engine/compiled.py", "errors.py"}
+    assert floor_of(SRC / "engine" / "door" / "hooks.py") == {"engine/compile/graph.py", "errors.py"}
 
 
 def test_the_floor_is_read_through_every_import() -> None:
-    select = floor_of(SRC / "engine" / "selection.py")
-    assert {"engine/names.py", "engine/wrappers.py", "engine/checks.py", "errors.py"} <= select
-    assert "engine/hooks.py" not in select
+    select = floor_of(SRC / "engine" / "naming" / "selection.py")
+    assert {"engine/naming/names.py", "engine/naming/wrappers.py", "engine/checks.py", "errors.py"} <= select
+    assert "engine/door/hooks.py" not in select

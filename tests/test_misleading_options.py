@@ -72,7 +72,7 @@ def test_reduce_applies_to_gradients_with_the_mask(reduce: str) -> None:
         with hookscope.capture(model, "transformer.h.0", grads=True, reduce=reduce) as acts:
             out = model(ids, attention_mask=mask)
             # a later forward with another mask must not change the first's (given: without
-            # it, these left-padded ids are refused, engine.layout.check_no_unmasked_padding)
+            # it, these left-padded ids are refused, engine.values.layout.check_no_unmasked_padding)
             model(ids[:, :3], attention_mask=mask[:, :3])
         out.logits.sum().backward()
     full = whole.grad("transformer.h.0")  # (2, 5, 32)

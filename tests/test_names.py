@@ -12,9 +12,9 @@ from torch import nn
 from torch.nn.utils import parametrizations
 
 import hookscope
-from hookscope.engine.names import index
-from hookscope.engine.selection import resolve, select
-from hookscope.engine.wrappers import wrapped_attribute
+from hookscope.engine.naming.names import index
+from hookscope.engine.naming.selection import resolve, select
+from hookscope.engine.naming.wrappers import wrapped_attribute
 from hookscope.errors import SelectorError
 
 

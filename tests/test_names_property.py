@@ -11,8 +11,8 @@ from torch import nn
 from torch.nn.utils import parametrizations
 
 import hookscope
-from hookscope.engine.names import index
-from hookscope.engine.selection import resolve
+from hookscope.engine.naming.names import index
+from hookscope.engine.naming.selection import resolve
 from tests.models import Residual
 
 WIDTH = 4

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import hookscope
-from hookscope.engine import names
+from hookscope.engine.naming import names
 from tests.models import MlpStack, UnusedBranch
 
 

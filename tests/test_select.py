@@ -12,7 +12,7 @@ from torch import nn
 
 import hookscope
 from hookscope import SelectorError
-from hookscope.engine.selection import resolve
+from hookscope.engine.naming.selection import resolve
 from tests.models import LeNet, MlpStack, ModuleListBlocks, TupleOutput
 
 

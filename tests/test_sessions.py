@@ -11,8 +11,8 @@ from torch import nn
 
 import hookscope
 from hookscope.diagnostics.module_tree import tree
-from hookscope.engine.names import ModuleIndex
-from hookscope.engine.selection import Target, as_patterns, resolve
+from hookscope.engine.naming.names import ModuleIndex
+from hookscope.engine.naming.selection import Target, as_patterns, resolve
 from hookscope.engine.session import Observer
 from tests.models import MlpStack, SharedLinear, UnusedBranch
 

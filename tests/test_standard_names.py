@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import hookscope
-from hookscope.engine.names import index
-from hookscope.engine.standard_naming import standard_names
+from hookscope.engine.naming.names import index
+from hookscope.engine.naming.standard_naming import standard_names
 from hookscope.errors import SelectorError
 
 transformers = pytest.importorskip("transformers")

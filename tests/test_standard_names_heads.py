@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 import hookscope
-from hookscope.engine.names import index
-from hookscope.engine.standard_naming import standard_names
+from hookscope.engine.naming.names import index
+from hookscope.engine.naming.standard_naming import standard_names
 from hookscope.errors import SelectorError
 from tests.test_standard_names import FAMILIES, build, transformers
 

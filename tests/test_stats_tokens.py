@@ -1,4 +1,4 @@
-"""stats counts the real tokens of each value by its layout (``engine.layout``), as every other
+"""stats counts the real tokens of each value by its layout (``engine.values.layout``), as every other
 verb does: the query axis of ``scaled_dot_product_attention``'s ``(batch, heads, query,
 head_dim)``, never its heads (a batch whose length equals the head count had its heads dropped
 as padding, with no error), and a padded batch without a mask is refused, not counted."""

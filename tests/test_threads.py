@@ -426,13 +426,13 @@ def test_generation_in_another_thread_is_never_labelled() -> None:
 
 def test_blocks_opened_at_once_on_one_module_get_distinct_compiled_keys(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Issue 35: ``engine.compiled.open_sink`` picks a module's first free key; two threads
+    """Issue 35: ``engine.compile.graph.open_sink`` picks a module's first free key; two threads
     picking at once must not get the same key (one block's compiled captures would go to the
     other's sink). 4 threads x 200 openings, each free-key lookup yielding to the others (the
     race made certain, not left to timing)."""
     import time
 
-    from hookscope.engine import compiled
+    from hookscope.engine.compile import graph as compiled
 
     class Yielding(dict):  # type: ignore[type-arg]
         def __contains__(self, key: object) -> bool:

@@ -1,4 +1,4 @@
-"""Every row of ``engine.layout.TOKEN_AXES`` (modules whose tokens are not dim 1: torch's
+"""Every row of ``engine.values.layout.TOKEN_AXES`` (modules whose tokens are not dim 1: torch's
 sequence-first attention, transformer layers and RNNs, 1-D convolutions) read by every verb that
 takes tokens: capture's reductions, stats, extract, ablate/steer/patch at positions, patching_sweep and
 attribution_patching, each against plain PyTorch (a forward hook indexing the module's output

@@ -214,7 +214,7 @@ def compare(model_a: nn.Module, model_b: nn.Module, *args: Any, layers: str | li
     (up to 2**53), quantized ones dequantized, complex ones by real and imaginary parts, a
     ``DTensor`` (tensor parallelism) as its global tensor, so a sharded model compares with
     the unsharded one. With an ``attention_mask`` only the real tokens of each output are
-    compared, on its token axis (``engine.layout``: dim 1 of a module output, the queries of
+    compared, on its token axis (``engine.values.layout``: dim 1 of a module output, the queries of
     ``scaled_dot_product_attention``, dim 0 of a sequence-first ``nn.MultiheadAttention``):
     what padding holds is no model's answer (SDPA and eager attention fill it differently);
     ``LayerDiff.shape`` is still the whole output's. Without ``pair=``.
@@ -520,7 +520,7 @@ def _watched_forward(session: Observer, tokens: Observer, model: nn.Module,
 
 def _token_watch(model: nn.Module, watcher: MaskWatcher) -> Observer:
     """A session keeping ``watcher.tokens`` those of the running forward: its pre-hooks on the
-    root and an encoder-decoder's stacks (``engine.layout.MaskWatcher``)."""
+    root and an encoder-decoder's stacks (``engine.values.layout.MaskWatcher``)."""
     roots = [Target(path, module) for path, module in watcher.modules]
     return Observer(unwrap(model)[0], roots, pre=lambda t: watcher.hook, with_kwargs=True,
                     explain_unfired=False)

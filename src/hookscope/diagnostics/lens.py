@@ -72,7 +72,7 @@ class LogitLens:
         Raises:
             ArgumentValueError: ``row`` is not a row of the batch.
             PositionError: the row lacks the position; the input looks padded but no mask was
-                given (``engine.layout.check_no_unmasked_padding``).
+                given (``engine.values.layout.check_no_unmasked_padding``).
         """
         batch = int(self.log_probs.shape[1])
         if not -batch <= row < batch:

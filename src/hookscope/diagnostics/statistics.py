@@ -216,7 +216,7 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
     returning a structure (tuple, dict, ...) contributes its first floating-point tensor (e.g.
     ``attn_output`` of MultiheadAttention); a module called several times per forward (a shared
     activation) adds every call. For a batch with an ``attention_mask`` ``(batch, seq)``, each
-    output counts only its real tokens, on its token axis (``engine.layout``: dim 1 of a module
+    output counts only its real tokens, on its token axis (``engine.values.layout``: dim 1 of a module
     output, the queries of ``scaled_dot_product_attention``, dim 0 of a sequence-first
     ``nn.MultiheadAttention``; a function's value of unknown layout is read as ``(batch, seq,
     ...)``), so the numbers do not depend on how sentences were batched and padded; a batch
@@ -392,7 +392,7 @@ def _real_tokens(tensor: Tensor, target: Target, tokens: Tokens) -> Tensor:
 
     Raises:
         PositionError: the input looks padded but no mask was given
-            (``engine.layout.check_no_unmasked_padding``).
+            (``engine.values.layout.check_no_unmasked_padding``).
     """
     if not tokens.known:
         return tensor

@@ -76,7 +76,7 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
     ``values[i, j] = corrupted + sum((a_clean - a_corrupted) * d metric / d a)`` over the rows
     and channels of ``layers[i]`` at ``positions[j]`` (the positions as ``patching_sweep``
     resolves them: on each value's token axis, among the real tokens of its own run's
-    ``attention_mask``, both read from the records' layouts, ``engine.layout``), so the table
+    ``attention_mask``, both read from the records' layouts, ``engine.values.layout``), so the table
     reads as the exact sweep's; with ``heads=True``, ``values[i, j, k]`` sums over head ``k``
     only. The gradient is taken with respect to each layer's output (a zero
     added to it), so frozen weights and integer inputs need nothing; no parameter's ``.grad``

@@ -252,7 +252,7 @@ def _graph(model: nn.Module) -> _Graph:
 def _record(model: nn.Module, inputs: Any, metric: Metric,
             names: list[str]) -> tuple[float, dict[str, Tensor], int, Tokens]:
     """One forward under ``no_grad``: the metric, the values of ``names``, the heads axis of
-    ``attn.z`` and the forward's tokens (``engine.layout``; ``names[1]`` is ``attn.z.0``)."""
+    ``attn.z`` and the forward's tokens (``engine.values.layout``; ``names[1]`` is ``attn.z.0``)."""
     with torch.no_grad(), capture(model, *names, on_unfired="error") as acts:
         value = _number(metric(_forward(model, inputs)))
     axis = acts.layout(names[1]).heads

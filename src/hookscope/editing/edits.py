@@ -28,7 +28,7 @@ source. On exit, a selected module that never ran is reported like in ``capture`
 (``on_unfired``), because an edit that never applied is a silent wrong result.
 
 Inside ``torch.compile`` (``fullgraph=True`` included) each output edit runs in the graph as one
-operator whose result the graph goes on with (``engine.compiled.replace``): values equal eager,
+operator whose result the graph goes on with (``engine.compile.graph.replace``): values equal eager,
 no recompile per block. When gradients flow through the edited output it runs outside the graph
 instead (``fullgraph=False``), or raises ``EditError`` at the call (``fullgraph=True``).
 """
@@ -123,7 +123,7 @@ class Edit(HookSession):
     def _register(self) -> None:
         # in_recompute: activation checkpointing re-runs the forward during backward; the
         # edit must apply there too, or the recomputed values differ from the real ones.
-        # pick: a compiled graph holds the watcher and each output edit whole (engine.compiled)
+        # pick: a compiled graph holds the watcher and each output edit whole (engine.compile.graph)
         replaces = FULLGRAPH if fullgraph(self.model) else True
         if self._watcher is not None:
             watcher = self._watcher

@@ -219,7 +219,7 @@ class Where:
 
     def layout(self, name: str, target: Target, keys: tuple[int | str, ...], shape: Sequence[int],
                tokens: Tokens = NO_TOKENS) -> Layout:
-        """The layout (``engine.layout.layout_of``), with ``seq_dim`` and heads, of the value
+        """The layout (``engine.values.layout.layout_of``), with ``seq_dim`` and heads, of the value
         at ``keys`` in what ``target`` selects (its module's ``TOKEN_AXES`` row)."""
         return layout_of(name, target.op, shape, self.seq_dim, heads=self.heads is not None,
                          tokens=tokens, module=target.module, parts=(*target.parts, *keys))

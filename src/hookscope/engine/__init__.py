@@ -1,13 +1,23 @@
-"""The engine: the only code that touches torch's hook API.
+"""The engine: the only code that touches torch's hook API, in four rooms and the life cycle on top.
 
-``hooks`` is the one door to torch's registration (every hook hookscope adds is owned: its own
-module object, its own thread, not a checkpoint recompute, never in a copy); ``session`` is the
-life cycle every verb shares (resolve once, register, remove on every exit path, explain unfired
-hooks); ``selection``, ``names`` and ``wrappers`` turn patterns into modules; ``function_mode`` and
-``function_names`` reach the torch functions a forward calls; ``early_stop`` cuts a forward short;
-``values`` and ``copy_on_write`` hold a value a hook saw; ``layout`` says what a value holds
-(token and heads axes, the mask and KV-cache length of its forward), for every verb; ``run`` is
-what a batch means to the model; ``diagnose`` says why a hook could not or did not fire.
+- ``door/``: the only writer of torch's hook tables. ``hooks`` registers every hook hookscope adds,
+  each owned (its module object, its thread, not a checkpoint recompute); ``copies`` keeps every
+  hook out of a copy, a pickle or a checkpoint.
+- ``values/``: what a hook saw, held and described. ``keep`` (what can be kept after the call),
+  ``copy_on_write`` (equal to what the module returned despite later in-place writes), ``kinds``
+  (the table of tensor kinds), ``layout`` (batch, token and heads axes, the mask of its forward),
+  ``record_key`` (the one address of a recorded value).
+- ``naming/``: from the names users see to modules and calls. ``selection`` (paths, ``state_dict()``
+  keys, globs), ``names`` and ``wrappers`` (every visible name, through any wrapper),
+  ``standard_naming`` and ``residual_check`` (standard names, checked against the model's own
+  hidden states), ``function_names`` (addresses of function calls inside a forward).
+- ``compile/``: ``graph``, the route of hooks through ``torch.compile`` graphs and the
+  process-wide changes it makes.
+- On top: ``session`` (the life cycle every verb shares: resolve once, register, remove on every
+  exit path, explain unfired hooks), ``interrupts`` (no interrupt skips a cleanup),
+  ``function_mode`` (the torch functions a forward calls), ``early_stop``, ``run`` (what a batch
+  means to the model), ``ground_truth`` (one probe forward: what the model itself computed),
+  ``diagnose`` (why a hook could not or did not fire), ``checks`` (argument checks).
 
 Imports only ``hookscope.errors`` and ``hookscope.util``. Other packages import what this face
 offers (``__all__``), never one of its modules (``tests/test_layers.py``).
@@ -34,13 +44,9 @@ from hookscope.engine.checks import (
     check_token_ids,
     warn_if_dropout_trains,
 )
-from hookscope.engine.compiled import NotKept, eager_when_called
-from hookscope.engine.copy_on_write import eager_copy, lazy_copy, shares_memory, version_of
+from hookscope.engine.compile.graph import NotKept, eager_when_called
 from hookscope.engine.diagnose import explain_no_hooks, fullgraph, locate_error, preflight
-from hookscope.engine.function_mode import FunctionCall, Watch, each_call
-from hookscope.engine.function_names import bind_arguments, functional_hint, refuse_uninterceptable
-from hookscope.engine.ground_truth import Probe, first_tensor, probe_of, same_values
-from hookscope.engine.hooks import (
+from hookscope.engine.door.hooks import (
     FULLGRAPH,
     OwnedHook,
     RecordingHook,
@@ -54,9 +60,63 @@ from hookscope.engine.hooks import (
     registered,
     unregister,
 )
+from hookscope.engine.function_mode import FunctionCall, Watch, each_call
+from hookscope.engine.ground_truth import Probe, first_tensor, probe_of, same_values
 from hookscope.engine.interrupts import GracefulStop, critical, exit_at_interrupt, release_signals
-from hookscope.engine.kinds import apply_edit, comparable, describe, inside, kind_of, rows_for, values_for
-from hookscope.engine.layout import (
+from hookscope.engine.naming.function_names import bind_arguments, functional_hint, refuse_uninterceptable
+from hookscope.engine.naming.names import ModuleIndex, index, one_index_per_call
+from hookscope.engine.naming.selection import (
+    Target,
+    as_patterns,
+    asked_names,
+    flat_patterns,
+    is_container,
+    resolve,
+    select,
+)
+from hookscope.engine.naming.standard_naming import (
+    blocks_of,
+    branch_norms,
+    from_transformer_lens,
+    is_standard,
+    known_standard_names,
+    resolve_standard,
+    standard_names,
+    unresolved_standard,
+)
+from hookscope.engine.naming.wrappers import unwrap
+from hookscope.engine.origin import KNOWN_LIBRARIES, library_of
+from hookscope.engine.run import (
+    RngState,
+    detached_clones,
+    input_device,
+    model_inputs,
+    state_snapshot,
+    untouched,
+)
+from hookscope.engine.session import HookSession, Observer, OnUnfired, resolve_checked, resolve_each
+from hookscope.engine.values.copy_on_write import eager_copy, lazy_copy, shares_memory, version_of
+from hookscope.engine.values.keep import (
+    NO_VALUES_FIX,
+    check_has_values,
+    check_not_transformed,
+    holds_no_values,
+    keepable,
+    kept_note,
+    no_values_reason,
+    outside_inference,
+    special,
+)
+from hookscope.engine.values.kinds import (
+    apply_edit,
+    comparable,
+    describe,
+    inside,
+    kind_of,
+    rows_for,
+    values_for,
+)
+from hookscope.engine.values.layout import (
     NO_TOKENS,
     TOKEN_AXES,
     AxesRow,
@@ -68,49 +128,7 @@ from hookscope.engine.layout import (
     layout_of,
     token_axes,
 )
-from hookscope.engine.names import ModuleIndex, index, one_index_per_call
-from hookscope.engine.origin import KNOWN_LIBRARIES, library_of
-from hookscope.engine.record_key import Part, RecordKey, record_name
-from hookscope.engine.run import (
-    RngState,
-    detached_clones,
-    input_device,
-    model_inputs,
-    state_snapshot,
-    untouched,
-)
-from hookscope.engine.selection import (
-    Target,
-    as_patterns,
-    asked_names,
-    flat_patterns,
-    is_container,
-    resolve,
-    select,
-)
-from hookscope.engine.session import HookSession, Observer, OnUnfired, resolve_checked, resolve_each
-from hookscope.engine.standard_naming import (
-    blocks_of,
-    branch_norms,
-    from_transformer_lens,
-    is_standard,
-    known_standard_names,
-    resolve_standard,
-    standard_names,
-    unresolved_standard,
-)
-from hookscope.engine.values import (
-    NO_VALUES_FIX,
-    check_has_values,
-    check_not_transformed,
-    holds_no_values,
-    keepable,
-    kept_note,
-    no_values_reason,
-    outside_inference,
-    special,
-)
-from hookscope.engine.wrappers import unwrap
+from hookscope.engine.values.record_key import Part, RecordKey, record_name
 
 __all__ = ["Probe", "first_tensor", "probe_of", "same_values",
            "AxesRow", "TOKEN_AXES", "batch_first", "token_axes",

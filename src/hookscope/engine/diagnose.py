@@ -24,11 +24,11 @@ from types import FrameType
 import torch
 from torch import nn
 
-from hookscope.engine.function_names import functional_counterpart, functional_hint
-from hookscope.engine.names import ModuleIndex
-from hookscope.engine.record_key import record_name
-from hookscope.engine.selection import Target
-from hookscope.engine.wrappers import wrapped_attribute
+from hookscope.engine.naming.function_names import functional_counterpart, functional_hint
+from hookscope.engine.naming.names import ModuleIndex
+from hookscope.engine.naming.selection import Target
+from hookscope.engine.naming.wrappers import wrapped_attribute
+from hookscope.engine.values.record_key import record_name
 from hookscope.errors import FusedModuleWarning, HookscopeError
 
 __all__ = ["preflight", "check_targets", "witnesses", "explain_unfired", "explain_no_hooks", "locate_error",

@@ -22,7 +22,7 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from hookscope.engine.hooks import register
+from hookscope.engine.door.hooks import register
 
 __all__ = ["EarlyStop", "SKIPPED_BY_STOP", "StopForward", "forward_boundary", "stopped_by", "stops"]
 

@@ -30,7 +30,7 @@ the stack when the compiled call starts, but not one that a hook enters inside t
 before the compiled code, enters the mode for the whole call, and its forward hook leaves it. While
 dynamo traces, the hooks keep a frame of the trace, and the mode hands each call a watch wants
 out of the graph where it is made (``_Frame.note``: its arguments and result, by one
-``hookscope::keep`` operator, ``engine.compiled``, which copies them before the forward goes on
+``hookscope::keep`` operator, ``engine.compile.graph``, which copies them before the forward goes on
 and writes them in place); a call an edit wants goes through ``hookscope::replace``, whose result
 the forward goes on with; the module's forward hook then hands out the names of all the calls
 (``pick=_taken``). At run time the leave hook's sink reports each call to the watches as an
@@ -61,9 +61,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from hookscope.engine import compiled
-from hookscope.engine.function_names import bind_arguments, function_name, parse_op
-from hookscope.engine.hooks import OwnedHook, drop_sink, in_recompute, other_threads, register, traced
+from hookscope.engine.compile import graph as compiled
+from hookscope.engine.door.hooks import OwnedHook, drop_sink, in_recompute, other_threads, register, traced
+from hookscope.engine.naming.function_names import bind_arguments, function_name, parse_op
 from hookscope.errors import EditError, HookscopeError
 
 __all__ = ["FunctionCall", "FunctionWatcher", "FunctionHooks", "Watch", "entered", "each_call", "take_off"]
@@ -724,7 +724,7 @@ class _Frame:
         watch that does not see it; strings are constants of the graph); return what the
         forward goes on with. A call a watch wants goes out of the graph here, with copies of its ``args``,
         ``kwargs`` and ``output`` made before the forward goes on (``engine.compiled.keep``);
-        one an edit wants, its result through ``engine.compiled.replace_call``; every head
+        one an edit wants, its result through ``engine.compile.graph.replace_call``; every head
         goes out at the end (``_taken``): the names a forward made, in order."""
         called = _function_code[0](func)
         name = called.partition(" ")[2]

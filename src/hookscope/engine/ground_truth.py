@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.engine.hooks import register, set_aside
-from hookscope.engine.names import ModuleIndex
+from hookscope.engine.door.hooks import register, set_aside
+from hookscope.engine.naming.names import ModuleIndex
 from hookscope.engine.run import input_device, untouched
 
 __all__ = ["Probe", "probe_of", "first_tensor", "same_values"]

@@ -28,7 +28,7 @@ from torch import nn
 
 from hookscope.engine import interrupts
 from hookscope.engine.checks import check_model
-from hookscope.engine.hooks import ModuleHooks, OwnedHook
+from hookscope.engine.door.hooks import ModuleHooks, OwnedHook
 from hookscope.errors import ConcurrentModelError, HookscopeError
 
 __all__ = ["RngState", "detached_clones", "input_device", "model_inputs", "state_snapshot",

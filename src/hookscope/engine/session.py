@@ -7,7 +7,7 @@ broke, and report selected modules whose hooks never fired. ``HookSession`` does
 subclasses only add their own hooks (``_register``, through ``_hook``) and say what a silent
 module costs (``_unfired_consequence``).
 
-Every hook is an ``OwnedHook`` (``engine.hooks``): it acts only for this session's module
+Every hook is an ``OwnedHook`` (``engine.door.hooks``): it acts only for this session's module
 objects (not a ``deepcopy`` made inside the block), in the thread that entered the block, and not
 for the forward that activation checkpointing re-runs during backward (counted in
 ``recomputes``; edits apply to it too, so the recompute equals the real forward).
@@ -23,18 +23,10 @@ from typing import Any, Literal, Self
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from hookscope.engine import compiled, copies, diagnose, interrupts
-from hookscope.engine.early_stop import (
-    SKIPPED_BY_STOP,
-    EarlyStop,
-    StopForward,
-    forward_boundary,
-    stopped_by,
-    stops,
-)
-from hookscope.engine.function_mode import FunctionHooks
-from hookscope.engine.function_names import refuse_uninterceptable
-from hookscope.engine.hooks import (
+from hookscope.engine import diagnose, interrupts
+from hookscope.engine.compile import graph as compiled
+from hookscope.engine.door import copies
+from hookscope.engine.door.hooks import (
     ModuleHooks,
     OwnedHook,
     kind_of_hook,
@@ -44,8 +36,18 @@ from hookscope.engine.hooks import (
     other_threads,
     register,
 )
-from hookscope.engine.names import ModuleIndex, index
-from hookscope.engine.selection import Target, resolve, unwrap
+from hookscope.engine.early_stop import (
+    SKIPPED_BY_STOP,
+    EarlyStop,
+    StopForward,
+    forward_boundary,
+    stopped_by,
+    stops,
+)
+from hookscope.engine.function_mode import FunctionHooks
+from hookscope.engine.naming.function_names import refuse_uninterceptable
+from hookscope.engine.naming.names import ModuleIndex, index
+from hookscope.engine.naming.selection import Target, resolve, unwrap
 from hookscope.errors import (
     ArgumentValueError,
     EditError,
@@ -161,7 +163,7 @@ class HookSession:
             if padded:  # on every module, the selected ones too: the tables stay as they are
                 near = {**self._each_module(), **near}
             for path, module in near.items():
-                # a compiled graph holds a witness whole (engine.compiled)
+                # a compiled graph holds a witness whole (engine.compile.graph)
                 self._own(OwnedHook(self._witness(path), module, pick=nothing), pre=True)
 
     def _pad_for_compile(self) -> bool:
@@ -225,7 +227,7 @@ class HookSession:
 
     def _refuse_outside_graph(self) -> None:
         """Refuse, on entry, a block on a ``torch.compile(fullgraph=True)`` model with a hook
-        that runs outside the graph (no ``pick``: ``engine.hooks._untraced``), which splits it:
+        that runs outside the graph (no ``pick``: ``engine.door.hooks._untraced``), which splits it:
         a full graph cannot split, and torch would raise its own ``Unsupported`` at the call
         (verbs that refuse an option first, as ``capture(grads=True)``, say which).
 
@@ -503,7 +505,7 @@ class Observer(HookSession):
             ``named_modules()`` wrapped as ``Target(path, module)``.
         forward: ``forward(target) -> hook(module, args, [kwargs,] output)``, or an
             ``OwnedHook`` on ``target.module`` registered as it is (with a ``pick``: a compiled
-            graph holds it, ``engine.compiled``), or None.
+            graph holds it, ``engine.compile.graph``), or None.
         pre: ``pre(target) -> hook(module, args, [kwargs])``, or None.
         with_kwargs: the hooks also take the call's keyword arguments.
         on_unfired: as ``capture``; default ``"ignore"``: ``unfired`` is still filled in on exit
@@ -533,7 +535,7 @@ class Observer(HookSession):
                            with_kwargs=self._with_kwargs)
             if self._forward is not None:
                 hook = self._forward(target)
-                if isinstance(hook, OwnedHook):  # made whole by the caller (engine.compiled)
+                if isinstance(hook, OwnedHook):  # made whole by the caller (engine.compile.graph)
                     hook.function = self._marked(target, hook.function)
                     self._own(hook)
                 else:

@@ -7,7 +7,7 @@ one forward hook per selected module; on exit it removes every hook it added, al
 
 Captured values stay equal to what the module returned at that moment, even when a later in-place
 op writes over its memory, without copying every output: each is kept copy-on-write, and only a
-tensor really written later is copied, when the write happens (``engine.copy_on_write``).
+tensor really written later is copied, when the write happens (``engine.values.copy_on_write``).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class Capture(HookSession, Records):
 
     def _refuse_in_fullgraph(self) -> None:
         """Refuse, on entry, what a ``torch.compile(fullgraph=True)`` graph cannot hold: these
-        hooks run outside the graph (``engine.hooks._untraced``), which splits it, and
+        hooks run outside the graph (``engine.door.hooks._untraced``), which splits it, and
         fullgraph forbids a split (torch would raise its own ``Unsupported`` at the call)."""
         if not fullgraph(self.model):
             return
@@ -149,7 +149,7 @@ class Capture(HookSession, Records):
                                 "compiled autograd",
             "early_stop=True": "it ends the forward with an exception, which a graph cannot hold",
         }
-        # (function addresses are refused on any compiled model: engine.function_names)
+        # (function addresses are refused on any compiled model: engine.naming.function_names)
         refused = [name for name in why if getattr(options, name.split("=")[0])]
         if refused:
             first = refused[0]
@@ -169,7 +169,7 @@ class Capture(HookSession, Records):
 
     def _register(self) -> None:
         self._snapshot = self._snapshot_fn()  # one per session, shared by every hook
-        # a compiled call passes its mask on through ``pick``/``on_kept`` (engine.compiled)
+        # a compiled call passes its mask on through ``pick``/``on_kept`` (engine.compile.graph)
         self._own(OwnedHook(self._watch_tokens, unwrap(self.model)[0], pick=self._mask.find,
                             on_kept=self._compiled_tokens), pre=True, with_kwargs=True)
         for _, stack in self._mask.modules[1:]:  # an encoder-decoder's stacks: their own tokens
@@ -303,7 +303,8 @@ class Capture(HookSession, Records):
 
     def _snapshot_fn(self) -> Callable[[Any, _Slot], Any]:
         """Return ``snapshot(output, slot)``: the output with each tensor detached, converted,
-        reduced, and kept safe from later in-place writes as ``clone`` asks (``engine.copy_on_write``)."""
+        reduced, and kept safe from later in-place writes as ``clone`` asks
+        (``engine.values.copy_on_write``)."""
         to, dtype, reduce = self._options.to, self._options.dtype, self._options.reduce
         converts = to is not None or dtype is not None or reduce is not None
         clone, watcher = self._options.clone, self._mask
@@ -429,13 +430,13 @@ def _first_tensor(outputs: list[Any]) -> Tensor | None:
 def _reduced(reduce: Reduction, t: Tensor, watcher: MaskWatcher, target: Target,
              keys: Keys) -> Tensor:
     """``reduce`` of ``t`` (part ``keys`` of what ``target`` selects) seen as ``(batch, seq,
-    ...)`` (``engine.layout.batch_first``: a sequence-first or length-last output moved so),
+    ...)`` (``engine.values.layout.batch_first``: a sequence-first or length-last output moved so),
     with the attention mask of the running forward (None without one), on ``t``'s device.
 
     Raises:
         PositionError: ``reduce`` is one of the named token reductions (``"first"``,
             ``"last"``, ``"mean"``) and the input looks padded without a mask
-            (``engine.layout.check_no_unmasked_padding``), or ``t`` has no token axis (an
+            (``engine.values.layout.check_no_unmasked_padding``), or ``t`` has no token axis (an
             RNN's final state)."""
     module, parts = (target.module if target.op is None else None), (*target.parts, *keys)
     axes = token_axes(module, parts, t.dim())
@@ -461,7 +462,8 @@ def _part(output: Any, slot: _Slot) -> Any:
 
 
 def _keep_input(t: Tensor, clone: bool | None) -> Tensor:
-    """An input as the module received it, safe from later in-place writes (``engine.copy_on_write``)."""
+    """An input as the module received it, safe from later in-place writes
+    (``engine.values.copy_on_write``)."""
     t = keepable(t, "an input")
     return eager_copy(t) if clone else lazy_copy(t)
 
@@ -484,7 +486,7 @@ def _regrad(slots: list[_Slot], output: Any,
 def _inputs_hook(slots: list[_Slot], clone: bool | None
                  ) -> tuple[Callable[..., None], Callable[[Any], None]]:
     """A forward pre-hook keeping each call's inputs as the module receives them, and its
-    ``on_kept`` for a call inside a compiled graph (``engine.compiled``): ``(args, kwargs)``
+    ``on_kept`` for a call inside a compiled graph (``engine.compile.graph``): ``(args, kwargs)``
     already copied, an argument the graph cannot hand out as ``NotKept``."""
     def keep(t: Tensor) -> Tensor:
         return _keep_input(t, clone)
@@ -550,7 +552,7 @@ def capture(model: nn.Module, *layers: str | Sequence[str], inputs: bool = False
             ``acts[path]``; inputs and their gradients (``grad_inputs``) are kept whole.
         clone: ``None`` (default) keeps each tensor copy-on-write: nothing is copied unless a
             later in-place op writes it, and then only that tensor, just before the write (the
-            writer gets the copy; exact in every grad mode, see ``engine.copy_on_write``); ``True``
+            writer gets the copy; exact in every grad mode, see ``engine.values.copy_on_write``); ``True``
             copies every tensor at once; ``False`` keeps plain references: values overwritten
             later raise on reading, except under ``torch.inference_mode()``, whose tensors have
             no version counter (a warning says so).

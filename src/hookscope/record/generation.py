@@ -237,7 +237,7 @@ class GenerationCapture:
         position comes from the first step that computed it (no duplicates from the cache).
 
         The tokens are taken from the value's token axis, as ``positions=`` does
-        (``engine.layout.layout_of``): dim 1 of a module output ``(batch, seq, ...)``; the
+        (``engine.values.layout.layout_of``): dim 1 of a module output ``(batch, seq, ...)``; the
         query axis of ``"...::scaled_dot_product_attention"``, whose ``(batch, heads, query,
         head_dim)`` value is returned as ``(batch, positions, heads, head_dim)``.
 

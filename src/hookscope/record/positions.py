@@ -11,7 +11,7 @@ never selected. Pass ``absolute=True`` to index dim 1 as it is, padding included
 Without a mask, positions index dim 1 as it is (negative from its end), as Python indexing does.
 
 **Which axis holds the tokens**, and which tokens are real, is the value's ``Layout``
-(``hookscope.engine.layout``: one description, read by every verb): dim 1 of a module output,
+(``hookscope.engine.values.layout``: one description, read by every verb): dim 1 of a module output,
 the query axis (dim 2) of ``scaled_dot_product_attention``'s ``(batch, heads, query,
 head_dim)``, ``seq_dim=`` for any other function's value; the mask is that of the forward that
 produced the value (a capture keeps it with each record, so a capture used as ``source=``
@@ -83,7 +83,7 @@ def layout_positions(positions: Positions, layout: Layout, key: str, *, absolute
 
     Raises:
         PositionError: as ``resolve_positions``; the input looks padded but no mask was given
-            (``engine.layout.check_no_unmasked_padding``) and ``positions`` is not ``None``.
+            (``engine.values.layout.check_no_unmasked_padding``) and ``positions`` is not ``None``.
     """
     if not absolute and positions is not None:
         check_no_unmasked_padding(layout.tokens, f"positions={positions!r} on '{key}'")
@@ -175,7 +175,7 @@ def real_tokens(t: Tensor, layout: Layout) -> Tensor:
 def padding_dropped(t: Tensor, target: Target | None, tokens: Tokens,
                     keys: tuple[int | str, ...] = ()) -> Tensor:
     """The real tokens of ``t`` (part ``keys`` of what ``target`` selects; ``None``: the root's
-    output), ``(tokens, [heads,] ...)``, by its layout (``engine.layout.layout_of``) and the
+    output), ``(tokens, [heads,] ...)``, by its layout (``engine.values.layout.layout_of``) and the
     forward's mask ``tokens``; ``t`` itself without a mask, or for a value with no token axis:
     ``(batch, features)``, an RNN's final state, and a module output of 4 dims or more, whose
     dim 1 is channels or attention heads. A function's value of unknown layout is read as

@@ -1,6 +1,7 @@
 """Records: what a capture recorded, read the same way live, saved, or loaded back from a file.
 
-A record is addressed by a ``RecordKey`` (``hookscope.engine.record_key``: ``path[::op][:call][part]...``).
+A record is addressed by a ``RecordKey`` (``hookscope.engine.values.record_key``:
+``path[::op][:call][part]...``).
 
 Older files wrote the parts of a selected name before the call (``lstm[0]:1``); ``parse`` reads
 both. A saved file (safetensors, no pickle) holds one tensor per key, the key without ``:call``
@@ -282,7 +283,7 @@ class Records:
     def layout(self, key: str | RecordKey, call: int = 0, seq_dim: int | None = None, *,
                heads: bool = False) -> Layout:
         """What call ``call`` of the tensor recorded at ``key`` holds: its token and heads axes and
-        the mask of the forward that produced it (``hookscope.engine.layout.layout_of``).
+        the mask of the forward that produced it (``hookscope.engine.values.layout.layout_of``).
 
         Raises:
             CaptureError: as reading ``acts[key]``; the record is not a tensor.
@@ -513,7 +514,7 @@ def _check_key(key: object) -> None:
 
 
 def _savable(key: str, t: Tensor) -> Tensor:
-    """``t``'s values as its kind keeps them for a file (``engine.kinds``: a sparse tensor's
+    """``t``'s values as its kind keeps them for a file (``engine.values.kinds``: a sparse tensor's
     dense values, a quantized one's dequantized values).
 
     Raises:

@@ -138,7 +138,7 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
             the inputs: a tensor, a dict, or a tuple of positional inputs (labels ignored).
         layers: patterns as in ``hookscope.select``; each selected module (or output part,
             ``"lstm[0]"``) becomes one store layer. Its output must hold one tensor whose dim 0
-            is the batch, or whose layout says where the batch is (``engine.layout.TOKEN_AXES``:
+            is the batch, or whose layout says where the batch is (``engine.values.layout.TOKEN_AXES``:
             a sequence-first ``nn.MultiheadAttention``, a ``Conv1d``'s ``(batch, channels,
             length)``): rows are stored as ``(batch, seq, ...)``.
         out: the store folder to create, a path or any fsspec URL (``s3://bucket/acts``,
@@ -748,7 +748,7 @@ def _layer_rows(key: str, output: Any, n: int, tokens: Tokens, job: _Job,
     """``(rows, None)`` or ``(flat tokens, lengths)`` of one layer's output, whose ``(batch,
     token)`` axes are ``axes`` (``Records.token_axes``), made in a forward with ``tokens``
     (``Records.tokens``: the mask of the stack that ran it). A value whose kind
-    has rows of its own (a nested tensor, a PackedSequence: ``engine.kinds``) is stored ragged,
+    has rows of its own (a nested tensor, a PackedSequence: ``engine.values.kinds``) is stored ragged,
     one row per input in input order, real tokens only."""
     kind = kind_of(output)
     ragged = rows_for(output)

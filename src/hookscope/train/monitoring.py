@@ -6,7 +6,7 @@ What runs when:
   a copy of the CPU/CUDA RNG states (a few KB); with the guard on, a forward hook puts a
   gradient hook on each floating-point output tensor. No other module is hooked.
 - **every backward** (guard on): the first output gradient queues one callback at the end of
-  the backward (``engine.hooks.after_backward``): one fused norm of all gradients and one host
+  the backward (``engine.door.hooks.after_backward``): one fused norm of all gradients and one host
   sync (``guard.gradients_finite``). When it is not finite the weights are copied and the step
   waits for its replay (below); ``guard="skip"`` drops the gradients there.
 - **sampled steps** (``step % every == 0``): forward hooks on the selected modules fold each
@@ -142,7 +142,7 @@ def monitor(model: nn.Module, layers: str | list[str] = "**", *, every: int = 10
     (another rank's step was not; that rank names the module) and raises, warns or skips too.
 
     ``torch.compile``: the hooks are on ``compiled._orig_mod``'s modules. A sampled step's
-    statistics run inside the compiled graph (``engine.compiled``: the activation's on a copy
+    statistics run inside the compiled graph (``engine.compile.graph``: the activation's on a copy
     of the output, the gradient's in the backward graph), so records equal the eager model's
     and sampled steps make no recompile (a graph with their hooks, one without, in all). The
     root's hooks (the inputs and RNG copy kept for a replay, the guard's gradient hooks) run
@@ -648,7 +648,7 @@ class _Sample:
             self.contained(f"statistics of {target.key!r}", lambda: gradients.update(
                 self._true(padding_dropped(grad, target, self.tokens.tokens))))
         # inside a compiled graph: ``hook`` on a copy of the output (detached: no tensor hook),
-        # and the gradient that the backward graph hands over (engine.compiled)
+        # and the gradient that the backward graph hands over (engine.compile.graph)
         return OwnedHook(hook, target.module, pick=output_of, on_gradient=gradient)
 
     def _true(self, grad: Tensor) -> Tensor:

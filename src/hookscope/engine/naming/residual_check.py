@@ -1,6 +1,6 @@
 """Standard names checked against the model's own hidden states.
 
-``resid_pre.{i}`` and ``resid_post.{i}`` are found by structure (``engine.standard_naming``);
+``resid_pre.{i}`` and ``resid_post.{i}`` are found by structure (``engine.naming.standard_naming``);
 ``embed`` too. A Hugging Face model also says what its residual stream is:
 ``output_hidden_states=True`` returns ``hidden_states[0]`` (what enters the first block) and
 ``hidden_states[i + 1]`` (what block ``i`` gives on). Once per model (``engine.ground_truth``:
@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from hookscope.engine.ground_truth import Probe, probe_of, same_values
-from hookscope.engine.names import ModuleIndex
+from hookscope.engine.naming.names import ModuleIndex
 
 __all__ = ["Residuals", "checked_residuals", "input_embedding"]
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.nn.utils.rnn import PackedSequence, pack_sequence, pad_packed_sequence
 
-from hookscope.engine import values as v
+from hookscope.engine.values import keep as v
 from hookscope.errors import HookscopeError
 
 __all__ = ["Kind", "KINDS", "VERBS", "kind_of", "values_for", "rows_for", "apply_edit",

@@ -44,17 +44,17 @@ import torch.fx
 from torch import nn
 
 from hookscope.engine.checks import brief, check_iterable, check_nonempty
-from hookscope.engine.function_names import split_address
-from hookscope.engine.names import ModuleIndex, index
-from hookscope.engine.record_key import ROOT, RecordKey, record_name
-from hookscope.engine.standard_naming import (
+from hookscope.engine.naming.function_names import split_address
+from hookscope.engine.naming.names import ModuleIndex, index
+from hookscope.engine.naming.standard_naming import (
     Resolved,
     from_transformer_lens,
     is_standard,
     known_standard_names,
     resolve_standard,
 )
-from hookscope.engine.wrappers import unwrap
+from hookscope.engine.naming.wrappers import unwrap
+from hookscope.engine.values.record_key import ROOT, RecordKey, record_name
 from hookscope.errors import SelectorError
 
 __all__ = ["flat_patterns", "Target", "select", "resolve", "unwrap", "is_container", "ROOT", "as_patterns",
@@ -226,7 +226,7 @@ def _split_parts(pattern: str) -> tuple[str, tuple[int | str, ...]]:
 
 def _standard(names: ModuleIndex, pattern: str) -> list[Resolved] | None:
     """``[(standard name, path, parts, op)]`` when ``pattern`` is a standard name
-    (``resid_post.3``, ``engine.standard_naming``) that is not also a real path of the model;
+    (``resid_post.3``, ``engine.naming.standard_naming``) that is not also a real path of the model;
     else None."""
     base, parts = _split_parts(pattern)
     if not is_standard(base) or names.path_of(base) is not None:

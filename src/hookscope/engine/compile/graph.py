@@ -96,7 +96,7 @@ making = [False]
 
 def prepare() -> None:
     """Define the ``hookscope::keep`` operator (once, 30 ms) and make code that dynamo compiles
-    from now on check the hook tables; ``engine.hooks`` calls it once ``torch._dynamo`` is
+    from now on check the hook tables; ``engine.door.hooks`` calls it once ``torch._dynamo`` is
     loaded, before it gives any hook a key."""
     if not _op:
         _op.append(_define())

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from hookscope.engine.names import ModuleIndex
+from hookscope.engine.naming.names import ModuleIndex
 from hookscope.errors import SelectorError
 from hookscope.util import heads_part
 
@@ -239,8 +239,8 @@ def _in_block(names: ModuleIndex, structure: Structure, kind: str,
 
 def _checked_residual(names: ModuleIndex, structure: Structure, kind: str, i: int) -> str:
     """The path of ``{kind}.{i}`` by structure, checked against the model's own hidden states
-    (``engine.residual_check``: the module whose output holds them, or a refusal)."""
-    from hookscope.engine.residual_check import checked_residuals
+    (``engine.naming.residual_check``: the module whose output holds them, or a refusal)."""
+    from hookscope.engine.naming.residual_check import checked_residuals
     try:
         block_input: str | None = _block_input(names, structure)
         missing = None
@@ -281,7 +281,7 @@ def _block_input(names: ModuleIndex, structure: Structure) -> str:
 
 def _outside(names: ModuleIndex, name: str) -> str:
     if name == "embed":
-        from hookscope.engine.residual_check import input_embedding
+        from hookscope.engine.naming.residual_check import input_embedding
         if (path := input_embedding(names)) is not None:
             return path  # the model's own answer (get_input_embeddings()) before the table
     table = {"embed": EMBED, "final_norm": FINAL_NORM, "unembed": UNEMBED}[name]

@@ -1,6 +1,6 @@
 """Private: turn a tensor a hook sees into one that can be kept after the call.
 
-The helpers below are what rows of the kinds table (``engine.kinds.KINDS``, read by every verb)
+The helpers below are what rows of the kinds table (``engine.values.kinds.KINDS``, read by every verb)
 call; capture's hot path uses ``special``/``keepable`` directly. These tensors are not kept as
 they are:
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from hookscope.engine.wrappers import unwrap, wrapped_attribute
+from hookscope.engine.naming.wrappers import unwrap, wrapped_attribute
 
 __all__ = ["ModuleIndex", "index", "one_index", "one_index_per_call"]
 

@@ -12,7 +12,7 @@ A hook on a module is run by more than the calls its ``with`` block means:
 - **torch.compile**: dynamo traces the hooks of a model compiled while a block is open. A hook
   that reads only what the call gives it (``pick``: a capture's record, a witness) runs in the
   graph as one opaque operator that hands it the real value at run time
-  (``engine.compiled``: no graph break, ``fullgraph=True`` works, no recompile per block); an
+  (``engine.compile.graph``: no graph break, ``fullgraph=True`` works, no recompile per block); an
   edit (``replaces``) runs in one whose result the graph goes on with, a gradient watch
   (``on_gradient``) in the backward graph; any other hook runs outside the graph
   (``_untraced``), or dynamo would recompile the hook's frame once per module;
@@ -47,7 +47,7 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
-from hookscope.engine import compiled
+from hookscope.engine.compile import graph as compiled
 from hookscope.errors import HookscopeError
 
 __all__ = ["OwnedHook", "RecordingHook", "FULLGRAPH", "output_of", "nothing", "ModuleHooks", "register",
@@ -93,19 +93,19 @@ class OwnedHook:
             ``function`` reads (a forward hook that only reads the output: ``output_of``), a
             tensor, None or a flat tuple/list of tensors: ``on_kept(value)`` (default:
             ``function(module, (), value)``) then runs for calls inside a ``torch.compile``
-            graph, on a copy of the real value, without breaking the graph (``engine.compiled``).
+            graph, on a copy of the real value, without breaking the graph (``engine.compile.graph``).
         on_kept: see ``pick``.
         replaces: true (or ``FULLGRAPH``) when ``function`` is a forward hook whose return
             replaces the output (an edit), with ``pick=output_of``: inside a ``torch.compile``
             graph it runs, on a copy of the real output, in an operator whose result the graph
-            goes on with (``engine.compiled.replace``); when gradients flow through the output,
+            goes on with (``engine.compile.graph.replace``); when gradients flow through the output,
             outside the graph (``_needs_grad``), or, with ``FULLGRAPH`` (the block was entered
             on a ``fullgraph=True`` model, which cannot split), the operator raises
             ``EditError`` at the call.
         on_gradient: with ``pick=output_of``: inside a ``torch.compile`` graph,
             ``on_gradient(grad)`` runs in the backward pass with (a copy of) the gradient of
             the output's first floating-point tensor when it requires grad, the tensor hook
-            ``function`` registers in eager mode (``engine.compiled.watch_gradient``).
+            ``function`` registers in eager mode (``engine.compile.graph.watch_gradient``).
 
     Attributes:
         recomputes: forwards re-run during backward that reached this hook.
@@ -160,7 +160,7 @@ class OwnedHook:
 
     def kept(self, value: Any) -> Any:
         """Run ``function`` on ``value``, what ``pick`` took from a compiled call (a copy, from
-        ``engine.compiled``'s operator), with the checks of an eager call that a compiled
+        ``engine.compile.graph``'s operator), with the checks of an eager call that a compiled
         call can still make (thread, recompute); return what it returned (an edit's output)."""
         ident = _get_ident()
         self._count(ident)
@@ -318,7 +318,7 @@ class RecordingHook(OwnedHook):
         self.outputs.append(self.snapshot(output))
 
     def _kept(self, output: Any) -> None:
-        """A compiled call's output (``engine.compiled``): already a detached copy of its own,
+        """A compiled call's output (``engine.compile.graph``): already a detached copy of its own,
         so a plain tensor is kept as it is."""
         if type(output) is torch.Tensor and not output.is_quantized:
             self.outputs.append(output)
@@ -388,7 +388,7 @@ _untraced = _outside_graph
 
 def _ready_for_compile() -> bool:
     """Wrap ``_untraced`` in ``torch.compiler.disable`` once ``torch._dynamo`` is loaded (by
-    ``torch.compile`` or anything else), and set up ``engine.compiled``; called whenever hooks
+    ``torch.compile`` or anything else), and set up ``engine.compile.graph``; called whenever hooks
     are registered. Return whether ``torch._dynamo`` is loaded.
 
     Not at import: ``torch.compiler.disable`` imports ``torch._dynamo``, ``torch._inductor`` and
@@ -443,7 +443,7 @@ def register(module: nn.Module, hook: OwnedHook | Callable[..., Any], *, pre: bo
             recompute (see ``OwnedHook``).
 
     An ``OwnedHook`` with a ``pick`` gets a compiled sink (its ``key``: a compiled call hands
-    it the value, ``engine.compiled``) once ``torch._dynamo`` is loaded; the caller closes it
+    it the value, ``engine.compile.graph``) once ``torch._dynamo`` is loaded; the caller closes it
     after removing the hook (``drop_sink``).
     """
     owned = hook if isinstance(hook, OwnedHook) else OwnedHook(hook, module, in_recompute=in_recompute)

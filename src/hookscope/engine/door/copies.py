@@ -31,7 +31,7 @@ from typing import Any
 
 from torch.utils.hooks import RemovableHandle
 
-from hookscope.engine.hooks import owner
+from hookscope.engine.door.hooks import owner
 
 __all__ = ["KeptOut", "open_block", "close_block"]
 
