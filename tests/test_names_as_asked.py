@@ -244,3 +244,30 @@ def test_stats_answer_under_the_names_asked(gpt2: nn.Module, tmp_path: Path,
     assert main([*args, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert list(data) == ["resid_post.1"] and data["resid_post.1"]["path"] == "h.1"
+
+
+def test_the_monitor_records_under_the_names_asked(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=40, n_positions=16, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    clean, _ = _ids()
+    seen: list[torch.Tensor] = []
+    handle = model.transformer.h[1].register_forward_hook(
+        lambda m, a, out: seen.append((out[0] if isinstance(out, tuple) else out).detach()))
+    try:
+        with hookscope.monitor(model, ["resid_post.1", "transformer.h.0.mlp"], every=1,
+                               optimizer=optimizer, run_dir=tmp_path / "run") as mon:
+            optimizer.zero_grad()
+            model(clean, labels=clean).loss.backward()
+            optimizer.step()
+    finally:
+        handle.remove()
+    assert list(mon.latest) == ["transformer.h.0.mlp", "resid_post.1"]
+    record = mon.latest["resid_post.1"]
+    assert (record["module"], record["path"]) == ("resid_post.1", "transformer.h.1")
+    assert record["activation"]["mean"] == pytest.approx(float(seen[0].double().mean()), rel=1e-6)
+    lines = [json.loads(line) for line in (tmp_path / "run" / "records.jsonl").read_text().splitlines()]
+    assert [(r["module"], r["path"]) for r in lines if "path" in r] == [
+        ("transformer.h.0.mlp", "transformer.h.0.mlp"), ("resid_post.1", "transformer.h.1")]

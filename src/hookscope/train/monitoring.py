@@ -200,7 +200,8 @@ class Monitor:
     Attributes:
         step_index: the step in progress (0-based).
         overflows: steps a GradScaler skipped for non-finite gradients (with ``scaler``).
-        latest: ``{module: record}`` of the last sampled step.
+        latest: ``{module: record}`` of the last sampled step, each module by the name asked
+            (``"resid_post.1"``, else its path); a record's ``"path"`` is its module path.
         events: the guard's findings and the monitor's own faults (``{"event": "fault"}``),
             as written to the records file.
         records_file: the JSON Lines file, or None.
@@ -546,7 +547,7 @@ class Monitor:
                                      lambda t=target: sample.record(t, self.step_index, self.rank))  # type: ignore[misc]
             if record is None:
                 continue
-            self.latest[target.key] = record
+            self.latest[target.name] = record
             self._write(record)
             if self.writer is not None and self._contained(
                     "writer", lambda r=record: _to_tensorboard(self.writer, r)) is None:  # type: ignore[misc]
@@ -664,7 +665,8 @@ class _Sample:
         """The JSON record of ``target`` for this step."""
         params = list(target.module.parameters())
         grads = [p.grad for p in params if p.grad is not None]
-        record = {"step": step, "rank": rank, "module": target.key,
+        # "module": the name asked (a standard name as given, else the path), "path" beside it
+        record = {"step": step, "rank": rank, "module": target.name, "path": target.key,
                 "activation": _summary(self.activations[target.key]),
                 "gradient": _summary(self.gradients[target.key]),
                 "loss_scale": max(self.scales, default=1.0),
