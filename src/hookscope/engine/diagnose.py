@@ -16,6 +16,7 @@ and hands the same one to every function here.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 from collections.abc import Collection, Sequence
@@ -312,8 +313,8 @@ def _out_proj_reason(path: str, modules: dict[str, nn.Module], ran: set[str]) ->
 
 
 def _unused_child_reason(path: str, modules: dict[str, nn.Module], ran: set[str]) -> str | None:
-    """The parent ran, and no method of its class names the child's attribute: the module holds
-    a child its code never uses (``nn.SyncBatchNorm.convert_sync_batchnorm`` rebuilds a
+    """The parent, a torch module, ran, and no method of its class names the child's attribute:
+    the module holds a child its code never uses (``nn.SyncBatchNorm.convert_sync_batchnorm`` rebuilds a
     norm+activation subclass as a bare ``SyncBatchNorm`` and keeps its ``act``,
     pytorch/pytorch#187298). Read from the class's code objects; nothing is run."""
     parent, _, name = path.rpartition(".")
@@ -322,6 +323,8 @@ def _unused_child_reason(path: str, modules: dict[str, nn.Module], ran: set[str]
             or getattr(owner, name, None) is not modules[path]):
         return None
     cls = type(owner)
+    if not cls.__module__.startswith("torch."):  # other libraries' forwards call code outside the
+        return None  # class (transformers' kernels, mixins): only torch's own are read whole
     functional = functional_counterpart(modules[path])  # F.relu in place of the child: not this
     if any(_names_attribute(c, name) or (functional and _names_attribute(c, functional))
            for c in cls.__mro__ if c not in (nn.Module, object)):
@@ -337,8 +340,9 @@ def _unused_child_reason(path: str, modules: dict[str, nn.Module], ran: set[str]
 
 def _names_attribute(cls: type, name: str) -> bool:
     """True when code defined in ``cls`` itself names ``name`` (an attribute read or a string)."""
-    stack = [getattr(getattr(f, "__func__", f), "__code__", None) for f in vars(cls).values()]
-    stack += [getattr(getattr(p, "fget", None), "__code__", None) for p in vars(cls).values()]
+    functions = [getattr(f, "__func__", getattr(f, "fget", f)) for f in vars(cls).values()]
+    # a decorated method (functools.wraps) names the attribute in the function it wraps
+    stack = [getattr(inspect.unwrap(f) if callable(f) else f, "__code__", None) for f in functions]
     while stack:
         code = stack.pop()
         if code is None:

@@ -29,7 +29,11 @@ forward (``"::relu#1"``); output parts follow the name (``"attn::unbind[0]"``). 
 
 Wrappers are transparent at any depth (``hookscope.wrappers``: DataParallel/DDP ``module.``,
 ``torch.compile`` ``_orig_mod.``, FSDP ``_fsdp_wrapped_module.``, checkpoint wrappers and
-look-alikes): globs, regexes and exact names match with or without their segments.
+look-alikes): exact names match with or without their segments, and a pattern selects on a
+wrapped model exactly what it selects on the unwrapped one: globs and regexes match the unwrapped
+model's names, so a wildcard never stands for a wrapper's segment (``"*.0"`` on
+``torch.compile(m)`` is ``"*.0"`` on ``m``, not also ``_orig_mod.0``); only a glob or regex that
+matches none of them may spell wrapper segments out (``"module.layers.*"``).
 """
 
 from __future__ import annotations
