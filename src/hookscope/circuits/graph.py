@@ -28,6 +28,7 @@ from torch import nn
 
 from hookscope.circuits.replacement import Linearized, linearize
 from hookscope.circuits.transcoder import Transcoder
+from hookscope.engine import check_model
 from hookscope.errors import CircuitError
 
 __all__ = ["Graph", "attribution_graph"]
@@ -164,9 +165,11 @@ def attribution_graph(model: nn.Module, inputs: Any, *, transcoders: Mapping[str
         A ``Graph``.
 
     Raises:
+        ArgumentTypeError: ``model`` is not an ``nn.Module``.
         CircuitError: inputs that are not one prompt of ids, a transcoder path that is not a
             module, a model without attention patterns to freeze or with other norms.
     """
+    check_model(model)
     ids = _as_ids(inputs)
     paths = _layer_order(model, transcoders)
     embed_path = _path_of(model, model.get_input_embeddings(), "input embedding")  # type: ignore[operator]
