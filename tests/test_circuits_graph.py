@@ -142,3 +142,13 @@ def test_refusals_name_the_fix_and_leave_no_hook(tmp_path: Path) -> None:
     with pytest.raises(CircuitError, match="transformer.h.1.ln_2.*cannot be frozen"):
         hookscope.attribution_graph(model, IDS, transcoders=tcs, folder=tmp_path)
     assert hookscope.hooks(model) == [] and all(p.requires_grad for p in model.parameters())
+
+
+def test_rows_do_not_depend_on_the_batch_of_targets(tmp_path: Path) -> None:
+    """One target per backward pass (no batching) gives the rows that batches of 64 give."""
+    model = llama()
+    tcs = transcoders([f"model.layers.{i}.mlp" for i in range(2)])
+    one = hookscope.attribution_graph(model, IDS, transcoders=tcs, batch_size=1, folder=tmp_path / "one")
+    many = hookscope.attribution_graph(model, IDS, transcoders=tcs, batch_size=64, folder=tmp_path / "many")
+    assert one.n_features > 10
+    np.testing.assert_allclose(np.array(one.adjacency), np.array(many.adjacency), rtol=1e-5, atol=1e-6)
