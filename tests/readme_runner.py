@@ -39,6 +39,12 @@ block; one comment may hold several, one a line:
 - ``replace OLD => NEW``: run the block with OLD replaced by NEW (smaller data, no plots); both
   sides are stripped of spaces, NEW may be empty.
 - ``setup CODE``: run the Python statement CODE first, unseen by the reader (make input files).
+- ``rtol R REASON``: decimal numbers of the block's output match within the relative tolerance
+  ``R`` as well (integers and text stay exact). For values that depend on the CPU's kernels
+  (reduced precision, thread counts, vector width), which a page may not pin to its last digit;
+  the page's prose must state the tolerance to its reader.
+- ``atol A REASON``: every number, integers too, matches within ``A`` absolute as well (a fraction
+  of exact zeros that rounding on another CPU can make: ``0`` shown, ``6.4e-05`` there).
 """
 
 from __future__ import annotations
@@ -74,6 +80,8 @@ class Block:
     skip: str | None = None
     replace: list[tuple[str, str]] = field(default_factory=list)
     setup: list[str] = field(default_factory=list)
+    rtol: float = 0.0  # relative tolerance of shown decimal numbers (directive ``rtol``)
+    atol: float = 0.0  # absolute tolerance of every shown number (directive ``atol``)
     file: str = "README.md"  # the page it is in, as errors name it
 
     @property
@@ -150,24 +158,38 @@ def _apply(block: Block, where: int, directive: str) -> None:
         block.replace.append((old, new))
     elif keyword == "setup" and rest.strip():
         block.setup.append(rest.strip())
+    elif keyword in ("rtol", "atol") and _is_tolerance(rest):
+        setattr(block, keyword, float(rest.split()[0]))
     else:
         raise ReadmeError(f"{block.file} line {where}: unknown readme-test directive {directive!r}: "
-                          "use 'skip REASON', 'replace OLD => NEW' or 'setup CODE'")
+                          "use 'skip REASON', 'replace OLD => NEW', 'setup CODE', 'rtol R REASON' or "
+                          "'atol A REASON'")
+
+
+def _is_tolerance(rest: str) -> bool:
+    """Whether ``rest`` is ``R REASON`` with ``0 < R < 1`` and a reason of at least two words."""
+    words = rest.split()
+    try:
+        return len(words) >= 3 and 0.0 < float(words[0]) < 1.0
+    except ValueError:
+        return False
 
 
 # ----------------------------------------------------------------------------- comparison
 
 
-def outputs_match(expected: str, actual: str, optional: set[int] | None = None) -> str | None:
+def outputs_match(expected: str, actual: str, optional: set[int] | None = None,
+                  rtol: float = 0.0, atol: float = 0.0) -> str | None:
     """Return None when ``actual`` matches the shown ``expected``, else why (the first line).
 
-    ``optional`` holds indices of ``actual`` lines (stderr's) that the shown output may leave out.
+    ``optional`` holds indices of ``actual`` lines (stderr's) that the shown output may leave out;
+    ``rtol`` and ``atol`` widen the match of numbers (directives ``rtol``, ``atol``).
     """
     want = _trim(expected.splitlines())
     # A terminal shows what follows a line's last carriage return (progress bars rewrite lines).
     got = [line.rsplit("\r", 1)[-1].rstrip() for line in actual.split("\n")]
     skippable = {j for j in optional or set()} | {j for j, line in enumerate(got) if not line}
-    problem = _match(want, 0, got, 0, skippable)
+    problem = _match(want, 0, got, 0, skippable, (rtol, atol))
     return None if problem is None else problem[1]
 
 
@@ -180,20 +202,20 @@ def _trim(lines: list[str]) -> list[str]:
     return lines
 
 
-def _match(want: list[str], i: int, got: list[str], j: int, skippable: set[int]
-           ) -> tuple[int, str] | None:
+def _match(want: list[str], i: int, got: list[str], j: int, skippable: set[int],
+           tolerance: tuple[float, float]) -> tuple[int, str] | None:
     """None when ``want[i:]`` matches ``got[j:]``; else how far it got and why it stopped."""
     while i < len(want):
         if want[i].strip() == "...":
             if i + 1 == len(want):
                 return None
-            tries = [_match(want, i + 1, got, k, skippable) for k in range(len(got), j - 1, -1)]
+            tries = [_match(want, i + 1, got, k, skippable, tolerance) for k in range(len(got), j - 1, -1)]
             if any(t is None for t in tries):
                 return None
             return max((t for t in tries if t is not None), key=lambda t: t[0])  # the furthest
         if j >= len(got):
             return i, f"shown line {i + 1} {want[i]!r} is missing: the output ended"
-        problem = line_mismatch(want[i], got[j])
+        problem = line_mismatch(want[i], got[j], *tolerance)
         if problem is None:
             i += 1
         elif j not in skippable:
@@ -205,15 +227,16 @@ def _match(want: list[str], i: int, got: list[str], j: int, skippable: set[int]
     return None
 
 
-def line_mismatch(shown: str, actual: str) -> str | None:
+def line_mismatch(shown: str, actual: str, rtol: float = 0.0, atol: float = 0.0) -> str | None:
     """Why the ``actual`` line does not match the ``shown`` one, or None (rules: module docstring)."""
     shown_text, shown_numbers = _split(shown)
     actual_text, actual_numbers = _split(actual)
     if shown_text != actual_text or len(shown_numbers) != len(actual_numbers):
         return "the text differs"
     for s, a in zip(shown_numbers, actual_numbers):
-        if not _number_matches(s, a):
-            return f"{a} is not {s} to the shown precision"
+        if not _number_matches(s, a, rtol, atol):
+            return f"{a} is not {s} to the shown precision" + (
+                f" (rtol {rtol}, atol {atol})" if rtol or atol else "")
     return None
 
 
@@ -222,14 +245,15 @@ def _split(line: str) -> tuple[list[str], list[str]]:
     return text, _NUMBER.findall(line)
 
 
-def _number_matches(shown: str, actual: str) -> bool:
+def _number_matches(shown: str, actual: str, rtol: float = 0.0, atol: float = 0.0) -> bool:
     if not re.search(r"[.eE]", shown):
-        return shown.lstrip("+") == actual.lstrip("+")
+        return shown.lstrip("+") == actual.lstrip("+") or (
+            atol > 0 and math.isfinite(float(actual)) and abs(float(actual) - float(shown)) <= atol)
     mantissa, _, exponent = shown.lower().partition("e")
     decimals = len(mantissa.partition(".")[2])
     unit = 10.0 ** (int(exponent or 0) - decimals)
     s, a = float(shown), float(actual)
-    return math.isfinite(a) and abs(a - s) <= 2 * unit + 1e-4 * abs(s)
+    return math.isfinite(a) and abs(a - s) <= 2 * unit + max(1e-4, rtol) * abs(s) + atol
 
 
 # ----------------------------------------------------------------------------- running
@@ -269,7 +293,7 @@ class Session:
     def _pycon(self, block: Block) -> None:
         for line, source, shown in _statements(block):
             actual = self._interact(source, line)
-            problem = outputs_match(shown, actual)
+            problem = outputs_match(shown, actual, rtol=block.rtol, atol=block.atol)
             if problem is not None:
                 raise ReadmeError(_mismatch(block.file, line, f">>> {source.splitlines()[0]}", problem,
                                             shown, actual))
@@ -301,7 +325,7 @@ class Session:
                 raise ReadmeError(f"{block.file} line {line}: the test runs only hookscope commands, "
                                   f"not {command!r}: mark the block <!-- readme-test: skip REASON -->")
             actual, stderr = _run_cli(argv[1:])
-            problem = outputs_match(shown, actual, stderr)
+            problem = outputs_match(shown, actual, stderr, block.rtol, block.atol)
             if problem is not None:
                 raise ReadmeError(_mismatch(block.file, line, f"$ {command}", problem, shown, actual))
 

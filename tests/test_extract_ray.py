@@ -393,3 +393,39 @@ def test_cli_ray_into_memory_is_refused_with_the_fix(tmp_path: Path,
                  "fc1", "--out", "memory://ray-refused-cli/store", "--ray"]) == 1
     assert "or leave engine out to write memory:// from this process" in capsys.readouterr().err
     assert not fsspec.filesystem("memory").exists("/ray-refused-cli")
+
+
+@pytest.mark.parametrize("engine", [RayEngine(num_cpus=1000), RayEngine(num_gpus=1),
+                                    RayEngine(actors=5, num_cpus=1)])
+def test_resources_the_cluster_lacks_are_refused_at_once(cluster: str, tmp_path: Path,
+                                                          engine: RayEngine) -> None:
+    """4 CPUs, no GPU: Ray would wait forever for these actors; refused before any file."""
+    with pytest.raises(ExtractError, match=r"cannot start .* CPUs \[4\.0\] and GPUs \[0\.0\], "
+                                           r"room for [0-4] such actor"):
+        extract(model(), Rows(), LAYERS, tmp_path / "s", engine=engine, **OPTIONS)
+    assert not (tmp_path / "s").exists() or not any((tmp_path / "s").iterdir())
+
+
+class FailsOnAnActor(Rows):
+    """``Rows`` whose row 0 fails (after a wait, so other shards finish first) in any process
+    but the driver's, which checks batch 0 itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.driver = os.getpid()
+
+    def __getitem__(self, i: int) -> Any:
+        if i == 0 and os.getpid() != self.driver:
+            time.sleep(2.0)
+            raise ValueError("row 0 cannot be read on this node")
+        return super().__getitem__(i)
+
+
+@pytest.mark.slow
+def test_a_failed_run_leaves_only_what_its_manifest_lists(cluster: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="row 0 cannot be read"):
+        extract(model(), FailsOnAnActor(), LAYERS, tmp_path / "s", engine=RayEngine(actors=2),
+                **OPTIONS)
+    manifest = json.loads((tmp_path / "s" / "manifest.json").read_text())
+    assert manifest["shards"] == [] and not manifest["complete"]
+    assert sorted(p.name for p in (tmp_path / "s").iterdir()) == ["manifest.json"]

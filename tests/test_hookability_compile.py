@@ -28,8 +28,11 @@ def _compiled_mlp() -> tuple[nn.Sequential, nn.Module]:
 def test_capture_on_a_warmed_up_compiled_model_explains_and_gives_the_fix() -> None:
     model, compiled = _compiled_mlp()
     x = torch.randn(16, 8)
-    # compiled, without hooks, as dynamo compiles by default (before any hookscope block set
-    # skip_nnmodule_hook_guards to False, engine.compiled): the code ignores new hooks
+    # compiled, without hooks, with skip_nnmodule_hook_guards on (a user's own setting: code
+    # compiled before hookscope's first block is recompiled, engine.compiled): the code
+    # ignores new hooks
+    with hookscope.capture(model, "0", on_unfired="ignore"):  # dynamo set up first
+        pass
     with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
         compiled(x)
         with torch.no_grad():

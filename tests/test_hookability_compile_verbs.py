@@ -16,7 +16,7 @@ import hookscope
 from hookscope.diagnostics.comparison import compare
 from hookscope.diagnostics.module_tree import tree
 from hookscope.diagnostics.statistics import stats
-from hookscope.errors import HookNeverFiredWarning, HookscopeError
+from hookscope.errors import EditError, HookNeverFiredWarning, HookscopeError
 from tests.models import GeluMlp, MlpStack
 
 Tensor = torch.Tensor
@@ -39,8 +39,11 @@ def _compiled(name: str, backend: str, warm: bool) -> tuple[nn.Module, nn.Module
         warnings.simplefilter("ignore")
         compiled = torch.compile(model, backend=backend)
         if warm:  # compiles without hooks, with and without grad (the verbs use both), as
-            # dynamo does by default (before a hookscope block set skip_nnmodule_hook_guards to
-            # False, engine.compiled): that code ignores hooks added later
+            # dynamo does with skip_nnmodule_hook_guards on (a user's own setting: code
+            # compiled before hookscope's first block is recompiled, engine.compiled): that
+            # code ignores hooks added later
+            with hookscope.capture(model, paths[0], on_unfired="ignore"):  # dynamo set up first
+                pass
             with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
                 compiled(x)
                 with torch.no_grad():
@@ -130,6 +133,9 @@ def test_hooks_after_the_first_compiled_call_explain_with_the_fix(name: str, bac
     if verb in ("tree", "compare"):  # nothing to report but counts: refused
         with pytest.raises(HookscopeError, match=rf"torch\.compile'd model ran but none of its "
                                                  rf"modules' hooks fired.*{FIX}"):
+            VERBS[verb](compiled, x, paths)
+    elif verb == "edit":  # an edit that never applied: an error, never the unedited output
+        with pytest.raises(EditError, match=rf"(?s)ran without its hooks.*{paths[0]} \(.*{FIX}"):
             VERBS[verb](compiled, x, paths)
     else:  # a warning naming each silent module and the fix; capture's counts stay honest
         with pytest.warns(HookNeverFiredWarning, match=FIX) as caught:

@@ -66,15 +66,10 @@ def _blocks(model: nn.Module, other: nn.Module, x: torch.Tensor) -> dict[str, Ca
 
 
 @pytest.fixture(autouse=True)
-def no_section_held() -> Iterator[None]:
-    """Each test starts and leaves with no deferred section held: the line-interrupt tests
-    raise from a trace function, also between ``deferred()``'s ``_busy += 1`` and its ``try``,
-    which no signal can do (hookscope's handler defers there), and a count left raised would
-    hold back every later signal of the process."""
-    interrupts._busy = 0
+def no_signal_held() -> Iterator[None]:
+    """Each test starts and leaves with no signal held back (``interrupts._pending``)."""
     interrupts._pending.clear()
     yield
-    interrupts._busy = 0
     interrupts._pending.clear()
 
 
@@ -523,8 +518,8 @@ def _clean_up(model: nn.Module) -> None:
     copyreg.dispatch_table.pop(OrderedDict, None)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     torch.set_grad_enabled(True)
-    interrupts._guarded.clear()
-    interrupts._previous = interrupts._UNSET
+    interrupts._open.clear()
+    interrupts._put_back()
 
 
 class LineLost(LineInterrupt):
@@ -663,8 +658,8 @@ def _sweep_untouched(tracer: type[_RunLines]) -> tuple[list[Any], int, int]:
                     hookscope.remove_hooks(a)
                     hookscope.remove_hooks(b)
                     signal.signal(signal.SIGINT, signal.default_int_handler)
-                    interrupts._guarded.clear()
-                    interrupts._previous = interrupts._UNSET
+                    interrupts._open.clear()
+                    interrupts._put_back()
     finally:
         signal.signal(signal.SIGINT, previous)
     return left, raised, lines

@@ -58,7 +58,8 @@ def test_every_block_read_through_the_models_own_head(name: str, batch: int, seq
     build, blocks, norm = MODELS[name]
     model, ids = build(), torch.randint(0, 60, (batch, seq))
     lens = hookscope.logit_lens(model, ids)
-    assert lens.layers == [f"{blocks}.{i}" for i in range(3)]
+    assert lens.layers == [f"resid_post.{i}" for i in range(3)]  # the names asked, by default
+    assert lens.paths == {f"resid_post.{i}": f"{blocks}.{i}" for i in range(3)}
     assert lens.log_probs.shape == (3, batch, seq, 60) and lens.log_probs.dtype == torch.float32
     assert torch.allclose(lens.log_probs, _by_hand(model, blocks, norm, ids), atol=1e-5)
     with torch.no_grad():

@@ -106,6 +106,23 @@ def test_numbers_match_to_the_shown_precision() -> None:
     assert line_mismatch("max 24", "max 24.01") is not None          # shown as integer: exact
 
 
+def test_a_stated_tolerance_widens_decimals_only() -> None:
+    assert line_mismatch("max_abs 0.454", "max_abs 0.4891") is not None     # one CPU's bf16 digits
+    assert line_mismatch("max_abs 0.454", "max_abs 0.4891", rtol=0.1) is None
+    assert line_mismatch("max_abs 0.454", "max_abs 0.51", rtol=0.1) is not None
+    assert line_mismatch("zeros 0", "zeros 6.378e-05") is not None           # a count of exact zeros
+    assert line_mismatch("zeros 0", "zeros 6.378e-05", atol=1e-4) is None
+    assert line_mismatch("class 285", "class 286", atol=1e-4) is not None
+    assert line_mismatch("calls 285", "calls 286", rtol=0.1) is not None     # integers stay exact
+    assert line_mismatch("close False", "close True", rtol=0.1) is not None  # and text
+    block = parse("<!-- readme-test: rtol 0.1 bf16 kernels differ by CPU\natol 1e-4 rounding makes zeros -->"
+                  "\n```console\n$ x\n```\n")[0]
+    assert (block.rtol, block.atol) == (0.1, 1e-4)
+    for bad in ("rtol 0.1", "rtol 2 big numbers", "atol x not a number"):  # a reason is required
+        with pytest.raises(ReadmeError, match="unknown readme-test directive"):
+            parse(f"<!-- readme-test: {bad} -->\n```console\n$ x\n```\n")
+
+
 @given(st.floats(min_value=-1e6, max_value=1e6).filter(lambda v: abs(v) > 1e-6),
        st.sampled_from([(".4f", 1e-4), (".2f", 1e-2), (".3e", None)]))
 def test_a_printed_number_matches_within_its_last_digits_only(value: float,

@@ -382,7 +382,10 @@ def test_an_upload_that_fails_leaves_no_object_and_no_local_file(
         pipe_file(path, data, **kwargs)
 
     monkeypatch.setattr(fs, "pipe_file", failing)
-    with pytest.raises(ConnectionError, match="connection reset by peer"):
+    from hookscope.store import faults
+    monkeypatch.setattr(faults, "BACKOFF_S", 0.01)
+    with pytest.raises(StoreError, match=r"(?s)connection reset by peer; tried 5 times.*16 rows "
+                                         r"are kept.*resume=True"):
         _extract(place)
     assert not fs.exists(place.file("shard-00002.safetensors"))
     manifest = _manifest(place)

@@ -59,7 +59,9 @@ def test_values_equal_tl_computation_by_hand() -> None:
 def test_logit_lens_reads_out_through_ln_final_and_unembed() -> None:
     model = build()
     lens = hookscope.logit_lens(model, IDS)
-    assert lens.layers == ["blocks.0.hook_resid_post", "blocks.1.hook_resid_post"]
+    assert lens.layers == ["resid_post.0", "resid_post.1"]
+    assert lens.paths == {"resid_post.0": "blocks.0.hook_resid_post",
+                          "resid_post.1": "blocks.1.hook_resid_post"}
     with torch.no_grad():
         logits = model(IDS)
         hidden = [model.blocks[0](model.hook_embed(model.embed(IDS)) + model.pos_embed(IDS))]

@@ -48,13 +48,17 @@ from hookscope.diagnostics import (
 from hookscope.editing import (
     Edges,
     Edit,
+    LogitAttribution,
+    PathPatch,
     Sweep,
     ablate,
     attribution_patching,
+    direct_logit_attribution,
     edge_attribution_patching,
     edit,
     patch,
     patching_sweep,
+    path_patching,
     steer,
 )
 from hookscope.engine import select
@@ -88,6 +92,7 @@ from hookscope.errors import (
     StoreCorruptError,
     StoreError,
     StoreExistsError,
+    StoreFaultError,
     TrainingModeWarning,
 )
 from hookscope.record import (
@@ -167,6 +172,7 @@ __all__ = [
     "Store",
     "StoreCorruptError",
     "StoreError",
+    "StoreFaultError",
     "StoreExistsError",
     "Sweep",
     "Edges",
@@ -203,5 +209,9 @@ __all__ = [
     "stats",
     "steer",
     "tree",
+    "LogitAttribution",
+    "direct_logit_attribution",
+    "PathPatch",
+    "path_patching",
 ]
 

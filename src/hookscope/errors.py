@@ -17,7 +17,7 @@ __all__ = ["ArgumentTypeError", "ArgumentValueError", "AttentionError", "BundleE
            "HookscopeError", "HookscopeWarning", "MisalignedLabelsWarning", "MissingExtraError",
            "ModelCodeError", "MonitorFaultWarning", "NonFiniteStepError", "NonFiniteStepWarning",
            "OutputExistsError", "PositionError", "SelectorError", "SpecError", "StoreCorruptError",
-           "StoreError", "StoreExistsError", "TrainingModeWarning", "warn"]
+           "StoreError", "StoreExistsError", "StoreFaultError", "TrainingModeWarning", "warn"]
 
 # Frames in these files are hookscope's or the machinery between the user's line and hookscope
 # (context managers, nn.Module.__call__ running hooks): a warning is attributed past them.
@@ -143,6 +143,13 @@ class MissingExtraError(HookscopeError, ImportError):
 
 class StoreError(HookscopeError, LookupError):
     """A path is not a finished hookscope store, or a store lacks the layer asked for."""
+
+
+class StoreFaultError(StoreError):
+    """An object store (``s3://``, ``gs://``...) failed: unreachable, refused the credentials,
+    lacks the bucket, or kept failing after bounded retries. The message names the store URL,
+    the endpoint and what to check; raised during an extraction it also says how many rows are
+    kept and how to resume."""
 
 
 class StoreExistsError(HookscopeError, FileExistsError):

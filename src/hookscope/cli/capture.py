@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
                   predict(loaded, output, attention_mask=inputs.kwargs.get("attention_mask")))
     counts = acts.counts
     items = list(acts.items())
-    records = [_record(key, tensor) for key, tensor in items]
+    records = [_record(key, tensor, acts.names) for key, tensor in items]
     shown = {RecordKey.name_of(key.path, key.op) for key, _ in items}
     for path in sorted({p for p, n in counts.items() if n} - shown):
         say(f"warning: '{path}' ran but its output holds no tensor (e.g. an output part that is "
@@ -123,18 +123,29 @@ def run(args: argparse.Namespace) -> int:
                     "saved": args.save, "plots": [str(p) for p in plots]})
         return 0
     _print_prediction(prediction, inputs)
-    print_table(records, COLUMNS)
+    named = any(r["name"] != r["path"] for r in records)  # a standard name: its path beside it
+    print_table(records, (["name"] if named else []) + list(COLUMNS))
     return 0
 
 
-def _record(key: RecordKey, tensor: torch.Tensor) -> dict[str, Any]:
-    """One row: the record name (module path with the output part, e.g. ``attn[0]``), the
-    call, the file key, and statistics of the finite values (float64; ``std`` is the
-    population one, ``ddof=0``, as ``hookscope.stats``)."""
+def _asked(path: str, names: dict[str, str]) -> str:
+    """The name asked for record ``path`` (``acts.names``: ``"resid_post.1"`` for
+    ``"transformer.h.1"``), with the parts of a structured output that follow it."""
+    for name, record in names.items():
+        if name != record and (path == record or path.startswith(record + "[")):
+            return name + path[len(record):]
+    return path
+
+
+def _record(key: RecordKey, tensor: torch.Tensor, names: dict[str, str]) -> dict[str, Any]:
+    """One row: the name asked (``_asked``), the record name (module path with the output
+    part, e.g. ``attn[0]``), the call, the file key, and statistics of the finite values
+    (float64; ``std`` is the population one, ``ddof=0``, as ``hookscope.stats``)."""
     running = RunningStats()
     running.update(tensor)
     stats = running.as_dict()
-    return {"path": key.name, "call": key.call or 0, "key": str(key),
+    return {"name": _asked(key.name, names), "path": key.name, "call": key.call or 0,
+            "key": str(key),
             "shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
             "mean": stats["mean"], "std": stats["std"], "min": stats["min"], "max": stats["max"],
             "zeros": stats["frac_zeros"], "nonfinite": int(running.nonfinite)}

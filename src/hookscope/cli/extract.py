@@ -27,7 +27,7 @@ from hookscope.cli._common import (
     say,
 )
 from hookscope.cli.show import print_store
-from hookscope.errors import ArgumentValueError, ExtractInterrupted, SpecError
+from hookscope.errors import ArgumentValueError, ExtractInterrupted, SpecError, StoreFaultError
 from hookscope.record import NAMES
 from hookscope.store import SHARD_BYTES, SHARD_SECONDS, RayEngine, check_output, extract, location
 from hookscope.zoo import load_data, load_model
@@ -49,8 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_layer_argument(parser, required=True,
                        help="module paths or patterns, one or more; each becomes a store layer")
     parser.add_argument("--out", required=True, metavar="DIR",
-                        help="store folder to create, or a URL (s3://, gs://, ...; credentials "
-                             "from the environment)")
+                        help="store folder to create, or a URL (s3://bucket/path, gs://...); "
+                             "for S3 the endpoint and credentials come from the environment: "
+                             "AWS_ENDPOINT_URL (e.g. http://127.0.0.1:9000 for MinIO or moto), "
+                             "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY (or AWS_PROFILE). The "
+                             "bucket must exist: it is never created")
     parser.add_argument("--reduce", choices=("none", *NAMES), default="none",
                         help="none: whole rows (tokens without padding); mean: over dim 1 of "
                              "(batch, seq, d) tokens, over dims 2.. (pixels) of (batch, c, h, w) "
@@ -117,6 +120,10 @@ def run(args: argparse.Namespace) -> int:
         say(f"interrupted: {stopped.rows} rows kept in {stopped.out} (the open shard's "
             f"included); resume with:\n  {resume_command(args)}")
         return 130
+    except StoreFaultError as err:  # the store failed mid-run: the command that goes on
+        if "extract stopped:" not in str(err):
+            raise
+        raise StoreFaultError(f"{err}; resume with:\n  {resume_command(args)}") from err
     if int(os.environ.get("RANK", "0")) == 0:
         print_store(store, as_json=args.json)
     return 0

@@ -101,6 +101,21 @@ def _logits(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _row(spec: str, target: int, names: tuple[str, ...] | None, logit: float, cam: torch.Tensor,
          file: Path) -> dict[str, Any]:
     """One line: the input, the class explained, its logit and where the map peaks (row, col)."""
-    peak = divmod(int(cam.argmax()), cam.shape[-1])
     return {"input": spec, "class": target, "name": names[target] if names else None,
-            "logit": logit, "peak_yx": list(peak), "png": str(file)}
+            "logit": logit, "peak_yx": peak_yx(cam), "png": str(file)}
+
+
+PEAK_TOLERANCE = 1e-5  # of a map scaled to [0, 1]: far above float32 rounding, far below a real step
+
+
+def peak_yx(cam: torch.Tensor) -> list[int]:
+    """Where a map ``(height, width)`` peaks: ``[row, col]`` of the first pixel in row-major order
+    within ``PEAK_TOLERANCE`` of its maximum.
+
+    Bilinear upsampling makes plateaus: pixels past the last cell centre, or equally far from two
+    centres, hold the same value in exact arithmetic. A plain ``argmax`` then picks among them by
+    the rounding of the CPU's kernels (11x28 on one machine, 11x29 on another); the first pixel of
+    the plateau is the same on every machine.
+    """
+    near = torch.nonzero(cam >= cam.max() - PEAK_TOLERANCE)
+    return [int(near[0, 0]), int(near[0, 1])]

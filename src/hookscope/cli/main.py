@@ -33,6 +33,7 @@ from hookscope.errors import (
     SpecError,
     StoreError,
     StoreExistsError,
+    StoreFaultError,
 )
 from hookscope.util import advice
 
@@ -132,7 +133,8 @@ def _main(argv: list[str]) -> int:
         if args.debug:
             raise
         print(f"error: {err}", file=sys.stderr)
-        return 2 if isinstance(err, USAGE_ERRORS) else 1
+        usage = isinstance(err, USAGE_ERRORS) and not isinstance(err, StoreFaultError)
+        return 2 if usage else 1  # a store that fails is no usage error: exit 1
     except OSError as err:  # the file system: the path and what to do
         if args.debug or err.errno is None:
             raise

@@ -46,9 +46,11 @@ def describe(store: Store) -> dict[str, Any]:
         "shards": len(store.shards), "bytes": store.nbytes,
         "model": model.get("spec") or model.get("class"),
         "reduce": store.manifest.get("extract", {}).get("reduce"),
-        "layers": [{"layer": info.path, "shape": ["tokens" if n is None else n for n in info.shape],
+        "layers": [{"layer": name, "path": info.path,
+                    "shape": ["tokens" if n is None else n for n in info.shape],
                     "dtype": dtype_name(info.dtype), "ragged": info.ragged}
-                   for info in store.layers.values()],
+                   for name, info in ((name, store.layers[layer])
+                                      for name, layer in store.paths.items())],
         "ids": _first(store.ids), "labels": _label_counts(store.labels),
     }
 
@@ -79,7 +81,8 @@ def print_store(store: Store, *, as_json: bool, verified: bool = False) -> None:
         return
     rows = [{**layer, "row shape": "x".join(str(n) for n in layer["shape"]) or "scalar",
              "ragged": "yes" if layer["ragged"] else "no"} for layer in data["layers"]]
-    print_table(rows, ["layer", "row shape", "dtype", "ragged"])
+    named = any(layer["layer"] != layer["path"] for layer in data["layers"])  # standard names
+    print_table(rows, ["layer", *(["path"] if named else []), "row shape", "dtype", "ragged"])
     state = "complete" if data["complete"] else "INCOMPLETE (resume the extraction)"
     shards = f"{data['shards']} shard{'s' if data['shards'] != 1 else ''}"
     print(f"{data['rows']} rows in {shards}, {_size(data['bytes'])}, {state}; "

@@ -73,15 +73,21 @@ def run(args: argparse.Namespace) -> int:
                    hist_range=tuple(args.hist_range) if args.hist_range else None)
     say(described)
     if args.json:
-        print_json({path: _as_dict(running) for path, running in result.items()})
+        # keyed by the name asked; a standard name's entry gives its module path too
+        print_json({name: {**_as_dict(running), **({"path": result.paths[name]}
+                                                     if result.paths[name] != name else {})}
+                    for name, running in result.items()})
         return 0
-    print_table([row for path, running in result.items() for row in _rows(path, running)],
-                COLUMNS if per_channel is False else ("path", "channel", *COLUMNS[1:]))
+    # the name asked first; a column of paths beside it when one differs (a standard name)
+    first = ("name", "path") if any(n != p for n, p in result.paths.items()) else ("path",)
+    print_table([{"name": name, **row} for name, running in result.items()
+                 for row in _rows(result.paths[name], running)],
+                (*first, *COLUMNS[1:]) if per_channel is False else (*first, "channel", *COLUMNS[1:]))
     if args.hist is not None:
-        print_table([{"path": path, "lo": h.lo, "hi": h.hi, "below": h.below, "above": h.above,
-                      "histogram": h.sparkline()}
-                     for path, running in result.items() if (h := running.histogram) is not None],
-                    ("path", "lo", "hi", "below", "above", "histogram"))
+        print_table([{"name": name, "path": result.paths[name], "lo": h.lo, "hi": h.hi,
+                      "below": h.below, "above": h.above, "histogram": h.sparkline()}
+                     for name, running in result.items() if (h := running.histogram) is not None],
+                    (*first, "lo", "hi", "below", "above", "histogram"))
     return 0
 
 

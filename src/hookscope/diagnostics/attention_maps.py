@@ -124,7 +124,8 @@ def attention(model: nn.Module, *args: Any, layers: str | Sequence[str], **kwarg
         AttentionError: a selected module never ran, or one of its calls computed no attention
             or more than one (the message names the module and the narrower pattern to use).
     """
-    with untouched(model): found, _ = _watched(model, args, kwargs, layers, _probabilities)  # noqa: E701 - body on the with line (engine.interrupts)
+    with untouched(model):
+        found, _ = _watched(model, args, kwargs, layers, _probabilities)
     return {path: taken.detach() for path, taken in found.items()}
 
 
@@ -220,7 +221,8 @@ def _watched(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         watches[target.path] = session.functions.watch(
             target.module, _collector(found[target.path], take), names=ATTENTION_FUNCTIONS,
             deep=True)
-    with session: output = model(*args, **kwargs)  # noqa: E701 - body on the with line (engine.interrupts)
+    with session:
+        output = model(*args, **kwargs)
     result: dict[str, T] = {}
     for path, watch in watches.items():
         result.update(_per_call(path, [found[path].get(call, [])

@@ -129,7 +129,8 @@ def gradcam(model: nn.Module, x: Tensor, layers: str,
     if x.dim() != 4:
         raise GradcamError(f"x must be images (batch, channels, height, width); got shape "
                            f"{tuple(x.shape)}: {_not_images(x)}")
-    with untouched(model), gradient_pass(model, GradcamError): acts = _pass(model, key, x, target)  # noqa: E701 - body on the with line (engine.interrupts)
+    with untouched(model), gradient_pass(model, GradcamError):
+        acts = _pass(model, key, x, target)
     calls = acts.counts[key]
     if call is None and calls > 1:
         raise GradcamError(f"'{key}' ran {calls} times in one forward pass; choose one with "
@@ -282,7 +283,8 @@ def _pass(model: nn.Module, key: str, x: Tensor, target: Any) -> Capture:
     when the weights are frozen."""
     x = grad_leaf(x)
     acts = capture(model, key, grads=True, on_unfired="error")
-    with acts: output = model(x)  # noqa: E701 - body on the with line (engine.interrupts)
+    with acts:
+        output = model(x)
     torch.autograd.grad(class_scores(output, target), x)
     return acts
 

@@ -512,9 +512,9 @@ def _watched_forward(session: Observer, tokens: Observer, model: nn.Module,
                      kwargs: dict[str, Any]) -> Observer:
     """Run ``model`` once on the inputs (cast to its dtype) in ``session`` and ``tokens`` (its
     ``_token_watch``), without gradients, leaving the model as it was (``untouched``);
-    ``sink`` gets its output; return ``session``. One ``with`` line: an exception at any line
-    event still leaves every block (``engine.interrupts``)."""
-    with untouched(model), torch.no_grad(), tokens, session: sink((OUTPUT, 0), _call(model, args, kwargs))  # noqa: E701
+    ``sink`` gets its output; return ``session``."""
+    with untouched(model), torch.no_grad(), tokens, session:
+        sink((OUTPUT, 0), _call(model, args, kwargs))
     return session
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from hookscope.errors import ArgumentValueError, HookscopeError
+from hookscope.errors import ArgumentTypeError, ArgumentValueError, HookscopeError
 
 __all__ = ["Histogram", "MAX_BINS"]
 
@@ -35,6 +35,18 @@ CHUNK = 1 << 24  # float32 counts are exact up to 2**24: histc is applied to chu
 #: the most bins a histogram may have: 2**20 counts are 8 MiB per layer (``stats(hist=10**11)``
 #: asked the allocator for 800 GB)
 MAX_BINS = 2**20
+
+
+def _check_real(name: str, value: Any) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise ArgumentTypeError(f"histogram edge {name} must be a real number, e.g. -4.0; got "
+                                f"{type(value).__name__} {value!r:.40}")
+
+
+def _check_tensor(value: Any) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise ArgumentTypeError(f"a histogram counts the values of a tensor; got "
+                                f"{type(value).__name__}: pass torch.as_tensor(values)")
 
 
 class Histogram:
@@ -56,6 +68,8 @@ class Histogram:
         if not isinstance(bins, int) or isinstance(bins, bool) or not 1 <= bins <= MAX_BINS:
             raise ArgumentValueError(f"bins={bins!r:.20}: pass a whole number of bins from 1 to "
                                      f"{MAX_BINS}, e.g. 50")
+        _check_real("lo", lo)
+        _check_real("hi", hi)
         if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
             raise ArgumentValueError(f"histogram range ({lo!r}, {hi!r}): pass finite edges with "
                                      "lo < hi, e.g. (-4.0, 4.0)")
@@ -68,6 +82,8 @@ class Histogram:
         """A histogram over the range ``[lo, hi]`` seen in a first pass, with ``torch.histc``'s
         rule for a degenerate range (see the module docstring); ``lo``/``hi`` NaN or infinite
         (nothing finite seen) give ``[-1, 1]``."""
+        _check_real("lo", lo)
+        _check_real("hi", hi)
         if not (math.isfinite(lo) and math.isfinite(hi)):
             lo = hi = 0.0
         return cls(bins, lo - 1, hi + 1) if lo == hi else cls(bins, lo, hi)
@@ -75,6 +91,7 @@ class Histogram:
     @classmethod
     def fitting(cls, bins: int, tensor: Tensor) -> Histogram:
         """A histogram spanning the finite values of ``tensor`` (``spanning`` its min and max)."""
+        _check_tensor(tensor)
         values = tensor.detach().reshape(-1).double()
         values = values[torch.isfinite(values)]
         if values.numel() == 0:
@@ -93,6 +110,7 @@ class Histogram:
         Raises:
             HookscopeError: ``tensor`` is complex.
         """
+        _check_tensor(tensor)
         if tensor.is_complex():
             raise HookscopeError(f"cannot histogram a complex tensor ({tensor.dtype}); pass its "
                                  ".real or .abs()")
@@ -115,6 +133,8 @@ class Histogram:
         Raises:
             HookscopeError: the edges differ.
         """
+        if not isinstance(other, Histogram):
+            raise ArgumentTypeError(f"merge takes a Histogram; got {type(other).__name__}")
         if (other.bins, other.lo, other.hi) != (self.bins, self.lo, self.hi):
             raise HookscopeError(f"cannot merge a histogram of {other.bins} bins over "
                                  f"[{other.lo}, {other.hi}] into one of {self.bins} bins over "

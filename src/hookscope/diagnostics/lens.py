@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +19,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from hookscope.diagnostics.readout import Readout, model_readout
 from hookscope.engine import (
     NO_TOKENS,
     Tokens,
     as_patterns,
+    asked_names,
     blocks_of,
     check_tensor,
     check_token_ids,
@@ -48,14 +50,19 @@ class LogitLens:
     Attributes:
         log_probs: ``(len(layers), batch, seq, vocab)`` float32 log-probabilities of the next
             token read from each layer's residual stream.
-        layers: record names of the blocks read, ``named_modules()`` order.
+        layers: the blocks read by the names asked, ``named_modules()`` order: ``resid_post.0``
+            ... by default (a standard name as given), else the record names (an exact path,
+            a glob's matches).
         tokens: the forward's ``Tokens`` (its ``attention_mask``), from the capture's record:
             positions count among each row's real tokens.
+        paths: ``{name in layers: module path}`` (``{"resid_post.0": "transformer.h.0"}``); a
+            name that is a path maps to itself. Empty for a ``LogitLens`` built by hand.
     """
 
     log_probs: Tensor
     layers: list[str]
     tokens: Tokens = NO_TOKENS
+    paths: dict[str, str] = field(default_factory=dict)
 
     def position(self, row: int = 0, position: int = -1) -> int:
         """The index on the token axis of ``position`` of batch ``row``, counted among the row's
@@ -133,9 +140,10 @@ def logit_lens(model: nn.Module, input_ids: Tensor, *, layers: str | Sequence[st
 
     One forward under ``torch.no_grad()`` in the model's current mode; the model is left as it
     was found (``engine.run.untouched``). The last block's reading equals
-    ``log_softmax(model(input_ids).logits)`` (GPT-2, Llama, Mistral, Qwen: their final norm and
-    ``lm_head`` are all that follows the last block; a model that scales or caps its logits
-    after ``lm_head``, as Gemma 2, differs there).
+    ``log_softmax(model(input_ids).logits)``: what the model applies after its last block (final
+    norm, projections, ``lm_head``, Gemma 2's soft-cap, a logit scale) is read from the model's
+    own computation once per model and applied to every layer (``diagnostics.readout``: one
+    probe forward at first use, kept); a model whose logits it cannot reproduce is refused.
 
     Args:
         model: a decoder language model whose standard names ``final_norm`` and ``unembed``
@@ -160,28 +168,34 @@ def logit_lens(model: nn.Module, input_ids: Tensor, *, layers: str | Sequence[st
         ArgumentTypeError: ``input_ids`` is not an integer tensor, ``attention_mask`` not a tensor.
         ArgumentValueError: an id outside the model's vocabulary (``0 … vocab - 1``); an
             ``attention_mask`` of another shape than ``input_ids``, or with a row of no real token.
-        CaptureError: the model has no final norm or unembedding the standard names find, no
+        CaptureError: the model's own log-probabilities differ from every readout found after
+            its last block (``diagnostics.readout``, naming the difference); the model has no
+            final norm or unembedding the standard names find, no
             block list (give ``layers=``), or a selected block ran other than once or gave no
             ``(batch, seq, hidden)`` tensor.
     """
     norm, unembed = _readout(model)
     check_token_ids("input_ids", input_ids, _vocab_size(model, unembed))
     _check_mask(attention_mask, input_ids)
-    keys = list(dict.fromkeys(t.key for t in resolve(model, _patterns(model, layers))))
+    readout = model_readout(model, norm, unembed)
+    unembed = readout.modules[-1] if readout.modules else unembed
+    keys, names = asked_names(resolve(model, _patterns(model, layers)))
     acts, inputs = capture(model, *keys, on_unfired="error"), {"attention_mask": attention_mask}
-    with untouched(model), torch.no_grad(), acts: model(input_ids, **inputs)  # noqa: E701 - body on the with line (engine.interrupts)
-    hidden = _width(unembed)
-    with torch.no_grad(): log_probs = _read_out(acts, keys, norm, unembed, hidden)  # noqa: E701 - as above
-    lens = LogitLens(log_probs, keys, acts.tokens(keys[0]))
+    with untouched(model), torch.no_grad(), acts:
+        model(input_ids, **inputs)
+    hidden = readout.width
+    with torch.no_grad():
+        log_probs = _read_out(acts, keys, readout, hidden)
+    lens = LogitLens(log_probs, names, acts.tokens(keys[0]), dict(zip(names, keys)))
     if plot is not None:
         lens.plot(plot)
     return lens
 
 
-def _read_out(acts: Any, keys: list[str], norm: nn.Module, unembed: nn.Module, hidden: int | None) -> Tensor:
+def _read_out(acts: Any, keys: list[str], readout: Readout, hidden: int | None) -> Tensor:
     """``(layers, batch, seq, vocab)`` float32 log-probabilities of each block's residual read
-    out through the final norm and the unembedding."""
-    return torch.stack([torch.log_softmax(unembed(norm(_residual(acts, key, hidden))).float(), dim=-1)
+    out as the model reads its last block's output (``diagnostics.readout``)."""
+    return torch.stack([torch.log_softmax(readout(_residual(acts, key, hidden)).float(), dim=-1)
                         for key in keys])
 
 

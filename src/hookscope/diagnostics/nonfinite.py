@@ -277,9 +277,9 @@ def find_nonfinite(model: nn.Module, *args: Any, backward: bool = False,
     bad_input = input_origin(args, kwargs)
     tracker = _Tracker(root, record_nodes=backward)
     search = partial(_search, tracker, root, args, kwargs, bad_input, backward, loss_fn)
-    # one session: forward hooks, then the node hooks. One line (engine.interrupts): an
-    # interrupt at any line of ours still runs every exit
-    with untouched(root), tracker.observing() as session: return search(session)  # noqa: E701
+    # one session: forward hooks, then the node hooks
+    with untouched(root), tracker.observing() as session:
+        return search(session)
 
 
 def _search(tracker: _Tracker, root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -288,7 +288,8 @@ def _search(tracker: _Tracker, root: nn.Module, args: tuple[Any, ...], kwargs: d
     """``find_nonfinite``'s search inside its session: the forward under the op watcher, then
     (``backward=True``, nothing found) the gradients with the node hooks."""
     forward = partial(_forward, tracker, root, args, kwargs, bad_input, backward, loss_fn)
-    with each_call(tracker.saw_call): found, loss = forward()  # noqa: E701 - one line, as above
+    with each_call(tracker.saw_call):
+        found, loss = forward()
     if found is not None or loss is None:
         return found
     if bad_input is not None and not _is_finite(loss):
@@ -377,7 +378,8 @@ class _Tracker:
         observer = Observer(self.root, targets, pre=lambda t: self._pre_hook,
                             forward=lambda t: self._post_hook, with_kwargs=True,
                             explain_unfired=False)
-        with observer as session: yield session  # noqa: E701 - one line (engine.interrupts)
+        with observer as session:
+            yield session
 
     def loss_origin(self, loss: Tensor) -> NonFiniteOrigin | None:
         """Report ``loss_fn`` itself when it turned a finite output into a non-finite loss."""

@@ -31,6 +31,7 @@ from hookscope.engine import (
     Target,
     Tokens,
     as_patterns,
+    asked_names,
     check_flag,
     check_has_values,
     check_int,
@@ -48,7 +49,7 @@ from hookscope.errors import ArgumentValueError, HookscopeError
 from hookscope.record import padding_dropped
 from hookscope.util import get_part, iter_tensors
 
-__all__ = ["RunningStats", "stats"]
+__all__ = ["NamedStats", "RunningStats", "stats"]
 
 Tensor = torch.Tensor
 
@@ -202,7 +203,7 @@ class RunningStats:
 
 def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "**", *,
           per_channel: PerChannel = False, early_stop: bool = False, hist: int | None = None,
-          hist_range: tuple[float, float] | None = None) -> dict[str, RunningStats]:
+          hist_range: tuple[float, float] | None = None) -> NamedStats:
     """Run ``model`` over ``batches`` and return streaming statistics of each selected output
     (count, mean, population std with ``ddof=0``, min, max, fractions of zeros and NaN/Inf).
 
@@ -245,8 +246,10 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
             equals ``torch.histc(values, hist)`` with its default range.
 
     Returns:
-        ``{path: RunningStats}`` in ``named_modules()`` order (keys keep output parts:
-        ``"lstm[1][0]"``); ``.as_dict()`` gives plain numbers. A module that never ran keeps
+        A ``NamedStats``, a dict ``{name: RunningStats}`` in ``named_modules()`` order, each
+        module by the name asked (``"resid_post.1"`` for a standard name; else its path, with
+        output parts: ``"lstm[1][0]"``), its module path in ``.paths[name]``; ``.as_dict()``
+        gives plain numbers. A module that never ran keeps
         ``count == 0`` and is named, with the likely cause, in a ``HookNeverFiredWarning``.
         Quantized outputs (``torch.quint8``...) are summarised dequantized (float32).
 
@@ -271,18 +274,32 @@ def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "*
     if hist is not None and fixed is not None:
         session.histograms = {t.key: Histogram(hist, *fixed) for t in session.targets}
     with untouched(model), torch.no_grad():
-        with session: _run_batches(model, session, batches)  # noqa: E701 (engine.interrupts)
+        with session:
+            _run_batches(model, session, batches)
         if hist is not None and fixed is None:  # the second pass: edges from the first
             counting = _StatsSession(model, patterns, per_channel, early_stop, "ignore")
             counting.histograms = {key: Histogram.spanning(hist, float(r.min.min()),
                                                            float(r.max.max()))
                                    for key, r in session.results.items()}
             counting.count_stats = False
-            with counting: _run_batches(model, counting, batches)  # noqa: E701 (as above)
+            with counting:
+                _run_batches(model, counting, batches)
             session.histograms = counting.histograms
     for key, histogram in session.histograms.items():
         session.results[key].histogram = histogram
-    return session.results
+    keys, names = asked_names(session.targets)
+    return NamedStats({name: session.results[key] for name, key in zip(names, keys, strict=True)},
+                      dict(zip(names, keys, strict=True)))
+
+
+class NamedStats(dict[str, "RunningStats"]):
+    """``stats``' result: a dict ``{name asked: RunningStats}`` (a standard name as given,
+    ``"resid_post.1"``; else the record name, a path with its output parts) and ``paths``,
+    ``{name: record name}`` (``{"resid_post.1": "transformer.h.1"}``; a path maps to itself)."""
+
+    def __init__(self, results: dict[str, RunningStats], paths: dict[str, str]):
+        super().__init__(results)
+        self.paths = paths
 
 
 def _fixed_range(hist: int | None, hist_range: tuple[float, float] | None,

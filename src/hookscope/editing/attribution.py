@@ -42,6 +42,7 @@ from hookscope.editing.sweep import (
 from hookscope.engine import (
     Layout,
     as_patterns,
+    asked_names,
     check_flag,
     check_int,
     one_index_per_call,
@@ -107,7 +108,8 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
     Returns:
         A ``Sweep`` (``values`` float64 ``(len(layers), len(positions))``, ``(len(layers),
         len(positions), len(heads))`` with ``heads``; ``clean`` and ``corrupted`` are the two
-        runs' metrics).
+        runs' metrics; ``layers`` are the names asked, a standard name as given, and
+        ``paths`` maps each to its module path, as ``patching_sweep``'s).
 
     Raises:
         SelectorError: a pattern matches no module.
@@ -119,7 +121,7 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
         EditError: a layer's output is not a ``(batch, seq, ...)`` tensor or the layer runs
             more than once; ``metric`` does not return one differentiable number.
     """
-    keys = list(dict.fromkeys(t.key for t in resolve(model, as_patterns(layers))))
+    keys, names = asked_names(resolve(model, as_patterns(layers)))
     check_metric(metric)
     check_flag("heads", heads)
     check_flag("all_positions", all_positions)
@@ -129,7 +131,8 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
     check_sweep_positions(positions, clean, corrupted)
     warn_if_dropout_trains(model, "attribution_patching")
     found: dict[str, list[tuple[Tensor, Tensor]]] = {key: [] for key in keys}
-    with untouched(model): runs = _runs(model, keys, clean, corrupted, metric, found)  # noqa: E701 - body on the with line (engine.interrupts)
+    with untouched(model):
+        runs = _runs(model, keys, clean, corrupted, metric, found)
     (acts, clean_metric), (live_acts, value, grads) = runs
     sources = {key: _sequence_tensor(acts[key], key) for key in keys}
     # what each value holds (token and heads axes, the mask of its run), from its record
@@ -144,8 +147,8 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
                           for key, grad in zip(keys, grads)])  # (layers, positions[, heads])
     if all_positions:
         values = values.sum(dim=1, keepdim=True)
-    sweep = Sweep(values + _number(value), keys, chosen, clean_metric, _number(value), head_list,
-                  all_positions)
+    sweep = Sweep(values + _number(value), names, chosen, clean_metric, _number(value), head_list,
+                  all_positions, dict(zip(names, keys)))
     if plot is not None:
         sweep.plot(plot)
     return sweep
@@ -154,9 +157,11 @@ def attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: M
 def _runs(model: nn.Module, keys: list[str], clean: Any, corrupted: Any, metric: Metric,
           found: dict[str, list[tuple[Tensor, Tensor]]]) -> tuple[Any, Any]:
     """The clean run (captured, without gradients) and the corrupted one (``_corrupted_run``)."""
-    with torch.no_grad(): clean_run = captured_metric(model, keys, clean, metric)  # noqa: E701 - body on the with line (engine.interrupts)
+    with torch.no_grad():
+        clean_run = captured_metric(model, keys, clean, metric)
     passing = gradient_pass(model, EditError)
-    with passing: corrupted_run = _corrupted_run(model, keys, corrupted, metric, found)  # noqa: E701 - body on the with line (engine.interrupts)
+    with passing:
+        corrupted_run = _corrupted_run(model, keys, corrupted, metric, found)
     return clean_run, corrupted_run
 
 
@@ -166,7 +171,8 @@ def _corrupted_run(model: nn.Module, keys: list[str], corrupted: Any, metric: Me
     ``(capture, metric, d metric / d zero of each layer)``."""
     edits = edit(model, {key: _zero_added(found[key], key) for key in keys}, on_unfired="error")
     live_acts = capture(model, *keys, on_unfired="error")
-    with edits, live_acts: value = _differentiable(metric(_forward(model, corrupted)))  # noqa: E701 - body on the with line (engine.interrupts)
+    with edits, live_acts:
+        value = _differentiable(metric(_forward(model, corrupted)))
     grads = torch.autograd.grad(value, [_once(found[key], key)[1] for key in keys], allow_unused=True)
     return live_acts, value, grads
 

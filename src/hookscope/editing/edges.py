@@ -8,9 +8,11 @@ output, every other node and edge stays corrupted) changes the metric by about
 
     (u_clean - u_corrupted) . d metric / d v_input |corrupted
 
-summed over rows, positions and channels (the node-level estimate of ``attribution_patching``
-with the gradient taken at ``v``'s input instead of ``u``'s output). EAP-IG (Hanna, Pezzelle and
-Belinkov, "Have Faith in Faithfulness", 2024, arXiv:2403.17806) averages that gradient over
+summed over the batch's rows, the token positions and the channels (a sum, not a mean;
+``per_position=True`` keeps one score per position): the node-level estimate of
+``attribution_patching`` with the gradient taken at ``v``'s input instead of ``u``'s output.
+EAP-IG (Hanna, Pezzelle and Belinkov, "Have Faith in Faithfulness", 2024, arXiv:2403.17806)
+averages that gradient over
 ``steps`` inputs on the straight line from the corrupted to the clean input embedding (the
 block input, ``resid_pre.0``), at ``alpha = k / steps`` for ``k = 1 … steps`` (their eq. for
 EAP-IG; ``alpha = 0`` would be the corrupted run, EAP's point).
@@ -53,6 +55,7 @@ from hookscope.engine import (
     Tokens,
     blocks_of,
     branch_norms,
+    check_flag,
     check_int,
     check_model,
     check_no_unmasked_padding,
@@ -80,10 +83,16 @@ class Edges:
         downstream: the downstream nodes, ``["a0.h0.q", …, "a0.h0.k", …, "a0.h0.v", …,
             "m0", "a1.h0.q", …, "logits"]``.
         scores: ``(len(upstream), len(downstream))`` float64: the estimated change of the
-            metric when that one edge is patched from corrupted to clean; NaN where there is
-            no edge (a node never reads one at or after it).
+            metric when that one edge is patched from corrupted to clean at every position of
+            every row at once: ``sum over rows b, positions s, channels c of (u_clean -
+            u_corrupted)[b, s, c] * (d metric / d v_input)[b, s, c]``, a **sum** over the batch
+            and the positions (not a mean: a metric that is a mean over the batch already
+            divides by it); NaN where there is no edge (a node never reads one at or after it).
         clean, corrupted: the metric of the clean and the corrupted run.
         steps: the EAP-IG steps (``None``: EAP).
+        position_scores: with ``per_position=True``, ``(len(upstream), len(downstream), seq)``
+            float64: the same sum over rows and channels only, one score per token position
+            (``position_scores.sum(-1)`` is ``scores``, up to float64 rounding); else ``None``.
     """
 
     upstream: list[str]
@@ -92,6 +101,7 @@ class Edges:
     clean: float
     corrupted: float
     steps: int | None
+    position_scores: Tensor | None = None
 
     def rows(self) -> list[tuple[str, str, float]]:
         """Every edge ``(upstream, downstream, score)``, largest ``|score|`` first."""
@@ -152,7 +162,7 @@ class _Graph:
 
 @one_index_per_call
 def edge_attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metric: Metric, *,
-                              steps: int | None = None,
+                              steps: int | None = None, per_position: bool = False,
                               plot: str | os.PathLike[str] | None = None) -> Edges:
     """Score every edge between heads and MLPs (EAP, Syed et al. 2023; EAP-IG with ``steps``,
     Hanna et al. 2024; see the module docstring).
@@ -175,10 +185,15 @@ def edge_attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metr
         steps: ``None`` (default): EAP, one clean forward and one corrupted forward with its
             backward. An int: EAP-IG with that many interpolation steps (Hanna et al. use 5
             to 30), each one forward and backward, plus the two runs without gradients.
+        per_position: also keep each edge's score per token position,
+            ``Edges.position_scores`` ``(upstream, downstream, seq)`` float64 (memory: 8 bytes
+            times their product; ``scores`` is its sum over the positions).
         plot: write ``Edges.plot``'s PNG there.
 
     Returns:
-        An ``Edges``: ``scores`` ``(upstream, downstream)`` float64, ``rows()``, ``table()``.
+        An ``Edges``: ``scores`` ``(upstream, downstream)`` float64, each the sum over the
+        batch's rows, the positions and the channels of change times gradient (``Edges``),
+        ``rows()``, ``table()``.
 
     Raises:
         SelectorError: a standard name does not resolve, or the blocks are not sequential
@@ -192,6 +207,7 @@ def edge_attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metr
     if steps is not None:
         check_int("steps", steps, minimum=1)
     check_metric(metric)
+    check_flag("per_position", per_position)
     warn_if_dropout_trains(model, "edge_attribution_patching")
     graph = _graph(model)
     clean, corrupted = _plain(clean), _plain(corrupted)
@@ -209,10 +225,15 @@ def edge_attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metr
             _check_same_tokens(tokens, corrupted_tokens)
             step = _Pass(graph, clean_acts, heads_axis, corrupted_acts)
             start, delta = corrupted_acts[graph.input_key], step.delta[graph.input_key]
-            runs = [step.run(model, corrupted, metric, start + k / steps * delta.to(start.device))
-                    for k in range(1, steps + 1)]
-            downstream, scores = runs[0][0], torch.stack([run[1] for run in runs]).mean(0)
-    edges = Edges(step.upstream, downstream, scores, clean_metric, corrupted_metric, steps)
+            total: Tensor | None = None  # a running sum: one (upstream, downstream, seq) held
+            for k in range(1, steps + 1):
+                downstream, one = step.run(model, corrupted, metric,
+                                           start + k / steps * delta.to(start.device))
+                total = one if total is None else total + one
+            assert total is not None  # steps >= 1
+            scores = total / steps
+    edges = Edges(step.upstream, downstream, scores.sum(-1), clean_metric, corrupted_metric, steps,
+                  scores if per_position else None)
     if plot is not None:
         edges.plot(plot)
     return edges
@@ -291,7 +312,7 @@ class _Pass:
 
     def run(self, model: nn.Module, inputs: Any, metric: Metric,
             replaced: Tensor | None) -> tuple[list[str], Tensor]:
-        """``(downstream nodes, scores (upstream, downstream) float64)`` of one pass of
+        """``(downstream nodes, scores (upstream, downstream, seq) float64)`` of one pass of
         ``inputs`` (block input replaced by ``replaced`` when given); without ``delta`` yet (EAP),
         the pass records the corrupted values and makes it."""
         graph = self.graph
@@ -329,10 +350,10 @@ class _Pass:
         at_projection = dict(zip(_projections(graph), grads[graph.layers + 1:], strict=True))
         for layer in range(graph.layers):
             norm = graph.attention_norms[layer]
-            norm_zero = _once(self.at_norms[norm], norm)[1]
             for x in "qkv":  # a head's input as only its q (k, v) reads it: (d q / d x)^T g_q[head]
                 key = f"attn.{x}.{layer}"
                 projected, g = _once(self.live[key], key)[0], at_projection[key]
+                norm_zero = _read_call(self.at_norms[norm], norm, projected, key)
                 kept = torch.zeros(g.shape[2], *g.shape, dtype=g.dtype, device=g.device)
                 for h in range(g.shape[2]):  # g: (batch, seq, heads, head_dim); kept[h]: head h's
                     kept[h, :, :, h] = g[:, :, h]
@@ -344,12 +365,16 @@ class _Pass:
         yield "logits", self._column("logits", grads[graph.layers])
 
     def _column(self, target: str, g: Tensor) -> Tensor:
-        """Each upstream node's score for the edge into ``target``, whose input's gradient is
-        ``g``: its change in the residual stream times ``g``; NaN where there is no edge."""
+        """Each upstream node's score for the edge into ``target`` at each position, ``(upstream,
+        seq)``: its change in the residual stream times ``g``, the gradient at ``target``'s
+        input ``(batch, seq, d_model)``, summed over rows and channels; NaN where there is no
+        edge."""
         assert self.changes is not None
-        column = self.changes @ g.detach().double().cpu().flatten()
+        g = g.detach().double().cpu()  # (batch, seq, d_model)
+        changes = self.changes.view(len(self.upstream), *g.shape)  # (upstream, batch, seq, d_model)
+        column = torch.einsum("ubsd,bsd->us", changes, g)
         before = torch.tensor([_position(node) < _position(target) for node in self.upstream])
-        return column.where(before, torch.nan)
+        return column.where(before[:, None], torch.nan)
 
     def _changes(self) -> Tensor:
         """``(upstream, batch * seq * d_model)`` float64: what each upstream node's clean value
@@ -371,6 +396,30 @@ class _Pass:
                 found[f"a{layer}.h{h}"] = change.detach().double().cpu().flatten()
             found[f"m{layer}"] = self.delta[f"mlp_out.{layer}"].flatten()
         return torch.stack([found[node] for node in self.upstream])
+
+
+def _read_call(found: Found, norm: str, projected: Tensor, key: str) -> Tensor:
+    """The zero added to the input of the call of ``norm`` that ``projected`` (``attn.q.{l}``,
+    ``.k``, ``.v``) reads. One call feeds q, k and v on most models (Hugging Face GPT-2, Llama);
+    TransformerLens's ``HookedTransformer`` calls ``ln1`` once per q, k and v input (its
+    ``TransformerBlock.forward``), so the call is found from the graph (the only one whose zero
+    ``projected`` depends on), not assumed from the order of the calls.
+
+    Raises:
+        EditError: ``projected`` reads no call of ``norm``, or more than one.
+    """
+    if len(found) == 1:
+        return found[0][1]
+    zeros = [zero for _, zero in found]
+    reached = torch.autograd.grad(projected, zeros, grad_outputs=torch.ones_like(projected),
+                                  retain_graph=True, allow_unused=True)
+    read = [zero for zero, g in zip(zeros, reached, strict=True) if g is not None]
+    if len(read) != 1:
+        raise EditError(f"'{norm}' ran {len(found)} times in one forward pass and '{key}' reads "
+                        f"{len(read)} of its calls; edge attribution needs the norm before the "
+                        f"attention called once, or once for each of q, k and v (as "
+                        f"TransformerLens's HookedTransformer does)")
+    return read[0]
 
 
 def _projections(graph: _Graph) -> list[str]:

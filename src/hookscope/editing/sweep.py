@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from hookscope.editing.edits import edit
 from hookscope.engine import (
     Layout,
     as_patterns,
+    asked_names,
     check_callable,
     check_flag,
     check_int,
@@ -56,13 +57,19 @@ class Sweep:
         values: ``(len(layers), len(positions))`` float64 (``(len(layers), len(positions),
             len(heads))`` with ``heads``): the metric of the corrupted run with that one layer
             and position (and head) patched from the clean run.
-        layers: record names of the patched layers, ``named_modules()`` order.
+        layers: the patched layers by the names asked, ``named_modules()`` order: a standard
+            name as given (``"attn.z.0"``, one per block for ``"attn.z.*"``), else the record
+            name (an exact path, a glob's matches, ``"h.0.attn::scaled_dot_product_attention"``).
         positions: the token positions (counted among real tokens when a mask is known).
         clean: the metric of the clean run, unpatched.
         corrupted: the metric of the corrupted run, unpatched.
         heads: the heads patched one at a time, or ``None`` when whole positions were patched.
         all_positions: every position of ``positions`` was patched at once (``values`` has
             one position column, labelled ``"first…last"``), not one at a time.
+        paths: ``{name in layers: record name}``, the module path (with ``::function`` and
+            output parts) each name resolved to: ``{"attn.z.0":
+            "transformer.h.0.attn::scaled_dot_product_attention"}``; a name that is already a
+            path maps to itself. Empty for a ``Sweep`` built by hand.
     """
 
     values: Tensor
@@ -72,6 +79,7 @@ class Sweep:
     corrupted: float
     heads: list[int] | None = None
     all_positions: bool = False
+    paths: dict[str, str] = field(default_factory=dict)
 
     @property
     def columns(self) -> list[str]:
@@ -246,7 +254,7 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
     check_flag("all_positions", all_positions)
     clean, corrupted = _plain(clean), _plain(corrupted)
     check_sweep_positions(positions, clean, corrupted)
-    keys = list({t.key: t for t in targets})
+    keys, names = asked_names(targets)
     rows = _rows(corrupted)
     with untouched(model), torch.no_grad():
         acts, clean_metric = captured_metric(model, keys, clean, metric)
@@ -272,7 +280,8 @@ def patching_sweep(model: nn.Module, clean: Any, corrupted: Any, *, layers: str 
                                    for key in keys], dtype=torch.float64)
     if head_list is not None:
         values = values.reshape(len(keys), len(groups), len(head_list))
-    sweep = Sweep(values, keys, chosen, clean_metric, corrupted_metric, head_list, all_positions)
+    sweep = Sweep(values, names, chosen, clean_metric, corrupted_metric, head_list, all_positions,
+                  dict(zip(names, keys)))
     if plot is not None:
         sweep.plot(plot)
     return sweep
@@ -321,7 +330,8 @@ def _run_chunk(model: nn.Module, corrupted: Any, key: str, source: Tensor,
     rows = _rows(corrupted)
     edits, inputs = edit(model, {key: _patcher(key, source, layouts, chunk, rows)},
                          on_unfired="error"), _repeat(corrupted, len(chunk), rows)
-    with edits: output = _forward(model, inputs)  # noqa: E701 - body on the with line (engine.interrupts)
+    with edits:
+        output = _forward(model, inputs)
     bar.update()
     return [_number(metric(_copy_of(output, j, len(chunk), rows))) for j in range(len(chunk))]
 
@@ -408,7 +418,8 @@ def captured_metric(model: nn.Module, keys: list[str], inputs: Any,
                     metric: Callable[[Any], Any]) -> tuple[Capture, float]:
     """A capture of ``keys`` over one forward of ``inputs``, and ``metric`` of its output."""
     acts = capture(model, *keys, on_unfired="error")
-    with acts: value = metric(_forward(model, inputs))  # noqa: E701 - body on the with line (engine.interrupts)
+    with acts:
+        value = metric(_forward(model, inputs))
     return acts, _number(value)
 
 

@@ -39,6 +39,7 @@ from hookscope.engine.copy_on_write import eager_copy, lazy_copy, shares_memory,
 from hookscope.engine.diagnose import explain_no_hooks, fullgraph, locate_error, preflight
 from hookscope.engine.function_mode import FunctionCall, Watch, each_call
 from hookscope.engine.function_names import bind_arguments, functional_hint, refuse_uninterceptable
+from hookscope.engine.ground_truth import Probe, first_tensor, probe_of, same_values
 from hookscope.engine.hooks import (
     FULLGRAPH,
     OwnedHook,
@@ -53,7 +54,7 @@ from hookscope.engine.hooks import (
     registered,
     unregister,
 )
-from hookscope.engine.interrupts import GracefulStop, exit_at_interrupt
+from hookscope.engine.interrupts import GracefulStop, critical, exit_at_interrupt, release_signals
 from hookscope.engine.kinds import apply_edit, comparable, describe, inside, kind_of, rows_for, values_for
 from hookscope.engine.layout import (
     NO_TOKENS,
@@ -81,6 +82,7 @@ from hookscope.engine.run import (
 from hookscope.engine.selection import (
     Target,
     as_patterns,
+    asked_names,
     flat_patterns,
     is_container,
     resolve,
@@ -91,6 +93,7 @@ from hookscope.engine.standard_naming import (
     blocks_of,
     branch_norms,
     from_transformer_lens,
+    is_standard,
     known_standard_names,
     resolve_standard,
     standard_names,
@@ -109,8 +112,10 @@ from hookscope.engine.values import (
 )
 from hookscope.engine.wrappers import unwrap
 
-__all__ = ["AxesRow", "TOKEN_AXES", "batch_first", "token_axes",
-           "FULLGRAPH", "FunctionCall", "RecordingHook", "GracefulStop", "exit_at_interrupt", "HookSession",
+__all__ = ["Probe", "first_tensor", "probe_of", "same_values",
+           "AxesRow", "TOKEN_AXES", "batch_first", "token_axes",
+           "FULLGRAPH", "FunctionCall", "RecordingHook", "GracefulStop", "critical", "exit_at_interrupt",
+           "release_signals", "HookSession",
            "KNOWN_LIBRARIES", "Layout", "MaskWatcher", "ModuleIndex", "NO_TOKENS", "NO_VALUES_FIX", "NotKept",
            "Observer", "OnUnfired", "OwnedHook", "Part", "RecordKey", "RngState", "Target", "Tokens",
            "Watch", "after_backward", "apply_edit", "as_patterns", "bind_arguments", "brief", "check_arity",
@@ -128,4 +133,4 @@ __all__ = ["AxesRow", "TOKEN_AXES", "batch_first", "token_axes",
            "record_name", "from_transformer_lens", "known_standard_names", "unresolved_standard",
            "warn_if_dropout_trains", "state_snapshot", "unregister",
            "untouched", "unwrap", "values_for", "version_of", "blocks_of", "branch_norms",
-           "resolve_standard"]
+           "resolve_standard", "is_standard", "asked_names"]

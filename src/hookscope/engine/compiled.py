@@ -68,7 +68,8 @@ from torch._library.effects import EffectType
 
 from hookscope.errors import EditError, HookscopeError
 
-__all__ = ["prepare", "eager_when_called", "open_sink", "close_sink", "hold", "release", "abandon", "keep",
+__all__ = ["prepare", "eager_when_called", "open_sink", "serve", "close_sink", "hold", "release", "abandon",
+           "keep",
            "replace", "replace_call", "call_refusal", "refuse", "CALLS_UNCOMPILED", "CALL_IN_PLACE",
            "rebuilt", "watch_gradient", "flat_output", "flatten", "NotKept"]
 
@@ -80,8 +81,9 @@ REFUSED = 3  # ``replace`` of an output it cannot rebuild in a full graph: EditE
 CALL_STRUCTURE, CALL_GRAD = 4, 5  # ``replace_call`` refusals: EditError at the call
 CALLS_UNCOMPILED = 6  # function addresses set up for eager calls, traced: HookscopeError
 CALL_IN_PLACE = 7  # an edit of an in-place call's result: EditError at the call
-_sinks: dict[int, Sink] = {}
-_places: weakref.WeakKeyDictionary[nn.Module, list[int]] = weakref.WeakKeyDictionary()
+_sinks: dict[int, Sink | None] = {}
+#: module -> kind of hook (``hooks._kind``) -> the keys of its places there, in order
+_places: weakref.WeakKeyDictionary[nn.Module, dict[Any, list[int]]] = weakref.WeakKeyDictionary()
 _next_key = [0]
 _keys_lock = threading.Lock()  # two threads opening blocks on one module get two keys
 _op: list[Any] = []  # the operators (keep, replace, Tap.apply), defined once on first use
@@ -99,6 +101,7 @@ def prepare() -> None:
     if not _op:
         _op.append(_define())
     if not _checked and (dynamo := sys.modules.get("torch._dynamo")) is not None:
+        unguarded = dynamo.config.skip_nnmodule_hook_guards  # code compiled so far ignores hooks
         dynamo.config.skip_nnmodule_hook_guards = False  # this thread's setting (a ContextVar)
         entry = getattr(dynamo.config, "_config", {}).get("skip_nnmodule_hook_guards")
         if entry is not None:  # and every other thread's: torch 2.13's config is per thread
@@ -109,7 +112,27 @@ def prepare() -> None:
             frames.set_code_exec_strategy(code, skip)
         _class_code[0] = dynamo.assume_constant_result(_code)
         _order[0] = dynamo.assume_constant_result(_next_order)
+        if unguarded:
+            _recompile_unguarded()
         _checked.append(True)
+
+
+def _recompile_unguarded() -> None:
+    """Drop the code dynamo compiled before ``prepare`` (its cache entries, per code object):
+    compiled while ``skip_nnmodule_hook_guards`` was on, it never checks the hook tables, so
+    a model compiled and warmed up before the first hookscope block (as a server warms up)
+    ran on without the block's hooks: every later ``steer`` returned the unsteered output
+    (issue 46). Each such code compiles again at its next call, once, with the hook checks.
+    Run once per process, under dynamo's compile lock, as ``torch._dynamo.reset_code_caches``
+    clears them, but only for code that has compiled entries (the rest of dynamo's records
+    stay)."""
+    convert: Any = sys.modules["torch._dynamo.convert_frame"]
+    frames: Any = sys.modules["torch._dynamo.eval_frame"]
+    with convert.compile_lock:
+        for weak in (*convert.input_codes.seen, *convert.output_codes.seen):
+            code = weak()
+            if code is not None and frames._debug_get_cache_entry_list(code):
+                frames.reset_code(code)
 
 
 def eager_when_called(code: Any) -> None:
@@ -363,16 +386,20 @@ def _fresh(kept: list[Tensor | None], new: Any) -> list[Tensor]:
             for v, n in zip(kept, flat[0]) if v is not None and n is not None]
 
 
-def open_sink(module: nn.Module, sink: Sink) -> int:
+def open_sink(module: nn.Module, sink: Sink | None, kind: Any = None) -> int:
     """Register ``sink(output)`` to run for each compiled call of a hook on ``module``; return
-    its key (the first free place on ``module``: the same key as the last block's hook there).
-    Thread-safe: blocks opened at once in several threads get distinct keys."""
-    # one line (engine.interrupts): an exception at a line event of the body still unlocks
-    with _keys_lock: return _claim(module, sink)  # noqa: E701
+    its key (the first free place on ``module`` for hooks of ``kind``, hashable: the same key
+    as the last block's hook of that kind there, whatever hooks of other kinds other threads'
+    blocks hold meanwhile, so a key a graph guards stays the same however blocks interleave).
+    Thread-safe: blocks opened at once in several threads get distinct keys. ``None`` holds
+    the place with no sink (a filler's, ``hooks.OwnedHook.filler``): its operators hand
+    nothing out and copy nothing, until ``serve`` gives it one."""
+    with _keys_lock:
+        return _claim(module, sink, kind)
 
 
-def _claim(module: nn.Module, sink: Sink) -> int:
-    places = _places.setdefault(module, [])
+def _claim(module: nn.Module, sink: Sink | None, kind: Any) -> int:
+    places = _places.setdefault(module, {}).setdefault(kind, [])
     key = next((k for k in places if k not in _sinks), None)
     if key is None:
         key = _next_key[0]
@@ -380,6 +407,12 @@ def _claim(module: nn.Module, sink: Sink) -> int:
         places.append(key)
     _sinks[key] = sink
     return key
+
+
+def serve(key: int, sink: Sink) -> None:
+    """Run ``sink`` for the compiled calls of ``key``, a place held open (``open_sink``)."""
+    if key in _sinks:
+        _sinks[key] = sink
 
 
 def close_sink(key: int) -> None:

@@ -75,13 +75,13 @@ def open_block(kept: KeptOut) -> None:
     """A block opens: until ``close_block(kept)``, copies and pickles of hook tables leave the
     entries in ``kept`` out (module docstring). The first open block registers the ``copyreg``
     entry."""
-    with _lock: _open_block(kept)  # noqa: E701 - one line: see _open_block
+    with _lock:
+        _open_block(kept)
 
 
 def _open_block(kept: KeptOut) -> None:
-    """``open_block`` under the lock. The ``with`` and its body share one line: alone on its
-    line, the lock's release is a line of its own where an exception (raised at a line, or
-    async) would skip it and leave the lock held for good (engine.interrupts)."""
+    """``open_block`` under the lock (a lock's exit is C code: no exception, signal or
+    asynchronous, lands between the body and the release)."""
     global _open, _previous
     if not _open:
         _previous = copyreg.dispatch_table.get(OrderedDict)
@@ -93,7 +93,8 @@ def close_block(kept: KeptOut) -> None:
     """The block of ``kept`` closes (its hooks are removed); the last one removes the
     ``copyreg`` entry and puts back the user's earlier reducer, unless the user replaced it
     meanwhile."""
-    with _lock: _close_block(kept)  # noqa: E701 - one line: see _open_block
+    with _lock:
+        _close_block(kept)
 
 
 def _close_block(kept: KeptOut) -> None:

@@ -24,7 +24,7 @@ from types import FrameType
 import torch
 from torch import nn
 
-from hookscope.engine.function_names import functional_hint
+from hookscope.engine.function_names import functional_counterpart, functional_hint
 from hookscope.engine.names import ModuleIndex
 from hookscope.engine.record_key import record_name
 from hookscope.engine.selection import Target
@@ -32,7 +32,7 @@ from hookscope.engine.wrappers import wrapped_attribute
 from hookscope.errors import FusedModuleWarning, HookscopeError
 
 __all__ = ["preflight", "check_targets", "witnesses", "explain_unfired", "explain_no_hooks", "locate_error",
-           "fullgraph", "COMPILED"]
+           "fullgraph", "bypassed", "COMPILED"]
 
 COMPILED = "<torch.compile wrapper>"  # witness key of an OptimizedModule around the model
 
@@ -167,6 +167,29 @@ def explain_unfired(names: ModuleIndex, targets: Sequence[Target], ran: set[str]
     return {t.key: _reason(t.path, modules, children, ran) for t in targets}
 
 
+def bypassed(names: ModuleIndex, targets: Sequence[Target], ran: set[str]) -> dict[str, str]:
+    """``{record key: reason}`` of the silent ``targets`` whose module's code ran although its
+    hooks did not: compiled code built before the hooks (the compiled model ran, no hook
+    inside it did), or a parent that calls ``module.forward(...)`` directly (a child of the
+    module ran). Not a branch the input did not take: such a module is simply not called.
+
+    Args:
+        names: the model's ``ModuleIndex``.
+        targets: selected targets (module addresses) that never ran.
+        ran: paths of every hooked module (selected or witness) that ran.
+    """
+    modules = names.modules
+    children = _child_index(modules)
+    found = {}
+    for target in targets:
+        why = _compiled_reason(target.path, type(modules[target.path]).__name__, ran)
+        if why is None and any(child in ran for child in children.get(target.path, ())):
+            why = _reason(target.path, modules, children, ran)
+        if why is not None:
+            found[target.key] = why
+    return found
+
+
 _LISTED = 10  # names a warning lists with their reasons (an error lists all)
 
 
@@ -205,7 +228,7 @@ def _reason(path: str, modules: dict[str, nn.Module], children: dict[str, list[s
     parent = path.rpartition(".")[0]
     parent_name = f"'{parent}'" if parent else "the model's forward"
     special = (_compiled_reason(path, kind, ran) or _out_proj_reason(path, modules, ran)
-               or _fast_path_reason(path, kind, modules, ran))
+               or _fast_path_reason(path, kind, modules, ran) or _unused_child_reason(path, modules, ran))
     if special:
         return special
     if not ran:
@@ -286,6 +309,44 @@ def _out_proj_reason(path: str, modules: dict[str, nn.Module], ran: set[str]) ->
     return (f"{path} is never called: MultiheadAttention '{parent}' passes out_proj.weight and "
             f".bias to F.multi_head_attention_forward instead of calling the module. Capture "
             f"'{parent}[0]' (the attention output, after out_proj) instead")
+
+
+def _unused_child_reason(path: str, modules: dict[str, nn.Module], ran: set[str]) -> str | None:
+    """The parent ran, and no method of its class names the child's attribute: the module holds
+    a child its code never uses (``nn.SyncBatchNorm.convert_sync_batchnorm`` rebuilds a
+    norm+activation subclass as a bare ``SyncBatchNorm`` and keeps its ``act``,
+    pytorch/pytorch#187298). Read from the class's code objects; nothing is run."""
+    parent, _, name = path.rpartition(".")
+    owner = modules.get(parent)
+    if (owner is None or parent not in ran or not name.isidentifier()
+            or getattr(owner, name, None) is not modules[path]):
+        return None
+    cls = type(owner)
+    functional = functional_counterpart(modules[path])  # F.relu in place of the child: not this
+    if any(_names_attribute(c, name) or (functional and _names_attribute(c, functional))
+           for c in cls.__mro__ if c not in (nn.Module, object)):
+        return None
+    return (f"{path} ({type(modules[path]).__name__}) is held by '{parent or '(root)'}' but never "
+            f"used: no method of {cls.__module__}.{cls.__qualname__} refers to '{name}', so its "
+            f"forward computes without it. The child was most likely kept by a conversion that "
+            f"replaced the module it belonged to (e.g. nn.SyncBatchNorm.convert_sync_batchnorm "
+            f"of a norm+activation subclass drops the activation, pytorch/pytorch#187298): the "
+            f"converted model computes a different function. Compare the two models "
+            f"(hookscope.compare) to see where they part, or convert only exact BatchNorm classes")
+
+
+def _names_attribute(cls: type, name: str) -> bool:
+    """True when code defined in ``cls`` itself names ``name`` (an attribute read or a string)."""
+    stack = [getattr(getattr(f, "__func__", f), "__code__", None) for f in vars(cls).values()]
+    stack += [getattr(getattr(p, "fget", None), "__code__", None) for p in vars(cls).values()]
+    while stack:
+        code = stack.pop()
+        if code is None:
+            continue
+        if name in code.co_names or name in code.co_consts:
+            return True
+        stack.extend(c for c in code.co_consts if hasattr(c, "co_names"))
+    return False
 
 
 def locate_error(names: ModuleIndex, exc: BaseException) -> None:

@@ -48,11 +48,12 @@ refused at entry (``_claim``).
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import weakref
-from collections.abc import Callable, Collection, Generator, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
-from types import GeneratorType
+from types import CodeType, GeneratorType
 from typing import Any
 
 import torch
@@ -120,6 +121,8 @@ class Watch:
         module_calls: the module's forward calls seen so far (its own thread's, not recomputes).
         made: the names of the calls its own forward made, in order of their first call (so a
             target that matched none can name what the forward did call).
+        functions: the names of the custom ``torch.autograd.Function``s its own forward called
+            (``_custom_function``), also in ``made``: the calls inside them are theirs.
         enter: the installed forward pre-hook that opens the module's frame (its
             ``foreign_calls`` count the module's calls in other threads); ``None`` until
             ``FunctionWatcher.install``.
@@ -136,6 +139,7 @@ class Watch:
     edits: bool = False
     module_calls: int = field(default=0, init=False)
     made: dict[str, None] = field(default_factory=dict, init=False)
+    functions: dict[str, None] = field(default_factory=dict, init=False)
     enter: OwnedHook | None = field(default=None, init=False)
     leave: OwnedHook | None = field(default=None, init=False)
 
@@ -447,6 +451,10 @@ class FunctionWatcher:
             compiled.refuse(-1, compiled.CALLS_UNCOMPILED)  # traces: an error at the call
             return output
         frame = frames[-1]
+        function = _custom_function()
+        if function is not None:  # made inside a custom autograd.Function: not the module's own
+            _note_function(frame, function.__name__)
+            return output
         _reporting.active = True  # torch calls made by on_call are hookscope's, not the module's
         try:
             return self._report(frame, func, args, kwargs, output)
@@ -554,6 +562,12 @@ class FunctionHooks:
                 and "Unsafe side effect" in str(exc)):
             exc.add_note(_UNSAFE)
 
+    def refuses(self, key: str) -> bool:
+        """Whether record ``key`` addresses a custom ``torch.autograd.Function`` its module's
+        forward called (``unfired`` gives the refusal: such an address never records)."""
+        watch, op = self._watches[key]
+        return key not in self.called and parse_op(op)[0] in watch.functions
+
     def unfired(self, key: str, path: str) -> str | None:
         """Why the calls of record ``key`` were never seen although its module ran (in this
         block's thread, or only in other threads), or ``None`` when they were seen or the module
@@ -565,10 +579,12 @@ class FunctionHooks:
             foreign = watch.foreign_calls()
             return other_threads(path, foreign) if foreign else None
         name, occurrence = parse_op(op)
-        what = f"call {occurrence} of {name}" if occurrence is not None else f"any {name}"
         where = f"'{path}'" if path else "the model"
+        if name in watch.functions:
+            return _function_refusal(where, name)
+        what = f"call {occurrence} of {name}" if occurrence is not None else f"any {name}"
         return (f"{where} ran {watch.module_calls} time{'s' if watch.module_calls > 1 else ''} "
-                f"but its own forward never made {what}; {_made(watch.made)} (calls made inside "
+                f"but its own forward never made {what}; {_made(watch)} (calls made inside "
                 f"its children are theirs: address the child that makes it). 'hookscope tree "
                 f"MODEL --input X --ops' lists the calls of every module's own forward")
 
@@ -605,12 +621,60 @@ _UNSAFE = ("hookscope: a function address ('path::fn') inside a torch.utils.chec
 _NAMED = 12  # calls an unfired reason names (then a count)
 
 
-def _made(made: Collection[str]) -> str:
+def _function_refusal(where: str, name: str) -> str:
+    """Why ``path::Name`` of a custom ``torch.autograd.Function`` records nothing, and the fix."""
+    return (f"{where} calls {name}, a custom torch.autograd.Function (case 71): a function-level "
+            f"address sees torch calls, and {name}.apply is none (torch runs the Function's "
+            f"forward itself, and the calls inside it are the Function's, not {where}'s own). "
+            f"Wrap the call in a module (a submodule whose forward returns {name}.apply(...)) "
+            f"and address that module, or address the call that uses its result (its args hold "
+            f"the value)")
+
+
+def _note_function(frame: _Frame, name: str) -> None:
+    """Note in ``made`` and ``functions`` a custom ``autograd.Function`` that the forward of
+    ``frame`` called (one of whose inner calls was just seen), for the watches that see it."""
+    for watch in frame.watches:
+        if watch.deep or not frame.suspended:
+            watch.made.setdefault(name)
+            watch.functions.setdefault(name)
+
+
+_APPLY = torch.autograd.Function.apply.__func__.__code__  # type: ignore[attr-defined]
+#: code objects of ``nn.Module.__call__``: a module's forward is called from one of them
+_MODULE_CALL = frozenset([nn.Module._wrapped_call_impl.__code__, nn.Module._call_impl.__code__,
+                          *(c for c in nn.Module._call_impl.__code__.co_consts if isinstance(c, CodeType))])
+
+
+def _custom_function() -> type | None:
+    """The custom ``torch.autograd.Function`` whose forward is making the torch call now being
+    dispatched, or None: its ``apply`` frame stands between this call and the watched module's
+    own forward (the frames are walked up to the nearest module call, a few frames). In eager
+    mode ``Function.apply`` never reaches a ``TorchFunctionMode`` (pytorch/pytorch#196048): the
+    mode sees the calls inside the Function's forward instead, as if the module made them.
+    torch's own Functions (``torch.utils.checkpoint``'s) are not the user's: their calls are
+    the module's."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code is _APPLY:
+            cls = frame.f_locals.get("cls")
+            if isinstance(cls, type) and not cls.__module__.startswith("torch."):
+                return cls
+        elif code in _MODULE_CALL:
+            return None
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def _made(watch: Watch) -> str:
     """``"it made: a, b, c"``: the calls a forward made, listed for an address that matched none
-    (GPT-2's attention makes ``scaled_dot_product_attention``, no ``softmax``)."""
+    (GPT-2's attention makes ``scaled_dot_product_attention``, no ``softmax``); a custom
+    ``autograd.Function`` it called is listed by its name, marked, never the calls inside it."""
+    made = watch.made
     if not made:
         return "it made no torch call of its own"
-    names = list(made)
+    names = [f"{n} (a custom autograd.Function)" if n in watch.functions else n for n in made]
     rest = f", … {len(names) - _NAMED} more" if len(names) > _NAMED else ""
     return f"it made: {', '.join(names[:_NAMED])}{rest}"
 
@@ -714,13 +778,15 @@ class entered:  # noqa: N801 - used as a function: ``with entered(mode):``
         self.mode = mode
 
     def __enter__(self) -> None:
-        try: torch._C._push_on_torch_function_stack(self.mode)  # noqa: E701 (engine.interrupts)
+        try:
+            torch._C._push_on_torch_function_stack(self.mode)
         except BaseException:
             take_off(self.mode)
             raise
 
     def __exit__(self, *exc: object) -> None:
-        try: take_off(self.mode)  # noqa: E701
+        try:
+            take_off(self.mode)
         except BaseException:
             take_off(self.mode)  # idempotent: what an exception halfway left
             raise
@@ -813,8 +879,8 @@ def _claim(wrapper: nn.Module, change: int) -> bool:
     Raises:
         HookscopeError: opening while a block of another thread holds one (see the module's
             docstring), naming the fixes."""
-    # one line (engine.interrupts): an exception at a line event of the body still unlocks
-    with _claims_lock: return _claimed(wrapper, threading.get_ident(), change)  # noqa: E701
+    with _claims_lock:
+        return _claimed(wrapper, threading.get_ident(), change)
 
 
 def _claimed(wrapper: nn.Module, thread: int, change: int) -> bool:

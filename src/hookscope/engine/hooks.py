@@ -36,6 +36,7 @@ the tables) does nothing.
 
 from __future__ import annotations
 
+import copy
 import sys
 import threading
 from collections.abc import Callable
@@ -51,8 +52,8 @@ from hookscope.errors import HookscopeError
 
 __all__ = ["OwnedHook", "RecordingHook", "FULLGRAPH", "output_of", "nothing", "ModuleHooks", "register",
            "drop_sink", "locked", "owner", "on_tensor_grad", "on_node", "on_optimizer_step", "after_backward",
-           "in_recompute", "refuse_export_trace", "traced", "MODULE_TABLES", "GLOBAL_TABLES",
-           "MODULE_FLAGS", "GLOBAL_FLAGS", "registered", "unregister"]
+           "in_recompute", "refuse_export_trace", "traced", "set_aside", "MODULE_TABLES", "GLOBAL_TABLES",
+           "MODULE_FLAGS", "GLOBAL_FLAGS", "registered", "unregister", "kind_of_hook"]
 
 FULLGRAPH = 2  # ``OwnedHook(replaces=FULLGRAPH)``: an edit entered on a fullgraph=True model
 _graph_task_id = torch._C._current_graph_task_id
@@ -141,6 +142,22 @@ class OwnedHook:
         self.entries: list[tuple[dict[int, Any], int]] = []
         self.guests: list[OwnedHook] = []
 
+    def filler(self, module: nn.Module) -> OwnedHook:
+        """A hook of this one's kind (``_kind``: it traces to the same operator) on ``module``
+        that acts for no call: a block on a ``torch.compile(fullgraph=True)`` model pads every
+        module it does not hook with these (``session.HookSession``), so the hook tables dynamo
+        guards look the same whichever modules a block selects, and a sweep over layers, one
+        block each, reuses one graph instead of compiling one per layer up to dynamo's
+        recompile limit (issue 47). Its place has no sink (``compiled.open_sink``): its
+        operator copies nothing, until a block of another thread joins it as a guest."""
+        twin = copy.copy(self)  # every slot, then what makes it act for nobody
+        twin.function, twin.module, twin.thread, twin.on_kept = _no_call, module, _NOBODY, None
+        twin.on_gradient = None if self.on_gradient is None else _no_call
+        twin.recomputes = twin.foreign_calls = 0
+        twin.key = twin.gradient_key = None
+        twin.guests, twin.entries = [], []
+        return twin
+
     def kept(self, value: Any) -> Any:
         """Run ``function`` on ``value``, what ``pick`` took from a compiled call (a copy, from
         ``engine.compiled``'s operator), with the checks of an eager call that a compiled
@@ -190,6 +207,8 @@ class OwnedHook:
                         return None
                     return compiled.watch_gradient(flat[0], flat[1], self.gradient_key)
                 grad = flat is not None and _needs_grad(flat[0])
+                if (flat is None or grad) and self.thread == _NOBODY and not self.guests:
+                    return None  # a filler (OwnedHook.filler): no edit to refuse, none to run
                 if flat is not None and (self.replaces == FULLGRAPH or not grad):
                     # the graph goes on with its result (or, fullgraph with gradients, an error)
                     return compiled.replace(flat[0], flat[1], self.key, grad)
@@ -383,7 +402,8 @@ def _ready_for_compile() -> bool:
         # another thread may still be importing it (in sys.modules, half made): an import
         # statement waits for that to finish; one thread sets up, under a lock
         import torch._dynamo  # noqa: F401
-        with _compile_lock: _set_up_for_compile()  # noqa: E701 - one line: see copies._open_block
+        with _compile_lock:
+            _set_up_for_compile()
     return True
 
 
@@ -428,7 +448,7 @@ def register(module: nn.Module, hook: OwnedHook | Callable[..., Any], *, pre: bo
     """
     owned = hook if isinstance(hook, OwnedHook) else OwnedHook(hook, module, in_recompute=in_recompute)
     if _ready_for_compile() and owned.pick is not None and owned.key is None:
-        owned.key = compiled.open_sink(module, owned.kept)
+        owned.key = compiled.open_sink(module, owned.kept, _kind(owned) or type(owned))
     # returned as made: no line runs between the registration and the caller's record of it
     if pre:
         return module.register_forward_pre_hook(owned.__call__, with_kwargs=with_kwargs,
@@ -528,9 +548,12 @@ class ModuleHooks:
         owned.entries = [(table, key)] if flags is None else [(table, key), (flags, key)]
         self.hosted.append(owned)
         if keyed:
-            owned.key = compiled.open_sink(owned.module, owned.kept)
+            filler = owned.thread == _NOBODY  # acts for no call: no sink (OwnedHook.filler)
+            kind = _kind(owned) or type(owned)  # places per kind: stable keys (open_sink)
+            owned.key = compiled.open_sink(owned.module, None if filler else owned.kept, kind)
             if owned.on_gradient is not None:
-                owned.gradient_key = compiled.open_sink(owned.module, owned.gradient_kept)
+                owned.gradient_key = compiled.open_sink(
+                    owned.module, None if filler else owned.gradient_kept, ("gradient", kind))
         if flags is not None:
             self._left_out(flags, key)  # out of copies before it exists (copies.KeptOut)
             flags[key] = True
@@ -551,9 +574,10 @@ class ModuleHooks:
         # a copy (one step, in C): hooks registered by torch's own calls (handles, other
         # threads' ``register``) change tables outside ``_sharing`` ('OrderedDict mutated
         # during iteration': compare beside a capture in another thread, tests/test_threads_generated)
+        filler = owned.thread == _NOBODY  # acts for no call: any entry of its kind serves
         for value in reversed(list(table.values())):
             host = owner(value)
-            if host is None or host.acts_for(owned.thread):  # a user's hook, or this thread's
+            if host is None or (not filler and host.acts_for(owned.thread)):  # a user's, or ours
                 break
             if (host.entries and host.module is owned.module and _kind(host) == kind
                     and (host.key is not None) == keyed and (len(host.entries) == 2) == (flags is not None)):
@@ -564,6 +588,10 @@ class ModuleHooks:
         if flags is not None:  # left out of this block's copies too (copies.KeptOut)
             self._left_out(*found.entries[1])
         found.guests = [*found.guests, owned]
+        if found.thread == _NOBODY and found.key is not None and not filler:  # a filler hosts it
+            compiled.serve(found.key, found.kept)
+            if found.gradient_key is not None:
+                compiled.serve(found.gradient_key, found.gradient_kept)
         return True
 
     def remove(self) -> None:
@@ -590,6 +618,10 @@ _NOBODY = -1  # the ``thread`` of a host whose own block closed: no thread's ide
 _sharing = threading.RLock()  # entries shared between blocks of several threads (ModuleHooks)
 
 
+def _no_call(*args: Any) -> None:
+    """The function of a filler (``OwnedHook.filler``): it never acts."""
+
+
 def _kind(owned: OwnedHook) -> tuple[Any, ...] | None:
     """What a compiled call of ``owned`` does, for ``ModuleHooks._join``: hooks of one kind
     trace to the same operator and take the same value from a call (``pick``), whatever their
@@ -599,6 +631,9 @@ def _kind(owned: OwnedHook) -> tuple[Any, ...] | None:
     if pick is None or hasattr(pick, "__self__"):
         return None
     return type(owned), pick, owned.replaces, owned.on_gradient is None, owned.in_recompute
+
+
+kind_of_hook = _kind
 
 
 def _release(host: OwnedHook) -> None:
@@ -619,8 +654,8 @@ def locked(function: Callable[..., Any], *args: Any) -> Any:
     changes: sessions register and remove a block's hooks under it."""
     # half made while another thread imports it (no trace runs before it is whole): ours alone
     lock = getattr(sys.modules.get("torch._dynamo.convert_frame"), "compile_lock", _sharing)
-    # one line each (engine.interrupts): an exception at a line event of the body still unlocks
-    with _sharing, lock: return function(*args)  # noqa: E701
+    with _sharing, lock:
+        return function(*args)
 
 
 def on_tensor_grad(tensor: torch.Tensor, function: Callable[[torch.Tensor], Any]) -> RemovableHandle:
@@ -727,3 +762,34 @@ def in_recompute() -> bool:
     """True while autograd runs a backward pass: a forward now is a checkpoint recompute."""
     return not (_compiling() and _traced()) and _graph_task_id() != -1
 
+
+
+class set_aside:  # noqa: N801 - used as a function: ``with set_aside(model):``
+    """Take hookscope's own forward (pre-)hooks off every module of ``model`` for the block and
+    put them back, in their order, when it ends (returned or raised): a forward hookscope runs
+    for itself (``engine.ground_truth``'s probe) is then seen by no open session's capture or
+    edit. Hooks others registered (a user's, ``weight_norm``'s, accelerate's) stay: they may be
+    part of the computation. A forward another thread runs during the block misses the hooks
+    set aside (the block lasts one probe forward)."""
+
+    def __init__(self, model: nn.Module):
+        self._model = model
+        self._held: list[tuple[dict[int, Any], dict[int, Any]]] = []
+
+    def __enter__(self) -> None:
+        for module in self._model.modules():
+            for attr in ("_forward_pre_hooks", "_forward_hooks"):
+                table: dict[int, Any] = getattr(module, attr)
+                ours = {key: value for key, value in table.items() if owner(value) is not None}
+                if ours:
+                    self._held.append((table, dict(table)))
+                    for key in ours:
+                        del table[key]
+
+    def __exit__(self, *exc: Any) -> None:
+        for table, before in self._held:
+            added = {key: value for key, value in table.items() if key not in before}
+            table.clear()
+            table.update(before)
+            table.update(added)
+        self._held.clear()

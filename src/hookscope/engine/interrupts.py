@@ -1,179 +1,167 @@
-"""Private: a KeyboardInterrupt never leaves a block's hooks behind.
+"""Private: no signal handler's exception lands in a block's entry or exit.
 
-Jupyter's interrupt button (and Ctrl-C) delivers SIGINT, whose Python handler raises
-``KeyboardInterrupt`` between any two bytecodes of the main thread: between torch registering a
-hook and the block recording its handle, halfway through removing a block's hooks, or on the
-first line of ``__exit__`` before it removes anything. Each would leave hooks on the model for
-good (a leaked ``steer`` keeps changing every later forward).
+A signal's Python handler runs in the main thread at the next point where the interpreter
+checks for pending work (a function's entry, a call's return, a loop's backward jump): anywhere.
+Jupyter's interrupt button (SIGINT) raises ``KeyboardInterrupt`` there, and so does any handler a
+program sets for another signal (a SIGALRM timeout, a SIGTERM handler). Landing between torch
+registering a hook and the block recording it, halfway through removing a block's hooks, or at
+the first instruction of ``__exit__`` (before any of its code runs, so no ``try`` in it can
+catch it), such an exception would leave hooks, a ``copyreg`` entry or a grad mode behind.
 
-So while a block is open in the main thread (``guard`` in its ``__enter__``, ``unguard`` once
-its hooks are removed) hookscope's handler stands in for the SIGINT handler:
+So while a block is open in the main thread (``guard(block)`` on entry, ``unguard(block)`` in
+its cleanup), hookscope's handler stands in for the Python handler of every signal that has one
+(``SIGINT``'s ``default_int_handler``, a user's function for any other signal). When a signal
+arrives:
 
-- inside a ``deferred`` section (adding or removing hooks) it only notes the signal; the end
-  of the section delivers it (and runs its ``undo`` when that raises);
-- elsewhere in a guarded block's ``__enter__`` or ``__exit__`` (found on the interrupted stack)
-  it delivers the signal and, when that raises, removes the block's hooks (the ``cleanup``
-  given to ``guard``) before the exception leaves;
-- anywhere else (the body of the block, the model's forward) it delivers at once.
+- while a frame of a context manager's ``__enter__`` or ``__exit__`` (any: hookscope's blocks,
+  ``torch.no_grad``'s) or of a function marked ``critical`` is on the interrupted stack, it holds
+  the signal back: the block delivers it last in its entry or exit (``release_signals``), so it surfaces
+  at the ``with`` statement; a hold no ``release_signals`` ends (inside ``torch.no_grad().__exit__``) is
+  ended by sending the signal again a millisecond later, from a timer thread (the handler then
+  delivers it, or holds it again). A ``with`` statement's entry and exit are atomic with respect
+  to signals;
+- anywhere else (the body of the block, the model's forward) it hands the signal at once to the
+  handler it stands in for, so the user gets exactly the exception their handler raises.
 
-Delivering means calling the handler that was there before (``KeyboardInterrupt`` by default),
-so the user gets exactly the interrupt they asked for.
+When the last main-thread block closes, each handler is put back (unless the program set another
+one meanwhile). The state is one set of open blocks and one table of stood-in handlers, each
+changed by single operations, entries recorded before handlers are set; ``unguard`` is
+idempotent and runs in the block's cleanup, so no entry outlives its block.
 
 Threads: Python runs signal handlers only in the main thread, and only the main thread may set
-one, so the stand-in belongs to the main thread. Its state (the guarded blocks, the handler it
-stands in for) is read and changed under one lock, counted per block (any number of blocks at
-once), and the handler is set and put back only from the main thread: a block in a worker
-thread never touches ``signal`` (it needs nothing: no signal handler interrupts it), and a
-main-thread block that a worker exits leaves the handler to the next main-thread block (the
-stand-in only delivers while nothing is guarded). When the last guarded block closes, the
-handler that was there before the first one is put back exactly (a user's function,
-``default_int_handler``, ``SIG_DFL``), unless the user installed another one meanwhile. Under
-``SIG_IGN`` (a background shell's job) or a handler set outside Python nothing is installed:
-there is no interrupt to hold back, or no way to put the handler back.
+one, so a block in a worker thread needs and does nothing here; a main-thread block that a worker
+closes leaves the handlers to the next main-thread block, or to the next signal (which finds no
+block open, puts them back and delivers). Under ``SIG_IGN``, ``SIG_DFL`` or a handler set outside
+Python nothing is stood in for.
 
-Every other way a block ends (an exception raised at a line by a trace function or a signal
-handler, a ``PyThreadState_SetAsyncExc``, an exception of a user's callback) is handled by the
-blocks themselves. Their ``__enter__`` and ``__exit__`` are written::
-
-    def __exit__(self, *exc):
-        try: return self._close(*exc)  # the first line: `try` and its body on one line
-        except BaseException:
-            self._remove()  # idempotent: removes what an exception in _close left
-            raise
-
-In Python 3.11+ a ``try:`` alone on its line is a no-op outside the protected range, so an
-exception raised at its line event would skip the handler; sharing the body's line, the first
-line event of the method is inside it. On success no other line of the method runs after the
-body returned. So one exception at any line of hookscope's code (``tests/test_interrupts.py``
-raises one at every line) still removes everything. An exception at the call itself, before
-the method's first line (an async exception at its entry), is beyond any Python code.
-
-The same holds where hookscope's own code enters a block with a ``with`` statement: the exit
-runs at the ``with`` line after the body's last line, outside the protected range, so an
-exception raised at that line event would skip it. Such a ``with`` keeps its body on its own
-line (``with session: run(session)``), or its body is a function called on that line.
+Exceptions that are not a signal's (``PyThreadState_SetAsyncExc``, a trace function, a user's
+callback) cannot be held back; the blocks tolerate them instead: each writes down what it will
+undo before doing it and runs its idempotent cleanup in ``finally``, twice when the first pass is
+interrupted (``engine.session``, ``engine.run``). One moment no Python code can cover is the
+first instruction of ``__exit__`` itself, where such an exception ends the ``with`` before any
+cleanup runs (a signal there waits, as above).
 """
 
 from __future__ import annotations
 
+import _thread
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from types import FrameType
-from typing import Any
+from collections.abc import Callable
+from types import CodeType, FrameType
+from typing import Any, TypeVar
 
-__all__ = ["guard", "unguard", "deferred", "GracefulStop", "exit_at_interrupt"]
+__all__ = ["guard", "unguard", "release_signals", "critical", "GracefulStop", "exit_at_interrupt"]
 
-_lock = threading.RLock()  # guards _guarded and _previous (any thread may unguard)
-_guarded: dict[int, Callable[[], object]] = {}  # id(block) -> its cleanup (main-thread blocks)
-_UNSET: Any = object()
-_previous: Any = _UNSET  # the SIGINT handler before the first guarded block
-_busy = 0  # depth of deferred sections running in the main thread
-_pending: list[int] = []  # signals noted during a deferred section
+_SIGNALS = sorted(s for s in signal.valid_signals()
+                  if s not in {getattr(signal, n, None) for n in ("SIGKILL", "SIGSTOP")})
+_open: set[int] = set()  # id() of the open main-thread blocks (one set operation per change)
+_stood_in: dict[int, Any] = {}  # signal number -> the Python handler hookscope stands in for
+_CRITICAL: set[CodeType] = set()  # code during which a signal waits (besides __enter__/__exit__)
+_ENTRY_EXIT = frozenset(("__enter__", "__exit__"))
+_UNKNOWN: dict[int, Any] = {signal.SIGINT: signal.default_int_handler}  # when none is known
+_pending: dict[int, Any] = {}  # signal number -> its handler, for signals held back
+_scheduled = False  # a courier is on its way
+_RESEND_S = 0.001  # how soon a held-back signal is sent again
 
-
-def guard(block: object, cleanup: Callable[[], object]) -> None:
-    """From now until ``unguard(block)``, an interrupt of ``block``'s ``__enter__`` or
-    ``__exit__`` calls ``cleanup()`` (which removes its hooks) before the KeyboardInterrupt.
-    Does nothing outside the main thread, when SIGINT is ignored, or when its handler was not
-    set from Python (it could not be put back)."""
-    if _in_main_thread():
-        with _lock: _guard(block, cleanup)  # noqa: E701 - one line: see copies._open_block
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _guard(block: object, cleanup: Callable[[], object]) -> None:
-    global _previous
-    current = signal.getsignal(signal.SIGINT)
-    if current is None or current == signal.SIG_IGN:  # set outside Python, or nothing to do
+def critical(function: F) -> F:
+    """Mark ``function`` as cleanup a signal never interrupts (as ``__enter__``/``__exit__``):
+    a signal arriving while it runs is delivered once it has returned. Returns it unchanged."""
+    _CRITICAL.add(function.__code__)
+    return function
+
+
+def guard(block: object) -> None:
+    """From now until ``unguard(block)``, a signal never lands in a context manager's entry or
+    exit (module docstring). Main thread only; elsewhere nothing (no signal interrupts it)."""
+    if not _in_main_thread():
         return
-    _guarded[id(block)] = cleanup
-    if current is not _handler:
-        _previous = current
-        signal.signal(signal.SIGINT, _handler)
+    _open.add(id(block))  # first: an exception after it leaves an entry unguard removes
+    for signum in _SIGNALS:
+        handler = signal.getsignal(signum)
+        if callable(handler) and handler is not _handler:
+            _stood_in[signum] = handler  # recorded before it is replaced
+            signal.signal(signum, _handler)
 
 
 def unguard(block: object) -> None:
-    """``block``'s hooks are gone; the last block to go (in the main thread) puts the previous
-    handler back. Idempotent; from another thread it only forgets ``block``."""
-    with _lock: _unguard(block)  # noqa: E701 - one line: see copies._open_block
+    """``block`` is closed; the last main-thread block puts every handler back (one replaced
+    meanwhile stays). Idempotent; from another thread it only forgets ``block``."""
+    _open.discard(id(block))
+    if not _open and _in_main_thread():
+        _put_back()
 
 
-def _unguard(block: object) -> None:
-    global _previous
-    _guarded.pop(id(block), None)
-    if _guarded or not _in_main_thread():
-        return
-    if _previous is not _UNSET and signal.getsignal(signal.SIGINT) is _handler:
-        signal.signal(signal.SIGINT, _previous)
-    _previous = _UNSET
-
-
-@contextmanager
-def deferred(undo: Callable[[], object] | None = None) -> Iterator[None]:
-    """Hold back SIGINT until the section ends (in a guarded main thread), then deliver it; if
-    that raises (a ``KeyboardInterrupt`` by default; it replaces an exception of the section),
-    ``undo()`` runs before the exception leaves. Sections nest: the outermost one delivers."""
-    global _busy
-    if not _in_main_thread() or not _guarded:
-        yield
-        return
-    _busy += 1
-    try:
-        yield
-    finally:
-        _busy -= 1
-        if _pending and not _busy:
-            signum = _pending[0]
-            _pending.clear()
-            try:
-                _deliver(signum, sys._getframe())
-            except BaseException:
-                if undo is not None:
-                    undo()
-                raise
+def _put_back() -> None:
+    for signum, handler in list(_stood_in.items()):
+        if signal.getsignal(signum) is _handler:
+            signal.signal(signum, handler)
+        _stood_in.pop(signum, None)  # after: an exception between leaves it to put back again
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
-    if _busy:
-        _pending.append(signum)
+    handler = _stood_in.get(signum, _UNKNOWN.get(signum))
+    if _open and _waits(frame):
+        _pending[signum] = handler  # one dict write
+        _courier()
         return
-    if not _guarded:  # every block closed (one exited by a worker thread): just deliver
-        _deliver(signum, frame)
-        return
-    try:
-        _deliver(signum, frame)
-    except BaseException:  # the KeyboardInterrupt: it must not leave a half-entered block
-        cleanup = _interrupted_block(frame)
-        if cleanup is not None:
-            cleanup()
-        raise
+    if not _open and _in_main_thread():  # the last block was closed by another thread
+        _put_back()
+    _deliver(signum, handler, frame)
 
 
-def _interrupted_block(frame: FrameType | None) -> Callable[[], object] | None:
-    """The cleanup of the guarded block whose ``__enter__``/``__exit__`` is on the stack."""
-    while frame is not None:
-        if frame.f_code.co_name in ("__enter__", "__exit__"):
-            cleanup = _guarded.get(id(frame.f_locals.get("self")))
-            if cleanup is not None:
-                return cleanup
-        frame = frame.f_back
-    return None
+def release_signals() -> None:
+    """Deliver the signals held back, unless a frame holding them back is still running
+    outside the caller (an outer ``__exit__``): call it last in a block's entry and exit, so
+    an interrupt held back there surfaces at the ``with`` statement, from the block itself."""
+    if _pending and not _waits(sys._getframe(2)):
+        while _pending:  # a handler delivered may hold back another signal (raise_signal)
+            signum, handler = _pending.popitem()
+            _deliver(signum, handler, sys._getframe(1))
 
 
-def _deliver(signum: int, frame: FrameType | None) -> None:
-    """Hand the signal to the handler hookscope stood in for (or to the current one)."""
-    if signal.getsignal(signal.SIGINT) is not _handler:  # not standing in: the real one gets it
-        signal.raise_signal(signum)
-        return
-    handler = signal.default_int_handler if _previous is _UNSET else _previous
+def _deliver(signum: int, handler: Any, frame: FrameType | None) -> None:
     if callable(handler):
         handler(signum, frame)
-    elif handler == signal.SIG_DFL:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        signal.raise_signal(signum)
+
+
+def _courier() -> None:
+    """Mark the held-back signals as arrived again in a moment (from another thread: doing
+    it in the handler would run it again at once), for holds that no ``release``
+    ends (a ``torch.no_grad()`` exit): the handler then delivers them, or holds them again."""
+    global _scheduled
+    if not _scheduled:
+        _scheduled = True
+        timer = threading.Timer(_RESEND_S, _resend)
+        timer.daemon = True
+        timer.start()
+
+
+def _resend() -> None:
+    """In the timer thread: mark each held-back signal as arrived again, for the main thread's
+    Python handler only (``_thread.interrupt_main``: no kernel signal, nothing when the
+    program has put back ``SIG_DFL`` or ``SIG_IGN`` meanwhile)."""
+    global _scheduled
+    _scheduled = False
+    for signum in list(_pending):
+        if _pending.pop(signum, None) is not None:
+            _thread.interrupt_main(signal.Signals(signum))
+
+
+def _waits(frame: FrameType | None) -> bool:
+    """Whether a frame of an ``__enter__``/``__exit__`` or of a ``critical`` function is on the
+    stack that ``frame`` (the interrupted one) belongs to."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name in _ENTRY_EXIT or code in _CRITICAL:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _in_main_thread() -> bool:

@@ -46,6 +46,8 @@ class ModuleIndex:
         aliases: ``{path: (other names,)}`` for modules registered under several names.
         parametrizations: ``{name of a parametrization module: path of the layer it belongs to}``.
         wrappers: ``{raw path of a wrapper: its class name}``.
+        visible: the names without wrapper segments (paths and aliases): the names the
+            unwrapped model has; ``canonical`` also holds the raw names with wrapper segments.
     """
 
     root: nn.Module
@@ -54,6 +56,7 @@ class ModuleIndex:
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)
     parametrizations: dict[str, str] = field(default_factory=dict)
     wrappers: dict[str, str] = field(default_factory=dict)
+    visible: frozenset[str] = frozenset()
 
     def path_of(self, name: str) -> str | None:
         """The canonical path a module name (any spelling) stands for, or None."""
@@ -123,6 +126,7 @@ def _walk(model: nn.Module) -> ModuleIndex:
     modules, canonical, aliases = found.modules, found.canonical, found.aliases
     first: dict[int, str] = {}
     wrapper_paths: dict[str, str] = {}
+    raw_paths: dict[str, str] = {}  # raw name -> primary path, added after every visible name
     on_path: set[int] = set()
 
     def visit(raw: str, path: str, module: nn.Module, owner: str | None) -> None:
@@ -136,7 +140,7 @@ def _walk(model: nn.Module) -> ModuleIndex:
         else:
             primary = first.setdefault(id(module), path)
             canonical.setdefault(path, primary)
-            canonical.setdefault(raw, primary)
+            raw_paths.setdefault(raw, primary)
             if primary == path:
                 modules[path] = module
             elif path not in aliases.get(primary, ()):
@@ -156,6 +160,11 @@ def _walk(model: nn.Module) -> ModuleIndex:
         on_path.discard(id(module))
 
     visit("", "", model, None)
+    # a visible name wins over a raw one spelled the same (the model's own child 'module' under
+    # DDP's 'module'), so an exact name means on the wrapped model what it means unwrapped
+    found.visible = frozenset(canonical)
+    for raw, primary in raw_paths.items():
+        canonical.setdefault(raw, primary)
     for raw, path in wrapper_paths.items():  # a wrapper's raw path names what it wraps
         canonical.setdefault(raw, canonical.get(path, path))
     return found

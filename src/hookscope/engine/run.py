@@ -25,11 +25,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from hookscope.engine import interrupts
 from hookscope.engine.checks import check_model
-from hookscope.engine.hooks import OwnedHook, register
+from hookscope.engine.hooks import ModuleHooks, OwnedHook
 from hookscope.errors import ConcurrentModelError, HookscopeError
 
 __all__ = ["RngState", "detached_clones", "input_device", "model_inputs", "state_snapshot",
@@ -82,8 +81,8 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
     grad mode (a KeyboardInterrupt inside a verb's ``torch.no_grad()`` exit would leave
     gradients off). Only what changed is written: an unchanged model is only read. The model's
     mode is not changed on entry: the block sees train-mode behaviour (dropout) if the model is
-    in it. A KeyboardInterrupt (SIGINT) arriving while the state is restored is held back until
-    the restore is done (``engine.interrupts``).
+    in it. A signal arriving while the state is restored is held back until the restore is
+    done (``engine.interrupts``).
 
     ``.grad`` is never touched: every verb's backward is ``torch.autograd.grad``, which writes no
     ``.grad``, so a thread training the model (``zero_grad``, ``backward``, ``optimizer.step``)
@@ -132,39 +131,41 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
         self._finished = False  # _finish ran (an interrupt during _open, or the exit)
 
     def __enter__(self) -> None:
-        # one line each (engine.interrupts): an exception at any line restores and unhooks
-        try: self._open()  # noqa: E701
+        # an exception anywhere in entering restores and unhooks: every state is kept before
+        # its hooks exist, and _finish undoes whatever is there
+        try:
+            self._open()
+            interrupts.release_signals()  # a signal held back so far: a failed entry
         except BaseException:
-            self._finish()
+            try:
+                self._finish()
+            finally:
+                interrupts.release_signals()  # one held back while the entry was undone
             raise
 
     def _open(self) -> None:
-        self._finished, made = False, []
-        with interrupts.deferred(undo=self._finish):  # interrupted: as if never entered
-            self._grad = torch.is_grad_enabled()
-            self._rng = RngState.now()
-            _open_rng(self)
-            interrupts.guard(self, self._finish)
-            for model in self._models:  # kept before its hooks exist: an interrupt removes them
-                made.append(state := _State(model))
-                self._kept.append(state)
-                state.watch()
-        if self._finished:  # an interrupt ran _finish, then its KeyboardInterrupt was lost
-            for state in made:  # (raised in a gc callback): undo what came after, and raise
-                state.restore()
-            raise KeyboardInterrupt("an interrupt stopped this block while it was entered, "
-                                    "and its KeyboardInterrupt was lost on the way")
+        self._finished = False
+        interrupts.guard(self)  # signals wait during entry and exit; _finish unguards
+        self._grad = torch.is_grad_enabled()
+        self._rng = RngState.now()
+        _open_rng(self)
+        for model in self._models:  # kept before its hooks exist: _finish removes them
+            state = _State(model)
+            self._kept.append(state)
+            state.watch()
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: object) -> None:
-        try: self._close(exc)  # noqa: E701
+        try:
+            self._close(exc)
         except BaseException:
             self._finish()
             raise
+        finally:
+            interrupts.release_signals()  # a signal held back during the exit surfaces here
 
     def _close(self, exc: BaseException | None) -> None:
-        with interrupts.deferred():
-            shared = self._finish()
+        shared = self._finish()
         if shared and exc is None:
             raise ConcurrentModelError(
                 f"another thread ran {', '.join(repr(p) for p in shared[:4])}"
@@ -175,21 +176,28 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
                 "copy.deepcopy(model) while another thread trains it")
 
     def _finish(self) -> list[str]:
-        """Restore the state (idempotent) and stop guarding: also what an interrupt of
-        ``__exit__`` runs before its KeyboardInterrupt leaves. Returns the paths of modules with
+        """Restore the state and stop guarding (idempotent: a pass that an exception stopped
+        is completed by running it again, here at once). Returns the paths of modules with
         changed buffers that another thread ran (left as they are)."""
+        try:
+            return self._finish_once()
+        except BaseException:
+            self._finish_once()
+            raise
+
+    def _finish_once(self) -> list[str]:
         shared = []
         foreign = any(state.foreign_calls() for state in self._kept)
-        for state in self._kept:
+        for state in self._kept:  # each restore is idempotent; the list is cleared after all
             shared += state.restore()
         self._kept = []
         self._finished = True
+        if torch.is_grad_enabled() != self._grad:
+            torch.set_grad_enabled(self._grad)
         if self._rng is not None:
             if not (_close_rng(self) or foreign):
                 self._rng.restore()
             self._rng = None
-        if torch.is_grad_enabled() != self._grad:
-            torch.set_grad_enabled(self._grad)
         interrupts.unguard(self)
         return shared
 
@@ -201,8 +209,8 @@ _rng_blocks: dict[int, untouched] = {}  # id(block) -> block: the open blocks, e
 def _open_rng(block: untouched) -> None:
     """Note ``block`` as open; it and every open block of another thread share the RNG now."""
     block._rng_thread = threading.get_ident()
-    # one line each (engine.interrupts): an exception at a line event of the body still unlocks
-    with _rng_lock: _share_rng(block)  # noqa: E701
+    with _rng_lock:
+        _share_rng(block)
 
 
 def _share_rng(block: untouched) -> None:
@@ -214,7 +222,8 @@ def _share_rng(block: untouched) -> None:
 
 def _close_rng(block: untouched) -> bool:
     """Forget ``block``; True when another thread's block was open at some moment of it."""
-    with _rng_lock: _rng_blocks.pop(id(block), None)  # noqa: E701
+    with _rng_lock:
+        _rng_blocks.pop(id(block), None)
     return block._rng_shared
 
 
@@ -229,7 +238,8 @@ class _State:
         self.flags: list[tuple[nn.Module, bool]] = []
         self.buffers: list[tuple[nn.Module, str, Tensor, Tensor]] = []
         self.params: list[tuple[nn.Parameter, bool]] = []
-        self.counters: dict[nn.Module, tuple[OwnedHook, RemovableHandle]] = {}
+        self.counters: dict[nn.Module, OwnedHook] = {}
+        self.hooks = ModuleHooks()
         self.paths = {m: p for p, m in model.named_modules(remove_duplicate=False)}
         modules = list(model.modules())
         self.flags = [(m, m.training) for m in modules]
@@ -246,11 +256,12 @@ class _State:
         them, also those of a ``watch`` that an interrupt stopped halfway)."""
         for module in self.watched:
             counter = OwnedHook(self._ran, module, traceable=True)
-            self.counters[module] = (counter, register(module, counter, pre=True))
+            self.counters[module] = counter
+            self.hooks.add(counter, pre=True)  # written down before it is registered
 
     def foreign_calls(self) -> int:
         """Calls of the watched modules (the root's included) from other threads so far."""
-        return sum(counter.foreign_calls for counter, _ in self.counters.values())
+        return sum(counter.foreign_calls for counter in self.counters.values())
 
     def _ran(self, module: nn.Module, args: Any) -> None:
         if module.training:
@@ -259,8 +270,7 @@ class _State:
     def restore(self) -> list[str]:
         """Put back what changed (idempotent); return the paths of modules whose changed
         buffers were left because another thread ran them."""
-        for _, handle in self.counters.values():
-            handle.remove()
+        self.hooks.remove()
         shared: dict[str, None] = {}
         for module, training in self.flags:
             if module.training != training:
@@ -270,7 +280,7 @@ class _State:
                 if module._buffers.get(name) is buffer and _same(buffer, values):
                     continue
                 counter = self.counters.get(module)
-                if counter is not None and counter[0].foreign_calls:  # maybe the other's doing
+                if counter is not None and counter.foreign_calls:  # maybe the other's doing
                     if module in self.trained:  # and ours: both updates are in it
                         shared[self.paths.get(module, "?")] = None
                     continue

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -57,7 +57,8 @@ from hookscope.engine.standard_naming import (
 from hookscope.engine.wrappers import unwrap
 from hookscope.errors import SelectorError
 
-__all__ = ["flat_patterns", "Target", "select", "resolve", "unwrap", "is_container", "ROOT", "as_patterns"]
+__all__ = ["flat_patterns", "Target", "select", "resolve", "unwrap", "is_container", "ROOT", "as_patterns",
+           "asked_names"]
 
 _PART = re.compile(r"\[([^\[\]]+)\]$")
 _INNER_INDEX = re.compile(r"\[\s*(['\"]?)([^\[\]'\"]+)\1\s*\](?=[.\[]|$)")
@@ -95,6 +96,13 @@ class Target:
     def __repr__(self) -> str:
         return (f"Target(path={self.path!r}, module={type(self.module).__name__}, "
                 f"parts={self.parts!r}, op={self.op!r}, wide={self.wide})")
+
+    @property
+    def name(self) -> str:
+        """The name the user asked for: the first standard name it was selected by
+        (``"attn.z.0"``), else its record name ``key`` (a glob's match, an exact path). Results
+        are keyed and printed by it, with ``key`` (the module path) beside it."""
+        return self.standard[0] if self.standard else self.key
 
     @property
     def record_key(self) -> RecordKey:
@@ -155,6 +163,15 @@ def resolve(model: nn.Module, patterns: tuple[str, ...] | list[str], *,
                 kept = chosen[(target.path, target.parts, target.op)]
                 kept.standard = tuple(dict.fromkeys(known.standard + target.standard))
     return sorted(chosen.values(), key=lambda t: order[t.path])
+
+
+def asked_names(targets: Sequence[Target]) -> tuple[list[str], list[str]]:
+    """The distinct record names of ``targets`` (what a verb captures and edits) and, beside
+    each, the name the user asked for (``Target.name``: ``"attn.z.0"`` for
+    ``"h.0.attn::scaled_dot_product_attention"``), which results are keyed and printed by."""
+    first = {t.key: t for t in reversed(targets)}  # the first target of each record name wins
+    keys = list(dict.fromkeys(t.key for t in targets))
+    return keys, [first[key].name for key in keys]
 
 
 def flat_patterns(patterns: Sequence[object]) -> list[str]:
@@ -273,7 +290,7 @@ def _match_regex(expr: str, names: ModuleIndex) -> list[str]:
     except re.error as err:
         raise SelectorError(f"'re:{expr}' is not a valid regular expression ({err}); "
                             f"escape dots as '\\.' and anchor nothing: it must match the whole path") from err
-    return _matching(names, compiled)
+    return _matching(names, compiled, lambda segment: segment in expr)
 
 
 def _match_type(name: str, modules: dict[str, nn.Module]) -> list[str]:
@@ -283,16 +300,36 @@ def _match_type(name: str, modules: dict[str, nn.Module]) -> list[str]:
 
 
 def _match_glob(pattern: str, names: ModuleIndex) -> list[str]:
-    return _matching(names, re.compile(_glob_to_regex(pattern)))
+    literal = set(pattern.split("."))
+    return _matching(names, re.compile(_glob_to_regex(pattern)), literal.__contains__)
 
 
-def _matching(names: ModuleIndex, compiled: re.Pattern[str]) -> list[str]:
-    """Paths of the modules any of whose names (path, alias, raw path) ``compiled`` matches;
-    never the root."""
+def _matching(names: ModuleIndex, compiled: re.Pattern[str],
+              spelled: Callable[[str], bool]) -> list[str]:
+    """Paths of the modules whose names ``compiled`` matches; never the root.
+
+    The names matched are those of the unwrapped model (paths and aliases, ``names.visible``),
+    so a wildcard never matches a wrapper's own segment and a pattern selects on a wrapped model
+    exactly what it selects on the unwrapped one (``select(torch.compile(m), "*.0")`` is
+    ``select(m, "*.0")``, not also ``"_orig_mod.0"``'s root). Only when no such name matches, a
+    pattern written with wrapper segments (``"module.layers.*"``) matches the raw names in which
+    the pattern spells every wrapper segment out (``spelled(segment)``: a literal glob segment,
+    text of a regex)."""
     if compiled.pattern == _EVERY:
         return [p for p in names.modules if p]
-    found = {names.canonical[n] for n in names.canonical if n and compiled.fullmatch(n)}
+    found = {names.canonical[n] for n in names.visible if n and compiled.fullmatch(n)}
+    if not found and names.wrappers:
+        found = {names.canonical[n] for n in names.canonical if n not in names.visible
+                 and compiled.fullmatch(n) and all(map(spelled, _wrapper_segments(names, n)))}
     return [p for p in names.modules if p and p in found]
+
+
+def _wrapper_segments(names: ModuleIndex, raw: str) -> list[str]:
+    """The segments of the raw name ``raw`` that are wrappers' attributes
+    (``"_orig_mod.0.module"`` -> ``["_orig_mod"]`` when only the root is a wrapper)."""
+    segments = raw.split(".")
+    return [segment for i, segment in enumerate(segments)
+            if ".".join(segments[:i]) in names.wrappers]
 
 
 _EVERY = r"(?:[^.]+(?:\.[^.]+)*)?"  # what '**' compiles to: every name

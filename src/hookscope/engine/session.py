@@ -34,11 +34,21 @@ from hookscope.engine.early_stop import (
 )
 from hookscope.engine.function_mode import FunctionHooks
 from hookscope.engine.function_names import refuse_uninterceptable
-from hookscope.engine.hooks import ModuleHooks, OwnedHook, locked, nothing, on_node, other_threads, register
+from hookscope.engine.hooks import (
+    ModuleHooks,
+    OwnedHook,
+    kind_of_hook,
+    locked,
+    nothing,
+    on_node,
+    other_threads,
+    register,
+)
 from hookscope.engine.names import ModuleIndex, index
 from hookscope.engine.selection import Target, resolve, unwrap
 from hookscope.errors import (
     ArgumentValueError,
+    EditError,
     HookNeverFiredError,
     HookNeverFiredWarning,
     HookscopeError,
@@ -99,6 +109,7 @@ class HookSession:
         self._on_unfired = on_unfired
         self._handles: list[RemovableHandle] = []  # function and autograd node hooks
         self._owned: list[tuple[OwnedHook, bool]] = []  # (hook, is a forward hook)
+        self._layout: list[tuple[OwnedHook, bool, bool]] = []  # (hook, pre, with_kwargs)
         self._ran: set[str] = set()  # paths of selected modules and witnesses that ran
         self._stopper: EarlyStop | None = None  # set by _register for early_stop=True
         self._stops_before = 0  # forwards of this model cut short before the block began
@@ -112,26 +123,30 @@ class HookSession:
         if self._active:
             raise HookscopeError(f"this {type(self).__name__} is already active: enter it once, "
                                  f"and build a new one for another block")
-        # One line each (engine.interrupts): an exception at any line, a KeyboardInterrupt or
-        # an exception of a user's callback alike, leaves nothing registered.
-        try: return self._open()  # noqa: E701
+        # an exception anywhere in entering (an interrupt, a user's callback) leaves nothing
+        # registered: _open writes down each thing before doing it, _remove undoes what is there
+        try:
+            self._open()
+            interrupts.release_signals()  # a signal held back so far: a failed entry
         except BaseException:
             self._entered = False  # a failed entry is no block: leaving it reports nothing
-            self._remove()
+            try:
+                self._remove()
+            finally:
+                interrupts.release_signals()  # one held back while the entry was undone
             raise
+        return self
 
-    def _open(self) -> Self:
-        interrupts.guard(self, self._remove)  # an interrupt from here on removes our hooks first
+    def _open(self) -> None:
+        interrupts.guard(self)  # signals wait during entry and exit; _remove unguards
         self._active = True
         self._stops_before = stops(unwrap(self.model)[0])
-        with interrupts.deferred(undo=self._remove):  # an interrupt: nothing stays registered
-            self._copies_open = True  # first: an exception inside open_block still closes it
-            copies.open_block(self._left_out)
-            locked(self._install)
-            if diagnose.fullgraph(self.model):
-                self._refuse_outside_graph()
+        self._copies_open = True  # first: an exception inside open_block still closes it
+        copies.open_block(self._left_out)
+        locked(self._install)
+        if diagnose.fullgraph(self.model):
+            self._refuse_outside_graph()
         self._entered = True
-        return self
 
     def _install(self) -> None:
         """Register every hook of the block, at once for traces in other threads
@@ -139,12 +154,52 @@ class HookSession:
         half-registered table, up to dynamo's recompile limit)."""
         self._hold_compiled_values()
         self._register()
+        padded = diagnose.fullgraph(self.model) and self._pad_for_compile()
         self._functions.install(self._handles)
         if self._explain_unfired:  # witnesses serve only the explanation on exit
             near = diagnose.witnesses(self.model, self._module_index(), self.targets)
+            if padded:  # on every module, the selected ones too: the tables stay as they are
+                near = {**self._each_module(), **near}
             for path, module in near.items():
                 # a compiled graph holds a witness whole (engine.compiled)
                 self._own(OwnedHook(self._witness(path), module, pick=nothing), pre=True)
+
+    def _pad_for_compile(self) -> bool:
+        """On a ``torch.compile(fullgraph=True)`` model: give every module this block does not
+        select hooks of the kinds each selected module got (``OwnedHook.filler``: they act for
+        no call), so the hook tables dynamo guards are the same whichever modules a block
+        selects: a sweep over any number of layers, one block each, compiles one graph for
+        them all (per kind of hook: a capture's, an edit's), never one per layer up to dynamo's
+        recompile limit, after which even a plain call of a fullgraph model raised (issue 47).
+        Every module then also gets a witness (``_install``). Return whether it padded: not
+        when the selected modules got hooks of different kinds (a block of several rules on
+        one module), which stays as it was.
+
+        The graph then holds an operator per module (a filler's hands nothing out: a capture's
+        copies nothing; an edit's copies the module's output, as its operator must return
+        tensors of its own), on every call while a block is open."""
+        selected = {id(t.module) for t in self.targets if t.op is None}
+        per_module: dict[int, list[tuple[OwnedHook, bool, bool]]] = {}
+        for owned, pre, with_kwargs in self._layout:
+            if id(owned.module) in selected:
+                per_module.setdefault(id(owned.module), []).append((owned, pre, with_kwargs))
+        shapes = {tuple((kind_of_hook(o), pre, kw) for o, pre, kw in hooks) for hooks in per_module.values()}
+        if not per_module or len(per_module) != len(selected) or len(shapes) != 1 or any(
+                kind is None for kind, _, _ in next(iter(shapes))):
+            return False
+        template = next(iter(per_module.values()))
+        for module in self._each_module().values():
+            if id(module) not in selected:
+                for owned, pre, with_kwargs in template:
+                    self._module_hooks.add(owned.filler(module), pre=pre, with_kwargs=with_kwargs)
+        return True
+
+    def _each_module(self) -> dict[str, nn.Module]:
+        """``{path: module}`` of the model's modules, each once."""
+        found: dict[int, tuple[str, nn.Module]] = {}
+        for path, module in self._module_index().modules.items():
+            found.setdefault(id(module), (path, module))
+        return dict(found.values())
 
     def _remove_handles(self) -> None:
         for handle in self._handles:
@@ -189,10 +244,13 @@ class HookSession:
                  tb: TracebackType | None) -> bool | None:
         # as __enter__: an exception anywhere in leaving still removes every hook; a second
         # exit (a caller's cleanup after its own failure) does nothing
-        try: return self._close(exc)  # noqa: E701
+        try:
+            return self._close(exc)
         except BaseException:
             self._remove()
             raise
+        finally:
+            interrupts.release_signals()  # a signal held back during the exit surfaces here
 
     def _close(self, exc: BaseException | None) -> bool | None:
         entered, self._entered = self._entered, False
@@ -226,13 +284,35 @@ class HookSession:
             return True if stopped else None
         inside = {t.key: why for t in silent if t.op
                   and (why := self._functions.unfired(t.key, t.path)) is not None}
+        refused = {key: why for key, why in inside.items() if self._functions.refuses(key)}
+        if refused:  # an address that can never record: refused, whatever on_unfired says
+            raise HookscopeError("\n".join(f"{key}: {why}" for key, why in refused.items()))
         self.unfired = diagnose.explain_unfired(self._module_index(),
                                                 [t for t in silent if t.key not in inside], ran)
         self.unfired.update(inside)
         self.unmatched = set(inside)
         self.unfired.update(self._other_threads(silent))
+        if self._edits and self._on_unfired == "warn":
+            self._refuse_bypassed([t for t in silent if not t.op], ran)
         self._report_unfired()
         return True if stopped else None
+
+    def _refuse_bypassed(self, silent: Sequence[Target], ran: set[str]) -> None:
+        """Raise when an edit never applied because its module ran without its hooks
+        (``diagnose.bypassed``): the model's output is then the unedited one, and a served
+        model must never return it as edited (issue 46). A module the input never reached
+        is only reported (``on_unfired``).
+
+        Raises:
+            EditError: naming each such module, the cause and the fix."""
+        found = diagnose.bypassed(self._module_index(), silent, ran)
+        if found:
+            lines = "\n".join(f"  - {key}: {why}" for key, why in found.items())
+            raise EditError(
+                f"the model ran, but {len(found)} selected module{'s' if len(found) > 1 else ''} "
+                f"ran without {'their' if len(found) > 1 else 'its'} hooks, so the edit was never "
+                f"applied there and the output is the unedited model's:\n{lines}\n(pass "
+                f"on_unfired='ignore' to accept an edit that did not apply)")
 
     def _register(self) -> None:
         """Add this session's hooks (``self._own``, ``self._hook``; a handle straight into
@@ -304,11 +384,13 @@ class HookSession:
         value (``copies._reduce``), a ``with_kwargs`` flag by its id (``ModuleHooks``)."""
         self._module_hooks.add(owned, pre=pre, with_kwargs=with_kwargs)
         self._owned.append((owned, not pre))
+        self._layout.append((owned, pre, with_kwargs))
 
     def _own_forward(self, hooks: list[OwnedHook]) -> None:
         """``_own`` for many plain forward hooks (no kwargs) at once, registered in bulk."""
         self._module_hooks.add_forward(hooks)
         self._owned.extend((owned, True) for owned in hooks)
+        self._layout.extend((owned, False, False) for owned in hooks)
 
     @property
     def recomputes(self) -> dict[str, int]:
@@ -339,16 +421,24 @@ class HookSession:
                                 in_recompute=in_recompute, edits=self._edits)
 
     def _remove(self) -> None:
-        with interrupts.deferred():
-            self._module_hooks.remove()
-            locked(self._remove_handles)
-            compiled.abandon(self)  # a call interrupted before _release: its hold ends here
-            self._functions.close()
-            if self._copies_open:  # cleared once closed: close_block is idempotent, may rerun
-                copies.close_block(self._left_out)
-                self._copies_open = False
-            self._active = False
-            interrupts.unguard(self)
+        """Remove everything the block added (idempotent: each step undoes what is there, so
+        a pass that an exception stopped is completed by running it again, here at once)."""
+        try:
+            self._remove_once()
+        except BaseException:
+            self._remove_once()
+            raise
+
+    def _remove_once(self) -> None:
+        self._module_hooks.remove()
+        locked(self._remove_handles)
+        compiled.abandon(self)  # a call interrupted before _release: its hold ends here
+        self._functions.close()
+        if self._copies_open:  # cleared once closed: close_block is idempotent, may rerun
+            copies.close_block(self._left_out)
+            self._copies_open = False
+        self._active = False
+        interrupts.unguard(self)
 
     def _witness(self, path: str) -> Callable[..., None]:
         ran = self._ran

@@ -224,12 +224,8 @@ def _in_block(names: ModuleIndex, structure: Structure, kind: str,
     block = f"{structure.blocks}.{i}"
     if kind in RESIDUAL and (path := _block_lookup(names, block, RESIDUAL[kind])) is not None:
         return path, (), None
-    if kind == "resid_post":
-        return block, (), None
-    if kind == "resid_pre":
-        if i > 0:
-            return f"{structure.blocks}.{i - 1}", (), None
-        return _block_input(names, structure), (), None
+    if kind in ("resid_post", "resid_pre"):
+        return _checked_residual(names, structure, kind, i), (), None
     if kind.startswith("attn."):
         return _per_head(names, block, kind[-1], f"{kind}.{i}")
     table = ATTENTION if kind == "attn_out" else MLP
@@ -239,6 +235,35 @@ def _in_block(names: ModuleIndex, structure: Structure, kind: str,
     raise SelectorError(f"'{kind}.{i}': block '{block}' ({type(names.modules[block]).__name__}) "
                         f"has none of the modules looked for: "
                         f"{', '.join(inner for inner, _ in table)}; select it by its own path")
+
+
+def _checked_residual(names: ModuleIndex, structure: Structure, kind: str, i: int) -> str:
+    """The path of ``{kind}.{i}`` by structure, checked against the model's own hidden states
+    (``engine.residual_check``: the module whose output holds them, or a refusal)."""
+    from hookscope.engine.residual_check import checked_residuals
+    try:
+        block_input: str | None = _block_input(names, structure)
+        missing = None
+    except SelectorError as err:
+        block_input, missing = None, err
+    try:
+        final_norm: str | None = _outside(names, "final_norm")
+    except SelectorError:
+        final_norm = None
+    checked = checked_residuals(names, structure.blocks, structure.count, block_input, final_norm)
+    name = f"{kind}.{i}"
+    if name in checked.refused:
+        raise SelectorError(checked.refused[name])
+    if name in checked.paths:
+        return checked.paths[name]
+    if kind == "resid_post":
+        return f"{structure.blocks}.{i}"
+    if i > 0:
+        return f"{structure.blocks}.{i - 1}"
+    if block_input is None:
+        assert missing is not None
+        raise missing
+    return block_input
 
 
 def _block_input(names: ModuleIndex, structure: Structure) -> str:
@@ -255,6 +280,10 @@ def _block_input(names: ModuleIndex, structure: Structure) -> str:
 
 
 def _outside(names: ModuleIndex, name: str) -> str:
+    if name == "embed":
+        from hookscope.engine.residual_check import input_embedding
+        if (path := input_embedding(names)) is not None:
+            return path  # the model's own answer (get_input_embeddings()) before the table
     table = {"embed": EMBED, "final_norm": FINAL_NORM, "unembed": UNEMBED}[name]
     try:
         inside = blocks_of(names, name).blocks + "."

@@ -133,7 +133,7 @@ class Capture(HookSession, Records):
                 require_grad_mode(f"{option}=True")
         self._refuse_in_fullgraph()
         self.unfired = {}
-        return super().__enter__()  # nothing of ours runs after it (engine.interrupts)
+        return super().__enter__()
 
     def _refuse_in_fullgraph(self) -> None:
         """Refuse, on entry, what a ``torch.compile(fullgraph=True)`` graph cannot hold: these
@@ -649,7 +649,8 @@ def run(model: nn.Module, *args: Any, layers: str | Sequence[str],
     args, kwargs = _as_keywords(model, args, kwargs)
     output = None
     block = capture(model, *patterns, **(options or {}))
-    with block as acts: output = model(*args, **kwargs)  # noqa: E701 - one line (engine.interrupts)
+    with block as acts:
+        output = model(*args, **kwargs)
     return output, acts
 
 

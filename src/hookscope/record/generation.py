@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from types import TracebackType
@@ -35,6 +36,8 @@ from hookscope.engine import (
     check_options,
     flat_patterns,
     layout_of,
+    release_signals,
+    same_values,
     unwrap,
 )
 from hookscope.errors import CaptureError
@@ -45,6 +48,7 @@ from hookscope.util import check_new_file, write_atomic
 __all__ = ["Step", "GenerationRecord", "GenerationCapture", "capture_generation"]
 
 Tensor = torch.Tensor
+CACHE_KEYS = ("cache", "past_key_values", "past_key_value")  # transformers 5's name, then older
 
 
 @dataclass(frozen=True)
@@ -55,12 +59,16 @@ class Step:
         index: the step, from 0 (the prompt) in call order.
         start, stop: the columns of the generated sequence that this forward computed.
         token_ids: ``(batch, stop - start)`` int64, the tokens fed (``None`` for embeddings).
+        kept: the positions the KV cache held when the step began (``None``: no cache object
+            seen); fewer than an earlier step computed means generate() cropped the cache
+            (assisted decoding rejected candidates), and those positions are recomputed here.
     """
 
     index: int
     start: int
     stop: int
     token_ids: Tensor | None
+    kept: int | None = None
 
 
 @dataclass(frozen=True)
@@ -89,22 +97,36 @@ class GenerationCapture:
         self._step_of_call: dict[str, list[int]] = {t.key: [] for t in self.capture.targets}
         self._labels = _StepLabels(self, self.capture.targets)
         self._seen = 0
+        self._fingerprint: Tensor | None = None
+        self._reordered: int | None = None  # the step at which rows changed places (beams)
+        self._strategy = ""  # the beam search generate() runs, read from the call stack
+        self.encoder_length: int | None = None
 
     def __enter__(self) -> GenerationCapture:
         # the labels first: their hooks run before the capture's, so before an early stop.
-        # One line (engine.interrupts): an exception at any line, a KeyboardInterrupt included,
-        # leaves neither session entered; leaving a session never entered does nothing.
-        try: self._labels.__enter__(); self.capture.__enter__(); return self  # noqa: E701, E702
+        # an exception anywhere, a KeyboardInterrupt included, leaves neither session entered;
+        # leaving a session never entered does nothing.
+        try:
+            self._labels.__enter__()
+            self.capture.__enter__()
+            release_signals()  # a signal held back so far: a failed entry
         except BaseException as exc:
-            self._abort(exc)
+            try:
+                self._abort(exc)
+            finally:
+                release_signals()  # one held back while the entry was undone
             raise
+        return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool | None:
-        try: return self._leave(exc_type, exc, tb)  # noqa: E701 - see __enter__
+        try:
+            return self._leave(exc_type, exc, tb)
         except BaseException as error:
             self._abort(error)  # what an exception in the first exit left (exits are idempotent)
             raise
+        finally:
+            release_signals()  # a signal held back during the exit surfaces here
 
     def _leave(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                tb: TracebackType | None) -> bool | None:
@@ -124,21 +146,61 @@ class GenerationCapture:
         return hook
 
     def _on_step(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        fed = kwargs.get("input_ids", args[0] if args else None)
-        if not isinstance(fed, Tensor):
-            fed = kwargs.get("inputs_embeds")
+        decoder = kwargs.get("decoder_input_ids", kwargs.get("decoder_inputs_embeds"))
+        fed: Any
+        if isinstance(decoder, Tensor):  # an encoder-decoder: the decoder's sequence is generated
+            fed, mask = decoder, kwargs.get("decoder_attention_mask")
+            self.encoder_length = _encoder_length(kwargs.get("encoder_outputs"))
+        else:
+            fed = kwargs.get("input_ids", args[0] if args else None)
+            if not isinstance(fed, Tensor):
+                fed = kwargs.get("inputs_embeds")
+            mask = kwargs.get("attention_mask")
         if not isinstance(fed, Tensor) or fed.dim() < 2:
-            raise CaptureError("capture_generation needs the root called with input_ids or "
-                               "inputs_embeds of shape (batch, seq, ...), as generate() does")
+            raise CaptureError(
+                "capture_generation needs the root called as generate() calls it: with input_ids "
+                "or inputs_embeds (a decoder-only model), or decoder_input_ids (an "
+                "encoder-decoder) of shape (batch, seq, ...); call model.generate(...) inside "
+                "the block, or capture() a forward of your own")
         length = int(fed.shape[1])
-        mask = kwargs.get("attention_mask")
+        cache = next((kwargs[k] for k in CACHE_KEYS if kwargs.get(k) is not None), None)
+        kept = _cache_length(cache)
         if isinstance(mask, Tensor) and mask.dim() == 2:
             stop = int(mask.shape[1])
+        elif kept is not None:
+            stop = kept + length
         else:
             stop = length if length > self._seen else self._seen + length
         self._seen = max(self._seen, stop)
         ids = fed.detach().clone() if not fed.is_floating_point() else None
-        self.steps.append(Step(len(self.steps), stop - length, stop, ids))
+        if not self.steps and (strategy := _beam_strategy()) is not None:
+            self._reordered, self._strategy = 0, strategy
+        self._watch_rows(cache, ids, stop - length)
+        self.steps.append(Step(len(self.steps), stop - length, stop, ids, kept))
+
+    def _watch_rows(self, cache: Any, ids: Tensor | None, start: int) -> None:
+        """Note the first step at which the rows changed places: the cache's earlier positions
+        (or, without a cache, the tokens fed again) differ from what that row held before, as
+        beam search's reordering makes them."""
+        if self._reordered is not None:
+            return
+        now = _fingerprint(cache)
+        before = self._fingerprint
+        if now is not None and before is not None and now.shape[0] == before.shape[0]:
+            width = min(before.shape[1], now.shape[1])
+            if not same_values(before[:, :width], now[:, :width], tolerance=1e-4):
+                self._reordered = len(self.steps)
+        if now is None and ids is not None and start == 0 and self.steps:
+            fed_before = self.token_ids_so_far()
+            width = min(fed_before.shape[1], ids.shape[1])
+            if fed_before.shape[0] != ids.shape[0] or not torch.equal(
+                    fed_before[:, :width], ids[:, :width].cpu()):
+                self._reordered = len(self.steps)
+        self._fingerprint = now
+
+    def token_ids_so_far(self) -> Tensor:
+        """``token_ids()`` of the steps seen so far, without the checks."""
+        return _ids_of(self.steps)
 
     def records(self, path: str) -> list[GenerationRecord]:
         """Every call of ``path`` with its step and positions, in call order.
@@ -147,8 +209,24 @@ class GenerationCapture:
             CaptureError: as ``Capture.calls``.
         """
         values = self.capture.calls(path)
-        return [GenerationRecord(step, self.steps[step].start, self.steps[step].stop, value)
+        return [GenerationRecord(step, *((self.steps[step].start, self.steps[step].stop)
+                                         if step >= 0 else (0, _width(value))), value)
                 for step, value in zip(self._step_of_call[path], values)]
+
+    def encoder(self, path: str) -> Any:
+        """The output of ``path`` from the encoder's one run, which an encoder-decoder's
+        ``generate()`` makes itself before the first decoding step: ``(batch, source
+        positions, ...)``, over the source tokens, not the generated sequence.
+
+        Raises:
+            CaptureError: ``path`` did not run before the first decoding step exactly once.
+        """
+        before = [r.value for r in self.records(path) if r.step < 0]
+        if len(before) != 1:
+            raise CaptureError(f"'{path}' ran {len(before)} times before the first decoding step, "
+                               f"not once: it is not an encoder module of this generate() call; "
+                               f"read it with aligned('{path}')")
+        return before[0]
 
     def aligned(self, path: str, *, seq_dim: int | None = None) -> Tensor:
         """``path``'s output at every position of the sequence: ``(batch, positions, ...)``.
@@ -180,13 +258,16 @@ class GenerationCapture:
         records = self.records(path)
         if not records:
             raise CaptureError(f"'{path}' recorded nothing during generation")
+        self._check_aligned(path, records)
         first = records[0].value
         width = max(r.stop for r in records)
         out: Tensor | None = None
         filled = 0
         op = next((t.op for t in self.capture.targets if t.key == path), None)
-        for record in records:
-            value = _fed_tokens(path, _tokens_at_dim1(path, op, record, seq_dim))
+        for record in (r for r in records if r.step >= 0):  # encoder calls: encoder()
+            value = _fed_tokens(path, _tokens_at_dim1(path, op, record, seq_dim), self.encoder_length)
+            kept = self.steps[record.step].kept
+            filled = filled if kept is None else min(filled, kept)
             if out is None:
                 out = first.new_zeros((value.shape[0], width, *value.shape[2:]))
             if value.shape[0] != out.shape[0] or value.shape[2:] != out.shape[2:]:
@@ -201,22 +282,36 @@ class GenerationCapture:
         return out
 
     def token_ids(self) -> Tensor:
-        """The tokens fed at every position, ``(batch, positions)`` int64, aligned as ``aligned``.
+        """The tokens fed at every position, ``(batch, positions)`` int64, aligned as ``aligned``:
+        the returned sequences but their last token (an encoder-decoder's: the decoder's).
 
         Raises:
-            CaptureError: the model was fed embeddings, not token ids.
+            CaptureError: the model was fed embeddings, not token ids; the rows changed places
+                during generation (beam search).
         """
         if not self.steps or any(s.token_ids is None for s in self.steps):
             raise CaptureError("the model was fed inputs_embeds, so there are no token ids")
-        width = max(s.stop for s in self.steps)
-        ids = torch.zeros(self.steps[0].token_ids.shape[0], width, dtype=torch.long)  # type: ignore[union-attr]
-        filled = 0
-        for step in self.steps:
-            if step.stop > filled and step.token_ids is not None:
-                new = max(filled, step.start)
-                ids[:, new:step.stop] = step.token_ids[:, new - step.start:].cpu()
-                filled = step.stop
-        return ids
+        self._check_aligned("token_ids", [])
+        return _ids_of(self.steps)
+
+    def _check_aligned(self, path: str, records: list[GenerationRecord]) -> None:
+        """Refuse what cannot be aligned with the returned sequences (``aligned``)."""
+        if self._reordered is not None:
+            why = (f"generate() runs {self._strategy}, whose rows are beams: each step reorders "
+                   f"them and the KV cache, and it returns the best beams only"
+                   if self._strategy else
+                   f"the batch's rows changed places at step {self._reordered} (beam search, "
+                   f"group or constrained beam search reorder their beams and the KV cache each "
+                   f"step)")
+            raise CaptureError(
+                f"'{path}': {why}, so row r of a step is not row r of the returned sequences and "
+                f"nothing can be aligned with them: use records('{path}') for each step's raw "
+                f"calls, or generate with num_beams=1 (greedy, sampling, assisted decoding align)")
+        if records and all(r.step < 0 for r in records):
+            raise CaptureError(
+                f"'{path}' ran only before the first decoding step: it is the encoder, which an "
+                f"encoder-decoder's generate() runs once over the source tokens; its rows are "
+                f"the source's, not the generated sequence's: read encoder('{path}')")
 
     def save(self, file: str | os.PathLike[str], *, overwrite: bool = False) -> None:
         """Write every selected path's ``aligned`` activations and ``token_ids`` to one
@@ -258,9 +353,79 @@ def _tokens_at_dim1(path: str, op: str | None, record: GenerationRecord,
     return replace(record, value=tokens_first(value, layout_of(path, op, value.shape, seq_dim)))
 
 
-def _fed_tokens(path: str, record: GenerationRecord) -> Tensor:
+def _beam_strategy() -> str | None:
+    """The beam search (``_beam_search``, the hub's group or constrained beam search) that the
+    running ``generate()`` called, read from the call stack; None for any other caller."""
+    frame = sys._getframe(1)
+    for _ in range(40):
+        if frame is None:
+            return None
+        name = frame.f_code.co_name
+        if "beam_search" in name or "beam_sample" in name:
+            return f"{name} (num_beams > 1)"
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def _ids_of(steps: list[Step]) -> Tensor:
+    """The token ids of ``steps`` aligned as ``GenerationCapture.aligned`` aligns values."""
+    if not steps or steps[0].token_ids is None:
+        return torch.zeros(0, 0, dtype=torch.long)
+    width = max(s.stop for s in steps)
+    ids = torch.zeros(steps[0].token_ids.shape[0], width, dtype=torch.long)
+    filled = 0
+    for step in steps:
+        filled = filled if step.kept is None else min(filled, step.kept)
+        if step.stop > filled and step.token_ids is not None:
+            new = max(filled, step.start)
+            ids[:, new:step.stop] = step.token_ids[:, new - step.start:].cpu()
+            filled = step.stop
+    return ids
+
+
+def _width(value: Any) -> int:
+    return int(value.shape[1]) if isinstance(value, Tensor) and value.dim() >= 2 else 0
+
+
+def _cache_length(cache: Any) -> int | None:
+    """The positions a transformers ``Cache`` holds (``get_seq_length()``), else None."""
+    length = getattr(cache, "get_seq_length", None)
+    if not callable(length):
+        return None
+    try:
+        return int(length())
+    except (TypeError, ValueError, AttributeError, IndexError):
+        return None
+
+
+def _fingerprint(cache: Any) -> Tensor | None:
+    """``(batch, positions)``: the first layer's cached keys summed per row and position (a
+    row's history); None without a cache whose keys can be read."""
+    inner = getattr(cache, "self_attention_cache", cache)
+    layers = getattr(inner, "layers", None)
+    keys = getattr(layers[0], "keys", None) if isinstance(layers, (list, tuple)) and layers else None
+    if not isinstance(keys, Tensor) or keys.dim() != 4 or keys.numel() == 0:
+        return None
+    return keys.detach().float().sum(dim=(1, 3)).cpu()
+
+
+def _encoder_length(outputs: Any) -> int | None:
+    """The source positions of ``encoder_outputs`` (its first tensor's dim 1)."""
+    first = outputs[0] if isinstance(outputs, (tuple, list)) and outputs else \
+        getattr(outputs, "last_hidden_state", None)
+    return int(first.shape[1]) if isinstance(first, Tensor) and first.dim() >= 2 else None
+
+
+def _fed_tokens(path: str, record: GenerationRecord, encoder_length: int | None = None) -> Tensor:
     value = record.value
     fed = record.stop - record.start
+    if isinstance(value, Tensor) and value.dim() >= 2 and encoder_length is not None \
+            and value.shape[1] == encoder_length != fed:
+        raise CaptureError(
+            f"'{path}' returned {tuple(value.shape)} at step {record.step}: its token axis holds "
+            f"the encoder's {encoder_length} source positions (cross-attention keys and values, "
+            f"computed once from the encoder's output and read from the cache afterwards), not "
+            f"the decoder's sequence: read them with records('{path}')[0].value")
     if isinstance(value, Tensor) and value.dim() >= 2 and value.shape[1] < fed:
         raise CaptureError(
             f"'{path}' returned {tuple(value.shape)} at step {record.step}, which fed {fed} "

@@ -33,6 +33,7 @@ from hookscope.engine import (
     bind_arguments,
     check_path,
     describe,
+    is_standard,
     layout_of,
     outside_inference,
     token_axes,
@@ -179,6 +180,19 @@ class Records:
         return list(self._entries)
 
     @property
+    def names(self) -> dict[str, str]:
+        """``{name asked: record name}`` for every record, in record order: the standard name
+        a module was selected by (``"resid_post.1": "transformer.h.1"``, ``"attn.z.0":
+        "transformer.h.0.attn::scaled_dot_product_attention"``; the first when it had several),
+        else the record name itself (a path, a glob's match). ``acts[name]`` reads by either;
+        a file saved and loaded keeps them."""
+        asked: dict[str, str] = {}  # record name -> its first standard name
+        for alias, record in self.aliases.items():
+            if is_standard(alias) and record in self._entries:
+                asked.setdefault(record, alias)
+        return {asked.get(name, name): name for name in self._entries}
+
+    @property
     def counts(self) -> dict[str, int]:
         """``{record name: number of calls recorded}``; 0 for modules that never ran."""
         return {name: len(e.outputs) for name, e in self._entries.items()}
@@ -217,7 +231,9 @@ class Records:
         return True
 
     def __repr__(self) -> str:
-        shown = [f"{name}: {_shapes(e.outputs)}" for name, e in list(self._entries.items())[:6]]
+        shown = [f"{name}{f' ({record})' if name != record else ''}: "
+                 f"{_shapes(self._entries[record].outputs)}"
+                 for name, record in list(self.names.items())[:6]]
         more = f", … {len(self._entries) - 6} more" if len(self._entries) > 6 else ""
         return f"<hookscope.{type(self).__name__} {', '.join(shown)}{more}>"
 

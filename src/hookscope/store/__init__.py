@@ -26,8 +26,9 @@ from hookscope.store.reader import (
     open_store,
     read_manifest,
 )
-from hookscope.store.tokens import TokenStream, TokenView, pad_rows
+from hookscope.store.tokens import TokenLoader, TokenStream, TokenView, pad_rows
 
 __all__ = ["FORMAT", "LayerInfo", "LayerView", "ProbeResult", "RayEngine", "SHARD_BYTES", "SHARD_SECONDS",
-           "ShardInfo", "Store", "StoreDataset", "TokenStream", "TokenView", "check_output", "chunk_sums",
+           "ShardInfo", "Store", "StoreDataset", "TokenLoader", "TokenStream", "TokenView",
+           "check_output", "chunk_sums",
            "dtype_name", "extract", "location", "open_store", "pad_rows", "probe", "read_manifest"]

@@ -64,6 +64,7 @@ from hookscope.errors import (
     HookscopeError,
     MisalignedLabelsWarning,
     SelectorError,
+    StoreFaultError,
     warn,
 )
 from hookscope.record import (
@@ -205,6 +206,11 @@ def extract(model: nn.Module, data: Any, layers: str | Sequence[str], out: str |
             with a local folder; ``engine="ray"`` with a ``memory://`` ``out``, which the
             actors cannot reach.
         StoreCorruptError: ``resume`` finds a damaged manifest.
+        StoreFaultError: ``out`` is at a URL whose bucket does not exist (never created), or
+            its object store fails (unreachable, credentials refused, a transient fault on
+            every one of its bounded retries: ``hookscope.store.faults``); the message names
+            the URL, the endpoint and what to check, and, once rows were written, how many
+            the store keeps and that ``resume=True`` continues it.
         PositionError: ``reduce`` is ``"first"``/``"last"``/``"mean"`` and a batch looks padded
             (runs of ``config.pad_token_id``) but has no ``attention_mask`` (nothing written).
         ExtractInterrupted: a Ctrl-C stopped the run gracefully (a ``KeyboardInterrupt``; its
@@ -334,16 +340,32 @@ def _write_store(job: _Job, folder: StorePath, header: dict[str, Any], prior: di
         prepare_output(folder, resume=resume, overwrite=overwrite)
     ranks.barrier()
     if not (prior and prior["complete"]):
-        writer = StoreWriter(folder, header, rank=ranks.rank, world_size=ranks.world_size,
-                             resume_from=prior)
-        if job.engine is not None:
-            _write_on_ray(job, job.engine, folder, writer, prior, start)
-        else:
-            _write_all(job, writer, todo, start)
+        writer = None
+        try:
+            writer = StoreWriter(folder, header, rank=ranks.rank, world_size=ranks.world_size,
+                                 resume_from=prior)
+            if job.engine is not None:
+                _write_on_ray(job, job.engine, folder, writer, prior, start)
+            else:
+                _write_all(job, writer, todo, start)
+        except StoreFaultError as err:
+            saved = writer.saved if writer is not None else \
+                (prior["rows"], len(prior["shards"])) if prior else (0, 0)
+            raise _fault_in_run(err, folder, *saved) from err
     ranks.barrier()
     if ranks.rank == 0 and ranks.world_size > 1:
         join_parts(folder, ranks.world_size)
     ranks.barrier()
+
+
+def _fault_in_run(err: StoreFaultError, folder: StorePath, rows: int,
+                  shards: int) -> StoreFaultError:
+    """``err``, met while writing, with what the store keeps and how to go on (as a Ctrl-C
+    says it: ``_interrupted``)."""
+    return StoreFaultError(
+        f"{err}\nextract stopped: {rows} rows are kept in {folder} ({shards} shard"
+        f"{'s' if shards != 1 else ''} listed by its manifest, each whole); once the store is "
+        f"reachable, continue with the same arguments and resume=True (--resume)")
 
 
 def _first_batch(job: _Job, start: int, stop: int | None, prior: dict[str, Any] | None
@@ -376,7 +398,8 @@ def _write_all(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Rows]],
     staging = Staging(_slab_bytes(job))
     try:
         job.session = capture(job.model, *job.keys, on_unfired="ignore", early_stop=job.early_stop)
-        with job.session: _write_batches(job, writer, todo, start, staging)  # noqa: E701 - body on the with line (engine.interrupts)
+        with job.session:
+            _write_batches(job, writer, todo, start, staging)
     finally:
         staging.close()
 
@@ -566,7 +589,28 @@ def _rows(job: _Job, batch: Any, ids: list[Any] | None) -> Rows:
     # the @token column holds the root's input_ids: only for layers of the root's tokens (not
     # an encoder-decoder's decoder layers, ragged by a mask of their own)
     own = all(acts.tokens(key).mask is mask for key, (_, lengths) in rows.items() if lengths is not None)
-    return {**rows, **_columns(batch, ids, n, tokens), **(_token_ids(kwargs, mask, rows) if own else {})}
+    token_ids = _token_ids(kwargs, mask, rows) if own else {}
+    if mask is None and job.reducer is None:
+        token_ids = _packed_ids(args, kwargs, rows)
+    return {**rows, **_columns(batch, ids, n, tokens), **token_ids}
+
+
+def _packed_ids(args: tuple[Any, ...], kwargs: dict[str, Any], rows: Rows) -> Rows:
+    """The ``@token`` column of packed windows: a batch of ``(batch, seq)`` integer token ids
+    (``input_ids``, or the one positional input) without an attention mask, every token real,
+    when a layer keeps a ``(batch, seq, ...)`` row per window. Stored as ``(seq,)`` rows beside
+    the layer, so ``Store.tokens`` flattens the layer's windows and their ids alike."""
+    ids = kwargs.get("input_ids")
+    if ids is None and len(args) == 1 and not kwargs:
+        ids = args[0]
+    if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.is_floating_point() or \
+            ids.is_complex() or ids.dtype == torch.bool:
+        return {}
+    seq = ids.shape[1]
+    if not any(lengths is None and data.dim() >= 2 and data.shape[1] == seq
+               for data, lengths in rows.values()):
+        return {}
+    return {COLUMN_PREFIX + "token": (ids.to("cpu", torch.int64), None)}
 
 
 def _token_ids(kwargs: dict[str, Any], mask: Tensor | None, rows: Rows) -> Rows:
@@ -643,7 +687,8 @@ def _first_capture(job: _Job, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
             "ops=True)")
     try:
         acts = capture(job.model, *job.keys, on_unfired="error", early_stop=job.early_stop)
-        with acts: job.model(*args, **kwargs)  # noqa: E701 - body on the with line (engine.interrupts)
+        with acts:
+            job.model(*args, **kwargs)
     except HookNeverFiredError as err:
         lines = "".join(f"\n  - {key}: {why}" for key, why in err.unfired.items())
         unmatched: set[str] = getattr(err.capture, "unmatched", set())

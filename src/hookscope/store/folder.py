@@ -63,7 +63,11 @@ def check_output(folder: StorePath, *, resume: bool, overwrite: bool) -> None:
             folder as the fix); or it holds a file or folder that is not the store's
             (named; a listed shard is the store's only while its size and digest agree with the
             manifest), or no valid store at all, with ``resume`` or ``overwrite``.
+        StoreFaultError: ``folder`` is at a URL whose bucket does not exist (it is never
+            created), or whose object store cannot be reached (``hookscope.store.faults``).
     """
+    if isinstance(folder, RemotePath):
+        folder.check_bucket()  # a missing bucket is refused, never created
     if folder.exists() and not folder.is_dir():
         raise StoreExistsError(f"output {folder} exists and is a file, not a store folder; "
                                f"choose another output path.")

@@ -35,9 +35,10 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any, TypeAlias
+from typing import IO, Any, TypeAlias, cast
 
-from hookscope.errors import HookscopeError
+from hookscope.errors import HookscopeError, StoreFaultError
+from hookscope.store.faults import endpoint_of, guarded
 from hookscope.util import read_regular as read_local
 from hookscope.util import write_atomic as write_local
 
@@ -80,10 +81,15 @@ class RemotePath:
     def parent(self) -> RemotePath:
         return RemotePath(self.fs, self.path.rsplit("/", 1)[0], self.url.rsplit("/", 1)[0])
 
+    def _call(self, what: str, call: Callable[[], Any]) -> Any:
+        """``call()``, a request about this path, through ``faults.guarded`` (retries,
+        ``StoreFaultError``)."""
+        return guarded(self.fs, self.url, what, call)
+
     def _info(self) -> dict[str, Any] | None:
         self.fs.invalidate_cache(self.path)
         try:
-            return self.fs.info(self.path)  # type: ignore[no-any-return]
+            return self._call("look up", lambda: self.fs.info(self.path))  # type: ignore[no-any-return]
         except FileNotFoundError:
             return None
 
@@ -119,14 +125,53 @@ class RemotePath:
                               {"st_mtime_ns": stamp})
 
     def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
-        self.fs.makedirs(self.path, exist_ok=True)  # object stores have no empty folders
+        """Make the folder (an object store has no empty folders: nothing to do there) once its
+        bucket is known to exist: a bucket is never created here (a typo in its name would
+        otherwise make a new one).
+
+        Raises:
+            StoreFaultError: the bucket does not exist, or the store cannot be reached.
+        """
+        self.check_bucket()
+        if not _is_object_store(self.fs):
+            self._call("create the folder", lambda: self.fs.makedirs(self.path, exist_ok=True))
+
+    def check_bucket(self) -> None:
+        """Raise unless this path's bucket exists (one request; nothing for a file system
+        without buckets, such as ``memory://``).
+
+        Raises:
+            StoreFaultError: the bucket does not exist, the store cannot be reached, or it
+                refuses the credentials.
+        """
+        if not _is_object_store(self.fs):
+            return
+        bucket = self.path.split("/", 1)[0]
+        self.fs.invalidate_cache(bucket)
+        try:
+            self._call("look up the bucket of", lambda: self.fs.info(bucket))
+        except FileNotFoundError:
+            raise StoreFaultError(
+                f"bucket {bucket!r} of {self.url} does not exist (at {endpoint_of(self.fs)}), "
+                f"and hookscope never creates one: a typo in its name would make a new bucket. "
+                f"Check the name, or create the bucket first (aws s3 mb s3://{bucket}, or "
+                f"fsspec's fs.mkdir({bucket!r})), then run again.") from None
 
     def unlink(self) -> None:
-        self.fs.rm_file(self.path)
+        try:
+            self._call("delete", lambda: self.fs.rm_file(self.path))
+        except FileNotFoundError:
+            pass  # a retry after a delete whose answer was lost: the object is gone
         self.fs.invalidate_cache(self.path)
 
 
 StorePath: TypeAlias = "Path | RemotePath"
+
+
+def _is_object_store(fs: Any) -> bool:
+    """True for a file system whose first path part is a bucket (s3, gcs, azure blob)."""
+    protocol = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return bool(set(protocol) & {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl"})
 
 
 def location(path: str | os.PathLike[str], error: type[HookscopeError],
@@ -191,7 +236,7 @@ def listdir(folder: StorePath) -> list[str]:
         return sorted(os.listdir(folder))
     folder.fs.invalidate_cache(folder.path)
     try:
-        entries = folder.fs.ls(folder.path, detail=False)
+        entries = folder._call("list", lambda: folder.fs.ls(folder.path, detail=False))
     except FileNotFoundError:
         return []
     return sorted(str(entry).rstrip("/").rsplit("/", 1)[-1] for entry in entries
@@ -204,14 +249,36 @@ def read_range(path: StorePath, begin: int, end: int) -> bytes:
     if isinstance(path, Path):
         with open(path, "rb") as f:
             return os.pread(f.fileno(), end - begin, begin)
-    return path.fs.cat_file(path.path, start=begin, end=end)  # type: ignore[no-any-return]
+    return path._call(  # type: ignore[no-any-return]
+        "read", lambda: path.fs.cat_file(path.path, start=begin, end=end))
 
 
 def open_read(path: StorePath) -> IO[bytes]:
-    """The file at ``path`` open for reading in binary (remotely: fsspec's buffered file)."""
+    """The file at ``path`` open for reading in binary (remotely: fsspec's buffered file, each
+    ``read`` guarded as every request is: ``hookscope.store.faults``)."""
     if isinstance(path, Path):
         return open(path, "rb")
-    return path.fs.open(path.path, "rb")  # type: ignore[no-any-return]
+    return cast(IO[bytes], _GuardedFile(path, path._call("open", lambda: path.fs.open(path.path, "rb"))))
+
+
+class _GuardedFile:
+    """A remote file open for reading whose ``read`` retries transient faults and names the
+    others (fsspec's buffered file moves its position only once a read has succeeded)."""
+
+    def __init__(self, path: RemotePath, file: Any):
+        self.path, self.file = path, file
+
+    def read(self, size: int = -1) -> bytes:
+        return self.path._call("read", lambda: self.file.read(size))  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self) -> _GuardedFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def read_regular(path: StorePath, limit: int = -1, *, max_bytes: int | None = None) -> bytes:
@@ -251,7 +318,7 @@ def write_atomic(path: StorePath, write: Callable[[str], Any], *, tag: str = "")
         write(tmp)
         with open(tmp, "rb") as f:
             data = f.read()
-        path.fs.pipe_file(path.path, data)
+        path._call("write", lambda: path.fs.pipe_file(path.path, data))
         path.fs.invalidate_cache(path.path)
     finally:
         shutil.rmtree(folder)
@@ -267,7 +334,7 @@ def local_copy(path: StorePath) -> Iterator[str]:
     folder = tempfile.mkdtemp(prefix="hookscope-download-")
     try:
         tmp = os.path.join(folder, path.name)
-        path.fs.get_file(path.path, tmp)
+        path._call("download", lambda: path.fs.get_file(path.path, tmp))
         yield tmp
     finally:
         shutil.rmtree(folder)

@@ -258,8 +258,10 @@ def _check_columns(file: StorePath, columns: dict[str, Any]) -> None:
                                                       f"({', '.join(COLUMNS)})")
     _check_layers(file, columns, "columns")
     for name, spec in columns.items():
-        if name == "token" and (spec["shape"] != [None] or spec["dtype"] != "int64"):
-            raise corrupt(file, "columns['token']", "holds token ids: shape [null], dtype int64")
+        if name == "token" and (len(spec["shape"]) != 1 or spec["dtype"] != "int64"):
+            raise corrupt(file, "columns['token']", "holds token ids: shape [null] (per real "
+                                                    "token) or [seq] (packed windows), dtype "
+                                                    "int64")
         if name != "token" and spec["ragged"] and (spec["shape"] != [None] or
                                                    spec["dtype"] != "uint8"):
             raise corrupt(file, f"columns[{name!r}]", "is ragged, so it must be text: shape "

@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from hookscope.engine import check_number
-from hookscope.errors import ArgumentValueError, StoreError
+from hookscope.engine import check_flag, check_int, check_number
+from hookscope.errors import ArgumentTypeError, ArgumentValueError, StoreError
 from hookscope.store.reader import Store, open_store
 from hookscope.store.tokens import TokenView
 
@@ -49,7 +49,8 @@ class LayerProbe:
     """One layer's probe.
 
     Attributes:
-        layer: the store's layer name.
+        layer: the layer by the name it was extracted by (``"resid_post.1"``; the store's
+            ``paths`` gives its module path).
         accuracy: held-out accuracy of the task probe, in [0, 1].
         control_accuracy: held-out accuracy of the same probe on the control task.
         selectivity: ``accuracy - control_accuracy``.
@@ -131,10 +132,22 @@ def probe(store: Store | str | Path, layers: Sequence[str] | None = None, *,
     Raises:
         StoreError: the store has no labels and none are given, a layer is ragged (not ragged,
             with ``tokens``) or unknown, the number of labels is not the number of rows
-            (tokens), or two ragged layers hold different numbers of tokens.
-        ArgumentValueError: ``test_fraction`` not in (0, 1), fewer than 2 classes, or a split
-            leaving no training or no test row.
+            (tokens), two ragged layers hold different numbers of tokens, or a row read holds
+            NaN or an infinity (named: a probe of it would score with the planted signal lost).
+        ArgumentTypeError: ``C``, ``test_fraction`` not real numbers; ``max_iter``, ``chunk``,
+            ``seed`` not ints; ``tokens`` not a bool; ``layers`` not strs.
+        ArgumentValueError: ``test_fraction`` not in (0, 1), ``C`` not a finite number > 0,
+            ``max_iter`` or ``chunk`` below 1, ``seed`` below 0, a label or control type that
+            is NaN or infinite, fewer than 2 classes, or a split leaving no training or no
+            test row.
     """
+    _check_options(C=C, max_iter=max_iter, chunk=chunk, seed=seed, tokens=tokens)
+    if isinstance(layers, str):
+        layers = [layers]
+    if layers is not None and (not isinstance(layers, (list, tuple))
+                               or not all(isinstance(name, str) for name in layers)):
+        raise ArgumentTypeError(f"layers must be None, a layer name or a list of them, e.g. "
+                                f"layers=['fc1']; got {type(layers).__name__} {layers!r:.60}")
     if not isinstance(store, Store):  # opened here: closed here (its maps, a remote cache)
         with open_store(store) as opened:
             return probe(opened, layers, labels=labels, test_fraction=test_fraction, C=C,
@@ -144,7 +157,6 @@ def probe(store: Store | str | Path, layers: Sequence[str] | None = None, *,
     examples = _examples(store, chosen, tokens)
     targets, classes = _label_ids(store, labels, examples)
     check_number("test_fraction", test_fraction)
-    check_number("C", C)
     if not 0 < test_fraction < 1:
         raise ArgumentValueError(f"test_fraction={test_fraction}: pass a share in (0, 1), e.g. 0.2")
     if len(classes) < 2:
@@ -164,10 +176,34 @@ def probe(store: Store | str | Path, layers: Sequence[str] | None = None, *,
     return ProbeResult(fits, classes, len(train), len(test))
 
 
+def _check_options(*, C: Any, max_iter: Any, chunk: Any, seed: Any, tokens: Any) -> None:
+    """Raise naming the first option of ``probe`` out of its domain (before any read)."""
+    check_number("C", C)
+    if not C > 0:
+        raise ArgumentValueError(f"C={C}: the inverse L2 strength must be > 0 (C=0 would "
+                                 f"ignore the data, C<0 reward large weights); pass e.g. C=1.0")
+    check_int("max_iter", max_iter, minimum=1)
+    check_int("chunk", chunk, minimum=1)
+    check_int("seed", seed, minimum=0)
+    check_flag("tokens", tokens)
+
+
+def _finite_keys(what: str, values: list[Any]) -> None:
+    """Raise ``ArgumentValueError`` when a float in ``values`` (labels, control types) is NaN
+    or infinite: NaN != NaN, so each one would become a class of its own."""
+    for i, value in enumerate(values):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ArgumentValueError(f"{what}[{i}] is {value}: each {what[:-1]} must be a "
+                                     f"finite number or a str; drop that row or give it a label")
+
+
 def _layers(store: Store, layers: Sequence[str] | None, tokens: bool) -> list[str]:
-    """The layers to probe: fixed-shape ones for rows, ragged ones for tokens."""
-    fitting = [name for name, info in store.layers.items() if info.ragged == tokens]
-    chosen = list(layers) if layers is not None else fitting
+    """The layers to probe: fixed-shape ones for rows, ragged ones for tokens, each by the name
+    it was extracted by (``store.paths``: ``"resid_post.1"``, not ``"transformer.h.1"``)."""
+    asked = {layer: name for name, layer in store.paths.items()}
+    fitting = [asked[layer] for layer, info in store.layers.items() if info.ragged == tokens]
+    chosen = ([asked.get(store.standard_names.get(layer, layer), layer) for layer in layers]
+              if layers is not None else fitting)
     for layer in chosen:
         if layer not in fitting:
             raise StoreError(
@@ -214,7 +250,11 @@ def _label_ids(store: Store, labels: Sequence[Any] | Tensor | None,
     if given is None:
         raise StoreError(f"store {store.path} has no labels: pass labels=[one per row] (or "
                          "extract from (inputs, labels) batches)")
+    if isinstance(given, (str, bytes, dict)) or not hasattr(given, "__len__"):
+        raise ArgumentTypeError(f"labels must be a tensor or a list of one label per row; got "
+                                f"{type(given).__name__}")
     values = given.reshape(-1).tolist() if isinstance(given, Tensor) else list(given)
+    _finite_keys("labels", values)
     count, what = (len(store), "row") if examples is None else (len(examples), "token")
     if labels is None and examples is not None:
         values = [values[r] for r in examples.rows.tolist()]
@@ -233,6 +273,7 @@ def _control_labels(targets: Tensor, train: Tensor, types: Sequence[Any] | Tenso
             types.reshape(-1).tolist() if isinstance(types, Tensor) else list(types))
     if len(keys) != len(targets):
         raise StoreError(f"{len(keys)} control_types for {len(targets)} rows: pass one per row")
+    _finite_keys("control_types", keys)
     distinct = list(dict.fromkeys(keys))
     g = torch.Generator().manual_seed(seed + 1)
     drawn = targets[train][torch.randint(len(train), (len(distinct),), generator=g)]
@@ -242,15 +283,36 @@ def _control_labels(targets: Tensor, train: Tensor, types: Sequence[Any] | Tenso
 
 def _chunks(read: Callable[[Tensor], Tensor], rows: Tensor,
             chunk: int) -> Iterator[tuple[Tensor, Tensor]]:
-    """``(indices, float64 features (k, features))`` for ``rows``, ``chunk`` at a time."""
+    """``(indices, float64 features (k, features))`` for ``rows``, ``chunk`` at a time.
+
+    Raises:
+        StoreError: a row holds NaN or an infinity (the example named).
+    """
     for start in range(0, len(rows), chunk):
         index = rows[start:start + chunk]
-        yield index, read(index).reshape(len(index), -1).double()
+        x = read(index).reshape(len(index), -1).double()
+        finite = torch.isfinite(x).all(dim=1)
+        if not bool(finite.all()):
+            bad = int(index[int((~finite).nonzero()[0])])
+            raise StoreError(f"example {bad} (a row, or a token with tokens=True) holds NaN or "
+                             f"an infinity: a probe fitted on it would score with its signal "
+                             f"lost. Leave such rows out (pass labels and a store without them), "
+                             f"or find where they come from (hookscope nan)")
+        yield index, x
 
 
 def _probe_layer(read: Callable[[Tensor], Tensor], layer: str, targets: Tensor, control: Tensor,
                  train: Tensor, test: Tensor, classes: int, C: float, max_iter: int,
                  chunk: int) -> LayerProbe:
+    try:
+        return _fit_layer(read, layer, targets, control, train, test, classes, C, max_iter, chunk)
+    except StoreError as err:
+        raise StoreError(f"layer {layer!r}: {err}") from None
+
+
+def _fit_layer(read: Callable[[Tensor], Tensor], layer: str, targets: Tensor, control: Tensor,
+               train: Tensor, test: Tensor, classes: int, C: float, max_iter: int,
+               chunk: int) -> LayerProbe:
     mean, std = _moments(read, train, chunk)
 
     def scaled(rows: Tensor) -> Iterator[tuple[Tensor, Tensor]]:
@@ -288,10 +350,13 @@ def _moments(read: Callable[[Tensor], Tensor], rows: Tensor, chunk: int) -> tupl
 def _fit(scaled: Any, train: Tensor, targets: Tensor, classes: int, C: float,
          max_iter: int) -> tuple[Tensor, Tensor]:
     """``(W (features, classes), b (classes,))`` minimising ``C * sum(CE) + ||W||^2 / 2`` by
-    LBFGS on the streamed full-data objective."""
+    LBFGS on the streamed full-data objective. Two classes are scikit-learn's binary model: one
+    weight vector, the logit of class 1 over class 0 (class 0's column is zero); a softmax over
+    two penalised vectors would put ``||w||^2 / 4`` on their difference ``w``, i.e. fit ``2 C``."""
     first = next(iter(scaled(train[:1])))[1]
-    weight = torch.zeros(first.shape[1], classes, dtype=torch.float64, requires_grad=True)
-    bias = torch.zeros(classes, dtype=torch.float64, requires_grad=True)
+    width = 1 if classes == 2 else classes
+    weight = torch.zeros(first.shape[1], width, dtype=torch.float64, requires_grad=True)
+    bias = torch.zeros(width, dtype=torch.float64, requires_grad=True)
     optimizer = torch.optim.LBFGS([weight, bias], lr=1, max_iter=max_iter,
                                   tolerance_grad=1e-9, tolerance_change=1e-12,
                                   history_size=20, line_search_fn="strong_wolfe")
@@ -302,15 +367,23 @@ def _fit(scaled: Any, train: Tensor, targets: Tensor, classes: int, C: float,
         total.backward()  # type: ignore[no-untyped-call]
         value = float(total.detach())
         for index, x in scaled(train):
-            loss = C * torch.nn.functional.cross_entropy(x @ weight + bias, targets[index],
+            loss = C * torch.nn.functional.cross_entropy(_logits(x @ weight + bias), targets[index],
                                                          reduction="sum")
             loss.backward()  # type: ignore[no-untyped-call]  # adds up chunk by chunk: bounded memory
             value += float(loss.detach())
         return torch.tensor(value, dtype=torch.float64)
 
-    # one line (engine.interrupts): an interrupt at the with's exit still restores grad mode
-    with torch.enable_grad(): optimizer.step(closure)  # type: ignore[no-untyped-call]  # noqa: E701
+    with torch.enable_grad():
+        optimizer.step(closure)  # type: ignore[no-untyped-call]
+    if classes == 2:  # class 0's logit is 0: W (features, 2), b (2,)
+        return _logits(weight.detach()), _logits(bias.detach()[None])[0]
     return weight.detach(), bias.detach()
+
+
+def _logits(z: Tensor) -> Tensor:
+    """``(rows, classes)`` logits from ``(rows, width)``: two classes (width 1) get class 0's
+    logit 0 in front."""
+    return torch.cat([torch.zeros_like(z), z], 1) if z.shape[1] == 1 else z
 
 
 def _accuracy(fit: tuple[Tensor, Tensor], scaled: Any, rows: Tensor, targets: Tensor) -> float:

@@ -14,6 +14,11 @@ uploaded in one PUT, so an object appears whole or not at all). The driver lists
 lists complete shards from the first on, as one process's does, and ``resume`` goes on from
 there.
 
+Before any actor starts, the cluster's nodes must hold every actor's ``num_cpus`` and
+``num_gpus`` (``check_resources``): Ray would otherwise wait for them forever. A run that fails
+(an actor's error, raised here as one process raises it) deletes the shards finished out of
+order that no manifest lists, so the folder keeps only what its manifest lists.
+
 A worker killed mid-shard is restarted by Ray and its shard computed and written again under
 the same name (Ray Data's policy for actor pools: an actor that dies is restarted, without a
 limit; an error the code raises is not retried but raised by the driver). No shard is written
@@ -22,7 +27,10 @@ run ends (at a URL nothing of a shard is there before its one PUT).
 Shards hold ``ceil(shard_bytes / first batch's bytes)`` batches (on resume, as many as the
 interrupted run's first shard): where one process closes its shards when every batch has the
 same bytes, so the store is then byte for byte one process's, run id aside (each run draws its
-own, kept in its manifest and every shard's metadata). With ragged rows (tokens) the rows, ids
+own, kept in its manifest and every shard's metadata), when that process runs torch with the
+threads an actor has (Ray gives it ``num_cpus``; ``torch.set_num_threads(1)`` for the default):
+torch's CPU kernels may sum in another order with other thread counts, and the rows then
+differ in their last bits (2.4e-7 apart seen in float32). With ragged rows (tokens) the rows, ids
 and order are one process's and the shards are cut by batch count.
 
 ``out`` must be a place every actor can write: a folder (one machine, or a file system all nodes
@@ -35,6 +43,7 @@ from the environment must be in the actors' environment too.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import pickle
 from collections.abc import Callable, Generator
@@ -127,18 +136,52 @@ def check_reachable(folder: StorePath) -> None:
             f"write, or leave engine out to write memory:// from this process")
 
 
-def share(engine: RayEngine, value: Any) -> Any:
-    """Put ``value`` (the model and the data inside) in Ray's object store once, for every
-    actor, joining the cluster first (``ray.init(engine.address)`` unless Ray is initialized);
-    return its reference.
+def check_resources(engine: RayEngine, nodes: list[dict[str, Any]]) -> None:
+    """Raise unless the cluster's live ``nodes`` (``ray.nodes()``) can hold every actor: each
+    asks ``num_cpus`` CPUs and ``num_gpus`` GPUs of one node, and all of them at once (Ray
+    Data starts the whole pool before the first shard). Ray would otherwise wait for them
+    forever. Nodes an autoscaler may add later are not counted.
 
     Raises:
-        ExtractError: ``value`` does not pickle (nothing is written yet).
+        ExtractError: no node has an actor's CPUs or GPUs, or the nodes together cannot hold
+            ``actors`` of them; the message gives what the cluster has and the fix.
+    """
+    alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
+    fits = sum(_actors_on(node, engine) for node in alive)
+    if fits >= engine.actors:
+        return
+    cpus = [float(n.get("CPU", 0)) for n in alive]
+    gpus = [float(n.get("GPU", 0)) for n in alive]
+    raise ExtractError(
+        f"the Ray cluster cannot start {engine.actors} actor(s) of num_cpus={engine.num_cpus:g}, "
+        f"num_gpus={engine.num_gpus:g}: its {len(alive)} node(s) have CPUs {cpus} and GPUs "
+        f"{gpus}, room for {fits} such actor(s), and Ray would wait for the rest forever. Ask "
+        f"for less (RayEngine(actors={max(fits, 1)}, num_cpus=..., num_gpus=...); --ray-actors), "
+        f"or join a larger cluster (address=..., --ray-address)")
+
+
+def _actors_on(node: dict[str, Any], engine: RayEngine) -> int:
+    """How many actors of ``engine`` one node of ``node`` resources holds."""
+    counts = [int(float(node.get(name, 0)) // need + 1e-9) if need > 0 else 10**9
+              for name, need in (("CPU", engine.num_cpus), ("GPU", engine.num_gpus))]
+    return min(counts)
+
+
+def share(engine: RayEngine, value: Any) -> Any:
+    """Put ``value`` (the model and the data inside) in Ray's object store once, for every
+    actor, joining the cluster first (``ray.init(engine.address)`` unless Ray is initialized)
+    and checking that it can give the actors what they ask (``check_resources``); return its
+    reference.
+
+    Raises:
+        ExtractError: the cluster lacks the actors' resources, or ``value`` does not pickle
+            (nothing is written yet).
     """
     import ray
 
     if not ray.is_initialized():
         ray.init(address=engine.address)
+    check_resources(engine, ray.nodes())  # type: ignore[no-untyped-call]
     try:
         return ray.put(value)
     except Exception as err:  # noqa: BLE001  (cloudpickle raises TypeError, PicklingError, ...)
@@ -185,11 +228,24 @@ def write_on_ray(engine: RayEngine, work: Work, writer: StoreWriter, start: int,
                 listed += 1
             if stop is not None and stop.asked:
                 return False
+    except BaseException:
+        results.close()  # Ray Data's run ends (its actors are killed) before the clean-up
+        _remove_unlisted(writer, [name for name, _, _ in plan[listed:]])
+        raise
     finally:
         results.close()  # a stop or an error ends Ray Data's run too
         bar.close()
     remove_temporary(writer.folder, writer.run)
     return True
+
+
+def _remove_unlisted(writer: StoreWriter, names: list[str]) -> None:
+    """Delete the shards ``names`` of a failed run (finished out of order, never listed) and
+    its temporary files: the folder keeps what the manifest lists."""
+    for name in names:
+        with contextlib.suppress(FileNotFoundError):
+            (writer.folder / name).unlink()
+    remove_temporary(writer.folder, writer.run)
 
 
 def _run(engine: RayEngine, work: Work, plan: list[tuple[str, int, int]]

@@ -645,16 +645,29 @@ class Store:
     def __iter__(self) -> Iterator[str]:
         return iter(self.layers)
 
+    @property
+    def paths(self) -> dict[str, str]:
+        """``{name asked: layer}`` for every layer, in layer order: the standard name a layer
+        was extracted by (``{"resid_post.1": "transformer.h.1"}``; the first when it had
+        several), else the layer itself (a path, a glob's match; every layer of a store
+        written before standard names were kept). ``store[name]`` reads by either."""
+        asked: dict[str, str] = {}  # layer -> its first standard name
+        for name, layer in self.standard_names.items():
+            asked.setdefault(layer, name)
+        return {asked.get(layer, layer): layer for layer in self.layers}
+
     def __repr__(self) -> str:
         """What ``hookscope show`` shows, in a few lines: path, rows, shards, bytes, complete
         or not, one line per layer (row shape, dtype), and the columns (no row is read)."""
         state = "complete" if self.complete else "INCOMPLETE (resume the extraction)"
         lines = [f"Store({str(self.path)!r}: {len(self)} rows in {len(self.shards)} shard"
                  f"{'s' if len(self.shards) != 1 else ''}, {self.nbytes} bytes, {state})"]
-        width = max((len(name) for name in self.layers), default=0)
+        named = {name: (f"{name} ({layer})" if name != layer else name)
+                 for name, layer in self.paths.items()}  # the name asked, its path beside it
+        width = max((len(text) for text in named.values()), default=0)
         shape = max((len(row_shape(info)) for info in self.layers.values()), default=0)
-        lines += [f"  {name:<{width}}  {row_shape(info):<{shape}}  {dtype_name(info.dtype)}"
-                  for name, info in self.layers.items()]
+        lines += [f"  {named[name]:<{width}}  {row_shape(self.layers[layer]):<{shape}}  "
+                  f"{dtype_name(self.layers[layer].dtype)}" for name, layer in self.paths.items()]
         lines.append("  " + "; ".join(_column_text(name, info)
                                       for name, info in self.columns.items())
                      if self.columns else "  ids: row numbers (no id column); no labels")

@@ -1,7 +1,7 @@
 """Token-level reading for training on activations (sparse autoencoders): ``TokenView``, a flat
 ``(tokens, *shape)`` view over the rows of a ragged layer (``store.tokens(layer)``), and
 ``TokenStream``, a shuffled, resumable stream of its tokens that a ``DataLoader`` reads
-(``store.token_stream(layer)``); ``pad_rows``, the collate function for whole ragged rows.
+(``store.tokens(layer).stream()``); ``pad_rows``, the collate function for whole ragged rows.
 
 A ragged layer keeps each row's real tokens only (padding was dropped by the attention mask at
 extraction), and the ``token`` column keeps their token ids in the same order, so token ``k`` of
@@ -10,25 +10,31 @@ the flat view is token ``k`` of the flat id column: leaving special tokens out i
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from hookscope.errors import StoreError
+from hookscope.errors import ArgumentTypeError, PositionError, StoreError
 from hookscope.store.reader import LayerInfo, _as_tensor
+from hookscope.store.token_stream import TokenLoader, TokenStream
 
 if TYPE_CHECKING:
     from hookscope.store.reader import Store
 
-__all__ = ["TokenStream", "TokenView", "pad_rows"]
+__all__ = ["TokenLoader", "TokenStream", "TokenView", "pad_rows"]
 
 Tensor = torch.Tensor
 
 
 class TokenView:
-    """The tokens of ragged layer ``info`` of ``store`` as one flat sequence, in row order.
+    """The tokens of a per-token layer ``info`` of ``store`` as one flat sequence, in row order.
+
+    A per-token layer is a ragged one (padding dropped by the attention mask at extraction), or
+    a fixed one of packed windows: rows ``(seq, *shape)`` extracted from ``(batch, seq)`` token
+    ids without a mask, which the store keeps beside them as its ``token`` column of ``(seq,)``
+    rows (every token of a window is real, so row ``i`` holds tokens ``i * seq ...``).
 
     ``view[k]`` is a ``(*shape)`` tensor (``shape`` the layer's row shape without its token
     axis, e.g. ``(d,)``), ``view[i:j]`` a ``(j - i, *shape)`` tensor, ``len(view)`` the number
@@ -40,18 +46,24 @@ class TokenView:
 
     def __init__(self, store: Store, info: LayerInfo, exclude: Sequence[int] = ()):
         """Raises:
-            StoreError: the layer is not ragged, or ``exclude`` is given and the store holds
-                no token ids (its data gave no ``input_ids`` beside the ``attention_mask``).
+            StoreError: the layer is neither ragged nor of packed windows with stored token
+                ids, or ``exclude`` is given and the store holds no token ids (its data gave no
+                ``input_ids``).
         """
-        if not info.ragged:
+        exclude = _check_exclude(exclude)
+        self.seq = 0 if info.ragged else _packed_length(store, info)  # tokens a fixed row holds
+        if self.seq is None:
             raise StoreError(f"layer {info.path!r} is not ragged (rows of shape "
-                             f"{tuple(info.shape)}), so it has no token axis to flatten; "
-                             f"store.tokens() reads layers extracted per token (reduce=None "
-                             f"with an attention_mask); read this one with store[{info.path!r}]")
+                             f"{tuple(info.shape)}) and the store keeps no token ids of that "
+                             f"length, so it has no token axis to flatten; store.tokens() reads "
+                             f"layers extracted per token (reduce=None, from an attention_mask "
+                             f"or from (batch, seq) token ids); read this one with "
+                             f"store[{info.path!r}]")
         self.store, self.info = store, info
         self._row_shape = tuple(int(n or 0) for n in info.shape[1:])
         shards = store._shards
-        self._counts = np.array([int(s.offsets(info.path)[-1]) for s in shards], dtype=np.int64)
+        self._counts = np.array([(s.info.rows[1] - s.info.rows[0]) * self.seq if self.seq else
+                                 int(s.offsets(info.path)[-1]) for s in shards], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(self._counts)])  # raw token -> shard
         self._keep: np.ndarray | None = None  # kept raw token indices, when some are excluded
         if len(exclude):
@@ -67,23 +79,34 @@ class TokenView:
         return int(self._starts[-1]) if self._keep is None else len(self._keep)
 
     def __getitem__(self, index: int | slice) -> Tensor:
+        """Raises:
+            PositionError: (an ``IndexError``) a slice with a step other than 1, an index that
+                is not an int or a slice, or one out of range.
+        """
         if isinstance(index, slice):
             start, stop, step = index.indices(len(self))
             if step != 1:
-                raise IndexError("token views take a slice with step 1, an int, or read(indices)")
+                raise PositionError("token views take a slice with step 1, an int, or "
+                                    "read(indices)")
             return self.read(np.arange(start, max(start, stop)))
         if not isinstance(index, (int, np.integer)) or isinstance(index, bool):
-            raise IndexError(f"a token is indexed by an int or a slice, not "
-                             f"{type(index).__name__}")
+            raise PositionError(f"a token is indexed by an int or a slice, not "
+                                f"{type(index).__name__}")
         k = int(index) + (len(self) if index < 0 else 0)
         if not 0 <= k < len(self):
-            raise IndexError(f"token {index} is out of range for {len(self)} tokens")
+            raise PositionError(f"token {index} is out of range for {len(self)} tokens")
         return self.read(np.array([k]))[0]
 
     def read(self, indices: np.ndarray) -> Tensor:
         """Return the tokens at ``indices`` (kept-token numbers, ascending) as a
         ``(len(indices), *shape)`` tensor; reads the stored span from the first to the last
-        (the tokens between that ``exclude`` left out included), so keep them close."""
+        (the tokens between that ``exclude`` left out included), so keep them close.
+
+        Raises:
+            PositionError: ``indices`` is not a 1-dim integer array, not ascending, or out of
+                range.
+        """
+        indices = _check_indices(indices, len(self))
         raw = indices if self._keep is None else self._keep[indices]
         if not len(raw):
             return torch.empty(0, *self._row_shape, dtype=self.info.dtype)
@@ -98,7 +121,12 @@ class TokenView:
         while start < stop:
             shard, base = self.store._shards[k], int(self._starts[k])
             end = min(stop, int(self._starts[k + 1]))
-            if end > start:
+            if end > start and self.seq:  # packed windows: the rows that hold the tokens
+                a, b = (start - base) // self.seq, -(-(end - base) // self.seq)
+                rows = _as_tensor(shard.array(self.info.path, a, b), self.info.dtype,
+                                  ((b - a) * self.seq, *self._row_shape))
+                pieces.append(rows[start - base - a * self.seq:end - base - a * self.seq])
+            elif end > start:
                 a, b = start - base, end - base
                 pieces.append(_as_tensor(shard.array(self.info.path, a, b), self.info.dtype,
                                          (b - a, *self._row_shape)))
@@ -116,8 +144,13 @@ class TokenView:
     @property
     def rows(self) -> Tensor:
         """The row each token came from (``(tokens,)`` int64)."""
-        lengths = np.concatenate([np.diff(s.offsets(self.info.path)) for s in self.store._shards]) \
-            if self.store._shards else np.zeros(0, np.int64)
+        if not self.store._shards:
+            lengths = np.zeros(0, np.int64)
+        elif self.seq:
+            lengths = np.full(len(self.store), self.seq, dtype=np.int64)
+        else:
+            lengths = np.concatenate([np.diff(s.offsets(self.info.path))
+                                      for s in self.store._shards])
         rows = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
         return torch.from_numpy(rows if self._keep is None else rows[self._keep])
 
@@ -135,129 +168,42 @@ class TokenView:
                            seed=seed, batch_size=batch_size)
 
 
-class TokenStream(torch.utils.data.IterableDataset[Tensor]):
-    """The tokens of a ``TokenView``, shuffled with a seed, each once; ``DataLoader(stream,
-    batch_size=B)`` gives ``(B, *shape)`` batches.
+def _check_indices(indices: Any, count: int) -> np.ndarray:
+    """``indices`` as an int64 array, checked: 1-dim, integers, ascending, in ``[0, count)``."""
+    if isinstance(indices, Tensor):
+        indices = indices.numpy()
+    array = np.asarray(indices) if isinstance(indices, (np.ndarray, list, tuple, range)) else None
+    if array is None or array.ndim != 1 or (len(array) and array.dtype.kind not in "iu"):
+        raise PositionError(f"read(indices) takes a 1-dim array of token numbers (ints), e.g. "
+                            f"np.arange(0, 10); got {type(indices).__name__} {indices!r:.60}")
+    array = array.astype(np.int64)
+    if len(array) and (array[0] < 0 or array[-1] >= count or (np.diff(array) < 0).any()):
+        raise PositionError(f"read(indices) takes ascending token numbers in [0, {count}); got "
+                            f"{array[:8].tolist()}{' ...' if len(array) > 8 else ''}: sort them "
+                            f"(np.sort) and keep them in range")
+    return array
 
-    The shuffle (a buffer shuffle whose state is one number): the tokens are cut into blocks of
-    ``block_tokens`` (contiguous on disk, so reads stay sequential); the blocks are permuted by
-    ``numpy.random.default_rng(seed)``; consecutive runs of ``buffer_tokens // block_tokens``
-    permuted blocks make a window, read whole into memory and yielded in the order
-    ``numpy.random.default_rng([seed, w]).permutation`` gives for window ``w``. So at most one
-    window, ``buffer_tokens`` tokens, is in memory, a token's neighbours come from blocks all
-    over the store, and ``state_dict()`` (``{"seed", "position"}``: tokens yielded so far) is
-    enough to continue the same sequence after a restart (``load_state_dict``), reading only
-    the window the position falls in again. Window ``w``'s tokens are its blocks' tokens
-    concatenated in the permuted order (``windows()``), then indexed by that permutation.
-    ``set_epoch(e)`` gives another order per epoch.
 
-    With ``batch_size=B`` the stream yields ``(B, *shape)`` tensors itself (the same tokens in
-    the same order, the last batch shorter), one gather per batch instead of one item per token:
-    read it with ``DataLoader(stream, batch_size=None)``, many times faster than a ``DataLoader``
-    collating single tokens (``bench/throughput.py``).
+def _check_exclude(exclude: Any) -> Sequence[int]:
+    """``exclude`` checked: a sequence of int token ids (a str or a float is refused)."""
+    if isinstance(exclude, (str, bytes)) or not isinstance(exclude, (list, tuple, range,
+                                                                     np.ndarray, Tensor)):
+        raise ArgumentTypeError(f"exclude must be a list of token ids, e.g. exclude=[0, 2]; got "
+                                f"{type(exclude).__name__} {exclude!r:.40}")
+    values = exclude.tolist() if isinstance(exclude, (np.ndarray, Tensor)) else list(exclude)
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in values):
+        raise ArgumentTypeError(f"exclude holds token ids, ints; got {values!r:.60}")
+    return [int(v) for v in values]
 
-    Read with one DataLoader worker at most (the default, ``num_workers=0``): several would each
-    yield every token.
-    """
 
-    def __init__(self, view: TokenView, *, buffer_tokens: int, block_tokens: int, seed: int,
-                 batch_size: int | None = None):
-        """Raises:
-            ValueError: ``block_tokens``, ``buffer_tokens`` or ``batch_size`` is not a positive
-                int, or the buffer holds less than one block.
-        """
-        if batch_size is not None and (type(batch_size) is not int or batch_size <= 0):
-            raise ValueError(f"batch_size must be None or a positive int, not {batch_size!r:.40}")
-        self.batch_size = batch_size
-        for name, value in (("buffer_tokens", buffer_tokens), ("block_tokens", block_tokens)):
-            if type(value) is not int or value <= 0:
-                raise ValueError(f"{name} must be a positive int, not {value!r:.40}")
-        if buffer_tokens < block_tokens:
-            raise ValueError(f"buffer_tokens ({buffer_tokens}) must hold at least one block "
-                             f"(block_tokens={block_tokens}); pass a larger buffer_tokens")
-        self.view, self.seed, self.block = view, int(seed), block_tokens
-        self.blocks_per_window = buffer_tokens // block_tokens
-        self.position, self.epoch = 0, 0
-        self._buffer: Tensor | None = None  # the window's tokens, reused window after window
-
-    def __len__(self) -> int:
-        return len(self.view)
-
-    def state_dict(self) -> dict[str, int]:
-        """``{"seed", "epoch", "position"}``: where the stream is (tokens yielded so far)."""
-        return {"seed": self.seed, "epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue from ``state`` (``state_dict()`` of a stream over the same store)."""
-        self.seed, self.epoch, self.position = int(state["seed"]), int(state.get("epoch", 0)), \
-            int(state["position"])
-
-    def set_epoch(self, epoch: int) -> None:
-        """Start epoch ``epoch`` (another order of the same tokens) from its beginning."""
-        self.epoch, self.position = int(epoch), 0
-
-    def windows(self) -> list[list[np.ndarray]]:
-        """The token numbers of each window: its blocks, each a run of consecutive numbers,
-        in the permuted order they are read and concatenated (before the window's shuffle)."""
-        n = len(self.view)
-        blocks = np.random.default_rng([self.seed, self.epoch]).permutation(-(-n // self.block))
-        runs = [np.arange(b * self.block, min((b + 1) * self.block, n)) for b in blocks]
-        per = self.blocks_per_window
-        return [runs[w:w + per] for w in range(0, len(runs), per)]
-
-    def __iter__(self) -> Iterator[Tensor]:
-        info = torch.utils.data.get_worker_info()
-        if info is not None and info.num_workers > 1:
-            raise StoreError(f"a TokenStream is read by one DataLoader worker (each of "
-                             f"{info.num_workers} would yield every token): pass num_workers=0 "
-                             f"or 1")
-        if self.batch_size is None:
-            for window, order in self._windows():
-                for k in order:
-                    self.position += 1
-                    yield window[int(k)].clone()  # the buffer is reused
-            return
-        pending: list[Tensor] = []  # tokens of a batch that a window's end cut short
-        for window, order in self._windows():
-            at = 0  # into order
-            while at < len(order):
-                need = self.batch_size - sum(len(p) for p in pending)
-                pending.append(window[torch.from_numpy(order[at:at + need])])
-                at += len(pending[-1])
-                if sum(len(p) for p in pending) == self.batch_size:
-                    yield self._batch(pending)
-        if pending:
-            yield self._batch(pending)
-
-    def _batch(self, pending: list[Tensor]) -> Tensor:
-        batch = pending[0] if len(pending) == 1 else torch.cat(pending)
-        pending.clear()
-        self.position += len(batch)
-        return batch
-
-    def _windows(self) -> Iterator[tuple[Tensor, np.ndarray]]:
-        """Each window from ``position`` (when iteration starts) on: its tokens (the only ones
-        in memory) and the order of those still to yield."""
-        done, start = 0, self.position
-        for w, blocks in enumerate(self.windows()):
-            size = sum(len(b) for b in blocks)
-            if done + size > start:
-                order = np.random.default_rng([self.seed, self.epoch, w]).permutation(size)
-                yield self._read_window(blocks, size), order[max(start - done, 0):]
-            done += size
-
-    def _read_window(self, blocks: list[np.ndarray], size: int) -> Tensor:
-        """The tokens of ``blocks``, concatenated into one buffer kept across windows (fresh
-        memory for each window would cost its page faults again: on a 2-core machine they
-        took longer than the reads)."""
-        shape = (self.blocks_per_window * self.block, *self.view._row_shape)
-        if self._buffer is None or self._buffer.shape != shape:
-            self._buffer = torch.empty(shape, dtype=self.view.info.dtype)
-        at = 0
-        for block in blocks:
-            self._buffer[at:at + len(block)] = self.view.read(block)
-            at += len(block)
-        return self._buffer[:size]
+def _packed_length(store: Store, info: LayerInfo) -> int | None:
+    """``seq`` when fixed layer ``info`` holds packed windows: its rows are ``(seq, ...)`` and
+    the store's ``token`` column holds ``(seq,)`` token ids per row; else ``None``."""
+    token = store.columns.get("token")
+    if token is None or token.ragged or len(token.shape) != 1 or not info.shape or \
+            info.shape[0] != token.shape[0] or not token.shape[0]:
+        return None
+    return int(token.shape[0])
 
 
 def pad_rows(rows: list[Tensor]) -> tuple[Tensor, Tensor]:

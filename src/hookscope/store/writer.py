@@ -322,9 +322,11 @@ class StoreWriter:
                                          "world_size": world_size, "shards": []}
         if world_size > 1:
             self.manifest["rank"] = rank
+        self.saved = (0, 0)  # (rows, shards) the manifest in the folder lists now
         if resume_from is not None:  # the store keeps its version (its shards' digest)
             self.manifest.update(version=resume_from["version"], rows=resume_from["rows"],
                                  shards=resume_from["shards"])
+            self.saved = (resume_from["rows"], len(resume_from["shards"]))
         else:  # a run killed before its first shard leaves a store that says it is unfinished
             self._save()
 
@@ -358,6 +360,7 @@ class StoreWriter:
         text = _manifest_text(self.manifest)
         write_atomic(self.folder / _part_name(self.rank, self.world_size),
                      lambda tmp: Path(tmp).write_bytes(text), tag=self.run)
+        self.saved = (self.manifest["rows"], len(self.manifest["shards"]))
 
 
 def _manifest_text(manifest: dict[str, Any]) -> bytes:

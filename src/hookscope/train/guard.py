@@ -185,7 +185,8 @@ def replay(bundle: ReplayBundle | str | Path, model: nn.Module) -> NonFiniteOrig
         inputs = bundle.inputs
         grads = bundle.output_grads
         # untouched puts the RNG states back afterwards
-        with untouched(root): origin = _step(root, inputs, grads)  # noqa: E701 - body on the with line (engine.interrupts)
+        with untouched(root):
+            origin = _step(root, inputs, grads)
         if origin is not None and origin.path == LOSS and origin.phase == "forward":
             # the forward was finite and the surrogate loss is not: the real loss's gradient was,
             # or, when the recorded forward was not finite, the model has changed since (a fix)
@@ -206,7 +207,8 @@ def replay(bundle: ReplayBundle | str | Path, model: nn.Module) -> NonFiniteOrig
 def _step(root: nn.Module, inputs: StepInputs, grads: list[Tensor | None]) -> NonFiniteOrigin | None:
     """The step's forward and backward from its RNG state, under its autocast state."""
     inputs.rng.restore()
-    with _autocast(inputs.autocast): return _find(root, inputs, grads)  # noqa: E701 - body on the with line (engine.interrupts)
+    with _autocast(inputs.autocast):
+        return _find(root, inputs, grads)
 
 
 def _find(root: nn.Module, inputs: StepInputs, grads: list[Tensor | None]) -> NonFiniteOrigin | None:

@@ -55,12 +55,14 @@ from hookscope.engine import (
     check_int,
     check_model,
     check_run_dir,
+    critical,
     detached_clones,
     fullgraph,
     input_device,
     on_optimizer_step,
     on_tensor_grad,
     output_of,
+    release_signals,
     resolve_checked,
     state_snapshot,
     unwrap,
@@ -117,8 +119,14 @@ def monitor(model: nn.Module, layers: str | list[str] = "**", *, every: int = 10
     are of the true gradient (each gradient divided by ``scaler.get_scale()`` in force during
     its backward; the record's ``loss_scale`` gives it, 1.0 without a scaler), as ``grad_norm``
     (read after ``scaler.step`` unscaled the ``.grad``) is; and of its
-    parameters: ``grad_norm`` (L2 over all ``.grad``, read at the end of the step) and
-    ``update_ratio`` = ||W_after - W_before|| / ||W_before|| (L2 over all its parameters).
+    parameters, all of them together (weight and bias, and its submodules':
+    ``module.parameters()``, each tensor flattened and joined into one vector, float64):
+    ``grad_norm`` = sqrt(sum over p of sum(p.grad ** 2)) (parameters without ``.grad`` left
+    out, ``None`` when none has one; read at the end of the step) and ``update_ratio`` =
+    sqrt(sum over p of sum((p_after - p_before) ** 2)) / sqrt(sum over p of sum(p_before ** 2))
+    (``p_before`` when the sampled step starts, ``p_after`` at its end; not the weight's own
+    ratio: the bias counts too; ``inf`` when the parameters were all zero and moved, ``None``
+    for a module without parameters). docs/training.md shows both computed by hand.
 
     The guard (every backward, see the module docstring) detects the first non-finite gradient
     (or, with ``scaler``, a non-finite output: gradient overflows there are the scaler's and
@@ -211,7 +219,8 @@ class Monitor:
         self.root, _ = unwrap(model)
         self.every, self.guard, self.scaler, self.writer = every, guard, scaler, writer
         self._optimizer = optimizer
-        self.targets = resolve_checked(self.root, as_patterns(layers))[0] if every else []
+        # resolved on the model as given: names with wrapper segments ("_module.0") work as in capture
+        self.targets = resolve_checked(model, as_patterns(layers))[0] if every else []
         self.rank, self.world = _rank()
         self.run_dir = Path(run_dir) if run_dir is not None else None
         name = "records.jsonl" if self.world == 1 else f"records-rank{self.rank}.jsonl"
@@ -241,11 +250,15 @@ class Monitor:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        try: self.close()  # noqa: E701 - one line (engine.interrupts)
+        try:
+            self.close()
         except BaseException:
             self.close()  # idempotent: what an exception (Ctrl-C) halfway through left
             raise
+        finally:
+            release_signals()  # a signal held back during the exit surfaces here
 
+    @critical
     def open(self) -> Monitor:
         """Start watching (hooks, records file); return self.
 
@@ -254,10 +267,13 @@ class Monitor:
         """
         if self._root_session is not None:
             raise HookscopeError("this monitor is already open: open it once, or build a new one")
-        try: self._start(); return self  # noqa: E701, E702 - one line (engine.interrupts)
+        try:
+            self._start()
+            release_signals()  # a signal held back so far: a failed open
         except BaseException:
-            self.close()  # nothing it registered or opened outlives a failed open
+            self.close()  # nothing it registered or opened outlives a failed open (releases)
             raise
+        return self
 
     def _start(self) -> None:
         self._file = self._open_file()
@@ -282,6 +298,7 @@ class Monitor:
                 self._handles.append(on_optimizer_step(stepped, self._end_step, pre=False))
         self._contained("statistics", self._start_sample_if_due)
 
+    @critical
     def close(self) -> None:
         """Stop watching: replay a guard still pending (it may raise), then remove every hook,
         end a sampled step without writing it, and close the records file."""
@@ -308,6 +325,7 @@ class Monitor:
                     if self._file is not None:
                         self._file.close()
                         self._file = None
+                    release_signals()  # a signal held back while closing surfaces here
 
     def step(self) -> None:
         """End the step in progress (call once per optimizer step, after ``optimizer.step()``
@@ -680,7 +698,9 @@ def _summary(stats: RunningStats) -> dict[str, float] | None:
 
 
 def _update_ratio(before: list[Tensor], params: list[nn.Parameter]) -> float | None:
-    """||W_after - W_before|| / ||W_before|| over all of a module's parameters (float64)."""
+    """||W_after - W_before|| / ||W_before||, W all of a module's parameters (weight and bias)
+    flattened and joined into one vector, float64; ``inf`` when ||W_before|| is 0 and W moved,
+    0.0 when nothing moved, ``None`` without parameters."""
     if not params:
         return None
     delta = sum(float((p.detach().double() - b.double()).square().sum())

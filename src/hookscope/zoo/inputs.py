@@ -391,6 +391,9 @@ def read_tensor_file(spec: str) -> torch.Tensor:
         return tensors[key]
     if len(tensors) == 1:
         return next(iter(tensors.values()))
+    if not tensors:
+        raise SpecError(f"'{path}' holds no tensor (an empty checkpoint?): pass a file that "
+                        f"holds the values, e.g. torch.save(tensor, '{path.stem}.pt')")
     raise SpecError(f"'{path}' holds {len(tensors)} tensors; pick one with '{path}:KEY' "
                     f"(keys: {_keys(tensors)})")
 

@@ -1,0 +1,186 @@
+"""Standard names checked against the model's own hidden states.
+
+``resid_pre.{i}`` and ``resid_post.{i}`` are found by structure (``engine.standard_naming``);
+``embed`` too. A Hugging Face model also says what its residual stream is:
+``output_hidden_states=True`` returns ``hidden_states[0]`` (what enters the first block) and
+``hidden_states[i + 1]`` (what block ``i`` gives on). Once per model (``engine.ground_truth``:
+one probe forward, kept), each name is compared with the hidden state it stands for:
+
+- a structural module whose output holds the hidden state's values keeps the name;
+- else the module whose output holds them is taken instead (for ``resid_pre.0``: one outside
+  the blocks, the last to finish; for ``resid_post.{i}``: the outermost); the name then means
+  that module, as the model computed it;
+- the last hidden state is, on most models (GPT-2, Llama, Gemma, Mistral ...), the final norm's
+  output, not the last block's: it checks ``resid_post.{L-1}`` when a module that ran once took
+  the last block's output as its input and gave the last hidden state (the final norm, whatever
+  its name); the name stays the last block's output, which is the residual stream there;
+- no module's output holds the hidden state (the model's forward computes it outside any module,
+  e.g. scales the embeddings inline): the name is refused (``SelectorError``) with the largest
+  difference found and the fix, never resolved to a module whose output differs;
+- the hidden states do not line up with the blocks (not one per block plus the embeddings):
+  the residual names are refused, naming both counts.
+
+``embed`` is the module ``get_input_embeddings()`` returns, when the model has one. A model that
+returns no hidden states (a plain ``nn.Module``, a TransformerLens ``HookedTransformer`` whose
+hook points are the residual stream by construction) keeps the structural rule unchecked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from hookscope.engine.ground_truth import Probe, probe_of, same_values
+from hookscope.engine.names import ModuleIndex
+
+__all__ = ["Residuals", "checked_residuals", "input_embedding"]
+
+Tensor = torch.Tensor
+HIDDEN = ("hidden_states", "decoder_hidden_states", "encoder_hidden_states")
+
+
+@dataclass(frozen=True)
+class Residuals:
+    """What the check found: ``paths`` (standard name -> module path, where the hidden states
+    chose another module than the structural rule), ``refused`` (standard name -> the
+    sentence of the error), ``unchecked`` (why nothing was checked, else "")."""
+
+    paths: dict[str, str] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
+    unchecked: str = ""
+
+
+def input_embedding(names: ModuleIndex) -> str | None:
+    """The path of the module ``get_input_embeddings()`` returns, when it is one of the model's."""
+    get_embed = getattr(names.root, "get_input_embeddings", None)
+    try:
+        embed = get_embed() if callable(get_embed) else None
+    except (NotImplementedError, AttributeError):
+        return None
+    if not isinstance(embed, nn.Module):
+        return None
+    return next((path for path, module in names.modules.items() if module is embed), None)
+
+
+def checked_residuals(names: ModuleIndex, blocks: str, count: int, block_input: str | None,
+                      final_norm: str | None) -> Residuals:
+    """The residual names of the model of ``names`` checked against its hidden states (module
+    docstring); ``blocks`` is the block list's path, ``count`` its length, ``block_input`` and
+    ``final_norm`` the structural modules (None when the structure has none)."""
+    probe = probe_of(names)
+    if isinstance(probe, str):
+        return Residuals(unchecked=probe)
+    key = f"residuals:{blocks}"
+    if key not in probe.memo:
+        probe.memo[key] = _check(probe, blocks, count, block_input, final_norm)
+    result: Residuals = probe.memo[key]
+    return result
+
+
+def _check(probe: Probe, blocks: str, count: int, block_input: str | None,
+           final_norm: str | None) -> Residuals:
+    sequences = [(name, list(value)) for name in HIDDEN
+                 if isinstance(value := getattr(probe.output, name, None), (tuple, list)) and value]
+    if not sequences:
+        return Residuals(unchecked="the model returned no hidden_states")
+    block_paths = [f"{blocks}.{i}" for i in range(count)]
+    fitting = [(name, states) for name, states in sequences if len(states) == count + 1]
+    if not fitting:
+        shown = ", ".join(f"{name} has {len(states)}" for name, states in sequences)
+        sentence = (f"the model's own hidden states do not line up with its {count} blocks "
+                    f"('{blocks}'): {shown} entries, not {count + 1} (the embeddings and one per "
+                    f"block), so which module's output is the residual stream cannot be checked; "
+                    f"select the module by its own path (hookscope tree MODEL)")
+        return Residuals(refused={f"{kind}.{i}": sentence for kind in ("resid_pre", "resid_post")
+                                  for i in range(count)})
+    name, states = max(fitting, key=lambda item: sum(
+        same_values(probe.once(p), s) for p, s in zip(block_paths, item[1][1:])))
+    paths: dict[str, str] = {}
+    refused: dict[str, str] = {}
+    first = _first_state(probe, states[0], blocks, block_input, name)
+    (paths if first[0] else refused)["resid_pre.0"] = first[1]
+    for i, path in enumerate(block_paths):
+        found = _block_state(probe, states[i + 1], path, blocks, name, i, last=i == count - 1)
+        if not found[0]:
+            refused[f"resid_post.{i}"] = found[1]
+            if i + 1 < count:
+                refused[f"resid_pre.{i + 1}"] = found[1].replace(f"resid_post.{i}", f"resid_pre.{i + 1}", 1)
+        elif found[1] != path:
+            paths[f"resid_post.{i}"] = found[1]
+            if i + 1 < count:
+                paths[f"resid_pre.{i + 1}"] = found[1]
+    if paths.get("resid_pre.0") == block_input:
+        del paths["resid_pre.0"]
+    return Residuals(paths, refused)
+
+
+def _holding(probe: Probe, state: Tensor) -> list[tuple[str, int, int]]:
+    """The calls of modules that ran once and whose output holds ``state``'s values."""
+    return [(path, begin, end) for path, begin, end in probe.calls
+            if same_values(probe.once(path), state)]
+
+
+def _first_state(probe: Probe, state: Tensor, blocks: str, structural: str | None,
+                 name: str) -> tuple[bool, str]:
+    """(True, path) of the module whose output is ``hidden_states[0]``, or (False, why)."""
+    if structural is not None and same_values(probe.once(structural), state):
+        return True, structural
+    first_block = next((begin for path, begin, _ in probe.calls if path == f"{blocks}.0"), None)
+    found = [(path, end) for path, _, end in _holding(probe, state)
+             if not path.startswith(blocks + ".") and path != blocks
+             and (first_block is None or end < first_block)]
+    if found:
+        return True, max(found, key=lambda item: item[1])[0]
+    return False, _differs("resid_pre.0", f"{name}[0]", structural, probe, state,
+                           f"capture(model, '{blocks}.0', inputs=True) reads the first block's "
+                           f"input")
+
+
+def _block_state(probe: Probe, state: Tensor, block: str, blocks: str, name: str, i: int,
+                 *, last: bool) -> tuple[bool, str]:
+    """(True, path) of the module whose output is block ``i``'s hidden state, or (False, why)."""
+    output = probe.once(block)
+    if same_values(output, state):
+        return True, block
+    if last and output is not None and _applied_after(probe, output, state):
+        return True, block  # the final norm's output is the last hidden state (module docstring)
+    found = [(path, begin) for path, begin, _ in _holding(probe, state)
+             if path.startswith(block + ".") or not path.startswith(blocks + ".")]
+    if found and not last:
+        return True, min(found, key=lambda item: (item[0].count("."), -item[1]))[0]
+    return False, _differs(f"resid_post.{i}", f"{name}[{i + 1}]", block, probe, state,
+                           f"select the module by its own path, or capture(model, "
+                           f"'{blocks}.{i + 1}', inputs=True) for the next block's input"
+                           if not last else "select the module by its own path")
+
+
+def _applied_after(probe: Probe, output: Tensor, state: Tensor) -> bool:
+    """Whether a module that ran once took ``output`` in and gave ``state`` out."""
+    return any(same_values(values[0], output) and same_values(probe.once(path), state)
+               for path, values in probe.inputs.items() if len(values) == 1)
+
+
+def _differs(standard: str, hidden: str, structural: str | None, probe: Probe, state: Tensor,
+             fix: str) -> str:
+    """The sentence of a refusal: which hidden state, how far the structural module is from it."""
+    value = probe.once(structural) if structural is not None else None
+    if structural is None:
+        gap = "the structure names no module for it"
+    elif value is None:
+        gap = f"'{structural}' ran {len(probe.outputs.get(structural, []))} times, not once"
+    elif value.shape != state.shape:
+        gap = f"'{structural}' gives {tuple(value.shape)}, the hidden state is {tuple(state.shape)}"
+    else:
+        diff = float((value.float() - state.float().to(value.device)).abs().max())
+        gap = f"'{structural}''s output differs from it by up to {diff:.3g}"
+    return (f"'{standard}' is the model's own {hidden} (output_hidden_states), but no module's "
+            f"output holds those values ({gap}): the model computes it outside its modules; {fix}")
+
+
+def check_summary(residuals: Residuals) -> dict[str, Any]:
+    """``{"paths": ..., "refused": ..., "unchecked": ...}`` (for reports and tests)."""
+    return {"paths": dict(residuals.paths), "refused": dict(residuals.refused),
+            "unchecked": residuals.unchecked}
