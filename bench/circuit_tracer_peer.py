@@ -178,5 +178,7 @@ def peer_memory(seq: int) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "--memory":
         peer_memory(int(sys.argv[2]))
+    elif not sys.argv[1].endswith("graph.safetensors"):
+        sys.exit("name the output ...graph.safetensors: its .json and transcoder0 files are named after it")
     else:
         peer_graph(sys.argv[1])

@@ -56,6 +56,11 @@ def _acts(model: nn.Module) -> hookscope.Capture:
     return acts
 
 
+def _transcoder() -> hookscope.Transcoder:
+    return hookscope.Transcoder(W_enc=torch.zeros(32, 8), b_enc=torch.zeros(8), W_dec=torch.zeros(8, 32),
+                                b_dec=torch.zeros(32))
+
+
 def _metric(out: Any) -> torch.Tensor:
     return out.logits[:, -1, 3].mean()
 
@@ -332,6 +337,16 @@ ROWS = [
     Row("remove_hooks", "flag int", "include_internal",
         lambda m: hs.remove_hooks(m, include_internal=1)),  # type: ignore[arg-type]
     Row("remove_hooks", "model None", "model", lambda m: hs.remove_hooks(None)),  # type: ignore[arg-type]
+    # issue 50: feature circuits
+    Row("attribution_graph", "model None", "model",
+        lambda m: hs.attribution_graph(None, IDS, transcoders={})),  # type: ignore[arg-type]
+    Row("attribution_graph", "layer missing", "transcoders", lambda m: hs.attribution_graph(
+        m, IDS, transcoders={"transformer.h.9.mlp": _transcoder()}), gpt2=True),
+    Row("attribution_graph", "inputs batch", "inputs", lambda m: hs.attribution_graph(
+        m, torch.cat([IDS, IDS]), transcoders={"transformer.h.0.mlp": _transcoder()}), gpt2=True),
+    Row("splice", "model None", "model", lambda m: hs.splice(None, {})),  # type: ignore[arg-type]
+    Row("splice", "not a dictionary", "dictionaries",
+        lambda m: hs.splice(m, {"fc1": nn.Linear(10, 10)})),  # type: ignore[dict-item]
 ]
 
 
@@ -430,7 +445,7 @@ def test_figures(gpt2: nn.Module, tmp_path: Any, capsys: pytest.CaptureFixture[s
         print(f"\nAPI bad calls: tried {len(ROWS)} / clean {counts['clean']} / raw "
               f"{counts['raw']} / silent {counts['silent']}")
     assert counts == {"clean": len(ROWS), "raw": 0, "silent": 0}
-    assert len({r.verb for r in ROWS}) == 23
+    assert len({r.verb for r in ROWS}) == 25  # 23 + attribution_graph, splice (issue 50)
 
 
 # ---------------------------------------------------------------- generated inputs

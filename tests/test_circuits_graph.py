@@ -130,6 +130,18 @@ def test_refusals_name_the_fix_and_leave_no_hook(tmp_path: Path) -> None:
     with pytest.raises(CircuitError, match=r"hookscope\.Transcoder"):
         hookscope.attribution_graph(model, IDS, transcoders={"transformer.h.0.mlp": torch.nn.Linear(D, D)})
 
+    with pytest.raises(CircuitError, match="batch_size must be a positive int"):
+        hookscope.attribution_graph(model, IDS, transcoders=tcs, batch_size=0)
+    with pytest.raises(CircuitError, match="no output embedding module"):
+        hookscope.attribution_graph(model.transformer, IDS, transcoders={})
+    model.train()
+    graph = hookscope.attribution_graph(model, IDS, transcoders=tcs, folder=tmp_path / "train")
+    eval_graph = hookscope.attribution_graph(model.eval(), IDS, transcoders=tcs, folder=tmp_path / "eval")
+    np.testing.assert_array_equal(np.array(graph.adjacency), np.array(eval_graph.adjacency))  # no dropout
+    model.train()
+    hookscope.attribution_graph(model, IDS, transcoders=tcs, folder=tmp_path / "again")
+    assert model.training and all(m.training for m in model.modules())      # as it was found
+
     class GemmaLikeRMSNorm(torch.nn.Module):          # (1 + weight): not the form that is frozen
         def __init__(self) -> None:
             super().__init__()
@@ -138,7 +150,18 @@ def test_refusals_name_the_fix_and_leave_no_hook(tmp_path: Path) -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x / (x.pow(2).mean(-1, keepdim=True) + self.eps).sqrt() * (1 + self.weight)
 
+    model.eval()
     model.transformer.h[1].ln_2 = GemmaLikeRMSNorm()
     with pytest.raises(CircuitError, match="transformer.h.1.ln_2.*cannot be frozen"):
         hookscope.attribution_graph(model, IDS, transcoders=tcs, folder=tmp_path)
     assert hookscope.hooks(model) == [] and all(p.requires_grad for p in model.parameters())
+
+
+def test_rows_do_not_depend_on_the_batch_of_targets(tmp_path: Path) -> None:
+    """One target per backward pass (no batching) gives the rows that batches of 64 give."""
+    model = llama()
+    tcs = transcoders([f"model.layers.{i}.mlp" for i in range(2)])
+    one = hookscope.attribution_graph(model, IDS, transcoders=tcs, batch_size=1, folder=tmp_path / "one")
+    many = hookscope.attribution_graph(model, IDS, transcoders=tcs, batch_size=64, folder=tmp_path / "many")
+    assert one.n_features > 10
+    np.testing.assert_allclose(np.array(one.adjacency), np.array(many.adjacency), rtol=1e-5, atol=1e-6)

@@ -114,7 +114,7 @@ def test_viewer_json_equals_circuit_tracers(built: tuple[hookscope.Graph, dict[s
 @pytest.mark.skipif(not PEER_PYTHON.exists() or os.environ.get("HOOKSCOPE_SKIP_PEERS") == "1",
                     reason="circuit-tracer's environment (/work/venv-ct) is not on this machine")
 def test_live_peer_regenerates_the_same_graph(tmp_path: Path) -> None:
-    out = tmp_path / "peer.safetensors"
+    out = tmp_path / "peer_graph.safetensors"
     subprocess.run([str(PEER_PYTHON), str(BENCH / "circuit_tracer_peer.py"), str(out)], check=True,
                    capture_output=True, env={"PATH": os.environ.get("PATH", "")}, timeout=300)
     model, transcoders, peer = rebuild(out)

@@ -28,6 +28,7 @@ from torch import nn
 
 from hookscope.circuits.replacement import Linearized, linearize
 from hookscope.circuits.transcoder import Transcoder
+from hookscope.engine import check_model
 from hookscope.errors import CircuitError
 
 __all__ = ["Graph", "attribution_graph"]
@@ -147,8 +148,11 @@ def attribution_graph(model: nn.Module, inputs: Any, *, transcoders: Mapping[str
     The algorithm is circuit-tracer's ``attribute`` (every active feature gets a row; its
     ``max_feature_nodes`` ordering by partial influence is not done). Gradients run once per
     batch of ``batch_size`` targets, batched over the targets (``is_grads_batched``) on one
-    forward, so memory holds one forward and ``batch_size`` gradients; each batch's rows go to
-    ``folder/adjacency.npy`` as they are computed (written in place, not held).
+    forward, so memory holds one forward and ``batch_size`` gradients, plus the frozen attention
+    patterns that the batched backward copies per target (about ``batch_size x layers x heads x
+    seq^2 x 4`` bytes: lower ``batch_size`` for long prompts); each batch's rows go to
+    ``folder/adjacency.npy`` as they are computed (written in place, not held). The model runs
+    in eval mode, and its training flag and parameters' ``requires_grad`` are restored.
 
     Args:
         model: a transformers causal language model (eager attention is switched on for the
@@ -158,32 +162,48 @@ def attribution_graph(model: nn.Module, inputs: Any, *, transcoders: Mapping[str
             not cut from the gradient).
         max_n_logits, desired_logit_prob: logit targets, as circuit-tracer chooses them.
         batch_size: targets per backward pass.
-        folder: where to write ``adjacency.npy`` (a temporary folder when None).
+        folder: where to write ``adjacency.npy`` (``n_nodes^2 x 4`` bytes on disk); a new
+            temporary folder when None, left for the graph to read (delete it when done).
 
     Returns:
         A ``Graph``.
 
     Raises:
+        ArgumentTypeError: ``model`` is not an ``nn.Module``.
         CircuitError: inputs that are not one prompt of ids, a transcoder path that is not a
-            module, a model without attention patterns to freeze or with other norms.
+            module, a ``batch_size`` that is not a positive int, a model without embedding
+            modules, without attention patterns to freeze or with other norms.
     """
+    check_model(model)
+    if type(batch_size) is not int or batch_size < 1:
+        raise CircuitError(f"batch_size must be a positive int (targets per backward pass), not "
+                           f"{batch_size!r:.20}")
     ids = _as_ids(inputs)
     paths = _layer_order(model, transcoders)
-    embed_path = _path_of(model, model.get_input_embeddings(), "input embedding")  # type: ignore[operator]
-    unembed = model.get_output_embeddings()  # type: ignore[operator]
+    embed_path = _path_of(model, _embedding(model, "get_input_embeddings"), "input embedding")
+    unembed = _embedding(model, "get_output_embeddings")
     unembed_path = _path_of(model, unembed, "output embedding")
+    assert unembed is not None
     ids = ids.to(next(model.parameters()).device)
-    with torch.no_grad():
-        grads_before = {n: p.requires_grad for n, p in model.named_parameters()}
+    grads_before = {n: p.requires_grad for n, p in model.named_parameters()}
+    training = model.training
     try:
+        model.eval()                                       # no dropout: the graph of the model itself
         for p in model.parameters():
             p.requires_grad_(False)
         run = linearize(model, ids[None], paths, embed_path, unembed_path)
         return _build(run, ids, [transcoders[p] for p in paths], paths, unembed.weight,
                       max_n_logits, desired_logit_prob, batch_size, folder)
     finally:
+        model.train(training)
         for n, p in model.named_parameters():
             p.requires_grad_(grads_before[n])
+
+
+def _embedding(model: nn.Module, getter: str) -> Any:
+    """``model.get_input_embeddings()`` (or output), None for a model without the method."""
+    method = getattr(model, getter, None)
+    return method() if callable(method) else None
 
 
 def _build(run: Linearized, ids: Tensor, tcs: list[Transcoder], paths: list[str], w_u: Tensor,

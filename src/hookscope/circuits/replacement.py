@@ -119,6 +119,10 @@ def linearize(model: nn.Module, input_ids: Tensor, mlp_paths: Sequence[str], emb
 
     def mlp(path: str) -> Any:
         def cut(y: Tensor) -> Tensor:
+            if not isinstance(y, Tensor):
+                raise CircuitError(f"{path!r} returned {type(y).__name__}, not a tensor: a transcoder "
+                                   f"replaces a module that returns one (a dense MLP; routers that "
+                                   f"return tuples are not read)")
             out.mlp_inputs.append(stashed[path].pop())
             out.mlp_outputs.append(y.detach())
             leaf = y.detach().clone().requires_grad_(True)

@@ -15,6 +15,7 @@ from torch import nn
 
 from hookscope.circuits.dictionary import Dictionary
 from hookscope.editing import edit
+from hookscope.engine import check_model
 from hookscope.errors import CircuitError
 
 __all__ = ["Splice", "module_input", "splice"]
@@ -121,13 +122,18 @@ def splice(model: nn.Module, dictionaries: Mapping[str, Dictionary], *,
         A ``Splice`` context manager (``.features``).
 
     Raises:
+        ArgumentTypeError: ``model`` is not an ``nn.Module``.
         CircuitError: a value that is not a ``Dictionary``; during the forward, a module that
             returns no tensor or a reconstruction of another shape.
         SelectorError: a path that matches no module.
     """
+    check_model(model)
+    if not isinstance(dictionaries, Mapping):
+        raise CircuitError(f"dictionaries must be {{path: SAE or Transcoder}}, not "
+                           f"{type(dictionaries).__name__}")
     for path, dictionary in dictionaries.items():
         if not isinstance(dictionary, Dictionary):
-            raise CircuitError(f"splice takes {{path: SAE or Transcoder}}, but {path!r} maps to "
+            raise CircuitError(f"dictionaries takes {{path: SAE or Transcoder}}, but {path!r} maps to "
                                f"{type(dictionary).__name__}: build one with hookscope.Transcoder"
                                f"(W_enc=..., ...) or hookscope.load_sae(folder)")
     return Splice(model, dictionaries, keep_error)
