@@ -139,6 +139,10 @@ def path_patching(model: nn.Module, clean: Any, corrupted: Any, *, senders: Sequ
                  for node in _listed("receivers", receivers)]
     _check_through(through)
     _check_order(sending, receiving)
+    heads = _configured_heads(model)
+    for node in (*sending, *receiving):
+        if heads is not None and node.kind == "head":
+            _check_head(node, heads)
     warn_if_dropout_trains(model, "path_patching")
     clean, corrupted = _plain(clean), _plain(corrupted)
     with untouched(model), torch.no_grad(): found = _patch(model, names, layers, clean, corrupted, sending, receiving, metric, through, direct)  # noqa: E501, E701 - body on the with line (engine.interrupts)
@@ -284,6 +288,16 @@ def _mlp_path(names: ModuleIndex, layer: int) -> str:
                             f"module whose input path patching could set; name heads or 'logits' "
                             f"as receivers")
     return path
+
+
+def _configured_heads(model: nn.Module) -> int | None:
+    """The query heads per block its config names (checked again on the values), if any."""
+    config = getattr(model, "config", None) or getattr(model, "cfg", None)
+    for field in ("num_attention_heads", "n_head", "n_heads"):
+        value = getattr(config, field, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def _check_head(node: _Node, count: int) -> None:
