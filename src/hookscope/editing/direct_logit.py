@@ -242,7 +242,8 @@ def _attribute(model: nn.Module, names: _Names, inputs: Any, tokens: tuple[Any, 
             *(f"{kind}.{i}" for kind in ("attn.z", "attn_out", "mlp_out") for i in range(layers)),
             f"resid_post.{layers - 1}", "final_norm", *(["unembed"] if tokens is not None else [])]
     with gradient_pass(model, EditError):
-        with edit(model, edits, on_unfired="error"), capture(model, *keys, on_unfired="error") as acts:
+        recording = capture(model, *keys, to="cpu", on_unfired="error")  # checks read on the CPU
+        with edit(model, edits, on_unfired="error"), recording as acts:
             output = _forward(model, inputs)
         values = {key: acts[key] for key in keys}
         _check_stream(values, names)
