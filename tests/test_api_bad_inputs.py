@@ -295,6 +295,36 @@ ROWS = [
         lambda m: hs.rollout(m, IDS, layers="transformer.h.*.attn", discard_ratio=1.5), gpt2=True),
     Row("rollout", "flag str", "gradient",
         lambda m: hs.rollout(m, IDS, layers="transformer.h.*.attn", gradient="no"), gpt2=True),  # type: ignore[arg-type]
+    # direct_logit_attribution
+    Row("direct_logit_attribution", "model None", "model",
+        lambda m: hs.direct_logit_attribution(None, IDS, tokens=(1, 2))),  # type: ignore[arg-type]
+    Row("direct_logit_attribution", "no readout", "tokens",
+        lambda m: hs.direct_logit_attribution(m, IDS), gpt2=True),
+    Row("direct_logit_attribution", "token outside the vocabulary", "tokens",
+        lambda m: hs.direct_logit_attribution(m, IDS, tokens=(1, 60)), gpt2=True),
+    Row("direct_logit_attribution", "token float", "tokens",
+        lambda m: hs.direct_logit_attribution(m, IDS, tokens=(1, 2.0)), gpt2=True),
+    Row("direct_logit_attribution", "direction shape", "direction",
+        lambda m: hs.direct_logit_attribution(m, IDS, direction=torch.ones(31)), gpt2=True),
+    # path_patching
+    Row("path_patching", "model None", "model",
+        lambda m: hs.path_patching(None, IDS, IDS, senders=["a0.h0"], receivers=["logits"],  # type: ignore[arg-type]
+                                   metric=_metric)),
+    Row("path_patching", "senders str", "senders",
+        lambda m: hs.path_patching(m, IDS, IDS, senders="a0.h0", receivers=["logits"],  # type: ignore[arg-type]
+                                   metric=_metric), gpt2=True),
+    Row("path_patching", "head outside", "a0.h9",
+        lambda m: hs.path_patching(m, IDS, IDS, senders=["a0.h9"], receivers=["logits"],
+                                   metric=_metric), gpt2=True),
+    Row("path_patching", "through", "through",
+        lambda m: hs.path_patching(m, IDS, IDS, senders=["a0.h0"], receivers=["a1.h0"],
+                                   through="z", metric=_metric), gpt2=True),
+    Row("path_patching", "receiver first", "receiver",
+        lambda m: hs.path_patching(m, IDS, IDS, senders=["a1.h0"], receivers=["a0.h0"],
+                                   metric=_metric), gpt2=True),
+    Row("path_patching", "flag str", "direct",
+        lambda m: hs.path_patching(m, IDS, IDS, senders=["a0.h0"], receivers=["logits"],
+                                   metric=_metric, direct="no"), gpt2=True),  # type: ignore[arg-type]
     # edge_attribution_patching
     Row("edge_attribution_patching", "model None", "model",
         lambda m: hs.edge_attribution_patching(None, IDS, IDS, _metric)),  # type: ignore[arg-type]
@@ -445,7 +475,8 @@ def test_figures(gpt2: nn.Module, tmp_path: Any, capsys: pytest.CaptureFixture[s
         print(f"\nAPI bad calls: tried {len(ROWS)} / clean {counts['clean']} / raw "
               f"{counts['raw']} / silent {counts['silent']}")
     assert counts == {"clean": len(ROWS), "raw": 0, "silent": 0}
-    assert len({r.verb for r in ROWS}) == 25  # 23 + attribution_graph, splice (issue 50)
+    assert len({r.verb for r in ROWS}) == 27  # 23 + attribution_graph, splice, direct_logit_attribution,
+    # path_patching (issue 50)
 
 
 # ---------------------------------------------------------------- generated inputs

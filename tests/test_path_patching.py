@@ -227,6 +227,12 @@ def test_refusals() -> None:
     with pytest.raises(ArgumentTypeError, match="non-empty list of node names"):
         hookscope.path_patching(model, clean, corrupted, senders="a0.h0", receivers=["logits"],
                                 metric=metric)
+    padded = torch.ones_like(clean)
+    padded[:, 0] = 0
+    with pytest.raises(EditError, match="attention masks differ.*pad both inputs the same way"):
+        hookscope.path_patching(model, {"input_ids": clean, "attention_mask": padded},
+                                {"input_ids": corrupted, "attention_mask": torch.ones_like(clean)},
+                                senders=["a0.h0"], receivers=["logits"], metric=metric)
     with pytest.raises(EditError, match="give two inputs of the same shape"):
         hookscope.path_patching(model, clean, corrupted[:, :4], senders=["a0.h0"],
                                 receivers=["logits"], metric=metric)

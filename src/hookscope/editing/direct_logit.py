@@ -164,6 +164,7 @@ def direct_logit_attribution(model: nn.Module, inputs: Any, *,
     if tokens is not None:
         _refuse_after_unembed(model)
     inputs = _plain(inputs)
+    _check_before(names, inputs, tokens, direction)
     with untouched(model): found = _attribute(model, names, inputs, tokens, direction)  # noqa: E701 - body on the with line (engine.interrupts)
     return found
 
@@ -179,6 +180,25 @@ def _check_choice(tokens: object, direction: object) -> None:
         raise ArgumentTypeError(f"tokens must be a pair (a, b) of token ids (ints or (batch,) int "
                                 f"tensors), decomposing logit[a] - logit[b]; got {type(tokens).__name__}"
                                 f"{'' if not isinstance(tokens, tuple) else f' of {len(tokens)}'}")
+
+
+def _check_before(names: _Names, inputs: Any, tokens: tuple[Any, Any] | None,
+                  direction: Tensor | None) -> None:
+    """``tokens`` and ``direction`` checked before any forward where the unembedding's shape
+    (``nn.Linear``, a ``W_U``) and the batch (a tensor, a dict's ``input_ids``, a tuple's first
+    tensor) are known; else they are checked after it."""
+    unembed = names.modules[names.unembed]
+    weight = getattr(unembed, "W_U", None)
+    shape = ((unembed.in_features, unembed.out_features) if isinstance(unembed, nn.Linear) else
+             tuple(weight.shape) if isinstance(weight, Tensor) and weight.dim() == 2 else None)
+    first = inputs.get("input_ids") if isinstance(inputs, dict) else \
+        inputs[0] if isinstance(inputs, tuple) and inputs else inputs
+    if shape is None or not isinstance(first, Tensor) or first.dim() == 0:
+        return
+    for name, token in zip("ab", tokens or (), strict=False):
+        _token(name, token, first.shape[0], shape[1])
+    if direction is not None:
+        _direction(direction, first.shape[0], shape[0])
 
 
 def _names(names: ModuleIndex) -> _Names:
@@ -222,7 +242,8 @@ def _attribute(model: nn.Module, names: _Names, inputs: Any, tokens: tuple[Any, 
             *(f"{kind}.{i}" for kind in ("attn.z", "attn_out", "mlp_out") for i in range(layers)),
             f"resid_post.{layers - 1}", "final_norm", *(["unembed"] if tokens is not None else [])]
     with gradient_pass(model, EditError):
-        with edit(model, edits, on_unfired="error"), capture(model, *keys, on_unfired="error") as acts:
+        recording = capture(model, *keys, to="cpu", on_unfired="error")  # checks read on the CPU
+        with edit(model, edits, on_unfired="error"), recording as acts:
             output = _forward(model, inputs)
         values = {key: acts[key] for key in keys}
         _check_stream(values, names)

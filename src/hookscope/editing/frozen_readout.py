@@ -130,17 +130,18 @@ def unembedding(unembed: nn.Module, width: int, like: Tensor, a: Tensor,
     """``(direction (batch, width), constant (batch, 1))`` float64 on the CPU: ``W_U[a] -
     W_U[b]`` and ``b_U[a] - b_U[b]`` of the linear ``unembed`` for each row's tokens ``a`` and
     ``b`` (``(batch,)`` int64), read by calling it once on a zero vector (dtype and device of
-    ``like``) and differentiating, one row per distinct token."""
+    its first parameter, else of ``like``) and differentiating, one row per distinct token."""
     used = torch.unique(torch.cat([a, b]))
+    weight = next(unembed.parameters(), like)  # the unembedding's own device and dtype
     with torch.inference_mode(False), torch.enable_grad():
-        zero = torch.zeros(1, width, dtype=like.dtype, device=like.device, requires_grad=True)
+        zero = torch.zeros(1, width, dtype=weight.dtype, device=weight.device, requires_grad=True)
         out = unembed(zero)[0]  # (vocab,): b_U
         picks = torch.zeros(len(used), out.shape[0], dtype=out.dtype, device=out.device)
         picks[torch.arange(len(used)), used.to(out.device)] = 1
         rows = torch.autograd.grad(out, zero, grad_outputs=picks, is_grads_batched=True)[0]
     where = {int(token): i for i, token in enumerate(used)}
-    weight = rows[:, 0].detach().double().cpu()  # (distinct tokens, width): W_U rows
+    rows = rows[:, 0].detach().double().cpu()  # (distinct tokens, width): W_U rows
     bias = out.detach().double().cpu()
     ia = torch.tensor([where[int(t)] for t in a])
     ib = torch.tensor([where[int(t)] for t in b])
-    return weight[ia] - weight[ib], (bias[a.cpu()] - bias[b.cpu()])[:, None]
+    return rows[ia] - rows[ib], (bias[a.cpu()] - bias[b.cpu()])[:, None]

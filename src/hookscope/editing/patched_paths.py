@@ -139,6 +139,10 @@ def path_patching(model: nn.Module, clean: Any, corrupted: Any, *, senders: Sequ
                  for node in _listed("receivers", receivers)]
     _check_through(through)
     _check_order(sending, receiving)
+    heads = _configured_heads(model)
+    for node in (*sending, *receiving):
+        if heads is not None and node.kind == "head":
+            _check_head(node, heads)
     warn_if_dropout_trains(model, "path_patching")
     clean, corrupted = _plain(clean), _plain(corrupted)
     with untouched(model), torch.no_grad(): found = _patch(model, names, layers, clean, corrupted, sending, receiving, metric, through, direct)  # noqa: E501, E701 - body on the with line (engine.interrupts)
@@ -199,6 +203,7 @@ def _patch(model: nn.Module, names: ModuleIndex, layers: int, clean: Any, corrup
     keys = [*(f"attn.z.{i}" for i in range(layers)), *(f"mlp_out.{i}" for i in range(layers))]
     clean_acts, clean_metric = _run(model, keys, clean, metric)
     corrupted_acts, corrupted_metric = _run(model, keys, corrupted, metric)
+    _check_same_masks(clean_acts.layout(keys[0]).tokens.mask, corrupted_acts.layout(keys[0]).tokens.mask)
     frozen = _frozen(layers, clean_acts, corrupted_acts, senders, direct)
     if receivers[0].kind == "logits":  # run 2 is the answer
         with edit(model, frozen, on_unfired="error"): output = _forward(model, clean)  # noqa: E701 - body on the with line (engine.interrupts)
@@ -286,6 +291,16 @@ def _mlp_path(names: ModuleIndex, layer: int) -> str:
     return path
 
 
+def _configured_heads(model: nn.Module) -> int | None:
+    """The query heads per block its config names (checked again on the values), if any."""
+    config = getattr(model, "config", None) or getattr(model, "cfg", None)
+    for field in ("num_attention_heads", "n_head", "n_heads"):
+        value = getattr(config, field, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 def _check_head(node: _Node, count: int) -> None:
     if node.head >= count:
         raise ArgumentValueError(f"{_name(node)}: block {node.layer} has {count} heads "
@@ -317,6 +332,23 @@ def _kv_heads(receivers: list[_Node], letter: str, count: int, query_heads: int)
                 f"some of them would reach the others too: name all of {named} as receivers, or "
                 f"go through 'q' only")
     return sorted({h // group for h in chosen})
+
+
+def _check_same_masks(clean: Tensor | None, corrupted: Tensor | None) -> None:
+    """The runs' values are set into each other position by position, so their real tokens
+    must sit at the same positions: the same attention mask, or none.
+
+    Raises:
+        EditError: the masks differ.
+    """
+    same = (clean is None and corrupted is None) or (
+        clean is not None and corrupted is not None and clean.shape == corrupted.shape
+        and torch.equal(clean.bool(), corrupted.bool()))
+    if not same:
+        raise EditError("path patching sets the corrupted run's values into the clean run position "
+                        "by position, but their attention masks differ, so a real token would be "
+                        "set against padding or another token: pad both inputs the same way "
+                        "(the same attention_mask)")
 
 
 def _same_shape(key: str, clean: Tensor, corrupted: Tensor) -> Tensor:
