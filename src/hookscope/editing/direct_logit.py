@@ -165,7 +165,8 @@ def direct_logit_attribution(model: nn.Module, inputs: Any, *,
         _refuse_after_unembed(model)
     inputs = _plain(inputs)
     _check_before(names, inputs, tokens, direction)
-    with untouched(model): found = _attribute(model, names, inputs, tokens, direction)  # noqa: E701 - body on the with line (engine.interrupts)
+    with untouched(model):
+        found = _attribute(model, names, inputs, tokens, direction)
     return found
 
 

@@ -206,7 +206,8 @@ def _patch(model: nn.Module, names: ModuleIndex, layers: int, clean: Any, corrup
     _check_same_masks(clean_acts.layout(keys[0]).tokens.mask, corrupted_acts.layout(keys[0]).tokens.mask)
     frozen = _frozen(layers, clean_acts, corrupted_acts, senders, direct)
     if receivers[0].kind == "logits":  # run 2 is the answer
-        with edit(model, frozen, on_unfired="error"): output = _forward(model, clean)  # noqa: E701 - body on the with line (engine.interrupts)
+        with edit(model, frozen, on_unfired="error"):
+            output = _forward(model, clean)
         return PathPatch(_number(metric(output)), clean_metric, corrupted_metric)
     outputs, inputs = _receivers_read(model, names, clean, frozen, receivers, through, clean_acts)
     with contextlib.ExitStack() as stack:
@@ -220,7 +221,8 @@ def _patch(model: nn.Module, names: ModuleIndex, layers: int, clean: Any, corrup
 
 def _run(model: nn.Module, keys: list[str], inputs: Any, metric: Metric) -> tuple[Any, float]:
     """One forward of ``inputs``: a capture of ``keys`` and the metric."""
-    with capture(model, *keys, on_unfired="error") as acts: output = _forward(model, inputs)  # noqa: E701 - body on the with line (engine.interrupts)
+    with capture(model, *keys, on_unfired="error") as acts:
+        output = _forward(model, inputs)
     return acts, _number(metric(output))
 
 
