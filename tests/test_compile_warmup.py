@@ -31,6 +31,8 @@ compiled = torch.compile(model, backend=backend)
 requests = [torch.randn(3, 8) for _ in range(3)]
 clean = torch.randn(3, 8)
 vector = torch.linspace(-1, 1, 16)
+if backend == "eager":  # a training warm-up too (the monitor's steps run with gradients)
+    compiled(requests[0]).square().mean().backward()
 with torch.no_grad():
     compiled(requests[0])  # the warm-up: compiled before any hookscope block
     source = model[1](model[0](clean))  # plain PyTorch: what patch copies in
@@ -49,7 +51,7 @@ with torch.no_grad():
              "edit": lambda: hookscope.edit(compiled, {"1": lambda out: out * -2}),
              "ablate": lambda: hookscope.ablate(compiled, "1"),
              "patch": lambda: hookscope.patch(compiled, source=clean_acts, layers="1")}
-    warnings.simplefilter("error")  # no block may warn (a warning was all users got)
+    warnings.simplefilter("error", hookscope.errors.HookscopeWarning)  # a warning was all users got
     worst = 0.0
     for verb, block in verbs.items():
         for x in requests:
@@ -62,6 +64,22 @@ with torch.no_grad():
         worst = max(worst, float((acts["1"] - hidden(x)).abs().max()),
                     float((acts["3"] - model[3](model[2](hidden(x)))).abs().max()))
     plain = max(float((compiled(x) - model(x)).abs().max()) for x in requests)
+if backend == "eager":  # the monitor's hooks are seen too: its statistics equal plain autograd's
+    references = []  # plain autograd, outside the monitor (whose hooks would see these calls)
+    for x in requests:
+        hidden0 = model[0](x)
+        hidden0.retain_grad()
+        model[4](model[3](model[2](model[1](hidden0)))).square().mean().backward()
+        references.append((float(hidden0.mean()), float(hidden0.grad.mean())))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with hookscope.monitor(compiled, "0", every=1, optimizer=optimizer) as monitor:
+        for x, (activation, gradient) in zip(requests, references):
+            optimizer.zero_grad()
+            compiled(x).square().mean().backward()
+            optimizer.step()
+            latest = monitor.latest["0"]
+            worst = max(worst, abs(latest["activation"]["mean"] - activation),
+                        abs(latest["gradient"]["mean"] - gradient))
 print(f"{worst:.3g} {plain:.3g}")
 '''
 

@@ -247,6 +247,9 @@ WAYS_IN: dict[str, set[str]] = {
     # copy of OwnedHook's checks; it is the door's RecordingHook now
     "_current_graph_task_id": _HOOK_DOOR,
     "settrace": set(), "setprofile": set(),
+    # process-wide changes to dynamo: code compiled from now on checks the hook tables, code
+    # compiled before (without the checks) is dropped once (engine.compile.graph.prepare)
+    "skip_nnmodule_hook_guards": {"engine/compile/graph.py"}, "reset_code": {"engine/compile/graph.py"},
 }
 
 

@@ -48,12 +48,11 @@ refused at entry (``_claim``).
 from __future__ import annotations
 
 import gc
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
-from types import CodeType, GeneratorType
+from types import GeneratorType
 from typing import Any
 
 import torch
@@ -63,7 +62,13 @@ from torch.utils.hooks import RemovableHandle
 
 from hookscope.engine.compile import graph as compiled
 from hookscope.engine.door.hooks import OwnedHook, drop_sink, in_recompute, other_threads, register, traced
-from hookscope.engine.naming.function_names import bind_arguments, function_name, parse_op
+from hookscope.engine.naming.function_names import (
+    bind_arguments,
+    custom_function,
+    function_name,
+    function_refusal,
+    parse_op,
+)
 from hookscope.errors import EditError, HookscopeError
 
 __all__ = ["FunctionCall", "FunctionWatcher", "FunctionHooks", "Watch", "entered", "each_call", "take_off"]
@@ -122,7 +127,7 @@ class Watch:
         made: the names of the calls its own forward made, in order of their first call (so a
             target that matched none can name what the forward did call).
         functions: the names of the custom ``torch.autograd.Function``s its own forward called
-            (``_custom_function``), also in ``made``: the calls inside them are theirs.
+            (``function_names.custom_function``), also in ``made``: the calls inside them are theirs.
         enter: the installed forward pre-hook that opens the module's frame (its
             ``foreign_calls`` count the module's calls in other threads); ``None`` until
             ``FunctionWatcher.install``.
@@ -451,7 +456,7 @@ class FunctionWatcher:
             compiled.refuse(-1, compiled.CALLS_UNCOMPILED)  # traces: an error at the call
             return output
         frame = frames[-1]
-        function = _custom_function()
+        function = custom_function()
         if function is not None:  # made inside a custom autograd.Function: not the module's own
             _note_function(frame, function.__name__)
             return output
@@ -581,7 +586,7 @@ class FunctionHooks:
         name, occurrence = parse_op(op)
         where = f"'{path}'" if path else "the model"
         if name in watch.functions:
-            return _function_refusal(where, name)
+            return function_refusal(where, name)
         what = f"call {occurrence} of {name}" if occurrence is not None else f"any {name}"
         return (f"{where} ran {watch.module_calls} time{'s' if watch.module_calls > 1 else ''} "
                 f"but its own forward never made {what}; {_made(watch)} (calls made inside "
@@ -621,16 +626,6 @@ _UNSAFE = ("hookscope: a function address ('path::fn') inside a torch.utils.chec
 _NAMED = 12  # calls an unfired reason names (then a count)
 
 
-def _function_refusal(where: str, name: str) -> str:
-    """Why ``path::Name`` of a custom ``torch.autograd.Function`` records nothing, and the fix."""
-    return (f"{where} calls {name}, a custom torch.autograd.Function (case 71): a function-level "
-            f"address sees torch calls, and {name}.apply is none (torch runs the Function's "
-            f"forward itself, and the calls inside it are the Function's, not {where}'s own). "
-            f"Wrap the call in a module (a submodule whose forward returns {name}.apply(...)) "
-            f"and address that module, or address the call that uses its result (its args hold "
-            f"the value)")
-
-
 def _note_function(frame: _Frame, name: str) -> None:
     """Note in ``made`` and ``functions`` a custom ``autograd.Function`` that the forward of
     ``frame`` called (one of whose inner calls was just seen), for the watches that see it."""
@@ -638,33 +633,6 @@ def _note_function(frame: _Frame, name: str) -> None:
         if watch.deep or not frame.suspended:
             watch.made.setdefault(name)
             watch.functions.setdefault(name)
-
-
-_APPLY = torch.autograd.Function.apply.__func__.__code__  # type: ignore[attr-defined]
-#: code objects of ``nn.Module.__call__``: a module's forward is called from one of them
-_MODULE_CALL = frozenset([nn.Module._wrapped_call_impl.__code__, nn.Module._call_impl.__code__,
-                          *(c for c in nn.Module._call_impl.__code__.co_consts if isinstance(c, CodeType))])
-
-
-def _custom_function() -> type | None:
-    """The custom ``torch.autograd.Function`` whose forward is making the torch call now being
-    dispatched, or None: its ``apply`` frame stands between this call and the watched module's
-    own forward (the frames are walked up to the nearest module call, a few frames). In eager
-    mode ``Function.apply`` never reaches a ``TorchFunctionMode`` (pytorch/pytorch#196048): the
-    mode sees the calls inside the Function's forward instead, as if the module made them.
-    torch's own Functions (``torch.utils.checkpoint``'s) are not the user's: their calls are
-    the module's."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        code = frame.f_code
-        if code is _APPLY:
-            cls = frame.f_locals.get("cls")
-            if isinstance(cls, type) and not cls.__module__.startswith("torch."):
-                return cls
-        elif code in _MODULE_CALL:
-            return None
-        frame = frame.f_back  # type: ignore[assignment]
-    return None
 
 
 def _made(watch: Watch) -> str:

@@ -174,8 +174,9 @@ class HookSession:
         them all (per kind of hook: a capture's, an edit's), never one per layer up to dynamo's
         recompile limit, after which even a plain call of a fullgraph model raised (issue 47).
         Every module then also gets a witness (``_install``). Return whether it padded: not
-        when the selected modules got hooks of different kinds (a block of several rules on
-        one module), which stays as it was.
+        when every module is selected (nothing to pad: a capture of every module pays for no
+        witness on each), nor when the selected modules got hooks of different kinds (a block
+        of several rules on one module), which stays as it was.
 
         The graph then holds an operator per module (a filler's hands nothing out: a capture's
         copies nothing; an edit's copies the module's output, as its operator must return
@@ -190,11 +191,11 @@ class HookSession:
                 kind is None for kind, _, _ in next(iter(shapes))):
             return False
         template = next(iter(per_module.values()))
-        for module in self._each_module().values():
-            if id(module) not in selected:
-                for owned, pre, with_kwargs in template:
-                    self._module_hooks.add(owned.filler(module), pre=pre, with_kwargs=with_kwargs)
-        return True
+        others = [module for module in self._each_module().values() if id(module) not in selected]
+        for module in others:
+            for owned, pre, with_kwargs in template:
+                self._module_hooks.add(owned.filler(module), pre=pre, with_kwargs=with_kwargs)
+        return bool(others)
 
     def _each_module(self) -> dict[str, nn.Module]:
         """``{path: module}`` of the model's modules, each once."""

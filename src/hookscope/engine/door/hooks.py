@@ -448,7 +448,7 @@ def register(module: nn.Module, hook: OwnedHook | Callable[..., Any], *, pre: bo
     """
     owned = hook if isinstance(hook, OwnedHook) else OwnedHook(hook, module, in_recompute=in_recompute)
     if _ready_for_compile() and owned.pick is not None and owned.key is None:
-        owned.key = compiled.open_sink(module, owned.kept, _kind(owned) or type(owned))
+        owned.key = compiled.open_sink(module, owned.kept, _place(owned))
     # returned as made: no line runs between the registration and the caller's record of it
     if pre:
         return module.register_forward_pre_hook(owned.__call__, with_kwargs=with_kwargs,
@@ -549,7 +549,7 @@ class ModuleHooks:
         self.hosted.append(owned)
         if keyed:
             filler = owned.thread == _NOBODY  # acts for no call: no sink (OwnedHook.filler)
-            kind = _kind(owned) or type(owned)  # places per kind: stable keys (open_sink)
+            kind = _place(owned)  # places per kind: stable keys (open_sink)
             owned.key = compiled.open_sink(owned.module, None if filler else owned.kept, kind)
             if owned.on_gradient is not None:
                 owned.gradient_key = compiled.open_sink(
@@ -634,6 +634,15 @@ def _kind(owned: OwnedHook) -> tuple[Any, ...] | None:
 
 
 kind_of_hook = _kind
+
+
+def _place(owned: OwnedHook) -> tuple[Any, ...]:
+    """The kind of place ``owned`` takes on its module (``compiled.open_sink``): what it does
+    in a graph, by code, not by object (a function watch's ``pick`` is a closure made per
+    block), so each block of the same verb gets the same key there."""
+    pick = getattr(owned.pick, "__func__", owned.pick)
+    return (type(owned), getattr(pick, "__code__", pick), owned.replaces, owned.on_gradient is None,
+            owned.in_recompute)
 
 
 def _release(host: OwnedHook) -> None:

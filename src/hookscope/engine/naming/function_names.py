@@ -5,13 +5,16 @@
 parameter names, ``split_address``/``parse_op`` read ``path::name#N[parts]``, and
 ``functional_counterpart`` says which function name reaches the value of an ``nn.ReLU`` that a
 forward replaced by ``F.relu``. ``refuse_uninterceptable`` refuses, before running, models whose
-calls cannot be seen one by one (TorchScript).
+calls cannot be seen one by one (TorchScript). ``custom_function`` names the custom
+``torch.autograd.Function`` a call is made inside, whose calls are not the module's own, and
+``function_refusal`` says why its address records nothing (case 71).
 """
 
 from __future__ import annotations
 
 import inspect
 import re
+import sys
 import types
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -23,7 +26,7 @@ from torch.overrides import get_testing_overrides
 from hookscope.errors import HookscopeError, SelectorError
 
 __all__ = ["function_name", "bind_arguments", "split_address", "parse_op", "refuse_uninterceptable",
-           "functional_counterpart", "functional_hint"]
+           "functional_counterpart", "functional_hint", "custom_function", "function_refusal"]
 
 
 # ------------------------------------------------------------------------------- addresses
@@ -212,3 +215,42 @@ def refuse_uninterceptable(model: nn.Module, address: str) -> None:
 def _compiled(model: nn.Module) -> bool:
     """Whether ``model`` is a ``torch.compile`` wrapper (``OptimizedModule``)."""
     return hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule"
+
+
+# ------------------------------------------------------------- custom autograd.Functions
+_APPLY = torch.autograd.Function.apply.__func__.__code__  # type: ignore[attr-defined]
+#: code objects of ``nn.Module.__call__``: a module's forward is called from one of them
+_MODULE_CALL = frozenset([nn.Module._wrapped_call_impl.__code__, nn.Module._call_impl.__code__,
+                          *(c for c in nn.Module._call_impl.__code__.co_consts
+                            if isinstance(c, types.CodeType))])
+
+
+def custom_function() -> type | None:
+    """The custom ``torch.autograd.Function`` whose forward is making the torch call now being
+    dispatched, or None: its ``apply`` frame stands between this call and the watched module's
+    own forward (the frames are walked up to the nearest module call, a few frames). In eager
+    mode ``Function.apply`` never reaches a ``TorchFunctionMode`` (pytorch/pytorch#196048): the
+    mode sees the calls inside the Function's forward instead, as if the module made them.
+    torch's own Functions (``torch.utils.checkpoint``'s) are not the user's: their calls are
+    the module's."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code is _APPLY:
+            cls = frame.f_locals.get("cls")
+            if isinstance(cls, type) and not cls.__module__.startswith("torch."):
+                return cls
+        elif code in _MODULE_CALL:
+            return None
+        frame = frame.f_back  # type: ignore[assignment]
+    return None
+
+
+def function_refusal(where: str, name: str) -> str:
+    """Why ``path::Name`` of a custom ``torch.autograd.Function`` records nothing, and the fix."""
+    return (f"{where} calls {name}, a custom torch.autograd.Function (case 71): a function-level "
+            f"address sees torch calls, and {name}.apply is none (torch runs the Function's "
+            f"forward itself, and the calls inside it are the Function's, not {where}'s own). "
+            f"Wrap the call in a module (a submodule whose forward returns {name}.apply(...)) "
+            f"and address that module, or address the call that uses its result (its args hold "
+            f"the value)")
