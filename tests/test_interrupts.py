@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import copyreg
+import dis
 import linecache
 import random
 import signal
@@ -329,32 +330,66 @@ def test_an_interrupt_whose_keyboardinterrupt_was_swallowed_is_raised_at_exit() 
     assert len(acts.calls("blocks.0")) == 1
 
 
-# ---------------------------------------------------------------- an interrupt at every line
+# ------------------------------------------------ an interrupt at every moment CPython checks
 
 class LineInterrupt:
-    """A ``sys.settrace`` function counting the line events of hookscope's own code (every
-    file under ``src/hookscope``) while a block runs; with ``at=k`` it raises
-    ``KeyboardInterrupt`` at the kth, as a signal handler raising or an async exception
-    (``PyThreadState_SetAsyncExc``) would there, with no SIGINT handler involved. (A trace
-    function that raises is unset by Python: exactly one interrupt per run.)"""
+    """A ``sys.settrace`` function counting the moments where CPython would raise an
+    asynchronous exception in hookscope's own code (every file under ``src/hookscope``) while
+    a block runs; with ``at=k`` it raises ``KeyboardInterrupt`` at the kth, as a signal
+    handler raising or an async exception (``PyThreadState_SetAsyncExc``) would there, with no
+    signal handler involved (so nothing holds it back). (A trace function that raises is unset
+    by Python: exactly one interrupt per run.)
+
+    Those moments (3.11's eval breaker): a function's entry, a loop's backward jump, and the
+    end of a call; here after every call, also a Python one (CPython checks only after calls
+    into C; stricter), where the next instruction lies in the call's protected range (a trace
+    function raises at the next instruction, the check at the end of the call). Not the entry
+    of an ``__exit__``: there no code of the block has run and none can
+    (``engine.interrupts``; a signal there is held back: ``test_interrupts_async``)."""
 
     def __init__(self, at: int = 0) -> None:
         self.at, self.count = at, 0
         self.where = ""
-        self.risky: list[int] = []  # counting run: the line events where a block is entered or left
+        self.risky: list[int] = []  # counting run: the moments where a block is entered or left
+        self._after_call: dict[FrameType, int | None] = {}  # frame -> offset of the call just made
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> Any:
-        return self._line if frame.f_code.co_filename.startswith(_HOOKSCOPE) else None
+        if not self._traces(frame):
+            return None
+        frame.f_trace_opcodes = True
+        frame.f_trace_lines = False
+        if frame.f_code.co_name != "__exit__":
+            self._moment(frame)  # the function's entry
+        return self._opcode
 
-    def _line(self, frame: FrameType, event: str, arg: Any) -> Any:
-        if event == "line":
-            self.count += 1
-            if not self.at and _enters_or_leaves(frame):
-                self.risky.append(self.count)
-            if self.count == self.at:
-                self.where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
-                raise KeyboardInterrupt(self.where)
-        return self._line
+    def _traces(self, frame: FrameType) -> bool:
+        return frame.f_code.co_filename.startswith(_HOOKSCOPE)
+
+    def _opcode(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "return":
+            self._after_call.pop(frame, None)
+        if event != "opcode":
+            return self._opcode
+        code, offset = frame.f_code, frame.f_lasti
+        op = _opnames(code).get(offset)
+        call = self._after_call.get(frame)
+        self._after_call[frame] = offset if op in ("CALL", "CALL_FUNCTION_EX") else None
+        # the check at the end of a call raises inside the call's protected range: tried here,
+        # at the next instruction, only where that lies in the same range
+        if (call is not None and _handler(code, call) == _handler(code, offset)) or op == "JUMP_BACKWARD":
+            self._moment(frame)
+        return self._opcode
+
+    def _moment(self, frame: FrameType) -> None:
+        self.count += 1
+        if not self.at and _enters_or_leaves(frame):
+            self.risky.append(self.count)
+        if self.count == self.at:
+            self.where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
+            self._strike(frame)
+
+    def _strike(self, frame: FrameType) -> None:
+        raise KeyboardInterrupt(self.where)
 
     def run(self, block: Callable[[], Any]) -> None:
         previous = sys.gettrace()
@@ -363,6 +398,26 @@ class LineInterrupt:
             block()
         finally:
             sys.settrace(previous)
+
+
+_OPNAMES: dict[Any, dict[int, str]] = {}
+_RANGES: dict[Any, list[Any]] = {}
+
+
+def _handler(code: Any, offset: int) -> int | None:
+    """The handler (target offset) whose protected range holds ``offset`` in ``code``."""
+    ranges = _RANGES.get(code)
+    if ranges is None:
+        ranges = _RANGES[code] = dis._parse_exception_table(code)  # type: ignore[attr-defined]
+    return next((r.target for r in ranges if r.start <= offset < r.end), None)
+
+
+def _opnames(code: Any) -> dict[int, str]:
+    """``{offset: opname}`` of ``code``'s instructions (cached per code object)."""
+    names = _OPNAMES.get(code)
+    if names is None:
+        names = _OPNAMES[code] = {i.offset: i.opname for i in dis.get_instructions(code)}
+    return names
 
 
 def _line_blocks() -> dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Module], Any]]]:
@@ -444,39 +499,40 @@ def _line_blocks() -> dict[str, tuple[Callable[[], nn.Module], Callable[[nn.Modu
     }
 
 
-#: code that enters or leaves a block: every line event inside it is tried
-_ENTERING = {"__enter__", "__exit__", "_open", "_close", "_remove", "open", "close", "_start",
-             "guard", "unguard", "_guard", "_unguard", "deferred", "open_block", "close_block"}
+#: code that enters or leaves a block: its moments are sampled apart
+_ENTERING = {"__enter__", "__exit__", "_open", "_close", "_remove", "_remove_once", "open",
+             "close", "_start", "_finish", "_finish_once", "guard", "unguard", "release_signals",
+             "open_block", "close_block", "_install", "watch", "restore"}
 
 
 def _enters_or_leaves(frame: FrameType) -> bool:
-    """A line event in a block's entering or leaving code, or at a ``with`` statement (its
-    exit runs at the ``with`` line after the body: an exception at that line event, outside
-    the protected range, would skip the exit)."""
+    """A moment in a block's entering or leaving code, or on a ``with`` statement's line."""
     if frame.f_code.co_name in _ENTERING:
         return True
-    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).lstrip()
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno or 0).lstrip()
     return line.startswith("with ")
 
 
 def _sample(total: int, risky: list[int], size: int) -> list[int]:
-    """Every line event where a block is entered or left (``risky``) and ``size`` others
-    spread evenly over the rest (all of them when there are fewer)."""
-    step = 1 if settings.get_current_profile_name() == "fuzz" else max(1, total // size)
-    return sorted({*risky, *range(1, total + 1, step)})
+    """``size`` moments spread evenly over those where a block is entered or left (``risky``)
+    and ``size`` over all; every moment under ``make fuzz``."""
+    if settings.get_current_profile_name() == "fuzz":
+        return list(range(1, total + 1))
+    return sorted({*risky[::max(1, len(risky) // size)], *range(1, total + 1, max(1, total // size))})
 
 
-@pytest.mark.hypothesis  # `make fuzz` runs it at every line
+@pytest.mark.hypothesis  # `make fuzz` runs it at every moment
 @pytest.mark.parametrize("kind", [
     "capture", "capture ::relu", "edit", "steer", "ablate", "patch", "run", "stats", "compare",
     "tree", "gradcam", "logit_lens", "attention", "rollout", "find_nonfinite",
     "capture_generation", "monitor", "patching_sweep", "attribution_patching", "replay"])
 def test_an_interrupt_at_any_line_of_hookscope_leaves_nothing_behind(kind: str) -> None:
-    """Issue 35: a KeyboardInterrupt raised at the kth line hookscope runs in a block (k over
-    every line that enters or leaves a block, ``with`` lines included, and 120 others spread
-    over the rest; every line under ``make fuzz``'s full run) ends the block with that
-    interrupt and leaves no hook, function mode, copyreg entry, SIGINT handler or grad mode
-    behind, and the model computes what it did before."""
+    """Issues 35, 47: a KeyboardInterrupt raised at the kth moment where CPython would raise
+    an asynchronous exception in hookscope's code during a block (``LineInterrupt``; k over
+    20 moments spread over those that enter or leave a block and 20 over all; every moment
+    under ``make fuzz``) ends the block with that interrupt and leaves no hook, function
+    mode, copyreg entry, signal handler or grad mode behind, and the model computes what it
+    did before."""
     make, block = _line_blocks()[kind]
     model = make()
     block(model)  # the first run imports lazily; later ones run the same lines
@@ -487,7 +543,7 @@ def test_an_interrupt_at_any_line_of_hookscope_leaves_nothing_behind(kind: str) 
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     left: list[tuple[str, list[str]]] = []
     try:
-        for at in (sample := _sample(counted.count, counted.risky, 120)):
+        for at in (sample := _sample(counted.count, counted.risky, 20)):
             model = make()
             before = {k: v.clone() for k, v in model.state_dict().items()}
             interrupt = LineInterrupt(at)
@@ -506,7 +562,7 @@ def test_an_interrupt_at_any_line_of_hookscope_leaves_nothing_behind(kind: str) 
                 _clean_up(model)
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert left == [], f"{len(left)} of {len(sample)} lines left something: {left[:5]}"
+    assert left == [], f"{len(left)} of {len(sample)} moments left something: {left[:5]}"
 
 
 def _clean_up(model: nn.Module) -> None:
@@ -523,25 +579,20 @@ def _clean_up(model: nn.Module) -> None:
 
 
 class LineLost(LineInterrupt):
-    """``LineInterrupt`` whose interrupt is lost: at the kth line it runs the SIGINT handler in
-    place, as a signal arriving there would, and drops its ``KeyboardInterrupt``, as Python
+    """``LineInterrupt`` whose interrupt is lost: at the kth moment it runs the SIGINT handler
+    in place, as a signal arriving there would, and drops its ``KeyboardInterrupt``, as Python
     does for one raised in a weakref or gc callback."""
 
-    def _line(self, frame: FrameType, event: str, arg: Any) -> Any:
-        if event == "line":
-            self.count += 1
-            if self.count == self.at:
-                self.where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
-                handler = signal.getsignal(signal.SIGINT)
-                try:
-                    if callable(handler):
-                        handler(signal.SIGINT, frame)
-                except KeyboardInterrupt:
-                    pass
-        return self._line
+    def _strike(self, frame: FrameType) -> None:
+        handler = signal.getsignal(signal.SIGINT)
+        try:
+            if callable(handler):
+                handler(signal.SIGINT, frame)
+        except KeyboardInterrupt:
+            pass
 
 
-@pytest.mark.hypothesis  # `make fuzz` runs it at every line
+@pytest.mark.hypothesis  # `make fuzz` runs it at every moment
 @pytest.mark.parametrize("kind", [
     "capture", "capture ::relu", "edit", "steer", "ablate", "patch", "run", "stats", "compare",
     "tree", "gradcam", "logit_lens", "attention", "rollout", "find_nonfinite",
@@ -558,7 +609,7 @@ def test_an_interrupt_lost_at_any_line_of_hookscope_leaves_nothing_behind(kind: 
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     left: list[tuple[str, list[str]]] = []
     try:
-        for at in _sample(counted.count, counted.risky, 120):
+        for at in _sample(counted.count, counted.risky, 20):
             model = make()
             lost = LineLost(at)
             try:
@@ -575,10 +626,10 @@ def test_an_interrupt_lost_at_any_line_of_hookscope_leaves_nothing_behind(kind: 
 
 
 class _RunLines(LineInterrupt):
-    """``LineInterrupt`` counting only the lines of ``engine/run.py`` (``untouched``)."""
+    """``LineInterrupt`` counting only the moments of ``engine/run.py`` (``untouched``)."""
 
-    def __call__(self, frame: FrameType, event: str, arg: Any) -> Any:
-        return self._line if frame.f_code.co_filename.endswith("engine/run.py") else None
+    def _traces(self, frame: FrameType) -> bool:
+        return frame.f_code.co_filename.endswith("engine/run.py")
 
 
 def test_an_interrupt_at_any_line_of_untouched_leaves_neither_model_hooked() -> None:
@@ -591,21 +642,11 @@ def test_an_interrupt_at_any_line_of_untouched_leaves_neither_model_hooked() -> 
 
 
 class _SwallowedAt(_RunLines):
-    """At the kth line event of ``engine/run.py``, run the SIGINT handler in place, as a signal
+    """At the kth moment of ``engine/run.py``, run the SIGINT handler in place, as a signal
     arriving there would, and drop its ``KeyboardInterrupt``, as Python does for one raised in
     a weakref or gc callback ("Exception ignored in ... WeakKeyDictionary.remove")."""
 
-    def _line(self, frame: FrameType, event: str, arg: Any) -> Any:
-        if event == "line":
-            self.count += 1
-            if self.count == self.at:
-                handler = signal.getsignal(signal.SIGINT)
-                try:
-                    if callable(handler):
-                        handler(signal.SIGINT, frame)
-                except KeyboardInterrupt:
-                    pass
-        return self._line
+    _strike = LineLost._strike
 
 
 def test_an_interrupt_lost_in_a_gc_callback_at_any_line_of_untouched_leaves_nothing() -> None:

@@ -14,12 +14,12 @@ its cleanup), hookscope's handler stands in for the Python handler of every sign
 arrives:
 
 - while a frame of a context manager's ``__enter__`` or ``__exit__`` (any: hookscope's blocks,
-  ``torch.no_grad``'s) or of a function marked ``critical`` is on the interrupted stack, it holds
-  the signal back: the block delivers it last in its entry or exit (``release_signals``), so it surfaces
-  at the ``with`` statement; a hold no ``release_signals`` ends (inside ``torch.no_grad().__exit__``) is
-  ended by sending the signal again a millisecond later, from a timer thread (the handler then
-  delivers it, or holds it again). A ``with`` statement's entry and exit are atomic with respect
-  to signals;
+  ``torch.no_grad``'s) or of a function marked ``critical`` is on the interrupted stack, it
+  holds the signal back: the block delivers it last in its entry or exit
+  (``release_signals``), so it surfaces at the ``with`` statement; a hold that no
+  ``release_signals`` ends (one inside ``torch.no_grad().__exit__``) ends a millisecond later,
+  when a timer thread marks the signal as arrived again (the handler then delivers it, or
+  holds it again). So a ``with`` statement's entry and exit are atomic with respect to signals;
 - anywhere else (the body of the block, the model's forward) it hands the signal at once to the
   handler it stands in for, so the user gets exactly the exception their handler raises.
 

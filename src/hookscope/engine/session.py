@@ -127,9 +127,11 @@ class HookSession:
                                  f"and build a new one for another block")
         # an exception anywhere in entering (an interrupt, a user's callback) leaves nothing
         # registered: _open writes down each thing before doing it, _remove undoes what is there
+        self._before_entry()  # refusals, before anything is registered
         try:
             self._open()
             interrupts.release_signals()  # a signal held back so far: a failed entry
+            return self  # in the try: an exception after the last call still undoes the entry
         except BaseException:
             self._entered = False  # a failed entry is no block: leaving it reports nothing
             try:
@@ -137,7 +139,11 @@ class HookSession:
             finally:
                 interrupts.release_signals()  # one held back while the entry was undone
             raise
-        return self
+
+    def _before_entry(self) -> None:
+        """Refuse, on entry and before anything is registered, what the block cannot do
+        (subclasses; an override, not an ``__enter__`` of their own: ``__enter__`` alone
+        returns the entered block, so nothing runs between its return and the ``with``)."""
 
     def _open(self) -> None:
         interrupts.guard(self)  # signals wait during entry and exit; _remove unguards

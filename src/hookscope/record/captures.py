@@ -127,13 +127,12 @@ class Capture(HookSession, Records):
         self._tokens_seen = False  # a forward so far said something about its tokens
         self.unfired = dict.fromkeys(self._slots, NOT_ENTERED)
 
-    def __enter__(self) -> Capture:
+    def _before_entry(self) -> None:
         for option in ("grads", "grad_inputs"):
             if getattr(self._options, option):
                 require_grad_mode(f"{option}=True")
         self._refuse_in_fullgraph()
         self.unfired = {}
-        return super().__enter__()
 
     def _refuse_in_fullgraph(self) -> None:
         """Refuse, on entry, what a ``torch.compile(fullgraph=True)`` graph cannot hold: these

@@ -247,7 +247,11 @@ class Monitor:
         self._handles: list[Any] = []
 
     def __enter__(self) -> Monitor:
-        return self.open()
+        try:
+            return self.open()
+        except BaseException:
+            self.close()  # idempotent: what an exception after open's return left
+            raise
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
@@ -295,8 +299,8 @@ class Monitor:
                 self._optimizer = None
             else:
                 # one at a time: a failure on the second still leaves the first to close()
-                self._handles.append(on_optimizer_step(stepped, self._before_update, pre=True))
-                self._handles.append(on_optimizer_step(stepped, self._end_step, pre=False))
+                on_optimizer_step(stepped, self._before_update, pre=True, record=self._handles.append)
+                on_optimizer_step(stepped, self._end_step, pre=False, record=self._handles.append)
         self._contained("statistics", self._start_sample_if_due)
 
     @critical

@@ -692,14 +692,17 @@ def on_node(node: Any, function: Callable[[tuple[Any, ...], tuple[Any, ...]], An
 
 
 def on_optimizer_step(optimizer: torch.optim.Optimizer, function: Callable[[], Any], *,
-                      pre: bool) -> RemovableHandle:
-    """Run ``function()`` before (``pre``) or after each ``optimizer.step()``; return the handle.
+                      pre: bool, record: Callable[[RemovableHandle], Any]) -> None:
+    """Run ``function()`` before (``pre``) or after each ``optimizer.step()``; ``record(handle)``
+    gets the handle before the hook exists (as torch's ``register_step_(pre|post)_hook``, which
+    write the same table: an exception in between leaves nothing unrecorded).
 
     A step that a ``GradScaler`` skips (non-finite gradients) never calls ``optimizer.step``, so
     neither hook runs for it."""
-    if pre:
-        return optimizer.register_step_pre_hook(lambda opt, args, kwargs: function())
-    return optimizer.register_step_post_hook(lambda opt, args, kwargs: function())
+    table = optimizer._optimizer_step_pre_hooks if pre else optimizer._optimizer_step_post_hooks
+    handle = RemovableHandle(table)
+    record(handle)
+    table[handle.id] = lambda opt, args, kwargs: function()
 
 
 def after_backward(function: Callable[[], Any]) -> None:
