@@ -13,8 +13,9 @@ A module whose real path is one of these names (a model with its own ``embed``) 
 How a name is resolved (the structural names looked for, first found wins; the tables below
 are the whole rule, and a model that has none of them is refused with this list):
 
-- the **blocks**: the ``ModuleList`` whose attribute name is one of ``BLOCKS`` (the longest one
-  when several are);
+- the **blocks**: the ``ModuleList`` whose attribute name is one of ``BLOCKS``; when several
+  are, those whose blocks' outputs are the model's own hidden states (``engine.residual_check``;
+  T5's ``encoder.block``, not ``decoder.block.0.layer``), then the longest, then the first;
 - ``resid_post.{i}``: block ``i``'s output. ``resid_pre.{i}``: its input, which is
   ``resid_post.{i-1}`` for ``i >= 1`` and, for ``i = 0``, the output of the module that feeds the
   blocks, the first of ``BLOCK_INPUT`` among the children of the blocks' parent or grandparent
@@ -61,7 +62,7 @@ __all__ = ["Resolved", "Structure", "blocks_of", "branch_norms", "from_transform
 
 Part = int | str
 
-BLOCKS = ("h", "layers", "layer", "blocks")
+BLOCKS = ("h", "layers", "layer", "blocks", "block")
 BLOCK_INPUT = ("drop", "emb_dropout", "embed_dropout", "embeddings", "embed_tokens")
 # (path inside the block, output parts): attention modules return (output, weights)
 ATTENTION: tuple[tuple[str, tuple[Part, ...]], ...] = (
@@ -215,6 +216,9 @@ def blocks_of(names: ModuleIndex, name: str) -> Structure:
             f"resolver knows: it looked for a ModuleList named {', '.join(BLOCKS)} (GPT-2 "
             "'transformer.h', Llama 'model.layers', BERT 'encoder.layer'); select the module by "
             "its own path (hookscope tree MODEL lists them)")
+    if len(lists) > 1:
+        from hookscope.engine.residual_check import residual_lists
+        lists = residual_lists(names, lists)
     path, module = max(lists, key=lambda item: len(item[1]))
     return Structure(path, len(module))
 
