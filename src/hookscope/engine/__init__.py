@@ -71,6 +71,7 @@ from hookscope.engine.layout import (
 from hookscope.engine.names import ModuleIndex, index, one_index_per_call
 from hookscope.engine.origin import KNOWN_LIBRARIES, library_of
 from hookscope.engine.record_key import Part, RecordKey, record_name
+from hookscope.engine.residual_check import Residuals, checked_residuals
 from hookscope.engine.run import (
     RngState,
     detached_clones,
@@ -110,7 +111,7 @@ from hookscope.engine.values import (
 )
 from hookscope.engine.wrappers import unwrap
 
-__all__ = ["Probe", "first_tensor", "probe_of", "same_values",
+__all__ = ["Probe", "Residuals", "checked_residuals", "first_tensor", "probe_of", "same_values",
            "AxesRow", "TOKEN_AXES", "batch_first", "token_axes",
            "FULLGRAPH", "FunctionCall", "RecordingHook", "GracefulStop", "exit_at_interrupt", "HookSession",
            "KNOWN_LIBRARIES", "Layout", "MaskWatcher", "ModuleIndex", "NO_TOKENS", "NO_VALUES_FIX", "NotKept",

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hookscope.engine import standard_naming
 from hookscope.engine.ground_truth import Probe, probe_of, same_values
 from hookscope.engine.names import ModuleIndex
 
@@ -214,3 +215,7 @@ def check_summary(residuals: Residuals) -> dict[str, Any]:
     """``{"paths": ..., "refused": ..., "unchecked": ...}`` (for reports and tests)."""
     return {"paths": dict(residuals.paths), "refused": dict(residuals.refused),
             "unchecked": residuals.unchecked}
+
+
+standard_naming.CHECKS.update(residuals=checked_residuals, embedding=input_embedding,
+                              lists=residual_lists)
