@@ -41,4 +41,4 @@ bench: setup
 # every architecture of transformers' auto mappings through the verbs, against the model's own
 # values; rewrites docs/zoo.md (about 15 minutes on 2 cores; tests/test_zoo.py runs a sample)
 zoo: setup
-	PYTHONPATH=. $(PY) -m tests.zoo --out docs/zoo.md
+	PYTHONPATH=src:. $(PY) -m tests.zoo --jobs 2 --out docs/zoo.md

@@ -2,7 +2,7 @@
 verbs; writes the table to docs/zoo.md (``--out``) and prints the counts.
 
 Options: ``--only SUBSTRING`` (classes whose name contains it), ``--limit N``, ``--out FILE``
-(``-`` prints the page instead of writing it).
+(``-`` prints the page instead of writing it), ``--jobs N`` (processes).
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="")
     parser.add_argument("--limit", type=int, default=0)
     parser.add_argument("--out", default="docs/zoo.md")
+    parser.add_argument("--jobs", type=int, default=1, help="processes (spawned)")
     args = parser.parse_args(argv)
     started = time.monotonic()
-    rows = run_zoo(only=args.only, limit=args.limit, progress=True)
+    rows = run_zoo(only=args.only, limit=args.limit, progress=True, jobs=args.jobs)
     text = page(rows, seconds=time.monotonic() - started)
     if args.out == "-":
         print(text)

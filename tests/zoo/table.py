@@ -14,19 +14,34 @@ Row = tuple[Built, dict[str, Cell]]
 
 
 def run_zoo(*, only: str = "", limit: int = 0, progress: bool = False,
-            names: tuple[str, ...] = ()) -> list[Row]:
+            names: tuple[str, ...] = (), jobs: int = 1) -> list[Row]:
     """Build every class (or those in ``names``, or whose name contains ``only``) and run its
-    cells; a class that does not build has no cells."""
+    cells, in ``jobs`` processes; a class that does not build has no cells. Each row's
+    ``Built`` holds no model (``skipped`` empty: it built)."""
+    chosen = [c for c in classes() if only in c[2] and (not names or c[2] in names)][:limit or None]
     rows: list[Row] = []
-    chosen = [c for c in classes() if only in c[2] and (not names or c[2] in names)]
-    for number, (kind, model_type, name) in enumerate(chosen[:limit or None]):
-        built = build(kind, model_type, name)
-        cells = run_cells(built.model, kind) if built.model is not None else {}
+    if jobs > 1:
+        import multiprocessing
+        pool = multiprocessing.get_context("spawn").Pool(jobs, maxtasksperchild=20)
+        results = pool.imap(_one, chosen)
+    else:
+        pool, results = None, map(_one, chosen)
+    for number, (built, cells) in enumerate(results):
         rows.append((built, cells))
         if progress:
             shown = " ".join(f"{v}={c.status}" for v, c in cells.items()) or f"skipped: {built.skipped}"
-            print(f"[{number + 1}/{len(chosen)}] {name}: {shown}", file=sys.stderr, flush=True)
+            print(f"[{number + 1}/{len(chosen)}] {built.name}: {shown}", file=sys.stderr, flush=True)
+    if pool is not None:
+        pool.close()
+        pool.join()
     return rows
+
+
+def _one(chosen: tuple[str, str, str]) -> Row:
+    kind, model_type, name = chosen
+    built = build(kind, model_type, name)
+    cells = run_cells(built.model, kind) if built.model is not None else {}
+    return Built(built.name, built.kind, built.model_type, None, built.skipped), cells
 
 
 def counts(rows: list[Row]) -> dict[str, Counter[str]]:
@@ -36,8 +51,8 @@ def counts(rows: list[Row]) -> dict[str, Counter[str]]:
 
 def page(rows: list[Row], *, seconds: float = 0.0) -> str:
     """The Markdown page: how to regenerate it, the counts, the table, the skipped classes."""
-    built = [(b, c) for b, c in rows if b.model is not None]
-    skipped = [b for b, _ in rows if b.model is None]
+    built = [(b, c) for b, c in rows if not b.skipped]
+    skipped = [b for b, _ in rows if b.skipped]
     table = counts(built)
     lines = [
         "# Architecture zoo",
@@ -74,7 +89,9 @@ def page(rows: list[Row], *, seconds: float = 0.0) -> str:
         "- **greedy**, **sample**, **beam**: `capture_generation` around `generate()` (greedy; "
         "top-k sampling; 2 beams): `token_ids()` equal to the returned sequences but their last "
         "token, the first decoder block's `aligned` rows equal to a teacher-forced forward over "
-        "them (an encoder-decoder: over the decoder's inputs).",
+        "them (an encoder-decoder: over the decoder's inputs; where a plain forward computes other "
+        "position ids than the `0, 1, ...` that `generate()` passes, as RoBERTa-like models do, "
+        "with those).",
         "",
         "## Counts",
         "",
