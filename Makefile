@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 # `make fuzz` runs only the property tests, with fresh random examples, ten times as many.
 PYTEST_WORKERS ?= auto
 
-.PHONY: setup demo test fuzz bench docs
+.PHONY: setup demo test fuzz bench docs zoo
 setup: $(VENV)/.installed
 
 demo: setup
@@ -40,3 +40,8 @@ docs: setup
 # python -m bench creates .venv-bench (pinned peers) on first use; e.g. BENCH_ARGS='--only gpt2'
 bench: setup
 	$(PY) -m bench $(BENCH_ARGS)
+
+# every architecture of transformers' auto mappings through the verbs, against the model's own
+# values; rewrites docs/zoo.md (about 15 minutes on 2 cores; tests/test_zoo.py runs a sample)
+zoo: setup
+	PYTHONPATH=src:. $(PY) -m tests.zoo --jobs 2 --out docs/zoo.md

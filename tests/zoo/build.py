@@ -120,6 +120,11 @@ def build(kind: str, model_type: str, name: str, seed: int = 0) -> Built:
     try:
         with _quiet():
             config = tiny_config(model_type)
+            if kind == "causal" and getattr(config, "is_decoder", None) is False:
+                config.is_decoder = True  # a BERT-like class as a causal LM, as its tests build it
+            if getattr(config, "is_encoder_decoder", False) and \
+                    getattr(config, "decoder_start_token_id", None) is None:
+                config.decoder_start_token_id = getattr(config, "pad_token_id", None) or 0
             with torch.device("meta"):
                 count = sum(p.numel() for p in cls(config).parameters())
             if count > MAX_PARAMETERS:

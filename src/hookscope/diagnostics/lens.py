@@ -174,16 +174,20 @@ def logit_lens(model: nn.Module, input_ids: Tensor, *, layers: str | Sequence[st
             block list (give ``layers=``), or a selected block ran other than once or gave no
             ``(batch, seq, hidden)`` tensor.
     """
-    norm, unembed = _readout(model)
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        raise CaptureError(f"{type(model).__name__} is an encoder-decoder: the logit lens reads a "
+                           f"decoder-only model's blocks, called with input_ids alone; capture the "
+                           f"decoder's blocks ('resid_post.*' selects a block list by name) during a "
+                           f"forward with decoder_input_ids and read them out yourself")
+    readout = model_readout(model, lambda: _readout(model))
+    unembed = readout.modules[-1]
     check_token_ids("input_ids", input_ids, _vocab_size(model, unembed))
     _check_mask(attention_mask, input_ids)
-    readout = model_readout(model, norm, unembed)
-    unembed = readout.modules[-1] if readout.modules else unembed
     keys, names = asked_names(resolve(model, _patterns(model, layers)))
     acts, inputs = capture(model, *keys, on_unfired="error"), {"attention_mask": attention_mask}
     with untouched(model), torch.no_grad(), acts:
         model(input_ids, **inputs)
-    hidden = readout.width
+    hidden = readout.width if readout.width is not None else _width(unembed)
     with torch.no_grad():
         log_probs = _read_out(acts, keys, readout, hidden)
     lens = LogitLens(log_probs, names, acts.tokens(keys[0]), dict(zip(names, keys)))

@@ -60,32 +60,35 @@ class Readout:
         return self.post(value)
 
 
-def model_readout(model: nn.Module, norm: nn.Module, unembed: nn.Module) -> Readout:
-    """The readout of ``model`` (module docstring), checked once per model; ``norm`` and
-    ``unembed`` are the structural final norm and unembedding, used when no check can run.
+def model_readout(model: nn.Module, structural: Callable[[], tuple[nn.Module, nn.Module]]) -> Readout:
+    """The readout of ``model`` (module docstring), checked once per model; ``structural()``
+    gives the structural final norm and unembedding, used when no check can run.
 
     Raises:
-        CaptureError: the model's own log-probabilities differ from every readout tried.
+        CaptureError: the model's own log-probabilities differ from every readout tried; or, no
+            check can run and ``structural()`` raises it (no final norm or unembedding found).
     """
     names = index(model)
     probe = probe_of(names)
-    weight = getattr(unembed, "weight", None)
-    width = int(weight.shape[-1]) if isinstance(weight, Tensor) and weight.dim() == 2 else None
-    structural = Readout([norm, unembed], [1.0, 1.0], described="final norm, then unembedding",
-                         width=width)
     if not isinstance(probe, Probe) or not isinstance(getattr(probe.output, "logits", None), Tensor):
-        structural.checked = probe if isinstance(probe, str) else "the model returned no logits"
-        return structural
+        return _structural(structural, probe if isinstance(probe, str) else "the model returned no logits")
     if "lens" not in probe.memo:
         probe.memo["lens"] = _find(model, probe)
     found = probe.memo["lens"]
     if found == "no last block that ran once":
-        structural.checked = found
-        return structural
+        return _structural(structural, found)
     if isinstance(found, str):
         raise CaptureError(found)
     readout: Readout = found
     return readout
+
+
+def _structural(find: Callable[[], tuple[nn.Module, nn.Module]], why: str) -> Readout:
+    norm, unembed = find()
+    weight = getattr(unembed, "weight", None)
+    width = int(weight.shape[-1]) if isinstance(weight, Tensor) and weight.dim() == 2 else None
+    return Readout([norm, unembed], [1.0, 1.0], described="final norm, then unembedding",
+                   checked=f"unchecked: {why}", width=width)
 
 
 def _last_block(model: nn.Module) -> str | None:

@@ -8,7 +8,8 @@ decoder start for an encoder-decoder; one image of ``config.image_size`` for a v
 under ``torch.no_grad()``, with the model left as found (``engine.run.untouched``) and with
 hookscope's own open sessions' hooks set aside (``hooks.set_aside``: the probe is not one of
 their forwards). A forward hook on every module keeps the first tensor of each call's output
-and input, and the order in which calls began and ended. The probe is kept per model object
+and input (a copy, as the call returned it: a later in-place write does not reach it), and the
+order in which calls began and ended. The probe is kept per model object
 (weakly: it goes with the model) and made again only when the model's module set changed.
 
 A model the probe cannot run (no ``config``, a forward without ``output_hidden_states``, an
@@ -130,7 +131,8 @@ def _run_probe(names: ModuleIndex) -> Probe | str:
             for table, value in ((outputs, out), (inputs, args)):
                 found = first_tensor(value)
                 if found is not None:
-                    table.setdefault(path, []).append(found.detach())
+                    # a copy: the forward may write into it later (CTRL's `inputs_embeds *= ...`)
+                    table.setdefault(path, []).append(found.detach().clone())
         return hook
 
     handles = []

@@ -165,6 +165,8 @@ class GenerationCapture:
         length = int(fed.shape[1])
         cache = next((kwargs[k] for k in CACHE_KEYS if kwargs.get(k) is not None), None)
         kept = _cache_length(cache)
+        if kept is not None and kept > self._seen:
+            kept = None  # a cache holding more than was fed (a looped block caches twice): unread
         if isinstance(mask, Tensor) and mask.dim() == 2:
             stop = int(mask.shape[1])
         elif kept is not None:
@@ -259,6 +261,13 @@ class GenerationCapture:
         if not records:
             raise CaptureError(f"'{path}' recorded nothing during generation")
         self._check_aligned(path, records)
+        steps = [r.step for r in records if r.step >= 0]
+        repeated = next((step for step in steps if steps.count(step) > 1), None)
+        if repeated is not None:
+            raise CaptureError(
+                f"'{path}' ran {steps.count(repeated)} times in step {repeated} (a block the "
+                f"model loops over, or a module it reuses): one row per position cannot say "
+                f"which call it holds; read each call with records('{path}')")
         first = records[0].value
         width = max(r.stop for r in records)
         out: Tensor | None = None

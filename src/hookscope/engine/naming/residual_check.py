@@ -20,7 +20,9 @@ one probe forward, kept), each name is compared with the hidden state it stands 
 - the hidden states do not line up with the blocks (not one per block plus the embeddings):
   the residual names are refused, naming both counts.
 
-``embed`` is the module ``get_input_embeddings()`` returns, when the model has one. A model that
+``embed`` is the module ``get_input_embeddings()`` returns, when the model has one and the
+probe saw it run (T5's ``shared`` lends its weight to ``encoder.embed_tokens`` and never runs:
+the structural rule then finds ``encoder.embed_tokens``). A model that
 returns no hidden states (a plain ``nn.Module``, a TransformerLens ``HookedTransformer`` whose
 hook points are the residual stream by construction) keeps the structural rule unchecked.
 """
@@ -34,9 +36,10 @@ import torch
 from torch import nn
 
 from hookscope.engine.ground_truth import Probe, probe_of, same_values
+from hookscope.engine.naming import standard_naming
 from hookscope.engine.naming.names import ModuleIndex
 
-__all__ = ["Residuals", "checked_residuals", "input_embedding"]
+__all__ = ["Residuals", "checked_residuals", "input_embedding", "residual_lists"]
 
 Tensor = torch.Tensor
 HIDDEN = ("hidden_states", "decoder_hidden_states", "encoder_hidden_states")
@@ -62,7 +65,29 @@ def input_embedding(names: ModuleIndex) -> str | None:
         return None
     if not isinstance(embed, nn.Module):
         return None
-    return next((path for path, module in names.modules.items() if module is embed), None)
+    path = next((path for path, module in names.modules.items() if module is embed), None)
+    probe = probe_of(names) if path is not None else None
+    if isinstance(probe, Probe) and path not in probe.outputs:
+        return None  # never called (T5's `shared`, whose weight encoder.embed_tokens uses)
+    return path
+
+
+def residual_lists(names: ModuleIndex,
+                   lists: list[tuple[str, nn.ModuleList]]) -> list[tuple[str, nn.ModuleList]]:
+    """Of several candidate block lists ``[(path, ModuleList)]``, those whose blocks each ran
+    once and gave the model's own hidden states ``1 ... L`` (one sequence of
+    ``hidden_states``/``decoder_hidden_states``/``encoder_hidden_states``); all of them when
+    none does or the model has no probe."""
+    probe = probe_of(names)
+    if isinstance(probe, str):
+        return lists
+    sequences = [list(value) for name in HIDDEN
+                 if isinstance(value := getattr(probe.output, name, None), (tuple, list)) and value]
+    fitting = [(path, blocks) for path, blocks in lists if any(
+        len(states) == len(blocks) + 1 and all(
+            same_values(probe.once(f"{path}.{i}"), state) for i, state in enumerate(states[1:-1]))
+        for states in sequences)]
+    return fitting or lists
 
 
 def checked_residuals(names: ModuleIndex, blocks: str, count: int, block_input: str | None,
@@ -112,7 +137,7 @@ def _check(probe: Probe, blocks: str, count: int, block_input: str | None,
             paths[f"resid_post.{i}"] = found[1]
             if i + 1 < count:
                 paths[f"resid_pre.{i + 1}"] = found[1]
-    if paths.get("resid_pre.0") == block_input:
+    if "resid_pre.0" in paths and paths["resid_pre.0"] == block_input:
         del paths["resid_pre.0"]
     return Residuals(paths, refused)
 
@@ -176,6 +201,12 @@ def _differs(standard: str, hidden: str, structural: str | None, probe: Probe, s
     else:
         diff = float((value.float() - state.float().to(value.device)).abs().max())
         gap = f"'{structural}''s output differs from it by up to {diff:.3g}"
+    holders = [path for path, _, _ in _holding(probe, state)]
+    if holders:  # the values are some module's, in the wrong place for this name (offset states)
+        return (f"'{standard}' is the model's own {hidden} (output_hidden_states), but those "
+                f"values are the output of '{holders[0]}', which is not where this name reads "
+                f"({gap}): the model's hidden_states are not the residual stream before and "
+                f"after each block; {fix}")
     return (f"'{standard}' is the model's own {hidden} (output_hidden_states), but no module's "
             f"output holds those values ({gap}): the model computes it outside its modules; {fix}")
 
@@ -184,3 +215,7 @@ def check_summary(residuals: Residuals) -> dict[str, Any]:
     """``{"paths": ..., "refused": ..., "unchecked": ...}`` (for reports and tests)."""
     return {"paths": dict(residuals.paths), "refused": dict(residuals.refused),
             "unchecked": residuals.unchecked}
+
+
+standard_naming.CHECKS.update(residuals=checked_residuals, embedding=input_embedding,
+                              lists=residual_lists)

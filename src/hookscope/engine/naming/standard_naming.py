@@ -13,8 +13,9 @@ A module whose real path is one of these names (a model with its own ``embed``) 
 How a name is resolved (the structural names looked for, first found wins; the tables below
 are the whole rule, and a model that has none of them is refused with this list):
 
-- the **blocks**: the ``ModuleList`` whose attribute name is one of ``BLOCKS`` (the longest one
-  when several are);
+- the **blocks**: the ``ModuleList`` whose attribute name is one of ``BLOCKS``; when several
+  are, those whose blocks' outputs are the model's own hidden states (``engine.naming.residual_check``;
+  T5's ``encoder.block``, not ``decoder.block.0.layer``), then the longest, then the first;
 - ``resid_post.{i}``: block ``i``'s output. ``resid_pre.{i}``: its input, which is
   ``resid_post.{i-1}`` for ``i >= 1`` and, for ``i = 0``, the output of the module that feeds the
   blocks, the first of ``BLOCK_INPUT`` among the children of the blocks' parent or grandparent
@@ -47,7 +48,9 @@ are the whole rule, and a model that has none of them is refused with this list)
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 
@@ -61,7 +64,7 @@ __all__ = ["Resolved", "Structure", "blocks_of", "branch_norms", "from_transform
 
 Part = int | str
 
-BLOCKS = ("h", "layers", "layer", "blocks")
+BLOCKS = ("h", "layers", "layer", "blocks", "block")
 BLOCK_INPUT = ("drop", "emb_dropout", "embed_dropout", "embeddings", "embed_tokens")
 # (path inside the block, output parts): attention modules return (output, weights)
 ATTENTION: tuple[tuple[str, tuple[Part, ...]], ...] = (
@@ -88,6 +91,10 @@ SDPA = "scaled_dot_product_attention"
 # branch reads from the residual stream (edge attribution's downstream nodes)
 ATTENTION_NORM = ("ln_1", "ln1", "input_layernorm")
 MLP_NORM = ("ln_2", "ln2", "post_attention_layernorm")
+
+# the checks against the model's own values (``engine.naming.residual_check`` registers them when it is
+# imported, with the engine): the selection language itself stands on no hook code
+CHECKS: dict[str, Callable[..., Any]] = {}
 
 _NAME = re.compile(r"(resid_pre|resid_post|attn_out|mlp_out|attn\.[qkvz])\.(\d+|\*)"
                    r"|embed|unembed|final_norm")
@@ -215,6 +222,8 @@ def blocks_of(names: ModuleIndex, name: str) -> Structure:
             f"resolver knows: it looked for a ModuleList named {', '.join(BLOCKS)} (GPT-2 "
             "'transformer.h', Llama 'model.layers', BERT 'encoder.layer'); select the module by "
             "its own path (hookscope tree MODEL lists them)")
+    if len(lists) > 1 and "lists" in CHECKS:
+        lists = CHECKS["lists"](names, lists)
     path, module = max(lists, key=lambda item: len(item[1]))
     return Structure(path, len(module))
 
@@ -240,7 +249,6 @@ def _in_block(names: ModuleIndex, structure: Structure, kind: str,
 def _checked_residual(names: ModuleIndex, structure: Structure, kind: str, i: int) -> str:
     """The path of ``{kind}.{i}`` by structure, checked against the model's own hidden states
     (``engine.naming.residual_check``: the module whose output holds them, or a refusal)."""
-    from hookscope.engine.naming.residual_check import checked_residuals
     try:
         block_input: str | None = _block_input(names, structure)
         missing = None
@@ -250,12 +258,13 @@ def _checked_residual(names: ModuleIndex, structure: Structure, kind: str, i: in
         final_norm: str | None = _outside(names, "final_norm")
     except SelectorError:
         final_norm = None
-    checked = checked_residuals(names, structure.blocks, structure.count, block_input, final_norm)
     name = f"{kind}.{i}"
-    if name in checked.refused:
-        raise SelectorError(checked.refused[name])
-    if name in checked.paths:
-        return checked.paths[name]
+    if "residuals" in CHECKS:
+        checked = CHECKS["residuals"](names, structure.blocks, structure.count, block_input, final_norm)
+        if name in checked.refused:
+            raise SelectorError(checked.refused[name])
+        if name in checked.paths:
+            return str(checked.paths[name])
     if kind == "resid_post":
         return f"{structure.blocks}.{i}"
     if i > 0:
@@ -280,10 +289,9 @@ def _block_input(names: ModuleIndex, structure: Structure) -> str:
 
 
 def _outside(names: ModuleIndex, name: str) -> str:
-    if name == "embed":
-        from hookscope.engine.naming.residual_check import input_embedding
-        if (path := input_embedding(names)) is not None:
-            return path  # the model's own answer (get_input_embeddings()) before the table
+    if name == "embed" and "embedding" in CHECKS:
+        if (path := CHECKS["embedding"](names)) is not None:
+            return str(path)  # the model's own answer (get_input_embeddings()) before the table
     table = {"embed": EMBED, "final_norm": FINAL_NORM, "unembed": UNEMBED}[name]
     try:
         inside = blocks_of(names, name).blocks + "."

@@ -1,0 +1,124 @@
+"""The zoo's run and its page (docs/zoo.md): counts per verb, then one row per architecture."""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+
+from tests.zoo.build import Built, build, classes
+from tests.zoo.cells import VERBS, Cell, run_cells
+
+STATUSES = ("equal", "refused", "silent", "crash", "n/a")
+MARK = {"equal": "=", "refused": "R", "silent": "**SILENT**", "crash": "**CRASH**", "n/a": "-"}
+Row = tuple[Built, dict[str, Cell]]
+
+
+def run_zoo(*, only: str = "", limit: int = 0, progress: bool = False,
+            names: tuple[str, ...] = (), jobs: int = 1) -> list[Row]:
+    """Build every class (or those in ``names``, or whose name contains ``only``) and run its
+    cells, in ``jobs`` processes; a class that does not build has no cells. Each row's
+    ``Built`` holds no model (``skipped`` empty: it built)."""
+    chosen = [c for c in classes() if only in c[2] and (not names or c[2] in names)][:limit or None]
+    rows: list[Row] = []
+    if jobs > 1:
+        import multiprocessing
+        pool = multiprocessing.get_context("spawn").Pool(jobs, maxtasksperchild=20)
+        results = pool.imap(_one, chosen)
+    else:
+        pool, results = None, map(_one, chosen)
+    for number, (built, cells) in enumerate(results):
+        rows.append((built, cells))
+        if progress:
+            shown = " ".join(f"{v}={c.status}" for v, c in cells.items()) or f"skipped: {built.skipped}"
+            print(f"[{number + 1}/{len(chosen)}] {built.name}: {shown}", file=sys.stderr, flush=True)
+    if pool is not None:
+        pool.close()
+        pool.join()
+    return rows
+
+
+def _one(chosen: tuple[str, str, str]) -> Row:
+    kind, model_type, name = chosen
+    built = build(kind, model_type, name)
+    cells = run_cells(built.model, kind) if built.model is not None else {}
+    return Built(built.name, built.kind, built.model_type, None, built.skipped), cells
+
+
+def counts(rows: list[Row]) -> dict[str, Counter[str]]:
+    """``{verb: Counter(status)}`` over the rows that built."""
+    return {verb: Counter(cells[verb].status for _, cells in rows if verb in cells) for verb in VERBS}
+
+
+def page(rows: list[Row], *, seconds: float = 0.0) -> str:
+    """The Markdown page: how to regenerate it, the counts, the table, the skipped classes."""
+    built = [(b, c) for b, c in rows if not b.skipped]
+    skipped = [b for b, _ in rows if b.skipped]
+    table = counts(built)
+    lines = [
+        "# Architecture zoo",
+        "",
+        "Every model class that transformers' own auto mappings name (causal LMs, "
+        "sequence-to-sequence, masked LMs, text encoders, image classifiers: "
+        "`MODEL_FOR_*_MAPPING_NAMES`, not a hand list), built from its default config shrunk to "
+        "a tiny size with random weights, and run through hookscope's verbs. Each cell is "
+        "checked against what the model itself computed: its `hidden_states`, its "
+        "log-probabilities, the sequences `generate()` returned and a teacher-forced forward "
+        "over them, a plain `register_forward_hook`. Read it before you trust a number on an "
+        "architecture the rest of these pages never name.",
+        "",
+        "Regenerate it (about "
+        f"{max(1, round(seconds / 60))} minutes on two CPU cores; `make zoo` runs the same):",
+        "",
+        "<!-- readme-test: skip runs every architecture for minutes; tests/test_zoo.py runs a "
+        "fixed sample -->",
+        "```console",
+        "$ python -m tests.zoo",
+        "```",
+        "",
+        "Cells: `=` equal to the model's own value (within 1e-4), `R` refused with a "
+        "`HookscopeError` naming why, `-` the model itself cannot (no hidden states, no logits, "
+        "not generative, `generate()` fails without hookscope), **SILENT** a value that differs "
+        "from the model's, **CRASH** an error that is not a `HookscopeError`.",
+        "",
+        "- **names**: `embed`, `resid_pre.0` and `resid_post.*` captured, equal to "
+        "`output_hidden_states` (the last hidden state may be the final norm's output, whose "
+        "input `resid_post.{L-1}` then is);",
+        "- **capture**: `capture(model, \"**\")`, every module's every call equal to a plain "
+        "forward hook's;",
+        "- **lens**: `logit_lens`'s last layer equal to the model's own log-probabilities;",
+        "- **greedy**, **sample**, **beam**: `capture_generation` around `generate()` (greedy; "
+        "top-k sampling; 2 beams): `token_ids()` equal to the returned sequences but their last "
+        "token, the first decoder block's `aligned` rows equal to a teacher-forced forward over "
+        "them (an encoder-decoder: over the decoder's inputs; where a plain forward computes other "
+        "position ids than the `0, 1, ...` that `generate()` passes, as RoBERTa-like models do, "
+        "with those).",
+        "",
+        "## Counts",
+        "",
+        f"{len(rows)} classes enumerated, {len(built)} built, {len(skipped)} skipped (listed at "
+        "the end with the reason).",
+        "",
+        "| verb | " + " | ".join(STATUSES) + " |",
+        "|---|" + "---|" * len(STATUSES),
+    ]
+    for verb in VERBS:
+        lines.append(f"| {verb} | " + " | ".join(str(table[verb][s]) for s in STATUSES) + " |")
+    applicable = {verb: sum(table[verb][s] for s in STATUSES if s != "n/a") for verb in VERBS}
+    lines += ["", "Equal among the architectures where the verb applies: " + ", ".join(
+        f"{verb} {table[verb]['equal']}/{applicable[verb]}" for verb in VERBS) + ".", "",
+        "## Table", "", "| architecture | kind | " + " | ".join(VERBS) + " |",
+        "|---|---|" + "---|" * len(VERBS)]
+    for b, cells in built:
+        lines.append(f"| {b.name} | {b.kind} | " + " | ".join(MARK[cells[v].status] for v in VERBS) + " |")
+    reasons = [(b.name, v, c) for b, cells in built for v, c in cells.items()
+               if c.status in ("refused", "silent", "crash")]
+    lines += ["", "## Refusals", "", "The first line of each refusal's message.", "",
+              "| architecture | verb | reason |", "|---|---|---|"]
+    lines += [f"| {name} | {verb} | {_cell_text(c.reason)} |" for name, verb, c in reasons]
+    lines += ["", "## Skipped", "", "| class | reason |", "|---|---|"]
+    lines += [f"| {b.name} | {_cell_text(b.skipped)} |" for b in skipped]
+    return "\n".join(lines) + "\n"
+
+
+def _cell_text(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
