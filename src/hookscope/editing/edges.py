@@ -185,8 +185,9 @@ def edge_attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metr
             pre-norm blocks (``branch_norms``).
         ArgumentTypeError, ArgumentValueError: ``steps`` not ``None`` or an int >= 1;
             ``metric`` not callable.
-        EditError: ``metric`` does not return one differentiable number; a node runs more than
-            once; the two inputs give activations of different shapes.
+        EditError: ``metric`` does not return one differentiable number, or returns NaN or an
+            infinity; a node runs more than once; the two inputs give activations of
+            different shapes.
     """
     check_model(model)
     if steps is not None:
@@ -212,6 +213,11 @@ def edge_attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metr
             runs = [step.run(model, corrupted, metric, start + k / steps * delta.to(start.device))
                     for k in range(1, steps + 1)]
             downstream, scores = runs[0][0], torch.stack([run[1] for run in runs]).mean(0)
+    for name, value in (("clean", clean_metric), ("corrupted", corrupted_metric)):
+        if not math.isfinite(float(value)):
+            raise EditError(f"metric is {float(value)} on the {name} input: every edge's score "
+                            f"would be NaN or infinite. Return a finite number (a logit "
+                            f"difference; check the model's output with hookscope nan)")
     edges = Edges(step.upstream, downstream, scores, clean_metric, corrupted_metric, steps)
     if plot is not None:
         edges.plot(plot)
