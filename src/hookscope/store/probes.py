@@ -37,7 +37,7 @@ import torch
 from hookscope.engine import check_flag, check_int, check_number
 from hookscope.errors import ArgumentTypeError, ArgumentValueError, StoreError
 from hookscope.store.reader import Store, open_store
-from hookscope.store.tokens import TokenView
+from hookscope.store.tokens import TokenView, _packed_length
 
 __all__ = ["LayerProbe", "ProbeResult", "probe"]
 
@@ -197,8 +197,10 @@ def _finite_keys(what: str, values: list[Any]) -> None:
 
 
 def _layers(store: Store, layers: Sequence[str] | None, tokens: bool) -> list[str]:
-    """The layers to probe: fixed-shape ones for rows, ragged ones for tokens."""
-    fitting = [name for name, info in store.layers.items() if info.ragged == tokens]
+    """The layers to probe: fixed-shape ones for rows; for tokens, ragged ones and those of
+    packed windows (fixed ``(seq, ...)`` rows beside ``(seq,)`` token ids: ``TokenView``)."""
+    fitting = [name for name, info in store.layers.items()
+               if (info.ragged or (tokens and _packed_length(store, info) is not None)) == tokens]
     chosen = list(layers) if layers is not None else fitting
     for layer in chosen:
         if layer not in fitting:
