@@ -172,6 +172,20 @@ def test_histograms_refuse_bad_arguments(name: str, data: st.DataObject) -> None
     _refused(calls[name], "bins", "lo", "range", "tensor", "Histogram", "complex")
 
 
+@settings(max_examples=3, deadline=None)
+@given(value=st.sampled_from([math.nan, math.inf, -math.inf]))
+def test_edge_attribution_refuses_a_metric_that_is_not_finite(value: float) -> None:
+    """Every score was NaN, returned without a word."""
+    import hookscope
+    from tests.models import tiny_gpt2
+
+    model, ids = tiny_gpt2().eval(), torch.tensor([[3, 9, 14, 2, 8]])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _refused(lambda: hookscope.edge_attribution_patching(
+        model, ids, ids.flip(1), lambda out: out.logits[:, -1, 3].mean() * value), "metric is")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "hookscope", *args], capture_output=True,
                           text=True, timeout=300)

@@ -236,15 +236,6 @@ def test_cli_names_the_missing_bucket_and_how_to_give_an_endpoint(moto: MotoServ
     OUTCOMES["clean"] += 2
 
 
-def test_attack_table() -> None:
-    """Printed for the note: every case above that ran and ended in a hookscope error or a
-    complete, byte-identical store is clean; any other end fails its own test (raw, silent,
-    lost stay 0 when they pass)."""
-    tried = sum(OUTCOMES.values())
-    print(f"\nS3 faults: tried {tried} clean {OUTCOMES['clean']} raw 0 silent 0 lost 0")
-    assert issubclass(StoreFaultError, HookscopeError)
-
-
 def test_cli_fault_mid_run_prints_rows_kept_and_the_resume_command(
         moto: MotoServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str], local_digests: list[str]) -> None:
@@ -279,3 +270,48 @@ def test_cli_fault_mid_run_prints_rows_kept_and_the_resume_command(
     assert main(command.split()[1:]) == 0
     assert _digests(url, moto.endpoint) == local_digests
     OUTCOMES["clean"] += 1
+
+
+@pytest.mark.slow
+def test_a_wrong_key_against_a_server_that_checks_keys(tmp_path: Path) -> None:
+    """moto's server in a process of its own with its access checks on: a key it does not know
+    is answered 403, named as refused credentials, and not retried."""
+    import socket
+    import time
+
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"}
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                               str(port)], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(300):  # up to 30 s for it to listen
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        options = fast_client(f"http://127.0.0.1:{port}")
+        options.update(key="not-a-key-it-knows", secret="nor-this")
+        for call in (lambda: _extract("s3://hookscope/w", options),
+                     lambda: open_store("s3://hookscope/w", storage_options=options)):
+            with pytest.raises(StoreFaultError, match=r"PermissionError: Forbidden; not retried.*"
+                                                      r"credentials were refused") as caught:
+                call()
+            assert "not-a-key-it-knows" not in str(caught.value) and "nor-this" not in str(caught.value)
+            OUTCOMES["clean"] += 1
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_attack_table() -> None:
+    """Printed for the note: every case above that ran and ended in a hookscope error or a
+    complete, byte-identical store is clean; any other end fails its own test (raw, silent,
+    lost stay 0 when they pass)."""
+    tried = sum(OUTCOMES.values())
+    print(f"\nS3 faults: tried {tried} clean {OUTCOMES['clean']} raw 0 silent 0 lost 0")
+    assert issubclass(StoreFaultError, HookscopeError)

@@ -200,8 +200,9 @@ def edge_attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metr
             pre-norm blocks (``branch_norms``).
         ArgumentTypeError, ArgumentValueError: ``steps`` not ``None`` or an int >= 1;
             ``metric`` not callable.
-        EditError: ``metric`` does not return one differentiable number; a node runs more than
-            once; the two inputs give activations of different shapes.
+        EditError: ``metric`` does not return one differentiable number, or returns NaN or an
+            infinity; a node runs more than once; the two inputs give activations of
+            different shapes.
     """
     check_model(model)
     if steps is not None:
@@ -232,6 +233,11 @@ def edge_attribution_patching(model: nn.Module, clean: Any, corrupted: Any, metr
                 total = one if total is None else total + one
             assert total is not None  # steps >= 1
             scores = total / steps
+    for name, value in (("clean", clean_metric), ("corrupted", corrupted_metric)):
+        if not math.isfinite(float(value)):
+            raise EditError(f"metric is {float(value)} on the {name} input: every edge's score "
+                            f"would be NaN or infinite. Return a finite number (a logit "
+                            f"difference; check the model's output with hookscope nan)")
     edges = Edges(step.upstream, downstream, scores.sum(-1), clean_metric, corrupted_metric, steps,
                   scores if per_position else None)
     if plot is not None:

@@ -6,7 +6,9 @@ Every request ``hookscope.store.fs`` makes to a remote file system goes through 
 - a transient fault (the connection refused, reset or dropped mid-body, a timeout, a 500/503
   or ``SlowDown``) is tried again, ``ATTEMPTS`` times in all, waiting ``BACKOFF_S`` seconds
   before the second try and twice as long before each next one (0.25 + 0.5 + 1 + 2 s: under
-  4 s of waiting), on top of the client's own retries (s3fs and botocore retry too);
+  4 s of waiting), on top of the client's own retries (s3fs and botocore retry too, so one
+  try at a dead endpoint takes about 5 s with their defaults): no new try starts once
+  ``BUDGET_S`` (15 s) have passed since the first;
 - ``FileNotFoundError`` is an answer, not a fault: it is raised as it is (a missing manifest,
   a shard a crash never wrote) and the caller decides;
 - anything else (refused credentials, a missing bucket, a bad request, or a transient fault
@@ -34,6 +36,7 @@ T = TypeVar("T")
 
 ATTEMPTS = 5  # tries of one request whose fault is transient, the first included
 BACKOFF_S = 0.25  # wait before the second try; doubled before each next one
+BUDGET_S = 15.0  # no new try once this long has passed since the first (the client retries too)
 
 # class names (anywhere in the error's MRO) of the faults that pass: botocore's and aiohttp's
 _TRANSIENT_NAMES = frozenset({
@@ -82,7 +85,8 @@ def endpoint_of(fs: Any) -> str:
 
 def guarded(fs: Any, url: str, what: str, call: Callable[[], T]) -> T:
     """Return ``call()``, a request to ``fs`` about ``url`` (``what``: "read", "write"...),
-    trying a transient fault again (``ATTEMPTS`` tries with doubling waits).
+    trying a transient fault again (``ATTEMPTS`` tries with doubling waits, within
+    ``BUDGET_S``).
 
     Raises:
         FileNotFoundError: the object is not there (as ``call`` raised it).
@@ -95,7 +99,8 @@ def guarded(fs: Any, url: str, what: str, call: Callable[[], T]) -> T:
         except FileNotFoundError:
             raise
         except Exception as err:  # noqa: BLE001  (every fault of the client becomes one error)
-            if attempt < ATTEMPTS and is_transient(err):
+            late = time.monotonic() - began + wait > BUDGET_S
+            if attempt < ATTEMPTS and is_transient(err) and not late:
                 time.sleep(wait)
                 wait *= 2
                 continue

@@ -37,7 +37,7 @@ import torch
 from hookscope.engine import check_flag, check_int, check_number
 from hookscope.errors import ArgumentTypeError, ArgumentValueError, StoreError
 from hookscope.store.reader import Store, open_store
-from hookscope.store.tokens import TokenView
+from hookscope.store.tokens import TokenView, _packed_length
 
 __all__ = ["LayerProbe", "ProbeResult", "probe"]
 
@@ -198,10 +198,12 @@ def _finite_keys(what: str, values: list[Any]) -> None:
 
 
 def _layers(store: Store, layers: Sequence[str] | None, tokens: bool) -> list[str]:
-    """The layers to probe: fixed-shape ones for rows, ragged ones for tokens, each by the name
-    it was extracted by (``store.paths``: ``"resid_post.1"``, not ``"transformer.h.1"``)."""
+    """The layers to probe: fixed-shape ones for rows; for tokens, ragged ones and those of
+    packed windows (fixed ``(seq, ...)`` rows beside ``(seq,)`` token ids: ``TokenView``); each by
+    the name it was extracted by (``store.paths``: ``"resid_post.1"``, not ``"transformer.h.1"``)."""
     asked = {layer: name for name, layer in store.paths.items()}
-    fitting = [asked[layer] for layer, info in store.layers.items() if info.ragged == tokens]
+    fitting = [asked[layer] for layer, info in store.layers.items()
+               if (info.ragged or (tokens and _packed_length(store, info) is not None)) == tokens]
     chosen = ([asked.get(store.standard_names.get(layer, layer), layer) for layer in layers]
               if layers is not None else fitting)
     for layer in chosen:
