@@ -130,7 +130,7 @@ def test_a_shard_header_nested_past_the_recursion_limit_is_corrupt(tmp_path: Pat
     shard = out / "shard-00000.safetensors"
     header = _deep(50_000)
     shard.write_bytes(len(header).to_bytes(8, "little") + header)
-    from hookscope.store.reader import chunk_sums
+    from hookscope.store.shards import chunk_sums
     data = shard.read_bytes()
     
     def edit(m: dict) -> None:  # type: ignore[type-arg]

@@ -25,7 +25,8 @@ from torch.utils.data import Dataset, TensorDataset
 
 from hookscope.errors import HookscopeError, StoreCorruptError, StoreExistsError
 from hookscope.store.extraction import extract
-from hookscope.store.reader import chunk_sums, open_store
+from hookscope.store.reader import open_store
+from hookscope.store.shards import chunk_sums
 
 OK = {"clean", "intact"}
 # (attack, outcome) -> count, over this process: a driver reruns the module with more examples

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import hookscope
-from hookscope.record.records import Entry, RecordKey, Records
+from hookscope.record.entries import Entry
+from hookscope.record.records import RecordKey, Records
 from tests.models import TupleOutput
 
 

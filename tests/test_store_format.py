@@ -17,7 +17,8 @@ from safetensors import safe_open
 
 from hookscope.errors import StoreCorruptError, StoreError, StoreExistsError
 from hookscope.store.folder import prepare_output
-from hookscope.store.reader import MANIFEST, ChunkSums, chunk_sums, open_store
+from hookscope.store.reader import open_store
+from hookscope.store.shards import MANIFEST, ChunkSums, chunk_sums
 from hookscope.store.writer import ShardData, StoreWriter, join_parts
 
 HEADER = {"model": {"spec": "test", "class": "x.Y"}, "extract": {},

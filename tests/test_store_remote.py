@@ -316,21 +316,21 @@ def test_remote_reads_cost_one_ranged_get_per_uncached_run_of_chunks(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """What ``open_store`` says a remote read costs: the chunks a read spans that are not cached,
     in one ranged GET; the cache holds ``REMOTE_CACHE_BYTES``, least recently used out first."""
-    from hookscope.store import reader
+    from hookscope.store import reader, shards
     place = Place(f"memory://hookscope-tests/{uuid.uuid4().hex[:12]}", None)
     _extract(place)
     gets: list[tuple[str, int, int]] = []
-    read_range = reader.read_range
+    read_range = shards.read_range
 
     def counted(path: Any, begin: int, end: int) -> bytes:
         gets.append((path.name, begin, end))
         return read_range(path, begin, end)
 
-    monkeypatch.setattr(reader, "read_range", counted)
+    monkeypatch.setattr(shards, "read_range", counted)
     store = open_store(place.url)
     assert torch.equal(store["0"][:], ROWS)
     sizes = [s.bytes for s in store.shards]  # each under one chunk: one GET of each whole shard
-    assert gets == [(s.file, 0, s.bytes) for s in store.shards] and max(sizes) < reader.CHUNK_BYTES
+    assert gets == [(s.file, 0, s.bytes) for s in store.shards] and max(sizes) < shards.CHUNK_BYTES
     assert torch.equal(store["0"][[3, 35]], ROWS[[3, 35]]) and len(gets) == 5  # all cached
     monkeypatch.setattr(reader, "REMOTE_CACHE_BYTES", 1)  # keeps the last chunk only
     small = open_store(place.url)
@@ -341,15 +341,15 @@ def test_remote_reads_cost_one_ranged_get_per_uncached_run_of_chunks(
 
 def test_a_read_spanning_chunks_gets_them_in_one_request_each_checked(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from hookscope.store import reader
+    from hookscope.store import shards
     monkeypatch.setattr(writer, "CHUNK_BYTES", 1024)  # 4 rows a chunk
     place = Place(f"memory://hookscope-tests/{uuid.uuid4().hex[:12]}", None)
     store = _extract(place, shard_bytes=ROWS.numel() * 4)  # one shard of 10+ chunks
     (shard,) = store.shards
     assert len(shard.chunk_sums) == -(-shard.bytes // 1024) > 10
     gets: list[tuple[int, int]] = []
-    read_range = reader.read_range
-    monkeypatch.setattr(reader, "read_range", lambda path, begin, end:
+    read_range = shards.read_range
+    monkeypatch.setattr(shards, "read_range", lambda path, begin, end:
                         gets.append((begin, end)) or read_range(path, begin, end))
     store = open_store(place.url)
     assert torch.equal(store["0"][10:30], ROWS[10:30])

@@ -19,7 +19,8 @@ from torch.utils.data import TensorDataset
 
 from hookscope.errors import StoreCorruptError, StoreExistsError
 from hookscope.store.extraction import extract
-from hookscope.store.reader import CHUNK_BYTES, open_store
+from hookscope.store.reader import open_store
+from hookscope.store.shards import CHUNK_BYTES
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/io").exists(),
                                 reason="counts bytes read with Linux's /proc/self/io")

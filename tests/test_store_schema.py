@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from hookscope.cli.main import main
 from hookscope.errors import StoreCorruptError
 from hookscope.store.folder import prepare_output
-from hookscope.store.reader import MANIFEST, open_store
+from hookscope.store.reader import open_store
+from hookscope.store.shards import MANIFEST
 from hookscope.store.writer import ShardData, StoreWriter
 
 HEADER = {"model": {"spec": None, "class": "x.Y"}, "extract": {},

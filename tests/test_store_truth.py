@@ -23,7 +23,8 @@ from hookscope.cli.main import main
 from hookscope.errors import StoreCorruptError
 from hookscope.store.extraction import extract
 from hookscope.store.manifest import MAX_COUNT
-from hookscope.store.reader import chunk_sums, open_store
+from hookscope.store.reader import open_store
+from hookscope.store.shards import chunk_sums
 
 X = torch.arange(12, dtype=torch.float32).reshape(4, 3)
 

@@ -1,11 +1,13 @@
 """Recording what modules compute: ``captures`` (``capture``, the session) and ``records`` (the read API),
-gradients (``grads``), generation steps (``generation``), reductions and token positions.
+``entries`` (what one record name holds), ``record_file`` (the saved file), gradients (``grads``),
+generation steps (``generation``), reductions and token positions.
 
 Imports the engine, ``errors`` and ``util``.
 """
 
 from hookscope.engine import NotKept
 from hookscope.record.captures import Capture, capture, run
+from hookscope.record.entries import CallInputs
 from hookscope.record.generation import GenerationCapture, capture_generation
 from hookscope.record.grads import NoGrad, grad_leaf, gradient_pass
 from hookscope.record.positions import (
@@ -20,7 +22,7 @@ from hookscope.record.positions import (
     selected,
     tokens_first,
 )
-from hookscope.record.records import CallInputs, RecordKey, Records, load
+from hookscope.record.records import RecordKey, Records, load
 from hookscope.record.reductions import NAMES, REDUCTIONS, Reduce, Reduction, reduction, reduction_name
 
 __all__ = ["CallInputs", "Capture", "GenerationCapture", "Heads", "NAMES", "NoGrad", "NotKept", "Over",

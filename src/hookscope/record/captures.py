@@ -55,8 +55,9 @@ from hookscope.engine import (
     version_of,
 )
 from hookscope.errors import CaptureError, warn
+from hookscope.record.entries import CallInputs, Entry
 from hookscope.record.grads import converter, require_grad_mode, watch_inputs, watch_output
-from hookscope.record.records import CallInputs, Entry, RecordKey, Records
+from hookscope.record.records import RecordKey, Records
 from hookscope.record.reductions import REDUCTIONS, Reduce, Reduction, reduction
 from hookscope.util import Keys, get_part, iter_tensors, map_tensors, map_tensors_with_keys
 

@@ -4,34 +4,26 @@ A record is addressed by a ``RecordKey`` (``hookscope.engine.values.record_key``
 ``path[::op][:call][part]...``).
 
 Older files wrote the parts of a selected name before the call (``lstm[0]:1``); ``parse`` reads
-both. A saved file (safetensors, no pickle) holds one tensor per key, the key without ``:call``
-when the record has one call, and the metadata ``hookscope.calls``: a JSON object
-``{record name: number of calls}``, plus any caller-given strings; ``load`` reads both back.
+both. What a saved file holds is in ``hookscope.record.record_file``; ``load`` reads it back.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-import safetensors.torch
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from torch import nn
 
 from hookscope.engine import (
-    NO_TOKENS,
     Layout,
     Part,
     RecordKey,
     Tokens,
-    bind_arguments,
     check_path,
     describe,
     is_standard,
@@ -39,92 +31,16 @@ from hookscope.engine import (
     outside_inference,
     token_axes,
     unresolved_standard,
-    values_for,
 )
 from hookscope.errors import ArgumentTypeError, CaptureError, HookscopeError
+from hookscope.record.entries import CallInputs, Entry, _bind
 from hookscope.record.grads import NO_GRADIENT_YET, GradRecord
+from hookscope.record.record_file import _aliases, _call_names, _rebuild, _savable
 from hookscope.util import check_new_file, get_part, iter_tensors_with_keys, write_atomic
 
-__all__ = ["CallInputs", "RecordKey", "Records", "load", "Entry"]
+__all__ = ["RecordKey", "Records", "load"]
 
 Tensor = torch.Tensor
-
-
-@dataclass(frozen=True)
-class CallInputs:
-    """The inputs of one call: ``args`` and ``kwargs`` as passed, ``named`` bound to the
-    signature of ``forward`` (``{'hidden_states': Tensor, 'attention_mask': Tensor, ...}``).
-
-    ``inputs[0]`` is the first argument and ``inputs["attention_mask"]`` the named one, whether
-    the caller passed it by position or by keyword.
-    """
-
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    named: dict[str, Any]
-
-    def __getitem__(self, key: int | str) -> Any:
-        if isinstance(key, int):
-            return list(self.named.values())[key]
-        return self.named[key]
-
-    def __repr__(self) -> str:
-        """One line like ``Capture``'s: each named input as its shape and dtype (a tensor) or
-        its type (a cache, a list), the first six; never the values."""
-        shown = [f"{name}: {_brief(value)}" for name, value in list(self.named.items())[:6]]
-        more = f", … {len(self.named) - 6} more" if len(self.named) > 6 else ""
-        return f"<hookscope.CallInputs {', '.join(shown)}{more}>"
-
-
-class Entry:
-    """Everything recorded under one record name (``key.name``, ``key`` a ``RecordKey``
-    without a call); the capture session appends to the lists."""
-
-    __slots__ = ("_key", "name", "module", "function", "outputs", "inputs", "grads", "grad_inputs",
-                 "broken", "runs")
-
-    def __init__(self, key: RecordKey | None, module: nn.Module | None = None,
-                 name: str | None = None):
-        """``key`` may be None when a subclass builds it on first use (``_make_key``) and the
-        caller gives ``name`` (a capture names one record per module, and reads few keys)."""
-        self._key = key
-        self.name = name if name is not None else key.name if key is not None else ""
-        self.module = module
-        self.function: Callable[..., Any] | None = None  # for a function-level record
-        self.outputs: list[Any] = []
-        self.inputs: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-        self.grads: list[GradRecord] = []
-        self.grad_inputs: list[GradRecord] = []
-        self.broken: set[int] = set()  # calls whose value was overwritten in place
-        # (first call, Tokens) of each forward pass that said anything about its tokens (a
-        # mask, a KV cache, padding), and of every one after the first such: calls from
-        # ``first call`` on were made with those tokens
-        self.runs: list[tuple[int, Tokens]] = []
-
-    def tokens(self, call: int) -> Tokens:
-        """The ``Tokens`` (mask, cache length) of the forward pass that made call ``call``."""
-        found = NO_TOKENS
-        for start, tokens in self.runs:
-            if start > call:
-                break
-            found = tokens
-        return found
-
-    @property
-    def key(self) -> RecordKey:
-        """The ``RecordKey`` of this record (no call)."""
-        if self._key is None:
-            self._key = self._make_key()
-        return self._key
-
-    def _make_key(self) -> RecordKey:
-        """The key of an entry built without one (a subclass that can build it says how)."""
-        raise NotImplementedError(f"{type(self).__name__} was built without a RecordKey")
-
-    def clear(self) -> None:
-        for kept in (self.outputs, self.inputs, self.grads, self.grad_inputs, self.runs):
-            kept.clear()
-        self.broken.clear()
 
 
 class Records:
@@ -513,74 +429,12 @@ def _check_key(key: object) -> None:
                             f"List what was recorded with list(acts)")
 
 
-def _savable(key: str, t: Tensor) -> Tensor:
-    """``t``'s values as its kind keeps them for a file (``engine.values.kinds``: a sparse tensor's
-    dense values, a quantized one's dequantized values).
-
-    Raises:
-        HookscopeError: its kind cannot be saved (no values; a nested tensor), or safetensors
-            has no type for its dtype (``torch.complex128``).
-    """
-    t = values_for(t, key, "save")
-    if t.dtype not in _SAVABLE:
-        fix = ("capture with dtype=torch.complex64, or save torch.view_as_real of it yourself"
-               if t.is_complex() else "capture with dtype=torch.float32")
-        raise HookscopeError(f"cannot save '{key}': it is {t.dtype}, which safetensors files "
-                             f"cannot hold; {fix}")
-    return t
-
-
-# the dtypes a safetensors file holds (its torch adapter's table; complex128 is not among them)
-_SAVABLE = frozenset(getattr(safetensors.torch, "_TYPES", {}).values()) or frozenset(
-    {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-     torch.int16, torch.int8, torch.uint8, torch.bool})
-
-
-def _rebuild(leaves: dict[tuple[Part, ...], Tensor]) -> Any:
-    """The structure that ``leaves`` (``{parts: tensor}``) came from: a tensor, or tuples for
-    integer parts (missing positions None) and dicts for named parts."""
-    if () in leaves:
-        return leaves[()]
-    children: dict[Part, dict[tuple[Part, ...], Tensor]] = {}
-    for parts, tensor in leaves.items():
-        children.setdefault(parts[0], {})[parts[1:]] = tensor
-    built = {k: _rebuild(v) for k, v in children.items()}
-    positions = [k for k in built if isinstance(k, int)]
-    if len(positions) == len(built):
-        return tuple(built.get(i) for i in range(max(positions) + 1))
-    return built
-
-
-def _brief(value: Any) -> str:
-    """A value in a few characters: ``2x5 int64`` for a tensor, ``None``, ``True``, else its type."""
-    if isinstance(value, Tensor):
-        return f"{describe(value) or 'scalar'} {str(value.dtype).removeprefix('torch.')}"
-    if value is None or isinstance(value, (bool, int, float)):
-        return repr(value)
-    return type(value).__name__
-
-
 def _shapes(outputs: list[Any]) -> str:
     if not outputs:
         return "never ran"
     first = outputs[0]
     shape = describe(first)
     return shape if len(outputs) == 1 else f"{len(outputs)} calls, first {shape}"
-
-
-def _bind(entry: Entry, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Bind inputs to the parameter names of the module's forward, or of the function called
-    for a function-level record (``query``, ``key``, ``value``, ... of SDPA)."""
-    if entry.function is not None:
-        return bind_arguments(entry.function, args, kwargs)
-    try:
-        if entry.module is None:
-            raise TypeError
-        bound = inspect.signature(entry.module.forward).bind(*args, **kwargs)
-    except (TypeError, ValueError):
-        return {**{str(i): a for i, a in enumerate(args)}, **kwargs}
-    bound.apply_defaults()
-    return dict(bound.arguments)
 
 
 def load(file: str | os.PathLike[str]) -> Records:
@@ -602,33 +456,3 @@ def load(file: str | os.PathLike[str]) -> Records:
     except Exception as err:  # safetensors raises its own SafetensorError
         raise HookscopeError(f"{file} is not a readable safetensors file: {err}") from err
     return Records.from_tensors(tensors, metadata)
-
-
-def _aliases(text: str, names: list[str]) -> dict[str, str]:
-    """A saved file's ``hookscope.aliases`` metadata (``{standard name or other path: record
-    name}``), keeping the entries whose record the file holds; a damaged one is dropped (the
-    records still read by their paths)."""
-    try:
-        aliases = json.loads(text)
-    except (ValueError, RecursionError):
-        return {}
-    if not isinstance(aliases, dict):
-        return {}
-    return {k: v for k, v in aliases.items() if isinstance(k, str) and v in names}
-
-
-def _call_names(text: str) -> list[str]:
-    """The record names of a saved file's ``hookscope.calls`` metadata (``{name: calls}``).
-
-    Raises:
-        HookscopeError: the metadata is not such a JSON object (a damaged or foreign file).
-    """
-    try:
-        calls = json.loads(text)
-    except (ValueError, RecursionError):
-        calls = None
-    if not (isinstance(calls, dict) and all(type(n) is int for n in calls.values())):
-        raise HookscopeError(f"the file's hookscope.calls metadata is not {{record name: calls}} "
-                             f"(got {text!r:.60}): it is damaged or was not written by hookscope; "
-                             f"read its tensors with safetensors.torch.load_file")
-    return list(calls)

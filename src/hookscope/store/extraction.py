@@ -79,6 +79,7 @@ from hookscope.record import (
 from hookscope.store.batches import BatchSource
 from hookscope.store.folder import check_output, prepare_output, writing
 from hookscope.store.fs import StorePath, location
+from hookscope.store.layers import _ST_DTYPES, LayerInfo, dtype_name
 from hookscope.store.manifest import COLUMN_PREFIX, tensor_specs
 from hookscope.store.ranks import Ranks
 from hookscope.store.ray_engine import (
@@ -92,13 +93,7 @@ from hookscope.store.ray_engine import (
     share,
     write_on_ray,
 )
-from hookscope.store.reader import (
-    _ST_DTYPES,
-    LayerInfo,
-    Store,
-    dtype_name,
-    open_store,
-)
+from hookscope.store.reader import Store, open_store
 from hookscope.store.writer import (
     BackgroundWriter,
     ShardData,

@@ -45,7 +45,7 @@ from hookscope.store.manifest import (
     parse_json,
     read_regular,
 )
-from hookscope.store.reader import chunk_sums
+from hookscope.store.shards import chunk_sums
 
 __all__ = ["check_output", "listed_shards", "owned_files", "prepare_output", "writing"]
 

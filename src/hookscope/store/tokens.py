@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from hookscope.errors import ArgumentTypeError, PositionError, StoreError
-from hookscope.store.reader import LayerInfo, _as_tensor
+from hookscope.store.layers import LayerInfo, _as_tensor
 from hookscope.store.token_stream import TokenLoader, TokenStream
 
 if TYPE_CHECKING:

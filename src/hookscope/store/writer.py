@@ -27,8 +27,10 @@ import torch
 
 from hookscope.errors import StoreCorruptError, StoreError
 from hookscope.store.fs import StorePath, listdir, write_atomic
+from hookscope.store.layers import _ST_DTYPES
 from hookscope.store.manifest import DIGESTS, FORMAT, VERSION, Digest, tensor_specs
-from hookscope.store.reader import _ST_DTYPES, CHUNK_BYTES, MANIFEST, ChunkSums, ShardInfo, read_manifest
+from hookscope.store.reader import read_manifest
+from hookscope.store.shards import CHUNK_BYTES, MANIFEST, ChunkSums, ShardInfo
 
 __all__ = ["BackgroundWriter", "ShardData", "Staging", "StoreWriter", "join_parts", "read_part",
            "write_shard"]
