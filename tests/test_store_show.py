@@ -39,8 +39,8 @@ def test_json_has_stable_keys(store_path: Path, capsys: pytest.CaptureFixture[st
                             "reduce", "rows", "shards", "verified"]
     assert data["ids"] == [0, 1, 2] and data["labels"] is None  # a list of tensors: row numbers
     assert data["rows"] == 12 and data["shards"] == 3 and data["verified"] is True
-    assert data["layers"][0] == {"layer": "conv2", "shape": [16, 10, 10], "dtype": "float16",
-                                 "ragged": False}
+    assert data["layers"][0] == {"layer": "conv2", "path": "conv2", "shape": [16, 10, 10],
+                                 "dtype": "float16", "ragged": False}  # path: the module (issue 45)
 
 
 def test_incomplete_store_is_shown_as_such(store_path: Path,
