@@ -551,8 +551,9 @@ def test_an_interrupt_at_any_line_of_hookscope_leaves_nothing_behind(kind: str) 
                 interrupt.run(lambda: block(model))  # noqa: B023 - run at once
             except KeyboardInterrupt:
                 pass
-            else:  # a later run may take a few lines fewer (a cache filled): none to raise at
-                assert interrupt.count < at and at > counted.count - 20
+            else:  # a later run may take a few moments fewer (a cache filled): none to raise at;
+                # or the strike landed where Python drops exceptions (a weakref or gc callback)
+                assert interrupt.count == at or at > counted.count - 20, interrupt.where
             leaks = _leaks(model)
             if kind != "monitor":  # the others leave the weights as they were
                 leaks += [f"{k} changed" for k, v in model.state_dict().items()
