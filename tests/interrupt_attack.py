@@ -102,11 +102,13 @@ def restore(model: nn.Module, before: dict[str, Any]) -> None:
             signal.signal(signum, handler)
     while torch._C._len_torch_function_stack() > before["function modes"]:
         torch._C._pop_torch_function_stack()
-    from hookscope.engine import interrupts  # the guard of a block whose exit never ran
+    from hookscope.engine import copies, interrupts  # the state of a block whose exit never ran
 
     for name in ("_open", "_pending"):
         getattr(interrupts, name, {}).clear()
     getattr(interrupts, "_put_back", lambda: None)()
+    copies._open = []  # else later blocks see one open and never register copyreg's reducer
+    copies._previous = None
 
 
 def blocks(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[], Any]]:

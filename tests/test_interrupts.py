@@ -551,8 +551,9 @@ def test_an_interrupt_at_any_line_of_hookscope_leaves_nothing_behind(kind: str) 
                 interrupt.run(lambda: block(model))  # noqa: B023 - run at once
             except KeyboardInterrupt:
                 pass
-            else:  # a later run may take a few lines fewer (a cache filled): none to raise at
-                assert interrupt.count < at and at > counted.count - 20
+            else:  # a later run may take a few moments fewer (a cache filled): none to raise at;
+                # or the strike landed where Python drops exceptions (a weakref or gc callback)
+                assert interrupt.count == at or at > counted.count - 20, interrupt.where
             leaks = _leaks(model)
             if kind != "monitor":  # the others leave the weights as they were
                 leaks += [f"{k} changed" for k, v in model.state_dict().items()
@@ -632,13 +633,15 @@ class _RunLines(LineInterrupt):
         return frame.f_code.co_filename.endswith("engine/run.py")
 
 
+@pytest.mark.hypothesis  # `make fuzz` tries every moment
 def test_an_interrupt_at_any_line_of_untouched_leaves_neither_model_hooked() -> None:
     """Issue 35: ``untouched`` watches each model's root (and modules holding buffers) with an
     owned pre-hook; an interrupt while those hooks were being added left the ones already
     added on the model (found on ``compare``'s second model by the random-SIGINT run): every
-    line of ``engine/run.py`` during ``compare`` and ``stats`` on a model with BatchNorm."""
+    fourth moment of ``engine/run.py`` (every one under ``make fuzz``) during ``compare`` and
+    ``stats`` on a model with BatchNorm."""
     left, raised, lines = _sweep_untouched(_RunLines)
-    assert left == [] and raised > lines - 40  # every line raises but those of a shorter run
+    assert left == [] and raised > lines - 10  # every moment raises but those of a shorter run
 
 
 class _SwallowedAt(_RunLines):
@@ -649,6 +652,7 @@ class _SwallowedAt(_RunLines):
     _strike = LineLost._strike
 
 
+@pytest.mark.hypothesis  # `make fuzz` tries every moment
 def test_an_interrupt_lost_in_a_gc_callback_at_any_line_of_untouched_leaves_nothing() -> None:
     """A SIGINT whose handler ran in a weakref callback, where Python drops its
     ``KeyboardInterrupt``, ran ``untouched``'s cleanup in the middle of ``_open``, which then
@@ -683,8 +687,10 @@ def _sweep_untouched(tracer: type[_RunLines]) -> tuple[list[Any], int, int]:
             counted = tracer()
             counted.run(lambda: block(*make()))  # noqa: B023 - run at once
             assert counted.count > 20
-            lines += counted.count
-            for at in range(1, counted.count + 1):
+            step = 1 if settings.get_current_profile_name() == "fuzz" else 4  # all: make fuzz
+            tried = range(1, counted.count + 1, step)
+            lines += len(tried)
+            for at in tried:
                 a, b = make()
                 before = {k: v.clone() for k, v in a.state_dict().items()}
                 try:

@@ -694,15 +694,21 @@ def on_node(node: Any, function: Callable[[tuple[Any, ...], tuple[Any, ...]], An
 def on_optimizer_step(optimizer: torch.optim.Optimizer, function: Callable[[], Any], *,
                       pre: bool, record: Callable[[RemovableHandle], Any]) -> None:
     """Run ``function()`` before (``pre``) or after each ``optimizer.step()``; ``record(handle)``
-    gets the handle before the hook exists (as torch's ``register_step_(pre|post)_hook``, which
-    write the same table: an exception in between leaves nothing unrecorded).
+    gets the handle before the hook exists (written as torch's ``register_step_(pre|post)_hook``
+    write it, into the same table: an exception in between leaves nothing unrecorded); an
+    optimizer that overrides those methods is asked through them, and raises what they raise.
 
     A step that a ``GradScaler`` skips (non-finite gradients) never calls ``optimizer.step``, so
     neither hook runs for it."""
+    hook = lambda opt, args, kwargs: function()  # noqa: E731
+    name = "register_step_pre_hook" if pre else "register_step_post_hook"
+    if getattr(type(optimizer), name, None) is not getattr(torch.optim.Optimizer, name):
+        record(getattr(optimizer, name)(hook))
+        return
     table = optimizer._optimizer_step_pre_hooks if pre else optimizer._optimizer_step_post_hooks
     handle = RemovableHandle(table)
     record(handle)
-    table[handle.id] = lambda opt, args, kwargs: function()
+    table[handle.id] = hook
 
 
 def after_backward(function: Callable[[], Any]) -> None:
