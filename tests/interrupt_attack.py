@@ -102,7 +102,8 @@ def restore(model: nn.Module, before: dict[str, Any]) -> None:
             signal.signal(signum, handler)
     while torch._C._len_torch_function_stack() > before["function modes"]:
         torch._C._pop_torch_function_stack()
-    from hookscope.engine import copies, interrupts  # the state of a block whose exit never ran
+    from hookscope.engine import interrupts  # the state of a block whose exit never ran
+    from hookscope.engine.door import copies
 
     for name in ("_open", "_pending"):
         getattr(interrupts, name, {}).clear()
