@@ -116,7 +116,8 @@ def test_blocks_in_four_threads_on_one_fullgraph_model_record_their_own_calls(
     assert counter.frame_count == warm == 1  # the graph with the hooks, never again per block
     assert dynamo_warnings == []
     assert _tables_empty(model)
-    assert not any(key in compiled._sinks for m in model.modules() for key in compiled._places.get(m, []))
+    assert not any(key in compiled._sinks for m in model.modules()
+                   for keys in compiled._places.get(m, {}).values() for key in keys)
 
 
 EDITS: dict[str, Callable[[nn.Module, int, list[Any]], Any]] = {  # thread t's own edit
@@ -296,7 +297,8 @@ def test_shared_entries_give_each_block_exactly_its_threads_calls(
         for value, want in zip(got, wanted):
             torch.testing.assert_close(value, want, rtol=0, atol=0)
     assert _tables_empty(model)
-    assert not any(key in compiled._sinks for m in model.modules() for key in compiled._places.get(m, []))
+    assert not any(key in compiled._sinks for m in model.modules()
+                   for keys in compiled._places.get(m, {}).values() for key in keys)
 
 
 def test_a_shared_entry_hosts_later_blocks_and_leaves_with_the_last() -> None:

@@ -469,7 +469,7 @@ def test_blocks_opened_at_once_on_one_module_get_distinct_compiled_keys(
         worker.join(timeout=60)
     assert errors == [] and not any(worker.is_alive() for worker in workers)
     assert sum(done) == threads * rounds and clashes == []
-    assert len(compiled._places[module]) <= threads  # keys are reused, never leaked
+    assert max(map(len, compiled._places[module].values())) <= threads  # keys are reused, never leaked
 
 
 class Dropping(nn.Module):

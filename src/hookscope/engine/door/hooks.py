@@ -151,7 +151,7 @@ class OwnedHook:
         recompile limit (issue 47). Its place has no sink (``compiled.open_sink``): its
         operator copies nothing, until a block of another thread joins it as a guest."""
         twin = copy.copy(self)  # every slot, then what makes it act for nobody
-        twin.function, twin.module, twin.thread, twin.on_kept = _no_call, module, _NOBODY, None
+        twin.function, twin.module, twin.thread, twin.on_kept = _no_call, module, _FILLER, None
         twin.on_gradient = None if self.on_gradient is None else _no_call
         twin.recomputes = twin.foreign_calls = 0
         twin.key = twin.gradient_key = None
@@ -207,7 +207,7 @@ class OwnedHook:
                         return None
                     return compiled.watch_gradient(flat[0], flat[1], self.gradient_key)
                 grad = flat is not None and _needs_grad(flat[0])
-                if (flat is None or grad) and self.thread == _NOBODY and not self.guests:
+                if (flat is None or grad) and self._fills():
                     return None  # a filler (OwnedHook.filler): no edit to refuse, none to run
                 if flat is not None and (self.replaces == FULLGRAPH or not grad):
                     # the graph goes on with its result (or, fullgraph with gradients, an error)
@@ -234,6 +234,12 @@ class OwnedHook:
             return self.function(module, *args)
         self.recomputes += 1  # a forward inside backward: a checkpoint recompute
         return self.function(module, *args) if self.in_recompute else None
+
+    def _fills(self) -> bool:
+        """Whether this hook and every guest it hosts are fillers (``filler``): no block wants
+        its operator, so a trace needs none where one cannot be made (an output a graph cannot
+        take back, or one gradients flow through)."""
+        return self.thread in (_FILLER, _NOBODY) and all(g.thread == _FILLER for g in self.guests)
 
     def _guest(self, thread: int) -> OwnedHook | None:
         """The hook of another block that this one hosts for ``thread``, if any."""
@@ -548,7 +554,7 @@ class ModuleHooks:
         owned.entries = [(table, key)] if flags is None else [(table, key), (flags, key)]
         self.hosted.append(owned)
         if keyed:
-            filler = owned.thread == _NOBODY  # acts for no call: no sink (OwnedHook.filler)
+            filler = owned.thread == _FILLER  # acts for no call: no sink (OwnedHook.filler)
             kind = _place(owned)  # places per kind: stable keys (open_sink)
             owned.key = compiled.open_sink(owned.module, None if filler else owned.kept, kind)
             if owned.on_gradient is not None:
@@ -574,7 +580,7 @@ class ModuleHooks:
         # a copy (one step, in C): hooks registered by torch's own calls (handles, other
         # threads' ``register``) change tables outside ``_sharing`` ('OrderedDict mutated
         # during iteration': compare beside a capture in another thread, tests/test_threads_generated)
-        filler = owned.thread == _NOBODY  # acts for no call: any entry of its kind serves
+        filler = owned.thread == _FILLER  # acts for no call: any entry of its kind serves
         for value in reversed(list(table.values())):
             host = owner(value)
             if host is None or (not filler and host.acts_for(owned.thread)):  # a user's, or ours
@@ -588,7 +594,7 @@ class ModuleHooks:
         if flags is not None:  # left out of this block's copies too (copies.KeptOut)
             self._left_out(*found.entries[1])
         found.guests = [*found.guests, owned]
-        if found.thread == _NOBODY and found.key is not None and not filler:  # a filler hosts it
+        if found.key is not None and not filler:  # a filler's place has no sink until now
             compiled.serve(found.key, found.kept)
             if found.gradient_key is not None:
                 compiled.serve(found.gradient_key, found.gradient_kept)
@@ -615,6 +621,7 @@ class ModuleHooks:
 
 
 _NOBODY = -1  # the ``thread`` of a host whose own block closed: no thread's ident
+_FILLER = -2  # the ``thread`` of a filler while its block is open (``OwnedHook.filler``)
 _sharing = threading.RLock()  # entries shared between blocks of several threads (ModuleHooks)
 
 
