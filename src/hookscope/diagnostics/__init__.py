@@ -1,7 +1,8 @@
 """Looking inside a model: ``module_tree``, ``statistics`` (and ``histogram``), ``nonfinite``
 (the first NaN/Inf), ``comparison`` (two runs layer by layer, ``pairing`` across
-implementations), ``attention_maps``, ``attention_rollout``, ``class_maps`` (Grad-CAM),
-``lens`` (the logit lens) and the hook ``inventory``.
+implementations, ``forwards`` the runs, ``differences`` what each pair differs by),
+``attention_maps``, ``attention_rollout``, ``class_maps`` (Grad-CAM), ``lens`` (the logit lens)
+and the hook ``inventory``.
 
 Imports ``record``, the engine, ``errors`` and ``util``.
 """
@@ -9,7 +10,9 @@ Imports ``record``, the engine, ``errors`` and ``util``.
 from hookscope.diagnostics.attention_maps import attention, attention_gradients
 from hookscope.diagnostics.attention_rollout import rollout
 from hookscope.diagnostics.class_maps import gradcam, save_gradcam_overlay
-from hookscope.diagnostics.comparison import OUTPUT, Comparison, LayerDiff, PairDiff, compare, plot_errors
+from hookscope.diagnostics.comparison import Comparison, PairDiff, compare, plot_errors
+from hookscope.diagnostics.differences import LayerDiff
+from hookscope.diagnostics.forwards import OUTPUT
 from hookscope.diagnostics.histogram import MAX_BINS, Histogram
 from hookscope.diagnostics.inventory import HookInfo, hooks, remove_hooks
 from hookscope.diagnostics.lens import LogitLens, logit_lens

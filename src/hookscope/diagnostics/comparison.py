@@ -1,69 +1,60 @@
-"""Compare two runs layer by layer and find the first layer where they diverge.
+"""The comparison of two runs, layer by layer: where they first diverge.
 
 Two models (or one model under two settings: a copy in bfloat16, another checkpoint, train vs
 eval) run on the same input. Model A's selected outputs are kept (cloned when returned, so a
 later in-place operation cannot change them); model B's are compared inside its hooks as they
-are returned and dropped, so memory holds one run's activations, not two.
+are returned and dropped, so memory holds one run's activations, not two. The runs are
+``forwards.py``'s; each pair of outputs is measured by ``differences.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from hookscope.diagnostics.differences import Key, LayerDiff, _diff, _real, _values
+from hookscope.diagnostics.forwards import (
+    _local,
+    _require_hooks_fired,
+    _run,
+    _targets,
+    _token_watch,
+    _watched_forward,
+    _watching,
+)
 from hookscope.diagnostics.pairing import (
     Call,
     Pairing,
     PairSpec,
     Transform,
     check_pair,
-    fingerprint,
-    kind,
     pair_calls,
-    transform_for,
     transformed,
-    weights,
 )
 from hookscope.engine import (
     MaskWatcher,
-    ModuleIndex,
-    Observer,
     Target,
     Tokens,
     as_patterns,
     check_number,
     comparable,
-    explain_no_hooks,
-    input_device,
-    resolve_checked,
     untouched,
     unwrap,
 )
 from hookscope.errors import ArgumentTypeError, ArgumentValueError, HookscopeError, SelectorError
-from hookscope.record import CallInputs, capture, padding_dropped
-from hookscope.util import (
-    Keys,
-    get_part,
-    iter_tensors,
-    iter_tensors_with_keys,
-    map_tensors,
-    new_figure,
-    save_figure,
-)
+from hookscope.record import padding_dropped
+from hookscope.util import Keys, new_figure, save_figure
 
-__all__ = ["Comparison", "LayerDiff", "OUTPUT", "PairDiff", "compare", "plot_errors"]
+__all__ = ["Comparison", "PairDiff", "compare", "plot_errors"]
 
 Tensor = torch.Tensor
-Key = tuple[str, int]
-OUTPUT = ""  # the path under which the models' own return values are compared
 #: default ``(atol, rtol)`` of a pair by the lowest precision on either side (``pair=`` mode):
 #: float32's are ``compare``'s fixed defaults; the others grow with the unit roundoff of the
 #: format (2**-11 for float16, 2**-8 for bfloat16) times the depth of a typical layer's sums;
@@ -72,40 +63,6 @@ TOLERANCES: dict[str, tuple[float, float]] = {
     "float64": (1e-10, 1e-8), "float32": (1e-5, 1e-4), "float16": (1e-3, 1e-2),
     "bfloat16": (1e-2, 5e-2), "int8": (5e-2, 1e-1)}
 _PRECISION_ORDER = ("int8", "bfloat16", "float16", "float32", "float64")
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerDiff:
-    """How one call of one module differs between run A (the reference) and run B.
-
-    All figures are over every floating-point tensor in the output, in float64.
-
-    Attributes:
-        path: qualified name (with output parts if the pattern had them, ``"lstm[0]"``);
-            ``""`` for the models' return values.
-        call_index: which call of the module (0 for the first).
-        shape: shape of its (first) output tensor in run A.
-        max_abs: largest ``|a - b|``; ``inf`` where shapes differ or only one side is NaN/Inf.
-        rel: ``||a - b|| / ||a||`` (Euclidean norms over all elements).
-        cosine: cosine similarity of ``a`` and ``b`` flattened (1.0 when both are all zeros).
-        close: every element satisfies ``|a - b| <= atol + rtol * |a|`` (NaN equals NaN).
-        shape_b: shapes of the output tensors in run B when they differ from run A's (then
-            ``max_abs`` and ``rel`` are ``inf`` and ``cosine`` NaN); ``None`` when they agree.
-        structure: how the two outputs differ in structure where they share parts, e.g.
-            ``"[1]: a tensor (1, 4, 6, 6) in B, absent (None) in A"`` (an SDPA attention returns
-            no weights where an eager one does); the figures are then of the parts both have.
-            ``""`` when the structures agree.
-    """
-
-    path: str
-    call_index: int
-    shape: tuple[int, ...]
-    max_abs: float
-    rel: float
-    cosine: float
-    close: bool
-    shape_b: tuple[tuple[int, ...], ...] | None = None
-    structure: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,57 +342,9 @@ def _compare_paired(model_a: nn.Module, model_b: nn.Module, args: tuple[Any, ...
                       pairs=tuple(diffs), pairing=pairing)
 
 
-def _run(model: nn.Module, patterns: list[str], args: tuple[Any, ...], kwargs: dict[str, Any],
-         transforms: Mapping[str, Transform]
-         ) -> tuple[list[Call], dict[Key, Tensor | None], Any, dict[str, nn.Module]]:
-    """One run of ``model``: its calls in completion order (shape and sample of each first
-    output tensor after its transform, if any), the first output tensor of each (cloned, as
-    returned), the capture holding each call's inputs, and ``{path: module}``."""
-    targets, names = resolve_checked(model, patterns)
-    targets = [t for t in targets if t.op is None and not t.parts and t.path]
-    calls: list[Call] = []
-    outputs: dict[Key, Tensor | None] = {}
-
-    def keep(key: Key, output: Any) -> None:
-        first = next(iter(iter_tensors(output)), None)
-        outputs[key] = None if first is None else first.detach().clone()
-        if first is None:
-            calls.append(Call(key[0], key[1], kind(modules[key[0]]), (), None, signatures[key[0]]))
-            return
-        seen = transformed(transform_for(transforms, key[0]), comparable(first, key[0]))
-        for piece, tensor in seen:  # a piece of a split has no weights of its own
-            calls.append(Call(key[0], key[1], kind(modules[key[0]]), tuple(tensor.shape),
-                              fingerprint(tensor), signatures[key[0]] if piece is None else None,
-                              piece))
-
-    modules = {t.key: t.module for t in targets}
-    signatures = weights(modules)
-    with untouched(model), torch.no_grad(), \
-            capture(model, *modules, inputs=True, clone=True, on_unfired="ignore") as acts, \
-            _watching(model, names, targets, keep):
-        model(*_cast_inputs(model, args), **_cast_inputs(model, kwargs))
-    _require_hooks_fired(model, bool(calls))
-    return calls, outputs, acts, modules
-
-
 def _real_part(value: Tensor | None, target: Target, tokens: Tokens) -> Tensor | None:
     """The real tokens of a paired value (``record.padding_dropped``), ``None`` for none."""
     return None if value is None else padding_dropped(value, target, tokens)
-
-
-def _local(model_b: nn.Module, module: nn.Module, inputs: CallInputs) -> tuple[Tensor | None, str]:
-    """``module`` of model B run on model A's recorded inputs: its first output tensor, or
-    ``(None, why)`` when it cannot take them."""
-    parameters = inspect.signature(module.forward).parameters
-    first = next(iter(parameters), None)
-    named = {k: v for k, v in inputs.named.items() if k in parameters and k != first}
-    try:
-        output = module(*_cast_inputs(model_b, ([inputs[0]] if inputs.named else []) if first
-                                     else []), **_cast_inputs(model_b, named))
-    except (TypeError, RuntimeError, ValueError, IndexError, AttributeError) as err:
-        return None, f"{type(err).__name__}: {err}"
-    found = next(iter(iter_tensors(output)), None)
-    return (None, "it returned no tensor") if found is None else (found.detach(), "")
 
 
 def _parts(t: Tensor | None) -> dict[Keys, Tensor]:
@@ -493,138 +402,6 @@ def _require_pairs(targets_a: dict[str, Target], targets_b: dict[str, Target],
         f"diff --pair 'h.{{i}}.attn=layers.{{i}}.attn'); or compare the submodules that "
         f"correspond, compare(model_a.encoder, model_b.backbone, x), or select names both have "
         f"with layers=[...] (--layers)")
-
-
-def _require_hooks_fired(model: nn.Module, fired: bool) -> None:
-    why = explain_no_hooks(model)
-    if not fired and why is not None:
-        raise HookscopeError(f"cannot compare: {why}")
-
-
-def _targets(model: nn.Module, patterns: list[str]) -> tuple[dict[str, Target], ModuleIndex]:
-    """``({record name: target}, the index they were resolved on)``."""
-    targets, names = resolve_checked(model, patterns)
-    return {t.key: t for t in targets}, names
-
-
-def _watched_forward(session: Observer, tokens: Observer, model: nn.Module,
-                     sink: Callable[[Key, Any], None], args: tuple[Any, ...],
-                     kwargs: dict[str, Any]) -> Observer:
-    """Run ``model`` once on the inputs (cast to its dtype) in ``session`` and ``tokens`` (its
-    ``_token_watch``), without gradients, leaving the model as it was (``untouched``);
-    ``sink`` gets its output; return ``session``."""
-    with untouched(model), torch.no_grad(), tokens, session:
-        sink((OUTPUT, 0), _call(model, args, kwargs))
-    return session
-
-
-def _token_watch(model: nn.Module, watcher: MaskWatcher) -> Observer:
-    """A session keeping ``watcher.tokens`` those of the running forward: its pre-hooks on the
-    root and an encoder-decoder's stacks (``engine.values.layout.MaskWatcher``)."""
-    roots = [Target(path, module) for path, module in watcher.modules]
-    return Observer(unwrap(model)[0], roots, pre=lambda t: watcher.hook, with_kwargs=True,
-                    explain_unfired=False)
-
-
-def _call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    return model(*_cast_inputs(model, args), **_cast_inputs(model, kwargs))
-
-
-def _watching(model: nn.Module, names: ModuleIndex, targets: list[Target],
-              sink: Callable[[Key, Any], None]) -> Observer:
-    """A session calling ``sink((key, k), output)`` as call ``k`` of each target's module returns."""
-    counts = {t.key: 0 for t in targets}
-
-    def hook_for(target: Target) -> Callable[[nn.Module, Any, Any], None]:
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
-            counts[target.key] += 1
-            part = get_part(output, target.parts) if target.parts else output
-            sink((target.key, counts[target.key] - 1), part)
-        return hook
-
-    return Observer(model, targets, forward=hook_for, names=names)
-
-
-def _values(key: str, output: Any) -> dict[Keys, Tensor]:
-    """The tensors of an output by their place in it (``(1,)``: its second element), as real
-    values (``comparable``: quantized dequantized, a DTensor as its global tensor, complex as
-    real and imaginary parts); integer and bool ones too.
-
-    Raises:
-        HookscopeError: a tensor is a meta tensor or a FakeTensor (no values to compare).
-    """
-    return {keys: comparable(t, key) for keys, t in iter_tensors_with_keys(output)}
-
-
-def _real(values: dict[Keys, Tensor], target: Target, tokens: Tokens) -> dict[Keys, Tensor]:
-    """Each value's real tokens when the forward had a mask (``record.padding_dropped``): what
-    padding holds is not compared."""
-    return {keys: padding_dropped(t, target, tokens, keys) for keys, t in values.items()}
-
-
-def _shared(a: dict[Keys, Tensor], b: dict[Keys, Tensor]) -> tuple[list[Tensor], list[Tensor], str]:
-    """The parts to compare of two outputs and how their structures differ (``""``: alike).
-
-    Parts are matched by place; where the two share some places but not all (a tuple with
-    attention weights in one run and ``None`` in the other), only the shared ones are
-    compared and the rest is named. Outputs sharing no place (a tensor against a tuple) are
-    matched in order, as before."""
-    common = [k for k in a if k in b]
-    if not common or len(common) == len(a) == len(b):
-        return list(a.values()), list(b.values()), ""
-    notes = [f"{_place(k)}: a tensor {tuple(t.shape)} in {side}, absent in {other}"
-             for parts, side, other in ((a, "A", "B"), (b, "B", "A"))
-             for k, t in parts.items() if k not in common]
-    return [a[k] for k in common], [b[k] for k in common], "; ".join(notes)
-
-
-def _place(keys: Keys) -> str:
-    return "".join(f"[{k!r}]" if isinstance(k, str) else f"[{k}]" for k in keys) or "the output"
-
-
-def _cast_inputs(model: nn.Module, inputs: Any) -> Any:
-    parameter = next((p for p in model.parameters() if p.is_floating_point()), None)
-    if parameter is None:
-        return inputs
-    device = input_device(model)  # not the parameter's: it is on meta under accelerate's offload
-    return map_tensors(lambda t: t.to(device, parameter.dtype)
-                       if t.is_floating_point() else t.to(device), inputs)
-
-
-def _diff(key: Key, a_values: dict[Keys, Tensor], b_values: dict[Keys, Tensor], atol: float,
-          rtol: float) -> LayerDiff:
-    a_parts, b_parts, structure = _shared(a_values, b_values)
-    shape = tuple(a_parts[0].shape) if a_parts else ()
-    if [t.shape for t in a_parts] != [t.shape for t in b_parts]:
-        return LayerDiff(key[0], key[1], shape, math.inf, math.inf, math.nan, False,
-                         tuple(tuple(t.shape) for t in b_parts))
-    device = a_parts[0].device if a_parts and a_parts[0].device.type != "mps" else torch.device("cpu")
-    a = torch.cat([t.reshape(-1).to(device, torch.float64) for t in a_parts]) if a_parts else \
-        torch.zeros(0, dtype=torch.float64)
-    b = torch.cat([t.reshape(-1).to(device, torch.float64) for t in b_parts]) if b_parts else \
-        torch.zeros(0, dtype=torch.float64)
-    same = (a == b) | (torch.isnan(a) & torch.isnan(b))
-    error = torch.where(same, torch.zeros_like(a), (a - b).abs()).nan_to_num(nan=math.inf, posinf=math.inf)
-    max_abs = float(error.max()) if error.numel() else 0.0
-    close = bool(torch.isclose(b, a, rtol=rtol, atol=atol, equal_nan=True).all())
-    return LayerDiff(key[0], key[1], shape, max_abs, _ratio(float(error.norm()), float(a.norm())),
-                     _cosine(a, b), close, structure=structure)
-
-
-def _ratio(numerator: float, denominator: float) -> float:
-    if denominator == 0.0:
-        return 0.0 if numerator == 0.0 else math.inf
-    return numerator / denominator
-
-
-def _cosine(a: Tensor, b: Tensor) -> float:
-    norm_a, norm_b = float(a.norm()), float(b.norm())
-    if norm_a == 0.0 and norm_b == 0.0:
-        return 1.0
-    if norm_a == 0.0 or norm_b == 0.0:
-        return 0.0
-    cosine = float(torch.dot(a, b)) / (norm_a * norm_b)
-    return cosine if math.isnan(cosine) else max(-1.0, min(1.0, cosine))  # NaN stays NaN
 
 
 def plot_errors(comparison: Comparison, file: str | os.PathLike[str]) -> Path:

@@ -1,12 +1,13 @@
-"""Recording what modules compute: ``captures`` (``capture``, the session) and ``records`` (the read API),
-``entries`` (what one record name holds), ``record_file`` (the saved file), gradients (``grads``),
-generation steps (``generation``), reductions and token positions.
+"""Recording what modules compute: ``verbs`` (``capture``, ``run``), ``captures`` (the session),
+``slots`` (its hooks' record entries), ``records`` (the read API), ``entries`` (what one record
+name holds), ``record_file`` (the saved file), gradients (``grads``), generation steps
+(``generation``), reductions and token positions.
 
 Imports the engine, ``errors`` and ``util``.
 """
 
 from hookscope.engine import NotKept
-from hookscope.record.captures import Capture, capture, run
+from hookscope.record.captures import Capture
 from hookscope.record.entries import CallInputs
 from hookscope.record.generation import GenerationCapture, capture_generation
 from hookscope.record.grads import NoGrad, grad_leaf, gradient_pass
@@ -24,6 +25,7 @@ from hookscope.record.positions import (
 )
 from hookscope.record.records import RecordKey, Records, load
 from hookscope.record.reductions import NAMES, REDUCTIONS, Reduce, Reduction, reduction, reduction_name
+from hookscope.record.verbs import capture, run
 
 __all__ = ["CallInputs", "Capture", "GenerationCapture", "Heads", "NAMES", "NoGrad", "NotKept", "Over",
            "Positions", "REDUCTIONS", "RecordKey", "Records", "Reduce", "Reduction", "capture",

@@ -1,9 +1,9 @@
-"""Capture: record what selected modules return (and take, and receive as gradient) on every call.
+"""The capture session: it records what selected modules return (and take, and receive as gradient).
 
-``capture(model, *layers)`` is a context manager (a ``HookSession``, see ``engine.session``). On
-entry it resolves the patterns ``layers`` (errors come before anything is registered), then adds
-one forward hook per selected module; on exit it removes every hook it added, also on an exception or
-``KeyboardInterrupt``, and reports each selected module whose hook never fired.
+``capture(model, *layers)`` (``verbs.py``) returns one, a context manager (a ``HookSession``, see
+``engine.session``). On entry it resolves the patterns ``layers`` (errors come before anything is
+registered), then adds one forward hook per selected module; on exit it removes every hook it
+added, also on an exception or ``KeyboardInterrupt``, and reports each selected module whose hook never fired.
 
 Captured values stay equal to what the module returned at that moment, even when a later in-place
 op writes over its memory, without copying every output: each is kept copy-on-write, and only a
@@ -13,9 +13,8 @@ tensor really written later is copied, when the write happens (``engine.values.c
 from __future__ import annotations
 
 import copy
-import inspect
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,16 +29,6 @@ from hookscope.engine import (
     OwnedHook,
     RecordingHook,
     Target,
-    as_patterns,
-    batch_first,
-    check_device,
-    check_dtype,
-    check_flag,
-    check_model,
-    check_no_unmasked_padding,
-    check_options,
-    eager_copy,
-    flat_patterns,
     fullgraph,
     holds_no_values,
     in_recompute,
@@ -50,18 +39,29 @@ from hookscope.engine import (
     output_of,
     shares_memory,
     special,
-    token_axes,
     unwrap,
     version_of,
 )
 from hookscope.errors import CaptureError, warn
-from hookscope.record.entries import CallInputs, Entry
+from hookscope.record.entries import CallInputs
 from hookscope.record.grads import converter, require_grad_mode, watch_inputs, watch_output
-from hookscope.record.records import RecordKey, Records
-from hookscope.record.reductions import REDUCTIONS, Reduce, Reduction, reduction
-from hookscope.util import Keys, get_part, iter_tensors, map_tensors, map_tensors_with_keys
+from hookscope.record.records import Records
+from hookscope.record.reductions import Reduction
+from hookscope.record.slots import (
+    _by_module,
+    _call_of,
+    _first_tensor,
+    _inputs_hook,
+    _keep_input,
+    _part,
+    _reduced,
+    _regrad,
+    _Slot,
+    _snapshot_of,
+)
+from hookscope.util import Keys, iter_tensors, map_tensors, map_tensors_with_keys
 
-__all__ = ["Capture", "CaptureOptions", "CallInputs", "capture", "run", "capture_options"]
+__all__ = ["Capture", "CaptureOptions", "CallInputs"]
 
 Tensor = torch.Tensor
 
@@ -78,22 +78,6 @@ class CaptureOptions:
     reduce: Reduction | None = None
     clone: bool | None = None
     early_stop: bool = False
-
-
-class _Slot(Entry):
-    """One target's record entry, plus the session's state for it: the target, the references
-    kept with their versions. One object per selected module (with its hook)."""
-
-    __slots__ = ("target", "versions", "recomputed")
-
-    def __init__(self, target: Target):
-        Entry.__init__(self, None, target.module, target.key)
-        self.target = target
-        self.versions: list[tuple[int, Tensor, int]] = []  # (call, tensor kept by reference, version)
-        self.recomputed = 0  # checkpoint recomputes seen (with grads=True)
-
-    def _make_key(self) -> RecordKey:
-        return self.target.record_key
 
 
 # Why a capture built but never entered holds nothing (``acts = capture(...)`` without ``with``).
@@ -407,289 +391,3 @@ class Capture(HookSession, Records):
         self._check_versions()
 
 
-def _by_module(slots: list[_Slot]) -> dict[nn.Module, list[_Slot]]:
-    """``slots`` grouped by module, in order: one hook per module serves all its records."""
-    grouped: dict[nn.Module, list[_Slot]] = {}
-    for slot in slots:
-        grouped.setdefault(slot.target.module, []).append(slot)
-    return grouped
-
-
-def _snapshot_of(snapshot: Callable[[Any, _Slot], Any], slot: _Slot) -> Callable[[Any], Any]:
-    """``snapshot`` for ``slot``'s outputs: what its ``RecordingHook`` keeps of an output."""
-    return lambda output: snapshot(output, slot)
-
-
-def _first_tensor(outputs: list[Any]) -> Tensor | None:
-    """The first tensor of a record's first call (a plain tensor output, most often: no walk)."""
-    if outputs and type(outputs[0]) is Tensor:
-        return outputs[0]
-    return next(iter_tensors(outputs[:1]), None)
-
-
-def _reduced(reduce: Reduction, t: Tensor, watcher: MaskWatcher, target: Target,
-             keys: Keys) -> Tensor:
-    """``reduce`` of ``t`` (part ``keys`` of what ``target`` selects) seen as ``(batch, seq,
-    ...)`` (``engine.values.layout.batch_first``: a sequence-first or length-last output moved so),
-    with the attention mask of the running forward (None without one), on ``t``'s device.
-
-    Raises:
-        PositionError: ``reduce`` is one of the named token reductions (``"first"``,
-            ``"last"``, ``"mean"``) and the input looks padded without a mask
-            (``engine.values.layout.check_no_unmasked_padding``), or ``t`` has no token axis (an
-            RNN's final state)."""
-    module, parts = (target.module if target.op is None else None), (*target.parts, *keys)
-    axes = token_axes(module, parts, t.dim())
-    if reduce in REDUCTIONS.values():
-        check_no_unmasked_padding(watcher.tokens, "a reduction over tokens (reduce='first', "
-                                  "'last' or 'mean')", positions=False)
-        if axes[1] is None:  # refused, the message names it
-            watcher.layout(f"{target.key}{''.join(f'[{k}]' for k in keys)}", target.op, t.shape,
-                           module=module, parts=parts)
-    t = batch_first(t, axes)
-    mask = watcher.mask_for(t.shape)
-    return reduce(t, None if mask is None else mask.to(t.device))
-
-
-def _part(output: Any, slot: _Slot) -> Any:
-    parts = slot.target.parts
-    if not parts:
-        return output
-    try:
-        return get_part(output, parts)
-    except KeyError as err:
-        raise CaptureError(f"cannot take {slot.target.key!r}: {err.args[0]}") from None
-
-
-def _keep_input(t: Tensor, clone: bool | None) -> Tensor:
-    """An input as the module received it, safe from later in-place writes
-    (``engine.values.copy_on_write``)."""
-    t = keepable(t, "an input")
-    return eager_copy(t) if clone else lazy_copy(t)
-
-
-def _regrad(slots: list[_Slot], output: Any,
-            convert: Callable[[Target], Callable[[Tensor], Tensor]]) -> None:
-    """A checkpoint recompute of a call whose output could not take a gradient (reentrant
-    checkpointing runs the first forward under no_grad): watch the recomputed output instead,
-    which is what the gradient flows through. Recomputes come in call order within a segment."""
-    for slot in slots:
-        grads = slot.grads
-        if not grads:
-            continue
-        call = slot.recomputed % len(grads)
-        slot.recomputed += 1
-        if grads[call].watched == 0:
-            grads[call] = watch_output(_part(output, slot), convert(slot.target))
-
-
-def _inputs_hook(slots: list[_Slot], clone: bool | None
-                 ) -> tuple[Callable[..., None], Callable[[Any], None]]:
-    """A forward pre-hook keeping each call's inputs as the module receives them, and its
-    ``on_kept`` for a call inside a compiled graph (``engine.compile.graph``): ``(args, kwargs)``
-    already copied, an argument the graph cannot hand out as ``NotKept``."""
-    def keep(t: Tensor) -> Tensor:
-        return _keep_input(t, clone)
-
-    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        for slot in slots:
-            slot.inputs.append((map_tensors(keep, args), map_tensors(keep, kwargs)))
-
-    def kept(call: tuple[tuple[Any, ...], dict[str, Any]]) -> None:
-        for slot in slots:
-            slot.inputs.append((call[0], dict(call[1])))
-    return hook, kept
-
-
-def _call_of(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``pick`` of the inputs pre-hook: the call's arguments and keywords."""
-    return args, kwargs
-
-
-def capture(model: nn.Module, *layers: str | Sequence[str], inputs: bool = False, grads: bool = False,
-            grad_inputs: bool = False, to: torch.device | str | None = None,
-            dtype: torch.dtype | None = None, reduce: Reduce = None, clone: bool | None = None,
-            early_stop: bool = False, on_unfired: OnUnfired = "warn") -> Capture:
-    """Record the output of every call of each module that ``layers`` select.
-
-    Use it as a context manager; hooks exist only inside the ``with`` block:
-
-    ```python
-    with hookscope.capture(model, "conv2", "pos_block.*.proj.0") as acts:
-        model(x)
-    acts["conv2"]          # (batch, 16, 10, 10) float32 for LeNet on (batch, 3, 32, 32)
-    ```
-
-    Args:
-        model: root module; ``DataParallel``/``DDP``/``torch.compile`` wrappers are looked through.
-        *layers: patterns: paths, ``state_dict()`` keys, globs, ``re:``/``type:`` patterns, optionally
-            with output parts (``"lstm[0]"``); see ``hookscope.select``. A function-level
-            address ``PATTERN::NAME`` records every call of function ``NAME`` made by the own
-            forward of the modules selected (``"::relu"``, ``"h.*.attn::softmax"``;
-            ``"::relu#1"`` for call 1 of each forward), each value copied unless ``clone=False``.
-            A list of patterns stands for its patterns: ``capture(model, ["fc1", "fc2"])``.
-        inputs: also keep each call's positional and keyword inputs (``acts.inputs(path, k)``);
-            for a function-level address, its arguments bound to the function's parameters.
-        grads: also keep d(loss)/d(output) of each call, filled in when ``backward()`` runs
-            through it (``acts.grad(path, k)``); uses tensor hooks, so in-place ops after the
-            module, tuple outputs and modules with a legacy backward hook work (``grads.py``).
-            Several backward passes through one forward accumulate, as ``.grad`` does.
-        grad_inputs: also keep d(loss)/d(input) of each call, the gradient through the module
-            only (``acts.grad_input(path, k)``); inputs that do not require grad are marked
-            ``NoGrad(reason)``. Each input that requires grad reaches the module as an alias
-            (same values and memory) that carries the tensor hook.
-        to: device to move captured tensors to (``"cpu"`` frees accelerator memory).
-        dtype: floating dtype to cast captured floating tensors to (e.g. ``torch.float16``
-            halves memory); integer dtypes are refused.
-        reduce: applied to each captured tensor at capture time: a named reduction as
-            ``extract`` takes (``"mean"``, ``"first"``, ``"last"``; ``hookscope.reductions`` says
-            which axis each uses), which counts only the real tokens of the ``attention_mask``
-            the model is called with (by keyword or position), so its rows equal ``extract``'s;
-            or a function of the output, e.g. ``lambda t: t.mean(dim=(2, 3))`` keeps
-            ``(batch, channels)``. With ``grads=True`` each gradient is reduced the same way
-            (with the mask of its own forward), so ``acts.grad(path)`` has the shape of
-            ``acts[path]``; inputs and their gradients (``grad_inputs``) are kept whole.
-        clone: ``None`` (default) keeps each tensor copy-on-write: nothing is copied unless a
-            later in-place op writes it, and then only that tensor, just before the write (the
-            writer gets the copy; exact in every grad mode, see ``engine.values.copy_on_write``); ``True``
-            copies every tensor at once; ``False`` keeps plain references: values overwritten
-            later raise on reading, except under ``torch.inference_mode()``, whose tensors have
-            no version counter (a warning says so).
-        early_stop: stop the forward pass once every selected module has returned in it: the
-            rest of the model does not run (faster in proportion), the forward call does not
-            return, and the ``with`` block ends there, cleanly (hooks removed, model untouched,
-            records kept): make the forward the block's last statement, or use
-            ``run(..., options={"early_stop": True})``, which returns ``(None, acts)``. A module
-            called again later in the same pass (shared weights) keeps its first call only.
-        on_unfired: what to do on exit about selected modules that never ran: ``"warn"``
-            (``HookNeverFiredWarning``), ``"error"`` (``HookNeverFiredError``, raised after the
-            forward finished, records still in ``err.capture``) or ``"ignore"``.
-
-    Returns:
-        A ``Capture`` (not yet active: hooks are added by ``with``).
-
-    The forwards in the block are the user's own: their effects stay (a model in training mode
-    updates its BatchNorm statistics, advances spectral norm, draws dropout masks), as without
-    the capture. The verbs that run forwards of their own (``tree``, ``stats``, ``gradcam`` ...)
-    restore the model afterwards instead.
-
-    Raises:
-        SelectorError: at once, before any hook exists, when a pattern matches nothing or names a
-            container (``ModuleList``) whose hook could never fire.
-        CaptureError: on entering the block, with ``grads``/``grad_inputs``, under
-            ``torch.no_grad()`` or ``torch.inference_mode()``: no gradient could be recorded
-            there (the message gives the fix: ``torch.enable_grad()``, or leave inference
-            mode; switching gradients off inside the block is allowed and marks ``NoGrad``).
-        ReductionError: ``reduce`` is not a known name or a function (at once); a ``reduce``
-            function that returns something other than a tensor (at its first call).
-        ArgumentTypeError: at once, ``model`` is not an ``nn.Module``; a flag (``inputs``,
-            ``grads``, ``grad_inputs``, ``clone``, ``early_stop``) is not a ``bool``
-            (``grads="yes"`` is refused, not read as true); ``to``/``dtype`` of the wrong type.
-        ArgumentValueError: at once, ``to`` is not a device this machine has
-            (``"nodevice"``, ``"cuda:7"``); ``dtype`` is not floating (``torch.int8`` would
-            truncate every activation).
-        HookscopeError: the model cannot be hooked (TorchScript), or an option is invalid.
-    """
-    if early_stop and (grads or grad_inputs):
-        raise CaptureError("early_stop=True ends the forward before the model's output exists, so "
-                           "no loss and no backward pass can reach the captured modules: drop "
-                           "early_stop to record gradients (grads=True / grad_inputs=True)")
-    _check_options(inputs=inputs, grads=grads, grad_inputs=grad_inputs, early_stop=early_stop,
-                   to=to, dtype=dtype, clone=clone)
-    reducer = reduction(reduce)
-    options = CaptureOptions(inputs=inputs, grads=grads, grad_inputs=grad_inputs, to=to, dtype=dtype,
-                             reduce=reducer,
-                             clone=clone, early_stop=early_stop)
-    return Capture(model, flat_patterns(layers), options, on_unfired)
-
-
-def _check_options(*, to: object, dtype: object, clone: object, **flags: object) -> None:
-    """Refuse a bad capture option at construction (``engine.checks``): a flag that is not a
-    bool, a device torch cannot parse or this machine lacks, a dtype that is not floating."""
-    for name, value in flags.items():
-        check_flag(name, value)
-    if clone is not None:
-        check_flag("clone", clone)
-    check_device("to", to)
-    check_dtype("dtype", dtype, floating=True)
-
-
-def run(model: nn.Module, *args: Any, layers: str | Sequence[str],
-        options: dict[str, Any] | None = None, **kwargs: Any) -> tuple[Any, Capture]:
-    """Run ``model(*args, **kwargs)`` once while capturing ``layers``; return (output, records).
-
-    Args:
-        model: the model to run.
-        *args, **kwargs: passed to ``model``. A mapping given as the only input (a dict, the
-            ``BatchEncoding`` a Hugging Face tokenizer returns) is passed as keyword arguments,
-            ``model(**mapping)``, when its keys are parameters of ``model.forward``.
-        layers: one pattern or a list of patterns (see ``capture``).
-        options: keyword options of ``capture`` (``inputs``, ``grads``, ``grad_inputs``, ``to``,
-            ``dtype``, ``reduce``, ``clone``, ``early_stop``, ``on_unfired``). They travel in
-            one dict, not as keywords, because ``**kwargs`` belong to the model: a forward that
-            takes ``inputs=``, ``to=`` or ``dtype=`` (Hugging Face models take
-            ``inputs_embeds``, ``output_attentions``, ...) must get them untouched, and a capture
-            option spelled as a keyword could silently shadow one of them.
-
-    Returns:
-        ``(output, acts)``: what the model returned (``None`` when ``early_stop`` cut it
-        short), and the ``Capture``.
-
-    Raises:
-        As ``capture``; an exception inside the forward pass propagates with a note naming the
-        innermost module where it happened.
-        CaptureError: a keyword is a capture option (``grads=True``) that ``model.forward``
-            does not name as a parameter: it would reach the model's ``**kwargs`` silently.
-        ArgumentTypeError: ``options`` is not a dict, or ``layers`` is ``None``.
-        ArgumentValueError: ``options`` holds a key that is not an option of ``capture``.
-    """
-    check_model(model)
-    patterns = as_patterns(layers)
-    check_options("options", options, capture_options())
-    _refuse_options_as_keywords(model, kwargs)
-    args, kwargs = _as_keywords(model, args, kwargs)
-    output = None
-    block = capture(model, *patterns, **(options or {}))
-    with block as acts:
-        output = model(*args, **kwargs)
-    return output, acts
-
-
-def capture_options() -> set[str]:
-    """The names of ``capture``'s keyword options (what ``run(options=)`` and
-    ``capture_generation(**options)`` may hold)."""
-    return set(inspect.signature(capture).parameters) - {"model", "layers"}
-
-
-def _refuse_options_as_keywords(model: nn.Module, kwargs: dict[str, Any]) -> None:
-    """Raise when a keyword meant for ``capture`` would go to the model's ``**kwargs``."""
-    options = capture_options()
-    try:
-        named = set(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        named = set()
-    misplaced = sorted(k for k in kwargs if k in options and k not in named)
-    if misplaced:
-        given = ", ".join(f"{k}={kwargs[k]!r}" for k in misplaced)
-        raise CaptureError(
-            f"hookscope.run got {given} as a keyword: run passes keywords to the model, and "
-            f"{type(model).__name__}.forward has no parameter {misplaced[0]!r} (it would reach "
-            f"its **kwargs silently). For the capture option write options={{"
-            f"{', '.join(f'{k!r}: {kwargs[k]!r}' for k in misplaced)}}}; for a keyword of the "
-            f"model's own, call it inside the block: with hookscope.capture(model, ...) as acts: "
-            f"model(..., {given})")
-
-
-def _as_keywords(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """A mapping given as the one input (a dict, a tokenizer's ``BatchEncoding``) becomes keyword
-    arguments, as ``extract`` passes a dict batch, when its keys name ``forward``'s parameters;
-    a model whose ``forward`` takes the mapping itself gets it unchanged."""
-    if len(args) != 1 or kwargs or not isinstance(args[0], Mapping):
-        return args, kwargs
-    try:
-        inspect.signature(model.forward).bind(**args[0])
-    except (TypeError, ValueError):
-        return args, kwargs
-    return (), dict(args[0])

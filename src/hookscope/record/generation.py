@@ -41,8 +41,9 @@ from hookscope.engine import (
     unwrap,
 )
 from hookscope.errors import CaptureError
-from hookscope.record.captures import Capture, capture, capture_options
+from hookscope.record.captures import Capture
 from hookscope.record.positions import tokens_first
+from hookscope.record.verbs import capture, capture_options
 from hookscope.util import check_new_file, write_atomic
 
 __all__ = ["Step", "GenerationRecord", "GenerationCapture", "capture_generation"]
