@@ -1,4 +1,4 @@
-"""Extraction: run a model over a data set and stream chosen activations into a store.
+"""Extraction: a model run over a data set, its chosen activations streamed into a store.
 
 ``extract(model, data, layers, out)`` runs one forward pass per batch under one
 ``hookscope.capture`` session kept open across the batches (``clear()`` between them; the first

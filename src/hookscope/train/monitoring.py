@@ -1,4 +1,4 @@
-"""``hookscope.monitor``: statistics every N optimizer steps and a NaN guard on every step.
+"""``hookscope.monitor``: statistics every N optimizer steps, with a NaN guard on every step.
 
 What runs when:
 
