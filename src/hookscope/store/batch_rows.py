@@ -1,6 +1,6 @@
 """A batch's rows: one forward of the batch, each selected layer's output as store rows, the
-``@id``/``@label``/``@token`` columns beside them (``hookscope.store.extraction``'s job, ``_Job``,
-is what they are made with)."""
+``@id``/``@label``/``@token`` columns beside them; ``_Job``, an extraction's settings, is what
+they are made with."""
 
 from __future__ import annotations
 
