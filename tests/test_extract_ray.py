@@ -248,14 +248,15 @@ def test_a_relative_folder_is_this_processs_not_the_actors(cluster: str, tmp_pat
 def test_ctrl_c_keeps_the_shards_listed_in_order_and_resume_finishes(cluster: str,
                                                                      tmp_path: Path) -> None:
     out = tmp_path / "ray"
-    code = (f"import signal, sys, ray, hookscope.store.extraction as e, tests.test_extract_ray as t\n"
+    code = (f"import signal, sys, ray, hookscope.errors, hookscope.store.extraction as e, "
+            f"tests.test_extract_ray as t\n"
             f"signal.signal(signal.SIGINT, signal.default_int_handler)\n"
             f"e.secrets = t._FixedRun\n"
             f"ray.init(address={cluster!r}, log_to_driver=False)\n"
             f"try:\n"
             f"    e.extract(t.model(), t.Rows(delay_s=0.1), t.LAYERS, {str(out)!r},\n"
             f"              engine=t.RayEngine(actors=1), **t.OPTIONS)\n"
-            f"except e.ExtractInterrupted as stopped:\n"
+            f"except hookscope.errors.ExtractInterrupted as stopped:\n"
             f"    print('stopped:', stopped.rows, stopped)\n"
             f"    sys.exit(130)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}

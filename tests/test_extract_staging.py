@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch.utils.data import TensorDataset
 
-import hookscope.store.extraction as extract_module
+import hookscope.store.shard_loop as shard_loop
 from hookscope.store import extract
 from hookscope.store.writer import ShardData, Staging
 from tests.models import LeNet
@@ -58,12 +58,12 @@ def test_preparing_a_slab_starts_no_openmp_team() -> None:
 def test_slabs_hold_about_four_batches(layer: str, batch: int, row_bytes: int, slab: int,
                                        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     sizes: list[int] = []
-    original = extract_module.Staging
+    original = shard_loop.Staging
 
     def recording(nbytes: int) -> Any:
         sizes.append(nbytes)
         return original(nbytes)
-    monkeypatch.setattr(extract_module, "Staging", recording)
+    monkeypatch.setattr(shard_loop, "Staging", recording)
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(2 * batch, 3, 32, 32))
     store = extract(LeNet().eval(), data, layer, tmp_path / "s", batch_size=batch, progress=False)

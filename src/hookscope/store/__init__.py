@@ -1,6 +1,7 @@
-"""Activations of whole data sets on disk or in object storage: ``extraction`` (``extract``, the
-loop), ``batches`` (what a data argument means), ``ranks`` (torchrun), ``ray_engine`` (Ray actors
-write shards, the driver lists them), ``writer`` (shards and manifests), ``folder`` (which files
+"""Activations of whole data sets on disk or in object storage: ``extraction`` (``extract``),
+``shard_loop`` (the loop), ``batch_rows`` (a batch's rows), ``batches`` (what a data argument
+means), ``ranks`` (torchrun), ``ray_engine`` (Ray actors write shards, the driver lists them),
+``writer`` (shards and manifests), ``folder`` (which files
 of an output folder belong to a store), ``manifest`` (the schema), ``reader`` (``Store``),
 ``shards`` (a shard file read through its chunk checksums), ``layers`` (a layer's rows),
 ``tokens`` (token views and the shuffled token stream), ``probes`` (linear probes on a store) and

@@ -1,11 +1,11 @@
 """Extraction on Ray Data: actors write whole shards, this process (the driver) the manifest.
 
-``extract(..., engine="ray")`` runs the code one process runs (``hookscope.store.extraction``:
-the first batch is checked by the driver, then each batch goes through ``_rows`` and
-``_keep_batch`` and each shard through ``writer.write_shard``); only who runs which batches
-changes. The driver cuts the remaining batches into shards of a fixed number of batches, names
-each shard file as one process would (``shard-00000.safetensors`` ...), and hands ``(file,
-first batch, stop batch)`` to a Ray Data ``map_batches`` over a pool of actors. Each actor holds
+``extract(..., engine="ray")`` runs the code one process runs (``hookscope.store.extraction``,
+``shard_loop``, ``batch_rows``: the first batch is checked by the driver, then each batch goes
+through ``_rows`` and ``_keep_batch`` and each shard through ``writer.write_shard``); only who
+runs which batches changes. The driver cuts the remaining batches into shards of a fixed number
+of batches, names each shard file as one process would (``shard-00000.safetensors`` ...), and hands
+``(file, first batch, stop batch)`` to a Ray Data ``map_batches`` over a pool of actors. Each actor holds
 a copy of the model and the data (pickled once, with cloudpickle), loads its own batches by
 index (``BatchSource``) and writes its shard by the writer's protocol (``fs.write_atomic``:
 in a folder, temporary name, fsync, rename; at a URL such as ``s3://``, a local temporary file
@@ -198,7 +198,7 @@ def write_on_ray(engine: RayEngine, work: Work, writer: StoreWriter, start: int,
     listed in ``writer``'s manifest once it and the ones before it are written.
 
     Args:
-        work: what an actor runs for one shard (``extract.write_batch_range`` over the
+        work: what an actor runs for one shard (``shard_loop.write_batch_range`` over the
             shared job, ``share``): ``... (file name, first batch, stop batch) -> (rows,
             bytes, digest, sums)``.
         stop: the run's graceful stop (its ``asked`` ends the run after the next shard).

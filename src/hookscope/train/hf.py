@@ -25,7 +25,8 @@ from typing import Any
 from transformers import TrainerCallback
 
 from hookscope.errors import HookscopeError
-from hookscope.train.monitoring import GuardMode, Monitor, monitor
+from hookscope.train.monitoring import monitor
+from hookscope.train.watcher import GuardMode, Monitor
 
 __all__ = ["HookscopeCallback"]
 
