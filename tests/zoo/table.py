@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from collections import Counter
 
@@ -22,7 +23,8 @@ def run_zoo(*, only: str = "", limit: int = 0, progress: bool = False,
     rows: list[Row] = []
     if jobs > 1:
         import multiprocessing
-        pool = multiprocessing.get_context("spawn").Pool(jobs, maxtasksperchild=20)
+        pool = multiprocessing.get_context("spawn").Pool(
+            jobs, maxtasksperchild=20, initializer=_RESUMED.update, initargs=(dict(_RESUMED),))
         results = pool.imap(_one, chosen)
     else:
         pool, results = None, map(_one, chosen)
@@ -40,8 +42,31 @@ def run_zoo(*, only: str = "", limit: int = 0, progress: bool = False,
 def _one(chosen: tuple[str, str, str]) -> Row:
     kind, model_type, name = chosen
     built = build(kind, model_type, name)
-    cells = run_cells(built.model, kind) if built.model is not None else {}
+    done = _RESUMED.get(name)
+    if built.model is None:
+        cells: dict[str, Cell] = {}
+    elif done is None:
+        cells = run_cells(built.model, kind)
+    else:  # a previous run's statuses; cells that were not equal run again for their reason
+        again = tuple(v for v, status in done.items() if status not in ("equal",))
+        cells = {v: Cell(status) for v, status in done.items()}
+        cells.update(run_cells(built.model, kind, again) if again else {})
     return Built(built.name, built.kind, built.model_type, None, built.skipped), cells
+
+
+_RESUMED: dict[str, dict[str, str]] = {}
+_LINE = re.compile(r"\[\d+/\d+\] (\w+): (.*)")
+
+
+def resume_from(log: str) -> None:
+    """Take the statuses of a previous run's progress lines (``[n/N] Class: verb=status ...``)
+    for the classes it reached; only their cells that were not equal run again."""
+    with open(log, encoding="utf-8") as handle:
+        for line in handle:
+            match = _LINE.match(line.strip())
+            if match and not match.group(2).startswith("skipped"):
+                _RESUMED[match.group(1)] = dict(
+                    item.split("=", 1) for item in match.group(2).split() if "=" in item)
 
 
 def counts(rows: list[Row]) -> dict[str, Counter[str]]:
