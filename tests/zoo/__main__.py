@@ -11,7 +11,7 @@ import argparse
 import sys
 import time
 
-from tests.zoo.table import page, run_zoo
+from tests.zoo.table import page, resume_from, run_zoo
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,8 +20,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, default=0)
     parser.add_argument("--out", default="docs/zoo.md")
     parser.add_argument("--jobs", type=int, default=1, help="processes (spawned)")
+    parser.add_argument("--resume-log", default="", help="a previous run's progress output")
     args = parser.parse_args(argv)
     started = time.monotonic()
+    if args.resume_log:
+        resume_from(args.resume_log)
     rows = run_zoo(only=args.only, limit=args.limit, progress=True, jobs=args.jobs)
     text = page(rows, seconds=time.monotonic() - started)
     if args.out == "-":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from collections import Counter
 
@@ -22,7 +23,8 @@ def run_zoo(*, only: str = "", limit: int = 0, progress: bool = False,
     rows: list[Row] = []
     if jobs > 1:
         import multiprocessing
-        pool = multiprocessing.get_context("spawn").Pool(jobs, maxtasksperchild=20)
+        pool = multiprocessing.get_context("spawn").Pool(
+            jobs, maxtasksperchild=20, initializer=_RESUMED.update, initargs=(dict(_RESUMED),))
         results = pool.imap(_one, chosen)
     else:
         pool, results = None, map(_one, chosen)
@@ -39,9 +41,38 @@ def run_zoo(*, only: str = "", limit: int = 0, progress: bool = False,
 
 def _one(chosen: tuple[str, str, str]) -> Row:
     kind, model_type, name = chosen
+    done = _RESUMED.get(name)
+    if done is not None and all(s == "equal" or (v, s) == ("beam", "refused") for v, s in done.items()):
+        cells = {v: Cell(s, BEAM if v == "beam" else "") for v, s in done.items()}
+        return Built(name, kind, model_type, None), cells  # nothing to run again
     built = build(kind, model_type, name)
-    cells = run_cells(built.model, kind) if built.model is not None else {}
+    if built.model is None:
+        cells: dict[str, Cell] = {}
+    elif done is None:
+        cells = run_cells(built.model, kind)
+    else:  # a previous run's statuses; cells that were not equal run again for their reason
+        again = tuple(v for v, status in done.items() if status != "equal" and
+                      (v, status) != ("beam", "refused"))
+        cells = {v: Cell(status, BEAM if v == "beam" else "") for v, status in done.items()}
+        cells.update(run_cells(built.model, kind, again) if again else {})
     return Built(built.name, built.kind, built.model_type, None, built.skipped), cells
+
+
+_RESUMED: dict[str, dict[str, str]] = {}
+# the beam cells' refusal, the same on every model (a previous run's cells keep it)
+BEAM = "CaptureError: 'token_ids': generate() runs _beam_search (num_beams > 1), whose rows are beams"
+_LINE = re.compile(r"\[\d+/\d+\] (\w+): (.*)")
+
+
+def resume_from(log: str) -> None:
+    """Take the statuses of a previous run's progress lines (``[n/N] Class: verb=status ...``)
+    for the classes it reached; only their cells that were not equal run again."""
+    with open(log, encoding="utf-8") as handle:
+        for line in handle:
+            match = _LINE.match(line.strip())
+            if match and not match.group(2).startswith("skipped"):
+                _RESUMED[match.group(1)] = dict(
+                    item.split("=", 1) for item in match.group(2).split() if "=" in item)
 
 
 def counts(rows: list[Row]) -> dict[str, Counter[str]]:
@@ -49,7 +80,7 @@ def counts(rows: list[Row]) -> dict[str, Counter[str]]:
     return {verb: Counter(cells[verb].status for _, cells in rows if verb in cells) for verb in VERBS}
 
 
-def page(rows: list[Row], *, seconds: float = 0.0) -> str:
+def page(rows: list[Row], *, seconds: float = 0.0) -> str:  # noqa: ARG001 - kept for callers
     """The Markdown page: how to regenerate it, the counts, the table, the skipped classes."""
     built = [(b, c) for b, c in rows if not b.skipped]
     skipped = [b for b, _ in rows if b.skipped]
@@ -66,8 +97,8 @@ def page(rows: list[Row], *, seconds: float = 0.0) -> str:
         "over them, a plain `register_forward_hook`. Read it before you trust a number on an "
         "architecture the rest of these pages never name.",
         "",
-        "Regenerate it (about "
-        f"{max(1, round(seconds / 60))} minutes on two CPU cores; `make zoo` runs the same):",
+        "Regenerate it (about half an hour on two busy CPU cores with `--jobs 3`; `make zoo` "
+        "runs it with 2 processes; `--resume-log LOG` reuses a previous run's progress output):",
         "",
         "<!-- readme-test: skip runs every architecture for minutes; tests/test_zoo.py runs a "
         "fixed sample -->",

@@ -179,11 +179,12 @@ def logit_lens(model: nn.Module, input_ids: Tensor, *, layers: str | Sequence[st
                            f"decoder-only model's blocks, called with input_ids alone; capture the "
                            f"decoder's blocks ('resid_post.*' selects a block list by name) during a "
                            f"forward with decoder_input_ids and read them out yourself")
+    check_token_ids("input_ids", input_ids, _vocab_size(model, nn.Identity()))  # before any forward
+    _check_mask(attention_mask, input_ids)
+    keys, names = asked_names(resolve(model, _patterns(model, layers)))
     readout = model_readout(model, lambda: _readout(model))
     unembed = readout.modules[-1]
     check_token_ids("input_ids", input_ids, _vocab_size(model, unembed))
-    _check_mask(attention_mask, input_ids)
-    keys, names = asked_names(resolve(model, _patterns(model, layers)))
     acts, inputs = capture(model, *keys, on_unfired="error"), {"attention_mask": attention_mask}
     with untouched(model), torch.no_grad(), acts:
         model(input_ids, **inputs)

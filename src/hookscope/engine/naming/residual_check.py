@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.engine.ground_truth import Probe, probe_of, same_values
+from hookscope.engine.ground_truth import Probe, first_tensor, probe_of, same_values
 from hookscope.engine.naming import standard_naming
 from hookscope.engine.naming.names import ModuleIndex
 
@@ -81,7 +81,7 @@ def residual_lists(names: ModuleIndex,
     probe = probe_of(names)
     if isinstance(probe, str):
         return lists
-    sequences = [list(value) for name in HIDDEN
+    sequences = [[first_tensor(state) for state in value] for name in HIDDEN
                  if isinstance(value := getattr(probe.output, name, None), (tuple, list)) and value]
     fitting = [(path, blocks) for path, blocks in lists if any(
         len(states) == len(blocks) + 1 and all(
@@ -107,12 +107,15 @@ def checked_residuals(names: ModuleIndex, blocks: str, count: int, block_input: 
 
 def _check(probe: Probe, blocks: str, count: int, block_input: str | None,
            final_norm: str | None) -> Residuals:
-    sequences = [(name, list(value)) for name in HIDDEN
+    # an entry may be a tuple (PegasusX: tokens, then its global tokens): its first tensor
+    sequences = [(name, [first_tensor(state) for state in value]) for name in HIDDEN
                  if isinstance(value := getattr(probe.output, name, None), (tuple, list)) and value]
+    sequences = [(name, states) for name, states in sequences if None not in states]
+    tensors = [(name, [s for s in states if s is not None]) for name, states in sequences]
     if not sequences:
         return Residuals(unchecked="the model returned no hidden_states")
     block_paths = [f"{blocks}.{i}" for i in range(count)]
-    fitting = [(name, states) for name, states in sequences if len(states) == count + 1]
+    fitting = [(name, states) for name, states in tensors if len(states) == count + 1]
     if not fitting:
         shown = ", ".join(f"{name} has {len(states)}" for name, states in sequences)
         sentence = (f"the model's own hidden states do not line up with its {count} blocks "

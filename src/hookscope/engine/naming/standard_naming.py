@@ -47,6 +47,7 @@ are the whole rule, and a model that has none of them is refused with this list)
 
 from __future__ import annotations
 
+import contextvars
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -95,6 +96,7 @@ MLP_NORM = ("ln_2", "ln2", "post_attention_layernorm")
 # the checks against the model's own values (``engine.naming.residual_check`` registers them when it is
 # imported, with the engine): the selection language itself stands on no hook code
 CHECKS: dict[str, Callable[..., Any]] = {}
+_SUGGESTING = contextvars.ContextVar("suggesting", default=False)  # did-you-mean: no probe forward
 
 _NAME = re.compile(r"(resid_pre|resid_post|attn_out|mlp_out|attn\.[qkvz])\.(\d+|\*)"
                    r"|embed|unembed|final_norm")
@@ -133,8 +135,12 @@ def from_transformer_lens(name: str) -> str | None:
 def known_standard_names(names: ModuleIndex) -> list[str]:
     """Every standard name the model has, bare (``resid_post.0``, ``attn_out.0``, ...,
     ``resid_pre.{i}`` included): the candidates of a did-you-mean."""
-    found = [name.split("::")[0].split("[")[0] for named in standard_names(names).values()
-             for name in named]
+    token = _SUGGESTING.set(True)
+    try:
+        found = [name.split("::")[0].split("[")[0] for named in standard_names(names).values()
+                 for name in named]
+    finally:
+        _SUGGESTING.reset(token)
     blocks = sum(name.startswith("resid_post.") for name in found)
     return found + [f"resid_pre.{i}" for i in range(1, blocks)]
 
@@ -222,7 +228,7 @@ def blocks_of(names: ModuleIndex, name: str) -> Structure:
             f"resolver knows: it looked for a ModuleList named {', '.join(BLOCKS)} (GPT-2 "
             "'transformer.h', Llama 'model.layers', BERT 'encoder.layer'); select the module by "
             "its own path (hookscope tree MODEL lists them)")
-    if len(lists) > 1 and "lists" in CHECKS:
+    if len(lists) > 1 and "lists" in CHECKS and not _SUGGESTING.get():
         lists = CHECKS["lists"](names, lists)
     path, module = max(lists, key=lambda item: len(item[1]))
     return Structure(path, len(module))
@@ -259,7 +265,7 @@ def _checked_residual(names: ModuleIndex, structure: Structure, kind: str, i: in
     except SelectorError:
         final_norm = None
     name = f"{kind}.{i}"
-    if "residuals" in CHECKS:
+    if "residuals" in CHECKS and not _SUGGESTING.get():
         checked = CHECKS["residuals"](names, structure.blocks, structure.count, block_input, final_norm)
         if name in checked.refused:
             raise SelectorError(checked.refused[name])
@@ -289,7 +295,7 @@ def _block_input(names: ModuleIndex, structure: Structure) -> str:
 
 
 def _outside(names: ModuleIndex, name: str) -> str:
-    if name == "embed" and "embedding" in CHECKS:
+    if name == "embed" and "embedding" in CHECKS and not _SUGGESTING.get():
         if (path := CHECKS["embedding"](names)) is not None:
             return str(path)  # the model's own answer (get_input_embeddings()) before the table
     table = {"embed": EMBED, "final_norm": FINAL_NORM, "unembed": UNEMBED}[name]
