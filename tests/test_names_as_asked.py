@@ -267,7 +267,10 @@ def test_the_monitor_records_under_the_names_asked(tmp_path: Path) -> None:
     assert list(mon.latest) == ["transformer.h.0.mlp", "resid_post.1"]
     record = mon.latest["resid_post.1"]
     assert (record["module"], record["path"]) == ("resid_post.1", "transformer.h.1")
-    assert record["activation"]["mean"] == pytest.approx(float(seen[0].double().mean()), rel=1e-6)
+    # the user's own hook saw the standard names' probe forward (engine.ground_truth, once per
+    # model, docs/standard_names.md), then the training step's
+    assert [tuple(value.shape[:2]) for value in seen] == [(1, 6), (1, 4)]
+    assert record["activation"]["mean"] == pytest.approx(float(seen[-1].double().mean()), rel=1e-6)
     lines = [json.loads(line) for line in (tmp_path / "run" / "records.jsonl").read_text().splitlines()]
     assert [(r["module"], r["path"]) for r in lines if "path" in r] == [
         ("transformer.h.0.mlp", "transformer.h.0.mlp"), ("resid_post.1", "transformer.h.1")]
