@@ -15,7 +15,7 @@ from hypothesis import settings
 from torch import nn
 
 from hookscope.diagnostics.inventory import _is_internal, _registered_by
-from hookscope.engine.door.hooks import registered
+from hookscope.engine.door.tables import registered
 from tests.s3_server import s3_endpoint  # noqa: F401  (a fixture for every test file)
 
 # Every live module, kept weakly: scanning ``gc.get_objects()`` (~400,000 objects once torch and

@@ -95,7 +95,7 @@ def test_a_sweep_over_twelve_layers_compiles_a_graph_per_kind_and_plain_calls_wo
 def test_sweeps_in_three_threads_each_get_their_own_values_and_plain_calls_work_after(
         same: bool, verb: str, dynamo_warnings: list[str]) -> None:
     """Three threads sweep the layers at once, each with its own input and steering vector; the
-    blocks of one verb share their entries (``hooks.ModuleHooks``), so the tables stay as they
+    blocks of one verb share their entries (``sharing.ModuleHooks``), so the tables stay as they
     are whichever layers the threads select. (Threads running different verbs at once compile a
     graph per combination of the kinds of hooks open: see the note on threads in capture.md.)"""
     model = _tower()

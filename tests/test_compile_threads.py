@@ -1,5 +1,5 @@
 """Blocks opened at once in several threads on one model share its hook-table entries
-(``engine.door.hooks.ModuleHooks``): a hook of another thread's block joins an entry of the same
+(``engine.door.sharing.ModuleHooks``): a hook of another thread's block joins an entry of the same
 kind, and an entry stays until the last block it serves closes.
 
 On a ``torch.compile(fullgraph=True)`` model, four threads opening five captures each failed in

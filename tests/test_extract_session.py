@@ -11,7 +11,8 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from hookscope.engine.door.hooks import ModuleHooks, OwnedHook
+from hookscope.engine.door.hooks import OwnedHook
+from hookscope.engine.door.sharing import ModuleHooks
 from hookscope.store.extraction import extract
 from tests.models import LeNet
 

@@ -15,15 +15,9 @@ from torch.nn.utils import weight_norm
 from torch.nn.utils.weight_norm import WeightNorm
 
 import hookscope
-from hookscope.engine.door.hooks import (
-    GLOBAL_FLAGS,
-    GLOBAL_TABLES,
-    MODULE_FLAGS,
-    MODULE_TABLES,
-    ModuleHooks,
-    OwnedHook,
-    register,
-)
+from hookscope.engine.door.hooks import OwnedHook, register
+from hookscope.engine.door.sharing import ModuleHooks
+from hookscope.engine.door.tables import GLOBAL_FLAGS, GLOBAL_TABLES, MODULE_FLAGS, MODULE_TABLES
 from tests.models import MlpStack
 
 

@@ -11,7 +11,7 @@ those as **internal**; ``remove_hooks`` leaves internal hooks in place unless
 that breaks them).
 
 Torch's private hook tables are read and written only by the engine's door
-(``engine.door.hooks.registered`` and ``unregister``).
+(``engine.door.tables.registered`` and ``unregister``).
 """
 
 from __future__ import annotations

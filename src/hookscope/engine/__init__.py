@@ -50,13 +50,15 @@ from hookscope.engine.door.hooks import (
     FULLGRAPH,
     OwnedHook,
     RecordingHook,
-    after_backward,
     in_recompute,
     nothing,
-    on_optimizer_step,
-    on_tensor_grad,
     output_of,
     owner,
+)
+from hookscope.engine.door.tables import (
+    after_backward,
+    on_optimizer_step,
+    on_tensor_grad,
     registered,
     unregister,
 )

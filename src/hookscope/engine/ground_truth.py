@@ -6,7 +6,7 @@ Hugging Face model returns its hidden states (``output_hidden_states=True``) and
 probe is one forward, at first use, on a small input made from the config (six token ids; a
 decoder start for an encoder-decoder; one image of ``config.image_size`` for a vision model),
 under ``torch.no_grad()``, with the model left as found (``engine.run.untouched``) and with
-hookscope's own open sessions' hooks set aside (``hooks.set_aside``: the probe is not one of
+hookscope's own open sessions' hooks set aside (``tables.set_aside``: the probe is not one of
 their forwards). A forward hook on every module keeps the first tensor of each call's output
 and input (a copy, as the call returned it: a later in-place write does not reach it), and the
 order in which calls began and ended. The probe is kept per model object
@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hookscope.engine.door.hooks import register, set_aside
+from hookscope.engine.door.hooks import register
+from hookscope.engine.door.tables import set_aside
 from hookscope.engine.naming.names import ModuleIndex
 from hookscope.engine.run import input_device, untouched
 

@@ -28,7 +28,8 @@ from torch import nn
 
 from hookscope.engine import interrupts
 from hookscope.engine.checks import check_model
-from hookscope.engine.door.hooks import ModuleHooks, OwnedHook
+from hookscope.engine.door.hooks import OwnedHook
+from hookscope.engine.door.sharing import ModuleHooks
 from hookscope.errors import ConcurrentModelError, HookscopeError
 
 __all__ = ["RngState", "detached_clones", "input_device", "model_inputs", "state_snapshot",

@@ -26,16 +26,9 @@ from torch.utils.hooks import RemovableHandle
 from hookscope.engine import diagnose, interrupts
 from hookscope.engine.compile import graph as compiled
 from hookscope.engine.door import copies
-from hookscope.engine.door.hooks import (
-    ModuleHooks,
-    OwnedHook,
-    kind_of_hook,
-    locked,
-    nothing,
-    on_node,
-    other_threads,
-    register,
-)
+from hookscope.engine.door.hooks import OwnedHook, kind_of_hook, nothing, other_threads, register
+from hookscope.engine.door.sharing import ModuleHooks, locked
+from hookscope.engine.door.tables import on_node
 from hookscope.engine.early_stop import (
     SKIPPED_BY_STOP,
     EarlyStop,
@@ -158,7 +151,7 @@ class HookSession:
 
     def _install(self) -> None:
         """Register every hook of the block, at once for traces in other threads
-        (``hooks.locked``: a thread calling a compiled model meanwhile compiled a graph per
+        (``sharing.locked``: a thread calling a compiled model meanwhile compiled a graph per
         half-registered table, up to dynamo's recompile limit)."""
         self._hold_compiled_values()
         self._register()
@@ -365,7 +358,7 @@ class HookSession:
                        ) -> None:
         """Run ``function(grad_inputs, grad_outputs)`` after autograd node ``node`` (a
         ``grad_fn`` made by this block's forward) computes its gradients, until the block exits
-        (``hooks.on_node``). Call it inside the block, in the thread that entered it.
+        (``tables.on_node``). Call it inside the block, in the thread that entered it.
 
         Raises:
             HookscopeError: the session is not active (the hook would never be removed).

@@ -6,7 +6,7 @@ What runs when:
   a copy of the CPU/CUDA RNG states (a few KB); with the guard on, a forward hook puts a
   gradient hook on each floating-point output tensor. No other module is hooked.
 - **every backward** (guard on): the first output gradient queues one callback at the end of
-  the backward (``engine.door.hooks.after_backward``): one fused norm of all gradients and one host
+  the backward (``engine.door.tables.after_backward``): one fused norm of all gradients and one host
   sync (``guard.gradients_finite``). When it is not finite the weights are copied and the step
   waits for its replay (below); ``guard="skip"`` drops the gradients there.
 - **sampled steps** (``step % every == 0``): forward hooks on the selected modules fold each

@@ -50,7 +50,7 @@ class KeptOut:
         self.handles = handles
 
     def add_entry(self, table: Any, key: int) -> None:
-        """Leave entry ``key`` of hook table ``table`` out of copies (``hooks.ModuleHooks``
+        """Leave entry ``key`` of hook table ``table`` out of copies (``sharing.ModuleHooks``
         gives the ``(table, key)`` of entries whose value is not an ``OwnedHook``)."""
         entry = self.tables.get(id(table))
         if entry is None or entry[0] is not table:

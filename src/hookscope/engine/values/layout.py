@@ -405,7 +405,7 @@ class MaskWatcher:
         """``find(module, args, kwargs)``: the mask of the call, or None: what a compiled graph
         passes out of the root's pre-hook (``engine.compile.graph``) to ``set``. One function per
         position of ``attention_mask`` (``_finding``), so the blocks of several threads on one
-        model hook its root with one shared entry (``hooks.ModuleHooks``)."""
+        model hook its root with one shared entry (``sharing.ModuleHooks``)."""
         return _finding(self._index)
 
     def set(self, mask: Tensor | None) -> None:
