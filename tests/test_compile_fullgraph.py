@@ -299,14 +299,16 @@ def _output(first: Tensor, fields: dict[str, Any]) -> Any:
               st.dictionaries(st.text(max_size=4), inner.filter(lambda v: v is not None),
                               max_size=3))), max_leaves=8))
 def test_a_flattened_call_fills_back_to_itself(value: Any) -> None:
-    """``engine.compile.graph.flatten`` then the sink's fill give back any nesting of tuples, lists
+    """``engine.compile.graph.flatten`` then the sink's fill (``engine.compile.spec``) give back
+    any nesting of tuples, lists
     and string-keyed dicts of tensors, None, flags, numbers (inf and nan) and strings, and of
     namedtuples and ``ModelOutput``s, the types kept; an object comes back ``NotKept`` with
     its type's name."""
     from hookscope.engine.compile import graph as compiled
+    from hookscope.engine.compile import spec as written
 
     values, spec = compiled.flatten(value)
-    _assert_same(compiled._filled(values, spec), value, exact=True)
+    _assert_same(written._filled(values, spec), value, exact=True)
 
 
 # ------------------------------------------------------------- found by an attack (session 11)

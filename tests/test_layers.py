@@ -236,9 +236,9 @@ WAYS_IN: dict[str, set[str]] = {
         "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
         "_global_backward_pre_hooks", "_global_forward_hooks_always_called",
         "_global_forward_hooks_with_kwargs", "_is_full_backward_hook", "_global_is_full_backward_hook")},
-    # a function mode is made and entered only in engine.function_mode (find_nonfinite's watcher
-    # is its each_call)
-    "TorchFunctionMode": {"engine/function_mode.py"},
+    # a function mode is made only in engine.function_mode (the watcher's) and engine.mode_stack
+    # (find_nonfinite's each_call), and entered only through them
+    "TorchFunctionMode": {"engine/function_mode.py", "engine/mode_stack.py"},
     "TorchDispatchMode": set(),
     # SIGINT: the engine's stand-in, extract's graceful stop and the CLI's exit at an interrupt
     "signal": {"engine/interrupts.py"},
@@ -320,7 +320,8 @@ def floor_of(path: Path) -> set[str]:
 
 
 #: the ground floor: the door and the engine modules it owns stand only on these
-GROUND = {*_HOOK_DOOR, "engine/compile/graph.py", "engine/naming/function_names.py", "errors.py"}
+GROUND = {*_HOOK_DOOR, "engine/compile/graph.py", "engine/compile/spec.py", "engine/compile/function_calls.py",
+          "engine/mode_stack.py", "engine/naming/function_names.py", "errors.py"}
 
 
 @pytest.mark.parametrize("where", sorted({f for files in WAYS_IN.values() for f in files}))
@@ -329,7 +330,8 @@ def test_every_door_stands_on_the_ground_floor(where: str) -> None:
     engine's 8 (and function_mode, a door for function modes, stood on diagnose too): a way into
     torch's hook machinery must not depend on the selection language or the sessions above it."""
     assert floor_of(SRC / where) <= GROUND
-    assert floor_of(SRC / "engine" / "door" / "hooks.py") == {"engine/compile/graph.py", "errors.py"}
+    assert floor_of(SRC / "engine" / "door" / "hooks.py") == {
+        "engine/compile/graph.py", "engine/compile/spec.py", "errors.py"}
 
 
 def test_the_floor_is_read_through_every_import() -> None:

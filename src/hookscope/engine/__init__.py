@@ -12,10 +12,12 @@
   ``standard_naming`` and ``residual_check`` (standard names, checked against the model's own
   hidden states), ``function_names`` (addresses of function calls inside a forward).
 - ``compile/``: ``graph``, the route of hooks through ``torch.compile`` graphs and the
-  process-wide changes it makes.
+  process-wide changes it makes; ``spec`` (a value as the tensors and spec string a graph hands
+  out); ``function_calls`` (a watched forward's calls inside a graph).
 - On top: ``session`` (the life cycle every verb shares: resolve once, register, remove on every
   exit path, explain unfired hooks), ``interrupts`` (no interrupt skips a cleanup),
-  ``function_mode`` (the torch functions a forward calls), ``early_stop``, ``run`` (what a batch
+  ``function_mode`` (the torch functions a forward calls), ``function_hooks`` (hooks on those
+  calls), ``mode_stack`` (torch's function-mode stack), ``early_stop``, ``run`` (what a batch
   means to the model), ``ground_truth`` (one probe forward: what the model itself computed),
   ``diagnose`` (why a hook could not or did not fire), ``checks`` (argument checks).
 
@@ -44,7 +46,8 @@ from hookscope.engine.checks import (
     check_token_ids,
     warn_if_dropout_trains,
 )
-from hookscope.engine.compile.graph import NotKept, eager_when_called
+from hookscope.engine.compile.graph import eager_when_called
+from hookscope.engine.compile.spec import NotKept
 from hookscope.engine.diagnose import explain_no_hooks, fullgraph, locate_error, preflight
 from hookscope.engine.door.hooks import (
     FULLGRAPH,
@@ -62,9 +65,10 @@ from hookscope.engine.door.tables import (
     registered,
     unregister,
 )
-from hookscope.engine.function_mode import FunctionCall, Watch, each_call
+from hookscope.engine.function_mode import FunctionCall, Watch
 from hookscope.engine.ground_truth import Probe, first_tensor, probe_of, same_values
 from hookscope.engine.interrupts import GracefulStop, critical, exit_at_interrupt, release_signals
+from hookscope.engine.mode_stack import each_call
 from hookscope.engine.naming.function_names import bind_arguments, functional_hint, refuse_uninterceptable
 from hookscope.engine.naming.names import ModuleIndex, index, one_index_per_call
 from hookscope.engine.naming.residual_check import Residuals, checked_residuals

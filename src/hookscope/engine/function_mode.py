@@ -29,7 +29,8 @@ the stack when the compiled call starts, but not one that a hook enters inside t
 2.13 fails with ``RecursionError``). So the wrapper's own forward pre-hook, which runs eagerly
 before the compiled code, enters the mode for the whole call, and its forward hook leaves it. While
 dynamo traces, the hooks keep a frame of the trace, and the mode hands each call a watch wants
-out of the graph where it is made (``_Frame.note``: its arguments and result, by one
+out of the graph where it is made (``_Frame.note``, ``engine.compile.function_calls``: its
+arguments and result, by one
 ``hookscope::keep`` operator, ``engine.compile.graph``, which copies them before the forward goes on
 and writes them in place); a call an edit wants goes through ``hookscope::replace``, whose result
 the forward goes on with; the module's forward hook then hands out the names of all the calls
@@ -43,16 +44,16 @@ mode was on the stack when it was traced, in the thread that traced it, and torc
 mode stack compares types only, so another thread would run that graph for its own block and
 record nothing: a second thread's block of function addresses on the same compiled model is
 refused at entry (``_claim``).
+
+Hooks on these calls for sessions: ``engine.function_hooks``; entering and leaving the mode:
+``engine.mode_stack``.
 """
 
 from __future__ import annotations
 
-import gc
 import threading
-import weakref
-from collections.abc import Callable, Generator, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from types import GeneratorType
 from typing import Any
 
 import torch
@@ -61,17 +62,24 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from hookscope.engine.compile import graph as compiled
-from hookscope.engine.door.hooks import OwnedHook, drop_sink, in_recompute, other_threads, register, traced
-from hookscope.engine.naming.function_names import (
-    bind_arguments,
-    custom_function,
-    function_name,
-    function_refusal,
-    parse_op,
+from hookscope.engine.compile.function_calls import (
+    _EDIT,
+    _EDIT_SHARED,
+    _END,
+    _FUNCTIONS,
+    _SHARED_WRITE,
+    _claim,
+    _Frame,
+    _results,
+    _thread_now,
+    _trace_constants,
 )
-from hookscope.errors import EditError, HookscopeError
+from hookscope.engine.door.hooks import OwnedHook, drop_sink, in_recompute, register, traced
+from hookscope.engine.mode_stack import _on_top, _take_off, take_off
+from hookscope.engine.naming.function_names import bind_arguments, custom_function, function_name
+from hookscope.errors import EditError
 
-__all__ = ["FunctionCall", "FunctionWatcher", "FunctionHooks", "Watch", "entered", "each_call", "take_off"]
+__all__ = ["FunctionCall", "FunctionWatcher", "Watch"]
 
 OnCall = Callable[["FunctionCall"], Any]
 _dynamo_tracing = torch.compiler.is_dynamo_compiling  # False unless dynamo traces the caller
@@ -159,7 +167,8 @@ class FunctionWatcher:
     Use ``watch`` for each module, then ``install()`` (returns the hook handles, which the
     caller removes) and, once the forward passes are over, ``close()``, which leaves a mode that
     an interrupted forward (``KeyboardInterrupt``) left entered; the caller holds interrupts
-    back around it (``interrupts.deferred``). Sessions do all three (``FunctionHooks``); the
+    back around it (a block's exit, where ``engine.interrupts`` holds signals back). Sessions
+    do all three (``engine.function_hooks.FunctionHooks``); the
     hooks are owned (``hooks.register``), so a forward run by another thread, or by a copy of a
     watched module, never enters the mode and is never reported.
 
@@ -503,129 +512,6 @@ class _Reporting(threading.local):
 _reporting = _Reporting()
 
 
-class FunctionHooks:
-    """Forward hooks on function calls: how sessions serve targets that address a call.
-
-    ``add(module, op, hook)`` makes ``hook(module, args, output)`` (or ``hook(module, args,
-    kwargs, output)``) run after each call of ``op`` in ``module``'s own forward, exactly as a
-    forward hook runs after the module: ``args``/``kwargs`` are the function's, ``output`` its
-    return value, and a non-``None`` return replaces it.
-
-    Args:
-        wrapper: the ``torch.compile`` wrapper the model is called through, if any (see
-            ``FunctionWatcher``).
-    """
-
-    def __init__(self, wrapper: nn.Module | None = None) -> None:
-        self._watcher = FunctionWatcher(wrapper)
-        self._watches: dict[str, tuple[Watch, str]] = {}
-        self.called: set[str] = set()  # record names whose function was called
-        self.functions: dict[str, Callable[..., Any]] = {}  # record name -> function called
-
-    def add(self, key: str, module: nn.Module, op: str, hook: Callable[..., Any], *,
-            with_kwargs: bool = False, in_recompute: bool = False, edits: bool = False) -> None:
-        """Call ``hook`` for the calls ``op`` (``"relu"``, ``"relu#1"``) selects in ``module``;
-        ``key`` is the record name (``"conv_stack::relu"``); ``in_recompute`` also for the
-        forward that activation checkpointing re-runs during backward, ``edits`` when
-        ``hook`` may return a value (see ``Watch``)."""
-        name, occurrence = parse_op(op)
-        called, functions = self.called, self.functions
-
-        def on_call(call: FunctionCall) -> Any:
-            if occurrence is not None and call.occurrence != occurrence:
-                return None
-            called.add(key)
-            functions[key] = call.func
-            if with_kwargs:
-                return hook(call.module, call.args, call.kwargs, call.output)
-            return hook(call.module, call.args, call.output)
-        self._watches[key] = (self._watcher.watch(module, on_call, names={name},
-                                                  in_recompute=in_recompute, occurrence=occurrence,
-                                                  edits=edits), op)
-
-    def watch(self, module: nn.Module, on_call: OnCall, *, names: Iterable[str] | None = None,
-              deep: bool = False) -> Watch:
-        """Have ``on_call(call)`` see the calls of ``names`` (every call when ``None``) in
-        ``module``'s forward, as ``FunctionWatcher.watch`` (``tree --ops``, ``attention``);
-        enter the session afterwards, which installs the hooks and removes them on exit."""
-        return self._watcher.watch(module, on_call, names=names, deep=deep)
-
-    def install(self, handles: list[RemovableHandle]) -> None:
-        """Add the hooks (see ``FunctionWatcher.install``) into ``handles``; the caller removes
-        them."""
-        self._watcher.install(handles)
-
-    def close(self) -> None:
-        """Leave the mode if a forward was interrupted (see ``FunctionWatcher.close``)."""
-        self._watcher.close()
-
-    def explain(self, exc: BaseException) -> None:
-        """Add a note to ``exc`` when dynamo refused to trace what the watches need (inside
-        ``torch.utils.checkpoint``, dynamo refuses any change to state from outside the
-        checkpointed function, as a frame of a watched forward is: found by an attack)."""
-        if (self._watches and self._watcher.for_compiled and type(exc).__name__ == "Unsupported"
-                and "Unsafe side effect" in str(exc)):
-            exc.add_note(_UNSAFE)
-
-    def refuses(self, key: str) -> bool:
-        """Whether record ``key`` addresses a custom ``torch.autograd.Function`` its module's
-        forward called (``unfired`` gives the refusal: such an address never records)."""
-        watch, op = self._watches[key]
-        return key not in self.called and parse_op(op)[0] in watch.functions
-
-    def unfired(self, key: str, path: str) -> str | None:
-        """Why the calls of record ``key`` were never seen although its module ran (in this
-        block's thread, or only in other threads), or ``None`` when they were seen or the module
-        itself never ran (a module-level reason then)."""
-        watch, op = self._watches[key]
-        if key in self.called:
-            return None
-        if not watch.module_calls:
-            foreign = watch.foreign_calls()
-            return other_threads(path, foreign) if foreign else None
-        name, occurrence = parse_op(op)
-        where = f"'{path}'" if path else "the model"
-        if name in watch.functions:
-            return function_refusal(where, name)
-        what = f"call {occurrence} of {name}" if occurrence is not None else f"any {name}"
-        return (f"{where} ran {watch.module_calls} time{'s' if watch.module_calls > 1 else ''} "
-                f"but its own forward never made {what}; {_made(watch)} (calls made inside "
-                f"its children are theirs: address the child that makes it). 'hookscope tree "
-                f"MODEL --input X --ops' lists the calls of every module's own forward")
-
-
-_SHARED_WRITE = (
-    "an edit wrote the result of '{name}' in place inside a torch.compile graph, and that result "
-    "is a view of another tensor (x.view(...), x.transpose(...)): eagerly the write reaches "
-    "that tensor too, inside a compiled graph it cannot. "
-    "Return a new tensor instead (o = o.clone(); o[..., 0] = 0; return o), or edit the eager "
-    "model (compiled._orig_mod)")
-
-
-def _results(output: Any) -> tuple[Any, ...]:
-    return tuple(output) if isinstance(output, (tuple, list)) else (output,)
-
-
-def _shares_memory(output: Any) -> bool:
-    """While dynamo traces: whether a call's result is a view of another tensor (``_base``)."""
-    return any(isinstance(r, torch.Tensor) and r._base is not None for r in _results(output))
-
-
-def _in_place(output: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """While dynamo traces: whether a call returned one of its tensor arguments (an in-place
-    call: ``x.relu_()``, ``x += y``)."""
-    inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    return any(r is a for r in _results(output) for a in inputs)
-
-
-_UNSAFE = ("hookscope: a function address ('path::fn') inside a torch.utils.checkpoint region "
-           "of a torch.compile(fullgraph=True) model: dynamo refuses the state hookscope keeps "
-           "while it traces a watched forward there. Compile with fullgraph=False (checkpointing "
-           "then runs outside the graph), address a module (without '::') in that region, or "
-           "capture on the eager model (compiled._orig_mod)")
-_NAMED = 12  # calls an unfired reason names (then a count)
-
-
 def _note_function(frame: _Frame, name: str) -> None:
     """Note in ``made`` and ``functions`` a custom ``autograd.Function`` that the forward of
     ``frame`` called (one of whose inner calls was just seen), for the watches that see it."""
@@ -633,18 +519,6 @@ def _note_function(frame: _Frame, name: str) -> None:
         if watch.deep or not frame.suspended:
             watch.made.setdefault(name)
             watch.functions.setdefault(name)
-
-
-def _made(watch: Watch) -> str:
-    """``"it made: a, b, c"``: the calls a forward made, listed for an address that matched none
-    (GPT-2's attention makes ``scaled_dot_product_attention``, no ``softmax``); a custom
-    ``autograd.Function`` it called is listed by its name, marked, never the calls inside it."""
-    made = watch.made
-    if not made:
-        return "it made no torch call of its own"
-    names = [f"{n} (a custom autograd.Function)" if n in watch.functions else n for n in made]
-    rest = f", … {len(names) - _NAMED} more" if len(names) > _NAMED else ""
-    return f"it made: {', '.join(names[:_NAMED])}{rest}"
 
 
 def _note_made(frame: _Frame, heads: Iterable[str]) -> None:
@@ -669,234 +543,6 @@ def _counted(watches: list[Watch]) -> _Frame:
         watch.module_calls += 1
     return _Frame(watches, calls)
 
-
-class _Frame:
-    """One running forward of a watched module (or, while dynamo traces, of its trace, whose
-    calls go to the compiled sink of ``leave``)."""
-
-    __slots__ = ("watches", "module_calls", "suspended", "counts", "deep", "leave", "heads")
-
-    def __init__(self, watches: list[Watch], module_calls: list[int], leave: OwnedHook | None = None):
-        self.watches = watches
-        self.deep = any(w.deep for w in watches)
-        self.module_calls = module_calls
-        self.suspended = 0  # > 0 while a direct child runs
-        self.counts: dict[tuple[int, str], int] = {}
-        self.leave = leave
-        self.heads: list[str] = []  # traced: the head of each call, in order (note)
-
-    def note(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-             output: Any) -> Any:
-        """While dynamo traces: write a call as its head, ``"<code> <name> <suspended> <k,...>"``
-        (``_function_code``; k: the call's index among its name's calls for each watch, -1 for a
-        watch that does not see it; strings are constants of the graph); return what the
-        forward goes on with. A call a watch wants goes out of the graph here, with copies of its ``args``,
-        ``kwargs`` and ``output`` made before the forward goes on (``engine.compiled.keep``);
-        one an edit wants, its result through ``engine.compile.graph.replace_call``; every head
-        goes out at the end (``_taken``): the names a forward made, in order."""
-        called = _function_code[0](func)
-        name = called.partition(" ")[2]
-        wanted = edits = False
-        occurrences = []
-        for place, watch in enumerate(self.watches):  # as _report and FunctionHooks.add choose
-            if (self.suspended and not watch.deep) or (watch.names is not None and name not in watch.names):
-                occurrences.append("-1")
-                continue
-            seen = self.counts.get((place, name), 0)  # by place: an id() is a guard per object
-            self.counts[place, name] = seen + 1
-            occurrences.append(str(seen))
-            if watch.occurrence in (None, seen):
-                wanted, edits = True, edits or watch.edits
-        head = f"{called} {self.suspended} {','.join(occurrences)}"
-        self.heads.append(head)
-        key = None if self.leave is None else self.leave.key
-        if key is None or not wanted:
-            return output
-        refusal = compiled.call_refusal(output) if edits else None
-        if edits and refusal is None and _in_place(output, args, kwargs):
-            refusal = compiled.CALL_IN_PLACE
-        if refusal is not None:  # raises EditError at the call, before anything is reported
-            compiled.refuse(key, refusal)
-        else:
-            if edits:  # (a view of an input: an edit writing it in place is refused)
-                kind = _EDIT_SHARED if _shares_memory(output) else _EDIT
-                output = compiled.replace_call(output, key, (kind, head))
-            else:
-                values, spec = compiled.flatten((_CALL, head, args, kwargs, output))
-                compiled.keep(values, spec, key)
-        return output
-
-    def count(self, watch: Watch, name: str) -> int:
-        key = (id(watch), name)
-        seen = self.counts.get(key, 0)
-        self.counts[key] = seen + 1
-        return seen
-
-
-class entered:  # noqa: N801 - used as a function: ``with entered(mode):``
-    """Have ``mode`` (a ``TorchFunctionMode``) on this thread's torch function-mode stack for
-    the block: the one way hookscope enters a mode of its own for a whole block
-    (``each_call``). However the block ends (an exception, a KeyboardInterrupt at any
-    line, one inside the mode's own ``__torch_function__`` while torch holds it aside), the
-    mode is taken off (``take_off``), modes entered after it staying in their order. torch's
-    function-mode stack is per thread, so a mode entered here never sees another thread's
-    calls."""
-
-    def __init__(self, mode: TorchFunctionMode):
-        self.mode = mode
-
-    def __enter__(self) -> None:
-        try:
-            torch._C._push_on_torch_function_stack(self.mode)
-        except BaseException:
-            take_off(self.mode)
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        try:
-            take_off(self.mode)
-        except BaseException:
-            take_off(self.mode)  # idempotent: what an exception halfway left
-            raise
-
-
-OnOutput = Callable[[Callable[..., Any], tuple[Any, ...], Mapping[str, Any] | None, Any], None]
-
-
-def each_call(on_output: OnOutput) -> entered:
-    """A context (``with each_call(f):``) during which, on this thread, every torch function
-    runs as usual and then ``on_output(func, args, kwargs, output)`` gets what it returned
-    (``find_nonfinite`` notes which call made each value): a ``TorchFunctionMode`` of the engine's
-    for a whole block, entered and taken off as ``entered`` does."""
-    return entered(_EachCall(on_output))
-
-
-class _EachCall(TorchFunctionMode):
-    """Passes every torch function through, then hands its output to ``on_output``."""
-
-    def __init__(self, on_output: OnOutput):
-        super().__init__()
-        self.on_output = on_output
-
-    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
-                           kwargs: Mapping[str, Any] | None = None) -> Any:
-        output = func(*args, **(kwargs or {}))
-        self.on_output(func, args, kwargs, output)
-        return output
-
-
-def take_off(mode: TorchFunctionMode) -> None:
-    """Take ``mode`` off torch's function-mode stack wherever it is, also when an interrupt
-    left it held aside by torch (``_stashes``); nothing when it is not there."""
-    if _depth(mode) is None:  # interrupted: torch may hold it aside
-        for stash in _stashes(mode):
-            stash.close()  # puts it back on the stack now, not when garbage-collected
-    _take_off(mode)
-
-
-def _on_top(mode: TorchFunctionMode) -> bool:
-    """Whether ``mode`` is the innermost torch function mode (so that leaving it pops it)."""
-    depth = torch._C._len_torch_function_stack()
-    return bool(depth) and torch._C._get_function_stack_at(depth - 1) is mode
-
-
-def _stashes(mode: TorchFunctionMode) -> list[Generator[Any, None, None]]:
-    """The suspended ``torch.overrides._pop_mode_temporarily`` generators holding ``mode``.
-
-    ``handle_torch_function`` takes the innermost mode off the stack around its
-    ``__torch_function__`` in such a generator; an interrupt inside its ``__enter__`` or
-    ``__exit__`` leaves it suspended, and it pushes the mode back whenever it is
-    garbage-collected: long after the block took the mode away for good."""
-    if _STASH_CODE is None:
-        return []
-    return [holder for holder in gc.get_referrers(mode)
-            if isinstance(holder, GeneratorType) and holder.gi_code is _STASH_CODE
-            and holder.gi_frame is not None and not holder.gi_running]
-
-
-_STASH_CODE = getattr(getattr(getattr(torch.overrides, "_pop_mode_temporarily", None),
-                              "__wrapped__", None), "__code__", None)
-
-
-def _depth(mode: TorchFunctionMode) -> int | None:
-    """Where ``mode`` is on torch's function-mode stack (0: outermost), or None."""
-    return next((i for i in range(torch._C._len_torch_function_stack())
-                 if torch._C._get_function_stack_at(i) is mode), None)
-
-
-def _take_off(mode: TorchFunctionMode) -> None:
-    """Remove ``mode`` from torch's function-mode stack, if there, keeping the others in order."""
-    at = _depth(mode)
-    if at is None:
-        return
-    depth = torch._C._len_torch_function_stack()
-    above = [torch._C._pop_torch_function_stack() for _ in range(depth - at)][::-1]
-    for other in above:
-        if other is not mode:
-            torch._C._push_on_torch_function_stack(other)
-
-
-_claims: weakref.WeakKeyDictionary[nn.Module, dict[int, int]] = weakref.WeakKeyDictionary()
-_claims_lock = threading.Lock()
-
-
-def _claim(wrapper: nn.Module, change: int) -> bool:
-    """Count a block of function addresses on the compile ``wrapper`` opening (``change=+1``)
-    or closing (-1) in this thread; return whether this one holds a claim now.
-
-    Raises:
-        HookscopeError: opening while a block of another thread holds one (see the module's
-            docstring), naming the fixes."""
-    with _claims_lock:
-        return _claimed(wrapper, threading.get_ident(), change)
-
-
-def _claimed(wrapper: nn.Module, thread: int, change: int) -> bool:
-    threads = _claims.setdefault(wrapper, {})
-    if change > 0 and any(other != thread for other in threads):
-        raise HookscopeError(
-            "another thread has a block open with a function address ('path::fn') on this "
-            "torch.compile'd model: its compiled graph hands a call's values to the blocks of "
-            "the thread that traced it, so a second thread's block would record nothing. Open "
-            "such blocks in one thread at a time, give each thread its own compiled copy "
-            "(torch.compile(copy.deepcopy(model))), or capture in the eager model "
-            "(model._orig_mod); module addresses (without '::') may be open in many threads")
-    threads[thread] = threads.get(thread, 0) + change
-    if threads[thread] <= 0:
-        del threads[thread]
-    return change > 0
-
-
-#: the first item of what a compiled forward hands out (_replayed)
-_CALL, _EDIT, _EDIT_SHARED, _END = "call", "edit", "edit-shared", "end"
-_FUNCTIONS: list[Callable[..., Any]] = []  # code -> function (_code_of)
-
-
-def _code_of(func: Callable[..., Any]) -> str:
-    """``"<code> <name>"`` of a torch function: its place in ``_FUNCTIONS`` and
-    ``function_name``. Dynamo runs it once per function while it traces, and the graph holds
-    the string (``torch._dynamo.assume_constant_result``: ``_function_code``)."""
-    if func not in _FUNCTIONS:
-        _FUNCTIONS.append(func)
-    return f"{_FUNCTIONS.index(func)} {function_name(func)}"
-
-
-_function_code: list[Callable[[Callable[..., Any]], str]] = [_code_of]  # see _trace_constants
-def _thread() -> int:
-    """The calling thread's ident (``threading.get_ident``; a Python function, which dynamo can
-    hold as a constant: ``_trace_constants``)."""
-    return threading.get_ident()
-
-
-_thread_now: list[Callable[[], int]] = [_thread]  # the tracing thread's (see _trace_constants)
-
-
-def _trace_constants() -> None:
-    """Have dynamo run ``_code_of`` while it traces and hold its result as a constant (once;
-    ``torch._dynamo`` is loaded: a compile wrapper exists)."""
-    if _function_code[0] is _code_of:
-        _function_code[0] = torch._dynamo.assume_constant_result(_code_of)  # type: ignore[no-untyped-call]
-        _thread_now[0] = torch._dynamo.assume_constant_result(_thread)  # type: ignore[no-untyped-call]
 
 
 class _Mode(TorchFunctionMode):

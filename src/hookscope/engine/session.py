@@ -37,7 +37,7 @@ from hookscope.engine.early_stop import (
     stopped_by,
     stops,
 )
-from hookscope.engine.function_mode import FunctionHooks
+from hookscope.engine.function_hooks import FunctionHooks
 from hookscope.engine.naming.function_names import refuse_uninterceptable
 from hookscope.engine.naming.names import ModuleIndex, index
 from hookscope.engine.naming.selection import Target, resolve, unwrap
