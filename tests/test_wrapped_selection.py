@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -35,18 +34,8 @@ _SETTINGS = settings(deadline=None, suppress_health_check=list(HealthCheck), der
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """A gloo group of one process for DDP and FSDP (as tests/conftest.py's process_group)."""
-    import torch.distributed as dist
-    if dist.is_initialized():
-        yield
-        return
-    store = tmp_path_factory.mktemp("pg") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
+def _group(process_group: None) -> None:
+    """tests/conftest.py's gloo group of one process, for DDP and FSDP in every test here."""
 
 
 def _selected(model: nn.Module, pattern: str) -> dict[str, nn.Module] | str:
