@@ -18,6 +18,7 @@ from typing import Any
 
 import fsspec.core
 import pytest
+import s3fs
 import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
@@ -119,6 +120,19 @@ def test_a_dead_endpoint_is_named_after_bounded_retries(moto: MotoServer) -> Non
     _named(caught.value, url, probe.endpoint)
     assert "tried 4 times" in str(caught.value) and "EndpointConnectionError" in str(caught.value)
     OUTCOMES["clean"] += 1
+
+
+def test_the_endpoint_named_is_the_one_a_cached_client_talks_to(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """fsspec keeps one file system per process: one connected under another
+    ``AWS_ENDPOINT_URL`` still talks to that endpoint, and a fault must name it, not the
+    environment's (a CI run named the live server while its cached client called a dead one)."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, key=KEY, secret=SECRET)
+    fs.connect()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:10")
+    assert faults.endpoint_of(fs) == "http://127.0.0.1:9"
+    assert faults.endpoint_of(s3fs.S3FileSystem(skip_instance_cache=True)) == "http://127.0.0.1:10"
 
 
 def test_a_missing_bucket_is_refused_never_created(moto: MotoServer) -> None:
@@ -248,7 +262,10 @@ def test_cli_fault_mid_run_prints_rows_kept_and_the_resume_command(
     (tmp_path / "ident.py").write_text(
         "import torch\ndef make():\n    return torch.nn.Sequential(torch.nn.Identity())\n")
     monkeypatch.chdir(tmp_path)
-    fs = fsspec.filesystem("s3")  # the instance a URL without storage_options gets
+    # the instance a URL without storage_options gets, made now under this endpoint: fsspec
+    # caches one per process, and one an earlier test made talks to another server
+    s3fs.S3FileSystem.clear_instance_cache()
+    fs = fsspec.filesystem("s3")
     pipe_file = fs.pipe_file
 
     def failing(path: str, data: bytes, **kw: Any) -> None:
@@ -269,6 +286,7 @@ def test_cli_fault_mid_run_prints_rows_kept_and_the_resume_command(
     monkeypatch.setattr(fs, "pipe_file", pipe_file)
     assert main(command.split()[1:]) == 0
     assert _digests(url, moto.endpoint) == local_digests
+    s3fs.S3FileSystem.clear_instance_cache()
     OUTCOMES["clean"] += 1
 
 

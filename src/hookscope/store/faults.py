@@ -69,9 +69,13 @@ def is_transient(err: BaseException) -> bool:
 
 def endpoint_of(fs: Any) -> str:
     """The endpoint ``fs`` sends its requests to, in words (no credentials): an ``http``
-    URL for S3, else the file system's default."""
+    URL for S3, else the file system's default. A connected client's own endpoint comes first:
+    fsspec caches file systems per process, so an instance made under another
+    ``AWS_ENDPOINT_URL`` keeps talking to that one, and the message must name it."""
+    client = getattr(fs, "_s3", None)  # s3fs's botocore client, once connected
     kwargs = getattr(fs, "client_kwargs", None) or {}
-    found = (kwargs.get("endpoint_url") if isinstance(kwargs, dict) else None) or \
+    found = getattr(getattr(client, "meta", None), "endpoint_url", None) or \
+        (kwargs.get("endpoint_url") if isinstance(kwargs, dict) else None) or \
         getattr(fs, "endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL_S3") or \
         os.environ.get("AWS_ENDPOINT_URL")
     if found:
