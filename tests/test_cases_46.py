@@ -132,18 +132,19 @@ def _assert_names_equal_hidden_states(model: nn.Module, ids: torch.Tensor) -> No
         assert torch.allclose(post[0] if isinstance(post, tuple) else post, states[i + 1], atol=1e-5)
 
 
-def test_resid_pre_0_computed_outside_any_module_is_refused_naming_the_difference() -> None:
+def test_resid_pre_0_computed_outside_any_module_is_the_inline_call_that_computes_it() -> None:
     """OPT adds its learned positions to the token embeddings inline: no module's output is
-    ``hidden_states[0]``; the name is refused, not resolved to the token embedding."""
+    ``hidden_states[0]``; the name is the function call of the decoder's own forward whose
+    value it is (never the token embedding, whose output differs)."""
     from tests.zoo.build import tiny_config
     model = transformers.OPTForCausalLM(tiny_config("opt")).eval()
-    with pytest.raises(SelectorError, match=r"resid_pre\.0.*hidden_states\[0\].*differs from it by"
-                                            r".*inputs=True"):
-        hookscope.select(model, "resid_pre.0")
+    (target,) = hookscope.engine.resolve(model, ["resid_pre.0"])
+    assert (target.path, target.op) == ("model.decoder", "add#0")
     with torch.no_grad():
         states = model(IDS, output_hidden_states=True).hidden_states
-    with hookscope.capture(model, "resid_post.0") as acts, torch.no_grad():
+    with hookscope.capture(model, "resid_pre.0", "resid_post.0") as acts, torch.no_grad():
         model(IDS)
+    assert torch.allclose(acts["resid_pre.0"], states[0], atol=1e-6)
     assert torch.allclose(acts["resid_post.0"], states[1], atol=1e-6)
 
 

@@ -168,8 +168,13 @@ def _names(model: nn.Module, kind: str, feed: dict[str, Any]) -> bool:
         with torch.no_grad():
             model(**feed)
     posts = [acts[f"resid_post.{i}"] for i in range(len(hookscope.select(model, "resid_post.*")))]
-    with torch.no_grad():  # the model's own input embedding, called on the ids
-        embedded = model.get_input_embeddings()(next(iter(feed.values())))  # type: ignore[operator]
+    # the model's own input embedding (get_input_embeddings()), as the forward called it (an
+    # encoder-decoder's may be the decoder's, called on the decoder's ids)
+    own = model.get_input_embeddings()  # type: ignore[operator]
+    called = [calls for path, module in model.named_modules() if module is own
+              for calls in [seen.get(path)] if calls]
+    with torch.no_grad():
+        embedded = called[0][0][1] if called else own(next(iter(feed.values())))
     embed_ok = _same(acts.calls("embed")[0], embedded)
     return embed_ok and any(_residuals_equal(acts["resid_pre.0"], posts, states, seen)
                             for states in sequences if len(states) == len(posts) + 1)
@@ -177,15 +182,21 @@ def _names(model: nn.Module, kind: str, feed: dict[str, Any]) -> bool:
 
 def _residuals_equal(pre: Any, posts: list[Any], states: list[torch.Tensor],
                      seen: dict[str, list[Any]]) -> bool:
+    last = _first(posts[-1])
+
+    def once(given: Any, gives: Any) -> bool:  # a module that ran once took `given`, gave `gives`
+        return any(len(calls) == 1 and _same(calls[0][0], given) and _same(calls[0][1], gives)
+                   for calls in seen.values())
+    if all(_same(post, state) for post, state in zip(posts, states)):
+        # Mamba, RWKV: hidden_states[i] is block i's output, the last one the final norm's;
+        # resid_pre.0 is then what entered the module whose output is hidden_states[0]
+        return once(last, states[-1]) and once(pre, states[0])
     if not _same(pre, states[0]):
         return False
     if not all(_same(post, state) for post, state in zip(posts[:-1], states[1:-1])):
         return False
-    last = _first(posts[-1])
     # the last hidden state is the last block's output, or a module's output whose input it is
-    return _same(last, states[-1]) or any(
-        len(calls) == 1 and _same(calls[0][0], last) and _same(calls[0][1], states[-1])
-        for calls in seen.values())
+    return _same(last, states[-1]) or once(last, states[-1])
 
 
 def _capture(model: nn.Module, kind: str, feed: dict[str, Any]) -> bool:
@@ -215,7 +226,9 @@ def _lens(model: nn.Module, kind: str, feed: dict[str, Any]) -> bool:
             raise NotApplicable("the model returns no logits") from exc
         except Exception as exc:  # noqa: BLE001
             raise NotApplicable(f"the model's own forward raised {type(exc).__name__}") from exc
-    lens = hookscope.logit_lens(model, feed["input_ids"], attention_mask=feed["attention_mask"])
+    decoder = {"decoder_input_ids": feed["decoder_input_ids"]} if "decoder_input_ids" in feed else {}
+    lens = hookscope.logit_lens(model, feed["input_ids"], attention_mask=feed["attention_mask"],
+                                **decoder)
     want = torch.log_softmax(logits.float(), dim=-1)
     return lens.log_probs[-1].shape == want.shape and \
         float((lens.log_probs[-1] - want).abs().max()) <= TOLERANCE

@@ -28,6 +28,7 @@ from hookscope.engine import (
     blocks_of,
     check_tensor,
     check_token_ids,
+    decoder_blocks,
     index,
     layout_of,
     resolve,
@@ -129,8 +130,8 @@ class LogitLens:
 
 
 def logit_lens(model: nn.Module, input_ids: Tensor, *, layers: str | Sequence[str] | None = None,
-               attention_mask: Tensor | None = None, plot: str | os.PathLike[str] | None = None
-               ) -> LogitLens:
+               attention_mask: Tensor | None = None, plot: str | os.PathLike[str] | None = None,
+               decoder_input_ids: Tensor | None = None) -> LogitLens:
     """Read each selected block's residual stream through the model's final norm and unembedding.
 
     ```python
@@ -156,6 +157,10 @@ def logit_lens(model: nn.Module, input_ids: Tensor, *, layers: str | Sequence[st
             ``(batch, seq, hidden)`` residual stream); ``None``: ``"resid_post.*"``, every
             block's output.
         attention_mask: passed to the model.
+        decoder_input_ids: ``(batch, dec_seq)`` token ids of an encoder-decoder's decoder
+            (T5, BART ...; required there, refused elsewhere): the lens then reads the
+            decoder's blocks (by default the list its ``decoder_hidden_states`` come from),
+            and ``log_probs`` is ``(layers, batch, dec_seq, vocab)``.
         plot: write ``LogitLens.plot``'s PNG there, after the lens is computed; missing parent
             folders are created (the Python API's rule, as for ``patching_sweep`` and
             ``extract``; the CLI refuses them unless ``--parents``).
@@ -166,26 +171,29 @@ def logit_lens(model: nn.Module, input_ids: Tensor, *, layers: str | Sequence[st
     Raises:
         SelectorError: a pattern matches no module.
         ArgumentTypeError: ``input_ids`` is not an integer tensor, ``attention_mask`` not a tensor.
-        ArgumentValueError: an id outside the model's vocabulary (``0 … vocab - 1``); an
+        ArgumentValueError: ``decoder_input_ids`` given to a model that is not an
+            encoder-decoder, or not ``(batch, dec_seq)``; an id outside the model's
+            vocabulary (``0 … vocab - 1``); an
             ``attention_mask`` of another shape than ``input_ids``, or with a row of no real token.
-        CaptureError: the model's own log-probabilities differ from every readout found after
-            its last block (``diagnostics.readout``, naming the difference); the model has no
-            final norm or unembedding the standard names find, no
+        CaptureError: an encoder-decoder called without ``decoder_input_ids``, or whose
+            decoder blocks were not found; the model's own log-probabilities differ from
+            every readout found after its last block (``diagnostics.readout``, naming the
+            difference); the model has no final norm or unembedding the standard names find, no
             block list (give ``layers=``), or a selected block ran other than once or gave no
             ``(batch, seq, hidden)`` tensor.
     """
-    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        raise CaptureError(f"{type(model).__name__} is an encoder-decoder: the logit lens reads a "
-                           f"decoder-only model's blocks, called with input_ids alone; capture the "
-                           f"decoder's blocks ('resid_post.*' selects a block list by name) during a "
-                           f"forward with decoder_input_ids and read them out yourself")
+    seq2seq = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+    _check_decoder_ids(model, decoder_input_ids, seq2seq, input_ids)
     check_token_ids("input_ids", input_ids, _vocab_size(model, nn.Identity()))  # before any forward
     _check_mask(attention_mask, input_ids)
-    keys, names = asked_names(resolve(model, _patterns(model, layers)))
+    keys, names = asked_names(resolve(model, _patterns(model, layers, seq2seq)))
     readout = model_readout(model, lambda: _readout(model))
     unembed = readout.modules[-1]
     check_token_ids("input_ids", input_ids, _vocab_size(model, unembed))
-    acts, inputs = capture(model, *keys, on_unfired="error"), {"attention_mask": attention_mask}
+    acts = capture(model, *keys, on_unfired="error")
+    inputs: dict[str, Any] = {"attention_mask": attention_mask}
+    if seq2seq:
+        inputs["decoder_input_ids"] = decoder_input_ids
     with untouched(model), torch.no_grad(), acts:
         model(input_ids, **inputs)
     hidden = readout.width if readout.width is not None else _width(unembed)
@@ -248,9 +256,38 @@ def _readout(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return names.modules[paths["final_norm"]], names.modules[paths["unembed"]]
 
 
-def _patterns(model: nn.Module, layers: str | Sequence[str] | None) -> list[str]:
+def _check_decoder_ids(model: nn.Module, ids: object, seq2seq: bool, input_ids: Tensor) -> None:
+    """``decoder_input_ids`` given exactly when the model is an encoder-decoder."""
+    if seq2seq and ids is None:
+        raise CaptureError(f"{type(model).__name__} is an encoder-decoder: its logits are the "
+                           f"decoder's, so the logit lens reads the decoder's blocks during a "
+                           f"forward with decoder ids: pass decoder_input_ids=... (e.g. "
+                           f"torch.tensor([[model.config.decoder_start_token_id]]))")
+    if not seq2seq and ids is not None:
+        raise ArgumentValueError(f"decoder_input_ids is for an encoder-decoder (T5, BART ...); "
+                                 f"{type(model).__name__} is not one (config.is_encoder_decoder): "
+                                 f"leave it out")
+    if ids is not None:
+        check_tensor("decoder_input_ids", ids, "torch.tensor([[model.config.decoder_start_token_id]])")
+        assert isinstance(ids, Tensor)
+        check_token_ids("decoder_input_ids", ids, _vocab_size(model, nn.Identity()))
+        if ids.dim() != 2 or ids.shape[0] != input_ids.shape[0]:
+            raise ArgumentValueError(f"decoder_input_ids has shape {tuple(ids.shape)}: give "
+                                     f"(batch, dec_seq) with input_ids' batch of "
+                                     f"{input_ids.shape[0]}")
+
+
+def _patterns(model: nn.Module, layers: str | Sequence[str] | None,
+              seq2seq: bool = False) -> list[str]:
     if layers is not None:
         return as_patterns(layers)
+    if seq2seq:
+        found = decoder_blocks(index(model))
+        if found is None:
+            raise CaptureError(f"{type(model).__name__}'s decoder blocks were not found: no block "
+                               f"list gives the model's own decoder_hidden_states; give the "
+                               f"blocks, logit_lens(..., layers='model.decoder.layers.*')")
+        return [f"{found[0]}.*"]
     try:
         blocks_of(index(model), "resid_post.*")
     except SelectorError as err:

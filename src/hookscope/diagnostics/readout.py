@@ -1,6 +1,7 @@
 """What the model applies between its last block and its logits, read from its own computation.
 
-The logit lens reads a residual stream as the last block's output would be read. The structural
+The logit lens reads a residual stream as the last block's output would be read (an
+encoder-decoder's: its decoder's last block, the list its ``decoder_hidden_states`` come from). The structural
 rule (final norm, then unembedding) is what GPT-2 and Llama do; other models do more: Gemma 2
 soft-caps its logits (``30 * tanh(x / 30)``, ``final_logit_softcapping``), Cohere multiplies them
 by ``logit_scale``, Granite divides by ``logits_scaling``, OPT projects out of a narrower width
@@ -12,7 +13,8 @@ after its final norm, MiniCPM scales the stream before ``lm_head``. Once per mod
    applies too: an inline scale), until one gives the logits' shape;
 2. after that module, what turns its output into the logits: nothing, the model's
    ``*softcap*`` config value (``c * tanh(x / c)``), a scalar (``logit_scale``,
-   ``1 / logits_scaling``, read as the ratio of the two tensors), or both;
+   ``1 / logits_scaling``, read as the ratio of the two tensors), or a bias added per token
+   (BART's ``final_logits_bias``, read as the difference, the same at every position);
 3. the last block's output read through 1 and 2 must give the model's own log-probabilities
    within ``TOLERANCE`` nats; else the lens is refused (``CaptureError``) naming the largest
    difference, the modules read through and the config values that touch the logits.
@@ -29,7 +31,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from hookscope.engine import Probe, blocks_of, index, probe_of, resolve_standard, same_values
+from hookscope.engine import (
+    Probe,
+    blocks_of,
+    decoder_blocks,
+    index,
+    probe_of,
+    resolve_standard,
+    same_values,
+)
 from hookscope.errors import CaptureError, SelectorError
 
 __all__ = ["Readout", "model_readout", "TOLERANCE"]
@@ -92,7 +102,12 @@ def _structural(find: Callable[[], tuple[nn.Module, nn.Module]], why: str) -> Re
 
 
 def _last_block(model: nn.Module) -> str | None:
+    """The last block's path: an encoder-decoder's decoder's (``decoder_blocks``: the list the
+    model's own ``decoder_hidden_states`` come from), else ``resid_post.{L-1}``'s."""
     names = index(model)
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        found = decoder_blocks(names)
+        return None if found is None else f"{found[0]}.{found[1] - 1}"
     try:
         structure = blocks_of(names, "resid_post.*")
         return resolve_standard(names, f"resid_post.{structure.count - 1}")[0][1]
@@ -139,6 +154,9 @@ def _find(model: nn.Module, probe: Probe) -> Readout | str:
     ratio = _scale(raw, logits)
     if ratio is not None and ratio != 1.0:
         tried.append((f"then x {ratio:.6g} (the model's logit scale)", _times(ratio)))
+    bias = _bias(raw, logits)
+    if bias is not None:
+        tried.append(("then + a bias per token (the model's final_logits_bias)", _plus(bias)))
     gaps = []
     for name, post in tried:
         gaps.append(float((torch.log_softmax(post(raw), dim=-1) - target).abs().max()))
@@ -169,6 +187,21 @@ def _scale(x: Tensor, y: Tensor | None) -> float | None:
         return None
     ratio = float(xf @ yf) / norm
     return ratio if same_values(xf * ratio, yf, tolerance=1e-4) else None
+
+
+def _bias(x: Tensor, y: Tensor) -> Tensor | None:
+    """``b`` ``(vocab,)`` with ``y == x + b`` at every position (BART's ``final_logits_bias``,
+    added after ``lm_head``), when ``x`` and ``y`` have the same shape and at least two
+    positions (one position fits any difference); else None."""
+    if x.shape != y.shape or x.dim() < 2 or x[..., 0].numel() < 2:
+        return None
+    difference = (y.float().to(x.device) - x.float()).reshape(-1, x.shape[-1])
+    bias = difference[0]
+    return bias if same_values(difference, bias.expand_as(difference), tolerance=1e-4) else None
+
+
+def _plus(bias: Tensor) -> Callable[[Tensor], Tensor]:
+    return lambda x: x + bias.to(x.device, x.dtype)
 
 
 def _softcap(cap: float) -> Callable[[Tensor], Tensor]:

@@ -71,7 +71,7 @@ from hookscope.engine.interrupts import GracefulStop, critical, exit_at_interrup
 from hookscope.engine.mode_stack import each_call
 from hookscope.engine.naming.function_names import bind_arguments, functional_hint, refuse_uninterceptable
 from hookscope.engine.naming.names import ModuleIndex, index, one_index_per_call
-from hookscope.engine.naming.residual_check import Residuals, checked_residuals
+from hookscope.engine.naming.residual_check import Residuals, checked_residuals, decoder_blocks
 from hookscope.engine.naming.selection import (
     Target,
     as_patterns,
@@ -138,6 +138,7 @@ from hookscope.engine.values.layout import (
 from hookscope.engine.values.record_key import Part, RecordKey, record_name
 
 __all__ = ["Probe", "Residuals", "checked_residuals", "first_tensor", "probe_of", "same_values",
+           "decoder_blocks",
            "AxesRow", "TOKEN_AXES", "batch_first", "token_axes",
            "FULLGRAPH", "FunctionCall", "RecordingHook", "GracefulStop", "critical", "exit_at_interrupt",
            "release_signals", "HookSession",

@@ -9,7 +9,11 @@ under ``torch.no_grad()``, with the model left as found (``engine.run.untouched`
 hookscope's own open sessions' hooks set aside (``tables.set_aside``: the probe is not one of
 their forwards). A forward hook on every module keeps the first tensor of each call's output
 and input (a copy, as the call returned it: a later in-place write does not reach it), and the
-order in which calls began and ended. The probe is kept per model object
+order in which calls began and ended. The forwards of the modules that own a block list (a
+``ModuleList``'s parent: the model's own code between its blocks) are watched too
+(``engine.function_mode``): each torch function they call themselves keeps the first tensor it
+returned, so a value the model computes inline (token embeddings scaled and positions added
+outside any module) is found where it is computed. The probe is kept per model object
 (weakly: it goes with the model) and made again only when the model's module set changed.
 
 A model the probe cannot run (no ``config``, a forward without ``output_hidden_states``, an
@@ -30,6 +34,7 @@ from torch import nn
 
 from hookscope.engine.door.hooks import register
 from hookscope.engine.door.tables import set_aside
+from hookscope.engine.function_mode import FunctionCall, FunctionWatcher
 from hookscope.engine.naming.names import ModuleIndex
 from hookscope.engine.run import input_device, untouched
 
@@ -50,6 +55,10 @@ class Probe:
         calls: ``[(path, begin, end)]``: each call's rank when it began and when it ended, in one
             count of events (a call nested in another begins after it and ends before it).
         feed: the keyword inputs the model was called with.
+        functions: ``[(path, op, rank, first tensor returned)]``: the torch function calls made
+            by the own forward of each module that owns a block list, ``op`` as an address
+            writes it (``"dropout#0"``: its call 0 in the forward), ``rank`` in the count of
+            ``calls`` (the call began after the events of lower rank).
         memo: what verbs derived from this probe (``{verb: result}``), kept with it.
     """
 
@@ -58,6 +67,7 @@ class Probe:
     inputs: dict[str, list[Tensor]]
     calls: list[tuple[str, int, int]]
     feed: dict[str, Any]
+    functions: list[tuple[str, str, int, Tensor]] = field(default_factory=list)
     memo: dict[str, Any] = field(default_factory=dict)
 
     def once(self, path: str) -> Tensor | None:
@@ -77,7 +87,9 @@ def probe_of(names: ModuleIndex) -> Probe | str:
         kept = _PROBES.get(model)
         if kept is not None and kept[0] == len(names.modules):
             return kept[1]
-    result = _run_probe(names)
+    result = _run_probe(names, watch=True)
+    if isinstance(result, str):  # a forward the function watch breaks: the modules alone
+        result = _run_probe(names, watch=False)
     with _LOCK:
         _PROBES[model] = (len(names.modules), result)
     return result
@@ -109,7 +121,7 @@ def same_values(a: Any, b: Any, *, tolerance: float = 1e-5) -> bool:
     return bool(((x - y).abs() <= tolerance * scale).all())
 
 
-def _run_probe(names: ModuleIndex) -> Probe | str:
+def _run_probe(names: ModuleIndex, *, watch: bool) -> Probe | str:
     model = names.root
     feed = _probe_inputs(model)
     if isinstance(feed, str):
@@ -137,12 +149,18 @@ def _run_probe(names: ModuleIndex) -> Probe | str:
                     table.setdefault(path, []).append(found.detach().clone())
         return hook
 
-    handles = []
+    functions: list[tuple[str, str, int, Tensor]] = []
+    watcher = FunctionWatcher()
+    if watch:
+        for path in _block_owners(names):
+            watcher.watch(names.modules[path], _keeper(path, functions, counter))
+    handles: list[Any] = []
     try:
         with set_aside(model), untouched(model), torch.no_grad():
             for path, module in names.modules.items():
                 handles.append(register(module, pre(path), pre=True))
                 handles.append(register(module, post(path)))
+            watcher.install(handles)
             output = model(**feed, output_hidden_states=True, return_dict=True)
     except Exception as exc:  # noqa: BLE001 - a probe that cannot run is a reason, not an error
         first = str(exc).splitlines()[0][:160] if str(exc) else ""
@@ -150,7 +168,26 @@ def _run_probe(names: ModuleIndex) -> Probe | str:
     finally:
         for handle in handles:
             handle.remove()
-    return Probe(output, outputs, inputs, calls, feed)
+        watcher.close()
+    return Probe(output, outputs, inputs, calls, feed, functions)
+
+
+def _block_owners(names: ModuleIndex) -> list[str]:
+    """The paths of the modules that own a non-empty ``ModuleList`` (its parent)."""
+    owners = {path.rsplit(".", 1)[0] if "." in path else "" for path, module in names.modules.items()
+              if path and isinstance(module, nn.ModuleList) and len(module) > 0}
+    return [path for path in names.modules if path in owners]
+
+
+def _keeper(path: str, kept: list[tuple[str, str, int, Tensor]], counter: list[int]) -> Any:
+    """``on_call`` of a watch: keeps the first float tensor a call of the forward's first run
+    returned (a copy), with its address and rank."""
+    def on_call(call: FunctionCall) -> None:
+        found = first_tensor(call.output)
+        if call.module_call == 0 and found is not None and found.is_floating_point():
+            kept.append((path, f"{call.name}#{call.occurrence}", counter[0], found.detach().clone()))
+            counter[0] += 1
+    return on_call
 
 
 def _probe_inputs(model: nn.Module) -> dict[str, Any] | str:

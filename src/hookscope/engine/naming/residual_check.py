@@ -39,7 +39,7 @@ from hookscope.engine.ground_truth import Probe, first_tensor, probe_of, same_va
 from hookscope.engine.naming import standard_naming
 from hookscope.engine.naming.names import ModuleIndex
 
-__all__ = ["Residuals", "checked_residuals", "input_embedding", "residual_lists"]
+__all__ = ["Residuals", "checked_residuals", "decoder_blocks", "input_embedding", "residual_lists"]
 
 Tensor = torch.Tensor
 HIDDEN = ("hidden_states", "decoder_hidden_states", "encoder_hidden_states")
@@ -90,6 +90,30 @@ def residual_lists(names: ModuleIndex,
     return fitting or lists
 
 
+def decoder_blocks(names: ModuleIndex) -> tuple[str, int] | None:
+    """``(path, count)`` of the block list whose blocks each ran once in the probe forward and
+    gave the model's own ``decoder_hidden_states`` (an encoder-decoder's decoder: the last block's
+    output, or a module's output computed from it, is the last state); None when no list does
+    or the model has no probe or no decoder hidden states."""
+    probe = probe_of(names)
+    if isinstance(probe, str):
+        return None
+    value = getattr(probe.output, "decoder_hidden_states", None)
+    states = [first_tensor(state) for state in value] if isinstance(value, (tuple, list)) else []
+    if len(states) < 2 or None in states:
+        return None
+    count = len(states) - 1
+    for path, module in names.modules.items():
+        if not isinstance(module, nn.ModuleList) or len(module) != count:
+            continue
+        outputs = [probe.once(f"{path}.{i}") for i in range(count)]
+        last = outputs[-1]
+        if all(same_values(o, s) for o, s in zip(outputs[:-1], states[1:-1])) and last is not None \
+                and (same_values(last, states[-1]) or _applied_after(probe, last, states[-1])):  # type: ignore[arg-type]
+            return path, count
+    return None
+
+
 def checked_residuals(names: ModuleIndex, blocks: str, count: int, block_input: str | None,
                       final_norm: str | None) -> Residuals:
     """The residual names of the model of ``names`` checked against its hidden states (module
@@ -126,6 +150,8 @@ def _check(probe: Probe, blocks: str, count: int, block_input: str | None,
                                   for i in range(count)})
     name, states = max(fitting, key=lambda item: sum(
         same_values(probe.once(p), s) for p, s in zip(block_paths, item[1][1:])))
+    if all(same_values(probe.once(p), s) for p, s in zip(block_paths, states)):
+        return _after_each_block(probe, states, blocks, block_paths, block_input, name)
     paths: dict[str, str] = {}
     refused: dict[str, str] = {}
     first = _first_state(probe, states[0], blocks, block_input, name)
@@ -145,6 +171,31 @@ def _check(probe: Probe, blocks: str, count: int, block_input: str | None,
     return Residuals(paths, refused)
 
 
+def _after_each_block(probe: Probe, states: list[Tensor], blocks: str, block_paths: list[str],
+                      block_input: str | None, name: str) -> Residuals:
+    """Hidden states that are each block's output, then the final norm's (Mamba, RWKV:
+    ``hidden_states[i]`` is block ``i``'s output, ``hidden_states[L]`` the norm of the last):
+    ``resid_post.{i}`` is block ``i`` (each checked equal), and ``resid_pre.0`` is what the
+    first block took in, read from its call (no hidden state holds it)."""
+    if not _applied_after(probe, states[-2], states[-1]):
+        sentence = (f"the model's own hidden states are the outputs of its blocks ('{blocks}'), "
+                    f"but {name}[-1] is no module's output computed from the last block's: "
+                    f"which value the residual stream ends with cannot be checked; select the "
+                    f"module by its own path (hookscope tree MODEL)")
+        return Residuals(refused={f"{kind}.{i}": sentence for kind in ("resid_pre", "resid_post")
+                                  for i in range(len(block_paths))})
+    entering = probe.inputs.get(block_paths[0], [])
+    if len(entering) != 1:
+        sentence = (f"'resid_pre.0': the model's own {name} are its blocks' outputs ({name}[0] is "
+                    f"'{block_paths[0]}''s), and the first block's input, which this name "
+                    f"reads, is no tensor argument of one call; capture(model, "
+                    f"'{block_paths[0]}', inputs=True) reads it")
+        return Residuals(refused={"resid_pre.0": sentence})
+    first = _first_state(probe, entering[0], blocks, block_input, f"'{block_paths[0]}' input")
+    return Residuals({"resid_pre.0": first[1]} if first[0] and first[1] != block_input else {},
+                     {} if first[0] else {"resid_pre.0": first[1]})
+
+
 def _holding(probe: Probe, state: Tensor) -> list[tuple[str, int, int]]:
     """The calls of modules that ran once and whose output holds ``state``'s values."""
     return [(path, begin, end) for path, begin, end in probe.calls
@@ -153,7 +204,9 @@ def _holding(probe: Probe, state: Tensor) -> list[tuple[str, int, int]]:
 
 def _first_state(probe: Probe, state: Tensor, blocks: str, structural: str | None,
                  name: str) -> tuple[bool, str]:
-    """(True, path) of the module whose output is ``hidden_states[0]``, or (False, why)."""
+    """(True, address) of what gives ``state``, the value that enters the first block: a
+    module's output, else a function call of the model's own code before the first block
+    (``"model::dropout#0"``), or (False, why)."""
     if structural is not None and same_values(probe.once(structural), state):
         return True, structural
     first_block = next((begin for path, begin, _ in probe.calls if path == f"{blocks}.0"), None)
@@ -162,9 +215,25 @@ def _first_state(probe: Probe, state: Tensor, blocks: str, structural: str | Non
              and (first_block is None or end < first_block)]
     if found:
         return True, max(found, key=lambda item: item[1])[0]
+    inline = _computed_inline(probe, state, blocks, first_block)
+    if inline is not None:
+        return True, inline
     return False, _differs("resid_pre.0", f"{name}[0]", structural, probe, state,
                            f"capture(model, '{blocks}.0', inputs=True) reads the first block's "
                            f"input")
+
+
+def _computed_inline(probe: Probe, state: Tensor, blocks: str, first_block: int | None) -> str | None:
+    """The address ``owner::op#N`` of the last function call that the own forward of a module
+    owning ``blocks`` (its parent, or further up) made before the first block began and whose
+    value is ``state`` (BioGPT, OPT, Pegasus: embeddings scaled and positions added inline,
+    then ``F.dropout``); None when there is none."""
+    owners = {blocks.rsplit(".", 1)[0] if "." in blocks else ""}
+    owners |= {p for p in probe.outputs if p and blocks.startswith(p + ".")}
+    calls = [(rank, f"{path}::{op}") for path, op, rank, value in probe.functions
+             if path in owners | {""} and (first_block is None or rank < first_block)
+             and same_values(value, state)]
+    return max(calls)[1] if calls else None
 
 
 def _block_state(probe: Probe, state: Tensor, block: str, blocks: str, name: str, i: int,

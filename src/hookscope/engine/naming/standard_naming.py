@@ -240,7 +240,8 @@ def _in_block(names: ModuleIndex, structure: Structure, kind: str,
     if kind in RESIDUAL and (path := _block_lookup(names, block, RESIDUAL[kind])) is not None:
         return path, (), None
     if kind in ("resid_post", "resid_pre"):
-        return _checked_residual(names, structure, kind, i), (), None
+        path, _, op = _checked_residual(names, structure, kind, i).partition("::")
+        return path, (), op or None
     if kind.startswith("attn."):
         return _per_head(names, block, kind[-1], f"{kind}.{i}")
     table = ATTENTION if kind == "attn_out" else MLP
@@ -254,7 +255,8 @@ def _in_block(names: ModuleIndex, structure: Structure, kind: str,
 
 def _checked_residual(names: ModuleIndex, structure: Structure, kind: str, i: int) -> str:
     """The path of ``{kind}.{i}`` by structure, checked against the model's own hidden states
-    (``engine.naming.residual_check``: the module whose output holds them, or a refusal)."""
+    (``engine.naming.residual_check``: the module whose output holds them, a function call
+    ``path::op#N`` of the model's own code where no module's does, or a refusal)."""
     try:
         block_input: str | None = _block_input(names, structure)
         missing = None
