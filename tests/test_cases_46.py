@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import hookscope
-from hookscope.errors import CaptureError, SelectorError
+from hookscope.errors import CaptureError
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.set_verbosity_error()

@@ -28,7 +28,7 @@ from torch import nn
 import hookscope
 from hookscope.errors import HookscopeError
 
-VERBS = ("names", "capture", "lens", "greedy", "sample", "beam")
+VERBS = ("names", "capture", "lens", "greedy", "sample", "beam", "attention", "patch", "steer", "eap")
 TOLERANCE = 1e-4
 PROMPT = 6
 
@@ -304,3 +304,7 @@ CHECKS: dict[str, Callable[[nn.Module, str, dict[str, Any]], bool]] = {
     "sample": _generation({"do_sample": True, "top_k": 5}),
     "beam": _generation({"num_beams": 2, "do_sample": False}),
 }
+
+from tests.zoo.edit_cells import EDIT_CHECKS  # noqa: E402 - it reads this module's helpers
+
+CHECKS.update(EDIT_CHECKS)

@@ -42,7 +42,8 @@ def run_zoo(*, only: str = "", limit: int = 0, progress: bool = False,
 def _one(chosen: tuple[str, str, str]) -> Row:
     kind, model_type, name = chosen
     done = _RESUMED.get(name)
-    if done is not None and all(s == "equal" or (v, s) == ("beam", "refused") for v, s in done.items()):
+    if done is not None and set(done) >= set(VERBS) and \
+            all(s == "equal" or (v, s) == ("beam", "refused") for v, s in done.items()):
         cells = {v: Cell(s, BEAM if v == "beam" else "") for v, s in done.items()}
         return Built(name, kind, model_type, None), cells  # nothing to run again
     built = build(kind, model_type, name)
@@ -51,9 +52,10 @@ def _one(chosen: tuple[str, str, str]) -> Row:
     elif done is None:
         cells = run_cells(built.model, kind)
     else:  # a previous run's statuses; cells that were not equal run again for their reason
-        again = tuple(v for v, status in done.items() if status != "equal" and
-                      (v, status) != ("beam", "refused"))
-        cells = {v: Cell(status, BEAM if v == "beam" else "") for v, status in done.items()}
+        again = tuple(v for v in VERBS if v not in done or done[v] != "equal" and
+                      (v, done[v]) != ("beam", "refused"))
+        cells = {v: Cell(status, BEAM if v == "beam" else "") for v, status in done.items()
+                 if v in VERBS}
         cells.update(run_cells(built.model, kind, again) if again else {})
     return Built(built.name, built.kind, built.model_type, None, built.skipped), cells
 
