@@ -15,15 +15,17 @@ from tests.zoo.cells import VERBS, run_cells  # noqa: E402
 from tests.zoo.table import counts, page  # noqa: E402
 
 # (class, the verbs that must be equal, not only not silent)
+EDITS = ("attention", "patch", "steer")
 SAMPLE = {
-    "GPT2LMHeadModel": ("names", "capture", "lens", "greedy", "sample"),
-    "LlamaForCausalLM": ("names", "capture", "lens", "greedy", "sample"),
+    "GPT2LMHeadModel": ("names", "capture", "lens", "greedy", "sample", *EDITS, "eap"),
+    "LlamaForCausalLM": ("names", "capture", "lens", "greedy", "sample", *EDITS, "eap"),
     "Gemma2ForCausalLM": ("names", "capture", "lens", "greedy"),   # case 62's soft-cap
-    "Qwen2MoeForCausalLM": ("names", "lens", "greedy"),
-    "OPTForCausalLM": ("lens", "greedy"),                          # resid_pre.0 refused
-    "T5ForConditionalGeneration": ("names", "greedy", "sample"),   # case 63
-    "BertForMaskedLM": ("names", "capture", "lens"),
-    "ViTForImageClassification": ("names", "capture"),
+    "Qwen2MoeForCausalLM": ("names", "lens", "greedy", "eap"),
+    "OPTForCausalLM": ("names", "lens", "greedy", "patch", "steer"),  # resid_pre.0 inline
+    "MambaForCausalLM": ("names", "lens", "greedy"),               # hidden states after blocks
+    "T5ForConditionalGeneration": ("names", "lens", "greedy", "sample", *EDITS),  # case 63
+    "BertForMaskedLM": ("names", "capture", "lens", *EDITS),
+    "ViTForImageClassification": ("names", "capture", *EDITS),
 }
 
 
@@ -49,7 +51,7 @@ def test_drawn_causal_architecture_is_never_silent(pick: int) -> None:
     if built.model is None:
         assert built.skipped  # a class that does not build says why
         return
-    cells = run_cells(built.model, built.kind, ("names", "lens", "greedy"))
+    cells = run_cells(built.model, built.kind, ("names", "lens", "greedy", "patch", "steer"))
     assert not [(v, c) for v, c in cells.items() if c.status in ("silent", "crash")], (built.name, cells)
 
 
@@ -68,5 +70,5 @@ def test_page_shows_counts_and_rows() -> None:
     text = page(rows)
     table = counts(rows)
     assert f"| names | {table['names']['equal']} |" in text
-    assert "| GPT2LMHeadModel | causal | = | = | = | = | = | R |" in text
+    assert "| GPT2LMHeadModel | causal | = | = | = | = | = | R | = | = | = | = |" in text
     assert "<!-- readme-test: skip" in text  # the docs test never re-runs the zoo

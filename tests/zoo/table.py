@@ -99,8 +99,9 @@ def page(rows: list[Row], *, seconds: float = 0.0) -> str:  # noqa: ARG001 - kep
         "over them, a plain `register_forward_hook`. Read it before you trust a number on an "
         "architecture the rest of these pages never name.",
         "",
-        "Regenerate it (about half an hour on two busy CPU cores with `--jobs 3`; `make zoo` "
-        "runs it with 2 processes; `--resume-log LOG` reuses a previous run's progress output):",
+        "Regenerate it (about an hour on two busy CPU cores; `make zoo` "
+        "runs it with 2 processes; `--resume-log LOG` reuses a previous run's progress output "
+        "and runs again only the cells that were not equal, and the verbs it lacks):",
         "",
         "<!-- readme-test: skip runs every architecture for minutes; tests/test_zoo.py runs a "
         "fixed sample -->",
@@ -115,16 +116,30 @@ def page(rows: list[Row], *, seconds: float = 0.0) -> str:  # noqa: ARG001 - kep
         "",
         "- **names**: `embed`, `resid_pre.0` and `resid_post.*` captured, equal to "
         "`output_hidden_states` (the last hidden state may be the final norm's output, whose "
-        "input `resid_post.{L-1}` then is);",
+        "input `resid_post.{L-1}` then is; where the hidden states are each block's output, as "
+        "Mamba's, `resid_pre.0` equals the first block's input);",
         "- **capture**: `capture(model, \"**\")`, every module's every call equal to a plain "
         "forward hook's;",
-        "- **lens**: `logit_lens`'s last layer equal to the model's own log-probabilities;",
+        "- **lens**: `logit_lens`'s last layer equal to the model's own log-probabilities (an "
+        "encoder-decoder's: its decoder's, with `decoder_input_ids`);",
         "- **greedy**, **sample**, **beam**: `capture_generation` around `generate()` (greedy; "
         "top-k sampling; 2 beams): `token_ids()` equal to the returned sequences but their last "
         "token, the first decoder block's `aligned` rows equal to a teacher-forced forward over "
         "them (an encoder-decoder: over the decoder's inputs; where a plain forward computes other "
         "position ids than the `0, 1, ...` that `generate()` passes, as RoBERTa-like models do, "
-        "with those).",
+        "with those);",
+        "- **attention**: `attention(model, layers=\"resid_post.0\")` (the first block's "
+        "attention probabilities, recomputed from the SDPA call where the model uses it) equal to "
+        "the model's own `output_attentions` of the same weights with eager attention;",
+        "- **patch**: `patch(model, source=clean, layers=\"resid_post.0\")` on a corrupted input: "
+        "the output equal to a plain forward hook returning the clean run's output of that module;",
+        "- **steer**: `steer(model, {\"resid_post.0\": v})`: the output equal to a plain forward "
+        "hook adding `v`;",
+        "- **eap**: `edge_attribution_patching` on a causal LM (a logit difference at the last "
+        "position): the edges input -> logits, m0 -> logits and input -> m0 equal to (clean - "
+        "corrupted) x the gradient at the downstream norm's input, computed with plain hooks and "
+        "`torch.autograd.grad` (the residual stream's `hidden_states[0]`, the MLP's output, a copy "
+        "of the norm's input that only the norm reads).",
         "",
         "## Counts",
         "",
