@@ -190,3 +190,19 @@ def test_lens_asks_an_encoder_decoder_for_decoder_ids_and_refuses_them_elsewhere
         hookscope.logit_lens(_seq2seq("t5", 0, 0.0), IDS)
     with pytest.raises(ArgumentValueError, match="not one"):
         hookscope.logit_lens(_causal("opt", 0), IDS, decoder_input_ids=IDS)
+
+
+def test_inline_resid_pre_0_on_a_compiled_model_is_the_same_call_and_steers_as_eager() -> None:
+    model = _causal("opt", 0)
+    compiled = torch.compile(model, backend="eager")
+    assert list(hookscope.select(compiled, "resid_pre.0")) == list(hookscope.select(model, "resid_pre.0"))
+    vector = torch.randn(int(_states(model, IDS)[0].shape[-1]), generator=torch.Generator().manual_seed(1))
+    handle = _first_block(model).register_forward_pre_hook(lambda m, a: (a[0] + vector, *a[1:]))
+    try:
+        with torch.no_grad():
+            want = model(IDS).logits
+    finally:
+        handle.remove()
+    with hookscope.steer(compiled, {"resid_pre.0": vector}), torch.no_grad():
+        got = compiled(IDS).logits
+    assert torch.allclose(got, want, atol=1e-5)
