@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections import Counter
@@ -15,66 +16,82 @@ Row = tuple[Built, dict[str, Cell]]
 
 
 def run_zoo(*, only: str = "", limit: int = 0, progress: bool = False,
-            names: tuple[str, ...] = (), jobs: int = 1) -> list[Row]:
+            names: tuple[str, ...] = (), jobs: int = 1, reverse: bool = False) -> list[Row]:
     """Build every class (or those in ``names``, or whose name contains ``only``) and run its
-    cells, in ``jobs`` processes; a class that does not build has no cells. Each row's
-    ``Built`` holds no model (``skipped`` empty: it built)."""
+    cells, in ``jobs`` processes (``reverse``: last class first, rows still returned in
+    ``classes()`` order); a class that does not build has no cells. Each row's ``Built``
+    holds no model (``skipped`` empty: it built)."""
     chosen = [c for c in classes() if only in c[2] and (not names or c[2] in names)][:limit or None]
+    order = chosen[::-1] if reverse else chosen
     rows: list[Row] = []
     if jobs > 1:
         import multiprocessing
         pool = multiprocessing.get_context("spawn").Pool(
             jobs, maxtasksperchild=20, initializer=_RESUMED.update, initargs=(dict(_RESUMED),))
-        results = pool.imap(_one, chosen)
+        results = pool.imap(_one, order)
     else:
-        pool, results = None, map(_one, chosen)
+        pool, results = None, map(_one, order)
     for number, (built, cells) in enumerate(results):
         rows.append((built, cells))
         if progress:
             shown = " ".join(f"{v}={c.status}" for v, c in cells.items()) or f"skipped: {built.skipped}"
             print(f"[{number + 1}/{len(chosen)}] {built.name}: {shown}", file=sys.stderr, flush=True)
+            why = {v: c.reason for v, c in cells.items() if c.status in _REASONED}
+            if why:
+                print(f"[{number + 1}/{len(chosen)}] {built.name} why: {json.dumps(why)}",
+                      file=sys.stderr, flush=True)
     if pool is not None:
         pool.close()
         pool.join()
-    return rows
+    return rows[::-1] if reverse else rows
 
 
 def _one(chosen: tuple[str, str, str]) -> Row:
     kind, model_type, name = chosen
     done = _RESUMED.get(name)
-    if done is not None and set(done) >= set(VERBS) and \
-            all(s == "equal" or (v, s) == ("beam", "refused") for v, s in done.items()):
-        cells = {v: Cell(s, BEAM if v == "beam" else "") for v, s in done.items()}
-        return Built(name, kind, model_type, None), cells  # nothing to run again
+    kept = {} if done is None else {v: Cell(*cell) for v, cell in done.items() if v in VERBS}
+    again = tuple(v for v in VERBS if v not in kept or kept[v].status in ("silent", "crash")
+                  or kept[v].status == "refused" and not kept[v].reason)
+    if done is not None and not again:
+        return Built(name, kind, model_type, None), kept  # nothing to run again
     built = build(kind, model_type, name)
     if built.model is None:
         cells: dict[str, Cell] = {}
-    elif done is None:
-        cells = run_cells(built.model, kind)
-    else:  # a previous run's statuses; cells that were not equal run again for their reason
-        again = tuple(v for v in VERBS if v not in done or done[v] != "equal" and
-                      (v, done[v]) != ("beam", "refused"))
-        cells = {v: Cell(status, BEAM if v == "beam" else "") for v, status in done.items()
-                 if v in VERBS}
-        cells.update(run_cells(built.model, kind, again) if again else {})
+    else:  # a previous run's cells, and those it lacks or holds without a reason run again
+        cells = {**kept, **run_cells(built.model, kind, again)}
+        cells = {v: cells[v] for v in VERBS if v in cells}
     return Built(built.name, built.kind, built.model_type, None, built.skipped), cells
 
 
-_RESUMED: dict[str, dict[str, str]] = {}
-# the beam cells' refusal, the same on every model (a previous run's cells keep it)
+# name -> {verb: (status, reason)} of previous runs (resume_from)
+_RESUMED: dict[str, dict[str, tuple[str, str]]] = {}
+_REASONED = ("refused", "silent", "crash")
+# the beam cells' refusal, the same on every model (a log's beam refusal without a reason)
 BEAM = "CaptureError: 'token_ids': generate() runs _beam_search (num_beams > 1), whose rows are beams"
 _LINE = re.compile(r"\[\d+/\d+\] (\w+): (.*)")
+_WHY = re.compile(r"\[\d+/\d+\] (\w+) why: (.*)")
 
 
 def resume_from(log: str) -> None:
-    """Take the statuses of a previous run's progress lines (``[n/N] Class: verb=status ...``)
-    for the classes it reached; only their cells that were not equal run again."""
+    """Take the cells of a previous run's progress lines (``[n/N] Class: verb=status ...`` and
+    ``[n/N] Class why: {json}``, the reasons) for the classes it reached: a later run runs
+    again only the verbs a class lacks, its silent and crashed cells, and refusals whose reason
+    the log does not hold (a beam refusal's is ``BEAM``)."""
     with open(log, encoding="utf-8") as handle:
         for line in handle:
-            match = _LINE.match(line.strip())
+            line = line.strip()
+            if (why := _WHY.match(line)) is not None:
+                cells = _RESUMED.get(why.group(1), {})
+                for verb, reason in json.loads(why.group(2)).items():
+                    if verb in cells:
+                        cells[verb] = (cells[verb][0], reason)
+                continue
+            match = _LINE.match(line)
             if match and not match.group(2).startswith("skipped"):
-                _RESUMED[match.group(1)] = dict(
-                    item.split("=", 1) for item in match.group(2).split() if "=" in item)
+                _RESUMED[match.group(1)] = {
+                    verb: (status, BEAM if (verb, status) == ("beam", "refused") else "")
+                    for verb, status in (item.split("=", 1) for item in match.group(2).split()
+                                         if "=" in item)}
 
 
 def counts(rows: list[Row]) -> dict[str, Counter[str]]:
