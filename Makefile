@@ -42,6 +42,6 @@ bench: setup
 	$(PY) -m bench $(BENCH_ARGS)
 
 # every architecture of transformers' auto mappings through the verbs, against the model's own
-# values; rewrites docs/zoo.md (about 15 minutes on 2 cores; tests/test_zoo.py runs a sample)
+# values; rewrites docs/zoo.md (about an hour on 2 busy cores; tests/test_zoo.py runs a sample)
 zoo: setup
 	PYTHONPATH=src:. $(PY) -m tests.zoo --jobs 2 --out docs/zoo.md

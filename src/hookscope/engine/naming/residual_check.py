@@ -14,9 +14,19 @@ one probe forward, kept), each name is compared with the hidden state it stands 
   output, not the last block's: it checks ``resid_post.{L-1}`` when a module that ran once took
   the last block's output as its input and gave the last hidden state (the final norm, whatever
   its name); the name stays the last block's output, which is the residual stream there;
-- no module's output holds the hidden state (the model's forward computes it outside any module,
-  e.g. scales the embeddings inline): the name is refused (``SelectorError``) with the largest
-  difference found and the fix, never resolved to a module whose output differs;
+- no module's output holds ``hidden_states[0]`` because the model's own forward computes it
+  (OPT, BioGPT, Pegasus, Whisper: embeddings scaled, positions added, ``F.dropout`` inline):
+  ``resid_pre.0`` is the last torch function call, made by the own forward of a module that
+  owns the block list before the first block began, whose value it is (the probe watches those
+  forwards: ``engine.ground_truth``), as a function-level address (``"model.decoder::add#0"``),
+  which capture, patch and steer take as any name;
+- hidden states that are each block's output, the last one the final norm's (Mamba, RWKV:
+  no embeddings among them): ``resid_post.{i}`` is block ``i``, checked equal to
+  ``hidden_states[i]``, and ``resid_pre.0`` is checked against the first block's input as the
+  probe saw it (the structural module, else the module or inline call that gives it);
+- no module's output and no such call holds the hidden state: the name is refused
+  (``SelectorError``) with the largest difference found and the fix, never resolved to a
+  value that differs;
 - the hidden states do not line up with the blocks (not one per block plus the embeddings):
   the residual names are refused, naming both counts.
 
