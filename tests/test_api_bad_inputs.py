@@ -282,6 +282,8 @@ ROWS = [
         lambda m: hs.logit_lens(m, torch.tensor([[1, 500]])), gpt2=True),
     Row("logit_lens", "negative id", "input_ids",
         lambda m: hs.logit_lens(m, torch.tensor([[-1, 2]])), gpt2=True),
+    Row("logit_lens", "decoder ids on a decoder-only model", "decoder_input_ids",
+        lambda m: hs.logit_lens(m, IDS, decoder_input_ids=IDS), gpt2=True),
     Row("logit_lens", "mask shape", "attention_mask",
         lambda m: hs.logit_lens(m, IDS, attention_mask=torch.ones(3, 3)), gpt2=True),
     Row("logit_lens", "mask all zero", "attention_mask",
