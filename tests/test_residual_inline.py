@@ -206,3 +206,36 @@ def test_inline_resid_pre_0_on_a_compiled_model_is_the_same_call_and_steers_as_e
     with hookscope.steer(compiled, {"resid_pre.0": vector}), torch.no_grad():
         got = compiled(IDS).logits
     assert torch.allclose(got, want, atol=1e-5)
+
+
+@settings(max_examples=4, deadline=None)
+@given(family=st.sampled_from(INLINE), seed=st.integers(0, 3))
+def test_patching_inline_resid_pre_0_equals_a_plain_pre_hook_giving_the_clean_input(
+        family: str, seed: int) -> None:
+    model = _causal(family, seed)
+    corrupted = torch.randint(4, 100, IDS.shape, generator=torch.Generator().manual_seed(seed))
+    block = _first_block(model)
+    clean: list[torch.Tensor] = []
+    handle = block.register_forward_pre_hook(
+        lambda m, a, k: clean.append((a[0] if a else k["hidden_states"]).clone()), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(IDS)
+    finally:
+        handle.remove()
+
+    def give(module: nn.Module, args: Any, kwargs: Any) -> Any:  # the oracle: plain torch
+        if args:
+            return (clean[0], *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": clean[0]}
+    handle = block.register_forward_pre_hook(give, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            want = model(corrupted).logits
+    finally:
+        handle.remove()
+    with hookscope.capture(model, "resid_pre.0") as source, torch.no_grad():
+        model(IDS)
+    with hookscope.patch(model, source=source, layers="resid_pre.0"), torch.no_grad():
+        got = model(corrupted).logits
+    assert torch.allclose(got, want, atol=1e-5)
