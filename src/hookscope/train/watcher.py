@@ -49,6 +49,8 @@ from hookscope.train.guard import (
     ReplayBundle,
     StepInputs,
     drop_gradients,
+    extremes,
+    extremes_finite,
     grad_outputs,
     gradients_finite,
     replay,
@@ -105,7 +107,8 @@ class Monitor:
         self._inputs: StepInputs | None = None
         self._tokens = MaskWatcher(self.root)  # the running forward's mask, for the statistics
         self._out_grads: list[Tensor | None] = []
-        self._out_finite: Tensor | None = None  # (outputs,) bool, read only on a finding
+        # aminmax of each output (no sync), read only on a finding or under a scaler
+        self._out_extremes: list[tuple[Tensor, Tensor]] = []
         self._queued = False
         self._overflowed = False
         self._pending: ReplayBundle | None = None
@@ -284,8 +287,7 @@ class Monitor:
         for i, tensor in enumerate(tensors):
             on_tensor_grad(tensor, self._grad_catcher(grads, i))
         # no sync here: read in _check only when the gradients are not finite, or under a scaler
-        self._out_finite = torch.stack([torch.isfinite(t.detach()).all() for t in tensors]) \
-            if tensors else None
+        self._out_extremes = [extremes(t) for t in tensors if t.numel()]
 
     def _grad_catcher(self, grads: list[Tensor | None], i: int) -> Any:
         def hook(grad: Tensor) -> None:
@@ -303,7 +305,7 @@ class Monitor:
         grads_ok = gradients_finite(self._params)
         if grads_ok and self.scaler is None:
             return
-        forward_ok = self._out_finite is None or bool(self._out_finite.all())
+        forward_ok = extremes_finite(self._out_extremes)
         if grads_ok and forward_ok:
             return
         if self.scaler is not None and forward_ok:  # the scaler skips this step on purpose
