@@ -281,6 +281,8 @@ def _autocast(state: tuple[str, str] | None) -> AbstractContextManager[Any]:
 
 def grad_outputs(output: Any) -> list[Tensor]:
     """The output tensors whose gradient the guard records: floating point, requiring grad."""
+    if type(output) is Tensor:  # the common case, without walking a structure
+        return [output] if output.is_floating_point() and output.requires_grad else []
     return [t for t in iter_tensors(output) if t.is_floating_point() and t.requires_grad]
 
 

@@ -28,7 +28,7 @@ from hookscope.engine import (
     fullgraph,
     input_device,
     on_optimizer_step,
-    on_tensor_grad,
+    on_output_grad,
     release_signals,
     resolve_checked,
     state_snapshot,
@@ -271,21 +271,32 @@ class Monitor:
     # -- the guard ---------------------------------------------------------------------------
 
     def _forward_begins(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self._contained("statistics", lambda: self._tokens.hook(module, args, kwargs))
+        # each training step runs this: one try, no lambdas (monitoring.py's "Faults" still hold)
+        if self._sample is not None:  # only a sampled step's statistics read the tokens
+            try:
+                self._tokens.hook(module, args, kwargs)
+            except Exception as err:  # noqa: BLE001  (the monitor never stops training)
+                self._fault("statistics", err)
         if self.guard is not None and module is self.root:  # only a replay needs the step's inputs
-            self._inputs = self._contained(
-                "guard", lambda: StepInputs.now(args, kwargs, self._device_type))
+            try:
+                self._inputs = StepInputs.now(args, kwargs, self._device_type)
+            except Exception as err:  # noqa: BLE001
+                self._inputs = None
+                self._fault("guard", err)
 
     def _forward_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self.guard is not None and module is self.root:  # not an encoder-decoder's stack
-            self._contained("guard", lambda: self._watch_outputs(output))
+            try:
+                self._watch_outputs(output)
+            except Exception as err:  # noqa: BLE001
+                self._fault("guard", err)
 
     def _watch_outputs(self, output: Any) -> None:
         tensors = grad_outputs(output)
         grads: list[Tensor | None] = [None] * len(tensors)
         self._out_grads = grads
         for i, tensor in enumerate(tensors):
-            on_tensor_grad(tensor, self._grad_catcher(grads, i))
+            on_output_grad(tensor, self._grad_catcher(grads, i))
         # no sync here: read in _check only when the gradients are not finite, or under a scaler
         self._out_extremes = [extremes(t) for t in tensors if t.numel()]
 
@@ -294,8 +305,14 @@ class Monitor:
             grads[i] = grad
             if not self._queued:
                 self._queued = True
-                after_backward(lambda: self._contained("guard", self._check))
+                after_backward(self._checked)
         return hook
+
+    def _checked(self) -> None:
+        try:
+            self._check()
+        except Exception as err:  # noqa: BLE001
+            self._fault("guard", err)
 
     def _check(self) -> None:
         """End of a backward: the cheap check; on a finding, keep what the replay needs."""
