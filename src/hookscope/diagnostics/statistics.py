@@ -17,6 +17,7 @@ squares ever cancels catastrophically.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -98,9 +99,13 @@ class RunningStats:
         if tensor.is_complex():
             raise HookscopeError(f"cannot take statistics of a complex tensor ({tensor.dtype}); "
                                  "pass its .real or .abs()")
-        batch = RunningStats(self.channel_dim)
+        batch = RunningStats.__new__(RunningStats)  # every field is set by _fill_from
+        batch.channel_dim, batch.histogram = self.channel_dim, None
         batch._fill_from(self._rows(tensor))
-        self.merge(batch)
+        if self.count.dim() == 0 and int(self.count) == 0:  # the first update: take it whole
+            self._take(batch)
+        else:
+            self.merge(batch)
 
     def merge(self, other: RunningStats) -> RunningStats:
         """Fold ``other`` into these statistics (Chan et al. 1979) and return ``self``.
@@ -141,6 +146,8 @@ class RunningStats:
         LeVeque 1979 gives), ``min``, ``max`` (of the finite elements; NaN when none),
         ``frac_zeros`` and ``frac_nonfinite`` (fractions of ``count``).
         """
+        if self.count.dim() == 0:
+            return self._scalar_dict()
         count = self.count.double()
         empty = self.finite == 0
         nan = torch.tensor(float("nan"), dtype=torch.float64)
@@ -154,6 +161,19 @@ class RunningStats:
             "frac_nonfinite": self.nonfinite.double() / count,
         }
         return {key: value.tolist() for key, value in values.items()}
+
+    def _scalar_dict(self) -> dict[str, Any]:
+        """``as_dict`` of statistics over all elements, in Python floats: the same float64
+        operations (IEEE division and square root round alike in torch and Python)."""
+        count, finite, zeros = int(self.count), int(self.finite), int(self.zeros)
+        nan = math.nan
+        return {"count": count,
+                "mean": float(self.mean) if finite else nan,
+                "std": math.sqrt(float(self.m2) / finite) if finite else nan,
+                "min": float(self.min) if finite else nan,
+                "max": float(self.max) if finite else nan,
+                "frac_zeros": zeros / count if count else nan,
+                "frac_nonfinite": (count - finite) / count if count else nan}
 
     def __repr__(self) -> str:
         d = self.as_dict()
@@ -176,7 +196,34 @@ class RunningStats:
         return values.movedim(self.channel_dim, 0).reshape(values.shape[self.channel_dim], -1)
 
     def _fill_from(self, rows: Tensor) -> None:
-        """Set the statistics of one batch (two-pass, float64): ``rows`` as from ``_rows``."""
+        """Set the statistics of one batch (two-pass, float64): ``rows`` as from ``_rows``.
+
+        A finite float64 sum of each row means every element of it is finite (NaN and +-Inf
+        propagate into a sum), and then no element needs masking: the same sums, over the
+        same values, without the masks (one host sync for the test). ``rows`` converted from
+        a float32 or narrower tensor cannot overflow the float64 sum; an overflow of float64
+        input takes the masked path, which is exact for every input."""
+        total = rows.sum(dim=-1)
+        if rows.shape[-1] > 0 and bool(torch.isfinite(total).all()):
+            self._fill_finite(rows, total)
+        else:
+            self._fill_masked(rows)
+
+    def _fill_finite(self, rows: Tensor, total: Tensor) -> None:
+        """``_fill_from`` of non-empty rows whose every element is finite."""
+        size = rows.shape[-1]
+        mean = total / size
+        deviation = rows - mean.unsqueeze(-1)
+        self.count = torch.full(total.shape, size, dtype=torch.int64)
+        self.finite = self.count.clone()
+        self.zeros = (size - torch.count_nonzero(rows, dim=-1)).cpu()
+        self.mean = mean.cpu()
+        self.m2 = deviation.square().sum(dim=-1).cpu()
+        self.min = rows.amin(dim=-1).cpu()
+        self.max = rows.amax(dim=-1).cpu()
+
+    def _fill_masked(self, rows: Tensor) -> None:
+        """``_fill_from`` of rows that may hold NaN or +-Inf (left out of the sums)."""
         finite = torch.isfinite(rows)
         n = finite.sum(dim=-1)
         zero = torch.zeros((), dtype=torch.float64, device=rows.device)
@@ -199,6 +246,11 @@ class RunningStats:
     def _copy_from(self, other: RunningStats) -> None:
         for name in ("count", "finite", "zeros", "mean", "m2", "min", "max"):
             setattr(self, name, getattr(other, name).clone())
+
+    def _take(self, other: RunningStats) -> None:
+        """``_copy_from`` a batch no one else holds: its tensors, not copies."""
+        for name in ("count", "finite", "zeros", "mean", "m2", "min", "max"):
+            setattr(self, name, getattr(other, name))
 
 
 def stats(model: nn.Module, batches: Iterable[Any], layers: str | list[str] = "**", *,

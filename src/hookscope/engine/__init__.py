@@ -61,6 +61,7 @@ from hookscope.engine.door.hooks import (
 from hookscope.engine.door.tables import (
     after_backward,
     on_optimizer_step,
+    on_output_grad,
     on_tensor_grad,
     registered,
     unregister,
@@ -153,6 +154,7 @@ __all__ = ["Probe", "Residuals", "checked_residuals", "first_tensor", "probe_of"
            "fullgraph", "functional_hint", "holds_no_values", "in_recompute", "index", "input_device",
            "inside", "is_container", "keepable", "kept_note", "kind_of", "layout_of", "lazy_copy",
            "library_of", "locate_error", "model_inputs", "no_values_reason", "nothing", "on_optimizer_step",
+           "on_output_grad",
            "on_tensor_grad", "one_index_per_call", "output_of", "outside_inference", "owner", "preflight",
            "refuse_uninterceptable", "registered", "resolve", "resolve_checked", "resolve_each", "rows_for",
            "select", "shares_memory", "special", "standard_names", "flat_patterns",

@@ -149,10 +149,11 @@ def _write_batches(job: _Job, writer: StoreWriter, todo: Iterator[tuple[int, Row
             if job.stop is not None and job.stop.asked:
                 break
         if shard.rows:
+            shard.last = job.stop is None or not job.stop.asked  # its manifest ends the run
             background.put(shard)
         background.close()
-        if job.stop is not None and job.stop.asked:
-            _interrupted(writer)
+        if job.stop is not None and job.stop.asked and not writer.manifest["complete"]:
+            _interrupted(writer)  # (a stop asked once the last shard was on its way: all stored)
         writer.finish()
     finally:
         background.close()

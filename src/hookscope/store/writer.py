@@ -53,6 +53,7 @@ class ShardData:
     tensors: dict[str, list[Tensor]] = field(default_factory=dict)
     lengths: dict[str, list[Tensor]] = field(default_factory=dict)
     buffers: list[Tensor] = field(default_factory=list)  # memory the tensors live in, for reuse
+    last: bool = False  # the run's last shard: its manifest also says the run is complete
 
     def append(self, tensors: dict[str, Tensor], lengths: dict[str, Tensor], rows: int) -> None:
         """Add one batch: ``rows`` rows, ``tensors[path]`` each, ``lengths`` for ragged paths."""
@@ -333,28 +334,36 @@ class StoreWriter:
             self._save()
 
     def write(self, shard: ShardData) -> None:
-        """Write ``shard`` as the next shard file, then the manifest that lists it."""
+        """Write ``shard`` as the next shard file, then the manifest that lists it (and, for the
+        run's ``last`` shard, says the run is complete: one manifest write, not two)."""
         name = self.shard_name(0)
         self.add(name, shard.rows, shard.batches,
-                 *write_shard(self.folder / name, shard, self.run, self.manifest["version"]))
+                 *write_shard(self.folder / name, shard, self.run, self.manifest["version"]),
+                 complete=shard.last)
 
     def shard_name(self, ahead: int) -> str:
         """The file name of the shard ``ahead`` places after the last one listed (0: the next)."""
         return _shard_name(self.rank, self.world_size, len(self.manifest["shards"]) + ahead)
 
     def add(self, name: str, rows: int, batches: tuple[int, int], size: int, digest: str,
-            sums: tuple[str, ...]) -> None:
+            sums: tuple[str, ...], *, complete: bool = False) -> None:
         """List the shard ``name`` (already written: ``write_shard``) as the next one, holding
-        ``rows`` rows of ``batches``, then replace the manifest."""
+        ``rows`` rows of ``batches``, then replace the manifest (``complete``: marked complete
+        in the same write, as ``finish`` would)."""
         start = self.manifest["rows"]
         info = ShardInfo(name, (start, start + rows), batches, size, digest, sums,
                          self.manifest["version"])
         self.manifest["shards"].append(info.to_json())
         self.manifest["rows"] = start + rows
+        self.manifest["complete"] = self.manifest["complete"] or complete
         self._save()
 
     def finish(self) -> None:
-        """Mark this process's rows complete."""
+        """Mark this process's rows complete (nothing to write when the last shard's manifest
+        said so already)."""
+        if self.manifest["complete"] and self.saved == (self.manifest["rows"],
+                                                         len(self.manifest["shards"])):
+            return
         self.manifest["complete"] = True
         self._save()
 

@@ -2,12 +2,16 @@
 
 What runs when:
 
-- **every forward** of the root module: a forward-pre hook keeps references to the inputs and
-  a copy of the CPU/CUDA RNG states (a few KB); with the guard on, a forward hook puts a
-  gradient hook on each floating-point output tensor. No other module is hooked.
-- **every backward** (guard on): the first output gradient queues one callback at the end of
-  the backward (``engine.door.tables.after_backward``): one fused norm of all gradients and one host
-  sync (``guard.gradients_finite``). When it is not finite the weights are copied and the step
+- **every forward** of the root module: with the guard on, a forward-pre hook keeps
+  references to the inputs and a copy of the CPU/CUDA RNG states (a few KB), and a forward
+  hook puts a gradient hook on each floating-point output tensor; on a sampled step the
+  pre-hook also reads the attention mask. No other module is hooked.
+- **every backward** (guard on): the first output gradient (a pre-hook of the output's
+  autograd node, ``engine.door.tables.on_output_grad``) queues one callback at the end of the
+  backward (``engine.door.tables.after_backward``): one ``torch._foreach_norm`` of all
+  gradients, the sum of those norms and one host sync (``guard.gradients_finite``); the
+  outputs' finiteness is an ``aminmax`` per output taken at the forward, read only on a finding
+  or under a scaler. When it is not finite the weights are copied and the step
   waits for its replay (below); ``guard="skip"`` drops the gradients there.
 - **sampled steps** (``step % every == 0``): forward hooks on the selected modules fold each
   output into a ``RunningStats`` and hang a gradient hook on it; the parameters of the selected
@@ -68,7 +72,8 @@ def monitor(model: nn.Module, layers: str | list[str] = "**", *, every: int = 10
     its backward; the record's ``loss_scale`` gives it, 1.0 without a scaler), as ``grad_norm``
     (read after ``scaler.step`` unscaled the ``.grad``) is; and of its
     parameters, all of them together (weight and bias, and its submodules':
-    ``module.parameters()``, each tensor flattened and joined into one vector, float64):
+    ``module.parameters()``, each tensor flattened and joined into one vector, sums of squares
+    in float64, ``p_after - p_before`` in the parameter's dtype):
     ``grad_norm`` = sqrt(sum over p of sum(p.grad ** 2)) (parameters without ``.grad`` left
     out, ``None`` when none has one; read at the end of the step) and ``update_ratio`` =
     sqrt(sum over p of sum((p_after - p_before) ** 2)) / sqrt(sum over p of sum(p_before ** 2))

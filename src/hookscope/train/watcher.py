@@ -28,7 +28,7 @@ from hookscope.engine import (
     fullgraph,
     input_device,
     on_optimizer_step,
-    on_tensor_grad,
+    on_output_grad,
     release_signals,
     resolve_checked,
     state_snapshot,
@@ -49,6 +49,8 @@ from hookscope.train.guard import (
     ReplayBundle,
     StepInputs,
     drop_gradients,
+    extremes,
+    extremes_finite,
     grad_outputs,
     gradients_finite,
     replay,
@@ -105,7 +107,8 @@ class Monitor:
         self._inputs: StepInputs | None = None
         self._tokens = MaskWatcher(self.root)  # the running forward's mask, for the statistics
         self._out_grads: list[Tensor | None] = []
-        self._out_finite: Tensor | None = None  # (outputs,) bool, read only on a finding
+        # aminmax of each output (no sync), read only on a finding or under a scaler
+        self._out_extremes: list[tuple[Tensor, Tensor]] = []
         self._queued = False
         self._overflowed = False
         self._pending: ReplayBundle | None = None
@@ -268,32 +271,48 @@ class Monitor:
     # -- the guard ---------------------------------------------------------------------------
 
     def _forward_begins(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self._contained("statistics", lambda: self._tokens.hook(module, args, kwargs))
+        # each training step runs this: one try, no lambdas (monitoring.py's "Faults" still hold)
+        if self._sample is not None:  # only a sampled step's statistics read the tokens
+            try:
+                self._tokens.hook(module, args, kwargs)
+            except Exception as err:  # noqa: BLE001  (the monitor never stops training)
+                self._fault("statistics", err)
         if self.guard is not None and module is self.root:  # only a replay needs the step's inputs
-            self._inputs = self._contained(
-                "guard", lambda: StepInputs.now(args, kwargs, self._device_type))
+            try:
+                self._inputs = StepInputs.now(args, kwargs, self._device_type)
+            except Exception as err:  # noqa: BLE001
+                self._inputs = None
+                self._fault("guard", err)
 
     def _forward_ends(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self.guard is not None and module is self.root:  # not an encoder-decoder's stack
-            self._contained("guard", lambda: self._watch_outputs(output))
+            try:
+                self._watch_outputs(output)
+            except Exception as err:  # noqa: BLE001
+                self._fault("guard", err)
 
     def _watch_outputs(self, output: Any) -> None:
         tensors = grad_outputs(output)
         grads: list[Tensor | None] = [None] * len(tensors)
         self._out_grads = grads
         for i, tensor in enumerate(tensors):
-            on_tensor_grad(tensor, self._grad_catcher(grads, i))
+            on_output_grad(tensor, self._grad_catcher(grads, i))
         # no sync here: read in _check only when the gradients are not finite, or under a scaler
-        self._out_finite = torch.stack([torch.isfinite(t.detach()).all() for t in tensors]) \
-            if tensors else None
+        self._out_extremes = [extremes(t) for t in tensors if t.numel()]
 
     def _grad_catcher(self, grads: list[Tensor | None], i: int) -> Any:
         def hook(grad: Tensor) -> None:
             grads[i] = grad
             if not self._queued:
                 self._queued = True
-                after_backward(lambda: self._contained("guard", self._check))
+                after_backward(self._checked)
         return hook
+
+    def _checked(self) -> None:
+        try:
+            self._check()
+        except Exception as err:  # noqa: BLE001
+            self._fault("guard", err)
 
     def _check(self) -> None:
         """End of a backward: the cheap check; on a finding, keep what the replay needs."""
@@ -303,7 +322,7 @@ class Monitor:
         grads_ok = gradients_finite(self._params)
         if grads_ok and self.scaler is None:
             return
-        forward_ok = self._out_finite is None or bool(self._out_finite.all())
+        forward_ok = extremes_finite(self._out_extremes)
         if grads_ok and forward_ok:
             return
         if self.scaler is not None and forward_ok:  # the scaler skips this step on purpose

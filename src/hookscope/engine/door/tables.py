@@ -18,8 +18,9 @@ from torch.utils.hooks import RemovableHandle
 from hookscope.engine.door.hooks import owner
 from hookscope.engine.door.sharing import locked
 
-__all__ = ["on_tensor_grad", "on_node", "on_optimizer_step", "after_backward", "MODULE_TABLES",
-           "GLOBAL_TABLES", "MODULE_FLAGS", "GLOBAL_FLAGS", "registered", "unregister", "set_aside"]
+__all__ = ["on_tensor_grad", "on_output_grad", "on_node", "on_optimizer_step", "after_backward",
+           "MODULE_TABLES", "GLOBAL_TABLES", "MODULE_FLAGS", "GLOBAL_FLAGS", "registered", "unregister",
+           "set_aside"]
 
 def on_tensor_grad(tensor: torch.Tensor, function: Callable[[torch.Tensor], Any]) -> RemovableHandle:
     """Run ``function(grad)`` when autograd computes d(loss)/d(``tensor``); return the handle.
@@ -35,6 +36,25 @@ def on_tensor_grad(tensor: torch.Tensor, function: Callable[[torch.Tensor], Any]
     """
     handle: RemovableHandle = tensor.register_hook(function)  # type: ignore[no-untyped-call]
     return handle
+
+
+def on_output_grad(tensor: torch.Tensor, function: Callable[[torch.Tensor], Any]) -> Any:
+    """``on_tensor_grad`` through a pre-hook of ``tensor.grad_fn`` (registered in C++, without
+    ``Tensor.register_hook``'s Python bookkeeping: a hook registered on every training step):
+    ``function(grad)`` runs with d(loss)/d(``tensor``) when autograd reaches the node, as a
+    tensor hook would (torch runs a non-leaf tensor's hooks as that node's pre-hooks); not when
+    the backward delivers no gradient to ``tensor``. A tensor without ``grad_fn`` (a leaf)
+    takes ``on_tensor_grad``. The same call rules as ``on_tensor_grad``; returns the handle."""
+    node = tensor.grad_fn
+    if node is None:
+        return on_tensor_grad(tensor, function)
+    index = tensor.output_nr
+
+    def prehook(grad_outputs: tuple[Any, ...]) -> None:
+        grad = grad_outputs[index]
+        if grad is not None:
+            function(grad)
+    return node.register_prehook(prehook)
 
 
 def on_node(node: Any, function: Callable[[tuple[Any, ...], tuple[Any, ...]], Any]) -> RemovableHandle:
