@@ -193,7 +193,9 @@ class RunningStats:
                 f"per-channel statistics need dimension {self.channel_dim}, but the output has "
                 f"shape {tuple(tensor.shape)}; pass per_channel=<the channel dimension> "
                 "(1 for (batch, channels, ...), -1 for (batch, seq, d_model))")
-        return values.movedim(self.channel_dim, 0).reshape(values.shape[self.channel_dim], -1)
+        channels = values.shape[self.channel_dim]  # 0 channels: (0, 0), not reshape's -1 error
+        return values.movedim(self.channel_dim, 0).reshape(
+            channels, values.numel() // channels if channels else 0)
 
     def _fill_from(self, rows: Tensor) -> None:
         """Set the statistics of one batch (two-pass, float64): ``rows`` as from ``_rows``.
