@@ -50,7 +50,8 @@ from hookscope.engine.compile import graph as compiled
 from hookscope.errors import HookscopeError
 
 __all__ = ["OwnedHook", "RecordingHook", "FULLGRAPH", "output_of", "nothing", "register", "drop_sink",
-           "owner", "in_recompute", "refuse_export_trace", "traced", "kind_of_hook", "other_threads"]
+           "owner", "in_recompute", "refuse_export_trace", "traced", "kind_of_hook", "other_threads",
+           "unowned_threads"]
 
 FULLGRAPH = 2  # ``OwnedHook(replaces=FULLGRAPH)``: an edit entered on a fullgraph=True model
 _graph_task_id = torch._C._current_graph_task_id
@@ -248,8 +249,11 @@ class OwnedHook:
 
     def _count(self, thread: int) -> None:
         """Count a call in ``thread`` as a foreign call of this hook and of each guest whose
-        block is another thread's (the report of a block whose module ran only elsewhere)."""
+        block is another thread's (the report of a block whose module ran only elsewhere); a
+        forward of hookscope's own (``unowned_threads``) is no one's call, and is not counted."""
         if thread != self.thread:
+            if thread in unowned_threads:  # tested only here: the session's calls pay nothing
+                return
             self.foreign_calls += 1
         for guest in self.guests:
             if guest.thread != thread:
@@ -467,6 +471,9 @@ def drop_sink(owned: OwnedHook) -> None:
         owned.key = None
 
 
+#: idents of the threads running a forward of hookscope's own (``engine.ground_truth``'s probe):
+#: no block is theirs, so every hook skips their calls, as another thread's, without counting them
+unowned_threads: set[int] = set()
 _NOBODY = -1  # the ``thread`` of a host whose own block closed: no thread's ident
 _FILLER = -2  # the ``thread`` of a filler while its block is open (``OwnedHook.filler``)
 
