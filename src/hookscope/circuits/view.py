@@ -28,22 +28,13 @@ from __future__ import annotations
 import copy
 import functools
 import types
-from collections import OrderedDict
 from typing import Any
 
 from torch import nn
 
-from hookscope.engine import owner
+from hookscope.engine import others_tables
 
 __all__ = ["frozen_view"]
-
-#: hook tables of a module and the flag tables keyed by the same ids (torch's private names:
-#: ``tests/test_hooks_inventory.py`` fails loudly if torch renames one)
-_HOOK_TABLES = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-                "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-                "_load_state_dict_post_hooks")
-_FLAG_TABLES = ("_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-                "_forward_pre_hooks_with_kwargs")
 
 
 def frozen_view(model: nn.Module) -> nn.Module:
@@ -73,11 +64,7 @@ class _Viewer:
         state["_parameters"] = {name: self._parameter(p) for name, p in module._parameters.items()}
         state["_buffers"] = dict(module._buffers)
         state["_non_persistent_buffers_set"] = set(module._non_persistent_buffers_set)
-        ours = {key for table in ("_forward_hooks", "_forward_pre_hooks")
-                for key, hook in getattr(module, table).items() if owner(hook) is not None}
-        for table in (*_HOOK_TABLES, *_FLAG_TABLES):
-            if table in state:
-                state[table] = OrderedDict((k, v) for k, v in state[table].items() if k not in ours)
+        state.update(others_tables(module))  # the door's: its own hook tables, without ours
         state["training"] = False
         config = state.get("config")
         if config is not None and hasattr(config, "_attn_implementation"):

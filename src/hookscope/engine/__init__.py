@@ -62,6 +62,7 @@ from hookscope.engine.door.tables import (
     after_backward,
     on_optimizer_step,
     on_tensor_grad,
+    others_tables,
     registered,
     unregister,
 )
@@ -146,7 +147,7 @@ from hookscope.engine.values.record_key import Part, RecordKey, record_name
 __all__ = ["Probe", "Residuals", "checked_residuals", "first_tensor", "probe_of", "same_values",
            "AxesRow", "TOKEN_AXES", "batch_first", "token_axes",
            "FULLGRAPH", "FunctionCall", "RecordingHook", "GracefulStop", "critical", "exit_at_interrupt",
-           "release_signals", "never_skipped", "HookSession",
+           "release_signals", "never_skipped", "others_tables", "HookSession",
            "KNOWN_LIBRARIES", "Layout", "MaskWatcher", "ModuleIndex", "NO_TOKENS", "NO_VALUES_FIX", "NotKept",
            "Observer", "OnUnfired", "OwnedHook", "Part", "RecordKey", "RngState", "Target", "Tokens",
            "Watch", "after_backward", "apply_edit", "as_patterns", "bind_arguments", "brief", "check_arity",

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from hookscope.engine.door.hooks import register, unowned_threads
 from hookscope.engine.naming.names import ModuleIndex
@@ -143,12 +144,12 @@ def _run_probe(names: ModuleIndex) -> Probe | str:
         return hook
 
     def forward() -> Any:  # in the probe's own thread (unowned)
-        handles = []
+        handles: list[RemovableHandle] = []
         try:
             with torch.no_grad():
                 for path, module in names.modules.items():
-                    handles.append(register(module, pre(path), pre=True))
-                    handles.append(register(module, post(path)))
+                    register(module, pre(path), pre=True, record=handles.append)
+                    register(module, post(path), record=handles.append)
                 output = model(**feed, output_hidden_states=True, return_dict=True)
                 _synchronize(feed)
                 return output

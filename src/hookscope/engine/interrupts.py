@@ -54,11 +54,13 @@ from __future__ import annotations
 
 import _thread
 import functools
+import itertools
 import opcode
 import os
 import signal
 import sys
 import threading
+import types
 import weakref
 from collections.abc import Callable
 from types import CodeType, FrameType, TracebackType
@@ -186,7 +188,7 @@ def _in_main_thread() -> bool:
 #: the instructions with which a ``with`` statement looks up ``__exit__`` (3.11-3.13, 3.14)
 _WITH_LOOKUPS = frozenset(opcode.opmap[name] for name in ("BEFORE_WITH", "LOAD_SPECIAL")
                           if name in opcode.opmap)
-#: id -> weak reference to each ``with`` statement's exit callable still held (``_Exit``)
+#: key -> weak reference to each ``with`` statement's exit callable not yet run (``_Exit``)
 _held_exits: dict[int, weakref.ref[Any]] = {}
 Exit = Callable[[B, type[BaseException] | None, BaseException | None, TracebackType | None], R]
 
@@ -195,12 +197,14 @@ def never_skipped(cleanup: Callable[[Any], object]) -> Callable[[Exit[B, R]], _E
     """Decorate a block's ``__exit__`` so that no exception skips its cleanup: when a ``with``
     statement ends without the block closed (an exception landed on the first instruction of
     ``__exit__``, before any of its code ran, or outran ``__enter__``'s own cleanup),
-    ``cleanup(block)`` runs as the statement lets go of the exit it looked up: in the same
-    thread, before the exception leaves the statement (module docstring).
+    ``cleanup(block)`` runs: after the exit (``_watched_exit``), or, when even that was cut, as
+    the statement lets go of the exit it looked up (``_released``); in the same thread, before
+    the exception leaves the statement (module docstring).
 
     ``cleanup`` must be idempotent and cheap on a closed block (it also runs after every
     normal exit, finding nothing to do), and remove everything the block may have added:
-    ``HookSession._remove``'s kind. Used as ``@never_skipped(lambda block: block._remove())``.
+    ``HookSession._remove``'s kind. Used as
+    ``@never_skipped(lambda block: block._active and block._remove())``.
 
     Only a ``with`` statement's lookup is watched (an ``ExitStack``'s, or an explicit
     ``block.__exit__(...)`` call, are not: their callers' own cleanup covers them). Cost: about a
@@ -211,15 +215,18 @@ def never_skipped(cleanup: Callable[[Any], object]) -> Callable[[Exit[B, R]], _E
 
 
 class _Exit(Generic[B, R]):
-    """The ``__exit__`` descriptor ``never_skipped`` makes. Looked up on a block, it returns
-    ``functools.partial(exit, block)``; when a ``with`` statement made the lookup (the calling
-    frame runs ``BEFORE_WITH``: it is about to call ``__enter__`` and then holds the callable on
-    its stack until the block ends), the callable is watched (``_held_exits``) and its end runs
-    ``cleanup(block)`` (``_released``). Looked up on the class, it is the plain function."""
+    """The ``__exit__`` descriptor ``never_skipped`` makes. Looked up on a block by a ``with``
+    statement (the calling frame runs ``BEFORE_WITH``: it is about to call ``__enter__``, then
+    holds the callable on its stack until it calls it, or lets go of it when an exception ends
+    the statement), it returns a callable of its own (``_watched_exit``, ``cleanup`` and a key
+    bound in), watched by a weak reference whose callback (``_released``) runs ``cleanup``:
+    the callable drops the reference once the exit has run, so the callback runs only when
+    the statement let go of it uncalled, or cut at its first instruction. Looked up otherwise
+    on a block, it is the bound exit; on the class, the plain function."""
 
     __slots__ = ("exit", "cleanup")
 
-    def __init__(self, exit_function: Exit[B, R], cleanup: Callable[[B], object]):
+    def __init__(self, exit_function: Exit[B, R], cleanup: Callable[[Any], object]):
         self.exit, self.cleanup = exit_function, cleanup
 
     @overload
@@ -232,18 +239,43 @@ class _Exit(Generic[B, R]):
     def __get__(self, block: B | None, owner: type[Any] | None = None) -> Any:
         if block is None:
             return self.exit
-        bound = functools.partial(self.exit, block)
         frame = sys._getframe(1)
-        if frame.f_code.co_code[frame.f_lasti] in _WITH_LOOKUPS:  # a with statement's lookup
-            ref = weakref.ref(bound, functools.partial(_released, self.cleanup, block))
-            _held_exits[id(ref)] = ref  # kept until its callback: a dead ref calls nothing
-        return bound
+        if frame.f_code.co_code[frame.f_lasti] not in _WITH_LOOKUPS:  # not a with statement's
+            return types.MethodType(self.exit, block)
+        key = next(_keys)
+        held = functools.partial(_watched_exit, self.exit, self.cleanup, key, block)
+        # recorded before the statement holds it; a dead reference would call nothing
+        _held_exits[key] = weakref.ref(held, functools.partial(_released, self.cleanup, key, block))
+        return held
 
 
-def _released(cleanup: Callable[[Any], object], block: Any, ref: weakref.ref[Any]) -> None:
-    """A ``with`` statement let go of ``block``'s exit (called, or skipped): ``cleanup(block)``,
-    twice when an exception stops the first pass (as every block's own cleanup)."""
-    _held_exits.pop(id(ref), None)
+_keys = itertools.count()
+
+
+@critical  # a signal waits, as in any __exit__: the exit runs whole first
+def _watched_exit(exit_function: Exit[Any, Any], cleanup: Callable[[Any], object], key: int, block: Any,
+                  *exc: Any) -> Any:
+    """A ``with`` statement's exit of ``block``: ``exit_function``, then ``cleanup`` (nothing on a
+    closed block; all of it when an exception cut the exit at its first instruction), then
+    nothing more to do when the statement lets go of this callable; a signal that arrived
+    meanwhile is delivered last, at the ``with`` statement."""
+    try:
+        return exit_function(block, *exc)
+    finally:
+        try:
+            cleanup(block)
+        finally:
+            _held_exits.pop(key, None)
+            release_signals()  # one held back here, after the exit's own release, surfaces now
+
+
+@critical
+def _released(cleanup: Callable[[Any], object], key: int, block: Any, ref: weakref.ref[Any]) -> None:
+    """A ``with`` statement let go of ``block``'s exit without running it (``__enter__`` raised,
+    or an exception landed on ``_watched_exit``'s first instruction): ``cleanup(block)``, twice
+    when an exception stops the first pass (as every block's own cleanup). It runs as a weak
+    reference's callback: an exception leaving it is printed, not raised."""
+    _held_exits.pop(key, None)
     try:
         cleanup(block)
     except BaseException:

@@ -7,6 +7,7 @@ Every hook here is hookscope's own or read for ``hooks(model)``/``remove_hooks``
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -15,10 +16,11 @@ from torch import nn
 from torch.nn.modules import module as torch_module
 from torch.utils.hooks import RemovableHandle
 
+from hookscope.engine.door.hooks import owner
 from hookscope.engine.door.sharing import locked
 
 __all__ = ["on_tensor_grad", "on_node", "on_optimizer_step", "after_backward", "MODULE_TABLES",
-           "GLOBAL_TABLES", "MODULE_FLAGS", "GLOBAL_FLAGS", "registered", "unregister"]
+           "GLOBAL_TABLES", "MODULE_FLAGS", "GLOBAL_FLAGS", "registered", "unregister", "others_tables"]
 
 def on_tensor_grad(tensor: torch.Tensor, function: Callable[[torch.Tensor], Any]) -> RemovableHandle:
     """Run ``function(grad)`` when autograd computes d(loss)/d(``tensor``); return the handle.
@@ -121,3 +123,20 @@ def _unregister(module: nn.Module | None, kind: str, hook_id: int) -> None:
         getattr(owner_of, flag).pop(hook_id, None)
     if kind.endswith("backward") and not hooks:
         setattr(owner_of, mark, None)
+
+
+#: a module's tables of its state-dict hooks (copied with the others by ``others_tables``)
+_STATE_DICT_TABLES = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                      "_load_state_dict_post_hooks")
+
+
+def others_tables(module: nn.Module) -> dict[str, OrderedDict[int, Any]]:
+    """``{attribute: table}``: a copy of each of ``module``'s hook tables (``MODULE_TABLES``, the
+    state-dict hooks' and the flags ``MODULE_FLAGS``) holding the hooks others registered (a
+    user's, ``weight_norm``'s), not hookscope's: the tables of a view of ``module``
+    (``circuits.view``), so hooks registered on the view go into its tables only. Reads only."""
+    ours = {key for attr in (MODULE_TABLES["forward_pre"], MODULE_TABLES["forward"])
+            for key, hook in getattr(module, attr).items() if owner(hook) is not None}
+    names = (*MODULE_TABLES.values(), *_STATE_DICT_TABLES, *MODULE_FLAGS)
+    return {attr: OrderedDict((key, value) for key, value in getattr(module, attr).items() if key not in ours)
+            for attr in names if hasattr(module, attr)}
