@@ -15,10 +15,16 @@ Attackers (``ATTACKERS``):
   ``ctypes.pythonapi.PyThreadState_SetAsyncExc``: raised there at the next such instruction,
   no signal involved (so no handler of hookscope's can hold it back).
 
+``cut_each_start`` aims instead of sampling: an exception raised by a profile function at the
+"call" event of the k-th Python function the block runs (its first instruction, ``RESUME``, where
+the interpreter also raises a pending asynchronous exception), for every k in turn: every
+function entry of the verb, or every ``__enter__``/``__exit__`` (``names``).
+
 Delays are uniform over 1.2 times the verb's own duration (measured first), so they land before,
 inside and just after the block. Run as a script to count on any checkout::
 
     PYTHONPATH=src python -m tests.interrupt_attack --runs 200 --attacker alarm
+    PYTHONPATH=src python -m tests.interrupt_attack --attacker cut
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ GLOBAL_TABLES = ("_global_forward_hooks", "_global_forward_pre_hooks",
                  "_global_module_registration_hooks", "_global_parameter_registration_hooks")
 _SIGNALS = [s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP)]
 
-VERBS = ("capture", "edit", "steer", "ablate", "patch", "stats", "monitor step", "run")
+VERBS = ("capture", "edit", "steer", "ablate", "patch", "stats", "monitor step", "run", "find_nonfinite")
 ATTACKERS = ("alarm", "async")
 TALLY = ("runs", "completed", "interrupted", "other error", "hooks left", "copyreg left",
          "grad mode changed", "signal handlers changed", "function modes left", "forward changed",
@@ -139,6 +145,7 @@ def blocks(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[], Any]]:
         "stats": lambda: hookscope.stats(model, [x, x], ["blocks.*", "blocks.0::relu"]),
         "monitor step": monitored,
         "run": lambda: hookscope.run(model, x, layers=["blocks.*", "head::linear"]),
+        "find_nonfinite": lambda: hookscope.find_nonfinite(model, x),  # a function mode
     }
 
 
@@ -283,14 +290,77 @@ def _computes(model: nn.Module, x: torch.Tensor, reference: torch.Tensor) -> boo
         return False
 
 
+class CutShort(BaseException):
+    """What ``cut_each_start`` raises at a function's first instruction."""
+
+
+def _cut(block: Callable[[], Any], k: int, names: tuple[str, ...] | None) -> tuple[bool, int]:
+    """Run ``block`` with ``CutShort`` raised at the call event of the ``k``-th Python function
+    (named in ``names``; None: any) it runs; return whether it was cut, and how many ran."""
+    seen = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal seen
+        if event == "call" and (names is None or frame.f_code.co_name in names):
+            if seen == k:
+                sys.setprofile(None)
+                raise CutShort(frame.f_code.co_qualname)
+            seen += 1
+    sys.setprofile(profile)
+    try:
+        block()
+        return False, seen
+    except CutShort:
+        return True, seen
+    finally:
+        sys.setprofile(None)
+
+
+def cut_each_start(verbs: tuple[str, ...] = VERBS, *, names: tuple[str, ...] | None = None,
+                   sample: int | None = None, rng: random.Random | None = None,
+                   seed: int = 0) -> dict[str, tuple[int, list[tuple[int, list[str]]]]]:
+    """For each verb: run one block per function entry ``k`` the block makes (``names``: only
+    functions of those names; ``sample``: that many entries chosen by ``rng``, else every one),
+    each cut at that entry (``_cut``); return ``{verb: (entries, [(k, what it left)])}``."""
+    torch.manual_seed(seed)
+    model, x = ReluBlocks(), torch.randn(2, 5, 8)
+    with torch.no_grad():
+        reference = model(x)
+    made = blocks(model, x)
+    before = state(model)
+    found = {}
+    for verb in verbs:
+        made[verb]()  # lazy imports first
+        _, entries = _cut(made[verb], -1, names)
+        chosen = range(entries) if sample is None else sorted(
+            (rng or random.Random(seed)).sample(range(entries), min(sample, entries)))
+        leaks = []
+        for k in chosen:
+            _cut(made[verb], k, names)
+            _settle()
+            left = differences(before, state(model))
+            if not _computes(model, x, reference):
+                left.append("forward changed")
+            if left:
+                leaks.append((k, left))
+                restore(model, before)
+        found[verb] = (entries, leaks)
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=100, help="blocks per verb")
-    parser.add_argument("--attacker", choices=ATTACKERS, default="alarm")
+    parser.add_argument("--attacker", choices=[*ATTACKERS, "cut"], default="alarm",
+                        help="cut: every function entry of each verb in turn (cut_each_start)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verbs", nargs="*", default=list(VERBS))
     args = parser.parse_args()
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    if args.attacker == "cut":
+        for verb, (entries, leaks) in cut_each_start(tuple(args.verbs), seed=args.seed).items():
+            print(f"{verb:14} entries cut={entries} leaking={len(leaks)} {leaks[:3]}")
+        return
     counts = attack(tuple(args.verbs), args.runs, attacker=args.attacker, seed=args.seed)
     total = dict.fromkeys(TALLY, 0)
     for verb, tally in counts.items():

@@ -5,7 +5,9 @@ hook behind."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -165,3 +167,47 @@ def test_rows_do_not_depend_on_the_batch_of_targets(tmp_path: Path) -> None:
     many = hookscope.attribution_graph(model, IDS, transcoders=tcs, batch_size=64, folder=tmp_path / "many")
     assert one.n_features > 10
     np.testing.assert_allclose(np.array(one.adjacency), np.array(many.adjacency), rtol=1e-5, atol=1e-6)
+
+
+def test_the_model_is_never_changed_while_a_graph_is_built_seen_from_another_thread(tmp_path: Path) -> None:
+    """The graph's forward runs on a frozen view of the model (``circuits.view``): a user's hook on
+    the model runs in it, and from there another thread finds the model as it was (SDPA
+    attention, training mode, weights requiring grad, the same hook tables) and computes what
+    it computed before; so it is after. (main switched the model itself to eager attention, eval
+    mode and weights without gradients for the call.)"""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=D, n_head=2, vocab_size=20, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0, attn_implementation="sdpa",
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config).train()  # no dropout: train mode computes as eval
+    with torch.no_grad():
+        reference = model(IDS[None]).logits
+    main, seen = threading.get_ident(), []
+
+    def look() -> None:
+        with torch.no_grad():
+            logits = model(IDS[None]).logits
+        configs = [m.config for m in model.modules() if hasattr(m, "config")]
+        seen.append({"attention": {c._attn_implementation for c in configs},
+                     "training": all(m.training for m in model.modules()),
+                     "requires_grad": all(p.requires_grad for p in model.parameters()),
+                     "hooks": hookscope.hooks(model), "same forward": torch.allclose(logits, reference)})
+
+    def from_another_thread(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if threading.get_ident() == main and not seen:
+            observer = threading.Thread(target=look)
+            observer.start()
+            observer.join()
+
+    handle = model.transformer.h[0].register_forward_hook(from_another_thread)
+    try:
+        hooks_before = hookscope.hooks(model)
+        tcs = transcoders([f"transformer.h.{i}.mlp" for i in range(2)])
+        graph = hookscope.attribution_graph(model, IDS, transcoders=tcs, folder=tmp_path)
+        look()
+    finally:
+        handle.remove()
+    assert graph.n_features > 0
+    as_found = {"attention": {"sdpa"}, "training": True, "requires_grad": True, "hooks": hooks_before,
+                "same forward": True}
+    assert seen == [as_found, as_found]  # during the graph's forward, and after

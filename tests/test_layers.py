@@ -322,7 +322,7 @@ def floor_of(path: Path) -> set[str]:
 #: the ground floor: the door and the engine modules it owns stand only on these
 GROUND = {*_HOOK_DOOR, "engine/compile/graph.py", "engine/compile/spec.py",
           "engine/compile/function_calls.py", "engine/mode_stack.py", "engine/naming/function_names.py",
-          "errors.py"}
+          "engine/interrupts.py", "errors.py"}  # interrupts: stdlib only (never_skipped exits)
 
 
 @pytest.mark.parametrize("where", sorted({f for files in WAYS_IN.values() for f in files}))

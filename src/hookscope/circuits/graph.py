@@ -28,6 +28,7 @@ from torch import nn
 
 from hookscope.circuits.replacement import Linearized, linearize
 from hookscope.circuits.transcoder import Transcoder
+from hookscope.circuits.view import frozen_view
 from hookscope.engine import check_model
 from hookscope.errors import CircuitError
 
@@ -151,12 +152,15 @@ def attribution_graph(model: nn.Module, inputs: Any, *, transcoders: Mapping[str
     forward, so memory holds one forward and ``batch_size`` gradients, plus the frozen attention
     patterns that the batched backward copies per target (about ``batch_size x layers x heads x
     seq^2 x 4`` bytes: lower ``batch_size`` for long prompts); each batch's rows go to
-    ``folder/adjacency.npy`` as they are computed (written in place, not held). The model runs
-    in eval mode, and its training flag and parameters' ``requires_grad`` are restored.
+    ``folder/adjacency.npy`` as they are computed (written in place, not held). The forward
+    runs on the model's frozen view (``circuits.view``: its modules in eval mode, weights
+    without gradients, eager attention), so the model itself is never changed: its config,
+    training flags, parameters' ``requires_grad`` and hook tables stay as they are, also for
+    other threads using it meanwhile.
 
     Args:
-        model: a transformers causal language model (eager attention is switched on for the
-            call; LayerNorm or RMSNorm norms).
+        model: a transformers causal language model (its view runs eager attention, whatever
+            the model's; LayerNorm or RMSNorm norms).
         inputs: token ids ``(seq,)`` or ``(1, seq)`` (or a dict with ``input_ids``).
         transcoders: ``{MLP path: Transcoder}``, one per MLP (an MLP without a transcoder is
             not cut from the gradient).
@@ -185,19 +189,10 @@ def attribution_graph(model: nn.Module, inputs: Any, *, transcoders: Mapping[str
     unembed_path = _path_of(model, unembed, "output embedding")
     assert unembed is not None
     ids = ids.to(next(model.parameters()).device)
-    grads_before = {n: p.requires_grad for n, p in model.named_parameters()}
-    training = model.training
-    try:
-        model.eval()                                       # no dropout: the graph of the model itself
-        for p in model.parameters():
-            p.requires_grad_(False)
-        run = linearize(model, ids[None], paths, embed_path, unembed_path)
-        return _build(run, ids, [transcoders[p] for p in paths], paths, unembed.weight,
-                      max_n_logits, desired_logit_prob, batch_size, folder)
-    finally:
-        model.train(training)
-        for n, p in model.named_parameters():
-            p.requires_grad_(grads_before[n])
+    # eval mode (no dropout), no weight gradients, eager attention: on a view, not the model
+    run = linearize(frozen_view(model), ids[None], paths, embed_path, unembed_path)
+    return _build(run, ids, [transcoders[p] for p in paths], paths, unembed.weight,
+                  max_n_logits, desired_logit_prob, batch_size, folder)
 
 
 def _embedding(model: nn.Module, getter: str) -> Any:

@@ -14,7 +14,6 @@ the backward is linear in the residual stream, as circuit-tracer's (Ameisen et a
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,29 +80,10 @@ def _frozen_norm(module: nn.Module, path: str, x: Tensor, y: Tensor) -> Tensor:
     return y.detach() + (linear - linear.detach())
 
 
-@contextlib.contextmanager
-def _eager_attention(model: nn.Module) -> Any:
-    """Run transformers' models with eager attention (the pattern is a tensor to detach), and
-    give the model back its own implementation afterwards."""
-    config = getattr(model, "config", None)
-    before = getattr(config, "_attn_implementation", None)
-    if config is None or before in (None, "eager"):
-        yield
-        return
-    configs: dict[int, Any] = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
-    saved = {k: c._attn_implementation for k, c in configs.items()}
-    try:
-        for c in configs.values():
-            c._attn_implementation = "eager"
-        yield
-    finally:
-        for k, c in configs.items():
-            c._attn_implementation = saved[k]
-
-
 def linearize(model: nn.Module, input_ids: Tensor, mlp_paths: Sequence[str], embed_path: str,
               unembed_path: str) -> Linearized:
-    """Run the frozen forward on ``input_ids`` ``(1, seq)``; see the module docstring."""
+    """Run the frozen forward on ``input_ids`` ``(1, seq)``; see the module docstring. ``model``
+    is the model's ``view.frozen_view`` (eval mode, eager attention), or a model already so."""
     out = Linearized()
     norms = norm_paths(model)
     modules = dict(model.named_modules())
@@ -149,7 +129,7 @@ def linearize(model: nn.Module, input_ids: Tensor, mlp_paths: Sequence[str], emb
     outputs_edits.update({p: mlp(p) for p in mlp_paths})
     outputs_edits[embed_path] = embed
     outputs_edits["**::softmax"] = pattern
-    with _eager_attention(model), torch.enable_grad(), \
+    with torch.enable_grad(), \
             edit(model, inputs_edits, inputs=True, on_unfired="ignore"), \
             edit(model, outputs_edits, on_unfired="ignore"):
         result = model(input_ids)

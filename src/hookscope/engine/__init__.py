@@ -63,12 +63,19 @@ from hookscope.engine.door.tables import (
     on_optimizer_step,
     on_output_grad,
     on_tensor_grad,
+    others_tables,
     registered,
     unregister,
 )
 from hookscope.engine.function_mode import FunctionCall, Watch
 from hookscope.engine.ground_truth import Probe, first_tensor, probe_of, same_values
-from hookscope.engine.interrupts import GracefulStop, critical, exit_at_interrupt, release_signals
+from hookscope.engine.interrupts import (
+    GracefulStop,
+    critical,
+    exit_at_interrupt,
+    never_skipped,
+    release_signals,
+)
 from hookscope.engine.mode_stack import each_call
 from hookscope.engine.naming.function_names import bind_arguments, functional_hint, refuse_uninterceptable
 from hookscope.engine.naming.names import ModuleIndex, index, one_index_per_call
@@ -142,7 +149,7 @@ __all__ = ["Probe", "Residuals", "checked_residuals", "first_tensor", "probe_of"
            "decoder_blocks",
            "AxesRow", "TOKEN_AXES", "batch_first", "token_axes",
            "FULLGRAPH", "FunctionCall", "RecordingHook", "GracefulStop", "critical", "exit_at_interrupt",
-           "release_signals", "HookSession",
+           "release_signals", "never_skipped", "others_tables", "HookSession",
            "KNOWN_LIBRARIES", "Layout", "MaskWatcher", "ModuleIndex", "NO_TOKENS", "NO_VALUES_FIX", "NotKept",
            "Observer", "OnUnfired", "OwnedHook", "Part", "RecordKey", "RngState", "Target", "Tokens",
            "Watch", "after_backward", "apply_edit", "as_patterns", "bind_arguments", "brief", "check_arity",

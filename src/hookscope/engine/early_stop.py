@@ -66,9 +66,9 @@ class EarlyStop:
         the hooks already there (so a capture's record is taken before the stop). Both are owned
         (``hooks.register``): another thread's forward, a copy of the model or a checkpoint
         recompute neither resets the pass nor is ever stopped."""
-        add(register(self._root, lambda module, args: self._reset(), pre=True))
+        register(self._root, lambda module, args: self._reset(), pre=True, record=add)
         for module in self._modules:
-            add(register(module, self._returned))
+            register(module, self._returned, record=add)
 
     def _reset(self) -> None:
         self._pending = set(map(id, self._modules))

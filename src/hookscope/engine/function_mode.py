@@ -227,13 +227,13 @@ class FunctionWatcher:
         if wrapper is not None and self._watches:  # outside the compiled code
             self._claimed = _claim(wrapper, +1)  # first: refused, nothing is registered
             _trace_constants()
-            handles.append(register(wrapper, self._enter_call, pre=True))
-            handles.append(register(wrapper, self._leave_call, always_call=True))
+            register(wrapper, self._enter_call, pre=True, record=handles.append)
+            register(wrapper, self._leave_call, always_call=True, record=handles.append)
         for child in suspending:  # first in, last out: the child's other hooks are not ours
-            handles.append(register(child, OwnedHook(self._suspend_hook, child, in_recompute=again,
-                                                     traceable=True), pre=True, prepend=True))
-            handles.append(register(child, OwnedHook(self._resume_hook, child, in_recompute=again,
-                                                     traceable=True), always_call=always))
+            register(child, OwnedHook(self._suspend_hook, child, in_recompute=again, traceable=True),
+                     pre=True, prepend=True, record=handles.append)
+            register(child, OwnedHook(self._resume_hook, child, in_recompute=again, traceable=True),
+                     always_call=always, record=handles.append)
         for module, watches in self._watches.items():
             again = any(w.in_recompute for w in watches)
             root = module is self._root  # its frame is the call's (_enter_call)
@@ -242,9 +242,9 @@ class FunctionWatcher:
                               pick=self._taken(root), on_kept=self._replayed(watches))
             for watch in watches:
                 watch.enter, watch.leave = enter, leave
-            handles.append(register(module, enter, pre=True))
+            register(module, enter, pre=True, record=handles.append)
             self._keyed.append(leave)  # before register opens its sink: close() closes it
-            handles.append(register(module, leave, prepend=True, always_call=always))
+            register(module, leave, prepend=True, always_call=always, record=handles.append)
 
     def close(self) -> None:
         """Take the mode off torch's mode stack wherever it is (a forward interrupted inside a

@@ -5,11 +5,15 @@ A verb that derives something from the model's structure (which module's output 
 Hugging Face model returns its hidden states (``output_hidden_states=True``) and its logits. The
 probe is one forward, at first use, on a small input made from the config (six token ids; a
 decoder start for an encoder-decoder; one image of ``config.image_size`` for a vision model),
-under ``torch.no_grad()``, with the model left as found (``engine.run.untouched``) and with
-hookscope's own open sessions' hooks set aside (``tables.set_aside``: the probe is not one of
-their forwards). A forward hook on every module keeps the first tensor of each call's output
-and input (a copy, as the call returned it: a later in-place write does not reach it), and the
-order in which calls began and ended. The forwards of the modules that own a block list (a
+under ``torch.no_grad()``, with the model left as found (``engine.run.untouched``), in a thread
+of its own (``unowned``) that the door marks as no one's (``door.hooks.unowned_threads``): every
+open block's hooks, of this thread or any other, skip the probe's calls (it is none of their
+forwards) and do not count them, and go on acting for their own threads' calls meanwhile;
+nothing is taken out of torch's tables (issue 47: setting hookscope's hooks aside for the probe
+silenced every other thread's blocks on the model while it ran). A user's own hook sees the
+probe forward, in that thread. A forward hook on every module keeps the first tensor of each
+call's output and input (a copy, as the call returned it: a later in-place write does not reach
+it), and the order in which calls began and ended. The forwards of the modules that own a block list (a
 ``ModuleList``'s parent: the model's own code between its blocks) are watched too
 (``engine.function_mode``): each torch function they call themselves keeps the first tensor it
 returned, so a value the model computes inline (token embeddings scaled and positions added
@@ -26,21 +30,23 @@ from __future__ import annotations
 import inspect
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-from hookscope.engine.door.hooks import register
-from hookscope.engine.door.tables import set_aside
+from hookscope.engine.door.hooks import register, unowned_threads
 from hookscope.engine.function_mode import FunctionCall, FunctionWatcher
 from hookscope.engine.naming.names import ModuleIndex
 from hookscope.engine.run import input_device, untouched
 
-__all__ = ["Probe", "probe_of", "first_tensor", "same_values"]
+__all__ = ["Probe", "probe_of", "first_tensor", "same_values", "unowned"]
 
 Tensor = torch.Tensor
+R = TypeVar("R")
 PROBE_TOKENS, PROBE_DECODER_TOKENS = 6, 4
 
 
@@ -154,21 +160,29 @@ def _run_probe(names: ModuleIndex, *, watch: bool) -> Probe | str:
     if watch:
         for path in _block_owners(names):
             watcher.watch(names.modules[path], _keeper(path, functions, counter))
-    handles: list[Any] = []
+
+    def forward() -> Any:  # in the probe's own thread (unowned)
+        handles: list[RemovableHandle] = []
+        try:
+            with torch.no_grad():
+                for path, module in names.modules.items():
+                    register(module, pre(path), pre=True, record=handles.append)
+                    register(module, post(path), record=handles.append)
+                watcher.install(handles)
+                output = model(**feed, output_hidden_states=True, return_dict=True)
+                _synchronize(feed)
+                return output
+        finally:
+            for handle in handles:
+                handle.remove()
+            watcher.close()
+
     try:
-        with set_aside(model), untouched(model), torch.no_grad():
-            for path, module in names.modules.items():
-                handles.append(register(module, pre(path), pre=True))
-                handles.append(register(module, post(path)))
-            watcher.install(handles)
-            output = model(**feed, output_hidden_states=True, return_dict=True)
+        with untouched(model):  # in this thread: the model (RNG included) as this thread found it
+            output = unowned(forward)
     except Exception as exc:  # noqa: BLE001 - a probe that cannot run is a reason, not an error
         first = str(exc).splitlines()[0][:160] if str(exc) else ""
         return f"the probe forward raised {type(exc).__name__}: {first}"
-    finally:
-        for handle in handles:
-            handle.remove()
-        watcher.close()
     return Probe(output, outputs, inputs, calls, feed, functions)
 
 
@@ -188,6 +202,45 @@ def _keeper(path: str, kept: list[tuple[str, str, int, Tensor]], counter: list[i
             kept.append((path, f"{call.name}#{call.occurrence}", counter[0], found.detach().clone()))
             counter[0] += 1
     return on_call
+
+
+def unowned(function: Callable[[], R]) -> R:
+    """Return ``function()`` run in a new thread that no block owns (``door.hooks.unowned_threads``):
+    each of hookscope's hooks skips the calls it makes, without counting them as another
+    thread's, while acting as before for every other thread. The caller waits (also through a
+    ``KeyboardInterrupt``, which is raised once the thread ended: it is one short forward), and
+    gets what ``function`` raised. Thread-local state is the new thread's own: grad mode,
+    autocast, torch's function-mode stack, the current CUDA stream."""
+    done: list[R] = []
+    failed: list[BaseException] = []
+
+    def body() -> None:
+        ident = threading.get_ident()
+        unowned_threads.add(ident)
+        try:
+            done.append(function())
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+            failed.append(exc)
+        finally:
+            unowned_threads.discard(ident)
+
+    thread = threading.Thread(target=body, name="hookscope-probe", daemon=True)
+    thread.start()
+    try:
+        thread.join()
+    finally:
+        thread.join()  # an interrupt of the first wait: still nothing runs on after the probe
+    if failed:
+        raise failed[0]
+    return done[0]
+
+
+def _synchronize(feed: dict[str, Any]) -> None:
+    """Wait for the probe's kernels on each CUDA device of its inputs (the thread's own current
+    stream, not the caller's: the caller reads the results on its stream)."""
+    for value in feed.values():
+        if isinstance(value, Tensor) and value.is_cuda:
+            torch.cuda.synchronize(value.device)
 
 
 def _probe_inputs(model: nn.Module) -> dict[str, Any] | str:

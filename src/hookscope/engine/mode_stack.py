@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from hookscope.engine import interrupts
+
 __all__ = ["entered", "each_call", "take_off"]
 
 
@@ -37,6 +39,7 @@ class entered:  # noqa: N801 - used as a function: ``with entered(mode):``
             take_off(self.mode)
             raise
 
+    @interrupts.never_skipped(lambda block: take_off(block.mode))  # exit cut short
     def __exit__(self, *exc: object) -> None:
         try:
             take_off(self.mode)

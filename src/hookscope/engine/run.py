@@ -128,8 +128,8 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
         self._rng: RngState | None = None
         self._rng_shared = False  # another thread's block was open during this one
         self._rng_thread = 0
-        self._grad = True
-        self._finished = False  # _finish ran (an interrupt during _open, or the exit)
+        self._grad: bool | None = None  # the grad mode on entry, until restored
+        self._finished = True  # nothing to finish: not opened, or _finish ran (exit, interrupt)
 
     def __enter__(self) -> None:
         # an exception anywhere in entering restores and unhooks: every state is kept before
@@ -155,6 +155,7 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
             self._kept.append(state)
             state.watch()
 
+    @interrupts.never_skipped(lambda block: block._finished or block._finish())  # exit cut short
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: object) -> None:
         try:
@@ -193,8 +194,9 @@ class untouched:  # noqa: N801 - used as a function: ``with untouched(model):``
             shared += state.restore()
         self._kept = []
         self._finished = True
-        if torch.is_grad_enabled() != self._grad:
+        if self._grad is not None and torch.is_grad_enabled() != self._grad:
             torch.set_grad_enabled(self._grad)
+        self._grad = None
         if self._rng is not None:
             if not (_close_rng(self) or foreign):
                 self._rng.restore()

@@ -215,8 +215,8 @@ class HookSession:
         runs (a function watch's ``_leave_call``)."""
         wrapper = diagnose.compile_wrapper(self.model)
         if wrapper is not None:
-            self._handles.append(register(wrapper, self._hold, pre=True))
-            self._handles.append(register(wrapper, self._release, always_call=True))
+            register(wrapper, self._hold, pre=True, record=self._handles.append)
+            register(wrapper, self._release, always_call=True, record=self._handles.append)
 
     def _hold(self, module: nn.Module, args: Any) -> None:
         compiled.abandon(self)  # an interrupted call's hold (a KeyboardInterrupt skips _release)
@@ -242,6 +242,7 @@ class HookSession:
                 f"its graph there. Use the eager model (compiled._orig_mod), or compile with "
                 f"fullgraph=False (the hook then splits the graph, and values equal eager)")
 
+    @interrupts.never_skipped(lambda block: block._active and block._remove())  # exit cut short
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool | None:
         # as __enter__: an exception anywhere in leaving still removes every hook; a second

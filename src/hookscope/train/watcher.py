@@ -27,6 +27,7 @@ from hookscope.engine import (
     critical,
     fullgraph,
     input_device,
+    never_skipped,
     on_optimizer_step,
     on_output_grad,
     release_signals,
@@ -126,6 +127,7 @@ class Monitor:
             self.close()  # idempotent: what an exception after open's return left
             raise
 
+    @never_skipped(lambda monitor: monitor._closed() or monitor.close())  # exit cut short
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         try:
@@ -175,6 +177,11 @@ class Monitor:
                 on_optimizer_step(stepped, self._before_update, pre=True, record=self._handles.append)
                 on_optimizer_step(stepped, self._end_step, pre=False, record=self._handles.append)
         self._contained("statistics", self._start_sample_if_due)
+
+    def _closed(self) -> bool:
+        """Whether ``close`` has nothing left to do (never opened, or closed)."""
+        return (self._root_session is None and self._file is None and not self._handles
+                and self._sample is None and self._pending is None)
 
     @critical
     def close(self) -> None:

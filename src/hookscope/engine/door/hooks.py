@@ -50,7 +50,8 @@ from hookscope.engine.compile import graph as compiled
 from hookscope.errors import HookscopeError
 
 __all__ = ["OwnedHook", "RecordingHook", "FULLGRAPH", "output_of", "nothing", "register", "drop_sink",
-           "owner", "in_recompute", "refuse_export_trace", "traced", "kind_of_hook", "other_threads"]
+           "owner", "in_recompute", "refuse_export_trace", "traced", "kind_of_hook", "other_threads",
+           "unowned_threads"]
 
 FULLGRAPH = 2  # ``OwnedHook(replaces=FULLGRAPH)``: an edit entered on a fullgraph=True model
 _graph_task_id = torch._C._current_graph_task_id
@@ -248,8 +249,11 @@ class OwnedHook:
 
     def _count(self, thread: int) -> None:
         """Count a call in ``thread`` as a foreign call of this hook and of each guest whose
-        block is another thread's (the report of a block whose module ran only elsewhere)."""
+        block is another thread's (the report of a block whose module ran only elsewhere); a
+        forward of hookscope's own (``unowned_threads``) is no one's call, and is not counted."""
         if thread != self.thread:
+            if thread in unowned_threads:  # tested only here: the session's calls pay nothing
+                return
             self.foreign_calls += 1
         for guest in self.guests:
             if guest.thread != thread:
@@ -432,7 +436,8 @@ def _set_up_for_compile() -> None:
 
 def register(module: nn.Module, hook: OwnedHook | Callable[..., Any], *, pre: bool = False,
              with_kwargs: bool = False, prepend: bool = False, always_call: bool = False,
-             in_recompute: bool = False) -> RemovableHandle:
+             in_recompute: bool = False,
+             record: Callable[[RemovableHandle], Any] | None = None) -> RemovableHandle:
     """Register ``hook`` on ``module`` as a forward (``pre``: forward-pre) hook; return the handle.
 
     Args:
@@ -444,6 +449,10 @@ def register(module: nn.Module, hook: OwnedHook | Callable[..., Any], *, pre: bo
         always_call: forward hooks only: run also when the forward raises.
         in_recompute: for a plain function, also run it during an activation-checkpointing
             recompute (see ``OwnedHook``).
+        record: ``record(handle)`` is called before the hook is in the table (written as
+            torch's ``register_forward_(pre_)hook`` write it, or, for a module overriding
+            those, through them): an exception anywhere leaves no hook the caller has not
+            recorded (else one landing as ``register`` returns loses the handle, issue 47).
 
     An ``OwnedHook`` with a ``pick`` gets a compiled sink (its ``key``: a compiled call hands
     it the value, ``engine.compile.graph``) once ``torch._dynamo`` is loaded; the caller closes it
@@ -452,12 +461,41 @@ def register(module: nn.Module, hook: OwnedHook | Callable[..., Any], *, pre: bo
     owned = hook if isinstance(hook, OwnedHook) else OwnedHook(hook, module, in_recompute=in_recompute)
     if _ready_for_compile() and owned.pick is not None and owned.key is None:
         owned.key = compiled.open_sink(module, owned.kept, _place(owned))
+    if record is not None:
+        return _recorded(module, owned.__call__, pre, with_kwargs, prepend, always_call, record)
     # returned as made: no line runs between the registration and the caller's record of it
     if pre:
         return module.register_forward_pre_hook(owned.__call__, with_kwargs=with_kwargs,
                                                 prepend=prepend)
     return module.register_forward_hook(owned.__call__, with_kwargs=with_kwargs,
                                         prepend=prepend, always_call=always_call)
+
+
+def _recorded(module: nn.Module, hook: Callable[..., Any], pre: bool, with_kwargs: bool, prepend: bool,
+              always_call: bool, record: Callable[[RemovableHandle], Any]) -> RemovableHandle:
+    """``register``'s write with ``record``: the handle recorded, then the flags, then the hook."""
+    name = "register_forward_pre_hook" if pre else "register_forward_hook"
+    if getattr(type(module), name) is not getattr(nn.Module, name):  # its own: asked through it
+        options = {} if pre else {"always_call": always_call}
+        handle: RemovableHandle = getattr(module, name)(hook, with_kwargs=with_kwargs, prepend=prepend,
+                                                        **options)
+        record(handle)
+        return handle
+    table: Any  # torch's OrderedDict (typed as a dict)
+    if pre:
+        table, flags = module._forward_pre_hooks, [module._forward_pre_hooks_with_kwargs]
+    else:
+        table = module._forward_hooks
+        flags = [module._forward_hooks_with_kwargs, module._forward_hooks_always_called]
+    handle = RemovableHandle(table, extra_dict=flags)
+    record(handle)
+    for flag, wanted in zip(flags, (with_kwargs, always_call), strict=False):
+        if wanted:
+            flag[handle.id] = True
+    table[handle.id] = hook
+    if prepend:
+        table.move_to_end(handle.id, last=False)
+    return handle
 
 
 def drop_sink(owned: OwnedHook) -> None:
@@ -467,6 +505,9 @@ def drop_sink(owned: OwnedHook) -> None:
         owned.key = None
 
 
+#: idents of the threads running a forward of hookscope's own (``engine.ground_truth``'s probe):
+#: no block is theirs, so every hook skips their calls, as another thread's, without counting them
+unowned_threads: set[int] = set()
 _NOBODY = -1  # the ``thread`` of a host whose own block closed: no thread's ident
 _FILLER = -2  # the ``thread`` of a filler while its block is open (``OwnedHook.filler``)
 

@@ -1,5 +1,5 @@
-"""Torch's other hook tables: tensor, autograd-node and optimizer hooks, the inventory of every
-module's and the global tables, and setting hookscope's own module hooks aside.
+"""Torch's other hook tables: tensor, autograd-node and optimizer hooks, and the inventory of
+every module's and the global tables.
 
 Every hook here is hookscope's own or read for ``hooks(model)``/``remove_hooks``; module forward
 (pre-)hooks go through ``engine.door.hooks.register`` and ``engine.door.sharing.ModuleHooks``.
@@ -7,6 +7,7 @@ Every hook here is hookscope's own or read for ``hooks(model)``/``remove_hooks``
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,7 @@ from hookscope.engine.door.sharing import locked
 
 __all__ = ["on_tensor_grad", "on_output_grad", "on_node", "on_optimizer_step", "after_backward",
            "MODULE_TABLES", "GLOBAL_TABLES", "MODULE_FLAGS", "GLOBAL_FLAGS", "registered", "unregister",
-           "set_aside"]
+           "others_tables"]
 
 def on_tensor_grad(tensor: torch.Tensor, function: Callable[[torch.Tensor], Any]) -> RemovableHandle:
     """Run ``function(grad)`` when autograd computes d(loss)/d(``tensor``); return the handle.
@@ -144,32 +145,18 @@ def _unregister(module: nn.Module | None, kind: str, hook_id: int) -> None:
         setattr(owner_of, mark, None)
 
 
-class set_aside:  # noqa: N801 - used as a function: ``with set_aside(model):``
-    """Take hookscope's own forward (pre-)hooks off every module of ``model`` for the block and
-    put them back, in their order, when it ends (returned or raised): a forward hookscope runs
-    for itself (``engine.ground_truth``'s probe) is then seen by no open session's capture or
-    edit. Hooks others registered (a user's, ``weight_norm``'s, accelerate's) stay: they may be
-    part of the computation. A forward another thread runs during the block misses the hooks
-    set aside (the block lasts one probe forward)."""
+#: a module's tables of its state-dict hooks (copied with the others by ``others_tables``)
+_STATE_DICT_TABLES = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                      "_load_state_dict_post_hooks")
 
-    def __init__(self, model: nn.Module):
-        self._model = model
-        self._held: list[tuple[dict[int, Any], dict[int, Any]]] = []
 
-    def __enter__(self) -> None:
-        for module in self._model.modules():
-            for attr in ("_forward_pre_hooks", "_forward_hooks"):
-                table: dict[int, Any] = getattr(module, attr)
-                ours = {key: value for key, value in table.items() if owner(value) is not None}
-                if ours:
-                    self._held.append((table, dict(table)))
-                    for key in ours:
-                        del table[key]
-
-    def __exit__(self, *exc: Any) -> None:
-        for table, before in self._held:
-            added = {key: value for key, value in table.items() if key not in before}
-            table.clear()
-            table.update(before)
-            table.update(added)
-        self._held.clear()
+def others_tables(module: nn.Module) -> dict[str, OrderedDict[int, Any]]:
+    """``{attribute: table}``: a copy of each of ``module``'s hook tables (``MODULE_TABLES``, the
+    state-dict hooks' and the flags ``MODULE_FLAGS``) holding the hooks others registered (a
+    user's, ``weight_norm``'s), not hookscope's: the tables of a view of ``module``
+    (``circuits.view``), so hooks registered on the view go into its tables only. Reads only."""
+    ours = {key for attr in (MODULE_TABLES["forward_pre"], MODULE_TABLES["forward"])
+            for key, hook in getattr(module, attr).items() if owner(hook) is not None}
+    names = (*MODULE_TABLES.values(), *_STATE_DICT_TABLES, *MODULE_FLAGS)
+    return {attr: OrderedDict((key, value) for key, value in getattr(module, attr).items() if key not in ours)
+            for attr in names if hasattr(module, attr)}
