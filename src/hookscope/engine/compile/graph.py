@@ -148,6 +148,9 @@ def _keep(values: list[Tensor], spec: str, key: int, order: int) -> None:
     sink = _sinks.get(key)
     if sink is None:  # the block closed: code compiled with its hooks is never run then
         return
+    if spec == "None":  # a witness's (a module ran): nothing to copy, no order to keep
+        sink(None)
+        return
     value = _filled([_copy(v) for v in values], spec)  # copied now: the graph goes on
     if not _held.depth:
         sink(value)

@@ -229,8 +229,9 @@ def _hosts(module: Any) -> list[OwnedHook]:
 
 
 def _busy(module: Any) -> bool:
-    """Whether an open block uses a hookscope entry with a compiled sink on ``module``."""
-    return any(host.key is not None and _active(host) for host in _hosts(module))
+    """Whether an open block uses an entry with a compiled sink that a ``ModuleHooks`` wrote on
+    ``module`` (not a hook ``hooks.register`` wrote, which its block removes by its handle)."""
+    return any(host.key is not None and host.entries and _active(host) for host in _hosts(module))
 
 
 def _idle_place(owned: OwnedHook, table: dict[int, Any], flags: dict[int, Any] | None) -> OwnedHook | None:
@@ -250,12 +251,11 @@ def _idle_place(owned: OwnedHook, table: dict[int, Any], flags: dict[int, Any] |
 
 def _sweep(module: Any) -> None:
     """Pop the idle entries ``_release`` left on ``module`` once no open block uses any."""
-    hosts = _hosts(module)
-    if any(host.key is not None and _active(host) for host in hosts):
+    hosts = [host for host in _hosts(module) if host.key is not None and host.entries]
+    if any(_active(host) for host in hosts):
         return
     for host in hosts:
-        if host.key is not None and not _active(host):
-            _pop(host)
+        _pop(host)
 
 
 def locked(function: Callable[..., Any], *args: Any) -> Any:
