@@ -96,8 +96,8 @@ def test_sweeps_in_three_threads_each_get_their_own_values_and_plain_calls_work_
         same: bool, verb: str, dynamo_warnings: list[str]) -> None:
     """Three threads sweep the layers at once, each with its own input and steering vector; the
     blocks of one verb share their entries (``sharing.ModuleHooks``), so the tables stay as they
-    are whichever layers the threads select. (Threads running different verbs at once compile a
-    graph per combination of the kinds of hooks open: see the note on threads in capture.md.)"""
+    are whichever layers the threads select. (Threads running different verbs at once: see
+    ``test_threads_running_different_verbs_...`` below.)"""
     model = _tower()
     counter = CompileCounterWithBackend("eager")
     compiled = torch.compile(model, backend=counter, fullgraph=True)
