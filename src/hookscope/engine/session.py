@@ -26,8 +26,8 @@ from torch.utils.hooks import RemovableHandle
 from hookscope.engine import diagnose, interrupts
 from hookscope.engine.compile import graph as compiled
 from hookscope.engine.door import copies
-from hookscope.engine.door.hooks import OwnedHook, kind_of_hook, nothing, other_threads, register
-from hookscope.engine.door.sharing import ModuleHooks, locked
+from hookscope.engine.door.hooks import OwnedHook, kind_of_hook, nothing, other_threads
+from hookscope.engine.door.sharing import ModuleHooks, hold_calls, locked
 from hookscope.engine.door.tables import on_node
 from hookscope.engine.early_stop import (
     SKIPPED_BY_STOP,
@@ -214,16 +214,8 @@ class HookSession:
         made it (``compiled.hold``), before any hook the block adds to the wrapper later
         runs (a function watch's ``_leave_call``)."""
         wrapper = diagnose.compile_wrapper(self.model)
-        if wrapper is not None:
-            register(wrapper, self._hold, pre=True, record=self._handles.append)
-            register(wrapper, self._release, always_call=True, record=self._handles.append)
-
-    def _hold(self, module: nn.Module, args: Any) -> None:
-        compiled.abandon(self)  # an interrupted call's hold (a KeyboardInterrupt skips _release)
-        compiled.hold(self)
-
-    def _release(self, module: nn.Module, args: Any, output: Any) -> None:
-        compiled.release(self)
+        if wrapper is not None:  # one pair per wrapper, shared by every thread's blocks
+            hold_calls(wrapper, self._handles.append)
 
     def _refuse_outside_graph(self) -> None:
         """Refuse, on entry, a block on a ``torch.compile(fullgraph=True)`` model with a hook

@@ -66,8 +66,8 @@ from torch._library.effects import EffectType
 from hookscope.engine.compile.spec import _class_code, _code, _filled, _spec
 from hookscope.errors import EditError, HookscopeError
 
-__all__ = ["prepare", "eager_when_called", "open_sink", "serve", "close_sink", "hold", "release", "abandon",
-           "keep",
+__all__ = ["prepare", "eager_when_called", "open_sink", "serve", "idle_sink", "close_sink", "hold",
+           "release", "abandon", "keep",
            "replace", "replace_call", "call_refusal", "refuse", "CALLS_UNCOMPILED", "CALL_IN_PLACE",
            "rebuilt", "watch_gradient", "flat_output", "flatten"]
 
@@ -147,6 +147,9 @@ def eager_when_called(code: Any) -> None:
 def _keep(values: list[Tensor], spec: str, key: int, order: int) -> None:
     sink = _sinks.get(key)
     if sink is None:  # the block closed: code compiled with its hooks is never run then
+        return
+    if spec == "None":  # a witness's (a module ran): nothing to copy, no order to keep
+        sink(None)
         return
     value = _filled([_copy(v) for v in values], spec)  # copied now: the graph goes on
     if not _held.depth:
@@ -411,6 +414,13 @@ def serve(key: int, sink: Sink) -> None:
     """Run ``sink`` for the compiled calls of ``key``, a place held open (``open_sink``)."""
     if key in _sinks:
         _sinks[key] = sink
+
+
+def idle_sink(key: int) -> None:
+    """Keep the place of ``key`` and run no sink for it (as a filler's, ``open_sink``), until
+    ``serve`` gives it one or ``close_sink`` closes it."""
+    if key in _sinks:
+        _sinks[key] = None
 
 
 def close_sink(key: int) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 from hookscope.engine.compile import graph as compiled
 from hookscope.engine.door.hooks import _FILLER, _NOBODY, OwnedHook, _kind, _place, _ready_for_compile, owner
 
-__all__ = ["ModuleHooks", "locked"]
+__all__ = ["ModuleHooks", "locked", "hold_calls"]
 
 class ModuleHooks:
     """A session's module hooks, registered and removed in bulk.
@@ -101,9 +102,16 @@ class ModuleHooks:
         """Write ``owned``'s own entry ``key`` in ``table`` (and ``flags``), with a compiled
         sink when ``keyed`` (it has a ``pick`` and dynamo is loaded: a process that has not
         loaded it compiles nothing)."""
+        idle = _idle_place(owned, table, flags) if keyed else None
+        key = key if idle is None else idle.entries[0][1]  # its place, in the order it has there
         # each entry recorded before it is written: an exception between leaves nothing unrecorded
         owned.entries = [(table, key)] if flags is None else [(table, key), (flags, key)]
         self.hosted.append(owned)
+        if idle is not None:  # and its keys: freed for open_sink below; the idle hook keeps its
+            idle.entries = []  # attributes until replaced (dynamo's guards read them meanwhile)
+            for sink in (idle.key, idle.gradient_key):
+                if sink is not None:
+                    compiled.close_sink(sink)
         if keyed:
             filler = owned.thread == _FILLER  # acts for no call: no sink (OwnedHook.filler)
             kind = _place(owned)  # places per kind: stable keys (open_sink)
@@ -162,11 +170,14 @@ class ModuleHooks:
             _release(host)
         for owned in self.hosted:
             owned.thread = _NOBODY  # its block is over: no call is its own now
-            if not owned.guests:  # _release inlined: a block of every module removes hundreds
+        for owned in self.hosted:
+            if owned.guests:
+                continue
+            if owned.key is not None:
+                _release(owned)
+            else:  # _release inlined: a block of every module removes hundreds
                 for table, key in owned.entries:
                     table.pop(key, None)
-                if owned.key is not None:
-                    _release(owned)
         self.hosted.clear()
         self.joined.clear()
 
@@ -174,15 +185,77 @@ class ModuleHooks:
 _sharing = threading.RLock()  # entries shared between blocks of several threads (ModuleHooks)
 
 def _release(host: OwnedHook) -> None:
-    """Pop ``host``'s entries and close its sinks once no open block uses them."""
-    if host.thread != _NOBODY or host.guests:
+    """Pop ``host``'s entries and close its sinks once no open block uses them.
+
+    An entry with a compiled sink stays, idle (``compiled.idle_sink``: its operator hands
+    nothing out), while an open block still uses another hookscope entry of its module, and
+    goes with the last of them (``_sweep``): the entries of a module then keep their order and
+    keys while blocks of several threads, of different verbs, open and close around each other.
+    Popped and written again, a capture's entry came back after a steer's in one block and
+    before it in the next, and every such order, count and key was a graph of its own: threads
+    running a capture, a steer, a patch and an ablation on one ``torch.compile(fullgraph=True)``
+    model reached dynamo's recompile limit, after which even a plain call raised (issue 47)."""
+    if _active(host):
         return
+    if host.key is not None and _busy(host.module):
+        for sink in (host.key, host.gradient_key):
+            if sink is not None:
+                compiled.idle_sink(sink)
+        return
+    _pop(host)
+    _sweep(host.module)
+
+
+def _active(host: OwnedHook) -> bool:
+    """Whether an open block uses ``host``'s entry (its own, a filler's, a guest's)."""
+    return host.thread != _NOBODY or bool(host.guests)
+
+
+def _pop(host: OwnedHook) -> None:
+    """Pop ``host``'s entries and close its sinks."""
     for table, key in host.entries:
         table.pop(key, None)
     for sink in (host.key, host.gradient_key):
         if sink is not None:
             compiled.close_sink(sink)
     host.key = host.gradient_key = None
+
+
+def _hosts(module: Any) -> list[OwnedHook]:
+    """The hookscope hosts of ``module``'s forward and forward-pre hook tables (a copy of each
+    table, one step in C: other threads' ``register`` change them outside ``_sharing``)."""
+    values = [*list(module._forward_hooks.values()), *list(module._forward_pre_hooks.values())]
+    return [host for host in map(owner, values) if host is not None]
+
+
+def _busy(module: Any) -> bool:
+    """Whether an open block uses an entry with a compiled sink that a ``ModuleHooks`` wrote on
+    ``module`` (not a hook ``hooks.register`` wrote, which its block removes by its handle)."""
+    return any(host.key is not None and host.entries and _active(host) for host in _hosts(module))
+
+
+def _idle_place(owned: OwnedHook, table: dict[int, Any], flags: dict[int, Any] | None) -> OwnedHook | None:
+    """An idle entry of ``table`` (``_release``) of ``owned``'s place (``_place``: what it does in
+    a graph) that ``owned`` can take over, its key and order kept: one after which no entry of
+    ``owned``'s thread comes (``owned`` runs after that thread's hooks, as if last)."""
+    place, found = _place(owned), None
+    for value in reversed(list(table.values())):
+        host = owner(value)
+        if host is None or (owned.thread != _FILLER and host.acts_for(owned.thread)):
+            break
+        if (host.key is not None and not _active(host) and host.module is owned.module
+                and len(host.entries) == (1 if flags is None else 2) and _place(host) == place):
+            found = host
+    return found
+
+
+def _sweep(module: Any) -> None:
+    """Pop the idle entries ``_release`` left on ``module`` once no open block uses any."""
+    hosts = [host for host in _hosts(module) if host.key is not None and host.entries]
+    if any(_active(host) for host in hosts):
+        return
+    for host in hosts:
+        _pop(host)
 
 
 def locked(function: Callable[..., Any], *args: Any) -> Any:
@@ -195,3 +268,91 @@ def locked(function: Callable[..., Any], *args: Any) -> Any:
         return function(*args)
 
 
+
+
+class _HoldHook(OwnedHook):
+    """A hook of a compile wrapper that runs ``function`` for every thread's call (see
+    ``hold_calls``)."""
+
+    __slots__ = ()
+
+    def __call__(self, module: Any, *args: Any) -> Any:
+        return self.function(module, *args)
+
+
+_holds: weakref.WeakKeyDictionary[Any, list[Any]] = weakref.WeakKeyDictionary()
+
+
+class _Held:
+    """What ``hold_calls`` returns: ``remove()`` ends the block's use of the pair (again:
+    nothing); ``id``, ``hooks_dict_ref`` and ``extra_dict_ref`` name its entries as a torch
+    ``RemovableHandle`` does (``copies.KeptOut`` leaves them out of copies)."""
+
+    __slots__ = ("wrapper", "id", "hooks_dict_ref", "extra_dict_ref")
+
+    def __init__(self, wrapper: Any) -> None:
+        self.wrapper = wrapper
+        self.id: int | None = None  # set when the block's use is counted (``_hold``)
+        self.hooks_dict_ref = weakref.ref(wrapper._forward_pre_hooks)
+        self.extra_dict_ref = (weakref.ref(wrapper._forward_hooks),
+                               weakref.ref(wrapper._forward_hooks_always_called))
+
+    def remove(self) -> None:
+        wrapper, self.wrapper = self.wrapper, None
+        if wrapper is not None and self.id is not None:
+            compiled.abandon(wrapper)  # a call of this thread interrupted before its release
+            locked(_unhold, wrapper)
+
+
+def hold_calls(wrapper: Any, record: Callable[[Any], object]) -> None:
+    """Around each call of the ``torch.compile`` wrapper ``wrapper``, in any thread, hold what
+    its graph hands to sinks and hand it out, in traced order, when the call returns
+    (``compiled.hold``/``release``): one pair of entries per wrapper, written when the first
+    block on it opens and popped when the last closes (the returned object's ``remove``), first
+    in its tables, before the hooks a block adds to the wrapper later (a function watch's).
+
+    One pair for all blocks, not one per block: a block's own pair, written with torch's
+    ``register_forward_pre_hook`` while another thread called the wrapper, broke that call
+    ('OrderedDict mutated during iteration', threads running different verbs at once).
+
+    ``record`` gets the block's handle before its use is counted (as ``register``'s ``record``:
+    an exception between the two cannot lose the handle)."""
+    held = _Held(wrapper)
+    record(held)
+    locked(_hold, wrapper, held)
+
+
+def _hold(wrapper: Any, held: _Held) -> None:
+    entry = _holds.get(wrapper)
+    if entry is not None:
+        entry[0] += 1
+        held.id = int(entry[1])
+        return
+    key = RemovableHandle.next_id
+    RemovableHandle.next_id = key + 1
+    before = _HoldHook(lambda module, args: _enter_call(module), wrapper)
+    after = _HoldHook(lambda module, args, output: compiled.release(module), wrapper)
+    _holds[wrapper] = [1, key]  # recorded before written
+    wrapper._forward_pre_hooks[key] = before.__call__
+    wrapper._forward_hooks_always_called[key] = True
+    wrapper._forward_hooks[key] = after.__call__
+    held.id = key
+
+
+def _enter_call(wrapper: Any) -> None:
+    compiled.abandon(wrapper)  # an interrupted call's hold (a KeyboardInterrupt skips release)
+    compiled.hold(wrapper)
+
+
+def _unhold(wrapper: Any) -> None:
+    entry = _holds.get(wrapper)
+    if entry is None:
+        return
+    entry[0] -= 1
+    if entry[0] > 0:
+        return
+    del _holds[wrapper]
+    key = entry[1]
+    wrapper._forward_pre_hooks.pop(key, None)
+    wrapper._forward_hooks.pop(key, None)
+    wrapper._forward_hooks_always_called.pop(key, None)
