@@ -212,7 +212,8 @@ class FunctionWatcher:
 
     def install(self, handles: list[RemovableHandle]) -> None:
         """Add the forward pre-hooks and hooks on watched modules and their direct children,
-        appending each handle to ``handles`` (the caller removes them) on the line that makes it:
+        appending each handle to ``handles`` (the caller removes them) before its hook is written
+        (``register(..., into=)``):
         no exception comes between a registration and its record."""
         # On a child that is watched too, the parent's frame is suspended before the child's
         # frame is pushed (prepend) and resumed after it is popped (appended).
@@ -227,13 +228,13 @@ class FunctionWatcher:
         if wrapper is not None and self._watches:  # outside the compiled code
             self._claimed = _claim(wrapper, +1)  # first: refused, nothing is registered
             _trace_constants()
-            handles.append(register(wrapper, self._enter_call, pre=True))
-            handles.append(register(wrapper, self._leave_call, always_call=True))
+            register(wrapper, self._enter_call, pre=True, into=handles)
+            register(wrapper, self._leave_call, always_call=True, into=handles)
         for child in suspending:  # first in, last out: the child's other hooks are not ours
-            handles.append(register(child, OwnedHook(self._suspend_hook, child, in_recompute=again,
-                                                     traceable=True), pre=True, prepend=True))
-            handles.append(register(child, OwnedHook(self._resume_hook, child, in_recompute=again,
-                                                     traceable=True), always_call=always))
+            register(child, OwnedHook(self._suspend_hook, child, in_recompute=again, traceable=True),
+                     pre=True, prepend=True, into=handles)
+            register(child, OwnedHook(self._resume_hook, child, in_recompute=again, traceable=True),
+                     always_call=always, into=handles)
         for module, watches in self._watches.items():
             again = any(w.in_recompute for w in watches)
             root = module is self._root  # its frame is the call's (_enter_call)
@@ -242,9 +243,9 @@ class FunctionWatcher:
                               pick=self._taken(root), on_kept=self._replayed(watches))
             for watch in watches:
                 watch.enter, watch.leave = enter, leave
-            handles.append(register(module, enter, pre=True))
+            register(module, enter, pre=True, into=handles)
             self._keyed.append(leave)  # before register opens its sink: close() closes it
-            handles.append(register(module, leave, prepend=True, always_call=always))
+            register(module, leave, prepend=True, always_call=always, into=handles)
 
     def close(self) -> None:
         """Take the mode off torch's mode stack wherever it is (a forward interrupted inside a

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from hookscope.engine.door.hooks import register
 from hookscope.engine.door.tables import set_aside
@@ -137,12 +138,12 @@ def _run_probe(names: ModuleIndex) -> Probe | str:
                     table.setdefault(path, []).append(found.detach().clone())
         return hook
 
-    handles = []
+    handles: list[RemovableHandle] = []
     try:
         with set_aside(model), untouched(model), torch.no_grad():
             for path, module in names.modules.items():
-                handles.append(register(module, pre(path), pre=True))
-                handles.append(register(module, post(path)))
+                register(module, pre(path), pre=True, into=handles)
+                register(module, post(path), into=handles)
             output = model(**feed, output_hidden_states=True, return_dict=True)
     except Exception as exc:  # noqa: BLE001 - a probe that cannot run is a reason, not an error
         first = str(exc).splitlines()[0][:160] if str(exc) else ""

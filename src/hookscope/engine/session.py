@@ -215,8 +215,8 @@ class HookSession:
         runs (a function watch's ``_leave_call``)."""
         wrapper = diagnose.compile_wrapper(self.model)
         if wrapper is not None:
-            self._handles.append(register(wrapper, self._hold, pre=True))
-            self._handles.append(register(wrapper, self._release, always_call=True))
+            register(wrapper, self._hold, pre=True, into=self._handles)
+            register(wrapper, self._release, always_call=True, into=self._handles)
 
     def _hold(self, module: nn.Module, args: Any) -> None:
         compiled.abandon(self)  # an interrupted call's hold (a KeyboardInterrupt skips _release)

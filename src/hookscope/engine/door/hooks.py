@@ -436,7 +436,7 @@ def _set_up_for_compile() -> None:
 
 def register(module: nn.Module, hook: OwnedHook | Callable[..., Any], *, pre: bool = False,
              with_kwargs: bool = False, prepend: bool = False, always_call: bool = False,
-             in_recompute: bool = False) -> RemovableHandle:
+             in_recompute: bool = False, into: list[RemovableHandle] | None = None) -> RemovableHandle:
     """Register ``hook`` on ``module`` as a forward (``pre``: forward-pre) hook; return the handle.
 
     Args:
@@ -448,6 +448,10 @@ def register(module: nn.Module, hook: OwnedHook | Callable[..., Any], *, pre: bo
         always_call: forward hooks only: run also when the forward raises.
         in_recompute: for a plain function, also run it during an activation-checkpointing
             recompute (see ``OwnedHook``).
+        into: a session's list of handles: the handle is appended to it before the hook is
+            in torch's tables (written as torch's ``register_forward_(pre_)hook`` write them),
+            so an interrupt at any moment, also at the end of this call, leaves no hook that
+            the session cannot remove. Without it, the caller records the returned handle.
 
     An ``OwnedHook`` with a ``pick`` gets a compiled sink (its ``key``: a compiled call hands
     it the value, ``engine.compile.graph``) once ``torch._dynamo`` is loaded; the caller closes it
@@ -456,12 +460,35 @@ def register(module: nn.Module, hook: OwnedHook | Callable[..., Any], *, pre: bo
     owned = hook if isinstance(hook, OwnedHook) else OwnedHook(hook, module, in_recompute=in_recompute)
     if _ready_for_compile() and owned.pick is not None and owned.key is None:
         owned.key = compiled.open_sink(module, owned.kept, _place(owned))
+    if into is not None:
+        return _register_into(module, owned, into, pre, with_kwargs, prepend, always_call)
     # returned as made: no line runs between the registration and the caller's record of it
     if pre:
         return module.register_forward_pre_hook(owned.__call__, with_kwargs=with_kwargs,
                                                 prepend=prepend)
     return module.register_forward_hook(owned.__call__, with_kwargs=with_kwargs,
                                         prepend=prepend, always_call=always_call)
+
+
+def _register_into(module: nn.Module, owned: OwnedHook, into: list[RemovableHandle], pre: bool,
+                   with_kwargs: bool, prepend: bool, always_call: bool) -> RemovableHandle:
+    """``register`` with the handle in ``into`` first: torch's own registration, its lines in
+    the same order, after the record (``RemovableHandle.remove`` pops what is there)."""
+    if pre:
+        table, flags = module._forward_pre_hooks, [module._forward_pre_hooks_with_kwargs]
+    else:
+        table = module._forward_hooks
+        flags = [module._forward_hooks_with_kwargs, module._forward_hooks_always_called]
+    handle = RemovableHandle(table, extra_dict=flags)
+    into.append(handle)  # recorded before anything is written
+    if with_kwargs:
+        flags[0][handle.id] = True
+    if always_call and not pre:
+        flags[1][handle.id] = True
+    table[handle.id] = owned.__call__  # a bound method: see owner()
+    if prepend:
+        table.move_to_end(handle.id, last=False)  # type: ignore[attr-defined]
+    return handle
 
 
 def drop_sink(owned: OwnedHook) -> None:
