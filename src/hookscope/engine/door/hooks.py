@@ -305,8 +305,11 @@ class RecordingHook(OwnedHook):
 
     def __call__(self, module: nn.Module, args: Any, output: Any) -> Any:
         # OwnedHook.__call__'s checks and lazy_copy inlined (a frame less per call: keep them
-        # in step); compiling first: dynamo must not trace on
-        if (_compiling() or module is not self.module or _get_ident() != self.thread
+        # in step). Dynamo's trace first (it folds the test to True: it must not trace on);
+        # not torch.compiler.is_compiling(), two Python calls on every call, True also while
+        # another thread compiles (an eager call here is still one) and in a non-strict
+        # torch.export, whose outputs are FakeTensors: those go to OwnedHook.__call__ below
+        if (_dynamo_tracing() or module is not self.module or _get_ident() != self.thread
                 or _graph_task_id() != -1 or self.guests):
             return OwnedHook.__call__(self, module, args, output)  # a copy, a thread, a recompute
         # no functorch transform running: no output can be a transform's wrapper (a cheaper
@@ -318,8 +321,9 @@ class RecordingHook(OwnedHook):
                 return None
             except (NotImplementedError, RuntimeError):  # no copy-on-write storage
                 pass
-        self.outputs.append(self.snapshot(output))
-        return None
+        # any other output (a tuple, a subclass, a FakeTensor of a non-strict export): with
+        # every check of OwnedHook.__call__ (its function is _record: snapshot() keeps it)
+        return OwnedHook.__call__(self, module, args, output)
 
     def _record(self, module: nn.Module, args: Any, output: Any) -> None:
         self.outputs.append(self.snapshot(output))

@@ -431,6 +431,8 @@ def stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     encoder-decoder model (``get_encoder()``/``get_decoder()``, submodules of the root that are
     not it), whose calls each say which tokens run in them (``MaskWatcher``)."""
     found = [("", model)]
+    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return found  # one stack: no walk of every module (a capture builds one per block)
     paths = {id(m): path for path, m in model.named_modules()}
     for name in ("get_encoder", "get_decoder"):
         getter = getattr(model, name, None)
@@ -438,8 +440,7 @@ def stacks(model: nn.Module) -> list[tuple[str, nn.Module]]:
             stack = getter() if callable(getter) else None
         except (TypeError, AttributeError, NotImplementedError):
             continue
-        if isinstance(stack, nn.Module) and stack is not model and id(stack) in paths \
-                and getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        if isinstance(stack, nn.Module) and stack is not model and id(stack) in paths:
             found.append((paths[id(stack)], stack))
     return found
 
@@ -478,8 +479,35 @@ def _past(kwargs: dict[str, Any]) -> int:
 
 
 def _positional_index(model: nn.Module, name: str) -> int | None:
+    """The position of parameter ``name`` in ``model.forward``'s positional arguments, or None.
+    Read once per forward function (``_parameters``): ``inspect.signature`` cost a block
+    about as much as registering its hooks (``python -m bench.dispatch``, per capture)."""
+    forward = model.forward
     try:
-        names = list(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return None
+        names = _parameters(getattr(forward, "__func__", forward), hasattr(forward, "__func__"))
+    except TypeError:  # an unhashable callable: asked as it is
+        names = _signature_names(forward)
     return names.index(name) if name in names else None
+
+
+@functools.lru_cache(maxsize=256)
+def _parameters(function: Callable[..., Any], bound: bool) -> tuple[str, ...]:
+    """The parameter names of ``forward`` (the function of a bound method, ``bound``: without
+    its ``self``), once per function."""
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return ()
+    if bound and parameters:  # as inspect binds a method: its first positional parameter goes
+        if parameters[0].kind == inspect.Parameter.KEYWORD_ONLY:
+            return ()  # inspect refuses such a method (ValueError): no position, as before
+        if parameters[0].kind != inspect.Parameter.VAR_POSITIONAL:
+            parameters = parameters[1:]
+    return tuple(p.name for p in parameters)
+
+
+def _signature_names(function: Callable[..., Any]) -> tuple[str, ...]:
+    try:
+        return tuple(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return ()
