@@ -72,16 +72,21 @@ def _attention(model: nn.Module, kind: str, feed: dict[str, Any]) -> bool:
     except Exception as exc:  # noqa: BLE001
         raise NotApplicable(f"output_attentions=True with eager attention raised "
                             f"{type(exc).__name__}") from exc
-    own = [maps[0] for name in ("attentions", "encoder_attentions", "decoder_attentions")
-           if isinstance(maps := getattr(output, name, None), (tuple, list)) and maps
-           and isinstance(maps[0], torch.Tensor)]
-    if not own:
-        raise NotApplicable("the model returns no attentions (output_attentions)")
+    # the stack of the first block: an encoder-decoder's encoder_attentions or decoder_attentions
+    (block,) = hookscope.select(model, STREAM)
+    stack = next((f"{side}_attentions" for side in ("encoder", "decoder")
+                  if f"{side}." in f"{block}." or block.startswith(side)), "attentions")
+    maps = getattr(output, stack, None) or getattr(output, "attentions", None)
+    if not isinstance(maps, (tuple, list)) or not maps or not isinstance(maps[0], torch.Tensor):
+        raise NotApplicable(f"the model returns no tensor {stack} (output_attentions)")
+    own = maps[0].float()
+    if not torch.allclose(own.sum(-1), torch.ones(()), atol=1e-3):
+        own = torch.softmax(own, dim=-1)  # the scores before the softmax (ProphetNet returns those)
     probabilities = hookscope.attention(model, **feed, layers=STREAM)
     if len(probabilities) != 1:
         return False
     (value,) = probabilities.values()
-    return any(_same(value, maps) for maps in own)
+    return _same(value, own)
 
 
 def _patch(model: nn.Module, kind: str, feed: dict[str, Any]) -> bool:
