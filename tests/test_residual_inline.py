@@ -253,3 +253,17 @@ def test_lens_reads_past_a_pooler_that_reads_one_token(family: str) -> None:
     with torch.no_grad():
         want = torch.log_softmax(model(IDS).logits.float(), dim=-1)
     assert float((lens.log_probs[-1] - want).abs().max()) <= 1e-4
+
+
+def test_attention_refuses_a_softmax_sliced_before_use_by_name() -> None:
+    """GPT-OSS's eager attention softmaxes over the keys and a sink column, then drops the sink:
+    the softmax's output is not the model's map (``output_attentions`` has one column fewer)."""
+    torch.manual_seed(0)
+    config = tiny_config("gpt_oss")
+    model = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config).eval()
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        own = model(IDS, output_attentions=True).attentions[0]
+    assert own.shape[-1] == IDS.shape[1]  # the premise: the model's map is over the keys
+    with pytest.raises(hookscope.errors.AttentionError, match="slices the softmax's output"):
+        hookscope.attention(model, IDS, layers="resid_post.0")

@@ -80,8 +80,8 @@ def _attention(model: nn.Module, kind: str, feed: dict[str, Any]) -> bool:
     if not isinstance(maps, (tuple, list)) or not maps or not isinstance(maps[0], torch.Tensor):
         raise NotApplicable(f"the model returns no tensor {stack} (output_attentions)")
     own = maps[0].float()
-    if not torch.allclose(own.sum(-1), torch.ones(()), atol=1e-3):
-        own = torch.softmax(own, dim=-1)  # the scores before the softmax (ProphetNet returns those)
+    if float(own.min()) < 0.0 or float(own.max()) > 1.0:  # scores, not probabilities:
+        own = torch.softmax(own, dim=-1)  # ProphetNet returns them, before its softmax
     probabilities = hookscope.attention(model, **feed, layers=STREAM)
     if len(probabilities) != 1:
         return False
@@ -93,7 +93,8 @@ def _patch(model: nn.Module, kind: str, feed: dict[str, Any]) -> bool:
     _runs(model, feed)
     module, corrupted = _stream(model), _corrupted(feed)
     clean: list[Any] = []
-    handle = module.register_forward_hook(lambda m, a, out: clean.append(out))
+    # copies as the module returned them (RWKV's blocks write the state they return in place later)
+    handle = module.register_forward_hook(lambda m, a, out: clean.append(_cloned(out)))
     try:
         _output(model, feed)
     finally:
@@ -109,6 +110,14 @@ def _patch(model: nn.Module, kind: str, feed: dict[str, Any]) -> bool:
     with hookscope.patch(model, source=source, layers=STREAM):
         got = _output(model, corrupted)
     return _same(got, want)
+
+
+def _cloned(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cloned(item) for item in value)
+    return value
 
 
 def _steer(model: nn.Module, kind: str, feed: dict[str, Any]) -> bool:
