@@ -239,3 +239,31 @@ def test_patching_inline_resid_pre_0_equals_a_plain_pre_hook_giving_the_clean_in
     with hookscope.patch(model, source=source, layers="resid_pre.0"), torch.no_grad():
         got = model(corrupted).logits
     assert torch.allclose(got, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["layoutlm", "fnet"])
+def test_lens_reads_past_a_pooler_that_reads_one_token(family: str) -> None:
+    """The pooler runs after the last block on its first token; the MLM head reads every
+    token: the readout keeps the modules that keep the token axis."""
+    torch.manual_seed(0)
+    config = tiny_config(family)
+    model = transformers.MODEL_FOR_MASKED_LM_MAPPING[type(config)](config).eval()
+    assert any(path.endswith("pooler") for path, _ in model.named_modules())  # the premise
+    lens = hookscope.logit_lens(model, IDS)
+    with torch.no_grad():
+        want = torch.log_softmax(model(IDS).logits.float(), dim=-1)
+    assert float((lens.log_probs[-1] - want).abs().max()) <= 1e-4
+
+
+def test_attention_refuses_a_softmax_sliced_before_use_by_name() -> None:
+    """GPT-OSS's eager attention softmaxes over the keys and a sink column, then drops the sink:
+    the softmax's output is not the model's map (``output_attentions`` has one column fewer)."""
+    torch.manual_seed(0)
+    config = tiny_config("gpt_oss")
+    model = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config).eval()
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        own = model(IDS, output_attentions=True).attentions[0]
+    assert own.shape[-1] == IDS.shape[1]  # the premise: the model's map is over the keys
+    with pytest.raises(hookscope.errors.AttentionError, match="slices the softmax's output"):
+        hookscope.attention(model, IDS, layers="resid_post.0")

@@ -72,23 +72,29 @@ def _attention(model: nn.Module, kind: str, feed: dict[str, Any]) -> bool:
     except Exception as exc:  # noqa: BLE001
         raise NotApplicable(f"output_attentions=True with eager attention raised "
                             f"{type(exc).__name__}") from exc
-    own = [maps[0] for name in ("attentions", "encoder_attentions", "decoder_attentions")
-           if isinstance(maps := getattr(output, name, None), (tuple, list)) and maps
-           and isinstance(maps[0], torch.Tensor)]
-    if not own:
-        raise NotApplicable("the model returns no attentions (output_attentions)")
+    # the stack of the first block: an encoder-decoder's encoder_attentions or decoder_attentions
+    (block,) = hookscope.select(model, STREAM)
+    stack = next((f"{side}_attentions" for side in ("encoder", "decoder")
+                  if f"{side}." in f"{block}." or block.startswith(side)), "attentions")
+    maps = getattr(output, stack, None) or getattr(output, "attentions", None)
+    if not isinstance(maps, (tuple, list)) or not maps or not isinstance(maps[0], torch.Tensor):
+        raise NotApplicable(f"the model returns no tensor {stack} (output_attentions)")
+    own = maps[0].float()
+    if float(own.min()) < 0.0 or float(own.max()) > 1.0:  # scores, not probabilities:
+        own = torch.softmax(own, dim=-1)  # ProphetNet returns them, before its softmax
     probabilities = hookscope.attention(model, **feed, layers=STREAM)
     if len(probabilities) != 1:
         return False
     (value,) = probabilities.values()
-    return any(_same(value, maps) for maps in own)
+    return _same(value, own)
 
 
 def _patch(model: nn.Module, kind: str, feed: dict[str, Any]) -> bool:
     _runs(model, feed)
     module, corrupted = _stream(model), _corrupted(feed)
     clean: list[Any] = []
-    handle = module.register_forward_hook(lambda m, a, out: clean.append(out))
+    # copies as the module returned them (RWKV's blocks write the state they return in place later)
+    handle = module.register_forward_hook(lambda m, a, out: clean.append(_cloned(out)))
     try:
         _output(model, feed)
     finally:
@@ -104,6 +110,14 @@ def _patch(model: nn.Module, kind: str, feed: dict[str, Any]) -> bool:
     with hookscope.patch(model, source=source, layers=STREAM):
         got = _output(model, corrupted)
     return _same(got, want)
+
+
+def _cloned(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cloned(item) for item in value)
+    return value
 
 
 def _steer(model: nn.Module, kind: str, feed: dict[str, Any]) -> bool:

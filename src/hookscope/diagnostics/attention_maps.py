@@ -38,6 +38,7 @@ Tensor = torch.Tensor
 SDPA = "scaled_dot_product_attention"
 MHA = "multi_head_attention_forward"  # nn.MultiheadAttention's function; its softmax is inside
 ATTENTION_FUNCTIONS = frozenset({SDPA, "softmax", MHA})
+SLICE = "getitem"  # a softmax's output sliced before use is not the map (attention sinks)
 T = TypeVar("T")
 
 
@@ -219,7 +220,7 @@ def _watched(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         refuse_uninterceptable(target.module, target.path)
         found[target.path] = {}
         watches[target.path] = session.functions.watch(
-            target.module, _collector(found[target.path], take), names=ATTENTION_FUNCTIONS,
+            target.module, _collector(found[target.path], take), names=ATTENTION_FUNCTIONS | {SLICE},
             deep=True)
     with session:
         output = model(*args, **kwargs)
@@ -242,10 +243,23 @@ def _per_call(path: str, calls: list[list[T]]) -> dict[str, T]:
 
 def _collector(calls: dict[int, list[T]], take: Callable[[FunctionCall], T | None]
                ) -> Callable[[FunctionCall], None]:
+    softmaxes: list[Any] = []  # the softmax outputs taken, to see them sliced
+
     def on_call(call: FunctionCall) -> None:
+        if call.name == SLICE:
+            if call.args and any(call.args[0] is kept for kept in softmaxes):
+                raise AttentionError(
+                    "the model slices the softmax's output before it weights the values (an "
+                    "attention sink's extra column, as GPT-OSS computes it), so the softmax is "
+                    "not the map over the keys: select the module with its SDPA attention "
+                    "(model.set_attn_implementation('sdpa')) or read the sliced map yourself "
+                    "with the function address '...::getitem'")
+            return
         taken = take(call)
         if taken is not None:
             calls.setdefault(call.module_call, []).append(taken)
+            if call.name == "softmax":
+                softmaxes.append(call.output)
     return on_call
 
 

@@ -10,7 +10,8 @@ after its final norm, MiniCPM scales the stream before ``lm_head``. Once per mod
 
 1. the modules called after the last block finished, outermost first, in call order, each kept
    when its input is what the chain gave so far (or that times a scalar, which the readout then
-   applies too: an inline scale), until one gives the logits' shape;
+   applies too: an inline scale) and its output keeps the token axis (not BERT's pooler, which
+   reads the first token), until one gives the logits' shape;
 2. after that module, what turns its output into the logits: nothing, the model's
    ``*softcap*`` config value (``c * tanh(x / c)``), a scalar (``logit_scale``,
    ``1 / logits_scaling``, read as the ratio of the two tensors), or a bias added per token
@@ -131,8 +132,9 @@ def _find(model: nn.Module, probe: Probe) -> Readout | str:
     for path, _, _ in sorted(outer, key=lambda item: item[1]):
         given = probe.inputs.get(path, [None])[0]
         scale = _scale(value, given)
-        if scale is None or probe.once(path) is None:
-            continue
+        out = probe.once(path)
+        if scale is None or out is None or out.shape[:-1] != value.shape[:-1]:
+            continue  # not fed by the chain, or not per token (BERT's pooler reads one)
         modules.append(names.modules[path])
         scales.append(scale)
         read.append(path + (f" (input x {scale:.4g})" if scale != 1.0 else ""))
