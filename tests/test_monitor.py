@@ -394,3 +394,20 @@ def test_monitor_report_draws_the_run(tmp_path: Path, capsys: pytest.CaptureFixt
         "step 10 (rank 0): non-finite forward in 'scale' (Temperature), call 0, op div, output",
         str(tmp_path / "monitor.png")]
     assert Image.open(tmp_path / "monitor.png").size == (1600, 800)
+
+
+def test_entering_an_open_monitor_again_is_refused_and_closes_nothing() -> None:
+    """A second ``with`` of an open monitor is refused; the monitor stays open and hooked (its
+    refused entry once closed it, and the exit's watch of that entry closed it again)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = hookscope.monitor(model, every=1, optimizer=optimizer)
+    with mon:
+        with pytest.raises(hookscope.HookscopeError, match="already open"):
+            with mon:
+                pass
+        assert sorted({h.path for h in hookscope.hooks(model)}) == ["", "0", "1", "2"]
+        optimizer.zero_grad()
+        model(torch.randn(2, 4)).sum().backward()
+        optimizer.step()
+    assert hookscope.hooks(model) == []

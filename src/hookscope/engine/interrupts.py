@@ -193,7 +193,8 @@ _held_exits: dict[int, weakref.ref[Any]] = {}
 Exit = Callable[[B, type[BaseException] | None, BaseException | None, TracebackType | None], R]
 
 
-def never_skipped(cleanup: Callable[[Any], object]) -> Callable[[Exit[B, R]], _Exit[B, R]]:
+def never_skipped(cleanup: Callable[[Any], object], is_open: Callable[[Any], object] = lambda block: False
+                  ) -> Callable[[Exit[B, R]], _Exit[B, R]]:
     """Decorate a block's ``__exit__`` so that no exception skips its cleanup: when a ``with``
     statement ends without the block closed (an exception landed on the first instruction of
     ``__exit__``, before any of its code ran, or outran ``__enter__``'s own cleanup),
@@ -206,11 +207,16 @@ def never_skipped(cleanup: Callable[[Any], object]) -> Callable[[Exit[B, R]], _E
     ``HookSession._remove``'s kind. Used as
     ``@never_skipped(lambda block: block._active and block._remove())``.
 
+    ``is_open(block)``, asked as the statement looks the exit up (before its ``__enter__``): the
+    block is open already, so this statement's ``__enter__`` refuses it and the block is another
+    statement's to close; its exit is then not watched (else the refused entry's release would
+    run ``cleanup`` on the block that other statement holds open).
+
     Only a ``with`` statement's lookup is watched (an ``ExitStack``'s, or an explicit
     ``block.__exit__(...)`` call, are not: their callers' own cleanup covers them). Cost: about a
     microsecond per ``with`` statement."""
     def decorate(exit_function: Exit[B, R]) -> _Exit[B, R]:
-        return _Exit(exit_function, cleanup)
+        return _Exit(exit_function, cleanup, is_open)
     return decorate
 
 
@@ -224,10 +230,11 @@ class _Exit(Generic[B, R]):
     the statement let go of it uncalled, or cut at its first instruction. Looked up otherwise
     on a block, it is the bound exit; on the class, the plain function."""
 
-    __slots__ = ("exit", "cleanup")
+    __slots__ = ("exit", "cleanup", "is_open")
 
-    def __init__(self, exit_function: Exit[B, R], cleanup: Callable[[Any], object]):
-        self.exit, self.cleanup = exit_function, cleanup
+    def __init__(self, exit_function: Exit[B, R], cleanup: Callable[[Any], object],
+                 is_open: Callable[[Any], object]):
+        self.exit, self.cleanup, self.is_open = exit_function, cleanup, is_open
 
     @overload
     def __get__(self, block: None, owner: type[Any]) -> Exit[B, R]: ...
@@ -240,8 +247,8 @@ class _Exit(Generic[B, R]):
         if block is None:
             return self.exit
         frame = sys._getframe(1)
-        if frame.f_code.co_code[frame.f_lasti] not in _WITH_LOOKUPS:  # not a with statement's
-            return types.MethodType(self.exit, block)
+        if frame.f_code.co_code[frame.f_lasti] not in _WITH_LOOKUPS or self.is_open(block):
+            return types.MethodType(self.exit, block)  # not a with statement's, or not its block
         key = next(_keys)
         held = functools.partial(_watched_exit, self.exit, self.cleanup, key, block)
         # recorded before the statement holds it; a dead reference would call nothing

@@ -234,7 +234,8 @@ class HookSession:
                 f"its graph there. Use the eager model (compiled._orig_mod), or compile with "
                 f"fullgraph=False (the hook then splits the graph, and values equal eager)")
 
-    @interrupts.never_skipped(lambda block: block._active and block._remove())  # exit cut short
+    @interrupts.never_skipped(lambda block: block._active and block._remove(),  # exit cut short
+                              is_open=lambda block: block._active)  # a refused re-entry
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool | None:
         # as __enter__: an exception anywhere in leaving still removes every hook; a second

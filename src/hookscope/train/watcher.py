@@ -121,13 +121,15 @@ class Monitor:
         self._handles: list[Any] = []
 
     def __enter__(self) -> Monitor:
+        self._refuse_reopen()  # before the try: a refused entry closes nothing of the open one
         try:
             return self.open()
         except BaseException:
             self.close()  # idempotent: what an exception after open's return left
             raise
 
-    @never_skipped(lambda monitor: monitor._closed() or monitor.close())  # exit cut short
+    @never_skipped(lambda monitor: monitor._closed() or monitor.close(),  # exit cut short
+                   is_open=lambda monitor: monitor._root_session is not None)  # re-entry
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         try:
@@ -145,8 +147,7 @@ class Monitor:
         Raises:
             HookscopeError: already open, or ``run_dir`` holds a records file already.
         """
-        if self._root_session is not None:
-            raise HookscopeError("this monitor is already open: open it once, or build a new one")
+        self._refuse_reopen()
         try:
             self._start()
             release_signals()  # a signal held back so far: a failed open
@@ -154,6 +155,10 @@ class Monitor:
             self.close()  # nothing it registered or opened outlives a failed open (releases)
             raise
         return self
+
+    def _refuse_reopen(self) -> None:
+        if self._root_session is not None:
+            raise HookscopeError("this monitor is already open: open it once, or build a new one")
 
     def _start(self) -> None:
         self._file = self._open_file()
