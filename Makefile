@@ -27,8 +27,8 @@ test: setup
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q
 	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile
 	# the docs again on ATen's baseline kernels (no AVX2/AVX-512): a page that pins one CPU's
-	# digits fails here first, not on a user's machine
-	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) tests/test_readme.py
+	# digits fails here first, not on a user's machine (one page to a worker, tests/test_readme.py)
+	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadgroup tests/test_readme.py
 
 fuzz: setup
 	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) -m hypothesis --hypothesis-profile=fuzz
