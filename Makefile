@@ -23,12 +23,15 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/mypy src/hookscope
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -q
-	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile
+	# mypy (one core, about a minute from a fresh clone) checks beside the tests; either failing fails
+	@log=$$(mktemp); $(VENV)/bin/mypy src/hookscope >$$log 2>&1 & mypy=$$!; \
+	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadfile; tests=$$?; \
+	wait $$mypy; types=$$?; echo "mypy src/hookscope:"; cat $$log; rm -f $$log; \
+	[ $$tests -eq 0 ] && [ $$types -eq 0 ]
 	# the docs again on ATen's baseline kernels (no AVX2/AVX-512): a page that pins one CPU's
-	# digits fails here first, not on a user's machine
-	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) tests/test_readme.py
+	# digits fails here first, not on a user's machine (one page to a worker, tests/test_readme.py)
+	ATEN_CPU_CAPABILITY=default $(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) --dist loadgroup tests/test_readme.py
 
 fuzz: setup
 	$(PY) -m pytest -q -p no:cacheprovider -n $(PYTEST_WORKERS) -m hypothesis --hypothesis-profile=fuzz

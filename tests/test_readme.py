@@ -64,7 +64,11 @@ def sessions() -> Iterator[dict[str, tuple[Session, Path]]]:
         os.chdir(before)
 
 
-@pytest.mark.parametrize("block", BLOCKS, ids=[f"{b.file} {b.name}" for b in BLOCKS])
+# a page's blocks share a session: under ``--dist loadgroup`` (the Makefile's rerun on ATen's
+# baseline kernels) each page runs whole on one worker and the pages spread over the workers
+@pytest.mark.parametrize("block", [pytest.param(b, id=f"{b.file} {b.name}",
+                                                marks=pytest.mark.xdist_group(b.file))
+                                   for b in BLOCKS])
 def test_page_block(block: Block, sessions: dict[str, tuple[Session, Path]],
                     tmp_path_factory: pytest.TempPathFactory) -> None:
     if block.skip is not None:

@@ -7,9 +7,11 @@ confident wrong number, are refused by name. ``test_attack_table`` prints the co
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import subprocess
-import sys
+import traceback
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ from safetensors.torch import save_file
 from torch import nn
 from torch.utils.data import TensorDataset
 
+from hookscope.cli.main import main
 from hookscope.diagnostics.histogram import Histogram
 from hookscope.errors import HookscopeError, StoreError
 from hookscope.store import probe
@@ -187,8 +190,19 @@ def test_edge_attribution_refuses_a_metric_that_is_not_finite(value: float) -> N
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "hookscope", *args], capture_output=True,
-                          text=True, timeout=300)
+    """``hookscope ARGS`` in this process (``main``, as the console script runs it; a fresh
+    interpreter per call took 14 s a call on a busy machine): its exit code and output; an
+    exception that escapes ``main`` is the traceback a user would see, written to stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:  # argparse's usage errors
+            code = exit_.code if isinstance(exit_.code, int) else 1
+        except Exception:  # noqa: BLE001  (shown as the traceback the test refuses)
+            traceback.print_exc()
+            code = 1
+    return subprocess.CompletedProcess(["hookscope", *args], code, out.getvalue(), err.getvalue())
 
 
 @pytest.mark.slow
