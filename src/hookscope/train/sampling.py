@@ -140,7 +140,8 @@ class _Sample:
         ids = list(self._distinct)
         before = [self.before[i] for i in ids]
         start = dict(zip(ids, _norms64(before), strict=True))
-        torch._foreach_sub_(before, [self._distinct[i].detach() for i in ids])
+        if ids:  # none under FSDP's flat parameters (its modules own none): foreach refuses []
+            torch._foreach_sub_(before, [self._distinct[i].detach() for i in ids])
         moved = dict(zip(ids, _norms64(before), strict=True))
         slots: dict[str, list[Tensor | None]] = {}
         for key, params in self.params.items():
