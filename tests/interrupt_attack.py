@@ -173,11 +173,24 @@ class _Async:
     def disarm(self) -> None:
         with self.lock:
             self.armed = False
-            # one set but not yet raised (the block ended first) is cleared: not the block's
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.main), None)
         if self.timer is not None:
             self.timer.cancel()
             self.timer.join()
+        # One set but not yet raised (the block ended first) is not the block's: replaced by a
+        # marker raised and caught here. Not cleared with NULL: CPython 3.11 then leaves the
+        # eval breaker set, and a later frame's RESUME under a profile function (cut_each_start)
+        # loops on it for ever.
+        try:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.main),
+                                                       ctypes.py_object(_Drained))
+            for _ in range(1000):  # a backward jump checks the eval breaker: raised here
+                pass
+        except _Drained:
+            pass
+
+
+class _Drained(Exception):
+    """The marker ``_Async.disarm`` sets in the main thread and catches at once."""
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
