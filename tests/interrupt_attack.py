@@ -238,7 +238,7 @@ def attack(verbs: tuple[str, ...] = VERBS, runs: int = 100, *, attacker: str = "
                 outcome, at_exit_entry = _one(made[verb], delay, attacker, striker)
                 tally[outcome] += 1
                 left = differences(before, state(model))
-                if not _computes(model, x, reference):
+                if not computes(model, x, reference):
                     left.append("forward changed")
                 for what in [AT_EXIT_ENTRY] if left and at_exit_entry else left:
                     tally[what] += 1
@@ -295,11 +295,12 @@ def _settle() -> None:
         time.sleep(0.0002)
 
 
-def _computes(model: nn.Module, x: torch.Tensor, reference: torch.Tensor) -> bool:
+def computes(model: nn.Module, x: torch.Tensor, reference: torch.Tensor) -> bool:
+    """Whether a plain forward of ``model`` returns ``reference`` (a leaked early stop raises)."""
     try:
         with torch.no_grad():
             return torch.equal(model(x), reference)
-    except Exception:  # noqa: BLE001 - a leaked hook's error is a changed forward
+    except BaseException:  # noqa: BLE001 - a leaked hook's error is a changed forward
         return False
 
 
@@ -352,7 +353,7 @@ def cut_each_start(verbs: tuple[str, ...] = VERBS, *, names: tuple[str, ...] | N
             _cut(made[verb], k, names)
             _settle()
             left = differences(before, state(model))
-            if not _computes(model, x, reference):
+            if not computes(model, x, reference):
                 left.append("forward changed")
             if left:
                 leaks.append((k, left))

@@ -122,6 +122,7 @@ def _assert_names_equal_hidden_states(model: nn.Module, ids: torch.Tensor) -> No
     with torch.no_grad():
         states = model(ids, output_hidden_states=True).hidden_states
     count = len(hookscope.select(model, "resid_post.*"))
+    assert count == len(states) - 1  # one block per hidden state after the embeddings
     with hookscope.capture(model, "resid_pre.*", "resid_post.*") as acts, torch.no_grad():
         model(ids)
     for i in range(count):

@@ -78,6 +78,12 @@ def test_load_sae_refuses_what_it_cannot_read(tmp_path: Path) -> None:
     saelens_folder(tmp_path / "gated", "gated")
     with pytest.raises(CircuitError, match="not one hookscope reads"):
         hookscope.load_sae(tmp_path / "gated")
+    for missing in ("W_enc", "b_enc", "W_dec", "b_dec"):  # a bare KeyError for a bias, before
+        folder = tmp_path / f"no-{missing}"
+        w = saelens_folder(folder, "standard")
+        save_file({k: v for k, v in w.items() if k != missing}, str(folder / "sae_weights.safetensors"))
+        with pytest.raises(CircuitError, match="not SAELens's W_enc, b_enc, W_dec, b_dec"):
+            hookscope.load_sae(folder)
 
 
 def test_load_transcoder_reads_circuit_tracers_file() -> None:
@@ -257,3 +263,17 @@ def test_training_from_a_store_learns(gpt2: torch.nn.Module, tmp_path: Path) -> 
         hookscope.train_sae(store, "transformer.h.0", options, model=gpt2)
     with pytest.raises(CircuitError, match="pass model="):
         hookscope.train_sae(data, "transformer.h.0", options)
+
+
+def test_the_kept_rows_are_on_the_batchs_device() -> None:
+    """Which tokens train a dictionary, decided on the batch's device (a CPU mask &= a GPU
+    mask raised; the meta device stands in for a GPU here), padding and excluded ids dropped."""
+    from hookscope.circuits.training import _keep
+
+    for device in ("cpu", "meta"):
+        batch = {"input_ids": torch.tensor([[5, 2, 7], [2, 9, 0]], device=device),
+                 "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]], device=device)}
+        keep = _keep(batch, torch.Size([2, 3]), [2])
+        assert keep.device.type == device
+        if device == "cpu":
+            assert keep.tolist() == [[True, False, True], [False, True, False]]

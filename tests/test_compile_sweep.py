@@ -131,6 +131,7 @@ def test_sweeps_in_three_threads_each_get_their_own_values_and_plain_calls_work_
         thread.start()
     for thread in threads:
         thread.join()
+    assert sorted(results) == [0, 1, 2], results  # every thread reported
     assert all(isinstance(v, float) and v < 1e-6 for v in results.values()), results
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)

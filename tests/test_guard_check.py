@@ -3,18 +3,19 @@ path, over kinds of tensors, against numpy's ``isfinite`` and numpy statistics."
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from torch import nn
 
 import hookscope
 from hookscope.diagnostics.statistics import RunningStats
-from hookscope.train.guard import finite, gradients_finite
+from hookscope.train.guard import extremes_finite, finite, gradients_finite
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 SPECIAL = [float("nan"), float("inf"), float("-inf")]
@@ -78,8 +79,7 @@ def test_the_guard_stays_quiet_on_finite_gradients_whose_norm_overflows() -> Non
 @given(tensors(), st.sampled_from([None, 0, -1]))
 def test_running_stats_equal_numpy_over_finite_and_nonfinite_kinds(tensor: torch.Tensor,
                                                                     channel_dim: int | None) -> None:
-    if channel_dim is not None and tensor.dim() == 0:
-        return  # per-channel statistics need a dimension (refused: test_stats_running)
+    assume(channel_dim is None or tensor.dim() > 0)  # per channel needs a dimension (else refused)
     running = RunningStats(channel_dim)
     running.update(tensor)
     values = tensor.double().numpy()
@@ -107,3 +107,16 @@ def test_running_stats_equal_numpy_over_finite_and_nonfinite_kinds(tensor: torch
             assert got["min"][c] == kept.min() and got["max"][c] == kept.max()
             assert got["mean"][c] == pytest.approx(kept.mean(), rel=1e-12, abs=0)
             assert got["std"][c] == pytest.approx(kept.std(), rel=1e-9, abs=1e-300)
+
+
+def test_extremes_finite_over_dtypes_and_devices_is_every_pair_finite() -> None:
+    """One sync per device over all pairs (it was two per pair): True exactly when every low
+    and high is finite, whatever their dtypes."""
+    finite = [(torch.tensor(-1.0), torch.tensor(2.0)),
+              (torch.tensor(0.5, dtype=torch.float16), torch.tensor(3.0, dtype=torch.bfloat16))]
+    assert extremes_finite(finite) and extremes_finite([])
+    for bad in (math.inf, -math.inf, math.nan):
+        for at in range(4):
+            pairs = [list(pair) for pair in finite]
+            pairs[at // 2][at % 2] = torch.tensor(bad, dtype=pairs[at // 2][at % 2].dtype)
+            assert not extremes_finite([(low, high) for low, high in pairs])

@@ -35,6 +35,7 @@ from torch.overrides import TorchFunctionMode
 import hookscope
 from hookscope.engine import interrupts
 from hookscope.engine.door.hooks import owner
+from tests.interrupt_attack import computes
 from tests.models import LeNet, ReluBlocks
 
 pytestmark = pytest.mark.skipif(
@@ -137,7 +138,7 @@ def interrupt_runs(runs_per_kind: int, seed: int = 0) -> dict[str, dict[str, int
                 leaks = _leaks(model)
                 tally["leaked hooks"] += any(leak != _MODE for leak in leaks)
                 tally["leaked modes"] += _MODE in leaks
-                tally["changed output"] += not _computes(model, x, reference)
+                tally["changed output"] += not computes(model, x, reference)
                 if leaks:  # start the next run clean
                     _clean_up(model)
     finally:
@@ -150,15 +151,6 @@ def interrupt_runs(runs_per_kind: int, seed: int = 0) -> dict[str, dict[str, int
 def _interrupt(signum: int, frame: Any) -> None:
     """The timer's SIGALRM becomes a SIGINT, handled as Jupyter's interrupt button is."""
     signal.raise_signal(signal.SIGINT)
-
-
-def _computes(model: nn.Module, x: torch.Tensor, reference: torch.Tensor) -> bool:
-    """Whether a plain forward of ``model`` returns ``reference`` (a leaked early stop raises)."""
-    try:
-        with torch.no_grad():
-            return torch.equal(model(x), reference)
-    except BaseException:  # noqa: BLE001 - a leaked hook's error is a changed forward
-        return False
 
 
 def _phase(err: BaseException) -> str:
@@ -237,7 +229,7 @@ def test_an_interrupt_at_every_boundary_of_a_block_leaves_nothing_behind(kind: s
             with pytest.raises(KeyboardInterrupt):  # a second one would escape the checks below
                 Boundaries(at).run(block)
             assert _leaks(model) == [], (kind, at)
-            assert _computes(model, x, reference), (kind, at)
+            assert computes(model, x, reference), (kind, at)
     finally:
         signal.signal(signal.SIGINT, previous)
 

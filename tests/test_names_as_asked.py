@@ -183,15 +183,20 @@ def test_a_store_of_paths_only_lists_them_as_before(gpt2: nn.Module, tmp_path: P
                                                                 "ragged"]
 
 
-def test_the_capture_command_prints_the_names_asked_beside_the_paths(
-        gpt2: nn.Module, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    (tmp_path / "tiny.py").write_text(
+def _write_tiny_gpt2(folder: Path) -> None:
+    """``folder/tiny.py:build`` (a 2-block GPT-2 for the CLI) and ``folder/ids.pt`` (3 tokens)."""
+    (folder / "tiny.py").write_text(
         "import torch, transformers\n"
         "def build():\n"
         "    torch.manual_seed(0)\n"
         "    return transformers.GPT2Model(transformers.GPT2Config(n_layer=2, n_embd=16, "
         "n_head=2, vocab_size=40, n_positions=16, bos_token_id=0, eos_token_id=0)).eval()\n")
-    torch.save(torch.tensor([[1, 2, 3]]), tmp_path / "ids.pt")
+    torch.save(torch.tensor([[1, 2, 3]]), folder / "ids.pt")
+
+
+def test_the_capture_command_prints_the_names_asked_beside_the_paths(
+        gpt2: nn.Module, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _write_tiny_gpt2(tmp_path)
     args = ["capture", f"{tmp_path / 'tiny.py'}:build", "--input", str(tmp_path / "ids.pt"),
             "--layers", "resid_post.1", "h.0.mlp"]
     assert main(args) == 0
@@ -228,13 +233,7 @@ def test_stats_answer_under_the_names_asked(gpt2: nn.Module, tmp_path: Path,
                             "resid_post.1": "transformer.h.1"}
     plain = _block_outputs(gpt2, clean)[1].double()
     assert result["resid_post.1"].as_dict()["mean"] == pytest.approx(float(plain.mean()), rel=1e-9)
-    (tmp_path / "tiny.py").write_text(
-        "import torch, transformers\n"
-        "def build():\n"
-        "    torch.manual_seed(0)\n"
-        "    return transformers.GPT2Model(transformers.GPT2Config(n_layer=2, n_embd=16, "
-        "n_head=2, vocab_size=40, n_positions=16, bos_token_id=0, eos_token_id=0)).eval()\n")
-    torch.save(torch.tensor([[1, 2, 3]]), tmp_path / "ids.pt")
+    _write_tiny_gpt2(tmp_path)
     args = ["stats", f"{tmp_path / 'tiny.py'}:build", "--input", str(tmp_path / "ids.pt"),
             "--layers", "resid_post.1"]
     assert main(args) == 0

@@ -159,3 +159,22 @@ def test_the_probe_thread_is_no_ones_and_counted_as_no_other_threads_call() -> N
     assert isinstance(probe, ground_truth.Probe)
     assert "no forward pass ran inside the with block" in acts.unfired[CAPTURED]
     assert "other threads" not in acts.unfired[CAPTURED]  # main's set_aside: the same; a thread: not
+
+
+def test_a_module_swapped_for_another_makes_the_probe_again() -> None:
+    """The probe is kept per model while its modules stay the same: a block swapped for one of
+    other weights (the module count unchanged) gets a new probe, whose hidden states are the
+    model's own now (it was kept by the count of modules, and went stale)."""
+    model = tiny_gpt2()
+    ground_truth.probe_of(index(model))
+    torch.manual_seed(1)
+    fresh = copy.deepcopy(model.transformer.h[1])
+    for parameter in fresh.parameters():
+        torch.nn.init.normal_(parameter, std=0.5)
+    model.transformer.h[1] = fresh
+    probe = ground_truth.probe_of(index(model))
+    assert not isinstance(probe, str)
+    with torch.no_grad():
+        now = model(**probe.feed, output_hidden_states=True).hidden_states
+    for got, want in zip(probe.output.hidden_states, now, strict=True):
+        assert torch.equal(got, want)

@@ -55,7 +55,8 @@ def norm_paths(model: nn.Module) -> list[str]:
 
 def _frozen_norm(module: nn.Module, path: str, x: Tensor, y: Tensor) -> Tensor:
     """``y`` in value; in gradient, the norm with its scale frozen at this forward's."""
-    eps = float(getattr(module, "eps", None) or getattr(module, "variance_epsilon", None) or 1e-6)
+    eps = next((float(e) for e in (getattr(module, "eps", None), getattr(module, "variance_epsilon", None))
+                if e is not None), 1e-6)  # a real eps=0 stays 0
     weight = getattr(module, "weight", None)
     xf = x.float()
     if isinstance(module, nn.LayerNorm):
@@ -63,7 +64,6 @@ def _frozen_norm(module: nn.Module, path: str, x: Tensor, y: Tensor) -> Tensor:
         scale = (centered.pow(2).mean(-1, keepdim=True) + eps).sqrt().detach()
         linear = centered / scale
     else:
-        centered = xf
         scale = (xf.pow(2).mean(-1, keepdim=True) + eps).sqrt().detach()
         linear = xf / scale
     if weight is not None:

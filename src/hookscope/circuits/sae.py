@@ -91,7 +91,7 @@ def load_sae(folder: str | Path) -> SAE:
                            f"rescales inputs at run time; fold it into the weights first (SAELens's "
                            f"fold_activation_norm_scaling_factor) and save again")
     weights = load_file(str(weights_path))
-    if "W_enc" not in weights or "W_dec" not in weights:
+    if not {"W_enc", "b_enc", "W_dec", "b_dec"} <= set(weights):
         raise CircuitError(f"{weights_path} holds {sorted(weights)[:8]}, not SAELens's W_enc, "
                            f"b_enc, W_dec, b_dec")
     d_sae = int(cfg.get("d_sae", weights["W_enc"].shape[1]))

@@ -140,12 +140,14 @@ def _forward_pairs(model: nn.Module, source: Iterable[Any], reads: str, writes: 
 
 
 def _keep(batch: Any, shape: torch.Size, exclude: Sequence[int]) -> Tensor:
-    keep = torch.ones(shape, dtype=torch.bool)
-    if isinstance(batch, Mapping) and "attention_mask" in batch:
-        keep &= batch["attention_mask"].bool().reshape(shape)
     ids = batch.get("input_ids") if isinstance(batch, Mapping) else batch
+    mask = batch.get("attention_mask") if isinstance(batch, Mapping) else None
+    device = next((t.device for t in (mask, ids) if isinstance(t, Tensor)), None)
+    keep = torch.ones(shape, dtype=torch.bool, device=device)  # on the batch's device (a GPU's)
+    if isinstance(mask, Tensor):
+        keep &= mask.bool().reshape(shape)
     if len(exclude) and isinstance(ids, Tensor) and ids.shape == shape:
-        keep &= ~torch.isin(ids, torch.as_tensor(list(exclude)))
+        keep &= ~torch.isin(ids, torch.as_tensor(list(exclude), device=ids.device))
     return keep
 
 

@@ -11,6 +11,7 @@ import torch
 
 from hookscope.circuits.dictionary import Activation, Dictionary
 from hookscope.errors import CircuitError
+from hookscope.util import write_atomic
 
 __all__ = ["Transcoder", "load_transcoder"]
 
@@ -58,7 +59,7 @@ class Transcoder(Dictionary):
                    "b_enc": self.b_enc.detach().contiguous(), "b_dec": self.b_dec.detach().contiguous()}
         if self.threshold is not None:
             tensors["activation_function.threshold"] = self.threshold.detach().contiguous()
-        save_file(tensors, str(path))
+        write_atomic(path, lambda tmp: save_file(tensors, tmp))  # never half a file
 
 
 def load_transcoder(path: str | Path) -> Transcoder:

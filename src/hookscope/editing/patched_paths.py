@@ -145,7 +145,9 @@ def path_patching(model: nn.Module, clean: Any, corrupted: Any, *, senders: Sequ
             _check_head(node, heads)
     warn_if_dropout_trains(model, "path_patching")
     clean, corrupted = _plain(clean), _plain(corrupted)
-    with untouched(model), torch.no_grad(): found = _patch(model, names, layers, clean, corrupted, sending, receiving, metric, through, direct)  # noqa: E501, E701 - body on the with line (engine.interrupts)
+    with untouched(model), torch.no_grad():
+        found = _patch(model, names, layers, clean, corrupted, sending, receiving, metric, through,
+                       direct)
     return found
 
 

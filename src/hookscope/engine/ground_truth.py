@@ -21,8 +21,8 @@ outside any module) is found where it is computed. The probe is kept per model o
 (weakly: it goes with the model) and made again only when the model's module set changed.
 
 A model the probe cannot run (no ``config``, a forward without ``output_hidden_states``, an
-input kind it does not make, a forward that raises) has no probe: ``probe_of`` returns ``None``
-with the reason, and each verb says what that means for it.
+input kind it does not make, a forward that raises) has no probe: ``probe_of`` returns the
+reason (a string), and each verb says what that means for it.
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ class Probe:
         return values[0] if len(values) == 1 else None
 
 
-_PROBES: weakref.WeakKeyDictionary[nn.Module, tuple[int, Probe | str]] = weakref.WeakKeyDictionary()
+_PROBES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[int, ...], Probe | str]] = \
+    weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
@@ -91,14 +92,20 @@ def probe_of(names: ModuleIndex) -> Probe | str:
     model = names.root
     with _LOCK:
         kept = _PROBES.get(model)
-        if kept is not None and kept[0] == len(names.modules):
+        if kept is not None and kept[0] == _module_set(names):
             return kept[1]
     result = _run_probe(names, watch=True)
     if isinstance(result, str):  # a forward the function watch breaks: the modules alone
         result = _run_probe(names, watch=False)
     with _LOCK:
-        _PROBES[model] = (len(names.modules), result)
+        _PROBES[model] = (_module_set(names), result)
     return result
+
+
+def _module_set(names: ModuleIndex) -> tuple[int, ...]:
+    """What the kept probe is valid for: the model's modules themselves (a module swapped for
+    another of the same count is a new model to the probe, not only a changed count)."""
+    return tuple(map(id, names.modules.values()))
 
 
 def first_tensor(value: Any) -> Tensor | None:

@@ -137,7 +137,10 @@ def release_signals() -> None:
     an interrupt held back there surfaces at the ``with`` statement, from the block itself."""
     if _pending and not _waits(sys._getframe(2)):
         while _pending:  # a handler delivered may hold back another signal (raise_signal)
-            signum, handler = _pending.popitem()
+            try:
+                signum, handler = _pending.popitem()
+            except KeyError:  # the courier thread (_resend) took the last one meanwhile
+                break
             _deliver(signum, handler, sys._getframe(1))
 
 

@@ -31,21 +31,29 @@ class entered:  # noqa: N801 - used as a function: ``with entered(mode):``
 
     def __init__(self, mode: TorchFunctionMode):
         self.mode = mode
+        self.closed = True  # nothing pushed yet: the exit's watch has nothing to take off
 
     def __enter__(self) -> None:
+        self.closed = False  # before the push: a cut entry's cleanup still looks
         try:
             torch._C._push_on_torch_function_stack(self.mode)
         except BaseException:
             take_off(self.mode)
             raise
 
-    @interrupts.never_skipped(lambda block: take_off(block.mode))  # exit cut short
+    @interrupts.never_skipped(lambda block: block.closed or block.close())  # exit cut short
     def __exit__(self, *exc: object) -> None:
         try:
-            take_off(self.mode)
+            self.close()
         except BaseException:
-            take_off(self.mode)  # idempotent: what an exception halfway left
+            self.close()  # idempotent: what an exception halfway left
             raise
+
+    def close(self) -> None:
+        """Take the mode off (``take_off``, which searches the whole heap when the mode is not
+        on the stack: run once, not again after every normal exit)."""
+        take_off(self.mode)
+        self.closed = True
 
 
 OnOutput = Callable[[Callable[..., Any], tuple[Any, ...], Mapping[str, Any] | None, Any], None]

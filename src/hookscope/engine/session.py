@@ -24,7 +24,6 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from hookscope.engine import diagnose, interrupts
-from hookscope.engine.compile import graph as compiled
 from hookscope.engine.door import copies
 from hookscope.engine.door.hooks import OwnedHook, kind_of_hook, nothing, other_threads
 from hookscope.engine.door.sharing import ModuleHooks, hold_calls, locked
@@ -428,7 +427,6 @@ class HookSession:
     def _remove_once(self) -> None:
         self._module_hooks.remove()
         locked(self._remove_handles)
-        compiled.abandon(self)  # a call interrupted before _release: its hold ends here
         self._functions.close()
         if self._copies_open:  # cleared once closed: close_block is idempotent, may rerun
             copies.close_block(self._left_out)

@@ -45,11 +45,10 @@ from hookscope.store.manifest import (
     parse_json,
     read_regular,
 )
-from hookscope.store.shards import chunk_sums
+from hookscope.store.shards import MANIFEST, chunk_sums
 
 __all__ = ["check_output", "listed_shards", "owned_files", "prepare_output", "writing"]
 
-MANIFEST = "manifest.json"
 _MANIFEST_NAME = re.compile(r"manifest(-r[0-9]{4})?\.json")  # ASCII digits: see SHARD_NAME
 TEMPORARY = re.compile(r"\.(?P<target>.+)\.tmp-(?P<run>[0-9a-f]{32})-[0-9]+-[0-9a-f]{8}")
 

@@ -171,8 +171,12 @@ def extremes(tensor: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def extremes_finite(pairs: list[tuple[Tensor, Tensor]]) -> bool:
-    """True when every ``extremes`` pair is finite (one host sync per pair)."""
-    return all(math.isfinite(low.item()) and math.isfinite(high.item()) for low, high in pairs)
+    """True when every ``extremes`` pair is finite (one host sync per device)."""
+    devices: dict[torch.device, list[Tensor]] = {}
+    for pair in pairs:
+        for value in pair:
+            devices.setdefault(value.device, []).append(value.reshape(()))
+    return all(bool(torch.isfinite(torch.stack(values)).all()) for values in devices.values())
 
 
 def replay(bundle: ReplayBundle | str | Path, model: nn.Module) -> NonFiniteOrigin | None:

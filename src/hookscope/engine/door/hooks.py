@@ -321,9 +321,10 @@ class RecordingHook(OwnedHook):
                 return None
             except (NotImplementedError, RuntimeError):  # no copy-on-write storage
                 pass
-        # any other output (a tuple, a subclass, a FakeTensor of a non-strict export): with
-        # every check of OwnedHook.__call__ (its function is _record: snapshot() keeps it)
-        return OwnedHook.__call__(self, module, args, output)
+        if _fake_mode(_FAKE) is not None:  # a non-strict export's FakeTensors: refused there
+            return OwnedHook.__call__(self, module, args, output)
+        self.outputs.append(self.snapshot(output))  # a tuple, a subclass: kept whole, checked above
+        return None
 
     def _record(self, module: nn.Module, args: Any, output: Any) -> None:
         self.outputs.append(self.snapshot(output))

@@ -40,7 +40,6 @@ hook points are the residual stream by construction) keeps the structural rule u
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -291,12 +290,6 @@ def _differs(standard: str, hidden: str, structural: str | None, probe: Probe, s
                 f"after each block; {fix}")
     return (f"'{standard}' is the model's own {hidden} (output_hidden_states), but no module's "
             f"output holds those values ({gap}): the model computes it outside its modules; {fix}")
-
-
-def check_summary(residuals: Residuals) -> dict[str, Any]:
-    """``{"paths": ..., "refused": ..., "unchecked": ...}`` (for reports and tests)."""
-    return {"paths": dict(residuals.paths), "refused": dict(residuals.refused),
-            "unchecked": residuals.unchecked}
 
 
 standard_naming.CHECKS.update(residuals=checked_residuals, embedding=input_embedding,
